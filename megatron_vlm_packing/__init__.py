@@ -1,0 +1,1 @@
+"""megatron-vlm-packing."""

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Create a virtual environment and install megatron-vlm-packing (editable) with its test extras.
+#
+#   bash scripts/setup.sh            # .venv on Python 3.12 -> megatron-core 0.19.x (primary target)
+#   PY=3.11 VENV=.venv311 bash scripts/setup.sh   # support floor: megatron-core 0.16.1, torch 2.13 CPU
+#
+# Re-running is cheap: it does nothing when the install stamp is newer than pyproject.toml.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py_version=${PY:-3.12}
+venv=${VENV:-.venv}
+stamp="$venv/.installed-stamp"
+
+if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt scripts/setup.sh ]; then
+  exit 0
+fi
+
+find_python() {
+  # A pyenv shim can sit on PATH for a version that is not selected: only trust one that runs.
+  if "python$py_version" -c "import sys" >/dev/null 2>&1; then command -v "python$py_version"; return; fi
+  if command -v pyenv >/dev/null 2>&1; then
+    local v
+    v=$(pyenv versions --bare 2>/dev/null | grep -E "^${py_version//./\\.}(\.[0-9]+)?$" | sort -V | tail -n 1)
+    if [ -n "$v" ]; then PYENV_VERSION=$v pyenv which python; return; fi
+  fi
+  return 1
+}
+
+python_bin=$(find_python) || {
+  echo "setup.sh: no Python $py_version found (looked for python$py_version on PATH and in pyenv)." >&2
+  echo "Install Python $py_version (megatron-core >= 0.17 needs >= 3.12) or set PY=3.11 VENV=.venv311." >&2
+  exit 1
+}
+echo "setup.sh: creating $venv with $python_bin ($("$python_bin" --version))"
+"$python_bin" -m venv "$venv"
+"$venv/bin/python" -m pip install -q --upgrade pip
+if [ "$py_version" = "3.11" ]; then
+  # The support floor: the CPU build of torch 2.13 (small, quick) and megatron-core 0.16.1.
+  "$venv/bin/python" -m pip install -q "torch==2.13.0" "megatron-core==0.16.1"
+fi
+"$venv/bin/python" -m pip install -q -e ".[test,hf]"
+touch "$stamp"
+echo "setup.sh: ready: $("$venv/bin/python" -c 'import torch, megatron.core as m; print("torch", torch.__version__, "megatron-core", m.__version__)')"
