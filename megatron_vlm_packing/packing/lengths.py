@@ -1,0 +1,134 @@
+"""Real (unpadded) lengths of right-padded rows, from a mask or explicit lengths. Checked, never guessed.
+
+Token values are never looked at: a pad id that equals eos or 0 would otherwise mask real tokens
+(bug class 7 in the design notes).
+
+Shape legend: B = rows, S = row length (padded).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _describe_row(keep_row: torch.Tensor) -> str:
+    """Human-readable summary of where a bad row has real tokens (error path only)."""
+    real = torch.nonzero(keep_row).flatten().tolist()
+    if not real:
+        return "no real tokens"
+    gaps = [i for i in range(real[0], real[-1] + 1) if not keep_row[i]]
+    parts = [f"real tokens at positions {real[0]}..{real[-1]} ({len(real)} of them)"]
+    if real[0] != 0:
+        parts.append(f"left padding: first real token at position {real[0]}")
+    if gaps:
+        parts.append(f"holes at positions {gaps[:8]}{' ...' if len(gaps) > 8 else ''}")
+    return "; ".join(parts)
+
+
+def lengths_from_keep_mask(keep: torch.Tensor, *, field: str = "attention_mask") -> list[int]:
+    """Real length of each row of a right-padded keep-mask.
+
+    Args:
+        keep: [B, S] bool or 0/1 int, 1 = real token. Each row must be 1...1 0...0.
+
+    Returns:
+        lengths: B Python ints.
+
+    Raises:
+        ValueError: a value other than 0/1, left padding or holes, naming the row and positions.
+
+    One host sync.
+    """
+    if keep.dim() != 2:
+        raise ValueError(f"{field} must be [B, S], got shape {tuple(keep.shape)}")
+    if keep.dtype != torch.bool:
+        not_binary = ((keep != 0) & (keep != 1)).any(dim=1)
+        keep = keep != 0
+    else:
+        not_binary = torch.zeros(keep.shape[0], dtype=torch.bool, device=keep.device)
+    lengths = keep.sum(dim=1)
+    expected = torch.arange(keep.shape[1], device=keep.device) < lengths[:, None]
+    bad = (keep != expected).any(dim=1) | not_binary
+    # The single host sync: lengths and per-row validity come back together.
+    values = torch.cat([lengths, bad.long()]).tolist()
+    batch = keep.shape[0]
+    row_lengths, bad_rows = values[:batch], [b for b in range(batch) if values[batch + b]]
+    if bad_rows:
+        b = bad_rows[0]
+        if bool(not_binary[b]):
+            raise ValueError(f"{field} row {b} has values other than 0 and 1")
+        raise ValueError(
+            f"{field} rows must be right-padded and contiguous (1...1 0...0); {len(bad_rows)} "
+            f"bad row(s) {bad_rows[:8]}; row {b}: {_describe_row(keep[b].cpu())}"
+        )
+    return row_lengths
+
+
+def keep_mask_from_4d(mask: torch.Tensor) -> torch.Tensor:
+    """Keep-mask of a Megatron 4D attention mask: a token is real when it may attend to itself.
+
+    Args:
+        mask: [B, 1, S, S] bool, True = masked (Megatron convention).
+
+    Returns:
+        keep: [B, S] bool, True = real token.
+    """
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != mask.shape[3]:
+        raise ValueError(f"4D attention_mask must be [B, 1, S, S], got shape {tuple(mask.shape)}")
+    if mask.dtype != torch.bool:
+        raise ValueError(
+            f"4D attention_mask must be bool with True = masked (Megatron convention), got {mask.dtype}"
+        )
+    return ~torch.diagonal(mask[:, 0], dim1=-2, dim2=-1)
+
+
+def real_lengths(
+    *,
+    batch_size: int,
+    row_length: int,
+    attention_mask: torch.Tensor | None = None,
+    seq_lens: torch.Tensor | list[int] | None = None,
+) -> list[int]:
+    """Real length of every row from exactly one source: `seq_lens`, a 2D or 4D mask, or neither.
+
+    Args:
+        batch_size, row_length: B and S of `input_ids`, which every source must agree with.
+        attention_mask: [B, S] keep-mask (1 = real) or [B, 1, S, S] bool (True = masked).
+        seq_lens: [B] ints, 0 <= len <= S.
+
+    Returns:
+        B Python ints. With neither source every row is full length (S).
+
+    Raises:
+        ValueError: both sources given, a shape that disagrees with `input_ids`, lengths out of
+        range, holes or left padding.
+    """
+    if attention_mask is not None and seq_lens is not None:
+        raise ValueError("give either attention_mask or seq_lens, not both")
+    if seq_lens is not None:
+        lengths = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else list(seq_lens)
+        if len(lengths) != batch_size:
+            raise ValueError(f"seq_lens has {len(lengths)} entries but input_ids has {batch_size} rows")
+        out_of_range = [(b, n) for b, n in enumerate(lengths) if not 0 <= int(n) <= row_length]
+        if out_of_range:
+            raise ValueError(
+                f"seq_lens must lie in [0, {row_length}] (the row length of input_ids); "
+                f"out of range (row, length): {out_of_range[:8]}"
+            )
+        return [int(n) for n in lengths]
+    if attention_mask is None:
+        return [row_length] * batch_size
+    if attention_mask.dim() == 4:
+        keep = keep_mask_from_4d(attention_mask)
+    elif attention_mask.dim() == 2:
+        keep = attention_mask
+    else:
+        raise ValueError(
+            f"attention_mask must be [B, S] or [B, 1, S, S], got shape {tuple(attention_mask.shape)}"
+        )
+    if tuple(keep.shape) != (batch_size, row_length):
+        raise ValueError(
+            f"attention_mask covers {tuple(keep.shape)} tokens but input_ids is "
+            f"{(batch_size, row_length)}"
+        )
+    return lengths_from_keep_mask(keep)

@@ -1,0 +1,95 @@
+"""Pack right-padded rows into one THD sequence and back, following a `PackIndices`.
+
+Every function is vectorised over tokens (gathers and scatters, no Python loop) and keeps autograd
+(packing embeddings or logits back-propagates to the rows).
+
+Shape legend: B = rows, S = row length, T = physical packed tokens, N = documents, `...` = any
+trailing feature dims.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_vlm_packing.packing.plan import PackIndices
+
+
+def pack_rows(rows: torch.Tensor, indices: PackIndices, *, pad_value=0) -> torch.Tensor:
+    """Pack per-token row data.
+
+    Args:
+        rows: [B, S, ...] any dtype.
+        indices: from `plan_indices` of the plan made for these rows.
+        pad_value: what pad slots hold.
+
+    Returns:
+        packed: [1, T, ...], real tokens in document order, `pad_value` at pad slots.
+    """
+    flat = rows.reshape(rows.shape[0] * rows.shape[1], *rows.shape[2:])  # [B*S, ...]
+    gathered = flat.index_select(0, indices.source)  # [T, ...]
+    keep = indices.is_real.view(-1, *([1] * (rows.dim() - 2)))
+    pad = torch.as_tensor(pad_value, dtype=rows.dtype, device=rows.device)
+    return torch.where(keep, gathered, pad).unsqueeze(0)
+
+
+def unpack_rows(
+    packed: torch.Tensor, indices: PackIndices, *, batch_size: int, row_length: int, pad_value=0
+) -> torch.Tensor:
+    """Inverse of `pack_rows` on real tokens.
+
+    Args:
+        packed: [1, T, ...].
+        batch_size, row_length: B and S of the rows the plan was made for.
+
+    Returns:
+        rows: [B, S, ...], real tokens back in place, `pad_value` everywhere else (empty rows are
+        all `pad_value`).
+    """
+    total = indices.source.numel()
+    if packed.dim() < 2 or packed.shape[0] != 1 or packed.shape[1] != total:
+        raise ValueError(f"packed must be [1, {total}, ...] (the plan's T), got shape {tuple(packed.shape)}")
+    values = packed[0]  # [T, ...]
+    out = torch.full(
+        (batch_size * row_length + 1, *values.shape[1:]), pad_value, dtype=values.dtype, device=values.device
+    )  # one scratch row receives every pad slot
+    out = out.index_copy(0, indices.unpack_target, values)
+    return out[:-1].reshape(batch_size, row_length, *values.shape[1:])
+
+
+def segment_positions(indices: PackIndices) -> torch.Tensor:
+    """1D positions restarting at 0 in every document.
+
+    Returns:
+        position_ids: [1, T] long; pad slots keep counting after their document's real tokens,
+        so no pad slot ever looks like the start of a document.
+    """
+    return indices.offset_in_segment.unsqueeze(0)
+
+
+def pack_positions(positions: torch.Tensor, indices: PackIndices) -> torch.Tensor:
+    """Pack precomputed positions ([B, S] or mRoPE [C, B, S]) on the token dim.
+
+    Pad slots continue after the largest real position of their document (+1, +2, ...) on every
+    channel, so they never restart at 0 and never look like the start of a new sample.
+
+    Args:
+        positions: [B, S] or [C, B, S] long (C = 3 for mRoPE).
+
+    Returns:
+        [1, T] or [C, 1, T] long.
+    """
+    channels = positions.unsqueeze(0) if positions.dim() == 2 else positions  # [C, B, S]
+    num_channels = channels.shape[0]
+    packed = torch.stack(
+        [pack_rows(channels[c], indices, pad_value=0)[0] for c in range(num_channels)]
+    )  # [C, T]
+    num_segments = indices.cu_seqlens.numel() - 1
+    floor = torch.iinfo(torch.long).min
+    real_max = torch.where(indices.is_real, packed.amax(0), floor)  # [T]
+    segment_max = torch.full((num_segments,), floor, dtype=torch.long, device=packed.device)
+    segment_max = segment_max.scatter_reduce(0, indices.segment_of_slot, real_max, "amax")
+    real_lengths = (indices.cu_seqlens[1:] - indices.cu_seqlens[:-1]).long()
+    pad_rank = indices.offset_in_segment - real_lengths[indices.segment_of_slot]  # [T], >= 0 at pads
+    pad_values = segment_max[indices.segment_of_slot] + 1 + pad_rank
+    packed = torch.where(indices.is_real, packed, pad_values)
+    return packed.unsqueeze(1) if positions.dim() == 3 else packed  # [C,1,T] or [1,T]

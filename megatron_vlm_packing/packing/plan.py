@@ -1,0 +1,259 @@
+"""The pack plan: where every real token of a right-padded batch goes in one packed THD sequence.
+
+A plan is decided on the host from Python ints (the real lengths), so building it costs no device
+work and no sync; `PackIndices` then turns it into device index tensors once per micro-batch.
+
+Layout: document i occupies physical slots [cu_seqlens_padded[i], cu_seqlens_padded[i+1]). Its
+real tokens are the first `real_lengths[i]` of those slots; the rest are pad slots, which
+attention skips (they lie outside `cu_seqlens`) and the loss ignores.
+
+Shape legend: B = rows, S = row length, N = documents (rows with real tokens), T = physical tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class PackMultiples:
+    """Alignment that parallelism imposes on a packed sequence.
+
+    Attributes:
+        segment: every physical document length is a multiple of this. 2*cp when cp > 1, because
+            TransformerEngine's context-parallel attention cuts each document into 2*cp chunks.
+        total: T is a multiple of this; always a multiple of `segment`.
+    """
+
+    segment: int = 1
+    total: int = 1
+
+    def __post_init__(self) -> None:
+        if self.segment < 1 or self.total < 1 or self.total % self.segment:
+            raise ValueError(
+                f"PackMultiples needs segment >= 1 and total a multiple of segment; got "
+                f"segment={self.segment}, total={self.total}"
+            )
+
+    @classmethod
+    def for_parallel(
+        cls, *, tp_size: int = 1, cp_size: int = 1, sequence_parallel: bool = False, fp8: bool = False
+    ) -> "PackMultiples":
+        """Derive the multiples from the parallel configuration.
+
+        - segment = 2*cp (cp > 1): TE's CP splits each document into 2*cp equal chunks.
+        - total includes cp*tp under sequence parallelism: each CP rank holds T/cp tokens and SP
+          splits those evenly over tp ranks.
+        - total includes 16 per rank-local slice under fp8: FP8 GEMMs need the token dimension
+          each rank multiplies to be a multiple of 16.
+        """
+        for name, value in (("tp_size", tp_size), ("cp_size", cp_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        segment = 2 * cp_size if cp_size > 1 else 1
+        per_rank = cp_size * (tp_size if sequence_parallel else 1)
+        total = math.lcm(segment, per_rank * (16 if fp8 else 1))
+        return cls(segment=segment, total=total)
+
+
+@dataclass(frozen=True)
+class PackPlan:
+    """Real and physical lengths of every packed document. Immutable; all fields are host ints.
+
+    Attributes:
+        row_lengths: B real lengths, one per input row (0 for an empty row).
+        row_capacity: S, the padded row length of the input.
+        segment_rows: N input rows that became documents (rows with real tokens), in order.
+        real_lengths: N real token counts.
+        physical_lengths: N slot counts (real + pad), each a multiple of `multiples.segment`.
+        multiples: the alignment the plan satisfies.
+    """
+
+    row_lengths: tuple[int, ...]
+    row_capacity: int
+    segment_rows: tuple[int, ...]
+    real_lengths: tuple[int, ...]
+    physical_lengths: tuple[int, ...]
+    multiples: PackMultiples
+
+    def __post_init__(self) -> None:
+        n = len(self.segment_rows)
+        if not (len(self.real_lengths) == len(self.physical_lengths) == n) or n == 0:
+            raise ValueError(
+                f"PackPlan needs N >= 1 segments with matching lengths; got {n} rows, "
+                f"{len(self.real_lengths)} real and {len(self.physical_lengths)} physical lengths"
+            )
+        for i, (real, phys) in enumerate(zip(self.real_lengths, self.physical_lengths)):
+            if real < 1 or phys < real or phys % self.multiples.segment:
+                raise ValueError(
+                    f"segment {i}: real length {real} must be >= 1 and physical length {phys} >= "
+                    f"real and a multiple of {self.multiples.segment}"
+                )
+        if self.total % self.multiples.total:
+            raise ValueError(f"total {self.total} is not a multiple of {self.multiples.total}")
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.segment_rows)
+
+    @property
+    def total(self) -> int:
+        """T, the physical packed length."""
+        return sum(self.physical_lengths)
+
+    @property
+    def num_real_tokens(self) -> int:
+        return sum(self.real_lengths)
+
+    @property
+    def max_seqlen(self) -> int:
+        """Longest physical document: covers every real and padded length (what TE needs)."""
+        return max(self.physical_lengths)
+
+    @property
+    def efficiency(self) -> float:
+        """Real tokens / physical tokens of the pack."""
+        return self.num_real_tokens / self.total
+
+    def cu_seqlens(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """[N+1] int32, cumulative real lengths, starts at 0."""
+        return _cumulative(self.real_lengths, device)
+
+    def cu_seqlens_padded(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """[N+1] int32, cumulative physical lengths, starts at 0."""
+        return _cumulative(self.physical_lengths, device)
+
+
+def _cumulative(lengths: tuple[int, ...], device) -> torch.Tensor:
+    values = [0]
+    for n in lengths:
+        values.append(values[-1] + n)
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+def make_pack_plan(
+    row_lengths: list[int] | tuple[int, ...],
+    *,
+    row_capacity: int,
+    multiples: PackMultiples = PackMultiples(),
+    pad_to: int | None = None,
+) -> PackPlan:
+    """Plan a pack: one document per non-empty row, each padded to the segment multiple.
+
+    When only the total needs more padding (the total multiple, or a fixed `pad_to` for static
+    shapes under PP > 1, EP > 1 or CUDA graphs), the last document grows: one longer document costs
+    less than padding every document, and adds no fake document for attention to see.
+
+    Args:
+        row_lengths: B real lengths (ints, 0 <= n <= row_capacity). Empty rows make no segment.
+        row_capacity: S, the row length the lengths came from.
+        multiples: alignment from `PackMultiples.for_parallel`.
+        pad_to: exact T wanted; must be >= the aligned length and a multiple of `multiples.total`.
+
+    Example:
+        row_lengths=[5, 0, 3], multiples=PackMultiples(segment=4, total=4) ->
+        real_lengths=(5, 3), physical_lengths=(8, 4), cu_seqlens=[0, 5, 8], cu_seqlens_padded=[0, 8, 12]
+
+    Raises:
+        ValueError: no real tokens at all, a length out of range, or a `pad_to` that is too small
+        or not aligned (naming the numbers).
+    """
+    lengths = tuple(int(n) for n in row_lengths)
+    out_of_range = [(b, n) for b, n in enumerate(lengths) if not 0 <= n <= row_capacity]
+    if out_of_range:
+        raise ValueError(f"row lengths must lie in [0, {row_capacity}]; got (row, length) {out_of_range[:8]}")
+    rows = tuple(b for b, n in enumerate(lengths) if n > 0)
+    if not rows:
+        raise ValueError(f"the batch has no real tokens ({len(lengths)} rows, all empty): nothing to pack")
+    real = tuple(lengths[b] for b in rows)
+    physical = [round_up(n, multiples.segment) for n in real]
+    aligned = round_up(sum(physical), multiples.total)
+    if pad_to is not None:
+        if pad_to % multiples.total:
+            raise ValueError(f"pad_to={pad_to} is not a multiple of the total multiple {multiples.total}")
+        if pad_to < aligned:
+            raise ValueError(
+                f"pad_to={pad_to} is smaller than the {aligned} physical tokens this batch needs "
+                f"({sum(real)} real tokens in {len(real)} samples); nothing is truncated silently"
+            )
+        aligned = pad_to
+    physical[-1] += aligned - sum(physical)
+    return PackPlan(
+        row_lengths=lengths,
+        row_capacity=row_capacity,
+        segment_rows=rows,
+        real_lengths=real,
+        physical_lengths=tuple(physical),
+        multiples=multiples,
+    )
+
+
+class PackIndices(NamedTuple):
+    """Device index tensors of a plan (built once per micro-batch by `plan_indices`).
+
+    Attributes:
+        segment_of_slot: [T] long, document of every physical slot.
+        offset_in_segment: [T] long, slot offset within its document (0 at each document start).
+        is_real: [T] bool, True at real tokens, False at pad slots.
+        source: [T] long, flat index b*S+s of each slot's source token (0 at pad slots).
+        unpack_target: [T] long, `source` at real slots and B*S (a scratch row) at pad slots.
+        cu_seqlens: [N+1] int32, real boundaries.
+        cu_seqlens_padded: [N+1] int32, physical boundaries.
+    """
+
+    segment_of_slot: torch.Tensor
+    offset_in_segment: torch.Tensor
+    is_real: torch.Tensor
+    source: torch.Tensor
+    unpack_target: torch.Tensor
+    cu_seqlens: torch.Tensor
+    cu_seqlens_padded: torch.Tensor
+
+
+def plan_indices(plan: PackPlan, device: torch.device | str | None = None) -> PackIndices:
+    """Build the [T] index tensors of `plan` on `device` with no host sync.
+
+    The per-document metadata (4 x N ints) crosses to the device in one small copy; every [T]
+    tensor is then computed on the device.
+    """
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    n = plan.num_segments
+    cu_real = [0]
+    cu_phys = [0]
+    for real, phys in zip(plan.real_lengths, plan.physical_lengths):
+        cu_real.append(cu_real[-1] + real)
+        cu_phys.append(cu_phys[-1] + phys)
+    meta = torch.tensor(
+        [list(plan.segment_rows) + [0], list(plan.real_lengths) + [0],
+         list(plan.physical_lengths) + [0], cu_real, cu_phys],
+        dtype=torch.long,
+    )
+    if device.type == "cuda":
+        meta = meta.pin_memory().to(device, non_blocking=True)
+    else:
+        meta = meta.to(device)
+    rows, real, physical, cu_real_t, cu_phys_t = meta[0, :n], meta[1, :n], meta[2, :n], meta[3], meta[4]
+    total = plan.total
+    segment = torch.repeat_interleave(torch.arange(n, device=device), physical, output_size=total)
+    offset = torch.arange(total, device=device) - cu_phys_t[:-1][segment]
+    is_real = offset < real[segment]
+    source = torch.where(is_real, rows[segment] * plan.row_capacity + offset, 0)
+    scratch = len(plan.row_lengths) * plan.row_capacity
+    unpack_target = torch.where(is_real, source, scratch)
+    return PackIndices(
+        segment_of_slot=segment,
+        offset_in_segment=offset,
+        is_real=is_real,
+        source=source,
+        unpack_target=unpack_target,
+        cu_seqlens=cu_real_t.to(torch.int32),
+        cu_seqlens_padded=cu_phys_t.to(torch.int32),
+    )
