@@ -145,18 +145,18 @@ def _labels_and_loss_mask(batch: dict, keep: torch.Tensor, label_style: str):
 
 def _rope_positions(batch: dict, input_ids: torch.Tensor, keep: torch.Tensor, mrope) -> torch.Tensor:
     """[3, B, S] positions of each row alone, from an `MRopeConfig` or a callable."""
-    from megatron_vlm_packing.rope import MRopeConfig, get_rope_index  # the rope package is optional at import
-
-    if isinstance(mrope, MRopeConfig):
-        fn: Callable = lambda ids, **kw: get_rope_index(ids, mrope, **kw)
-        accepted = set(inspect.signature(get_rope_index).parameters)
-    elif callable(mrope):
-        fn = mrope
+    if callable(mrope):
+        fn: Callable = mrope
         params = inspect.signature(mrope).parameters
         accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
         accepted = set(_ROPE_INPUT_KEYS) | {"attention_mask"} if accepts_any else set(params)
     else:
-        raise ValueError(f"mrope must be an MRopeConfig or a callable, got {type(mrope).__name__}")
+        from megatron_vlm_packing.rope import MRopeConfig, get_rope_index  # imported only when used
+
+        if not isinstance(mrope, MRopeConfig):
+            raise ValueError(f"mrope must be an MRopeConfig or a callable, got {type(mrope).__name__}")
+        fn = lambda ids, **kw: get_rope_index(ids, mrope, **kw)  # noqa: E731
+        accepted = set(inspect.signature(get_rope_index).parameters)
     kwargs = {k: batch[k] for k in _ROPE_INPUT_KEYS if batch.get(k) is not None and k in accepted}
     result = fn(input_ids, attention_mask=keep.long(), **kwargs)
     positions = result[0] if isinstance(result, tuple) else result

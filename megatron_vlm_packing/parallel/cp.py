@@ -54,7 +54,8 @@ def cp_partition_index(
         )
     cu = cu_seqlens_padded.long()
     lengths = cu[1:] - cu[:-1]
-    two_cp = 2 * cp_size
+    # With cp_size = 1 there is nothing to balance: documents need no alignment.
+    two_cp = 2 * cp_size if cp_size > 1 else 1
     bad = (lengths <= 0) | (lengths % two_cp != 0)
     # The single host sync: validity and the total length come back together.
     first, total, num_bad = torch.stack([cu[0], cu[-1], bad.sum()]).tolist()
@@ -63,6 +64,8 @@ def cp_partition_index(
             f"cu_seqlens_padded must start at 0 and every document length must be a positive "
             f"multiple of 2*cp_size={two_cp}; got cu_seqlens_padded={cu.tolist()}"
         )
+    if cp_size == 1:
+        return torch.arange(total, device=cu.device)
     chunk = lengths // two_cp  # [N]
     local_lengths = 2 * chunk  # [N], tokens of each document on this rank
     local_total = total // cp_size

@@ -1,0 +1,44 @@
+import pytest
+import torch
+
+from megatron_vlm_packing.packing import (
+    dense_packed_seq_params, pad_or_truncate_attention_mask_4d, pad_or_truncate_keep_mask,
+    pad_or_truncate_positions, pad_or_truncate_rows, padded_length,
+)
+
+
+def test_padded_length():
+    assert padded_length(13, 4) == 16
+    assert padded_length(16, 4) == 16
+    assert padded_length(13, 4, seq_length=8) == 8  # truncation is asked for explicitly
+    with pytest.raises(ValueError, match="seq_length=10 must be a positive multiple of 4"):
+        padded_length(13, 4, seq_length=10)
+    with pytest.raises(ValueError, match="multiple >= 1"):
+        padded_length(3, 0)
+
+
+def test_pad_and_truncate_rows_and_masks():
+    x = torch.tensor([[1, 2, 3], [4, 5, 0]])
+    assert pad_or_truncate_rows(x, 5, pad_value=-100).tolist() == [[1, 2, 3, -100, -100], [4, 5, 0, -100, -100]]
+    assert pad_or_truncate_rows(x, 2).tolist() == [[1, 2], [4, 5]]
+    assert pad_or_truncate_keep_mask(torch.tensor([[1, 1, 0]]), 4).tolist() == [[1, 1, 0, 0]]
+    mask = torch.zeros(1, 1, 2, 2, dtype=torch.bool)
+    out = pad_or_truncate_attention_mask_4d(mask, 3)
+    assert out.shape == (1, 1, 3, 3) and out[0, 0].tolist() == [[False, False, True], [False, False, True], [True, True, True]]
+    assert pad_or_truncate_attention_mask_4d(out, 2).shape == (1, 1, 2, 2)
+
+
+def test_pad_positions_continue_the_arange():
+    assert pad_or_truncate_positions(torch.tensor([[0, 1, 2], [0, 1, 0]]), 5).tolist() == [[0, 1, 2, 3, 4], [0, 1, 0, 2, 3]]
+    pos3 = torch.tensor([[[0, 1]], [[0, 3]], [[0, 2]]])  # [3, 1, 2]
+    out = pad_or_truncate_positions(pos3, 4)
+    assert out.shape == (3, 1, 4) and out[:, 0, 2:].tolist() == [[4, 5]] * 3
+    assert pad_or_truncate_positions(pos3, 1).shape == (3, 1, 1)
+
+
+def test_dense_packed_seq_params_are_uniform():
+    params = dense_packed_seq_params(3, 4)
+    assert params.cu_seqlens_q.tolist() == [0, 4, 8, 12] and params.cu_seqlens_q_padded.tolist() == [0, 4, 8, 12]
+    assert params.max_seqlen_q == 4 and params.qkv_format == "thd"
+    with pytest.raises(ValueError, match="batch_size >= 1"):
+        dense_packed_seq_params(0, 4)
