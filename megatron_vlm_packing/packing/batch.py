@@ -127,20 +127,28 @@ def shift_labels_within_rows(labels: torch.Tensor, keep: torch.Tensor) -> torch.
     return torch.where(next_is_real, shifted, IGNORE_INDEX)
 
 
-def _labels_and_loss_mask(batch: dict, keep: torch.Tensor, label_style: str):
-    shape = tuple(keep.shape)
+def _packed_labels_and_loss_mask(batch: dict, indices: PackIndices, shape: tuple[int, int], label_style: str):
+    """Labels and loss mask packed to [1, T]; HF labels are shifted inside each sample.
+
+    The shift is done while gathering (slot t takes the label of its source token + 1, only where
+    that token is a real token of the same sample), so no [B, S] temporaries are needed.
+    """
     labels = _check_rows(batch, "labels", shape)
     if labels is None:
         raise ValueError("the batch has no 'labels': pack_batch packs training micro-batches")
     if label_style == "hf":
-        labels = shift_labels_within_rows(labels, keep)
-    elif label_style != "megatron":
+        flat = labels.reshape(-1)
+        following = (indices.source + 1).clamp(max=flat.numel() - 1)
+        packed_labels = torch.where(indices.next_is_real, flat.index_select(0, following), IGNORE_INDEX)[None]
+    elif label_style == "megatron":
+        packed_labels = pack_rows(labels, indices, pad_value=IGNORE_INDEX)
+    else:
         raise ValueError(f"label_style must be 'megatron' or 'hf', got {label_style!r}")
+    valid = indices.is_real[None] & (packed_labels != IGNORE_INDEX)
     loss_mask = _check_rows(batch, "loss_mask", shape)
-    valid = keep & (labels != IGNORE_INDEX)
     if loss_mask is not None:
-        valid = valid & (loss_mask != 0)
-    return labels, valid.float()
+        valid = valid & (pack_rows(loss_mask, indices) != 0)
+    return packed_labels, valid.float()
 
 
 def _rope_positions(batch: dict, input_ids: torch.Tensor, keep: torch.Tensor, mrope) -> torch.Tensor:
@@ -166,11 +174,13 @@ def _rope_positions(batch: dict, input_ids: torch.Tensor, keep: torch.Tensor, mr
     return positions
 
 
-def _positions(batch: dict, input_ids: torch.Tensor, keep: torch.Tensor, indices: PackIndices, mrope):
+def _positions(batch: dict, input_ids: torch.Tensor, indices: PackIndices, mrope):
     given = batch.get("position_ids")
     if mrope is not None:
         if given is not None and given.dim() == 3:
             raise ValueError("the batch has [3, B, S] position_ids and mrope= was given: pass one of them")
+        keep = unpack_rows(indices.is_real[None], indices, batch_size=input_ids.shape[0],
+                           row_length=input_ids.shape[1], pad_value=False)  # [B, S] bool, from the plan
         return pack_positions(_rope_positions(batch, input_ids, keep, mrope), indices)
     if given is not None and given.dim() == 3:
         if given.shape[0] != 3 or tuple(given.shape[1:]) != tuple(input_ids.shape):
@@ -228,9 +238,7 @@ def pack_batch(
     )
     plan = make_pack_plan(lengths, row_capacity=row_length, multiples=multiples, pad_to=pad_to)
     indices = plan_indices(plan, input_ids.device)
-    keep = unpack_rows(indices.is_real.unsqueeze(0), indices, batch_size=batch_size,
-                       row_length=row_length, pad_value=False)  # [B, S] bool, from the plan
-    labels, loss_mask = _labels_and_loss_mask(batch, keep, label_style)
+    labels, loss_mask = _packed_labels_and_loss_mask(batch, indices, (batch_size, row_length), label_style)
     extras, passthrough = {}, {}
     for key, value in batch.items():
         if key in _SEQUENCE_KEYS:
@@ -243,9 +251,9 @@ def pack_batch(
             passthrough[key] = value
     return PackedBatch(
         input_ids=pack_rows(input_ids, indices, pad_value=pad_token_id),
-        labels=pack_rows(labels, indices, pad_value=IGNORE_INDEX),
-        loss_mask=pack_rows(loss_mask, indices, pad_value=0.0),
-        position_ids=_positions(batch, input_ids, keep, indices, mrope),
+        labels=labels,
+        loss_mask=loss_mask,
+        position_ids=_positions(batch, input_ids, indices, mrope),
         padding_mask=~indices.is_real.unsqueeze(0),
         packed_seq_params=make_packed_seq_params(plan, indices),
         rope_cu_seqlens=indices.cu_seqlens,

@@ -203,6 +203,8 @@ class PackIndices(NamedTuple):
         segment_of_slot: [T] long, document of every physical slot.
         offset_in_segment: [T] long, slot offset within its document (0 at each document start).
         is_real: [T] bool, True at real tokens, False at pad slots.
+        next_is_real: [T] bool, True where the next slot is a real token of the same document
+            (where a next-token target exists inside the sample).
         source: [T] long, flat index b*S+s of each slot's source token (0 at pad slots).
         unpack_target: [T] long, `source` at real slots and B*S (a scratch row) at pad slots.
         cu_seqlens: [N+1] int32, real boundaries.
@@ -212,6 +214,7 @@ class PackIndices(NamedTuple):
     segment_of_slot: torch.Tensor
     offset_in_segment: torch.Tensor
     is_real: torch.Tensor
+    next_is_real: torch.Tensor
     source: torch.Tensor
     unpack_target: torch.Tensor
     cu_seqlens: torch.Tensor
@@ -240,18 +243,22 @@ def plan_indices(plan: PackPlan, device: torch.device | str | None = None) -> Pa
         meta = meta.pin_memory().to(device, non_blocking=True)
     else:
         meta = meta.to(device)
-    rows, real, physical, cu_real_t, cu_phys_t = meta[0, :n], meta[1, :n], meta[2, :n], meta[3], meta[4]
+    physical, cu_real_t, cu_phys_t = meta[2, :n], meta[3], meta[4]
     total = plan.total
     segment = torch.repeat_interleave(torch.arange(n, device=device), physical, output_size=total)
-    offset = torch.arange(total, device=device) - cu_phys_t[:-1][segment]
-    is_real = offset < real[segment]
-    source = torch.where(is_real, rows[segment] * plan.row_capacity + offset, 0)
+    # Every slot's document row, real length and start: three [T] gathers of [N] tables.
+    rows_t, real_t, start_t = (meta[i, :n].index_select(0, segment) for i in (0, 1, 4))
+    offset = torch.arange(total, device=device) - start_t
+    is_real = offset < real_t
+    next_is_real = offset + 1 < real_t
+    source = torch.where(is_real, rows_t * plan.row_capacity + offset, 0)
     scratch = len(plan.row_lengths) * plan.row_capacity
     unpack_target = torch.where(is_real, source, scratch)
     return PackIndices(
         segment_of_slot=segment,
         offset_in_segment=offset,
         is_real=is_real,
+        next_is_real=next_is_real,
         source=source,
         unpack_target=unpack_target,
         cu_seqlens=cu_real_t.to(torch.int32),
