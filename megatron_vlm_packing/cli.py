@@ -1,0 +1,81 @@
+"""Command line: `megatron-vlm-packing {demo,inspect}` (also `python -m megatron_vlm_packing`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    """Print the pack plan a batch of the given real lengths gets under a parallel layout."""
+    from megatron_vlm_packing.packing import PackMultiples, make_pack_plan
+
+    multiples = PackMultiples.for_parallel(
+        tp_size=args.tp, cp_size=args.cp, sequence_parallel=args.sp, fp8=args.fp8
+    )
+    capacity = args.seq or max(args.lengths)
+    plan = make_pack_plan(args.lengths, row_capacity=capacity, multiples=multiples, pad_to=args.pad_to)
+    print(f"multiples: segment {multiples.segment}, total {multiples.total}")
+    print(f"cu_seqlens         {plan.cu_seqlens().tolist()}")
+    print(f"cu_seqlens_padded  {plan.cu_seqlens_padded().tolist()}")
+    print(f"max_seqlen {plan.max_seqlen}, T {plan.total}, real tokens {plan.num_real_tokens}, "
+          f"efficiency {plan.efficiency:.3f} (padded to {capacity}: {plan.num_real_tokens / (capacity * len(args.lengths)):.3f})")
+    if args.cp > 1:
+        from megatron_vlm_packing import cp_partition_index
+
+        for rank in range(args.cp):
+            print(f"cp rank {rank}: {cp_partition_index(plan.cu_seqlens_padded(), args.cp, rank).tolist()}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from megatron_vlm_packing.demo import run_demo
+
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megatron-vlm-packing", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="train a tiny VLM on embedded synthetic data with packing")
+    demo.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
+    demo.add_argument("--no-pack", action="store_true", help="pad rows densely instead of packing")
+    demo.add_argument("--tp", type=int, default=1, help="tensor-parallel size (under torchrun)")
+    demo.add_argument("--cp", type=int, default=1, help="context-parallel size (under torchrun)")
+    demo.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
+    demo.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    demo.add_argument("--micro-batch-size", type=int, default=8)
+    demo.add_argument("--seed", type=int, default=1234)
+    demo.set_defaults(func=cmd_demo)
+
+    inspect = sub.add_parser("inspect", help="show the pack plan for given real lengths")
+    inspect.add_argument("lengths", type=_int_list, help="comma-separated real lengths, e.g. 5,0,3")
+    inspect.add_argument("--seq", type=int, default=None, help="padded row length (default: max length)")
+    inspect.add_argument("--tp", type=int, default=1)
+    inspect.add_argument("--cp", type=int, default=1)
+    inspect.add_argument("--sp", action="store_true")
+    inspect.add_argument("--fp8", action="store_true")
+    inspect.add_argument("--pad-to", type=int, default=None)
+    inspect.set_defaults(func=cmd_inspect)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as err:
+        print(f"megatron-vlm-packing {args.command}: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
