@@ -1,0 +1,1 @@
+"""Models: tiny GPT factories, the packed VLM adapter, vision towers."""

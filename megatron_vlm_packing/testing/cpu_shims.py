@@ -1,0 +1,147 @@
+"""Run Megatron-Core on a CPU-only machine: an explicit, reversible shim of its CUDA-only calls.
+
+Facts (checked on megatron-core 0.16.1 and 0.19.2 with a CPU build of torch):
+- `torch.cuda.current_device()` is used as a *device* (global memory buffer, rotary embeddings,
+  TP gather buffers, pipeline p2p buffers): it must answer "cpu".
+- `torch.cuda.synchronize` is called in pipeline p2p communication.
+- `device="cuda"` is hard-coded in places (default causal mask, schedules, optimizer), and
+  `rope_utils.get_pos_emb_on_this_cp_rank` builds its index with `pin_memory()` and `.cuda()`
+  (a name imported into several modules, so patching the symbol would miss copies): a
+  `TorchFunctionMode` maps every CUDA device argument, `.cuda()` and `.pin_memory()` to the CPU.
+- The tensor-parallel RNG tracker snapshots CUDA RNG state (attention dropout forks it even at
+  p = 0): its `add`/`fork` are backed by CPU generator states instead.
+- `WrappedTorchNorm` asserts `not sequence_parallel`: it is built with SP off and its parameters
+  are marked `sequence_parallel = True`, so their grads get reduced over TP like TE norms.
+
+Nothing happens on import. `apply_cpu_shims()` applies everything (idempotent) and refuses when
+CUDA is available; `undo_cpu_shims()` restores every patched attribute.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_CUDA_TENSOR_METHODS = {torch.Tensor.cuda, torch.Tensor.pin_memory}
+
+
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True  # a bare ordinal means a CUDA device in torch
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Maps CUDA device arguments, `.cuda()` and `.pin_memory()` to the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in _CUDA_TENSOR_METHODS:
+            return args[0]
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.to:
+            args = tuple("cpu" if _is_cuda_device(a) else a for a in args)
+        return func(*args, **kwargs)
+
+
+class _CpuRngTracker:
+    """Replacement methods for Megatron's `CudaRNGStatesTracker`, backed by CPU RNG states."""
+
+    @staticmethod
+    def add(self, name, seed):
+        if name in self.states_:
+            raise Exception(f"cuda rng state {name} already exists")
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        self.seeds_.add(seed)
+        outer = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(outer)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        if name not in self.states_:
+            raise Exception(f"cuda rng state {name} is not added")
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+
+def _wrapped_torch_norm_new(original_new):
+    def __new__(cls, config, *args, **kwargs):
+        if not config.sequence_parallel:
+            return original_new(cls, config, *args, **kwargs)
+        norm = original_new(cls, dataclasses.replace(config, sequence_parallel=False), *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True  # grads are partial per TP rank: reduce them like TE norms
+        return norm
+
+    return __new__
+
+
+class _Patches:
+    """Saved originals of everything the shim changed."""
+
+    def __init__(self):
+        self.saved: list[tuple[object, str, object]] = []
+        self.mode: CudaToCpuMode | None = None
+
+    def set(self, owner, name, value):
+        self.saved.append((owner, name, owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)))
+        setattr(owner, name, value)
+
+
+_ACTIVE: list[_Patches] = []  # at most one entry: the applied shim (explicit state, not a cache)
+
+
+def apply_cpu_shims() -> None:
+    """Make Megatron-Core run on the CPU in this process. Idempotent; undo with `undo_cpu_shims`.
+
+    Raises:
+        RuntimeError: CUDA is available (the shim would hide real device bugs).
+    """
+    if _ACTIVE:
+        return
+    if torch.cuda.is_available():
+        raise RuntimeError("apply_cpu_shims() is for CPU-only machines; CUDA is available here")
+    from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.transformer import torch_norm
+
+    patches = _Patches()
+    patches.set(torch.cuda, "current_device", lambda: "cpu")
+    patches.set(torch.cuda, "synchronize", lambda *a, **k: None)
+    patches.set(torch.cuda, "manual_seed", lambda seed: None)
+    patches.set(torch.cuda, "manual_seed_all", lambda seed: None)
+    patches.set(tp_random.CudaRNGStatesTracker, "add", _CpuRngTracker.add)
+    patches.set(tp_random.CudaRNGStatesTracker, "fork", _CpuRngTracker.fork)
+    norm_cls = torch_norm.WrappedTorchNorm
+    patches.set(norm_cls, "__new__", staticmethod(_wrapped_torch_norm_new(norm_cls.__new__)))
+    patches.mode = CudaToCpuMode()
+    patches.mode.__enter__()
+    _ACTIVE.append(patches)
+
+
+def undo_cpu_shims() -> None:
+    """Restore everything `apply_cpu_shims` changed. A no-op when nothing is applied."""
+    if not _ACTIVE:
+        return
+    patches = _ACTIVE.pop()
+    patches.mode.__exit__(None, None, None)
+    for owner, name, value in reversed(patches.saved):
+        setattr(owner, name, value)
+
+
+def cpu_shims_applied() -> bool:
+    return bool(_ACTIVE)
