@@ -57,6 +57,7 @@ def transformer_config(cfg: TinyGPTConfig):
         bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False,
         calculate_per_token_loss=True, init_method_std=0.05,
+        pipeline_dtype=cfg.params_dtype if cfg.pipeline_parallel > 1 else None,
     )
     if cfg.num_moe_experts:
         kwargs.update(num_moe_experts=cfg.num_moe_experts, moe_router_topk=cfg.moe_router_topk,

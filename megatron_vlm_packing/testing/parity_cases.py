@@ -1,0 +1,205 @@
+"""The packed-vs-alone parity suite, runnable under any TP/CP/PP on CPU (gloo) or GPU.
+
+`run_parity_cases(rank, world_size, cases)` is a `run_distributed` target: for every case it
+1. builds a TP=CP=PP=1 tiny GPT and runs each sample alone (batch 1, unpadded): per-token losses
+   and the gradient of their sum (the truth);
+2. builds the case's parallel model, loads the same weights (sharded), packs the same micro-batches
+   with `pack_batch`, partitions them with one CP index, runs forward + backward (directly or
+   through Megatron's `get_forward_backward_func`), gathers losses and gradients back;
+3. reports the worst |dloss| and relative gradient error over all ranks.
+A `corruption` makes one deliberate packing mistake, so tests can prove the check catches it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from megatron_vlm_packing.models.tiny_gpt import TinyGPTConfig, build_tiny_gpt
+from megatron_vlm_packing.packing import pack_batch, shift_labels_within_rows
+from megatron_vlm_packing.parallel.cp import cp_partition_index
+from megatron_vlm_packing.testing.distributed import initialize_parallel
+from megatron_vlm_packing.testing.parity import full_gradients, gather_cp_tokens, max_relative_error, variable_batch
+
+# Two micro-batches: a length-1 sample, an empty row, full rows.
+MICRO_BATCH_LENGTHS = ([7, 1, 0, 12, 5], [3, 9, 12, 2, 6])
+ROW_LENGTH = 12
+CORRUPTIONS = ("uniform_cu_seqlens", "boundary_off_by_one", "labels_shifted_after_packing", "wrong_cp_rank")
+
+
+@dataclass(frozen=True)
+class ParityCase:
+    name: str
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    sp: bool = False
+    schedule: bool = False  # through get_forward_backward_func (required when pp > 1)
+    corruption: str | None = None
+    seed: int = 1234
+
+    @property
+    def world_needed(self) -> int:
+        return self.tp * self.cp * self.pp
+
+
+def micro_batches(vocab_size: int, seed: int) -> list[dict]:
+    """HF-style batches (labels = input ids, -100 at pads; shifted per sample by pack_batch)."""
+    out = []
+    for i, lengths in enumerate(MICRO_BATCH_LENGTHS):
+        batch = variable_batch(list(lengths), ROW_LENGTH, vocab_size=vocab_size, seed=seed + i)
+        batch["labels"] = torch.where(batch["attention_mask"].bool(), batch["input_ids"], -100)
+        out.append(batch)
+    return out
+
+
+def reference_alone(cfg: TinyGPTConfig, batches: list[dict], seed: int):
+    """Single-process truth: per-token losses (list per micro-batch, real targets only) and grads."""
+    initialize_parallel(seed=seed)
+    torch.manual_seed(seed)
+    model = build_tiny_gpt(cfg)
+    losses = []
+    for batch in batches:
+        keep = batch["attention_mask"].bool()
+        labels = shift_labels_within_rows(batch["labels"], keep)
+        per_batch = []
+        for row, n in enumerate(keep.sum(1).tolist()):
+            if n == 0:
+                continue
+            ids, lab = batch["input_ids"][row:row + 1, :n], labels[row:row + 1, :n]
+            loss = model(ids, torch.arange(n)[None], None, labels=lab)  # [1, n]
+            valid = lab != -100
+            (loss * valid).sum().backward()
+            per_batch.append(loss.detach()[valid])
+        losses.append(torch.cat(per_batch))
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+    state = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return losses, grads, state
+
+
+def load_sharded(model: torch.nn.Module, state: dict, tp_rank: int, tp_size: int) -> None:
+    """Copy full reference weights into a (TP-sharded, PP-stage) model."""
+    from megatron_vlm_packing.testing.parity import global_name
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            full = state[global_name(model, name)]
+            if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
+                full = full.chunk(tp_size, dim=param.partition_dim)[tp_rank]
+            param.copy_(full)
+
+
+def corrupt(case: ParityCase, packed, labels: torch.Tensor, params):
+    """Apply the case's deliberate mistake to the packed labels / boundaries."""
+    total = packed.num_physical_tokens
+    if case.corruption == "uniform_cu_seqlens":  # rows relaid at a fixed stride: boundaries ignore samples
+        cu = torch.tensor(list(range(0, total, ROW_LENGTH)) + [total], dtype=torch.int32)
+        params = replace(params, cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
+                         max_seqlen_q=total, max_seqlen_kv=total)
+    elif case.corruption == "boundary_off_by_one":
+        shift = torch.zeros_like(params.cu_seqlens_q)
+        shift[1:-1] = 1
+        params = replace(params, cu_seqlens_q=params.cu_seqlens_q + shift, cu_seqlens_kv=params.cu_seqlens_kv + shift,
+                         cu_seqlens_q_padded=params.cu_seqlens_q_padded + shift,
+                         cu_seqlens_kv_padded=params.cu_seqlens_kv_padded + shift)
+    elif case.corruption == "labels_shifted_after_packing":  # the hand-rolled packer's mistake
+        unshifted = packed.input_ids.clone()
+        labels = torch.cat([unshifted[:, 1:], torch.full_like(unshifted[:, :1], -100)], dim=1)
+        labels = torch.where(packed.padding_mask, -100, labels)
+    return labels, params
+
+
+def local_micro_batch(case: ParityCase, batch: dict, cp_rank: int) -> dict:
+    packed = pack_batch(batch, tp_size=case.tp, cp_size=case.cp, sequence_parallel=case.sp,
+                        label_style="hf", pad_to=64 if case.pp > 1 else None)
+    labels, params = corrupt(case, packed, packed.labels, packed.packed_seq_params)
+    loss_mask = (labels != -100).float() * (~packed.padding_mask).float()
+    index = cp_partition_index(packed.packed_seq_params.cu_seqlens_q_padded, case.cp, cp_rank)
+    label_index = index
+    if case.corruption == "wrong_cp_rank":
+        label_index = cp_partition_index(packed.packed_seq_params.cu_seqlens_q_padded, case.cp, case.cp - 1 - cp_rank)
+    return dict(input_ids=packed.input_ids[:, index], position_ids=packed.position_ids[:, index],
+                labels=labels[:, label_index], loss_mask=loss_mask[:, label_index], params=params,
+                cu_seqlens_padded=packed.packed_seq_params.cu_seqlens_q_padded, total=packed.num_physical_tokens,
+                real_loss_mask=loss_mask)
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Contract item 9: (loss_sum, num_tokens, {"lm loss": [loss_sum, num_tokens]})."""
+    losses = output_tensor.float().reshape(-1)
+    mask = loss_mask.reshape(-1).float()
+    loss_sum = (losses * mask).sum()
+    num_tokens = mask.sum().to(torch.int)
+    return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), num_tokens.detach().float()])}
+
+
+def _forward(model, mb):
+    return model(mb["input_ids"], mb["position_ids"], None, labels=mb["labels"], packed_seq_params=mb["params"])
+
+
+def run_packed(case: ParityCase, cfg: TinyGPTConfig, batches: list[dict], state: dict):
+    """Per-micro-batch [1, T/cp] losses (last stage, else None) and the gathered gradients."""
+    from megatron.core import parallel_state as ps
+
+    initialize_parallel(tp=case.tp, cp=case.cp, pp=case.pp, seed=case.seed)
+    cfg = replace(cfg, tensor_parallel=case.tp, context_parallel=case.cp, pipeline_parallel=case.pp,
+                  sequence_parallel=case.sp)
+    model = build_tiny_gpt(cfg, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
+    load_sharded(model, state, ps.get_tensor_model_parallel_rank(), case.tp)
+    mbs = [local_micro_batch(case, b, ps.get_context_parallel_rank()) for b in batches]
+    outputs = []
+    if case.schedule:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            out = _forward(model, mb)
+            if ps.is_pipeline_last_stage():
+                outputs.append(out.detach())
+            return out, partial(loss_func, mb["loss_mask"])
+
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(mbs), model=[model],
+                                    num_microbatches=len(mbs), seq_length=mbs[0]["total"], micro_batch_size=1,
+                                    forward_only=False)
+    else:
+        for mb in mbs:
+            out = _forward(model, mb)
+            loss_func(mb["loss_mask"], out)[0].backward()
+            outputs.append(out.detach())
+    grads = full_gradients(model, tp_group=ps.get_tensor_model_parallel_group(),
+                           cp_group=ps.get_context_parallel_group())
+    return mbs, outputs, grads, model
+
+
+def run_case(case: ParityCase, cfg: TinyGPTConfig) -> dict:
+    batches = micro_batches(cfg.vocab_size, case.seed)
+    ref_losses, ref_grads, state = reference_alone(cfg, batches, case.seed)
+    mbs, outputs, grads, model = run_packed(case, cfg, batches, state)
+    from megatron.core import parallel_state as ps
+
+    dloss = torch.zeros(())
+    for mb, out, ref in zip(mbs, outputs, ref_losses):
+        full = gather_cp_tokens(out, mb["cu_seqlens_padded"], ps.get_context_parallel_group())[0]
+        got = full[mb["real_loss_mask"][0].bool()]
+        dloss = torch.maximum(dloss, (got - ref).abs().max() if got.shape == ref.shape else torch.tensor(float("inf")))
+    grad_err = torch.zeros(())
+    for name, grad in grads.items():
+        grad_err = torch.maximum(grad_err, torch.tensor(max_relative_error(grad, ref_grads[name])))
+    worst = torch.stack([dloss, grad_err])
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return dict(case=case.name, max_dloss=worst[0].item(), max_rel_grad_err=worst[1].item(),
+                checked_params=len(grads))
+
+
+def run_parity_cases(rank: int, world_size: int, cases: list[ParityCase], cfg: TinyGPTConfig | None = None):
+    """`run_distributed` target: run every case, return a list of result dicts (rank 0)."""
+    cfg = cfg or TinyGPTConfig()
+    results = []
+    for case in cases:
+        if world_size % case.world_needed:
+            raise ValueError(f"case {case.name} needs a multiple of {case.world_needed} processes, got {world_size}")
+        results.append(run_case(case, cfg))
+    return results

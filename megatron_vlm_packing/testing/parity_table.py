@@ -1,0 +1,49 @@
+"""Print the parity table (packed vs each sample alone, every parallel layout) in one command.
+
+    python -m megatron_vlm_packing.testing.parity_table
+
+Runs the standard cases on CPU (gloo) in three launches (1, 2 and 4 processes) and prints a
+markdown table: config, max |dloss| over real tokens, max relative gradient error over all params.
+"""
+
+from __future__ import annotations
+
+from megatron_vlm_packing.testing.distributed import run_distributed
+from megatron_vlm_packing.testing.parity_cases import ParityCase, run_parity_cases
+
+STANDARD_CASES = {
+    1: [ParityCase("TP=1"), ParityCase("TP=1, get_forward_backward_func, 2 micro-batches", schedule=True)],
+    2: [ParityCase("TP=2", tp=2), ParityCase("TP=2 + SP", tp=2, sp=True), ParityCase("CP=2", cp=2),
+        ParityCase("PP=2, get_forward_backward_func", pp=2, schedule=True)],
+    4: [ParityCase("TP=2 x CP=2 x SP, get_forward_backward_func", tp=2, cp=2, sp=True, schedule=True)],
+}
+CORRUPTION_CASES = {
+    1: [ParityCase("corrupt: uniform cu_seqlens [0, S, 2S, ...]", corruption="uniform_cu_seqlens"),
+        ParityCase("corrupt: boundaries off by one", corruption="boundary_off_by_one"),
+        ParityCase("corrupt: labels shifted after packing", corruption="labels_shifted_after_packing")],
+    2: [ParityCase("corrupt: CP index of the wrong rank", cp=2, corruption="wrong_cp_rank")],
+}
+
+
+def run_all(include_corruptions: bool = True) -> list[dict]:
+    results = []
+    for world in (1, 2, 4):
+        cases = STANDARD_CASES.get(world, []) + (CORRUPTION_CASES.get(world, []) if include_corruptions else [])
+        if cases:
+            results += run_distributed(run_parity_cases, world, cases)
+    return results
+
+
+def format_table(results: list[dict]) -> str:
+    lines = ["| config | max abs dloss (real tokens) | max relative grad error |", "|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['case']} | {r['max_dloss']:.2e} | {r['max_rel_grad_err']:.2e} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    print(format_table(run_all()))
+
+
+if __name__ == "__main__":
+    main()

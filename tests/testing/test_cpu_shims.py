@@ -1,0 +1,34 @@
+import torch
+
+from megatron_vlm_packing.testing import apply_cpu_shims, cpu_shims_applied, undo_cpu_shims
+
+
+def test_shims_are_explicit_idempotent_and_reversible():
+    import megatron.core.transformer.torch_norm as torch_norm
+    from megatron.core.tensor_parallel import random as tp_random
+
+    original_current_device = torch.cuda.current_device
+    original_add = tp_random.CudaRNGStatesTracker.add
+    original_norm_new = torch_norm.WrappedTorchNorm.__dict__["__new__"]
+    assert not cpu_shims_applied()  # importing the package applied nothing
+    apply_cpu_shims()
+    apply_cpu_shims()  # idempotent
+    try:
+        assert torch.cuda.current_device() == "cpu"
+        assert torch.zeros(2, device="cuda").device.type == "cpu"
+        assert torch.ones(1).cuda().device.type == "cpu"
+        tracker = tp_random.CudaRNGStatesTracker()
+        tracker.add("x", 7)
+        with tracker.fork("x"):
+            first = torch.rand(3)
+        tracker2 = tp_random.CudaRNGStatesTracker()
+        tracker2.add("x", 7)
+        with tracker2.fork("x"):
+            assert torch.equal(torch.rand(3), first)  # CPU-backed states reproduce
+    finally:
+        undo_cpu_shims()
+    assert not cpu_shims_applied()
+    assert torch.cuda.current_device is original_current_device
+    assert tp_random.CudaRNGStatesTracker.add is original_add
+    assert torch_norm.WrappedTorchNorm.__dict__["__new__"] is original_norm_new
+    undo_cpu_shims()  # a no-op when nothing is applied
