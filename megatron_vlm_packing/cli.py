@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="train a tiny VLM on embedded synthetic data with packing")
-    demo.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
+    demo.add_argument("--steps", type=int, default=40, help="optimizer steps (default 40)")
     demo.add_argument("--no-pack", action="store_true", help="pad rows densely instead of packing")
     demo.add_argument("--tp", type=int, default=1, help="tensor-parallel size (under torchrun)")
     demo.add_argument("--cp", type=int, default=1, help="context-parallel size (under torchrun)")
