@@ -45,6 +45,8 @@ class CudaToCpuMode(TorchFunctionMode):
             return args[0]
         if _is_cuda_device(kwargs.get("device")):
             kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False  # pinning needs a CUDA driver
         if func is torch.Tensor.to:
             args = tuple("cpu" if _is_cuda_device(a) else a for a in args)
         return func(*args, **kwargs)
