@@ -1,0 +1,151 @@
+"""HF-identical mRoPE position ids, vectorised over tokens.
+
+Per sample, over the tokens its attention mask keeps (the Hugging Face rule):
+- a text run gets `arange(len) + cur` on all three axes, then `cur += len`;
+- a vision block with merged grid (t, h, w) gets t = cur + floor(k * interval), h = cur + row,
+  w = cur + col over the t x h x w grid, then `cur += max(h, w)` (transformers >= 5) or
+  `cur = block max + 1` (transformers 4.57, `text_offset="max_position"`).
+`interval` is 1, except Qwen2.5-VL videos: `tokens_per_second * second_per_grid_ts`. Qwen3-VL
+splits every video into one block per frame (frames are separated by timestamp text).
+Masked tokens get 0 on every axis, like the reference.
+
+The work is a handful of gathers over all real tokens at once (runs are found with a cumsum),
+not a Python loop over tokens. Shape legend: B = rows, S = row length, R = real tokens,
+K = runs (text runs and vision blocks) over the whole batch.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from megatron_vlm_packing.rope.config import MRopeConfig
+
+
+class RopeIndex(NamedTuple):
+    """position_ids: [3, B, S] long; deltas: [B, 1] long (max position + 1 - real length)."""
+
+    position_ids: torch.Tensor
+    deltas: torch.Tensor
+
+
+def token_types(input_ids: torch.Tensor, config: MRopeConfig) -> torch.Tensor:
+    """[B, S] int: 0 text, 1 image placeholder, 2 video placeholder (transformers' mm_token_type_ids)."""
+    return (input_ids == config.image_token_id).int() + 2 * (input_ids == config.video_token_id).int()
+
+
+def _grid_per_run(run_type, image_grid_thw, video_grid_thw, device):
+    """[K, 3] grid of every run in order (zeros for text), checking the counts."""
+    grids = torch.zeros(run_type.numel(), 3, dtype=torch.long, device=device)
+    for kind, name, grid in ((1, "image", image_grid_thw), (2, "video", video_grid_thw)):
+        runs = run_type == kind
+        n_runs = int(runs.sum())
+        n_grids = 0 if grid is None else grid.shape[0]
+        if n_runs != n_grids:
+            raise ValueError(f"{n_runs} {name} placeholder blocks in input_ids but {n_grids} rows in {name}_grid_thw")
+        if n_runs:
+            grids[runs] = grid.to(device=device, dtype=torch.long)
+    return grids
+
+
+def _interval_per_run(run_type, config, second_per_grid_ts, device):
+    """[K] float32 temporal step of each run (1 except Qwen2.5-VL videos)."""
+    interval = torch.ones(run_type.numel(), dtype=torch.float32, device=device)
+    videos = run_type == 2
+    if config.family == "qwen2_5_vl" and bool(videos.any()):
+        if second_per_grid_ts is None:
+            seconds = torch.ones(int(videos.sum()), device=device)
+        else:
+            seconds = torch.as_tensor(second_per_grid_ts, device=device).reshape(-1)
+            if seconds.numel() != int(videos.sum()):
+                raise ValueError(f"{seconds.numel()} entries in second_per_grid_ts but {int(videos.sum())} videos")
+        interval[videos] = (config.tokens_per_second * seconds).to(torch.float32)
+    return interval
+
+
+def get_rope_index(
+    input_ids: torch.Tensor,
+    config: MRopeConfig,
+    *,
+    image_grid_thw: torch.Tensor | None = None,
+    video_grid_thw: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    second_per_grid_ts: torch.Tensor | None = None,
+    mm_token_type_ids: torch.Tensor | None = None,
+) -> RopeIndex:
+    """3D rotary positions identical to the Hugging Face model of `config.family`.
+
+    Args:
+        input_ids: [B, S] long.
+        config: `MRopeConfig` of the family.
+        image_grid_thw / video_grid_thw: [I, 3] / [V, 3] long, patch grids in token order.
+        attention_mask: [B, S], 1 = real token (any pattern; HF semantics).
+        second_per_grid_ts: [V] seconds per temporal grid step (Qwen2.5-VL videos).
+        mm_token_type_ids: [B, S] 0/1/2; derived from the placeholder ids when None.
+
+    Returns:
+        RopeIndex(position_ids [3, B, S] long, deltas [B, 1] long).
+
+    Raises:
+        ValueError: placeholder blocks vs grid rows, or tokens per block vs grid, disagree.
+        NotImplementedError: Qwen3-Omni (audio runs and audio-in-video interleaving).
+    """
+    if config.family == "qwen3_omni":
+        raise NotImplementedError("get_rope_index for qwen3_omni (audio runs, audio-in-video interleaving) is not "
+                                  "implemented yet; pass the model's own get_rope_index as pack_batch(mrope=...)")
+    device = input_ids.device
+    batch, seq = input_ids.shape
+    types = mm_token_type_ids if mm_token_type_ids is not None else token_types(input_ids, config)
+    keep = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
+    if config.family == "qwen3_vl" and video_grid_thw is not None:  # one block per frame
+        video_grid_thw = torch.repeat_interleave(video_grid_thw, video_grid_thw[:, 0], dim=0)
+        video_grid_thw = torch.cat([torch.ones_like(video_grid_thw[:, :1]), video_grid_thw[:, 1:]], dim=1)
+    rows, cols = torch.nonzero(keep, as_tuple=True)  # [R], row-major: each row's real tokens in order
+    kind = types[rows, cols].long()
+    # Runs: consecutive real tokens of one row with one type (transformers' itertools.groupby).
+    starts_run = torch.ones_like(kind, dtype=torch.bool)
+    starts_run[1:] = (kind[1:] != kind[:-1]) | (rows[1:] != rows[:-1])
+    run_of_token = torch.cumsum(starts_run, 0) - 1  # [R]
+    run_first = torch.nonzero(starts_run).flatten()  # [K]
+    run_len = torch.diff(run_first, append=torch.tensor([kind.numel()], device=device))
+    run_type, run_row = kind[run_first], rows[run_first]
+    grid = _grid_per_run(run_type, image_grid_thw, video_grid_thw, device)
+    merge = config.spatial_merge_size
+    gt, gh, gw = grid[:, 0], grid[:, 1] // merge, grid[:, 2] // merge
+    vision = run_type > 0
+    expected = torch.where(vision, gt * gh * gw, run_len)
+    if bool((expected != run_len).any()):
+        k = int(torch.nonzero(expected != run_len)[0])
+        raise ValueError(f"vision block {k} (row {int(run_row[k])}) has {int(run_len[k])} placeholder tokens but its "
+                         f"grid {grid[k].tolist()} with merge {merge} needs {int(expected[k])}")
+    interval = _interval_per_run(run_type, config, second_per_grid_ts, device)
+    if config.text_offset == "max_hw":
+        advance = torch.where(vision, torch.maximum(gh, gw), run_len)
+    else:
+        t_span = ((gt - 1).clamp_min(0).float() * interval).long()
+        advance = torch.where(vision, torch.maximum(t_span, torch.maximum(gh, gw) - 1) + 1, run_len)
+    # Start of each run: exclusive cumsum of advances, restarted at every row's first run.
+    run_start = torch.cumsum(advance, 0) - advance
+    first_run_of_row = torch.ones_like(run_row, dtype=torch.bool)
+    first_run_of_row[1:] = run_row[1:] != run_row[:-1]
+    row_base = torch.cummax(torch.where(first_run_of_row, run_start, 0), 0).values
+    run_start = run_start - row_base
+    # Token positions from their run.
+    k = torch.arange(kind.numel(), device=device) - run_first[run_of_token]  # offset in run
+    start = run_start[run_of_token]
+    hw = (gh * gw).clamp_min(1)[run_of_token]
+    w = gw.clamp_min(1)[run_of_token]
+    t_pos = (torch.div(k, hw, rounding_mode="floor").float() * interval[run_of_token]).long() + start
+    h_pos = torch.div(k % hw, w, rounding_mode="floor") + start
+    w_pos = (k % hw) % w + start
+    is_vision = vision[run_of_token]
+    text_pos = k + start
+    positions = torch.stack([torch.where(is_vision, t_pos, text_pos), torch.where(is_vision, h_pos, text_pos),
+                             torch.where(is_vision, w_pos, text_pos)])  # [3, R]
+    out = torch.zeros(3, batch, seq, dtype=input_ids.dtype, device=device)
+    out[:, rows, cols] = positions.to(input_ids.dtype)
+    row_max = torch.zeros(batch, dtype=torch.long, device=device).scatter_reduce(
+        0, rows, positions.amax(0), "amax", include_self=False)
+    deltas = (row_max + 1 - keep.sum(1)).unsqueeze(1)
+    return RopeIndex(out, deltas)
