@@ -101,8 +101,9 @@ def get_rope_index(
     if config.family == "qwen3_vl" and video_grid_thw is not None:  # one block per frame
         video_grid_thw = torch.repeat_interleave(video_grid_thw, video_grid_thw[:, 0], dim=0)
         video_grid_thw = torch.cat([torch.ones_like(video_grid_thw[:, :1]), video_grid_thw[:, 1:]], dim=1)
-    rows, cols = torch.nonzero(keep, as_tuple=True)  # [R], row-major: each row's real tokens in order
-    kind = types[rows, cols].long()
+    flat = torch.nonzero(keep.reshape(-1)).flatten()  # [R], row-major: each row's real tokens in order
+    rows = torch.div(flat, seq, rounding_mode="floor")
+    kind = types.reshape(-1).index_select(0, flat).long()
     # Runs: consecutive real tokens of one row with one type (transformers' itertools.groupby).
     starts_run = torch.ones_like(kind, dtype=torch.bool)
     starts_run[1:] = (kind[1:] != kind[:-1]) | (rows[1:] != rows[:-1])
@@ -131,21 +132,27 @@ def get_rope_index(
     first_run_of_row[1:] = run_row[1:] != run_row[:-1]
     row_base = torch.cummax(torch.where(first_run_of_row, run_start, 0), 0).values
     run_start = run_start - row_base
-    # Token positions from their run.
-    k = torch.arange(kind.numel(), device=device) - run_first[run_of_token]  # offset in run
-    start = run_start[run_of_token]
-    hw = (gh * gw).clamp_min(1)[run_of_token]
-    w = gw.clamp_min(1)[run_of_token]
-    t_pos = (torch.div(k, hw, rounding_mode="floor").float() * interval[run_of_token]).long() + start
-    h_pos = torch.div(k % hw, w, rounding_mode="floor") + start
-    w_pos = (k % hw) % w + start
-    is_vision = vision[run_of_token]
+    # Token positions from their run: one gather of a [K, 5] int32 per-run table (int32 halves the
+    # memory traffic of the per-token arithmetic; positions fit easily).
+    table = torch.stack([run_first, run_start, (gh * gw).clamp_min(1), gw.clamp_min(1), vision.long()], dim=1)
+    per_token = table.to(torch.int32).index_select(0, run_of_token)  # [R, 5]
+    first, start, hw, w, is_vision = per_token.unbind(1)
+    k = torch.arange(kind.numel(), device=device, dtype=torch.int32) - first  # offset in run
+    frame = torch.div(k, hw, rounding_mode="floor")
+    in_frame = k - frame * hw
+    row_in_frame = torch.div(in_frame, w, rounding_mode="floor")
+    t_pos = (frame.float() * interval.index_select(0, run_of_token)).int() + start
+    vis = is_vision.bool()
     text_pos = k + start
-    positions = torch.stack([torch.where(is_vision, t_pos, text_pos), torch.where(is_vision, h_pos, text_pos),
-                             torch.where(is_vision, w_pos, text_pos)])  # [3, R]
-    out = torch.zeros(3, batch, seq, dtype=input_ids.dtype, device=device)
-    out[:, rows, cols] = positions.to(input_ids.dtype)
+    positions = torch.stack([torch.where(vis, t_pos, text_pos), torch.where(vis, row_in_frame + start, text_pos),
+                             torch.where(vis, in_frame - row_in_frame * w + start, text_pos)])  # [3, R]
+    out = torch.zeros(3, batch * seq, dtype=input_ids.dtype, device=device)
+    out.index_copy_(1, flat, positions.to(input_ids.dtype))
+    out = out.view(3, batch, seq)
+    # Each row's largest position, from its runs (K values, not R): a run ends at start + its span.
+    t_last = ((gt - 1).clamp_min(0).float() * interval).long()
+    run_max = run_start + torch.where(vision, torch.maximum(t_last, torch.maximum(gh, gw) - 1), run_len - 1)
     row_max = torch.zeros(batch, dtype=torch.long, device=device).scatter_reduce(
-        0, rows, positions.amax(0), "amax", include_self=False)
+        0, run_row, run_max, "amax", include_self=False)
     deltas = (row_max + 1 - keep.sum(1)).unsqueeze(1)
     return RopeIndex(out, deltas)
