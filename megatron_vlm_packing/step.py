@@ -94,7 +94,10 @@ def packed_inputs(batch: dict, layout: ParallelLayout, *, label_style: str, pad_
     if layout.cp_size > 1:
         index = cp_partition_index(packed.packed_seq_params.cu_seqlens_q_padded, layout.cp_size, layout.cp_rank)
     local = (lambda x: x) if index is None else (lambda x: x.index_select(-1, index))
-    return dict(input_ids=packed.input_ids, position_ids=local(packed.position_ids), labels=local(packed.labels),
+    # mRoPE positions [3, 1, T] stay full length, like input_ids: the packed rotary returns the full
+    # frequency table and THD attention takes each document's CP chunks from it (rope/rotary.py).
+    positions = packed.position_ids if packed.position_ids.dim() == 3 else local(packed.position_ids)
+    return dict(input_ids=packed.input_ids, position_ids=positions, labels=local(packed.labels),
                 loss_mask=local(packed.loss_mask), padding_mask=local(packed.padding_mask),
                 packed_seq_params=packed.packed_seq_params, rope_cu_seqlens=packed.rope_cu_seqlens,
                 cp_index=index, real_tokens=packed.num_real_tokens, physical_tokens=packed.num_physical_tokens,

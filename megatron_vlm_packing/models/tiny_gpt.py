@@ -63,6 +63,8 @@ def transformer_config(cfg: TinyGPTConfig):
         kwargs.update(num_moe_experts=cfg.num_moe_experts, moe_router_topk=cfg.moe_router_topk,
                       moe_aux_loss_coeff=cfg.moe_aux_loss_coeff, moe_router_load_balancing_type="aux_loss",
                       moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False)
+    if cfg.position_embedding_type == "mrope":
+        kwargs["mrope_section"] = list(cfg.mrope_section)
     kwargs.update(cfg.extra)
     return TransformerConfig(**kwargs)
 
@@ -84,7 +86,5 @@ def build_tiny_gpt(cfg: TinyGPTConfig, *, pre_process: bool = True, post_process
         pre_process=pre_process, post_process=post_process,
         share_embeddings_and_output_weights=False, position_embedding_type=cfg.position_embedding_type,
     )
-    if cfg.position_embedding_type == "mrope":
-        kwargs["mrope_section"] = list(cfg.mrope_section)
     kwargs.update(gpt_kwargs)
     return GPTModel(**kwargs)

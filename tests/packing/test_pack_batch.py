@@ -158,3 +158,21 @@ def test_pack_batch_contract(lengths, tp, cp, sp, fp8, style):
     assert torch.equal(real_labels, hf_shifted)
     assert torch.equal(real_ids, ids[keep])
     assert bool((packed.loss_mask[0][expected_pad] == 0).all()) and bool((packed.labels[0][expected_pad] == -100).all())
+
+
+def test_mrope_config_packs_each_samples_own_positions():
+    from megatron_vlm_packing.rope import MRopeConfig, get_rope_index
+
+    cfg = MRopeConfig(family="qwen2_vl", image_token_id=9, video_token_id=8)
+    ids = torch.tensor([[1, 9, 9, 9, 9, 2, 0], [3, 4, 9, 9, 9, 9, 5]])
+    keep = torch.tensor([[1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1]])
+    grids = torch.tensor([[1, 4, 4], [1, 2, 8]])
+    packed = pack_batch({"input_ids": ids, "labels": ids, "attention_mask": keep, "image_grid_thw": grids},
+                        mrope=cfg, cp_size=2)
+    first = get_rope_index(ids[:1, :6], cfg, image_grid_thw=grids[:1]).position_ids[:, 0]
+    second = get_rope_index(ids[1:], cfg, image_grid_thw=grids[1:]).position_ids[:, 0]
+    cu_p = packed.packed_seq_params.cu_seqlens_q_padded.tolist()
+    assert torch.equal(packed.position_ids[:, 0, :6], first)
+    assert torch.equal(packed.position_ids[:, 0, cu_p[1]:cu_p[1] + 7], second)
+    # pads never restart at 0: they continue after the document's largest position
+    assert packed.position_ids[:, 0, 6:8].tolist() == [[first.max() + 1, first.max() + 2]] * 3

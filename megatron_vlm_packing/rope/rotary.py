@@ -1,0 +1,123 @@
+"""Multimodal rotary embedding that stays exact under packing and context parallelism.
+
+Megatron-Core's `MultimodalRotaryEmbedding` CP-slices its output with the whole-sequence zigzag.
+For a packed THD batch that is wrong for every document after the first (bug class 6): THD
+attention already takes each document's zigzag chunks from a frequency table whose length equals
+`cu_seqlens_padded[-1]` (`rope_utils._apply_rotary_pos_emb_thd`). So in THD mode this module
+returns per-token frequencies for the FULL packed sequence, `[T, 1, 1, D]`, unsliced, from full
+`[3, 1, T]` positions; in dense mode it slices like Megatron-Core.
+
+The mode is per call (bug class 5): `use_packed_mrope(model)` installs hooks that set
+`is_thd_format` from the current call's `packed_seq_params` on entry and restore it on exit,
+exceptions included.
+
+Shape legend: B = batch, S = sequence (T when packed), D = rotary dim, F = D / 2 frequencies.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron_vlm_packing.parallel.cp import dense_cp_partition_index
+
+
+def mrope_frequencies(position_ids: torch.Tensor, inv_freq: torch.Tensor, mrope_section, *,
+                      interleaved: bool = False) -> torch.Tensor:
+    """Rotary angles of 3D positions.
+
+    Args:
+        position_ids: [3, B, S] (t, h, w) positions.
+        inv_freq: [F] float32 inverse frequencies.
+        mrope_section: 3 ints summing to F: frequencies taken from t, h, w.
+        interleaved: Qwen3 layout (frequency i from axis i % 3 while that axis has sections left)
+            instead of contiguous blocks (Qwen2/2.5, Megatron-Core).
+
+    Returns:
+        [S, B, 1, D] float32, D = 2F (the halves repeated, Megatron-Core's non-interleaved rotary).
+    """
+    if sum(mrope_section) != inv_freq.numel():
+        raise ValueError(f"mrope_section {list(mrope_section)} must sum to {inv_freq.numel()} rotary frequencies")
+    freqs = position_ids.to(inv_freq.device).float()[..., None] * inv_freq  # [3, B, S, F]
+    if interleaved:
+        chosen = freqs[0].clone()
+        for axis in (1, 2):
+            chosen[..., axis:mrope_section[axis] * 3:3] = freqs[axis, ..., axis:mrope_section[axis] * 3:3]
+    else:
+        chosen = torch.cat([part[i] for i, part in enumerate(freqs.split(list(mrope_section), dim=-1))], dim=-1)
+    emb = torch.cat([chosen, chosen], dim=-1)  # [B, S, D]
+    return emb.transpose(0, 1)[:, :, None, :].contiguous()
+
+
+class PackedMultimodalRotaryEmbedding(nn.Module):
+    """Drop-in for `GPTModel.rotary_pos_emb` with position_embedding_type="mrope"; any device."""
+
+    def __init__(self, inv_freq: torch.Tensor, *, interleaved: bool = False, cp_group=None):
+        super().__init__()
+        self.register_buffer("inv_freq", inv_freq.detach().float().clone(), persistent=False)
+        self.interleaved = interleaved
+        self.cp_group = cp_group
+        self.is_thd_format = False  # set per call by use_packed_mrope's hooks
+
+    def forward(self, position_ids: torch.Tensor, mrope_section, cp_group=None, **unused) -> torch.Tensor:
+        """[3, B, S] positions -> [S, B, 1, D] (THD: the full packed sequence; dense: this CP rank's part)."""
+        emb = mrope_frequencies(position_ids, self.inv_freq, mrope_section, interleaved=self.interleaved)
+        group = cp_group if cp_group is not None else self.cp_group
+        if self.is_thd_format or group is None or group.size() == 1:
+            return emb
+        index = dense_cp_partition_index(emb.shape[0], group.size(), group.rank(), device=emb.device)
+        return emb.index_select(0, index)
+
+
+class PackedMropeHandle:
+    """What `use_packed_mrope` changed; `undo()` restores the original rotary and removes the hooks."""
+
+    def __init__(self, model, original, hooks):
+        self.model, self.original, self.hooks = model, original, hooks
+
+    def undo(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.model.rotary_pos_emb = self.original
+        self.hooks = []
+
+
+def _packed_seq_params_of(args, kwargs):
+    if "packed_seq_params" in kwargs:
+        return kwargs["packed_seq_params"]
+    return args[6] if len(args) > 6 else None  # GPTModel.forward's 7th positional parameter
+
+
+def use_packed_mrope(model, *, interleaved: bool = False) -> PackedMropeHandle:
+    """Replace an mrope GPTModel's rotary with `PackedMultimodalRotaryEmbedding`; per-call THD mode.
+
+    Idempotent (a second call returns the existing handle). Raises ValueError for a model that is
+    not mrope, or uses fused rope (Megatron-Core's fused kernels take no 3D positions).
+    """
+    existing = getattr(model, "_packed_mrope_handle", None)
+    if existing is not None and existing.hooks:
+        return existing
+    if getattr(model, "position_embedding_type", None) != "mrope":
+        raise ValueError(f"use_packed_mrope needs position_embedding_type='mrope', got "
+                         f"{getattr(model, 'position_embedding_type', None)!r}")
+    if getattr(model.config, "apply_rope_fusion", False):
+        raise ValueError("fused rope cannot take 3D mRoPE positions: build the model with apply_rope_fusion=False")
+    original = model.rotary_pos_emb
+    rotary = PackedMultimodalRotaryEmbedding(original.inv_freq, interleaved=interleaved,
+                                             cp_group=getattr(original, "cp_group", None))
+    model.rotary_pos_emb = rotary
+    saved: list[bool] = []
+
+    def enter(module, args, kwargs):
+        params = _packed_seq_params_of(args, kwargs)
+        saved.append(rotary.is_thd_format)
+        rotary.is_thd_format = params is not None and params.qkv_format == "thd"
+
+    def leave(module, args, kwargs, output=None):
+        rotary.is_thd_format = saved.pop()
+
+    hooks = [model.register_forward_pre_hook(enter, with_kwargs=True),
+             model.register_forward_hook(leave, with_kwargs=True, always_call=True)]
+    handle = PackedMropeHandle(model, original, hooks)
+    model._packed_mrope_handle = handle
+    return handle
