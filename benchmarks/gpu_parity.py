@@ -30,7 +30,7 @@ def run_backend(backend: str, lengths, vocab: int, seed: int) -> tuple[float, fl
                         ffn_hidden_size=2048, vocab_size=vocab, max_sequence_length=4096, backend=backend,
                         params_dtype=torch.bfloat16)
     torch.manual_seed(seed)
-    model = build_tiny_gpt(cfg).cuda().eval()
+    model = build_tiny_gpt(cfg).cuda().to(torch.bfloat16).eval()  # torch norms ignore params_dtype
     seq = max(lengths)
     g = torch.Generator().manual_seed(seed)
     keep = torch.arange(seq)[None] < torch.tensor(lengths)[:, None]
@@ -45,9 +45,12 @@ def run_backend(backend: str, lengths, vocab: int, seed: int) -> tuple[float, fl
         for row, n in enumerate(lengths):
             if n < 2:
                 continue  # a length-1 sample has no target
+            # Each sample alone, unpadded, through the same attention kernel (THD with one document):
+            # the comparison isolates packing from kernel-to-kernel bf16 differences.
             x = ids[row:row + 1, :n]
-            lab = torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], 1)
-            alone.append(per_token_logp(model, x, torch.arange(n, device="cuda")[None], lab)[0, :-1])
+            one = pack_batch({"input_ids": x, "labels": x}, label_style="hf")
+            alone.append(per_token_logp(model, one.input_ids, one.position_ids, one.labels.clamp_min(0),
+                                        one.packed_seq_params)[0, :-1])
         lp_alone = torch.cat(alone)
         total = packed.num_physical_tokens
         one_doc = torch.tensor([0, total], dtype=torch.int32, device="cuda")

@@ -80,6 +80,8 @@ def main() -> None:
     parser.add_argument("--backends", default="auto", help="comma list of reference,torch,te or 'auto' (all that run)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rope-fusion", action="store_true",
+                        help="fused rotary kernels (TE/apex; THD rope then runs without a per-document Python loop)")
     parser.add_argument("--out")
     args = parser.parse_args()
     preset = PRESETS[args.preset]
@@ -101,7 +103,8 @@ def main() -> None:
     if device == "cuda" and len(runnable) > 1 and "reference" in runnable:
         runnable.remove("reference")  # O(T^2) float32 masks: a truth, not a contender on GPU
     lines = [f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, torch {torch.__version__}, "
-             f"preset {args.preset}, batch {preset['batch']}, {args.repeats} timed steps (median)", "",
+             f"preset {args.preset}, batch {preset['batch']}, {args.repeats} timed steps (median), "
+             f"rope fusion {'on (te)' if args.rope_fusion else 'off'}", "",
              "| backend | S | mode | slots | real tokens | token-ideal ratio | ms/step | vs packed | peak GiB |",
              "|---|---|---|---|---|---|---|---|---|"]
     base = TinyGPTConfig(num_layers=preset["num_layers"], hidden_size=preset["hidden_size"],
@@ -110,7 +113,8 @@ def main() -> None:
                          max_sequence_length=max(preset["seq_lengths"]), params_dtype=preset["dtype"])
     for backend in runnable:
         torch.manual_seed(args.seed)
-        model = build_tiny_gpt(replace(base, backend=backend)).to(device)
+        extra = {"apply_rope_fusion": True} if args.rope_fusion and backend == "te" else {}
+        model = build_tiny_gpt(replace(base, backend=backend, extra=extra)).to(device=device, dtype=preset["dtype"])
         for seq in preset["seq_lengths"]:
             lengths = lognormal_lengths(preset["batch"], seq, args.seed + seq)
             batch = make_batch(lengths, seq, preset["vocab_size"], device)
