@@ -62,7 +62,7 @@ def transformer_config(cfg: TinyGPTConfig):
     if cfg.num_moe_experts:
         kwargs.update(num_moe_experts=cfg.num_moe_experts, moe_router_topk=cfg.moe_router_topk,
                       moe_aux_loss_coeff=cfg.moe_aux_loss_coeff, moe_router_load_balancing_type="aux_loss",
-                      moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False)
+                      moe_token_dispatcher_type="allgather", moe_grouped_gemm=False)
     if cfg.position_embedding_type == "mrope":
         kwargs["mrope_section"] = list(cfg.mrope_section)
     kwargs.update(cfg.extra)

@@ -12,6 +12,9 @@ Facts (checked on megatron-core 0.16.1 and 0.19.2 with a CPU build of torch):
   p = 0): its `add`/`fork` are backed by CPU generator states instead.
 - `WrappedTorchNorm` asserts `not sequence_parallel`: it is built with SP off and its parameters
   are marked `sequence_parallel = True`, so their grads get reduced over TP like TE norms.
+- megatron-core 0.16.1's MoE router reads `moe_utils.te_general_gemm`, which is only defined when
+  TE imports (NameError without TE): the name is defined as None when it is missing.
+- The all-to-all MoE token dispatcher creates a CUDA stream: CPU tests use the all-gather one.
 
 Nothing happens on import. `apply_cpu_shims()` applies everything (idempotent) and refuses when
 CUDA is available; `undo_cpu_shims()` restores every patched attribute.
@@ -101,10 +104,15 @@ class _Patches:
         self.mode: CudaToCpuMode | None = None
 
     def set(self, owner, name, value):
-        self.saved.append((owner, name, owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)))
+        if isinstance(owner, type):
+            original = owner.__dict__[name]
+        else:
+            original = getattr(owner, name, _MISSING)
+        self.saved.append((owner, name, original))
         setattr(owner, name, value)
 
 
+_MISSING = object()  # marks an attribute the shim added (undo deletes it)
 _ACTIVE: list[_Patches] = []  # at most one entry: the applied shim (explicit state, not a cache)
 
 
@@ -130,6 +138,10 @@ def apply_cpu_shims() -> None:
     patches.set(tp_random.CudaRNGStatesTracker, "fork", _CpuRngTracker.fork)
     norm_cls = torch_norm.WrappedTorchNorm
     patches.set(norm_cls, "__new__", staticmethod(_wrapped_torch_norm_new(norm_cls.__new__)))
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        patches.set(moe_utils, "te_general_gemm", None)
     patches.mode = CudaToCpuMode()
     patches.mode.__enter__()
     _ACTIVE.append(patches)
@@ -142,7 +154,10 @@ def undo_cpu_shims() -> None:
     patches = _ACTIVE.pop()
     patches.mode.__exit__(None, None, None)
     for owner, name, value in reversed(patches.saved):
-        setattr(owner, name, value)
+        if value is _MISSING:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, value)
 
 
 def cpu_shims_applied() -> bool:
