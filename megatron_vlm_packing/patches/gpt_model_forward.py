@@ -1,0 +1,117 @@
+"""Patches of `megatron.core.models.gpt.GPTModel.forward` for sequence parallelism (SP).
+
+1. `apply_sp_embedding_scatter()`: a GPTModel built with `scatter_embedding_sequence_parallel=False`
+   (as VLM language models are) and called standalone, without `decoder_input`, never scattered
+   its embeddings under SP: every TP rank ran the full sequence and the output doubled in length
+   (bug class 3). Megatron-Core fixed it in `GPTModel._preprocess` (0.19: "scatter here so a
+   standalone LM forward isn't double-gathered"); the patch applies only where that fix is absent,
+   and is deleted once megatron-core < 0.19 is no longer supported.
+2. `apply_sp_padding_mask_scatter()`: when the caller supplies `decoder_input`, Megatron-Core
+   (0.16-0.19) leaves `padding_mask` full length while the decoder sees T/tp tokens per rank, so
+   the MoE router's mask no longer lines up with its tokens. The patch scatters a full-length mask,
+   and leaves one that is already local alone (never scatters twice). Delete it once upstream
+   scatters the mask on the decoder_input path too.
+
+Both are explicit, idempotent and reversible; neither runs on import.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+
+def _gpt_model():
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    return GPTModel
+
+
+def upstream_scatters_standalone_embeddings() -> bool:
+    """Feature check: does GPTModel scatter embeddings itself when its embedding does not?"""
+    GPTModel = _gpt_model()
+    source = "".join(inspect.getsource(fn) for fn in (GPTModel.forward, getattr(GPTModel, "_preprocess", GPTModel.forward)))
+    return "not self.embedding.scatter_to_sequence_parallel" in source
+
+
+def scatter_sequence(x: torch.Tensor, seq_dim: int) -> torch.Tensor:
+    """Scatter `x` along `seq_dim` over the TP group (autograd-aware, Megatron's SP region)."""
+    from megatron.core import tensor_parallel
+
+    moved = x.transpose(0, seq_dim).contiguous() if seq_dim else x
+    out = tensor_parallel.scatter_to_sequence_parallel_region(moved)
+    return out.transpose(0, seq_dim).contiguous() if seq_dim else out
+
+
+def _bind(args, kwargs):
+    return inspect.signature(_ORIGINALS["forward"]).bind_partial(*args, **kwargs)
+
+
+_ORIGINALS: dict = {}  # the unpatched GPTModel.forward while any patch here is applied
+_APPLIED: list[str] = []
+
+
+def _install() -> None:
+    GPTModel = _gpt_model()
+    if "forward" in _ORIGINALS:
+        return
+    original = GPTModel.forward
+    _ORIGINALS["forward"] = original
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        bound = _bind((self, *args), kwargs)
+        call = bound.arguments
+        sp = self.config.sequence_parallel and getattr(self, "pre_process", True)
+        if sp and "embedding" in _APPLIED and call.get("decoder_input") is None \
+                and not self.embedding.scatter_to_sequence_parallel:
+            emb = self.embedding(input_ids=call["input_ids"], position_ids=call.get("position_ids"))
+            call["decoder_input"] = scatter_sequence(emb, 0)
+        mask = call.get("padding_mask")
+        if sp and "padding_mask" in _APPLIED and mask is not None and call.get("decoder_input") is not None:
+            from megatron.core import parallel_state as ps
+
+            local = call["decoder_input"].shape[0]
+            if mask.shape[1] == local * ps.get_tensor_model_parallel_world_size():
+                call["padding_mask"] = scatter_sequence(mask, 1)  # [B, T] -> [B, T/tp]
+        return original(*bound.args, **bound.kwargs)
+
+    GPTModel.forward = forward
+
+
+def _uninstall_if_unused() -> None:
+    if not _APPLIED and "forward" in _ORIGINALS:
+        _gpt_model().forward = _ORIGINALS.pop("forward")
+
+
+def apply_sp_embedding_scatter() -> bool:
+    """Scatter standalone-LM embeddings under SP where Megatron-Core does not. Returns whether the
+    patch is active (False where upstream already has the fix)."""
+    if upstream_scatters_standalone_embeddings():
+        return False
+    if "embedding" not in _APPLIED:
+        _install()
+        _APPLIED.append("embedding")
+    return True
+
+
+def undo_sp_embedding_scatter() -> None:
+    if "embedding" in _APPLIED:
+        _APPLIED.remove("embedding")
+    _uninstall_if_unused()
+
+
+def apply_sp_padding_mask_scatter() -> bool:
+    """Scatter a full-length padding_mask under SP when decoder_input is given. Returns True."""
+    if "padding_mask" not in _APPLIED:
+        _install()
+        _APPLIED.append("padding_mask")
+    return True
+
+
+def undo_sp_padding_mask_scatter() -> None:
+    if "padding_mask" in _APPLIED:
+        _APPLIED.remove("padding_mask")
+    _uninstall_if_unused()
