@@ -26,13 +26,13 @@ export CUDA_DEVICE_MAX_CONNECTIONS=1   # Megatron's TP/SP comm-compute overlap e
 
 torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE" \
   --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
-  "$(dirname "$0")/pretrain_vlm_packed.py" \
+  "$(dirname "$0")/pretrain_vlm_packed.py" --dataloader-type external \
   --tensor-model-parallel-size "$TP" --context-parallel-size "$CP" --pipeline-model-parallel-size "$PP" \
   --sequence-parallel --bf16 \
   --num-layers 8 --hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 8192 \
   --seq-length 8192 --max-position-embeddings 8192 \
   --micro-batch-size 4 --global-batch-size 256 --train-iters 1000 \
   --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0 \
-  --tokenizer-type NullTokenizer --vocab-size 151936 \
-  --transformer-impl transformer_engine --position-embedding-type mrope \
+  --tokenizer-type NullTokenizer --vocab-size 256 \
+  --transformer-impl transformer_engine --position-embedding-type rope \
   --log-interval 10 "$@"
