@@ -15,6 +15,8 @@ Facts (checked on megatron-core 0.16.1 and 0.19.2 with a CPU build of torch):
 - megatron-core 0.16.1's MoE router reads `moe_utils.te_general_gemm`, which is only defined when
   TE imports (NameError without TE): the name is defined as None when it is missing.
 - The all-to-all MoE token dispatcher creates a CUDA stream: CPU tests use the all-gather one.
+- Without TE, `CLIPViTModel`'s default norms are `torch.nn.LayerNorm`, which cannot be built from a
+  config (TypeError): its `ln_pre_impl`/`ln_post_impl` defaults become `WrappedTorchNorm`.
 
 Nothing happens on import. `apply_cpu_shims()` applies everything (idempotent) and refuses when
 CUDA is available; `undo_cpu_shims()` restores every patched attribute.
@@ -142,6 +144,11 @@ def apply_cpu_shims() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         patches.set(moe_utils, "te_general_gemm", None)
+    from megatron.core.models.vision import clip_vit_model
+
+    clip_init = clip_vit_model.CLIPViTModel.__init__
+    if clip_init.__defaults__ and clip_init.__defaults__[0] is torch.nn.LayerNorm:
+        patches.set(clip_init, "__defaults__", (norm_cls, norm_cls) + clip_init.__defaults__[2:])
     patches.mode = CudaToCpuMode()
     patches.mode.__enter__()
     _ACTIVE.append(patches)
