@@ -89,10 +89,8 @@ def train_step(model, optimizer, step_fn, micro_batches) -> dict:
 
 
 @torch.no_grad()
-def held_out_parity(model, batch: dict) -> tuple[float, float]:
-    """Mean per-token loss of one batch packed, and of each of its samples alone (unpacked)."""
-    packed_step, alone_step = make_forward_step(pack=True), make_forward_step(pack=False)
-
+def held_out_parity(model, samples: list[dict]) -> tuple[float, float]:
+    """Mean per-token loss of the samples packed into one micro-batch, and of each sample alone."""
     def mean_loss(step, batches):
         total, tokens = 0.0, 0.0
         for b in batches:
@@ -101,27 +99,10 @@ def held_out_parity(model, batch: dict) -> tuple[float, float]:
             total, tokens = total + loss_sum.item(), tokens + num.item()
         return total / tokens
 
-    rows = batch["attention_mask"].sum(1).tolist()
-    alone = []
-    image_offset = 0
-    grids = batch["image_grid_thw"]
-    images_per_row = [(batch["input_ids"][i, :n] == model.image_token_id).sum().item() for i, n in enumerate(rows)]
-    patch_offset = 0
-    for i, n in enumerate(rows):
-        k = 0
-        taken = 0
-        while taken < images_per_row[i]:
-            taken += int(grids[image_offset + k].prod()) // 4
-            k += 1
-        g = grids[image_offset:image_offset + k]
-        p = int(g.prod(dim=1).sum()) if k else 0
-        alone.append({"input_ids": batch["input_ids"][i:i + 1, :n], "labels": batch["labels"][i:i + 1, :n],
-                      "attention_mask": batch["attention_mask"][i:i + 1, :n],
-                      "image_grid_thw": g, "pixel_values": batch["pixel_values"][patch_offset:patch_offset + p]})
-        image_offset, patch_offset = image_offset + k, patch_offset + p
     model.eval()
     try:
-        return mean_loss(packed_step, [batch]), mean_loss(alone_step, alone)
+        return (mean_loss(make_forward_step(pack=True), [collate(samples)]),
+                mean_loss(make_forward_step(pack=False), [collate([s]) for s in samples]))
     finally:
         model.train()
 
@@ -153,8 +134,7 @@ def run_demo(args: argparse.Namespace) -> int:
                   f"{stats['physical']:5d} tokens  efficiency {stats['real'] / stats['physical']:.3f} "
                   f"(padded rows: {stats['real'] / stats['padded']:.3f})  "
                   f"{stats['real'] / seconds:,.0f} tokens/s", flush=True)
-    held_out = collate(synthetic_samples(mb, seed=args.seed + 1, cfg=data_cfg))
-    packed, alone = held_out_parity(model, held_out)
+    packed, alone = held_out_parity(model, synthetic_samples(mb, seed=args.seed + 1, cfg=data_cfg))
     if rank0:
         print(f"parity on a held-out batch of {mb}: packed loss {packed:.6f}, each sample alone {alone:.6f}, "
               f"|diff| {abs(packed - alone):.2e}")
