@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import sys
-import time
-import types
 from pathlib import Path
 
 import torch
+from timing import wall_ms  # benchmarks/timing.py (the script's folder is on sys.path)
 
 from megatron_vlm_packing.rope import MRopeConfig, get_rope_index, token_types
 
@@ -41,13 +39,7 @@ def make_batch(batch: int, images: int, seed: int):
 
 
 def timed(fn, repeats):
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return min(samples)  # the least disturbed run: this VM shares its cores
+    return min(wall_ms(fn, device="cpu", repeats=repeats, warmup=1))  # the least disturbed run: shared cores
 
 
 def main() -> None:

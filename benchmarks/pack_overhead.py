@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-
 import torch
 
 from megatron_vlm_packing import pack_batch
+from timing import wall_ms  # benchmarks/timing.py (the script's folder is on sys.path)
 
 
 def make_batch(batch: int, seq: int, device: str, seed: int = 0) -> dict:
@@ -35,18 +34,7 @@ def make_batch(batch: int, seq: int, device: str, seed: int = 0) -> dict:
 
 def timed(fn, device: str, repeats: int) -> float:
     """Median wall time in ms over `repeats` calls after 3 warm-ups."""
-    for _ in range(3):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
+    return statistics.median(wall_ms(fn, device=device, repeats=repeats))
 
 
 def run(batch: int, seq: int, device: str, repeats: int) -> dict:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from dataclasses import replace
 
 import torch
+from timing import wall_ms  # benchmarks/timing.py (the script's folder is on sys.path)
 
 PRESETS = {
     "cpu": dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=4, ffn_hidden_size=256,
@@ -57,19 +57,12 @@ def packed_step(model, batch):
 
 
 def timed(fn, device, repeats):
-    for _ in range(2):
-        fn()
-    samples = []
+    """Median ms per step after 2 warm-ups, and the peak CUDA memory of the timed steps (GiB)."""
+    fn()
+    fn()
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        samples.append((time.perf_counter() - start) * 1e3)
+    samples = wall_ms(fn, device=device, repeats=repeats, warmup=0)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
     return statistics.median(samples), peak
 

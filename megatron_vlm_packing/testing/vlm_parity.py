@@ -20,6 +20,7 @@ from megatron_vlm_packing.models.vision import TinyVisionTower
 from megatron_vlm_packing.step import make_forward_step
 from megatron_vlm_packing.testing.distributed import initialize_parallel
 from megatron_vlm_packing.testing.parity import full_gradients, max_relative_error
+from megatron_vlm_packing.testing.parity_cases import load_sharded
 
 DATA = SyntheticVLMConfig(max_text=24, max_images=2, grid_choices=(2, 4))
 LM = TinyGPTConfig(vocab_size=DATA.vocab_size, hidden_size=32, max_sequence_length=512)
@@ -53,15 +54,6 @@ def reference(samples_per_batch, seed):
     return torch.stack(sums), grads, state
 
 
-def load_state(model, state, tp_rank, tp_size):
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            full = state[name]
-            if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
-                full = full.chunk(tp_size, dim=param.partition_dim)[tp_rank]
-            param.copy_(full)
-
-
 def run_vlm_parity(rank: int, world_size: int, layouts: list[tuple[int, int, bool]], seed: int = 7):
     """For each (tp, cp, sp): worst |d loss_sum| and relative grad error vs the single process."""
     from megatron.core import parallel_state as ps
@@ -72,7 +64,7 @@ def run_vlm_parity(rank: int, world_size: int, layouts: list[tuple[int, int, boo
     for tp, cp, sp in layouts:
         initialize_parallel(tp=tp, cp=cp, seed=seed)
         model = build_vlm(replace(LM, tensor_parallel=tp, context_parallel=cp, sequence_parallel=sp), seed)
-        load_state(model, state, ps.get_tensor_model_parallel_rank(), tp)
+        load_sharded(model, state, ps.get_tensor_model_parallel_rank(), tp)
         sums = run_steps(model, [collate(s) for s in samples_per_batch], pack=True)
         dist.all_reduce(sums, group=ps.get_context_parallel_group())  # each CP rank holds part of the tokens
         grads = full_gradients(model, tp_group=ps.get_tensor_model_parallel_group(),
