@@ -61,11 +61,11 @@ def reference_alone(cfg: TinyGPTConfig, batches: list[dict], seed: int):
     initialize_parallel(seed=seed)
     torch.manual_seed(seed)
     model = build_tiny_gpt(cfg)
-    losses = []
+    losses, logits = [], []
     for batch in batches:
         keep = batch["attention_mask"].bool()
         labels = shift_labels_within_rows(batch["labels"], keep)
-        per_batch = []
+        per_batch, per_batch_logits = [], []
         for row, n in enumerate(keep.sum(1).tolist()):
             if n == 0:
                 continue
@@ -74,10 +74,13 @@ def reference_alone(cfg: TinyGPTConfig, batches: list[dict], seed: int):
             valid = lab != -100
             (loss * valid).sum().backward()
             per_batch.append(loss.detach()[valid])
+            with torch.no_grad():
+                per_batch_logits.append(model(ids, torch.arange(n)[None], None)[0])  # [n, V]
         losses.append(torch.cat(per_batch))
+        logits.append(torch.cat(per_batch_logits))
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
     state = {name: p.detach().clone() for name, p in model.named_parameters()}
-    return losses, grads, state
+    return losses, grads, state, logits
 
 
 def load_sharded(model: torch.nn.Module, state: dict, tp_rank: int, tp_size: int) -> None:
@@ -124,7 +127,7 @@ def local_micro_batch(case: ParityCase, batch: dict, cp_rank: int) -> dict:
     return dict(input_ids=packed.input_ids[:, index], position_ids=packed.position_ids[:, index],
                 labels=labels[:, label_index], loss_mask=loss_mask[:, label_index], params=params,
                 cu_seqlens_padded=packed.packed_seq_params.cu_seqlens_q_padded, total=packed.num_physical_tokens,
-                real_loss_mask=loss_mask)
+                real_loss_mask=loss_mask, padding_mask=packed.padding_mask)
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -176,7 +179,7 @@ def run_packed(case: ParityCase, cfg: TinyGPTConfig, batches: list[dict], state:
 
 def run_case(case: ParityCase, cfg: TinyGPTConfig) -> dict:
     batches = micro_batches(cfg.vocab_size, case.seed)
-    ref_losses, ref_grads, state = reference_alone(cfg, batches, case.seed)
+    ref_losses, ref_grads, state, ref_logits = reference_alone(cfg, batches, case.seed)
     mbs, outputs, grads, model = run_packed(case, cfg, batches, state)
     from megatron.core import parallel_state as ps
 
@@ -185,13 +188,33 @@ def run_case(case: ParityCase, cfg: TinyGPTConfig) -> dict:
         full = gather_cp_tokens(out, mb["cu_seqlens_padded"], ps.get_context_parallel_group())[0]
         got = full[mb["real_loss_mask"][0].bool()]
         dloss = torch.maximum(dloss, (got - ref).abs().max() if got.shape == ref.shape else torch.tensor(float("inf")))
+    logit_err = torch.zeros(())
+    if ps.is_pipeline_last_stage() and case.pp == 1 and case.corruption is None:
+        logit_err = packed_logits_error(model, mbs, ref_logits)
     grad_err = torch.zeros(())
     for name, grad in grads.items():
         grad_err = torch.maximum(grad_err, torch.tensor(max_relative_error(grad, ref_grads[name])))
-    worst = torch.stack([dloss, grad_err])
+    worst = torch.stack([dloss, grad_err, logit_err])
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return dict(case=case.name, max_dloss=worst[0].item(), max_rel_grad_err=worst[1].item(),
-                checked_params=len(grads))
+                max_dlogit=worst[2].item(), checked_params=len(grads))
+
+
+def packed_logits_error(model, mbs, ref_logits) -> torch.Tensor:
+    """Worst |logit| difference at real tokens: vocab shards gathered over TP, tokens over CP."""
+    from megatron.core import parallel_state as ps
+
+    worst = torch.zeros(())
+    with torch.no_grad():
+        for mb, ref in zip(mbs, ref_logits):
+            local = model(mb["input_ids"], mb["position_ids"], None, packed_seq_params=mb["params"])  # [1, T/cp, V/tp]
+            tp_group = ps.get_tensor_model_parallel_group()
+            parts = [torch.empty_like(local) for _ in range(dist.get_world_size(tp_group))]
+            dist.all_gather(parts, local.contiguous(), group=tp_group)
+            full = gather_cp_tokens(torch.cat(parts, dim=-1), mb["cu_seqlens_padded"], ps.get_context_parallel_group())
+            real = ~mb["padding_mask"][0]
+            worst = torch.maximum(worst, (full[0][real] - ref).abs().max())
+    return worst
 
 
 def run_parity_cases(rank: int, world_size: int, cases: list[ParityCase], cfg: TinyGPTConfig | None = None):

@@ -35,9 +35,11 @@ def run_all(include_corruptions: bool = True) -> list[dict]:
 
 
 def format_table(results: list[dict]) -> str:
-    lines = ["| config | max abs dloss (real tokens) | max relative grad error |", "|---|---|---|"]
+    lines = ["| config | max abs dloss (real tokens) | max abs dlogit (real tokens) | max relative grad error |",
+             "|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r['case']} | {r['max_dloss']:.2e} | {r['max_rel_grad_err']:.2e} |")
+        logit = f"{r['max_dlogit']:.2e}" if r["max_dlogit"] > 0 else "-"  # not checked (PP, corruptions)
+        lines.append(f"| {r['case']} | {r['max_dloss']:.2e} | {logit} | {r['max_rel_grad_err']:.2e} |")
     return "\n".join(lines)
 
 
