@@ -33,12 +33,25 @@ def build_vlm(cfg: TinyGPTConfig, seed: int) -> PackedVLM:
     return PackedVLM(lm, vision, image_token_id=DATA.image_token_id)
 
 
-def run_steps(model, batches, *, pack: bool):
+class _NotThisRank:
+    """The iterator of a rank that must not read data (TP rank > 0 when rank 0 broadcasts)."""
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        raise AssertionError("only TP rank 0 reads the data iterator when broadcasting")
+
+
+def run_steps(model, batches, *, pack: bool, broadcast: bool = False):
     """Forward + backward of every batch through Megatron's schedule; returns loss sums per batch."""
+    from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    reader = iter(batches) if not broadcast or ps.get_tensor_model_parallel_rank() == 0 else _NotThisRank()
     reports = get_forward_backward_func()(
-        forward_step_func=make_forward_step(pack=pack), data_iterator=iter(batches), model=[model],
+        forward_step_func=make_forward_step(pack=pack, broadcast_from_tp_rank0=broadcast),
+        data_iterator=reader, model=[model],
         num_microbatches=len(batches), seq_length=0, micro_batch_size=1, forward_only=False)
     return torch.stack([r["lm loss"] for r in reports])  # [num_batches, 2] = (loss_sum, tokens)
 
@@ -54,18 +67,23 @@ def reference(samples_per_batch, seed):
     return torch.stack(sums), grads, state
 
 
-def run_vlm_parity(rank: int, world_size: int, layouts: list[tuple[int, int, bool]], seed: int = 7):
-    """For each (tp, cp, sp): worst |d loss_sum| and relative grad error vs the single process."""
+def run_vlm_parity(rank: int, world_size: int, layouts: list[tuple], seed: int = 7):
+    """For each (tp, cp, sp[, broadcast]): worst |d loss_sum| and relative grad error vs one process.
+
+    With `broadcast`, only TP rank 0 reads the data iterator and broadcasts each micro-batch.
+    """
     from megatron.core import parallel_state as ps
 
     samples_per_batch = [synthetic_samples(4, seed=seed + i, cfg=DATA) for i in range(2)]
     ref_sums, ref_grads, state = reference(samples_per_batch, seed)
     results = []
-    for tp, cp, sp in layouts:
+    for layout in layouts:
+        tp, cp, sp = layout[:3]
+        broadcast = len(layout) > 3 and layout[3]
         initialize_parallel(tp=tp, cp=cp, seed=seed)
         model = build_vlm(replace(LM, tensor_parallel=tp, context_parallel=cp, sequence_parallel=sp), seed)
         load_sharded(model, state, ps.get_tensor_model_parallel_rank(), tp)
-        sums = run_steps(model, [collate(s) for s in samples_per_batch], pack=True)
+        sums = run_steps(model, [collate(s) for s in samples_per_batch], pack=True, broadcast=broadcast)
         dist.all_reduce(sums, group=ps.get_context_parallel_group())  # each CP rank holds part of the tokens
         grads = full_gradients(model, tp_group=ps.get_tensor_model_parallel_group(),
                                cp_group=ps.get_context_parallel_group())
@@ -73,7 +91,7 @@ def run_vlm_parity(rank: int, world_size: int, layouts: list[tuple[int, int, boo
         vision_params = sum(1 for n in grads if n.startswith("vision."))
         worst = torch.tensor([(sums - ref_sums).abs().max().item(), grad_err])
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        results.append(dict(layout=f"tp={tp} cp={cp} sp={sp}", max_dloss_sum=worst[0].item(),
+        results.append(dict(layout=f"tp={tp} cp={cp} sp={sp}" + (" broadcast" if broadcast else ""), max_dloss_sum=worst[0].item(),
                             max_rel_grad_err=worst[1].item(), tokens=ref_sums[:, 1].tolist(),
                             vision_params=vision_params))
     return results
