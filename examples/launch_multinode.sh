@@ -35,4 +35,5 @@ torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER
   --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0 \
   --tokenizer-type NullTokenizer --vocab-size 256 \
   --transformer-impl transformer_engine --position-embedding-type rope \
+  --calculate-per-token-loss --eval-iters 0 --eval-interval 1000 --no-gradient-accumulation-fusion \
   --log-interval 10 "$@"

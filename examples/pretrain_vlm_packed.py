@@ -5,7 +5,12 @@
         --num-layers 8 --hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 8192 \
         --seq-length 8192 --max-position-embeddings 8192 --micro-batch-size 4 --global-batch-size 64 \
         --train-iters 100 --lr 1e-4 --tokenizer-type NullTokenizer --vocab-size 256 \
-        --dataloader-type external --transformer-impl transformer_engine
+        --dataloader-type external --transformer-impl transformer_engine --position-embedding-type rope \
+        --calculate-per-token-loss --eval-iters 0 --eval-interval 1000 --no-gradient-accumulation-fusion
+
+(`--no-gradient-accumulation-fusion` unless Apex's CUDA extensions are installed;
+`--calculate-per-token-loss` makes Megatron use the exact (loss_sum, num_tokens) normalisation.)
+Run on one H100 with megatron-core 0.19.2 + TE 2.20.2: benchmarks/results/pretrain_example_h100.md.
 
 `megatron.training` ships in the megatron-core wheel. This example uses the embedded synthetic
 dataset and the tiny vision tower; swap `model_provider` and `datasets_provider` for your own
@@ -67,18 +72,33 @@ datasets_provider.is_distributed = True  # every rank builds the same iterator
 forward_step = make_forward_step(pack=True, label_style="hf")
 
 
+def skip_rebuilding_shipped_dataset_helpers() -> None:
+    """megatron.training runs `make` on the dataset helpers at start-up, but the megatron-core wheel
+    ships them compiled and without a Makefile (exit 1). Skip the rebuild when they import."""
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        return
+    from megatron.core.datasets import utils
+
+    utils.compile_helpers = lambda: None
+
+
 def main() -> None:
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
 
+    skip_rebuilding_shipped_dataset_helpers()
+
     if "cfg_container" in inspect.signature(pretrain).parameters:
         # megatron-core >= 0.19: the training loop takes a config container built from the args.
         from megatron.training.argument_utils import pretrain_cfg_container_from_args
-        from megatron.training.arguments import parse_args
+        from megatron.training.arguments import parse_args, validate_args
         from megatron.training.global_vars import set_global_variables
 
         args = parse_args()
-        set_global_variables(args, build_tokenizer=False)
+        validate_args(args)
+        set_global_variables(args)
         pretrain(pretrain_cfg_container_from_args(args), datasets_provider, ModelType.encoder_or_decoder,
                  forward_step, model_provider=model_provider)
     else:

@@ -66,7 +66,9 @@ class TinyVisionTower(nn.Module):
         if bool((image_grid_thw[:, 1:] % MERGE != 0).any()):
             raise ValueError(f"image_grid_thw h and w must be multiples of {MERGE}, got {image_grid_thw.tolist()}")
         same_image = image_block_mask(image_grid_thw, pixel_values.device)
-        x = self.patch_embed(pixel_values)
+        # Under bf16 training (Megatron's Float16Module) the weights are bf16 but pixel_values come
+        # from the data loader in float32: compute in the tower's own dtype, as transformers does.
+        x = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype))
         for block in self.blocks:
             x = block(x, same_image)
         return self.merger(x.reshape(-1, MERGE * MERGE * x.shape[-1]))
