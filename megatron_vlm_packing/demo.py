@@ -44,7 +44,9 @@ def setup_distributed(device: str, tp: int, cp: int, seed: int) -> None:
 
 
 def build_demo_model(args, data_cfg: SyntheticVLMConfig, device: str) -> PackedVLM:
-    backend = "reference" if device == "cpu" or args.cp > 1 else "auto"
+    # The exact reference attention on every device: the demo model is float32 (flash-style varlen
+    # kernels want bf16/fp16) and tiny, and the point is the packed-vs-unpacked parity.
+    backend = "reference"
     cfg = TinyGPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                         ffn_hidden_size=128, vocab_size=data_cfg.vocab_size, max_sequence_length=2048,
                         backend=backend, tensor_parallel=args.tp, context_parallel=args.cp,
