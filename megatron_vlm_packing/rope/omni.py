@@ -54,6 +54,14 @@ def _interleave_by_time(video: torch.Tensor, audio: torch.Tensor) -> tuple[torch
     return merged, merged[:, tail_start:]
 
 
+def _take(values, index: int, name: str):
+    """values[index], or a ValueError naming how many there are."""
+    count = 0 if values is None else len(values)
+    if index >= count:
+        raise ValueError(f"input_ids hold more {name} blocks than the {count} entries of {name}")
+    return values[index]
+
+
 def omni_rope_index(input_ids, config: MRopeConfig, *, image_grid_thw=None, video_grid_thw=None,
                     attention_mask=None, use_audio_in_video: bool = False, audio_seqlens=None,
                     second_per_grids=None):
@@ -70,14 +78,16 @@ def omni_rope_index(input_ids, config: MRopeConfig, *, image_grid_thw=None, vide
     deltas = []
     image_i = video_i = audio_i = 0
     for row in range(batch):
-        tokens = input_ids[row][mask[row]].tolist()
+        row_ids = input_ids[row][mask[row]]
+        tokens = row_ids.tolist()
+        # Every block opens with a vision-start or audio-start token: find them once, with a tensor op.
+        opens = torch.nonzero((row_ids == config.vision_start_token_id)
+                              | (row_ids == config.audio_start_token_id)).flatten().tolist()
         pieces, cursor = [], 0
         next_start = lambda: pieces[-1].max() + 1 if pieces else 0  # noqa: E731
-        while True:
-            starts = [i for i in range(cursor, len(tokens)) if tokens[i] in (config.vision_start_token_id, config.audio_start_token_id)]
-            if not starts:
-                break
-            at = starts[0]
+        for at in opens:
+            if at < cursor:  # the audio-start inside an audio-in-video block, already consumed
+                continue
             if at > cursor:
                 pieces.append(_text(at - cursor, next_start()))
             audio_in_video = tokens[at] == config.vision_start_token_id and at + 1 < len(tokens) \
@@ -86,19 +96,19 @@ def omni_rope_index(input_ids, config: MRopeConfig, *, image_grid_thw=None, vide
             pieces.append(_text(wrap, next_start()))
             start = next_start()  # right after the opening tokens
             if tokens[at] == config.audio_start_token_id:
-                length = int(audio_output_length(torch.as_tensor(audio_seqlens[audio_i]), config.audio_n_window))
+                length = int(audio_output_length(torch.as_tensor(_take(audio_seqlens, audio_i, "audio_seqlens")), config.audio_n_window))
                 pieces.append(_text(length, start))
                 cursor, audio_i = at + wrap + length + wrap, audio_i + 1
             elif not audio_in_video and tokens[at + 1] == config.image_token_id:
-                t, h, w = (int(x) for x in image_grid_thw[image_i])
+                t, h, w = (int(x) for x in _take(image_grid_thw, image_i, "image_grid_thw"))
                 pieces.append(_vision(start, torch.arange(t) * 1 * pps, h // merge, w // merge))
                 cursor, image_i = at + wrap + t * h * w // merge ** 2 + wrap, image_i + 1
             else:
-                t, h, w = (int(x) for x in video_grid_thw[video_i])
-                t_index = torch.arange(t) * second_per_grids[video_i].cpu().float() * pps
+                t, h, w = (int(x) for x in _take(video_grid_thw, video_i, "video_grid_thw"))
+                t_index = torch.arange(t) * _take(second_per_grids, video_i, "second_per_grid_ts").cpu().float() * pps
                 video = _vision(start, t_index, h // merge, w // merge)
                 if audio_in_video:
-                    length = int(audio_output_length(torch.as_tensor(audio_seqlens[audio_i]), config.audio_n_window))
+                    length = int(audio_output_length(torch.as_tensor(_take(audio_seqlens, audio_i, "audio_seqlens")), config.audio_n_window))
                     merged, tail = _interleave_by_time(video, _text(length, start))
                     pieces.append(merged)
                     last = tail
@@ -116,4 +126,8 @@ def omni_rope_index(input_ids, config: MRopeConfig, *, image_grid_thw=None, vide
         positions = torch.cat(pieces, dim=1)
         out[:, row, mask[row]] = positions.to(out.device)
         deltas.append(positions.max() + 1 - len(tokens))
+    for name, used, given in (("image_grid_thw", image_i, image_grid_thw), ("video_grid_thw", video_i, video_grid_thw),
+                              ("audio_seqlens", audio_i, audio_seqlens)):
+        if given is not None and used != len(given):
+            raise ValueError(f"{used} blocks in input_ids use {name}, which has {len(given)} entries")
     return out, torch.tensor(deltas, device=input_ids.device).unsqueeze(1)
