@@ -49,18 +49,39 @@ def _grid_per_run(run_type, image_grid_thw, video_grid_thw, device):
     return grids
 
 
-def _interval_per_run(run_type, config, second_per_grid_ts, device):
-    """[K] float32 temporal step of each run (1 except Qwen2.5-VL videos)."""
-    interval = torch.ones(run_type.numel(), dtype=torch.float32, device=device)
+def _video_intervals(second_per_grid_ts, tokens_per_second: float, n_videos: int, device) -> torch.Tensor:
+    """[V] temporal step of each Qwen2.5-VL video, in the dtype transformers computes it in.
+
+    transformers multiplies `arange(t) * (tokens_per_second * s)` and truncates. The product's dtype
+    follows `s`: a tensor keeps its dtype (float64 stays float64), a Python number (a list entry, or
+    the default 1 when `second_per_grid_ts` is None) makes a float32 product of the float32-rounded
+    double `tokens_per_second * s`. Matching that arithmetic is what keeps `floor` identical for
+    fractional seconds.
+    """
+    if second_per_grid_ts is None:
+        return torch.full((n_videos,), float(tokens_per_second), dtype=torch.float32, device=device)
+    if isinstance(second_per_grid_ts, (list, tuple)) and not any(torch.is_tensor(x) for x in second_per_grid_ts):
+        doubles = torch.tensor([tokens_per_second * float(x) for x in second_per_grid_ts], dtype=torch.float64)
+        seconds = doubles.to(torch.float32)
+    else:
+        seconds = torch.as_tensor(second_per_grid_ts) if not isinstance(second_per_grid_ts, (list, tuple)) \
+            else torch.stack([torch.as_tensor(x) for x in second_per_grid_ts])
+        seconds = seconds.reshape(-1) * tokens_per_second  # keeps a floating dtype; integers -> float32
+        if not seconds.is_floating_point():
+            seconds = seconds.to(torch.float32)
+    if seconds.numel() != n_videos:
+        raise ValueError(f"{seconds.numel()} entries in second_per_grid_ts but {n_videos} video blocks in input_ids")
+    return seconds.to(device)
+
+
+def _interval_per_run(run_type, config, second_per_grid_ts, device) -> torch.Tensor:
+    """[K] temporal step of each run (1 except Qwen2.5-VL videos), in transformers' arithmetic dtype."""
     videos = run_type == 2
-    if config.family == "qwen2_5_vl" and bool(videos.any()):
-        if second_per_grid_ts is None:
-            seconds = torch.ones(int(videos.sum()), device=device)
-        else:
-            seconds = torch.as_tensor(second_per_grid_ts, device=device).reshape(-1)
-            if seconds.numel() != int(videos.sum()):
-                raise ValueError(f"{seconds.numel()} entries in second_per_grid_ts but {int(videos.sum())} videos")
-        interval[videos] = (config.tokens_per_second * seconds).to(torch.float32)
+    if config.family != "qwen2_5_vl" or not bool(videos.any()):
+        return torch.ones(run_type.numel(), dtype=torch.float32, device=device)
+    steps = _video_intervals(second_per_grid_ts, config.tokens_per_second, int(videos.sum()), device)
+    interval = torch.ones(run_type.numel(), dtype=steps.dtype, device=device)
+    interval[videos] = steps
     return interval
 
 
@@ -83,7 +104,8 @@ def get_rope_index(
         config: `MRopeConfig` of the family.
         image_grid_thw / video_grid_thw: [I, 3] / [V, 3] long, patch grids in token order.
         attention_mask: [B, S], 1 = real token (any pattern; HF semantics).
-        second_per_grid_ts: [V] seconds per temporal grid step (Qwen2.5-VL videos).
+        second_per_grid_ts: [V] seconds per temporal grid step (Qwen2.5-VL videos): a tensor (any float
+            dtype; the t positions are truncated in that dtype, like transformers) or a list of numbers.
         mm_token_type_ids: [B, S] 0/1/2; derived from the placeholder ids when None.
         use_audio_in_video, audio_seqlens: Qwen3-Omni audio inputs (raw audio feature lengths).
 
@@ -132,7 +154,7 @@ def get_rope_index(
     if config.text_offset == "max_hw":
         advance = torch.where(vision, torch.maximum(gh, gw), run_len)
     else:
-        t_span = ((gt - 1).clamp_min(0).float() * interval).long()
+        t_span = ((gt - 1).clamp_min(0).to(interval.dtype) * interval).long()
         advance = torch.where(vision, torch.maximum(t_span, torch.maximum(gh, gw) - 1) + 1, run_len)
     # Start of each run: exclusive cumsum of advances, restarted at every row's first run.
     run_start = torch.cumsum(advance, 0) - advance
@@ -149,7 +171,8 @@ def get_rope_index(
     frame = torch.div(k, hw, rounding_mode="floor")
     in_frame = k - frame * hw
     row_in_frame = torch.div(in_frame, w, rounding_mode="floor")
-    t_pos = (frame.float() * interval.index_select(0, run_of_token)).int() + start
+    step = interval.index_select(0, run_of_token)
+    t_pos = (frame.to(step.dtype) * step).int() + start
     vis = is_vision.bool()
     text_pos = k + start
     positions = torch.stack([torch.where(vis, t_pos, text_pos), torch.where(vis, row_in_frame + start, text_pos),
@@ -158,7 +181,7 @@ def get_rope_index(
     out.index_copy_(1, flat, positions.to(input_ids.dtype))
     out = out.view(3, batch, seq)
     # Each row's largest position, from its runs (K values, not R): a run ends at start + its span.
-    t_last = ((gt - 1).clamp_min(0).float() * interval).long()
+    t_last = ((gt - 1).clamp_min(0).to(interval.dtype) * interval).long()
     run_max = run_start + torch.where(vision, torch.maximum(t_last, torch.maximum(gh, gw) - 1), run_len - 1)
     row_max = torch.zeros(batch, dtype=torch.long, device=device).scatter_reduce(
         0, run_row, run_max, "amax", include_self=False)

@@ -73,3 +73,85 @@ def test_max_position_text_offset_differs_only_after_long_videos():
 def test_count_mismatches_raise_with_both_numbers(ids, kwargs, expected):
     with pytest.raises(ValueError, match=expected):
         get_rope_index(torch.tensor(ids), MRopeConfig(family="qwen2_vl"), **kwargs)
+
+
+def _one_video_per_row(fps_values, frames: int = 30):
+    """Rows `text, <vision_start>, frames x (1 merged token), <vision_end>, text`, one video each."""
+    ids = torch.tensor([[5, 151652] + [151656] * frames + [151653, 7]] * len(fps_values))
+    return ids, torch.tensor([[frames, 2, 2]] * len(fps_values))
+
+
+@pytest.mark.parametrize("tokens_per_second", [2, 7, 25])
+@pytest.mark.parametrize("kind", ["float32", "float64", "list"])
+def test_fractional_seconds_truncate_like_the_hf_model(tokens_per_second, kind):
+    """t = floor(k * tokens_per_second * seconds) in transformers' own dtype: float64 seconds and Python
+    floats round differently from float32, which moves floor() for some fps (e.g. 25 t/s at fps 0.375)."""
+    hf = hf_config("qwen2_5_vl")
+    hf.vision_config.tokens_per_second = tokens_per_second
+    cfg = MRopeConfig.from_hf_config(hf)
+    fps = [x / 8 for x in range(1, 161)]
+    seconds = [2 / f for f in fps]
+    if kind != "list":
+        seconds = torch.tensor(seconds, dtype=getattr(torch, kind))
+    ids, videos = _one_video_per_row(fps)
+    ours = get_rope_index(ids, cfg, video_grid_thw=videos, second_per_grid_ts=seconds)
+    ref_pos, ref_delta = hf_get_rope_index("qwen2_5_vl", hf)(ids, mm_token_type_ids=token_types(ids, cfg),
+                                                             video_grid_thw=videos, second_per_grid_ts=seconds)
+    assert torch.equal(ours.position_ids, ref_pos)
+    assert torch.equal(ours.deltas, ref_delta.reshape(ours.deltas.shape))
+
+
+def _move_real_tokens(ids, mask, pattern: str, seed: int):
+    """Same rows with the real tokens left-padded, or scattered over the row with masked holes between."""
+    g = torch.Generator().manual_seed(seed)
+    new_ids, new_mask = torch.full_like(ids, 3), torch.zeros_like(mask)
+    width = ids.shape[1]
+    for row in range(ids.shape[0]):
+        n = int(mask[row].sum())
+        slots = torch.arange(width - n, width) if pattern == "left" else \
+            torch.sort(torch.randperm(width, generator=g)[:n]).values
+        new_ids[row, slots], new_mask[row, slots] = ids[row, :n], 1
+    return new_ids, new_mask
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("pattern", ["left", "holes"])
+def test_any_attention_mask_pattern_matches_the_hf_model(family, pattern):
+    """transformers keeps the tokens where the mask is 1, in order, and gives masked slots 0: so do we."""
+    hf = hf_config(family)
+    cfg = MRopeConfig.from_hf_config(hf)
+    for seed in range(3):
+        ids, mask, images, videos, seconds = random_rows(family, 4, seed)
+        ids, mask = _move_real_tokens(ids, mask, pattern, seed)
+        kwargs = dict(image_grid_thw=images, video_grid_thw=videos, attention_mask=mask)
+        if family == "qwen2_5_vl":
+            kwargs["second_per_grid_ts"] = seconds
+        ours = get_rope_index(ids, cfg, **kwargs)
+        ref_pos, ref_delta = hf_get_rope_index(family, hf)(ids, mm_token_type_ids=token_types(ids, cfg), **kwargs)
+        assert torch.equal(ours.position_ids, ref_pos)
+        assert torch.equal(ours.deltas, ref_delta.reshape(ours.deltas.shape))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("seed", range(3))
+def test_without_attention_mask_every_token_is_real(family, seed):
+    hf = hf_config(family)
+    cfg = MRopeConfig.from_hf_config(hf)
+    ids, mask, images, videos, seconds = random_rows(family, 1, seed, pad=False)
+    assert bool(mask.all())
+    kwargs = dict(image_grid_thw=images, video_grid_thw=videos)
+    if family == "qwen2_5_vl":
+        kwargs["second_per_grid_ts"] = seconds
+    ours = get_rope_index(ids, cfg, **kwargs)
+    ref_pos, ref_delta = hf_get_rope_index(family, hf)(ids, mm_token_type_ids=token_types(ids, cfg), **kwargs)
+    assert torch.equal(ours.position_ids, ref_pos)
+    assert torch.equal(ours.position_ids, get_rope_index(ids, cfg, attention_mask=mask, **kwargs).position_ids)
+
+
+def test_second_per_grid_ts_count_must_match_the_videos():
+    cfg = MRopeConfig(family="qwen2_5_vl")
+    ids, videos = _one_video_per_row([1.0, 2.0])
+    with pytest.raises(ValueError, match=r"1 entries in second_per_grid_ts but 2 video blocks"):
+        get_rope_index(ids, cfg, video_grid_thw=videos, second_per_grid_ts=torch.tensor([1.0]))
+    with pytest.raises(ValueError, match=r"1 video placeholder blocks in input_ids but 2 rows in video_grid_thw"):
+        get_rope_index(ids[:1], cfg, video_grid_thw=videos)
