@@ -16,6 +16,8 @@ Shape legend: B = batch, S = sequence (T when packed), D = rotary dim, F = D / 2
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
@@ -23,7 +25,7 @@ from megatron_vlm_packing.parallel.cp import dense_cp_partition_index
 
 
 def mrope_frequencies(position_ids: torch.Tensor, inv_freq: torch.Tensor, mrope_section, *,
-                      interleaved: bool = False) -> torch.Tensor:
+                      interleaved: bool = False, seq_len_interpolation_factor: float | None = None) -> torch.Tensor:
     """Rotary angles of 3D positions.
 
     Args:
@@ -32,13 +34,17 @@ def mrope_frequencies(position_ids: torch.Tensor, inv_freq: torch.Tensor, mrope_
         mrope_section: 3 ints summing to F: frequencies taken from t, h, w.
         interleaved: Qwen3 layout (frequency i from axis i % 3 while that axis has sections left)
             instead of contiguous blocks (Qwen2/2.5, Megatron-Core).
+        seq_len_interpolation_factor: positions are divided by it first (Megatron-Core's option).
 
     Returns:
         [S, B, 1, D] float32, D = 2F (the halves repeated, Megatron-Core's non-interleaved rotary).
     """
     if sum(mrope_section) != inv_freq.numel():
         raise ValueError(f"mrope_section {list(mrope_section)} must sum to {inv_freq.numel()} rotary frequencies")
-    freqs = position_ids.to(inv_freq.device).float()[..., None] * inv_freq  # [3, B, S, F]
+    positions = position_ids.to(inv_freq.device).float()
+    if seq_len_interpolation_factor is not None:
+        positions = positions * (1 / seq_len_interpolation_factor)
+    freqs = positions[..., None] * inv_freq  # [3, B, S, F]
     if interleaved:
         chosen = freqs[0].clone()
         for axis in (1, 2):
@@ -52,16 +58,19 @@ def mrope_frequencies(position_ids: torch.Tensor, inv_freq: torch.Tensor, mrope_
 class PackedMultimodalRotaryEmbedding(nn.Module):
     """Drop-in for `GPTModel.rotary_pos_emb` with position_embedding_type="mrope"; any device."""
 
-    def __init__(self, inv_freq: torch.Tensor, *, interleaved: bool = False, cp_group=None):
+    def __init__(self, inv_freq: torch.Tensor, *, interleaved: bool = False, cp_group=None,
+                 seq_len_interpolation_factor: float | None = None):
         super().__init__()
         self.register_buffer("inv_freq", inv_freq.detach().float().clone(), persistent=False)
         self.interleaved = interleaved
+        self.seq_len_interpolation_factor = seq_len_interpolation_factor
         self.cp_group = cp_group
         self.is_thd_format = False  # set per call by use_packed_mrope's hooks
 
     def forward(self, position_ids: torch.Tensor, mrope_section, cp_group=None, **unused) -> torch.Tensor:
         """[3, B, S] positions -> [S, B, 1, D] (THD: the full packed sequence; dense: this CP rank's part)."""
-        emb = mrope_frequencies(position_ids, self.inv_freq, mrope_section, interleaved=self.interleaved)
+        emb = mrope_frequencies(position_ids, self.inv_freq, mrope_section, interleaved=self.interleaved,
+                                seq_len_interpolation_factor=self.seq_len_interpolation_factor)
         group = cp_group if cp_group is not None else self.cp_group
         if self.is_thd_format or group is None or group.size() == 1:
             return emb
@@ -82,39 +91,65 @@ class PackedMropeHandle:
         self.hooks = []
 
 
-def _packed_seq_params_of(args, kwargs):
+def _packed_seq_params_of(forward_signature: inspect.Signature, args, kwargs):
+    """The call's `packed_seq_params`, passed by keyword or by position (GPTModel.forward's 7th)."""
     if "packed_seq_params" in kwargs:
         return kwargs["packed_seq_params"]
-    return args[6] if len(args) > 6 else None  # GPTModel.forward's 7th positional parameter
+    try:
+        bound = forward_signature.bind_partial(*args, **kwargs)
+    except TypeError:  # let the forward itself report the bad call
+        return None
+    return bound.arguments.get("packed_seq_params")
+
+
+def _refuse_unservable(model) -> None:
+    """ValueError/RuntimeError for a model whose rotary this module cannot replace exactly."""
+    if getattr(model, "position_embedding_type", None) != "mrope":
+        raise ValueError(f"use_packed_mrope needs position_embedding_type='mrope', got "
+                         f"{getattr(model, 'position_embedding_type', None)!r}")
+    if getattr(model.config, "apply_rope_fusion", False):
+        raise ValueError("fused rope cannot take 3D mRoPE positions: build the model with apply_rope_fusion=False")
+    if getattr(model.config, "rotary_interleaved", False):
+        raise ValueError("rotary_interleaved=True is not supported with mRoPE (Qwen-VL rotates halves): "
+                         "build the model with rotary_interleaved=False")
+    if "packed_seq_params" not in inspect.signature(model.forward).parameters:
+        raise ValueError(f"{type(model).__name__}.forward takes no packed_seq_params: cannot tell THD calls apart")
+    from megatron_vlm_packing.rope.megatron_thd import thd_rope_takes_document_chunks
+
+    if not thd_rope_takes_document_chunks():
+        raise RuntimeError("the installed megatron-core's _apply_rotary_pos_emb_thd does not take each document's "
+                           "CP chunks from a full packed frequency table; packed mRoPE would be silently wrong here "
+                           "(megatron-core 0.16.1 and 0.19.2 do this right)")
 
 
 def use_packed_mrope(model, *, interleaved: bool = False) -> PackedMropeHandle:
     """Replace an mrope GPTModel's rotary with `PackedMultimodalRotaryEmbedding`; per-call THD mode.
 
     Idempotent (a second call returns the existing handle). Raises ValueError for a model that is
-    not mrope, or uses fused rope (Megatron-Core's fused kernels take no 3D positions).
+    not mrope, uses fused rope (Megatron-Core's fused kernels take no 3D positions) or interleaved
+    rotary halves, and RuntimeError where Megatron-Core's THD rope would not take each document's
+    CP chunks from the full table (`megatron_thd.thd_rope_takes_document_chunks`).
     """
     existing = getattr(model, "_packed_mrope_handle", None)
     if existing is not None and existing.hooks:
         return existing
-    if getattr(model, "position_embedding_type", None) != "mrope":
-        raise ValueError(f"use_packed_mrope needs position_embedding_type='mrope', got "
-                         f"{getattr(model, 'position_embedding_type', None)!r}")
-    if getattr(model.config, "apply_rope_fusion", False):
-        raise ValueError("fused rope cannot take 3D mRoPE positions: build the model with apply_rope_fusion=False")
+    _refuse_unservable(model)
     original = model.rotary_pos_emb
-    rotary = PackedMultimodalRotaryEmbedding(original.inv_freq, interleaved=interleaved,
-                                             cp_group=getattr(original, "cp_group", None))
+    rotary = PackedMultimodalRotaryEmbedding(
+        original.inv_freq, interleaved=interleaved, cp_group=getattr(original, "cp_group", None),
+        seq_len_interpolation_factor=getattr(original, "seq_len_interpolation_factor", None))
+    forward_signature = inspect.signature(model.forward)
     model.rotary_pos_emb = rotary
     saved: list[bool] = []
 
     def enter(module, args, kwargs):
-        params = _packed_seq_params_of(args, kwargs)
+        params = _packed_seq_params_of(forward_signature, args, kwargs)
         saved.append(rotary.is_thd_format)
         rotary.is_thd_format = params is not None and params.qkv_format == "thd"
 
     def leave(module, args, kwargs, output=None):
-        rotary.is_thd_format = saved.pop()
+        if saved:  # empty only if an earlier pre-hook raised before ours ran
+            rotary.is_thd_format = saved.pop()
 
     hooks = [model.register_forward_pre_hook(enter, with_kwargs=True),
              model.register_forward_hook(leave, with_kwargs=True, always_call=True)]

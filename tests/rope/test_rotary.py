@@ -104,3 +104,39 @@ def test_refuses_models_it_cannot_serve():
     model.position_embedding_type = "rope"
     with pytest.raises(ValueError, match="needs position_embedding_type='mrope'"):
         use_packed_mrope(model)
+
+
+def test_seq_len_interpolation_factor_is_kept(shims):
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
+
+    megatron = MultimodalRotaryEmbedding(kv_channels=16, rotary_percent=1.0, seq_len_interpolation_factor=3.0)
+    positions = torch.randint(0, 50, (3, 2, 7))
+    ours = PackedMultimodalRotaryEmbedding(megatron.inv_freq, seq_len_interpolation_factor=3.0)
+    assert torch.equal(ours(positions, [2, 3, 3]), megatron(positions, [2, 3, 3]))
+    assert not torch.equal(ours(positions, [2, 3, 3]), mrope_frequencies(positions, megatron.inv_freq, [2, 3, 3]))
+
+
+def test_refuses_interleaved_rotary_halves():
+    model = TinyMropeModel()
+    model.config.rotary_interleaved = True
+    with pytest.raises(ValueError, match="rotary_interleaved=True is not supported with mRoPE"):
+        use_packed_mrope(model)
+
+
+def test_positions_broadcast_from_1d_change_the_rotary_of_image_tokens_only():
+    """Bug class 1: three copies of a 1D position are not the t/h/w position of an image token."""
+    from megatron_vlm_packing.rope import MRopeConfig, get_rope_index
+
+    cfg = MRopeConfig(family="qwen2_vl")
+    ids = torch.tensor([[5, 6, 151652] + [151655] * 6 + [151653, 7, 8]])  # one 2x3 merged image
+    true_3d = get_rope_index(ids, cfg, image_grid_thw=torch.tensor([[1, 4, 6]])).position_ids
+    broadcast = torch.arange(ids.shape[1]).expand(3, 1, -1)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
+    ours = mrope_frequencies(true_3d, inv_freq, [2, 1, 1])[:, 0, 0]  # [S, D]
+    wrong = mrope_frequencies(broadcast, inv_freq, [2, 1, 1])[:, 0, 0]
+    differs = (ours != wrong).any(-1)
+    assert differs[4:9].all()  # every image token but the first (t = h = w = 3 there, as in 1D)
+    assert not differs[:4].any()  # text before the image: 1D and 3D agree
+    assert differs[9:].all()  # text after the image resumes at 3 + max(2, 3), not at 9
+    text_only = torch.tensor([[5, 6, 7]])
+    assert torch.equal(get_rope_index(text_only, cfg).position_ids, torch.arange(3).expand(3, 1, -1))
