@@ -40,9 +40,12 @@ class MRopeConfig:
             `tokens_per_second * second_per_grid_ts`.
         mrope_section: rotary frequency pairs given to (t, h, w), e.g. (16, 24, 24).
         mrope_interleaved: Qwen3 style (frequencies interleaved t, h, w, ...) instead of contiguous.
-        text_offset: where text resumes after a vision block. "max_hw" (transformers >= 5: start +
-            max(h, w) / merge) or "max_position" (transformers 4.57: 1 + the block's largest
-            position, which differs after videos whose t positions outrun h and w; transformers #45381).
+        text_offset: where text resumes after a vision block. "max_hw" (the installed transformers
+            5.x: start + max(h, w) / merge; the default, tested against the HF model) or
+            "max_position" (transformers 4.57: 1 + the block's largest position, which differs only
+            after videos whose t positions outrun h and w; transformers #45381). "max_position"
+            reproduces 4.57's resume rule only: masked slots stay 0 (4.57 wrote 1) and t positions
+            truncate in 5.x's arithmetic; it is tested on hand-computed cases, not against 4.57.
     """
 
     family: str

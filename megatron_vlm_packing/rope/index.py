@@ -5,7 +5,8 @@ Per sample, over the tokens its attention mask keeps (the Hugging Face rule):
 - a vision block with merged grid (t, h, w) gets t = cur + floor(k * interval), h = cur + row,
   w = cur + col over the t x h x w grid, then `cur += max(h, w)` (transformers >= 5) or
   `cur = block max + 1` (transformers 4.57, `text_offset="max_position"`).
-`interval` is 1, except Qwen2.5-VL videos: `tokens_per_second * second_per_grid_ts`. Qwen3-VL
+`interval` is 1, except Qwen2.5-VL videos: `tokens_per_second * second_per_grid_ts`, multiplied
+and truncated in the dtype transformers uses (float64 seconds stay float64). Qwen3-VL
 splits every video into one block per frame (frames are separated by timestamp text).
 Masked tokens get 0 on every axis, like the reference.
 
@@ -74,15 +75,23 @@ def _video_intervals(second_per_grid_ts, tokens_per_second: float, n_videos: int
     return seconds.to(device)
 
 
-def _interval_per_run(run_type, config, second_per_grid_ts, device) -> torch.Tensor:
-    """[K] temporal step of each run (1 except Qwen2.5-VL videos), in transformers' arithmetic dtype."""
+def _interval_per_run(run_type, config, second_per_grid_ts, device) -> torch.Tensor | None:
+    """[K] temporal step of each run (1 except Qwen2.5-VL videos), in transformers' arithmetic dtype;
+    None when every step is 1 (the t position is then just the frame index)."""
     videos = run_type == 2
     if config.family != "qwen2_5_vl" or not bool(videos.any()):
-        return torch.ones(run_type.numel(), dtype=torch.float32, device=device)
+        return None
     steps = _video_intervals(second_per_grid_ts, config.tokens_per_second, int(videos.sum()), device)
     interval = torch.ones(run_type.numel(), dtype=steps.dtype, device=device)
     interval[videos] = steps
     return interval
+
+
+def _scaled_frames(frames: torch.Tensor, interval: torch.Tensor | None) -> torch.Tensor:
+    """floor(frames * interval) in the interval's dtype, as an integer tensor of the frames' dtype."""
+    if interval is None:
+        return frames
+    return (frames.to(interval.dtype) * interval).to(frames.dtype)
 
 
 def get_rope_index(
@@ -154,7 +163,7 @@ def get_rope_index(
     if config.text_offset == "max_hw":
         advance = torch.where(vision, torch.maximum(gh, gw), run_len)
     else:
-        t_span = ((gt - 1).clamp_min(0).to(interval.dtype) * interval).long()
+        t_span = _scaled_frames((gt - 1).clamp_min(0), interval)
         advance = torch.where(vision, torch.maximum(t_span, torch.maximum(gh, gw) - 1) + 1, run_len)
     # Start of each run: exclusive cumsum of advances, restarted at every row's first run.
     run_start = torch.cumsum(advance, 0) - advance
@@ -171,8 +180,7 @@ def get_rope_index(
     frame = torch.div(k, hw, rounding_mode="floor")
     in_frame = k - frame * hw
     row_in_frame = torch.div(in_frame, w, rounding_mode="floor")
-    step = interval.index_select(0, run_of_token)
-    t_pos = (frame.to(step.dtype) * step).int() + start
+    t_pos = _scaled_frames(frame, None if interval is None else interval.index_select(0, run_of_token)) + start
     vis = is_vision.bool()
     text_pos = k + start
     positions = torch.stack([torch.where(vis, t_pos, text_pos), torch.where(vis, row_in_frame + start, text_pos),
@@ -181,7 +189,7 @@ def get_rope_index(
     out.index_copy_(1, flat, positions.to(input_ids.dtype))
     out = out.view(3, batch, seq)
     # Each row's largest position, from its runs (K values, not R): a run ends at start + its span.
-    t_last = ((gt - 1).clamp_min(0).to(interval.dtype) * interval).long()
+    t_last = _scaled_frames((gt - 1).clamp_min(0), interval)
     run_max = run_start + torch.where(vision, torch.maximum(t_last, torch.maximum(gh, gw) - 1), run_len - 1)
     row_max = torch.zeros(batch, dtype=torch.long, device=device).scatter_reduce(
         0, run_row, run_max, "amax", include_self=False)
