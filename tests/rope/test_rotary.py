@@ -140,3 +140,20 @@ def test_positions_broadcast_from_1d_change_the_rotary_of_image_tokens_only():
     assert differs[9:].all()  # text after the image resumes at 3 + max(2, 3), not at 9
     text_only = torch.tensor([[5, 6, 7]])
     assert torch.equal(get_rope_index(text_only, cfg).position_ids, torch.arange(3).expand(3, 1, -1))
+
+
+@pytest.mark.parametrize("interleaved, section", [(False, [2, 3, 3]), (True, [3, 3, 2]), (True, [4, 2, 2])])
+def test_sections_against_the_formula_frequency_by_frequency(interleaved, section):
+    """Frequency i uses axis a(i): contiguous -> the block of `section` that holds i; interleaved ->
+    i % 3 while that axis still has sections (i < 3 * section[i % 3]), else t."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+    positions = torch.randint(0, 99, (3, 2, 5))
+    bounds = torch.cumsum(torch.tensor(section), 0).tolist()
+    ours = mrope_frequencies(positions, inv_freq, section, interleaved=interleaved)  # [S, B, 1, 16]
+    for i in range(8):
+        if interleaved:
+            axis = i % 3 if i % 3 and i < 3 * section[i % 3] else 0
+        else:
+            axis = next(a for a, bound in enumerate(bounds) if i < bound)
+        expected = positions[axis].float() * inv_freq[i]  # [B, S]
+        assert torch.equal(ours[:, :, 0, i], expected.T) and torch.equal(ours[:, :, 0, 8 + i], expected.T)
