@@ -32,3 +32,16 @@ def test_shims_are_explicit_idempotent_and_reversible():
     assert tp_random.CudaRNGStatesTracker.add is original_add
     assert torch_norm.WrappedTorchNorm.__dict__["__new__"] is original_norm_new
     undo_cpu_shims()  # a no-op when nothing is applied
+
+
+def test_shims_refuse_to_run_where_cuda_is_available(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    original_current_device = torch.cuda.current_device
+    try:
+        apply_cpu_shims()
+    except RuntimeError as err:
+        assert "CUDA is available" in str(err)
+    else:
+        undo_cpu_shims()
+        raise AssertionError("apply_cpu_shims() ran on a machine that reports CUDA")
+    assert not cpu_shims_applied() and torch.cuda.current_device is original_current_device
