@@ -70,16 +70,26 @@ def full_gradients(model: torch.nn.Module, *, tp_group=None, cp_group=None) -> d
     return grads
 
 
+def gather_in_order(local: torch.Tensor, order: torch.Tensor, cp_group) -> torch.Tensor:
+    """[R, L/cp, ...] CP-local values -> [R, L, ...] in global order (no autograd).
+
+    Args:
+        order: [L] long, every CP rank's partition index concatenated in rank order.
+    """
+    if dist.get_world_size(cp_group) == 1:
+        return local
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(cp_group))]
+    dist.all_gather(parts, local.contiguous(), group=cp_group)
+    gathered = torch.cat(parts, dim=1)
+    out = torch.empty_like(gathered)
+    out[:, order] = gathered
+    return out
+
+
 def gather_cp_tokens(local: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_group) -> torch.Tensor:
     """[1, T/cp, ...] zigzag-local values -> [1, T, ...] in packed order (no autograd)."""
     from megatron_vlm_packing.parallel.cp import cp_partition_index
 
     cp_size = dist.get_world_size(cp_group)
-    if cp_size == 1:
-        return local
-    parts = [torch.empty_like(local) for _ in range(cp_size)]
-    dist.all_gather(parts, local.contiguous(), group=cp_group)
     order = torch.cat([cp_partition_index(cu_seqlens_padded, cp_size, r) for r in range(cp_size)])
-    out = torch.empty_like(torch.cat(parts, dim=1))
-    out[:, order] = torch.cat(parts, dim=1)
-    return out
+    return gather_in_order(local, order, cp_group)
