@@ -46,17 +46,24 @@ def global_name(model: torch.nn.Module, name: str) -> str:
     return ".".join(parts)
 
 
-def full_gradients(model: torch.nn.Module, *, tp_group=None, cp_group=None) -> dict[str, torch.Tensor]:
+def full_gradients(model: torch.nn.Module, *, tp_group=None, cp_group=None,
+                   reduced_by_megatron: bool = False) -> dict[str, torch.Tensor]:
     """Every parameter's gradient as the single-process model would have it.
 
     - TP-split parameters are all-gathered over TP along their partition dim.
     - Parameters marked `sequence_parallel` (norms under SP) hold partial grads: summed over TP.
     - Under CP every rank saw part of the tokens: grads are summed over CP.
+
+    With `reduced_by_megatron` the grads are read from `main_grad` (Megatron's
+    `DistributedDataParallel`), where `finalize_model_grads` already did the SP and DP x CP
+    reductions: only the TP gather is left to do here.
     """
     grads = {}
     for name, param in model.named_parameters():
-        grad = param.grad if param.grad is not None else torch.zeros_like(param)
-        grad = grad.detach().clone()
+        grad = param.main_grad if reduced_by_megatron else param.grad
+        grad = (grad if grad is not None else torch.zeros_like(param)).detach().clone()
+        if reduced_by_megatron:
+            cp_group = None
         if cp_group is not None and dist.get_world_size(cp_group) > 1:
             dist.all_reduce(grad, group=cp_group)
         if tp_group is not None and dist.get_world_size(tp_group) > 1:
@@ -64,7 +71,7 @@ def full_gradients(model: torch.nn.Module, *, tp_group=None, cp_group=None) -> d
                 parts = [torch.empty_like(grad) for _ in range(dist.get_world_size(tp_group))]
                 dist.all_gather(parts, grad.contiguous(), group=tp_group)
                 grad = torch.cat(parts, dim=param.partition_dim)
-            elif getattr(param, "sequence_parallel", False):
+            elif getattr(param, "sequence_parallel", False) and not reduced_by_megatron:
                 dist.all_reduce(grad, group=tp_group)
         grads[global_name(model, name)] = grad
     return grads

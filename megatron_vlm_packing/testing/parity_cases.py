@@ -45,6 +45,7 @@ class ParityCase:
     sp: bool = False
     schedule: bool = False  # through get_forward_backward_func (required when pp > 1)
     dense: bool = False  # right-padded rows as they are, no packing
+    ddp: bool = False  # Megatron's DistributedDataParallel + finalize_model_grads reduce the grads (schedule only)
     corruption: str | None = None
     seed: int = 1234
 
@@ -176,10 +177,40 @@ def _forward(model, mb):
     return model(mb["input_ids"], mb["position_ids"], None, labels=mb["labels"], packed_seq_params=mb["params"])
 
 
+def run_schedule(case: ParityCase, model, mbs: list[dict], outputs: list) -> None:
+    """Forward + backward of every micro-batch through Megatron's `get_forward_backward_func`.
+
+    With `case.ddp`, `model` is wrapped in Megatron's `DistributedDataParallel` and the schedule
+    ends with `finalize_model_grads` (SP norm and DP x CP grad reductions, divided by the token count).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if case.ddp:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import finalize_model_grads
+
+        model.config.finalize_model_grads_func = finalize_model_grads
+        model = DistributedDataParallel(config=model.config, ddp_config=DistributedDataParallelConfig(), module=model)
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        out = _forward(model, mb)
+        if ps.is_pipeline_last_stage():
+            outputs.append(out.detach())
+        return out, partial(loss_func, mb["loss_mask"])
+
+    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(mbs), model=[model],
+                                num_microbatches=len(mbs), seq_length=mbs[0]["total"],
+                                micro_batch_size=mbs[0]["input_ids"].shape[0], forward_only=False)
+
+
 def run_packed(case: ParityCase, cfg: TinyGPTConfig, batches: list[dict], state: dict):
-    """Per-micro-batch [1, T/cp] losses (last stage, else None) and the gathered gradients."""
+    """Per-micro-batch [1, T/cp] losses (last stage, else None) and the gathered gradients (sums)."""
     from megatron.core import parallel_state as ps
 
+    if case.ddp and not case.schedule:
+        raise ValueError(f"case {case.name}: ddp=True needs schedule=True (finalize_model_grads runs there)")
     initialize_parallel(tp=case.tp, cp=case.cp, pp=case.pp, seed=case.seed)
     cfg = replace(cfg, tensor_parallel=case.tp, context_parallel=case.cp, pipeline_parallel=case.pp,
                   sequence_parallel=case.sp)
@@ -189,26 +220,17 @@ def run_packed(case: ParityCase, cfg: TinyGPTConfig, batches: list[dict], state:
     mbs = [local(case, b, ps.get_context_parallel_rank()) for b in batches]
     outputs = []
     if case.schedule:
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        def forward_step(data_iterator, model):
-            mb = next(data_iterator)
-            out = _forward(model, mb)
-            if ps.is_pipeline_last_stage():
-                outputs.append(out.detach())
-            return out, partial(loss_func, mb["loss_mask"])
-
-        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(mbs), model=[model],
-                                    num_microbatches=len(mbs), seq_length=mbs[0]["total"],
-                                    micro_batch_size=mbs[0]["input_ids"].shape[0],
-                                    forward_only=False)
+        run_schedule(case, model, mbs, outputs)
     else:
         for mb in mbs:
             out = _forward(model, mb)
             loss_func(mb["loss_mask"], out)[0].backward()
             outputs.append(out.detach())
     grads = full_gradients(model, tp_group=ps.get_tensor_model_parallel_group(),
-                           cp_group=ps.get_context_parallel_group())
+                           cp_group=ps.get_context_parallel_group(), reduced_by_megatron=case.ddp)
+    if case.ddp:  # finalize_model_grads divided by the global target count: back to sums
+        num_tokens = sum(mb["real_loss_mask"].sum() for mb in mbs)
+        grads = {name: grad * num_tokens for name, grad in grads.items()}
     return mbs, outputs, grads, model
 
 
