@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TinyGPTConfig:
     """Shape and parallel layout of a tiny GPT.
 
