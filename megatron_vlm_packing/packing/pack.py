@@ -73,10 +73,11 @@ def pack_positions(positions: torch.Tensor, indices: PackIndices) -> torch.Tenso
     channel, so they never restart at 0 and never look like the start of a new sample.
 
     Args:
-        positions: [B, S] or [C, B, S] long (C = 3 for mRoPE).
+        positions: [B, S] or [C, B, S] long (C = 3 for mRoPE), or float (Qwen3-Omni's fractional
+            temporal positions).
 
     Returns:
-        [1, T] or [C, 1, T] long.
+        [1, T] or [C, 1, T], same dtype.
     """
     channels = positions.unsqueeze(0) if positions.dim() == 2 else positions  # [C, B, S]
     num_channels = channels.shape[0]
@@ -84,9 +85,9 @@ def pack_positions(positions: torch.Tensor, indices: PackIndices) -> torch.Tenso
         [pack_rows(channels[c], indices, pad_value=0)[0] for c in range(num_channels)]
     )  # [C, T]
     num_segments = indices.cu_seqlens.numel() - 1
-    floor = torch.iinfo(torch.long).min
+    floor = -float("inf") if packed.is_floating_point() else torch.iinfo(packed.dtype).min
     real_max = torch.where(indices.is_real, packed.amax(0), floor)  # [T]
-    segment_max = torch.full((num_segments,), floor, dtype=torch.long, device=packed.device)
+    segment_max = torch.full((num_segments,), floor, dtype=packed.dtype, device=packed.device)
     segment_max = segment_max.scatter_reduce(0, indices.segment_of_slot, real_max, "amax")
     real_lengths = (indices.cu_seqlens[1:] - indices.cu_seqlens[:-1]).long()
     pad_rank = indices.offset_in_segment - real_lengths[indices.segment_of_slot]  # [T], >= 0 at pads

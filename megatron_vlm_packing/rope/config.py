@@ -11,6 +11,18 @@ _MODEL_TYPES = {
 }
 
 
+def _first_attr(configs, name, default):
+    """`name` from the first config that has it (transformers configs may raise, not return None)."""
+    for config in configs:
+        try:
+            value = getattr(config, name)
+        except AttributeError:
+            continue
+        if value is not None:
+            return value
+    return default
+
+
 @dataclass(frozen=True)
 class MRopeConfig:
     """Multimodal rotary position settings of one model family.
@@ -21,7 +33,9 @@ class MRopeConfig:
         image_token_id, video_token_id: placeholder ids (one per merged vision token).
         vision_start_token_id: id that opens a vision block (kept for reference; blocks are found
             from the placeholder ids, like transformers' `mm_token_type_ids`).
-        audio_token_id: Qwen3-Omni audio placeholder id (None elsewhere).
+        audio_token_id, audio_start_token_id: Qwen3-Omni audio placeholder and block-opening ids.
+        position_id_per_seconds: Qwen3-Omni temporal scale (t positions per second).
+        audio_n_window: Qwen3-Omni audio encoder window (sets each audio run's token count).
         tokens_per_second: Qwen2.5-VL temporal scale: a video's t positions step by
             `tokens_per_second * second_per_grid_ts`.
         mrope_section: rotary frequency pairs given to (t, h, w), e.g. (16, 24, 24).
@@ -37,6 +51,9 @@ class MRopeConfig:
     video_token_id: int = 151656
     vision_start_token_id: int = 151652
     audio_token_id: int | None = None
+    audio_start_token_id: int | None = None
+    position_id_per_seconds: float = 25.0
+    audio_n_window: int = 50
     tokens_per_second: float = 1.0
     mrope_section: tuple[int, ...] = (16, 24, 24)
     mrope_interleaved: bool = False
@@ -56,6 +73,7 @@ class MRopeConfig:
         """Read a transformers config of a supported family (top level, text_config, vision_config,
         rope_scaling or rope_parameters)."""
         model_type = getattr(hf_config, "model_type", None)
+        top = hf_config
         if model_type == "qwen3_omni_moe":
             hf_config = hf_config.thinker_config
             model_type = hf_config.model_type
@@ -73,8 +91,11 @@ class MRopeConfig:
             spatial_merge_size=int(vision.spatial_merge_size),
             image_token_id=int(hf_config.image_token_id),
             video_token_id=int(hf_config.video_token_id),
-            vision_start_token_id=int(getattr(hf_config, "vision_start_token_id", -1)),
+            vision_start_token_id=int(_first_attr((hf_config, top), "vision_start_token_id", -1)),
             audio_token_id=getattr(hf_config, "audio_token_id", None),
+            audio_start_token_id=getattr(hf_config, "audio_start_token_id", None),
+            position_id_per_seconds=float(getattr(hf_config, "position_id_per_seconds", 25.0)),
+            audio_n_window=int(getattr(getattr(hf_config, "audio_config", None), "n_window", 50)),
             tokens_per_second=float(getattr(vision, "tokens_per_second", 1.0) or 1.0),
             mrope_section=tuple(int(x) for x in section),
             mrope_interleaved=bool(rope.get("mrope_interleaved", family in ("qwen3_vl", "qwen3_omni"))),

@@ -73,6 +73,8 @@ def get_rope_index(
     attention_mask: torch.Tensor | None = None,
     second_per_grid_ts: torch.Tensor | None = None,
     mm_token_type_ids: torch.Tensor | None = None,
+    use_audio_in_video: bool = False,
+    audio_seqlens: torch.Tensor | None = None,
 ) -> RopeIndex:
     """3D rotary positions identical to the Hugging Face model of `config.family`.
 
@@ -83,17 +85,23 @@ def get_rope_index(
         attention_mask: [B, S], 1 = real token (any pattern; HF semantics).
         second_per_grid_ts: [V] seconds per temporal grid step (Qwen2.5-VL videos).
         mm_token_type_ids: [B, S] 0/1/2; derived from the placeholder ids when None.
+        use_audio_in_video, audio_seqlens: Qwen3-Omni audio inputs (raw audio feature lengths).
 
     Returns:
         RopeIndex(position_ids [3, B, S] long, deltas [B, 1] long).
 
     Raises:
         ValueError: placeholder blocks vs grid rows, or tokens per block vs grid, disagree.
-        NotImplementedError: Qwen3-Omni (audio runs and audio-in-video interleaving).
+
+    Qwen3-Omni follows its own rule (rope/omni.py) and returns float positions, as its reference does.
     """
     if config.family == "qwen3_omni":
-        raise NotImplementedError("get_rope_index for qwen3_omni (audio runs, audio-in-video interleaving) is not "
-                                  "implemented yet; pass the model's own get_rope_index as pack_batch(mrope=...)")
+        from megatron_vlm_packing.rope.omni import omni_rope_index
+
+        return RopeIndex(*omni_rope_index(
+            input_ids, config, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
+            attention_mask=attention_mask, use_audio_in_video=use_audio_in_video, audio_seqlens=audio_seqlens,
+            second_per_grids=second_per_grid_ts))
     device = input_ids.device
     batch, seq = input_ids.shape
     types = mm_token_type_ids if mm_token_type_ids is not None else token_types(input_ids, config)

@@ -73,8 +73,3 @@ def test_max_position_text_offset_differs_only_after_long_videos():
 def test_count_mismatches_raise_with_both_numbers(ids, kwargs, expected):
     with pytest.raises(ValueError, match=expected):
         get_rope_index(torch.tensor(ids), MRopeConfig(family="qwen2_vl"), **kwargs)
-
-
-def test_omni_is_refused_clearly():
-    with pytest.raises(NotImplementedError, match="qwen3_omni"):
-        get_rope_index(torch.tensor([[1, 2]]), MRopeConfig(family="qwen3_omni"))

@@ -1,0 +1,115 @@
+"""Qwen3-Omni: our positions equal the Hugging Face thinker's own get_rope_index (float positions)."""
+
+import functools
+import types
+
+import pytest
+import torch
+
+from megatron_vlm_packing.rope import MRopeConfig, get_rope_index
+from megatron_vlm_packing.rope.omni import audio_output_length
+
+transformers = pytest.importorskip("transformers")
+
+
+def thinker():
+    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeThinkerConfig
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+        Qwen3OmniMoePreTrainedModelForConditionalGeneration as Reference,
+    )
+
+    config = Qwen3OmniMoeThinkerConfig(position_id_per_seconds=25, text_config={"rope_parameters": {
+        "rope_type": "default", "rope_theta": 1e6, "mrope_section": [24, 20, 20], "mrope_interleaved": True}})
+    # The thinker config leaves the block-wrapper ids to the top-level config: give them here.
+    config.vision_start_token_id, config.vision_end_token_id, config.audio_end_token_id = 151652, 151653, 151648
+    owner = types.SimpleNamespace(config=config, spatial_merge_size=config.vision_config.spatial_merge_size)
+    owner.get_llm_pos_ids_for_vision = functools.partial(Reference.get_llm_pos_ids_for_vision, owner)
+    return config, functools.partial(Reference.get_rope_index, owner)
+
+
+def random_rows(config, batch, seed, use_audio_in_video):
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))  # noqa: E731
+    text = lambda: [rand(1, 1000) for _ in range(rand(0, 3))]  # noqa: E731
+    vs, ve = config.vision_start_token_id, config.vision_end_token_id
+    as_, ae = config.audio_start_token_id, config.audio_end_token_id
+    rows, images, videos, seconds, audios = [], [], [], [], []
+    for _ in range(batch):
+        tokens = text()
+        for _ in range(rand(1, 3)):
+            kind = rand(0, 2)
+            h, w = 2 * rand(1, 3), 2 * rand(1, 3)
+            if kind == 0:
+                images.append([1, h, w])
+                tokens += [vs] + [config.image_token_id] * (h * w // 4) + [ve]
+            elif kind == 1 and not use_audio_in_video:
+                t = rand(1, 3)
+                videos.append([t, h, w]); seconds.append(rand(1, 6) / 4)
+                tokens += [vs] + [config.video_token_id] * (t * h * w // 4) + [ve]
+            elif kind == 1:
+                t, raw = rand(1, 3), rand(20, 300)
+                videos.append([t, h, w]); seconds.append(rand(1, 6) / 4); audios.append(raw)
+                n_audio = int(audio_output_length(torch.tensor(raw), 50))
+                # the processor interleaves video and audio tokens by time; positions only need the counts
+                tokens += [vs, as_] + [config.audio_token_id] * n_audio + [config.video_token_id] * (t * h * w // 4) + [ae, ve]
+            else:
+                raw = rand(20, 300)
+                audios.append(raw)
+                tokens += [as_] + [config.audio_token_id] * int(audio_output_length(torch.tensor(raw), 50)) + [ae]
+            tokens += text()
+        rows.append(tokens)
+    width = max(map(len, rows)) + 2
+    ids = torch.zeros(batch, width, dtype=torch.long)
+    mask = torch.zeros(batch, width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)], mask[i, :len(r)] = torch.tensor(r), 1
+    grid = lambda x: torch.tensor(x).reshape(-1, 3) if x else None  # noqa: E731
+    return ids, mask, grid(images), grid(videos), torch.tensor(seconds) if seconds else None, \
+        torch.tensor(audios) if audios else None
+
+
+@pytest.mark.parametrize("use_audio_in_video", [False, True])
+@pytest.mark.parametrize("seed", range(5))
+def test_identical_to_the_hf_thinker(seed, use_audio_in_video):
+    config, reference = thinker()
+    ours_cfg = MRopeConfig.from_hf_config(config)
+    assert ours_cfg.family == "qwen3_omni" and ours_cfg.position_id_per_seconds == 25
+    ids, mask, images, videos, seconds, audios = random_rows(config, 3, seed, use_audio_in_video)
+    expected, expected_deltas = reference(ids, image_grid_thw=images, video_grid_thw=videos, attention_mask=mask,
+                                          use_audio_in_video=use_audio_in_video, audio_seqlens=audios,
+                                          second_per_grids=seconds)
+    ours = get_rope_index(ids, ours_cfg, image_grid_thw=images, video_grid_thw=videos, attention_mask=mask,
+                          use_audio_in_video=use_audio_in_video, audio_seqlens=audios, second_per_grid_ts=seconds)
+    assert torch.equal(ours.position_ids, expected)
+    assert torch.equal(ours.deltas.reshape(-1), expected_deltas.reshape(-1).to(ours.deltas.dtype))
+
+
+def test_pack_batch_packs_omni_float_positions_per_sample():
+    from megatron_vlm_packing import pack_batch
+
+    config, _ = thinker()
+    cfg = MRopeConfig.from_hf_config(config)
+    ids, mask, images, videos, seconds, audios = random_rows(config, 3, 1, True)
+    batch = {"input_ids": ids, "labels": ids, "attention_mask": mask, "image_grid_thw": images,
+             "video_grid_thw": videos, "second_per_grid_ts": seconds, "audio_seqlens": audios,
+             "use_audio_in_video": True}
+    packed = pack_batch(batch, mrope=cfg, cp_size=2)
+    full = get_rope_index(ids, cfg, image_grid_thw=images, video_grid_thw=videos, attention_mask=mask,
+                          use_audio_in_video=True, audio_seqlens=audios, second_per_grid_ts=seconds).position_ids
+    assert packed.position_ids.dtype == torch.float32
+    cu, cu_p = packed.packed_seq_params.cu_seqlens_q.tolist(), packed.packed_seq_params.cu_seqlens_q_padded.tolist()
+    for row in range(3):
+        n = cu[row + 1] - cu[row]
+        assert torch.equal(packed.position_ids[:, 0, cu_p[row]:cu_p[row] + n], full[:, row, :n])
+        if cu_p[row + 1] - cu_p[row] > n:  # pad slots continue after the sample, never restart
+            assert packed.position_ids[0, 0, cu_p[row] + n] == full[:, row, :n].max() + 1
+
+
+def test_omni_count_mismatches_raise():
+    config, _ = thinker()
+    cfg = MRopeConfig.from_hf_config(config)
+    ids = torch.tensor([[5, 151652] + [config.image_token_id] * 4 + [151653, 151647, config.audio_token_id, 151648]])
+    with pytest.raises(ValueError, match="more audio_seqlens blocks than the 0 entries of audio_seqlens"):
+        get_rope_index(ids, cfg, image_grid_thw=torch.tensor([[1, 4, 4]]))
+    with pytest.raises(ValueError, match="1 blocks in input_ids use image_grid_thw, which has 2 entries"):
+        get_rope_index(ids, cfg, image_grid_thw=torch.tensor([[1, 4, 4], [1, 2, 2]]), audio_seqlens=torch.tensor([4]))
