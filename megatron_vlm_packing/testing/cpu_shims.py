@@ -20,6 +20,10 @@ Facts (checked on megatron-core 0.16.1 and 0.19.2 with a CPU build of torch):
 - Without TE, `CLIPViTModel`'s default norms are `torch.nn.LayerNorm`, which cannot be built from a
   config (TypeError): its `ln_pre_impl`/`ln_post_impl` defaults become `WrappedTorchNorm`.
 
+Not shimmed (use torch optimizers in CPU tests): `clip_grad_norm_fp32` asserts
+`torch.cuda.FloatTensor` grads and the distributed optimizer refuses CPU tensors. Megatron's
+`DistributedDataParallel` and `finalize_model_grads` do run under the shim (the parity suite uses them).
+
 Nothing happens on import. `apply_cpu_shims()` applies everything (idempotent) and refuses when
 CUDA is available; `undo_cpu_shims()` restores every patched attribute.
 """

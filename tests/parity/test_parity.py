@@ -1,4 +1,6 @@
-"""Packed == each sample alone, under TP, SP, CP, PP and the pipeline schedule (CPU, gloo).
+"""Packed == each sample alone, under TP, SP, CP, PP, the pipeline schedule and Megatron DDP (CPU, gloo).
+
+Also dense right-padded rows (BSHD, dense CP zigzag), whose real tokens must equal each sample alone too.
 
 Tolerance: fp32, 1e-5 relative on every gradient, 1e-5 absolute on per-token losses (~1-5 nats)
 and on the logits at real tokens (gathered over TP and CP; not on PP stages' schedule cases).
