@@ -118,8 +118,9 @@ def main() -> None:
             results = [(name, slots, *timed(fn, device, args.repeats)) for name, fn, slots in modes]
             packed_ms = results[-1][2]
             for name, slots, ms, peak in results:
+                peak_text = f"{peak:.2f}" if device == "cuda" else "-"  # torch keeps no CPU allocator peak
                 lines.append(f"| {backend} | {seq} | {name} | {slots} | {real} | {slots / real:.2f} | {ms:.1f} | "
-                             f"{ms / packed_ms:.2f}x | {peak:.2f} |")
+                             f"{ms / packed_ms:.2f}x | {peak_text} |")
             model.zero_grad(set_to_none=True)
     text = "\n".join(lines)
     print(text)

@@ -3,8 +3,8 @@
 - "reference": exact attention on any device, THD with both boundary sets, CP (tests, CPU CI).
 - "torch": torch `varlen_attn` on CUDA (packed THD without Transformer Engine; no CP).
 - "te": Megatron-Core's own Transformer Engine spec, untouched.
-- "auto": "te" when TE imports and CUDA is present, else "torch" when varlen_attn runs, else
-  "reference". It never picks a backend that cannot run here.
+- "auto": "te" when TE imports and CUDA is present, else "torch" when varlen_attn runs and there is
+  no context parallelism, else "reference". It never picks a backend that cannot run here.
 """
 
 from __future__ import annotations
@@ -26,23 +26,35 @@ def te_available() -> bool:
     return True
 
 
-def resolve_backend(backend: str) -> str:
+def resolve_backend(backend: str, *, context_parallel_size: int = 1) -> str:
+    """The backend that `backend` means here ("auto" resolved).
+
+    Raises:
+        ValueError: an unknown name, or a backend that cannot run here (names what is missing).
+    """
     from megatron_vlm_packing.attention.torch_varlen import varlen_available
 
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    torch_ok = varlen_available() and context_parallel_size == 1
     if backend == "auto":
-        return "te" if te_available() else "torch" if varlen_available() else "reference"
+        return "te" if te_available() else "torch" if torch_ok else "reference"
     if backend == "te" and not te_available():
         raise ValueError("backend='te' needs Transformer Engine and a CUDA device")
     if backend == "torch" and not varlen_available():
         raise ValueError("backend='torch' needs CUDA and torch >= 2.10 (torch.nn.attention.varlen)")
+    if backend == "torch" and context_parallel_size != 1:
+        raise ValueError(f"backend='torch' has no context parallelism (context_parallel_size={context_parallel_size})")
     return backend
 
 
-def layer_spec(backend: str = "auto", *, num_experts: int | None = None, qk_layernorm: bool = False):
-    """GPT transformer-layer spec (megatron.core ModuleSpec) with the chosen core attention."""
-    backend = resolve_backend(backend)
+def layer_spec(backend: str = "auto", *, num_experts: int | None = None, qk_layernorm: bool = False,
+               context_parallel_size: int = 1):
+    """GPT transformer-layer spec (megatron.core ModuleSpec) with the chosen core attention.
+
+    `context_parallel_size` lets "auto" skip backends without CP; pass the model config's.
+    """
+    backend = resolve_backend(backend, context_parallel_size=context_parallel_size)
     if backend == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 

@@ -6,12 +6,18 @@ of its physical span, so a causal query at a real slot only sees earlier slots o
 which are all real. Pad slots attend to real tokens and pads; their outputs are never used (labels
 are -100 and the loss mask is 0 there). Context parallelism is not supported by this backend.
 
+Keyword arguments are chosen from `varlen_attn`'s signature (features, not versions): torch 2.10
+takes `is_causal` and always scales by 1/sqrt(D); later releases take `scale`, `window_size`
+(causal is (-1, 0)) and `enable_gqa`.
+
 Shape legend: T = packed tokens, H = query heads, Hk = key/value heads, D = head dim.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +31,37 @@ def varlen_available() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available()
+
+
+class VarlenCall(NamedTuple):
+    """How to call a given `varlen_attn`: its keyword arguments and what to do before it."""
+
+    kwargs: dict
+    query_scale: float  # multiply the query by this (1.0: the kernel applies our scale itself)
+    repeat_kv: int  # repeat K/V heads this many times (1: the kernel does GQA itself, or no GQA)
+
+
+def varlen_call(parameters, *, causal: bool, scale: float, head_dim: int, heads: int, kv_heads: int) -> VarlenCall:
+    """Map our attention settings onto the keyword arguments a `varlen_attn` signature accepts.
+
+    Args:
+        parameters: names of `varlen_attn`'s parameters (`inspect.signature(varlen_attn).parameters`).
+    """
+    kwargs, query_scale = {}, 1.0
+    if "window_size" in parameters:
+        kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
+    elif "is_causal" in parameters:
+        kwargs["is_causal"] = causal
+    else:
+        raise ValueError(f"varlen_attn takes neither window_size nor is_causal: {sorted(parameters)}")
+    if "scale" in parameters:
+        kwargs["scale"] = scale
+    else:  # the kernel scales by 1/sqrt(D): fold the rest of our scale into q
+        query_scale = scale * math.sqrt(head_dim)
+    repeat_kv = heads // kv_heads
+    if repeat_kv > 1 and "enable_gqa" in parameters:
+        kwargs["enable_gqa"], repeat_kv = True, 1
+    return VarlenCall(kwargs, query_scale, repeat_kv)
 
 
 class TorchVarlenCoreAttention(MegatronModule):
@@ -51,12 +88,15 @@ class TorchVarlenCoreAttention(MegatronModule):
             cu = packed_seq_params.cu_seqlens_q_padded
             if cu is None:
                 cu = packed_seq_params.cu_seqlens_q
-            if kv_heads != heads:  # GQA: repeat K/V heads (varlen_attn wants equal head counts)
-                key = key.repeat_interleave(heads // kv_heads, dim=1)
-                value = value.repeat_interleave(heads // kv_heads, dim=1)
-            out = varlen_attn(query, key, value, cu, cu, packed_seq_params.max_seqlen_q,
-                              packed_seq_params.max_seqlen_kv, scale=self.softmax_scale,
-                              window_size=(-1, 0) if causal else (-1, -1))
+            call = varlen_call(inspect.signature(varlen_attn).parameters, causal=causal, scale=self.softmax_scale,
+                               head_dim=query.shape[-1], heads=heads, kv_heads=kv_heads)
+            if call.repeat_kv > 1:  # GQA on a kernel without enable_gqa: repeat K/V heads
+                key = key.repeat_interleave(call.repeat_kv, dim=1)
+                value = value.repeat_interleave(call.repeat_kv, dim=1)
+            if call.query_scale != 1.0:
+                query = query * call.query_scale
+            out = varlen_attn(query, key, value, cu.int(), cu.int(), packed_seq_params.max_seqlen_q,
+                              packed_seq_params.max_seqlen_kv, **call.kwargs)
             out = out[0] if isinstance(out, tuple) else out  # [T, H, D]
             return out.reshape(out.shape[0], -1)
         # Dense rows: [S, B, H, D] -> SDPA wants [B, H, S, D].

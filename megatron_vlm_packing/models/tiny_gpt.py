@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TinyGPTConfig:
     """Shape and parallel layout of a tiny GPT.
 
@@ -81,7 +81,8 @@ def build_tiny_gpt(cfg: TinyGPTConfig, *, pre_process: bool = True, post_process
 
     config = transformer_config(cfg)
     kwargs = dict(
-        config=config, transformer_layer_spec=layer_spec(cfg.backend, num_experts=cfg.num_moe_experts),
+        config=config, transformer_layer_spec=layer_spec(
+            cfg.backend, num_experts=cfg.num_moe_experts, context_parallel_size=cfg.context_parallel),
         vocab_size=cfg.vocab_size, max_sequence_length=cfg.max_sequence_length,
         pre_process=pre_process, post_process=post_process,
         share_embeddings_and_output_weights=False, position_embedding_type=cfg.position_embedding_type,

@@ -4,6 +4,8 @@ Facts (checked on megatron-core 0.16.1 and 0.19.2 with a CPU build of torch):
 - `torch.cuda.current_device()` is used as a *device* (global memory buffer, rotary embeddings,
   TP gather buffers, pipeline p2p buffers): it must answer "cpu".
 - `torch.cuda.synchronize` is called in pipeline p2p communication.
+- Megatron's `DistributedDataParallel` grad sync calls `torch.cuda.current_stream()` (to wait for
+  CUDA-graph events) on both versions: it answers a stream whose waits are no-ops.
 - `device="cuda"` is hard-coded in places (default causal mask, schedules, optimizer), and
   `rope_utils.get_pos_emb_on_this_cp_rank` builds its index with `pin_memory()` and `.cuda()`
   (a name imported into several modules, so patching the symbol would miss copies): a
@@ -17,6 +19,10 @@ Facts (checked on megatron-core 0.16.1 and 0.19.2 with a CPU build of torch):
 - The all-to-all MoE token dispatcher creates a CUDA stream: CPU tests use the all-gather one.
 - Without TE, `CLIPViTModel`'s default norms are `torch.nn.LayerNorm`, which cannot be built from a
   config (TypeError): its `ln_pre_impl`/`ln_post_impl` defaults become `WrappedTorchNorm`.
+
+Not shimmed (use torch optimizers in CPU tests): `clip_grad_norm_fp32` asserts
+`torch.cuda.FloatTensor` grads and the distributed optimizer refuses CPU tensors. Megatron's
+`DistributedDataParallel` and `finalize_model_grads` do run under the shim (the parity suite uses them).
 
 Nothing happens on import. `apply_cpu_shims()` applies everything (idempotent) and refuses when
 CUDA is available; `undo_cpu_shims()` restores every patched attribute.
@@ -86,6 +92,19 @@ class _CpuRngTracker:
             torch.set_rng_state(outer)
 
 
+class _NullStream:
+    """What `torch.cuda.current_stream()` answers on the CPU: every wait is a no-op (one stream)."""
+
+    def wait_event(self, event):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+    def synchronize(self):
+        pass
+
+
 def _wrapped_torch_norm_new(original_new):
     def __new__(cls, config, *args, **kwargs):
         if not config.sequence_parallel:
@@ -134,6 +153,7 @@ def apply_cpu_shims() -> None:
     patches = _Patches()
     patches.set(torch.cuda, "current_device", lambda: "cpu")
     patches.set(torch.cuda, "synchronize", lambda *a, **k: None)
+    patches.set(torch.cuda, "current_stream", lambda *a, **k: _NullStream())
     patches.set(torch.cuda, "manual_seed", lambda seed: None)
     patches.set(torch.cuda, "manual_seed_all", lambda seed: None)
     patches.set(tp_random.CudaRNGStatesTracker, "add", _CpuRngTracker.add)

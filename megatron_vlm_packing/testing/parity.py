@@ -46,17 +46,24 @@ def global_name(model: torch.nn.Module, name: str) -> str:
     return ".".join(parts)
 
 
-def full_gradients(model: torch.nn.Module, *, tp_group=None, cp_group=None) -> dict[str, torch.Tensor]:
+def full_gradients(model: torch.nn.Module, *, tp_group=None, cp_group=None,
+                   reduced_by_megatron: bool = False) -> dict[str, torch.Tensor]:
     """Every parameter's gradient as the single-process model would have it.
 
     - TP-split parameters are all-gathered over TP along their partition dim.
     - Parameters marked `sequence_parallel` (norms under SP) hold partial grads: summed over TP.
     - Under CP every rank saw part of the tokens: grads are summed over CP.
+
+    With `reduced_by_megatron` the grads are read from `main_grad` (Megatron's
+    `DistributedDataParallel`), where `finalize_model_grads` already did the SP and DP x CP
+    reductions: only the TP gather is left to do here.
     """
     grads = {}
     for name, param in model.named_parameters():
-        grad = param.grad if param.grad is not None else torch.zeros_like(param)
-        grad = grad.detach().clone()
+        grad = param.main_grad if reduced_by_megatron else param.grad
+        grad = (grad if grad is not None else torch.zeros_like(param)).detach().clone()
+        if reduced_by_megatron:
+            cp_group = None
         if cp_group is not None and dist.get_world_size(cp_group) > 1:
             dist.all_reduce(grad, group=cp_group)
         if tp_group is not None and dist.get_world_size(tp_group) > 1:
@@ -64,10 +71,26 @@ def full_gradients(model: torch.nn.Module, *, tp_group=None, cp_group=None) -> d
                 parts = [torch.empty_like(grad) for _ in range(dist.get_world_size(tp_group))]
                 dist.all_gather(parts, grad.contiguous(), group=tp_group)
                 grad = torch.cat(parts, dim=param.partition_dim)
-            elif getattr(param, "sequence_parallel", False):
+            elif getattr(param, "sequence_parallel", False) and not reduced_by_megatron:
                 dist.all_reduce(grad, group=tp_group)
         grads[global_name(model, name)] = grad
     return grads
+
+
+def gather_in_order(local: torch.Tensor, order: torch.Tensor, cp_group) -> torch.Tensor:
+    """[R, L/cp, ...] CP-local values -> [R, L, ...] in global order (no autograd).
+
+    Args:
+        order: [L] long, every CP rank's partition index concatenated in rank order.
+    """
+    if dist.get_world_size(cp_group) == 1:
+        return local
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(cp_group))]
+    dist.all_gather(parts, local.contiguous(), group=cp_group)
+    gathered = torch.cat(parts, dim=1)
+    out = torch.empty_like(gathered)
+    out[:, order] = gathered
+    return out
 
 
 def gather_cp_tokens(local: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_group) -> torch.Tensor:
@@ -75,11 +98,5 @@ def gather_cp_tokens(local: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_gr
     from megatron_vlm_packing.parallel.cp import cp_partition_index
 
     cp_size = dist.get_world_size(cp_group)
-    if cp_size == 1:
-        return local
-    parts = [torch.empty_like(local) for _ in range(cp_size)]
-    dist.all_gather(parts, local.contiguous(), group=cp_group)
     order = torch.cat([cp_partition_index(cu_seqlens_padded, cp_size, r) for r in range(cp_size)])
-    out = torch.empty_like(torch.cat(parts, dim=1))
-    out[:, order] = torch.cat(parts, dim=1)
-    return out
+    return gather_in_order(local, order, cp_group)

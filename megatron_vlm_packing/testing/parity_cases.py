@@ -6,8 +6,14 @@
 2. builds the case's parallel model, loads the same weights (sharded), packs the same micro-batches
    with `pack_batch`, partitions them with one CP index, runs forward + backward (directly or
    through Megatron's `get_forward_backward_func`), gathers losses and gradients back;
-3. reports the worst |dloss| and relative gradient error over all ranks.
+3. reports the worst |dloss|, |dlogit| and relative gradient error over all ranks.
 A `corruption` makes one deliberate packing mistake, so tests can prove the check catches it.
+A `dense` case feeds the right-padded rows as they are ([B, S], BSHD attention, the dense CP
+zigzag per row): causal attention makes real tokens exact there too, and it exercises the dense
+CP path (Megatron's own rotary CP slicing under the CPU shim, the reference BSHD all-gather).
+
+Micro-batch lengths are drawn from the case's seed, with a length-1 sample, a row with no real
+tokens and a full row always present.
 """
 
 from __future__ import annotations
@@ -20,13 +26,13 @@ import torch.distributed as dist
 
 from megatron_vlm_packing.models.tiny_gpt import TinyGPTConfig, build_tiny_gpt
 from megatron_vlm_packing.packing import pack_batch, shift_labels_within_rows
-from megatron_vlm_packing.parallel.cp import cp_partition_index
+from megatron_vlm_packing.parallel.cp import cp_partition_index, dense_cp_partition_index
 from megatron_vlm_packing.testing.distributed import initialize_parallel
-from megatron_vlm_packing.testing.parity import full_gradients, gather_cp_tokens, max_relative_error, variable_batch
+from megatron_vlm_packing.testing.parity import full_gradients, gather_in_order, max_relative_error, variable_batch
 
-# Two micro-batches: a length-1 sample, an empty row, full rows.
-MICRO_BATCH_LENGTHS = ([7, 1, 0, 12, 5], [3, 9, 12, 2, 6])
-ROW_LENGTH = 12
+NUM_MICRO_BATCHES = 2
+ROWS = 5
+ROW_LENGTH = 12  # a multiple of 2*cp for dense CP cases
 CORRUPTIONS = ("uniform_cu_seqlens", "boundary_off_by_one", "labels_shifted_after_packing", "wrong_cp_rank")
 
 
@@ -38,6 +44,8 @@ class ParityCase:
     pp: int = 1
     sp: bool = False
     schedule: bool = False  # through get_forward_backward_func (required when pp > 1)
+    dense: bool = False  # right-padded rows as they are, no packing
+    ddp: bool = False  # Megatron's DistributedDataParallel + finalize_model_grads reduce the grads (schedule only)
     corruption: str | None = None
     seed: int = 1234
 
@@ -46,11 +54,20 @@ class ParityCase:
         return self.tp * self.cp * self.pp
 
 
+def micro_batch_lengths(seed: int) -> list[list[int]]:
+    """[NUM_MICRO_BATCHES][ROWS] real lengths in [2, ROW_LENGTH], plus the edge cases every case needs."""
+    g = torch.Generator().manual_seed(seed)
+    out = [torch.randint(2, ROW_LENGTH + 1, (ROWS,), generator=g).tolist() for _ in range(NUM_MICRO_BATCHES)]
+    out[0][1], out[0][2] = 1, 0  # a length-1 sample (no target) and a row with no real tokens
+    out[-1][0] = ROW_LENGTH  # a full row
+    return out
+
+
 def micro_batches(vocab_size: int, seed: int) -> list[dict]:
     """HF-style batches (labels = input ids, -100 at pads; shifted per sample by pack_batch)."""
     out = []
-    for i, lengths in enumerate(MICRO_BATCH_LENGTHS):
-        batch = variable_batch(list(lengths), ROW_LENGTH, vocab_size=vocab_size, seed=seed + i)
+    for i, lengths in enumerate(micro_batch_lengths(seed)):
+        batch = variable_batch(lengths, ROW_LENGTH, vocab_size=vocab_size, seed=seed + i)
         batch["labels"] = torch.where(batch["attention_mask"].bool(), batch["input_ids"], -100)
         out.append(batch)
     return out
@@ -105,9 +122,11 @@ def corrupt(case: ParityCase, packed, labels: torch.Tensor, params):
     elif case.corruption == "boundary_off_by_one":
         shift = torch.zeros_like(params.cu_seqlens_q)
         shift[1:-1] = 1
+        cu_padded = params.cu_seqlens_q_padded + shift
+        longest = int((cu_padded[1:] - cu_padded[:-1]).max())  # the shifted documents may be longer
         params = replace(params, cu_seqlens_q=params.cu_seqlens_q + shift, cu_seqlens_kv=params.cu_seqlens_kv + shift,
-                         cu_seqlens_q_padded=params.cu_seqlens_q_padded + shift,
-                         cu_seqlens_kv_padded=params.cu_seqlens_kv_padded + shift)
+                         cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded,
+                         max_seqlen_q=max(longest, params.max_seqlen_q), max_seqlen_kv=max(longest, params.max_seqlen_kv))
     elif case.corruption == "labels_shifted_after_packing":  # the hand-rolled packer's mistake
         unshifted = packed.input_ids.clone()
         labels = torch.cat([unshifted[:, 1:], torch.full_like(unshifted[:, :1], -100)], dim=1)
@@ -120,14 +139,29 @@ def local_micro_batch(case: ParityCase, batch: dict, cp_rank: int) -> dict:
                         label_style="hf", pad_to=64 if case.pp > 1 else None)
     labels, params = corrupt(case, packed, packed.labels, packed.packed_seq_params)
     loss_mask = (labels != -100).float() * (~packed.padding_mask).float()
-    index = cp_partition_index(packed.packed_seq_params.cu_seqlens_q_padded, case.cp, cp_rank)
+    cu_padded = packed.packed_seq_params.cu_seqlens_q_padded
+    index = cp_partition_index(cu_padded, case.cp, cp_rank)
     label_index = index
     if case.corruption == "wrong_cp_rank":
-        label_index = cp_partition_index(packed.packed_seq_params.cu_seqlens_q_padded, case.cp, case.cp - 1 - cp_rank)
+        label_index = cp_partition_index(cu_padded, case.cp, case.cp - 1 - cp_rank)
+    order = torch.cat([cp_partition_index(cu_padded, case.cp, r) for r in range(case.cp)])
     return dict(input_ids=packed.input_ids[:, index], position_ids=packed.position_ids[:, index],
                 labels=labels[:, label_index], loss_mask=loss_mask[:, label_index], params=params,
-                cu_seqlens_padded=packed.packed_seq_params.cu_seqlens_q_padded, total=packed.num_physical_tokens,
-                real_loss_mask=loss_mask, padding_mask=packed.padding_mask)
+                total=packed.num_physical_tokens, order=order, real_loss_mask=loss_mask, real=~packed.padding_mask)
+
+
+def local_dense_micro_batch(case: ParityCase, batch: dict, cp_rank: int) -> dict:
+    """The right-padded rows unpacked: [B, S/cp] with the dense CP zigzag per row."""
+    keep = batch["attention_mask"].bool()
+    labels = shift_labels_within_rows(batch["labels"], keep)
+    seq = keep.shape[1]
+    loss_mask = (labels != -100).float()
+    index = dense_cp_partition_index(seq, case.cp, cp_rank)
+    order = torch.cat([dense_cp_partition_index(seq, case.cp, r) for r in range(case.cp)])
+    positions = torch.arange(seq)[index].expand(keep.shape[0], -1)
+    return dict(input_ids=batch["input_ids"][:, index], position_ids=positions, labels=labels[:, index],
+                loss_mask=loss_mask[:, index], params=None, total=seq, order=order, real_loss_mask=loss_mask,
+                real=keep)
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -143,37 +177,60 @@ def _forward(model, mb):
     return model(mb["input_ids"], mb["position_ids"], None, labels=mb["labels"], packed_seq_params=mb["params"])
 
 
+def run_schedule(case: ParityCase, model, mbs: list[dict], outputs: list) -> None:
+    """Forward + backward of every micro-batch through Megatron's `get_forward_backward_func`.
+
+    With `case.ddp`, `model` is wrapped in Megatron's `DistributedDataParallel` and the schedule
+    ends with `finalize_model_grads` (SP norm and DP x CP grad reductions, divided by the token count).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if case.ddp:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import finalize_model_grads
+
+        model.config.finalize_model_grads_func = finalize_model_grads
+        model = DistributedDataParallel(config=model.config, ddp_config=DistributedDataParallelConfig(), module=model)
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        out = _forward(model, mb)
+        if ps.is_pipeline_last_stage():
+            outputs.append(out.detach())
+        return out, partial(loss_func, mb["loss_mask"])
+
+    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(mbs), model=[model],
+                                num_microbatches=len(mbs), seq_length=mbs[0]["total"],
+                                micro_batch_size=mbs[0]["input_ids"].shape[0], forward_only=False)
+
+
 def run_packed(case: ParityCase, cfg: TinyGPTConfig, batches: list[dict], state: dict):
-    """Per-micro-batch [1, T/cp] losses (last stage, else None) and the gathered gradients."""
+    """Per-micro-batch [1, T/cp] losses (last stage, else None) and the gathered gradients (sums)."""
     from megatron.core import parallel_state as ps
 
+    if case.ddp and not case.schedule:
+        raise ValueError(f"case {case.name}: ddp=True needs schedule=True (finalize_model_grads runs there)")
     initialize_parallel(tp=case.tp, cp=case.cp, pp=case.pp, seed=case.seed)
     cfg = replace(cfg, tensor_parallel=case.tp, context_parallel=case.cp, pipeline_parallel=case.pp,
                   sequence_parallel=case.sp)
     model = build_tiny_gpt(cfg, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
     load_sharded(model, state, ps.get_tensor_model_parallel_rank(), case.tp)
-    mbs = [local_micro_batch(case, b, ps.get_context_parallel_rank()) for b in batches]
+    local = local_dense_micro_batch if case.dense else local_micro_batch
+    mbs = [local(case, b, ps.get_context_parallel_rank()) for b in batches]
     outputs = []
     if case.schedule:
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        def forward_step(data_iterator, model):
-            mb = next(data_iterator)
-            out = _forward(model, mb)
-            if ps.is_pipeline_last_stage():
-                outputs.append(out.detach())
-            return out, partial(loss_func, mb["loss_mask"])
-
-        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(mbs), model=[model],
-                                    num_microbatches=len(mbs), seq_length=mbs[0]["total"], micro_batch_size=1,
-                                    forward_only=False)
+        run_schedule(case, model, mbs, outputs)
     else:
         for mb in mbs:
             out = _forward(model, mb)
             loss_func(mb["loss_mask"], out)[0].backward()
             outputs.append(out.detach())
     grads = full_gradients(model, tp_group=ps.get_tensor_model_parallel_group(),
-                           cp_group=ps.get_context_parallel_group())
+                           cp_group=ps.get_context_parallel_group(), reduced_by_megatron=case.ddp)
+    if case.ddp:  # finalize_model_grads divided by the global target count: back to sums
+        num_tokens = sum(mb["real_loss_mask"].sum() for mb in mbs)
+        grads = {name: grad * num_tokens for name, grad in grads.items()}
     return mbs, outputs, grads, model
 
 
@@ -185,8 +242,8 @@ def run_case(case: ParityCase, cfg: TinyGPTConfig) -> dict:
 
     dloss = torch.zeros(())
     for mb, out, ref in zip(mbs, outputs, ref_losses):
-        full = gather_cp_tokens(out, mb["cu_seqlens_padded"], ps.get_context_parallel_group())[0]
-        got = full[mb["real_loss_mask"][0].bool()]
+        full = gather_in_order(out, mb["order"], ps.get_context_parallel_group())  # [1, T] or [B, S]
+        got = full[mb["real_loss_mask"].bool()]
         dloss = torch.maximum(dloss, (got - ref).abs().max() if got.shape == ref.shape else torch.tensor(float("inf")))
     logit_err = torch.zeros(())
     if ps.is_pipeline_last_stage() and case.pp == 1 and case.corruption is None:
@@ -211,9 +268,8 @@ def packed_logits_error(model, mbs, ref_logits) -> torch.Tensor:
             tp_group = ps.get_tensor_model_parallel_group()
             parts = [torch.empty_like(local) for _ in range(dist.get_world_size(tp_group))]
             dist.all_gather(parts, local.contiguous(), group=tp_group)
-            full = gather_cp_tokens(torch.cat(parts, dim=-1), mb["cu_seqlens_padded"], ps.get_context_parallel_group())
-            real = ~mb["padding_mask"][0]
-            worst = torch.maximum(worst, (full[0][real] - ref).abs().max())
+            full = gather_in_order(torch.cat(parts, dim=-1), mb["order"], ps.get_context_parallel_group())
+            worst = torch.maximum(worst, (full[mb["real"]] - ref).abs().max())
     return worst
 
 
@@ -224,5 +280,8 @@ def run_parity_cases(rank: int, world_size: int, cases: list[ParityCase], cfg: T
     for case in cases:
         if world_size % case.world_needed:
             raise ValueError(f"case {case.name} needs a multiple of {case.world_needed} processes, got {world_size}")
-        results.append(run_case(case, cfg))
+        try:
+            results.append(run_case(case, cfg))
+        except Exception as err:
+            raise RuntimeError(f"parity case {case.name!r} failed: {err}") from err
     return results

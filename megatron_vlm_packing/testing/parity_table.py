@@ -11,11 +11,18 @@ from __future__ import annotations
 from megatron_vlm_packing.testing.distributed import run_distributed
 from megatron_vlm_packing.testing.parity_cases import ParityCase, run_parity_cases
 
+# Each case draws its own micro-batch lengths from its seed (a length-1 sample and an empty row always).
 STANDARD_CASES = {
-    1: [ParityCase("TP=1"), ParityCase("TP=1, get_forward_backward_func, 2 micro-batches", schedule=True)],
-    2: [ParityCase("TP=2", tp=2), ParityCase("TP=2 + SP", tp=2, sp=True), ParityCase("CP=2", cp=2),
-        ParityCase("PP=2, get_forward_backward_func", pp=2, schedule=True)],
-    4: [ParityCase("TP=2 x CP=2 x SP, get_forward_backward_func", tp=2, cp=2, sp=True, schedule=True)],
+    1: [ParityCase("TP=1", seed=11), ParityCase("TP=1, get_forward_backward_func, 2 micro-batches", schedule=True,
+                                                seed=12),
+        ParityCase("dense rows (BSHD), TP=1", dense=True, seed=13)],
+    2: [ParityCase("TP=2", tp=2, seed=21), ParityCase("TP=2 + SP", tp=2, sp=True, seed=22),
+        ParityCase("CP=2", cp=2, seed=23), ParityCase("PP=2, get_forward_backward_func", pp=2, schedule=True, seed=24),
+        ParityCase("dense rows (BSHD), CP=2", cp=2, dense=True, seed=25),
+        ParityCase("PP=2, DDP + finalize_model_grads", pp=2, schedule=True, ddp=True, seed=26)],
+    4: [ParityCase("TP=2 x CP=2 x SP, get_forward_backward_func", tp=2, cp=2, sp=True, schedule=True, seed=41),
+        ParityCase("TP=2 x CP=2 x SP, DDP + finalize_model_grads", tp=2, cp=2, sp=True, schedule=True, ddp=True,
+                   seed=42)],
 }
 CORRUPTION_CASES = {
     1: [ParityCase("corrupt: uniform cu_seqlens [0, S, 2S, ...]", corruption="uniform_cu_seqlens"),

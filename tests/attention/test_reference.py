@@ -36,3 +36,20 @@ def test_packed_reference_matches_per_sample_sdpa_with_gqa():
             v[sl].repeat_interleave(2, 1).transpose(0, 1), is_causal=True).transpose(0, 1)
         torch.testing.assert_close(out[sl], expected, rtol=1e-5, atol=1e-6)
     assert out[5:8].abs().sum() == 0 and not out.isnan().any()
+
+
+def test_dense_mask_combines_causal_and_megatron_padding_mask():
+    from megatron_vlm_packing.attention.masks import dense_attention_mask
+
+    torch.manual_seed(0)
+    seq = 6
+    masked = torch.zeros(2, 1, seq, seq, dtype=torch.bool)
+    masked[1, :, :, 4:] = True  # row 1: keys 4 and 5 are padding (True = masked, Megatron's convention)
+    allowed = dense_attention_mask(torch.arange(seq), seq, causal=True, attention_mask=masked)
+    q, k, v = torch.randn(seq, 2, 8), torch.randn(seq, 2, 8), torch.randn(seq, 2, 8)
+    for row in range(2):
+        out = masked_attention(q, k, v, allowed[row], 8 ** -0.5)
+        sdpa_mask = ~masked[row, 0] & torch.ones(seq, seq, dtype=torch.bool).tril()
+        expected = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                  attn_mask=sdpa_mask).transpose(0, 1)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)

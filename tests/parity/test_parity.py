@@ -1,4 +1,6 @@
-"""Packed == each sample alone, under TP, SP, CP, PP and the pipeline schedule (CPU, gloo).
+"""Packed == each sample alone, under TP, SP, CP, PP, the pipeline schedule and Megatron DDP (CPU, gloo).
+
+Also dense right-padded rows (BSHD, dense CP zigzag), whose real tokens must equal each sample alone too.
 
 Tolerance: fp32, 1e-5 relative on every gradient, 1e-5 absolute on per-token losses (~1-5 nats)
 and on the logits at real tokens (gathered over TP and CP; not on PP stages' schedule cases).
@@ -33,3 +35,14 @@ def test_packed_equals_alone(world_size):
     check_exact(results[: len(standard)])
     # Prove the suite can fail: each deliberate packing mistake is flagged by the same check.
     check_flagged(results[len(standard):])
+
+
+def test_every_corruption_has_a_case_and_lengths_keep_their_edge_cases():
+    from megatron_vlm_packing.testing.parity_cases import CORRUPTIONS, micro_batch_lengths
+
+    cases = [c for world in CORRUPTION_CASES.values() for c in world]
+    assert sorted(c.corruption for c in cases) == sorted(CORRUPTIONS)
+    for seed in range(20):
+        lengths = micro_batch_lengths(seed)
+        flat = [n for mb in lengths for n in mb]
+        assert 1 in flat and 0 in flat and max(flat) == 12 and len(lengths) >= 2

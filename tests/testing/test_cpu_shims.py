@@ -8,6 +8,7 @@ def test_shims_are_explicit_idempotent_and_reversible():
     from megatron.core.tensor_parallel import random as tp_random
 
     original_current_device = torch.cuda.current_device
+    original_current_stream = torch.cuda.current_stream
     original_add = tp_random.CudaRNGStatesTracker.add
     original_norm_new = torch_norm.WrappedTorchNorm.__dict__["__new__"]
     assert not cpu_shims_applied()  # importing the package applied nothing
@@ -17,6 +18,8 @@ def test_shims_are_explicit_idempotent_and_reversible():
         assert torch.cuda.current_device() == "cpu"
         assert torch.zeros(2, device="cuda").device.type == "cpu"
         assert torch.ones(1).cuda().device.type == "cpu"
+        torch.cuda.current_stream().wait_stream(None)  # DDP's grad sync waits on it: a no-op here
+        torch.cuda.synchronize()
         tracker = tp_random.CudaRNGStatesTracker()
         tracker.add("x", 7)
         with tracker.fork("x"):
@@ -29,6 +32,20 @@ def test_shims_are_explicit_idempotent_and_reversible():
         undo_cpu_shims()
     assert not cpu_shims_applied()
     assert torch.cuda.current_device is original_current_device
+    assert torch.cuda.current_stream is original_current_stream
     assert tp_random.CudaRNGStatesTracker.add is original_add
     assert torch_norm.WrappedTorchNorm.__dict__["__new__"] is original_norm_new
     undo_cpu_shims()  # a no-op when nothing is applied
+
+
+def test_shims_refuse_to_run_where_cuda_is_available(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    original_current_device = torch.cuda.current_device
+    try:
+        apply_cpu_shims()
+    except RuntimeError as err:
+        assert "CUDA is available" in str(err)
+    else:
+        undo_cpu_shims()
+        raise AssertionError("apply_cpu_shims() ran on a machine that reports CUDA")
+    assert not cpu_shims_applied() and torch.cuda.current_device is original_current_device
