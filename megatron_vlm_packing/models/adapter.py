@@ -1,0 +1,145 @@
+"""Model adapters: how each model type takes a `MicroBatch`, declared, never sniffed from a signature.
+
+An adapter says which optional inputs the model consumes ("images", "videos", "audio",
+"extra:<key>"), which sequence-aligned fields it needs full length under CP (`LocalizeNeeds`),
+whether it takes `packed_seq_params`, and how to call it. The forward step refuses, with a
+`ValueError` naming the input, anything the micro-batch carries that the adapter does not consume
+(bug class 10: inputs silently dropped between the step and the model).
+
+The registry finds an adapter by the model's class (its MRO, by qualified name, so that models of
+packages that are not installed cost nothing), looking through DDP / Float16Module wrappers.
+Registering your own model (a few lines):
+
+    from megatron_vlm_packing.models.adapter import ModelAdapter, register_adapter
+
+    class MyVLMAdapter(ModelAdapter):
+        consumes = frozenset({"images"})
+        needs = LocalizeNeeds(full_input_ids=True)
+        def forward(self, model, mb):
+            return model(mb.input_ids, mb.position_ids, labels=mb.labels, cp_index=mb.cp_index,
+                         packed_seq_params=mb.packed_seq_params, pixel_values=mb.vision.pixel_values)
+
+    register_adapter(MyVLM, MyVLMAdapter)
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+from torch import nn
+
+from megatron_vlm_packing.packing.localize import LocalizeNeeds
+from megatron_vlm_packing.packing.micro_batch import MicroBatch
+
+
+class ModelAdapter:
+    """How one model type takes a micro-batch. Subclass, set the class attributes, write `forward`.
+
+    Class attributes:
+        consumes: optional inputs the model takes ("images", "videos", "audio", "extra:<key>").
+        needs: which fields stay full length under CP.
+        takes_packed_seq_params: False for a model that can only run dense rows.
+
+    An adapter is built once per model (`adapter_for(model)`), so `__init__` may read the model's
+    config (e.g. to check an mRoPE setting) and raise a ValueError for a model it cannot drive.
+    """
+
+    consumes: frozenset[str] = frozenset()
+    needs: LocalizeNeeds = LocalizeNeeds()
+    takes_packed_seq_params: bool = True
+
+    def __init__(self, model: nn.Module):
+        self.model_name = type(model).__name__
+
+    def check(self, micro_batch: MicroBatch) -> None:
+        """Refuse what this model cannot take: a ValueError naming every unconsumed input."""
+        unconsumed = sorted(micro_batch.inputs_present() - self.consumes)
+        if unconsumed:
+            raise ValueError(
+                f"the micro-batch carries {unconsumed} but {self.model_name}'s adapter "
+                f"({type(self).__name__}) consumes only {sorted(self.consumes) or 'no optional inputs'}: "
+                f"it would be dropped silently; remove it from the batch or use an adapter that consumes it"
+            )
+        if micro_batch.is_packed and not self.takes_packed_seq_params:
+            raise ValueError(
+                f"{self.model_name} cannot take packed_seq_params ({type(self).__name__}), so a packed "
+                f"micro-batch would train as one causal document; use pack=False or a model that takes it"
+            )
+
+    def forward(self, model: nn.Module, micro_batch: MicroBatch):
+        """Call `model` (possibly wrapped) on a localized micro-batch; return its output."""
+        raise NotImplementedError(f"{type(self).__name__} must implement forward(model, micro_batch)")
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The model inside DDP / Float16Module / similar wrappers (each holds it as `.module`)."""
+    seen = 0
+    while hasattr(model, "module") and isinstance(model.module, nn.Module):
+        model = model.module
+        seen += 1
+        if seen > 16:
+            raise ValueError("model wrappers nest more than 16 deep through .module")
+    return model
+
+
+def qualified_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+AdapterFactory = Callable[[nn.Module], ModelAdapter]
+
+# Built-in adapters, by the qualified name of the model class; resolved on first use so that no
+# optional package (megatron.bridge, multimodal models) is imported unless its model is passed in.
+_BUILTIN: dict[str, str] = {}
+_REGISTERED: dict[str, AdapterFactory] = {}
+
+
+def register_builtin_adapter(model_qualified_name: str, factory_path: str) -> None:
+    """For this package's own adapters: `factory_path` is "module:attribute", imported lazily."""
+    _BUILTIN[model_qualified_name] = factory_path
+
+
+def register_adapter(model_type: type | str, factory: AdapterFactory) -> None:
+    """Make `adapter_for` use `factory(model)` for `model_type` and its subclasses.
+
+    Args:
+        model_type: the model class, or its qualified name ("package.module.ClassName").
+        factory: a `ModelAdapter` subclass or any callable `model -> ModelAdapter`.
+    Overrides a built-in adapter for the same class.
+    """
+    name = model_type if isinstance(model_type, str) else qualified_name(model_type)
+    if not callable(factory):
+        raise ValueError(f"factory for {name} must be callable (a ModelAdapter subclass), got {factory!r}")
+    _REGISTERED[name] = factory
+
+
+def unregister_adapter(model_type: type | str) -> None:
+    name = model_type if isinstance(model_type, str) else qualified_name(model_type)
+    _REGISTERED.pop(name, None)
+
+
+def _resolve(path: str) -> AdapterFactory:
+    module, _, attribute = path.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+def adapter_for(model: nn.Module) -> ModelAdapter:
+    """The adapter of `model`'s class (or its nearest registered base class), built for this model.
+
+    Raises:
+        ValueError: no adapter is registered for any class in the model's MRO.
+    """
+    inner = unwrap_model(model)
+    for cls in type(inner).__mro__:
+        name = qualified_name(cls)
+        if name in _REGISTERED:
+            return _REGISTERED[name](inner)
+        if name in _BUILTIN:
+            return _resolve(_BUILTIN[name])(inner)
+    known = sorted(set(_REGISTERED) | set(_BUILTIN))
+    raise ValueError(
+        f"no model adapter for {qualified_name(type(inner))}; registered: {known}. Register one with "
+        f"megatron_vlm_packing.models.adapter.register_adapter(YourModel, YourAdapter) "
+        f"or pass make_forward_step(adapter=...)"
+    )

@@ -1,0 +1,153 @@
+"""`MicroBatch`: the one typed value that travels from a collated batch to the model.
+
+`pack_batch` (THD, real lengths) and `pad_batch` (dense rows) both produce it; `localize` gives
+each CP rank its part; a model adapter (`models.adapter`) turns it into the model's keywords.
+Nothing travels beside it in an untyped dict, so nothing can be dropped on the way: every input a
+micro-batch carries is named by `MicroBatch.inputs_present()`, and the step refuses any that the
+model's adapter does not consume.
+
+Shape legend: B = rows, S = row length, T = physical packed tokens (dense: B*L slots as [B, L]),
+P = image patches, Pv = video patches, I = images, V = videos, A = audios, F = mel bins,
+L = audio frames.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+
+
+@dataclass(frozen=True)
+class VisionInputs:
+    """Images and videos of one micro-batch, in sample order, with per-sample counts.
+
+    Attributes:
+        pixel_values: [P, C] patches of every image (Qwen-VL style) or [I, C, H, W] (LLaVA style); None without images.
+        image_grid_thw: [I, 3] long, (t, h, w) patch grid per image; None when the tower takes no grid.
+        images_per_sample: B ints, images of each row in token order (checked against placeholders).
+        pixel_values_videos: [Pv, C] patches of every video; None without videos.
+        video_grid_thw: [V, 3] long.
+        second_per_grid_ts: [V] float, seconds per temporal grid step (Qwen2.5-VL, Qwen3-Omni).
+        videos_per_sample: B ints.
+    """
+
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+    images_per_sample: tuple[int, ...] | None = None
+    pixel_values_videos: torch.Tensor | None = None
+    video_grid_thw: torch.Tensor | None = None
+    second_per_grid_ts: torch.Tensor | None = None
+    videos_per_sample: tuple[int, ...] | None = None
+
+    @property
+    def has_images(self) -> bool:
+        return self.pixel_values is not None
+
+    @property
+    def has_videos(self) -> bool:
+        return self.pixel_values_videos is not None
+
+
+@dataclass(frozen=True)
+class AudioInputs:
+    """Audio clips of one micro-batch (Qwen3-Omni style), in sample order.
+
+    Attributes:
+        input_features: [A, F, L] float, mel features per clip (padded to L frames).
+        feature_attention_mask: [A, L] bool/int, 1 at real frames.
+        audio_lengths: A ints, real frames per clip (from the mask).
+        audios_per_sample: B ints, clips of each row in token order.
+    """
+
+    input_features: torch.Tensor
+    feature_attention_mask: torch.Tensor
+    audio_lengths: tuple[int, ...]
+    audios_per_sample: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BatchStats:
+    """Host ints for logging (contract item 9 logs real vs physical tokens).
+
+    Attributes:
+        real_tokens: tokens that are real (all samples, before CP).
+        physical_tokens: slots the model computes over (all CP ranks together).
+        row_tokens: slots the collated right-padded rows occupied (what padding would have cost).
+    """
+
+    real_tokens: int
+    physical_tokens: int
+    row_tokens: int
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch as the model will see it, packed (THD) or dense (rows).
+
+    Sequence-aligned fields are [1, T] when packed and [B, L] when dense. After `localize` with
+    CP > 1 they hold this rank's tokens (`cp_index` says which), except the fields the adapter
+    asked to keep full (`full_fields`).
+
+    Attributes:
+        input_ids: [1, T] / [B, L] long, token ids (pad slots hold the pad id; never read as a mask).
+        labels: next-token targets, -100 where there is none.
+        loss_mask: float per-token loss weights (0 at pads and ignored targets; weights kept as given).
+        position_ids: [1, T] / [B, L] long (restarting per document), or [3, 1, T] / [3, B, L] (mRoPE).
+        padding_mask: bool, True exactly at pad slots (from the plan, never from token values).
+        packed_seq_params: Megatron-Core `PackedSeqParams` (THD, both boundary sets); None when dense.
+        rope_cu_seqlens: [N+1] int32 real boundaries (where rotary positions restart); None when dense.
+        vision: images and videos with per-sample counts; None when the batch has none.
+        audio: audio clips with per-sample counts; None when the batch has none.
+        extras: other per-token tensors, laid out like `input_ids` (pad slots 0).
+        stats: host-int token counts.
+        plan: the host `PackPlan` (packed only), to unpack outputs.
+        indices: the device `PackIndices` (packed only).
+        cp_index: [T/cp] long, this CP rank's token indices; None before `localize` or at cp = 1.
+        full_fields: names of sequence-aligned fields that `localize` left full length.
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: torch.Tensor
+    padding_mask: torch.Tensor
+    packed_seq_params: object | None
+    rope_cu_seqlens: torch.Tensor | None
+    stats: BatchStats
+    vision: VisionInputs | None = None
+    audio: AudioInputs | None = None
+    extras: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    plan: object | None = None
+    indices: object | None = None
+    cp_index: torch.Tensor | None = None
+    full_fields: frozenset[str] = frozenset()
+
+    @property
+    def is_packed(self) -> bool:
+        return self.packed_seq_params is not None
+
+    # Kept for callers of the first `PackedBatch` (same names as before the seam was typed).
+    @property
+    def num_real_tokens(self) -> int:
+        return self.stats.real_tokens
+
+    @property
+    def num_physical_tokens(self) -> int:
+        return self.stats.physical_tokens
+
+    def inputs_present(self) -> frozenset[str]:
+        """Names of the optional inputs this micro-batch carries; an adapter must consume each.
+
+        "images", "videos", "audio", and "extra:<key>" per per-token extra.
+        """
+        present = set()
+        if self.vision is not None and self.vision.has_images:
+            present.add("images")
+        if self.vision is not None and self.vision.has_videos:
+            present.add("videos")
+        if self.audio is not None:
+            present.add("audio")
+        present.update(f"extra:{key}" for key in self.extras)
+        return frozenset(present)
