@@ -64,6 +64,10 @@ class GPTModelAdapter(ModelAdapter):
         self.rotary = "mrope" if getattr(model, "position_embedding_type", None) == "mrope" else "1d"
         self.mrope = None
         self.needs = LocalizeNeeds(full_input_ids=False, full_position_ids=self.rotary == "mrope")
+        self.refuse_megatron_mrope_under_cp(model)
+
+    def refuse_megatron_mrope_under_cp(self, model: nn.Module) -> None:
+        """Bug class 6: Megatron-Core's mRoPE rotary CP-slices the whole packed table."""
         if self.rotary == "mrope" and model.config.context_parallel_size > 1 and not _uses_packed_mrope(model):
             raise ValueError(f"{self.model_name} uses mRoPE at context_parallel_size="
                              f"{model.config.context_parallel_size} with Megatron-Core's own rotary, which "
