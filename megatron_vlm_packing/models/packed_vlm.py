@@ -126,6 +126,12 @@ class PackedVLM(nn.Module):
             raise ValueError("the micro-batch has images or videos but this PackedVLM has no vision tower")
         if present["audio"] and self.audio is None:
             raise ValueError("the micro-batch has audio but this PackedVLM has no audio tower")
+        for field, pixels, grid in (("image_grid_thw", pixel_values, image_grid_thw),
+                                    ("video_grid_thw", pixel_values_videos, video_grid_thw)):
+            if pixels is not None and grid is None:
+                raise ValueError(f"{pixels.shape[0]} patches given without {field}: the tower cannot split them")
+        if present["audio"] and feature_attention_mask is None:
+            raise ValueError("input_features given without feature_attention_mask: audio lengths are unknown")
         bounds = sample_boundaries(input_ids, packed_seq_params)
         flat = emb.transpose(0, 1).reshape(-1, emb.shape[-1])  # [B*S, H], row-major like input_ids
         merge = self.spatial_merge_size
