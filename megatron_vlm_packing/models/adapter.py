@@ -143,3 +143,9 @@ def adapter_for(model: nn.Module) -> ModelAdapter:
         f"megatron_vlm_packing.models.adapter.register_adapter(YourModel, YourAdapter) "
         f"or pass make_forward_step(adapter=...)"
     )
+
+
+register_builtin_adapter("megatron.core.models.gpt.gpt_model.GPTModel",
+                         "megatron_vlm_packing.models.gpt_adapter:GPTModelAdapter")
+register_builtin_adapter("megatron_vlm_packing.models.packed_vlm.PackedVLM",
+                         "megatron_vlm_packing.models.packed_vlm:PackedVLMAdapter")
