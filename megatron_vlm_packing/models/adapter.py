@@ -143,3 +143,10 @@ def adapter_for(model: nn.Module) -> ModelAdapter:
         f"megatron_vlm_packing.models.adapter.register_adapter(YourModel, YourAdapter) "
         f"or pass make_forward_step(adapter=...)"
     )
+
+
+# Megatron-Bridge's Qwen-VL models (megatron_vlm_packing.bridge.adapters), resolved lazily.
+register_builtin_adapter("megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model.Qwen3VLModel",
+                         "megatron_vlm_packing.bridge.adapters:Qwen3VLAdapter")
+register_builtin_adapter("megatron.bridge.models.qwen_vl.modeling_qwen25_vl.Qwen25VLModel",
+                         "megatron_vlm_packing.bridge.adapters:Qwen25VLAdapter")
