@@ -143,3 +143,6 @@ def adapter_for(model: nn.Module) -> ModelAdapter:
         f"megatron_vlm_packing.models.adapter.register_adapter(YourModel, YourAdapter) "
         f"or pass make_forward_step(adapter=...)"
     )
+
+
+register_builtin_adapter("megatron.core.models.multimodal.llava_model.LLaVAModel", "megatron_vlm_packing.models.llava:LLaVAAdapter")
