@@ -154,3 +154,4 @@ register_builtin_adapter("megatron.bridge.models.qwen_vl.modelling_qwen3_vl.mode
                          "megatron_vlm_packing.bridge.adapters:Qwen3VLAdapter")
 register_builtin_adapter("megatron.bridge.models.qwen_vl.modeling_qwen25_vl.Qwen25VLModel",
                          "megatron_vlm_packing.bridge.adapters:Qwen25VLAdapter")
+register_builtin_adapter("megatron.core.models.multimodal.llava_model.LLaVAModel", "megatron_vlm_packing.models.llava:LLaVAAdapter")
