@@ -114,10 +114,12 @@ class PackedInputs:
     pad_token_id: int | None = None
     mrope: Any = None
     ignore_index: int = -100
+    localized_total: int | None = None
 
     @property
     def total(self) -> int:
-        return self.input_ids.numel()
+        """T: the physical slots of the whole pack (a localized batch holds T/cp of them)."""
+        return self.localized_total if self.localized_total is not None else self.input_ids.numel()
 
 
 def _cpu(x):
@@ -165,6 +167,8 @@ def _from_micro_batch(batch) -> dict:
         out["multiples"] = plan.multiples
     if getattr(batch, "cp_index", None) is not None:
         out["cp_index"] = batch.cp_index
+        if out.get("cu_seqlens_padded") is not None:  # sequence tensors hold T/cp slots: T from the boundaries
+            out["localized_total"] = int(out["cu_seqlens_padded"][-1])
     return out
 
 
