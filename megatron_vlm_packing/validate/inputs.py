@@ -184,9 +184,8 @@ def _from_mapping(batch: Mapping) -> dict:
         out.update(_params_fields(out.pop("packed_seq_params")))
     else:
         out.pop("packed_seq_params", None)
-    if "max_seqlen" in out:
+    if "max_seqlen" in out and not isinstance(out["max_seqlen"], tuple):
         out["max_seqlen"] = (out["max_seqlen"], out.pop("max_seqlen_kv", out["max_seqlen"]))
-        out.pop("max_seqlen_kv", None)
     if batch.get("source_input_ids") is not None:
         out["source"] = SourceRows(
             input_ids=batch["source_input_ids"], attention_mask=batch.get("source_attention_mask"),
