@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -77,8 +77,12 @@ def _images_per_row(ids: torch.Tensor, lengths: list[int], grid: torch.Tensor, t
     return counts
 
 
-def split_rows(batch: dict, *, image_token_id: int | None = None, spatial_merge_size: int = 2) -> list[tuple[int, dict]]:
+def split_rows(batch: dict, *, image_token_id: int | None = None, spatial_merge_size: int = 2,
+               images_per_row: Sequence[int] | None = None) -> list[tuple[int, dict]]:
     """Every non-empty row alone: (row, batch of one row cut to its n real tokens, with its own images).
+
+    Images are given to rows by `images_per_row` (a `MicroBatch`'s `vision.images_per_sample`),
+    else by counting each row's `image_token_id` placeholders against consecutive grids.
 
     Raises:
         ValueError: a key the probe cannot split per sample (videos, audio, unknown per-sample
@@ -90,7 +94,9 @@ def split_rows(batch: dict, *, image_token_id: int | None = None, spatial_merge_
     ids = batch["input_ids"] if batch.get("input_ids") is not None else batch["tokens"]
     lengths = real_lengths(batch_size=ids.shape[0], row_length=ids.shape[1], attention_mask=batch.get("attention_mask"))
     images = None
-    if batch.get("pixel_values") is not None:
+    if batch.get("pixel_values") is not None and images_per_row is not None:
+        images = [int(n) for n in images_per_row]
+    elif batch.get("pixel_values") is not None:
         if image_token_id is None:
             raise ValueError("the batch has pixel_values: the parity probe needs image_token_id to split them per sample")
         images = _images_per_row(ids, lengths, batch["image_grid_thw"], image_token_id, spatial_merge_size)
@@ -179,7 +185,9 @@ def parity_probe(
         from megatron_vlm_packing import pack_batch
 
         pack = partial(pack_batch, **pack_kwargs)
-    rows = split_rows(batch, image_token_id=image_token_id, spatial_merge_size=spatial_merge_size)
+    vision = getattr(packed, "vision", None)
+    rows = split_rows(batch, image_token_id=image_token_id, spatial_merge_size=spatial_merge_size,
+                      images_per_row=getattr(vision, "images_per_sample", None))
     with torch.no_grad():
         packed = pack(batch) if packed is None else packed
         packed_loss = forward(packed).detach().float().reshape(-1)

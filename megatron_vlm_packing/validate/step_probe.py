@@ -60,6 +60,32 @@ def probe_model(model: torch.nn.Module, batch: dict, *, model_forward: Callable 
         model.train(was_training)
 
 
+class StepProbe:
+    """The probe as a forward step runs it: counts micro-batches and probes every `every`-th.
+
+    Called by the step with the collated batch, the full-length micro-batch it built, how it calls
+    the model on a micro-batch and how it builds one (so each sample alone is built the same way).
+    """
+
+    def __init__(self, every: int, *, tolerance: float = 1e-4, on_result: Callable | None = print):
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"parity_probe_every must be a positive int, got {every!r}")
+        if not tolerance >= 0:
+            raise ValueError(f"parity_probe_tolerance must be >= 0, got {tolerance!r}")
+        self.every, self.tolerance, self.on_result, self.calls = every, tolerance, on_result, 0
+
+    def __call__(self, model: torch.nn.Module, batch: dict, micro_batch, *, forward: Callable,
+                 pack: Callable) -> ProbeResult | None:
+        call, self.calls = self.calls, self.calls + 1
+        if call % self.every:
+            return None
+        result = probe_model(model, batch, model_forward=forward, packed=micro_batch, pack=pack,
+                             tolerance=self.tolerance)
+        if self.on_result is not None:
+            self.on_result(result)
+        return result
+
+
 class _Recorder:
     """An iterator that remembers the last item it yielded."""
 
@@ -88,7 +114,7 @@ def with_parity_probe(forward_step: Callable, *, every: int, tolerance: float = 
 
     Every rank must read its own batch (the probe's forward uses the TP group on every TP rank).
     """
-    if not isinstance(every, int) or every < 1:
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"every must be a positive int, got {every!r}")
     calls = [0]
 
