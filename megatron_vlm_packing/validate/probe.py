@@ -131,7 +131,7 @@ def _alone(pack: Callable, sample: dict):
     """One sample as its own micro-batch: dense (no packed_seq_params) when it needs no padding."""
     single = pack(sample)
     if single.input_ids.shape[-1] == sample["input_ids" if "input_ids" in sample else "tokens"].shape[-1]:
-        single = replace(single, packed_seq_params=None)
+        single = replace(single, packed_seq_params=None, rope_cu_seqlens=None)
     return single
 
 
