@@ -66,6 +66,12 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from megatron_vlm_packing.planner.report import run_plan
+
+    return run_plan(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-vlm-packing", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -80,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--micro-batch-size", type=_positive_int, default=8)
     demo.add_argument("--seed", type=int, default=1234)
     demo.set_defaults(func=cmd_demo)
+
+    from megatron_vlm_packing.planner.report import add_plan_arguments
+
+    plan = sub.add_parser("plan", help="dataset-level packing: per-rank cost with and without balancing")
+    add_plan_arguments(plan)
+    plan.set_defaults(func=cmd_plan)
 
     inspect = sub.add_parser("inspect", help="show the pack plan for given real lengths")
     inspect.add_argument("lengths", type=_int_list, help="comma-separated real lengths, e.g. 5,0,3")
