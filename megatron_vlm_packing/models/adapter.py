@@ -143,3 +143,10 @@ def adapter_for(model: nn.Module) -> ModelAdapter:
         f"megatron_vlm_packing.models.adapter.register_adapter(YourModel, YourAdapter) "
         f"or pass make_forward_step(adapter=...)"
     )
+
+
+# Megatron-Bridge's Qwen3-Omni model and thinker (megatron_vlm_packing.bridge.omni_adapter), resolved lazily.
+register_builtin_adapter("megatron.bridge.models.qwen_omni.modeling_qwen3_omni.model.Qwen3OmniModel",
+                         "megatron_vlm_packing.bridge.omni_adapter:Qwen3OmniAdapter")
+register_builtin_adapter("megatron.bridge.models.qwen_omni.modeling_qwen3_omni.thinker_model.Qwen3OmniThinkerModel",
+                         "megatron_vlm_packing.bridge.omni_adapter:Qwen3OmniAdapter")
