@@ -155,3 +155,8 @@ register_builtin_adapter("megatron.bridge.models.qwen_vl.modelling_qwen3_vl.mode
 register_builtin_adapter("megatron.bridge.models.qwen_vl.modeling_qwen25_vl.Qwen25VLModel",
                          "megatron_vlm_packing.bridge.adapters:Qwen25VLAdapter")
 register_builtin_adapter("megatron.core.models.multimodal.llava_model.LLaVAModel", "megatron_vlm_packing.models.llava:LLaVAAdapter")
+# Megatron-Bridge's Qwen3-Omni model and thinker (megatron_vlm_packing.bridge.omni_adapter), resolved lazily.
+register_builtin_adapter("megatron.bridge.models.qwen_omni.modeling_qwen3_omni.model.Qwen3OmniModel",
+                         "megatron_vlm_packing.bridge.omni_adapter:Qwen3OmniAdapter")
+register_builtin_adapter("megatron.bridge.models.qwen_omni.modeling_qwen3_omni.thinker_model.Qwen3OmniThinkerModel",
+                         "megatron_vlm_packing.bridge.omni_adapter:Qwen3OmniAdapter")
