@@ -5,13 +5,12 @@ real length of each document of each row, in order, padded with trailing zeros; 
 lengths sum to that row's real length (from `attention_mask` / `seq_lens`, or the full row). This
 is what packed-SFT datasets give as per-row `cu_seqlens` (take `diff`) or `seq_lens` lists.
 
-`split_documents` turns such a batch into one row per document ([N, Ld], right-padded): every
-sequence-aligned tensor is gathered, so the rest of the pipeline treats each document as a sample
+`split_documents` turns such a batch into one row per document ([N, S], right-padded): every
+sequence-aligned tensor is gathered (rows of the same length S), so the rest of the pipeline treats each document as a sample
 of its own: positions restart, HF labels shift inside each document, mRoPE positions and media
 counts are per document, and `pack_batch` makes each document its own THD segment.
 
-Shape legend: B = rows, S = row length, D = most documents in a row, N = documents, Ld = longest
-document.
+Shape legend: B = rows, S = row length, D = most documents in a row, N = documents.
 """
 
 from __future__ import annotations
@@ -60,7 +59,7 @@ def document_table(value, lengths: list[int]) -> list[list[int]]:
 
 
 def _gather_index(table: list[list[int]], row_length: int, device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """[N, Ld] flat source index b*S + s of every document slot, [N, Ld] bool real mask, N lengths."""
+    """[N, S] flat source index b*S + s of every document slot, [N, S] bool real mask, N lengths."""
     starts, doc_lengths = [], []
     for b, row in enumerate(table):
         offset = 0
@@ -68,8 +67,7 @@ def _gather_index(table: list[list[int]], row_length: int, device) -> tuple[torc
             starts.append(b * row_length + offset)
             doc_lengths.append(n)
             offset += n
-    longest = max(doc_lengths)
-    arange = torch.arange(longest, device=device)
+    arange = torch.arange(row_length, device=device)  # documents keep the row length S (each fits in its row)
     start_t = torch.tensor(starts, device=device)
     length_t = torch.tensor(doc_lengths, device=device)
     valid = arange[None] < length_t[:, None]
@@ -89,7 +87,7 @@ def split_documents(batch: Mapping, input_ids_key: str, extra_keys=()) -> tuple[
     """One row per document (see the module docstring).
 
     Returns:
-        (new batch with [N, Ld] sequence tensors and `seq_lens` = document lengths, N source rows).
+        (new batch with [N, S] sequence tensors and `seq_lens` = document lengths, N source rows).
 
     Raises:
         ValueError: a bad `document_lengths` (see `document_table`), or a 4D attention mask (give

@@ -47,7 +47,7 @@ EXPECTED = {
     "image_placeholders_moved_to_another_sample": (ERR, "ValueError", r"sample \d has \d+ image placeholder tokens \(id 253\), which do not cover whole images"),
     "image_tokens_without_pixel_values": (ERR, "ValueError", r"input_ids hold image placeholder tokens \(id 253\) but no image inputs"),
     "video_grid_one_frame_short": (ERR, "ValueError", r"video placeholder tokens \(id 252\) in input_ids but the 1 video inputs give \d+ tokens"),
-    "audio_mask_with_a_hole": (ERR, "ValueError", r"feature_attention_mask rows \[0\] are not right-padded"),
+    "audio_mask_with_a_hole": (ERR, "ValueError", r"feature_attention_mask rows .*\[0\]"),
     "audio_clip_shorter_than_its_placeholders": (ERR, "ValueError", r"\d+ audio placeholder tokens \(id 251\) in input_ids but the \d audio inputs give \d+ tokens"),
     "video_content_reaches_the_loss": ("ok", True),
     "audio_content_reaches_the_loss": ("ok", True),
