@@ -149,3 +149,9 @@ register_builtin_adapter("megatron.core.models.gpt.gpt_model.GPTModel",
                          "megatron_vlm_packing.models.gpt_adapter:GPTModelAdapter")
 register_builtin_adapter("megatron_vlm_packing.models.packed_vlm.PackedVLM",
                          "megatron_vlm_packing.models.packed_vlm:PackedVLMAdapter")
+# Megatron-Bridge's Qwen-VL models (megatron_vlm_packing.bridge.adapters), resolved lazily.
+register_builtin_adapter("megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model.Qwen3VLModel",
+                         "megatron_vlm_packing.bridge.adapters:Qwen3VLAdapter")
+register_builtin_adapter("megatron.bridge.models.qwen_vl.modeling_qwen25_vl.Qwen25VLModel",
+                         "megatron_vlm_packing.bridge.adapters:Qwen25VLAdapter")
+register_builtin_adapter("megatron.core.models.multimodal.llava_model.LLaVAModel", "megatron_vlm_packing.models.llava:LLaVAAdapter")
