@@ -87,12 +87,17 @@ def resolve_mrope(options: StepOptions, adapter: ModelAdapter):
     return options.mrope if options.mrope is not None else getattr(adapter, "mrope", None)
 
 
-def build_micro_batch(batch: dict, layout: ParallelLayout, options: StepOptions, *, mrope=None) -> MicroBatch:
-    """`pack_batch` (real-length THD) or `pad_batch` (dense rows), aligned for `layout`; full length."""
+def build_micro_batch(batch: dict, layout: ParallelLayout, options: StepOptions, *, mrope=None,
+                      media_token_ids: dict | None = None) -> MicroBatch:
+    """`pack_batch` (real-length THD) or `pad_batch` (dense rows), aligned for `layout`; full length.
+
+    `media_token_ids` (image/video/audio_token_id, spatial_merge_size: the adapter's) let the
+    packer count each sample's images, videos and clips.
+    """
     from megatron_vlm_packing.packing import pack_batch, pad_batch
 
     common = dict(tp_size=layout.tp_size, cp_size=layout.cp_size, sequence_parallel=layout.sequence_parallel,
-                  fp8=options.fp8, label_style=options.label_style, mrope=mrope)
+                  fp8=options.fp8, label_style=options.label_style, mrope=mrope, **(media_token_ids or {}))
     if options.pack:
         return pack_batch(batch, pad_to=options.pad_to, **common)
     return pad_batch(batch, seq_length=options.seq_length, **common)
@@ -158,7 +163,8 @@ def make_forward_step(*, pack: bool = True, label_style: str = "hf", pad_to: int
         layout = ParallelLayout.from_megatron(unwrap_model(model).config)
         batch = read_micro_batch(data_iterator, broadcast_from_tp_rank0=broadcast_from_tp_rank0)
         batch = to_device(batch, next(model.parameters()).device)
-        micro_batch = build_micro_batch(batch, layout, options, mrope=resolve_mrope(options, model_adapter))
+        micro_batch = build_micro_batch(batch, layout, options, mrope=resolve_mrope(options, model_adapter),
+                                        media_token_ids=getattr(model_adapter, "media_token_ids", None))
         if transform is not None:
             micro_batch = transform(micro_batch)
         local = prepare_for_model(micro_batch, model_adapter, layout)
