@@ -25,6 +25,7 @@ from megatron_vlm_packing.bridge.smoke import alone_loss_sum
 from megatron_vlm_packing.bridge.tiny import TinyBridgeConfig, build_tiny_bridge_model
 
 SEED = 3
+
 NUM_SAMPLES = 4
 
 
@@ -41,13 +42,13 @@ def _reference(family: str, samples: list[dict]):
     return total.detach(), grads, state
 
 
-def micro_batch_of(batch: dict, cfg: TinyBridgeConfig, layout):
+def micro_batch_of(batch: dict, mrope, layout):
     """The packed `MicroBatch` of `batch` for `layout` (full length; `localize` cuts it)."""
     from megatron_vlm_packing import pack_batch
     from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch, VisionInputs
 
     packed = pack_batch(batch, tp_size=layout.tp_size, cp_size=layout.cp_size,
-                        sequence_parallel=layout.sequence_parallel, label_style="hf", mrope=cfg.mrope_config())
+                        sequence_parallel=layout.sequence_parallel, label_style="hf", mrope=mrope)
     if isinstance(packed, MicroBatch) and packed.vision is not None:
         return packed
     # The first `PackedBatch` (before the typed seam): vision inputs passed through untouched.
@@ -61,28 +62,51 @@ def micro_batch_of(batch: dict, cfg: TinyBridgeConfig, layout):
                       stats=stats, vision=vision, plan=packed.plan, indices=packed.indices)
 
 
-def _packed_step(model, batch: dict, cfg: TinyBridgeConfig, *, check: bool):
-    """Forward + backward of one packed micro-batch through the family's adapter; the loss sum of
-    this rank's tokens."""
-    from megatron_vlm_packing.models.adapter import adapter_for, qualified_name
+def _packed_step(model, batch: dict, *, check: bool):
+    """Forward + backward of one packed micro-batch through the model's adapter (pack_batch ->
+    check -> localize -> adapter.forward -> loss); the loss sum of this rank's tokens.
+
+    With `check=False` ("unpatched") the adapter's refusal of an unpatched layout is bypassed.
+    """
+    from megatron_vlm_packing.models.adapter import _BUILTIN, _resolve, adapter_for, qualified_name
     from megatron_vlm_packing.packing.localize import localize
     from megatron_vlm_packing.parallel.layout import ParallelLayout
 
     layout = ParallelLayout.from_megatron(model.config)
     if check:
         adapter = adapter_for(model)
-    else:  # "unpatched": the adapter would refuse; call its forward as it is
-        from megatron_vlm_packing.models.adapter import _BUILTIN, _resolve
+    else:
+        from megatron_vlm_packing.bridge import adapters
 
-        adapter = object.__new__(_resolve(_BUILTIN[qualified_name(type(model))]))
-    mb = localize(micro_batch_of(batch, cfg, layout), layout, adapter.needs)
+        cls = _resolve(_BUILTIN[qualified_name(type(model))])
+        mrope_of = {adapters.Qwen3VLAdapter: adapters.qwen3_vl_mrope, adapters.Qwen25VLAdapter: adapters.qwen25_vl_mrope}
+        adapter = object.__new__(cls)
+        adapter.model_name, adapter.mrope = type(model).__name__, mrope_of[cls](model)
+    full = micro_batch_of(batch, adapter.mrope, layout)
     if check:
-        adapter.check(mb)
+        adapter.check(full)
+    mb = localize(full, layout, adapter.needs)
     out = adapter.forward(model, mb)
     losses, mask = out if isinstance(out, tuple) else (out, mb.loss_mask)
     loss = (losses.float() * mask).sum()
     loss.backward()
     return loss.detach()
+
+
+def _refusal(case: tuple) -> dict:
+    """(family, tp, cp, sp, "refused"): the adapter must refuse this layout with a ValueError."""
+    from megatron_vlm_packing.models.adapter import adapter_for
+    from megatron_vlm_packing.testing.distributed import initialize_parallel
+
+    family, tp, cp, sp = case[:4]
+    initialize_parallel(tp=tp, cp=cp, seed=SEED)
+    model = build_tiny_bridge_model(TinyBridgeConfig(family=family, tensor_parallel=tp, context_parallel=cp,
+                                                     sequence_parallel=sp), seed=SEED)
+    try:
+        adapter_for(model)
+    except ValueError as err:
+        return dict(case=case, refused=str(err))
+    return dict(case=case, refused=None)
 
 
 def _run_case(case: tuple, samples: list[dict], reference) -> dict:
@@ -103,7 +127,7 @@ def _run_case(case: tuple, samples: list[dict], reference) -> dict:
     try:
         model = build_tiny_bridge_model(cfg, seed=SEED + 1)  # other weights: load_full_state must set them all
         load_full_state(model, state, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp)
-        loss = _packed_step(model, collate_qwen_vl(samples), cfg, check=not unpatched)
+        loss = _packed_step(model, collate_qwen_vl(samples), check=not unpatched)
     finally:
         undo_bridge_patches()
     dist.all_reduce(loss, group=ps.get_context_parallel_group())
@@ -113,18 +137,26 @@ def _run_case(case: tuple, samples: list[dict], reference) -> dict:
     worst = torch.tensor([abs(loss - ref_loss).item(), max(errors.values()), max(errors[n] for n in vision),
                           sum(errors[n] > 1e-3 for n in vision)], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return dict(case=case, loss=ref_loss.item(), abs_dloss=worst[0].item(), max_rel_grad_err=worst[1].item(),
+    return dict(case=case, loss=ref_loss.item(), model=f"{type(model).__module__}.{type(model).__name__}", abs_dloss=worst[0].item(), max_rel_grad_err=worst[1].item(),
                 max_rel_vision_grad_err=worst[2].item(), vision_params_off=int(worst[3]),
                 params=len(errors), vision_params=len(vision), missing=sorted(set(ref_grads) - set(grads)))
 
 
 def run_bridge_parity(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
     """Every case of `cases` (grouped by family, one reference per family); results in order."""
+    import sys
+
     results, references = [], {}
     for case in cases:
         family = case[0]
+        if "refused" in case[4:]:
+            results.append(_refusal(case))
+            continue
         samples = qwen_vl_samples(TinyBridgeConfig(family=family), NUM_SAMPLES, seed=SEED)
         if family not in references:
             references[family] = _reference(family, samples)
         results.append(_run_case(case, samples, references[family]))
+    for result in results:  # Bridge's models came from its leaf modules: no TE, no package chain
+        result.update(transformer_engine_imported="transformer_engine" in sys.modules,
+                      bridge_package_imported="megatron.bridge" in sys.modules)
     return results
