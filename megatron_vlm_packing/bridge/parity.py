@@ -160,3 +160,29 @@ def run_bridge_parity(rank: int, world_size: int, cases: list[tuple]) -> list[di
         result.update(transformer_engine_imported="transformer_engine" in sys.modules,
                       bridge_package_imported="megatron.bridge" in sys.modules)
     return results
+
+
+ALL_CASES = [
+    (family, tp, cp, sp) for family in ("qwen3_vl", "qwen3_vl_moe", "qwen25_vl")
+    for tp, cp, sp in ((1, 1, False), (2, 1, True), (1, 2, False), (2, 2, True)) if not (family == "qwen25_vl" and cp > 1)
+] + [("qwen3_vl", 2, 1, True, "unpatched")]
+
+
+def parity_table(results: list[dict]) -> str:
+    """Markdown rows: family, layout, |dloss|, worst relative gradient error (all / vision)."""
+    rows = ["| model (Bridge 0.6.2) | layout | max abs dloss | max rel grad err | max rel vision grad err "
+            "| vision params off (> 1e-3) |", "|---|---|---|---|---|---|"]
+    for r in results:
+        family, tp, cp, sp = r["case"][:4]
+        layout = " x ".join(p for p in (f"TP={tp}" if tp > 1 else "", f"CP={cp}" if cp > 1 else "") if p) or "TP=1"
+        layout += " + SP" if sp else ""
+        layout += ", unpatched" if "unpatched" in r["case"][4:] else ""
+        rows.append(f"| {family} | {layout} | {r['abs_dloss']:.2e} | {r['max_rel_grad_err']:.2e} | "
+                    f"{r['max_rel_vision_grad_err']:.2e} | {r['vision_params_off']} of {r['vision_params']} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    from megatron_vlm_packing.testing.distributed import run_distributed
+
+    print(parity_table(run_distributed(run_bridge_parity, 4, ALL_CASES)))
