@@ -4,8 +4,9 @@
 the reference is the TP = CP = 1 model (Bridge's own, built by its provider) running every sample
 alone as one dense unpadded row, with Bridge's own mRoPE positions. Each case then builds the model
 at its layout, loads the reference weights (SwiGLU-aware TP shards), packs the micro-batch at real
-lengths with images and videos, localizes it for this CP rank, and calls the model through the
-family's adapter; every parameter gradient (vision tower included) is gathered back and compared.
+lengths with images and videos through the shipped `make_forward_step` (the 3-argument Bridge form
+for CP cases) and its loss function, with the adapter the registry finds for Bridge's model class;
+every parameter gradient (vision tower included) is gathered back and compared.
 
 A case is (family, tp, cp, sp[, "unpatched"]): "unpatched" runs without the Bridge patches (the
 adapter's refusal bypassed) to show that a patch is necessary.
@@ -45,52 +46,37 @@ def _reference(family: str, samples: list[dict]):
 def micro_batch_of(batch: dict, mrope, layout):
     """The packed `MicroBatch` of `batch` for `layout` (full length; `localize` cuts it)."""
     from megatron_vlm_packing import pack_batch
-    from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch, VisionInputs
 
-    packed = pack_batch(batch, tp_size=layout.tp_size, cp_size=layout.cp_size,
-                        sequence_parallel=layout.sequence_parallel, label_style="hf", mrope=mrope)
-    if isinstance(packed, MicroBatch) and packed.vision is not None:
-        return packed
-    # The first `PackedBatch` (before the typed seam): vision inputs passed through untouched.
-    vision = VisionInputs(**{k: batch[k] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos",
-                                                   "video_grid_thw", "second_per_grid_ts") if k in batch})
-    stats = BatchStats(real_tokens=packed.num_real_tokens, physical_tokens=packed.num_physical_tokens,
-                       row_tokens=batch["input_ids"].numel())
-    return MicroBatch(input_ids=packed.input_ids, labels=packed.labels, loss_mask=packed.loss_mask,
-                      position_ids=packed.position_ids, padding_mask=packed.padding_mask,
-                      packed_seq_params=packed.packed_seq_params, rope_cu_seqlens=packed.rope_cu_seqlens,
-                      stats=stats, vision=vision, plan=packed.plan, indices=packed.indices)
+    return pack_batch(batch, tp_size=layout.tp_size, cp_size=layout.cp_size,
+                      sequence_parallel=layout.sequence_parallel, label_style="hf", mrope=mrope)
 
 
-def _packed_step(model, batch: dict, *, check: bool):
-    """Forward + backward of one packed micro-batch through the model's adapter (pack_batch ->
-    check -> localize -> adapter.forward -> loss); the loss sum of this rank's tokens.
+def _unchecked_adapter(model):
+    """The family's adapter without its refusal of an unpatched layout ("unpatched" cases only)."""
+    from megatron_vlm_packing.bridge import adapters
+
+    cls, mrope_of = ((adapters.Qwen25VLAdapter, adapters.qwen25_vl_mrope) if type(model).__name__ == "Qwen25VLModel"
+                     else (adapters.Qwen3VLAdapter, adapters.qwen3_vl_mrope))
+    adapter = object.__new__(cls)
+    adapter.model_name, adapter.mrope = type(model).__name__, mrope_of(model)
+    return adapter
+
+
+def _packed_step(model, batch: dict, *, check: bool, with_state: bool = False):
+    """Forward + backward of one packed micro-batch through the shipped `make_forward_step` and its
+    loss function (the adapter found by the registry); the loss sum of this rank's tokens.
 
     With `check=False` ("unpatched") the adapter's refusal of an unpatched layout is bypassed.
     """
-    from megatron_vlm_packing.models.adapter import _BUILTIN, _resolve, adapter_for, qualified_name
-    from megatron_vlm_packing.packing.localize import localize
-    from megatron_vlm_packing.parallel.layout import ParallelLayout
+    from megatron_vlm_packing import make_forward_step
 
-    layout = ParallelLayout.from_megatron(model.config)
-    if check:
-        adapter = adapter_for(model)
-    else:
-        from megatron_vlm_packing.bridge import adapters
-
-        cls = _resolve(_BUILTIN[qualified_name(type(model))])
-        mrope_of = {adapters.Qwen3VLAdapter: adapters.qwen3_vl_mrope, adapters.Qwen25VLAdapter: adapters.qwen25_vl_mrope}
-        adapter = object.__new__(cls)
-        adapter.model_name, adapter.mrope = type(model).__name__, mrope_of[cls](model)
-    full = micro_batch_of(batch, adapter.mrope, layout)
-    if check:
-        adapter.check(full)
-    mb = localize(full, layout, adapter.needs)
-    out = adapter.forward(model, mb)
-    losses, mask = out if isinstance(out, tuple) else (out, mb.loss_mask)
-    loss = (losses.float() * mask).sum()
-    loss.backward()
-    return loss.detach()
+    step = make_forward_step(pack=True, label_style="hf", with_state=with_state,
+                             adapter=None if check else _unchecked_adapter(model))
+    args = (None, iter([batch]), model) if with_state else (iter([batch]), model)
+    output, loss_func = step(*args)
+    loss_sum, _, _ = loss_func(output)
+    loss_sum.backward()
+    return loss_sum.detach()
 
 
 def _refusal(case: tuple) -> dict:
@@ -127,7 +113,7 @@ def _run_case(case: tuple, samples: list[dict], reference) -> dict:
     try:
         model = build_tiny_bridge_model(cfg, seed=SEED + 1)  # other weights: load_full_state must set them all
         load_full_state(model, state, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp)
-        loss = _packed_step(model, collate_qwen_vl(samples), check=not unpatched)
+        loss = _packed_step(model, collate_qwen_vl(samples), check=not unpatched, with_state=cp > 1)
     finally:
         undo_bridge_patches()
     dist.all_reduce(loss, group=ps.get_context_parallel_group())
