@@ -6,12 +6,13 @@
   packed ids). It also CP-selects labels, so this rank's labels are handed back full length
   (-100 elsewhere): the model's selection returns exactly them.
 - `Qwen25VLAdapter` (`Qwen25VLModel`): full `input_ids`; the model always recomputes its mRoPE
-  positions (per packed sample) and takes the labels as they are. Bridge 0.6.2's Qwen2.5-VL has no
-  context parallelism (it never selects CP tokens): refused with a ValueError.
+  positions (per packed sample) and takes this rank's labels. Bridge 0.6.2's Qwen2.5-VL never
+  selects CP tokens: under CP the adapter requires `patches.apply_bridge_qwen25_vl_cp()` and
+  installs the packed mRoPE rotary on its language model (full positions under THD + CP).
 
 `Qwen3VLAdapter` refuses, with a ValueError naming the patch, a layout whose Bridge defect is not
 patched here (`patches.apply_bridge_patches()`): deepstack gradients under TP + SP, the TE-only THD
-CP index.
+CP index; `Qwen25VLAdapter` likewise for CP.
 """
 
 from __future__ import annotations
@@ -120,9 +121,15 @@ class Qwen25VLAdapter(ModelAdapter):
         self.mrope = qwen25_vl_mrope(model)
         _, cp, _ = _layout(model)
         if cp > 1:
-            raise ValueError(f"Bridge's Qwen25VLModel does not select context-parallel tokens: with "
-                             f"context_parallel_size={cp} every CP rank would run the whole sequence; "
-                             f"train it with CP = 1 (TP, SP and PP are supported)")
+            from megatron_vlm_packing.patches import bridge_qwen25_vl_cp
+            from megatron_vlm_packing.rope import use_packed_mrope
+
+            _require_patch(bridge_qwen25_vl_cp.is_applied(), True,
+                           f"Bridge's Qwen25VLModel does not select context-parallel tokens (with "
+                           f"context_parallel_size={cp} every CP rank would run the whole sequence)",
+                           "apply_bridge_qwen25_vl_cp")
+            # Under THD + CP the rotary must return the full table from full positions (bug class 6).
+            use_packed_mrope(model.language_model)
 
     def forward(self, model, micro_batch: MicroBatch):
         mb = micro_batch

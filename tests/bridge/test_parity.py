@@ -1,7 +1,8 @@
 """Megatron-Bridge's Qwen-VL models, as Bridge's providers build them, packed with images and videos
 through their adapters: loss and every parameter gradient (vision tower included) equal each
-sample alone, under TP2 + SP, CP2 and TP2 x CP2 x SP; the deepstack patch is necessary (unpatched
-TP2 + SP fails) and sufficient. One 4-process launch."""
+sample alone, under TP2 + SP, CP2 and TP2 x CP2 x SP, through the shipped make_forward_step; the
+deepstack patch is necessary (unpatched TP2 + SP fails) and sufficient; Qwen2.5-VL under CP is
+refused without its patch. One 4-process launch."""
 
 import pytest
 
@@ -15,7 +16,7 @@ CASES = [
     ("qwen3_vl", 1, 2, False),
     ("qwen3_vl", 2, 2, True),
     ("qwen3_vl_moe", 2, 2, True),
-    ("qwen25_vl", 2, 1, True),
+    ("qwen25_vl", 2, 2, True),
     ("qwen25_vl", 1, 2, False, "refused"),
 ]
 
@@ -49,6 +50,6 @@ def test_deepstack_patch_is_necessary(results):
     assert r["max_rel_vision_grad_err"] > 1e-2 and r["vision_params_off"] > 0, r
 
 
-def test_qwen25_vl_context_parallel_is_refused(results):
+def test_qwen25_vl_context_parallel_is_refused_without_its_patch(results):
     message = results[("qwen25_vl", 1, 2, False, "refused")]["refused"]
-    assert message is not None and "context-parallel" in message and "context_parallel_size=2" in message
+    assert message is not None and "context_parallel_size=2" in message and "apply_bridge_qwen25_vl_cp" in message
