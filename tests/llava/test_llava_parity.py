@@ -34,7 +34,7 @@ def test_setup_is_the_reported_case(result):
 @pytest.mark.parametrize("style", ["megatron", "hf"])
 def test_packed_equals_batched_through_the_schedule(result, layout, style):
     r = result[f"{layout}, {style} labels"]
-    assert 1.0 <= r["token_mult_prob_error"] <= EXACT and r["tokens_compared"] >= 20, r
+    assert 1.0 <= r["token_mult_prob_error"] <= EXACT and r["tokens_compared"] >= 10, r
     assert r["max_rel_grad_err"] < GRAD, r
     assert r["params_missing"] == [] and r["params_checked"] == result["params"], r
 
