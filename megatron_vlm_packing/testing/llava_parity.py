@@ -2,9 +2,9 @@
 
 `run_llava_parity(rank, world_size)` is a `run_distributed` target (2 processes). The reference is
 the single-process model on the batched micro-batches (right-padded rows, LLaVA's own path). The
-packed runs go pack (`pack_llava_batch`) -> `adapter.check` -> `localize` -> `adapter.forward` ->
-the shipped `loss_func`, through `get_forward_backward_func` with PP=2 and with CP=2, both label
-styles. Samples cover images at sample starts, back-to-back images, an image as a sample's last
+packed runs go through the shipped `make_forward_step` (LLaVAAdapter: `pack_llava_batch` -> check
+-> localize -> forward -> `loss_func`) and `get_forward_backward_func` with PP=2 and with CP=2,
+both label styles. Samples cover images at sample starts, back-to-back images, an image as a sample's last
 token, text-only samples and the tile cycle [1, 2, 1, 3, 1]. Reported per case:
 token_mult_prob_error = exp(mean |logp_packed - logp_batched|) over tokens with a loss, and the
 worst relative error over every parameter gradient (vision tower and projection included).
@@ -159,25 +159,26 @@ def expanded_cu_seqlens_padded(adapter, mb) -> torch.Tensor:
                                    total_multiple=s.total_multiple, pad_to=s.pipeline_length).cu_seqlens_q_padded
 
 
-def forward_step(label_style: str, outputs: list, data_iterator, model):
-    """pack -> check -> localize -> adapter.forward -> the shipped loss (what make_forward_step does)."""
-    from megatron.core import parallel_state as ps
+class _Observed:
+    """Each micro-batch the step built (to unpack the last stage's CP-local losses afterwards)."""
 
-    from megatron_vlm_packing.models.adapter import adapter_for
-    from megatron_vlm_packing.packing.localize import localize
-    from megatron_vlm_packing.parallel.layout import ParallelLayout
-    from megatron_vlm_packing.step import loss_func
+    def __init__(self):
+        self.micro_batches = []
 
-    adapter = adapter_for(model)
-    mb = adapter.pack(next(data_iterator), label_style=label_style)
-    adapter.check(mb)
-    local = localize(mb, ParallelLayout(cp_size=ps.get_context_parallel_world_size(),
-                                        cp_rank=ps.get_context_parallel_rank()), adapter.needs)
-    out = adapter.forward(model, local)
-    if isinstance(out, tuple):
-        outputs.append((out[0].detach(), out[1].detach(), expanded_cu_seqlens_padded(adapter, mb)))
-    stats = {"real_tokens": mb.stats.real_tokens, "physical_tokens": mb.stats.physical_tokens}
-    return out, partial(loss_func, local.loss_mask, stats)
+    def __call__(self, micro_batch):
+        self.micro_batches.append(micro_batch)
+        return micro_batch
+
+
+def _observe_outputs(outputs: list, step):
+    """The schedule's forward step, keeping the last stage's (losses, loss mask) outputs."""
+    def forward_step(data_iterator, model):
+        out, loss = step(data_iterator, model)
+        if isinstance(out, tuple):
+            outputs.append((out[0].detach(), out[1].detach()))
+        return out, loss
+
+    return forward_step
 
 
 def packed_run(model, data: list[dict], label_style: str, *, forward_only: bool = False):
@@ -185,14 +186,20 @@ def packed_run(model, data: list[dict], label_style: str, *, forward_only: bool 
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megatron_vlm_packing.models.adapter import adapter_for
+    from megatron_vlm_packing.train.step import make_forward_step
+
     model.zero_grad()
-    outputs = []
+    outputs, observed = [], _Observed()
+    step = make_forward_step(label_style=label_style, transform=observed)
     with llava_cp_without_te():
         get_forward_backward_func()(
-            forward_step_func=partial(forward_step, label_style, outputs), data_iterator=iter(data), model=[model],
+            forward_step_func=_observe_outputs(outputs, step), data_iterator=iter(data), model=[model],
             num_microbatches=len(data), seq_length=MAX_LENGTH, micro_batch_size=1, forward_only=forward_only)
     logps = []
-    for losses, mask, cu_padded in outputs:
+    adapter = adapter_for(model)
+    for (losses, mask), mb in zip(outputs, observed.micro_batches):
+        cu_padded = expanded_cu_seqlens_padded(adapter, mb)
         losses = gather_cp_tokens(losses, cu_padded, ps.get_context_parallel_group())
         mask = gather_cp_tokens(mask, cu_padded, ps.get_context_parallel_group())
         logps.append(-losses[mask.bool()])
