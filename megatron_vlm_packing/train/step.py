@@ -163,8 +163,10 @@ def make_forward_step(*, pack: bool = True, label_style: str = "hf", pad_to: int
         layout = ParallelLayout.from_megatron(unwrap_model(model).config)
         batch = read_micro_batch(data_iterator, broadcast_from_tp_rank0=broadcast_from_tp_rank0)
         batch = to_device(batch, next(model.parameters()).device)
-        micro_batch = build_micro_batch(batch, layout, options, mrope=resolve_mrope(options, model_adapter),
-                                        media_token_ids=getattr(model_adapter, "media_token_ids", None))
+        micro_batch = model_adapter.build_micro_batch(batch, layout, options)
+        if micro_batch is None:
+            micro_batch = build_micro_batch(batch, layout, options, mrope=resolve_mrope(options, model_adapter),
+                                            media_token_ids=getattr(model_adapter, "media_token_ids", None))
         if transform is not None:
             micro_batch = transform(micro_batch)
         local = prepare_for_model(micro_batch, model_adapter, layout)
