@@ -1,0 +1,60 @@
+"""Balancing: bins grouped into steps, and each step's bins split over data-parallel ranks.
+
+Every rank of a step waits for the slowest, so what matters is max / mean of the per-rank cost.
+Two moves:
+
+1. Steps from a window of bins: bins sorted by cost and cut into consecutive groups of
+   `bins_per_step`, so a step's bins cost about the same; the steps' order is then shuffled. The
+   window (a few steps) bounds how far from random a step's composition can drift.
+2. Ranks within a step: longest-processing-time first with a cardinality limit (every rank gets
+   exactly `per_rank` bins): the next most expensive bin goes to the cheapest rank with room.
+
+Shape legend: B = bins, R = ranks, M = bins per rank.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+
+def assign_to_ranks(costs: np.ndarray, num_ranks: int, per_rank: int) -> list[list[int]]:
+    """Split B = num_ranks * per_rank bins over ranks, balancing the sum of costs.
+
+    Args:
+        costs: [B] float, cost of each bin.
+
+    Returns:
+        R lists of M positions into `costs`. Deterministic: ties go to the lower rank / position.
+    """
+    if len(costs) != num_ranks * per_rank:
+        raise ValueError(f"{len(costs)} bins cannot be split into {num_ranks} ranks x {per_rank} bins")
+    order = np.argsort(-np.asarray(costs, dtype=np.float64), kind="stable")
+    ranks: list[list[int]] = [[] for _ in range(num_ranks)]
+    heap = [(0.0, r) for r in range(num_ranks)]
+    for pos in order:
+        load, r = heapq.heappop(heap)
+        ranks[r].append(int(pos))
+        if len(ranks[r]) < per_rank:
+            heapq.heappush(heap, (load + float(costs[pos]), r))
+    return ranks
+
+
+def group_into_steps(costs: np.ndarray, bins_per_step: int) -> list[np.ndarray]:
+    """Cut bins, sorted by cost, into consecutive steps of `bins_per_step` (len(costs) a multiple)."""
+    if len(costs) % bins_per_step:
+        raise ValueError(f"{len(costs)} bins are not a whole number of steps of {bins_per_step}")
+    order = np.argsort(np.asarray(costs, dtype=np.float64), kind="stable")
+    return [order[i:i + bins_per_step] for i in range(0, len(order), bins_per_step)]
+
+
+def rank_costs(costs: np.ndarray, ranks: list[list[int]]) -> np.ndarray:
+    """[R] float64: per-rank sum of bin costs."""
+    return np.asarray([float(np.sum(costs[r])) for r in ranks], dtype=np.float64)
+
+
+def imbalance(per_rank: np.ndarray) -> float:
+    """max / mean of per-rank costs (1.0 is perfect)."""
+    mean = float(np.mean(per_rank))
+    return float(np.max(per_rank)) / mean if mean > 0 else 1.0

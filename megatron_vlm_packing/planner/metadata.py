@@ -1,0 +1,162 @@
+"""Per-sample metadata the planner works from: known without loading any tensor.
+
+A sample is described by its text tokens, its image and video patch grids and its audio lengths.
+`SampleTable` holds many samples column-wise (numpy arrays, ragged lists flattened with an owner
+index) so that lengths and costs of 100k samples are computed with a handful of vectorised calls.
+
+`TokenCounter` turns metadata into the number of tokens the language model attends over (the
+"expanded" length, bug class 2: boundaries live in the space attention sees). The default follows
+the Qwen-VL / Qwen-Omni layout: every image or video contributes t*h*w / merge^2 tokens and every
+audio clip frames / audio_pool tokens; LLaVA-style models plug in their own `expanded_tokens`.
+
+Shape legend: N = samples, I = images (all samples), V = videos, A = audio clips.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SampleMetadata:
+    """One sample, as far as planning needs it.
+
+    Attributes:
+        text_tokens: tokens of the sequence that are not vision/audio placeholders (>= 0).
+        image_grids: (t, h, w) patch grid of every image (t = 1 for a still image).
+        video_grids: (t, h, w) patch grid of every video (t = temporal patches).
+        audio_frames: encoder frames of every audio clip (after the encoder's input convolution).
+    """
+
+    text_tokens: int
+    image_grids: tuple[tuple[int, int, int], ...] = ()
+    video_grids: tuple[tuple[int, int, int], ...] = ()
+    audio_frames: tuple[int, ...] = ()
+
+
+def _grid_array(grids: list, name: str) -> np.ndarray:
+    array = np.asarray(grids, dtype=np.int64).reshape(-1, 3)
+    if (array < 1).any():
+        raise ValueError(f"{name} must hold positive (t, h, w) grids; got {array[(array < 1).any(1)][:4].tolist()}")
+    return array
+
+
+@dataclass(frozen=True)
+class SampleTable:
+    """N samples column-wise.
+
+    Attributes:
+        text_tokens: [N] int64.
+        image_grids: [I, 3] int64 (t, h, w); image_owner: [I] int64, sample of each image.
+        video_grids: [V, 3] int64; video_owner: [V] int64.
+        audio_frames: [A] int64; audio_owner: [A] int64.
+    """
+
+    text_tokens: np.ndarray
+    image_grids: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), np.int64))
+    image_owner: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    video_grids: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), np.int64))
+    video_owner: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    audio_frames: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    audio_owner: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+    def __post_init__(self) -> None:
+        n = len(self.text_tokens)
+        if (np.asarray(self.text_tokens) < 0).any():
+            raise ValueError(f"text_tokens must be >= 0; sample {int(np.argmin(self.text_tokens))} has "
+                             f"{int(np.min(self.text_tokens))}")
+        for name in ("image", "video", "audio"):
+            owner = getattr(self, f"{name}_owner")
+            values = getattr(self, "audio_frames" if name == "audio" else f"{name}_grids")
+            if len(owner) != len(values):
+                raise ValueError(f"{name}_owner has {len(owner)} entries but there are {len(values)} {name}s")
+            if len(owner) and (owner.min() < 0 or owner.max() >= n):
+                raise ValueError(f"{name}_owner must index the {n} samples; got range [{owner.min()}, {owner.max()}]")
+        if len(self.audio_frames) and self.audio_frames.min() < 1:
+            raise ValueError(f"audio_frames must be >= 1; got {int(self.audio_frames.min())}")
+
+    def __len__(self) -> int:
+        return len(self.text_tokens)
+
+    @classmethod
+    def from_samples(cls, samples: Sequence[SampleMetadata]) -> "SampleTable":
+        """Column-wise table of `samples` (in order)."""
+        images, image_owner, videos, video_owner, audio, audio_owner = [], [], [], [], [], []
+        for i, s in enumerate(samples):
+            images.extend(s.image_grids); image_owner.extend([i] * len(s.image_grids))
+            videos.extend(s.video_grids); video_owner.extend([i] * len(s.video_grids))
+            audio.extend(s.audio_frames); audio_owner.extend([i] * len(s.audio_frames))
+        return cls(
+            text_tokens=np.asarray([s.text_tokens for s in samples], dtype=np.int64),
+            image_grids=_grid_array(images, "image_grids"), image_owner=np.asarray(image_owner, np.int64),
+            video_grids=_grid_array(videos, "video_grids"), video_owner=np.asarray(video_owner, np.int64),
+            audio_frames=np.asarray(audio, np.int64), audio_owner=np.asarray(audio_owner, np.int64),
+        )
+
+    def sample(self, index: int) -> SampleMetadata:
+        """Row `index` back as a `SampleMetadata`."""
+        def grids(array, owner):
+            return tuple(tuple(int(x) for x in row) for row in array[owner == index])
+
+        return SampleMetadata(
+            text_tokens=int(self.text_tokens[index]),
+            image_grids=grids(self.image_grids, self.image_owner),
+            video_grids=grids(self.video_grids, self.video_owner),
+            audio_frames=tuple(int(x) for x in self.audio_frames[self.audio_owner == index]),
+        )
+
+    def per_sample_sum(self, values: np.ndarray, owner: np.ndarray) -> np.ndarray:
+        """[N] float64: sum of `values` ([I] etc.) over each sample's items (0 where none)."""
+        return np.bincount(owner, weights=values.astype(np.float64), minlength=len(self))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenCounter:
+    """Tokens a sample occupies in the language model's sequence (the space attention sees).
+
+    Attributes:
+        spatial_merge: vision patches merged per side into one LM token (Qwen-VL: 2, so 4 patches).
+        audio_pool: audio encoder frames per LM token (Qwen2.5-Omni: 2).
+        vision_wrappers: extra tokens per image/video (vision_start + vision_end = 2).
+        audio_wrappers: extra tokens per audio clip (audio_start + audio_end = 2).
+    """
+
+    spatial_merge: int = 2
+    audio_pool: int = 2
+    vision_wrappers: int = 2
+    audio_wrappers: int = 2
+
+    def __call__(self, table: SampleTable) -> np.ndarray:
+        """[N] int64 expanded token counts."""
+        merge = self.spatial_merge ** 2
+        image = np.prod(table.image_grids, axis=1) // merge + self.vision_wrappers
+        video = np.prod(table.video_grids, axis=1) // merge + self.vision_wrappers
+        audio = -(-table.audio_frames // self.audio_pool) + self.audio_wrappers
+        total = table.text_tokens.astype(np.float64)
+        total += table.per_sample_sum(image, table.image_owner)
+        total += table.per_sample_sum(video, table.video_owner)
+        total += table.per_sample_sum(audio, table.audio_owner)
+        return total.astype(np.int64)
+
+
+ExpandedTokens = Callable[[SampleTable], np.ndarray]
+"""A hook: table -> [N] int64 tokens per sample in the space attention sees (e.g. LLaVA's
+`text_tokens + images * tokens_per_image`). `TokenCounter()` is the Qwen-VL default."""
+
+
+def llava_tokens(tokens_per_image: int) -> ExpandedTokens:
+    """LLaVA-style expansion: each image placeholder becomes `tokens_per_image` embeddings.
+
+    `text_tokens` must then count the text only (the placeholders are replaced).
+    """
+    if tokens_per_image < 1:
+        raise ValueError(f"tokens_per_image must be >= 1, got {tokens_per_image}")
+
+    def expanded_tokens(table: SampleTable) -> np.ndarray:
+        images = np.bincount(table.image_owner, minlength=len(table)).astype(np.int64)
+        return table.text_tokens + images * tokens_per_image
+
+    return expanded_tokens

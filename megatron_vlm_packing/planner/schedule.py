@@ -1,0 +1,261 @@
+"""The epoch plan: every sample of an epoch in exactly one bin, bins in steps, steps split over ranks.
+
+The planner walks a seeded permutation of the dataset in windows of about `window_steps` steps of
+tokens. Each window is bin-packed (best fit decreasing over the slots `make_pack_plan` will use);
+the fullest whole steps' worth of bins are kept and the rest of the window's samples lead the next
+window, so only the last bins of the epoch can be underfull. With `balance=True` a window's bins
+are grouped into steps by cost and each step's bins split over ranks longest-first (see
+`balance`); with `balance=False` steps take bins in packing order and ranks take them in turn
+(the unbalanced baseline the demo and benchmarks compare against).
+
+The end of an epoch: leftover bins (fewer than a step) are split until every rank has the same
+number of micro-batches (a shorter last step). When fewer samples remain than that needs, they
+are carried to the next epoch (`EpochPlan.carried`), never dropped.
+
+Shape legend: N = samples, R = data-parallel ranks, M = micro-batches per rank per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from megatron_vlm_packing.planner.balance import assign_to_ranks, group_into_steps, imbalance
+from megatron_vlm_packing.planner.bins import Bin, BinLayout, balanced_fit, best_fit_decreasing, split_to_count
+from megatron_vlm_packing.planner.cost import CostModel
+from megatron_vlm_packing.planner.metadata import ExpandedTokens, SampleTable, TokenCounter
+from megatron_vlm_packing.planner.progress import Progress
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannerConfig:
+    """What the planner needs besides the samples.
+
+    Attributes:
+        layout: bin capacity, alignment, static shapes, oversize policy.
+        dp_size: data-parallel ranks R.
+        micro_batches_per_rank: M, bins each rank runs per optimizer step.
+        window_steps: steps planned together; larger balances better, drifts further from random.
+        seed: seeds the permutation (with the epoch) and the order of steps in a window.
+        shuffle: permute the dataset each epoch (False: dataset order).
+        balance: balance cost over ranks (False: the unbalanced baseline).
+        tail: the epoch's last samples (less than a step): "short_step" (one step with fewer
+            micro-batches per rank, bins less full) or "carry" (they lead the next epoch).
+        cost_model: per-bin cost; expanded_tokens: tokens per sample in the space attention sees.
+    """
+
+    layout: BinLayout
+    dp_size: int = 1
+    micro_batches_per_rank: int = 1
+    window_steps: int = 8
+    seed: int = 0
+    shuffle: bool = True
+    balance: bool = True
+    tail: str = "short_step"
+    cost_model: CostModel = field(default_factory=CostModel.qwen2_5_vl_7b)
+    expanded_tokens: ExpandedTokens = field(default_factory=TokenCounter)
+
+    def __post_init__(self) -> None:
+        for name in ("dp_size", "micro_batches_per_rank", "window_steps"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        if self.tail not in ("short_step", "carry"):
+            raise ValueError(f"tail must be 'short_step' or 'carry', got {self.tail!r}")
+
+    @property
+    def bins_per_step(self) -> int:
+        return self.dp_size * self.micro_batches_per_rank
+
+
+@dataclass(frozen=True)
+class Step:
+    """One optimizer step: `ranks[r]` is the tuple of bins (micro-batches) rank r runs."""
+
+    ranks: tuple[tuple[Bin, ...], ...]
+
+    def rank_costs(self) -> np.ndarray:
+        """[R] float64."""
+        return np.asarray([sum(b.cost for b in bins) for bins in self.ranks], dtype=np.float64)
+
+    @property
+    def imbalance(self) -> float:
+        return imbalance(self.rank_costs())
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """Steps of one epoch, and the samples it hands to the next (fewer than one per rank)."""
+
+    epoch: int
+    steps: tuple[Step, ...]
+    carried: tuple[int, ...] = ()
+
+    def bins(self) -> list[Bin]:
+        return [b for step in self.steps for bins in step.ranks for b in bins]
+
+    def micro_batches(self, rank: int) -> list[Bin]:
+        """The bins rank `rank` runs this epoch, in order."""
+        return [b for step in self.steps for b in step.ranks[rank]]
+
+    def fill(self) -> float:
+        """Real tokens / physical tokens over every bin."""
+        bins = self.bins()
+        return sum(b.real_tokens for b in bins) / max(1, sum(b.physical for b in bins))
+
+
+@dataclass(frozen=True)
+class _Columns:
+    """Per-sample columns the planner reads (all [N])."""
+
+    tokens: np.ndarray
+    slots: np.ndarray
+    extra: np.ndarray
+
+
+def _columns(table: SampleTable, config: PlannerConfig) -> _Columns:
+    tokens = np.asarray(config.expanded_tokens(table), dtype=np.int64)
+    if len(tokens) != len(table):
+        raise ValueError(f"expanded_tokens returned {len(tokens)} counts for {len(table)} samples")
+    if len(tokens) and tokens.min() < 1:
+        empty = np.flatnonzero(tokens < 1)
+        raise ValueError(f"{len(empty)} sample(s) have no tokens (e.g. sample {int(empty[0])}): a pack "
+                         f"cannot hold an empty document")
+    return _Columns(tokens, config.layout.slot_sizes(tokens), config.cost_model.extra_costs(table, tokens))
+
+
+def _make_bins(groups: list[list[int]], cols: _Columns, stream: np.ndarray, config: PlannerConfig) -> list[Bin]:
+    """Bins from lists of stream positions (`cols` is indexed by stream position)."""
+    if not groups:
+        return []
+    flat = np.fromiter((p for g in groups for p in g), dtype=np.int64)
+    starts = np.cumsum([0] + [len(g) for g in groups[:-1]])
+    slot_sums = np.add.reduceat(cols.slots[flat], starts).tolist()
+    extra_sums = np.add.reduceat(cols.extra[flat], starts)
+    physical = [config.layout.physical(n) for n in slot_sums]
+    costs = config.cost_model.bin_cost(np.asarray(physical), extra_sums).tolist()
+    samples, tokens = stream[flat].tolist(), cols.tokens[flat].tolist()
+    bins, at = [], 0
+    for group, phys, cost in zip(groups, physical, costs):
+        bins.append(Bin(tuple(samples[at:at + len(group)]), tuple(tokens[at:at + len(group)]), phys, cost))
+        at += len(group)
+    return bins
+
+
+def _pack_window(pos: np.ndarray, cols: _Columns, stream: np.ndarray, config: PlannerConfig) -> list[list[int]]:
+    """Pack the window's stream positions (cost-balanced fit or best fit decreasing); oversize alone."""
+    slots = cols.slots[pos]
+    capacity = config.layout.capacity
+    over = config.layout.check_oversize(slots, stream[pos])
+    fits = np.setdiff1d(np.arange(len(pos)), over, assume_unique=True) if len(over) else np.arange(len(pos))
+    if config.balance:
+        num_bins = max(1, -(-int(slots[fits].sum()) // capacity))
+        groups = balanced_fit(slots[fits], cols.extra[pos[fits]], capacity, num_bins)
+    else:
+        groups = best_fit_decreasing(slots[fits], capacity)
+    window = pos[fits].tolist()
+    return [[window[p] for p in g] for g in groups] + [[int(pos[p])] for p in over]
+
+
+def _steps_from_bins(bins: list[Bin], config: PlannerConfig, per_rank: int, rng) -> list[Step]:
+    """Whole steps of R * per_rank bins from `bins` (a multiple of that), balanced or in order."""
+    size = config.dp_size * per_rank
+    costs = np.asarray([b.cost for b in bins])
+    if not config.balance:
+        chunks = [np.arange(i, i + size) for i in range(0, len(bins), size)]
+        return [Step(tuple(tuple(bins[c[j]] for j in range(r, size, config.dp_size))
+                           for r in range(config.dp_size))) for c in chunks]
+    steps = []
+    for chunk in group_into_steps(costs, size):
+        ranks = assign_to_ranks(costs[chunk], config.dp_size, per_rank)
+        steps.append(Step(tuple(tuple(bins[chunk[p]] for p in rank) for rank in ranks)))
+    order = rng.permutation(len(steps))
+    return [steps[i] for i in order]
+
+
+def _keep_whole_steps(groups: list[list[int]], slots: np.ndarray, size: int, capacity: int):
+    """The fullest whole steps' worth of groups (in packing order), and the positions of the others."""
+    keep = (len(groups) // size) * size
+    if keep == len(groups):
+        return groups, np.zeros(0, np.int64)
+    flat = np.fromiter((p for g in groups for p in g), dtype=np.int64)
+    starts = np.cumsum([0] + [len(g) for g in groups[:-1]])
+    fill = np.minimum(np.add.reduceat(slots[flat], starts), capacity)
+    order = np.argsort(-fill, kind="stable")
+    kept = np.sort(order[:keep]).tolist()
+    rest = [p for i in np.sort(order[keep:]).tolist() for p in groups[i]]
+    return [groups[i] for i in kept], np.asarray(rest, dtype=np.int64)
+
+
+def _last_step_groups(tail: list[list[int]], cols: _Columns, config: PlannerConfig):
+    """Re-pack the epoch's last samples into R * m bins (m per rank, as few as fit); None if too few."""
+    positions = np.asarray([p for g in tail for p in g], dtype=np.int64)
+    per_rank = -(-len(tail) // config.dp_size)
+    count = config.dp_size * per_rank
+    if len(positions) < count:
+        return None, per_rank
+    slots = cols.slots[positions]
+    if config.balance:
+        groups = balanced_fit(slots, cols.extra[positions], config.layout.capacity, count)
+    else:
+        groups = best_fit_decreasing(slots, config.layout.capacity)
+    if len(groups) > count:  # the greedy needed more bins than the tail had: one more per rank
+        per_rank += 1
+        count = config.dp_size * per_rank
+    groups = split_to_count(groups, count, slots)
+    if groups is None:
+        return None, per_rank
+    return [[int(positions[p]) for p in g] for g in groups], per_rank
+
+
+def _tail_steps(groups: list[list[int]], cols: _Columns, stream: np.ndarray, config: PlannerConfig, rng):
+    """The epoch's last steps: whole steps, then (tail="short_step") a shorter step every rank shares
+    equally, or (tail="carry") the rest carried to the next epoch."""
+    size = config.bins_per_step
+    whole = (len(groups) // size) * size
+    steps = (_steps_from_bins(_make_bins(groups[:whole], cols, stream, config), config,
+                              config.micro_batches_per_rank, rng) if whole else [])
+    tail = groups[whole:]
+    if not tail:
+        return steps, ()
+    last, per_rank = _last_step_groups(tail, cols, config) if config.tail == "short_step" else (None, 0)
+    if last is None:
+        return steps, tuple(int(stream[p]) for g in tail for p in g)
+    return steps + _steps_from_bins(_make_bins(last, cols, stream, config), config, per_rank, rng), ()
+
+
+def plan_epoch(table: SampleTable, config: PlannerConfig, *, epoch: int = 0, carried_in: Sequence[int] = (),
+               progress: bool = False) -> EpochPlan:
+    """Plan one epoch: every sample of `table` (plus `carried_in`) in exactly one bin, or carried.
+
+    Deterministic for (config.seed, epoch, carried_in). Raises ValueError for a sample without
+    tokens, or one over capacity under oversize="error" (naming it and its size).
+    """
+    cols = _columns(table, config)
+    rng = np.random.default_rng([config.seed, epoch])
+    order = rng.permutation(len(table)) if config.shuffle else np.arange(len(table))
+    stream = np.concatenate([np.asarray(carried_in, dtype=np.int64), order])
+    cols = _Columns(cols.tokens[stream], cols.slots[stream], cols.extra[stream])  # by stream position
+    cum = np.cumsum(cols.slots)
+    window_slots = config.window_steps * config.bins_per_step * config.layout.capacity
+    steps, pending, start = [], np.zeros(0, np.int64), 0
+    bar = Progress(len(stream), enabled=progress, label=f"planning epoch {epoch}")
+    while start < len(stream):
+        base = int(cum[start - 1]) if start else 0
+        budget = window_slots - int(cols.slots[pending].sum())
+        stop = max(start + 1, int(np.searchsorted(cum, base + budget, side="right")))
+        pos = np.concatenate([pending, np.arange(start, stop)])
+        start = stop
+        groups = _pack_window(pos, cols, stream, config)
+        if start >= len(stream):
+            last, carried = _tail_steps(groups, cols, stream, config, rng)
+            bar.close()
+            return EpochPlan(epoch, tuple(steps + last), carried)
+        kept, pending = _keep_whole_steps(groups, cols.slots, config.bins_per_step, config.layout.capacity)
+        if kept:
+            steps.extend(_steps_from_bins(_make_bins(kept, cols, stream, config), config,
+                                          config.micro_batches_per_rank, rng))
+        bar.update(start - len(pending))
+    bar.close()
+    return EpochPlan(epoch, tuple(steps), ())
