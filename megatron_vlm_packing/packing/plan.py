@@ -258,6 +258,40 @@ class PackIndices:
         both = _to_device(torch.tensor([cu_real, cu_phys], dtype=torch.int32), device)  # one small copy
         self.cu_seqlens, self.cu_seqlens_padded = both[0], both[1]
 
+    def cp_index(self, cp_size: int, cp_rank: int) -> torch.Tensor:
+        """[T/cp] long: the slots CP rank `cp_rank` keeps (`parallel.cp.cp_partition_index`), built
+        from the plan's host ints with no host sync; cached (a loader's collate can build every
+        rank's in its worker, and they travel with the micro-batch)."""
+        key = (cp_size, cp_rank)
+        cache = self.__dict__.setdefault("_cp_indices", {})
+        if key not in cache:
+            from megatron_vlm_packing.parallel.cp import cp_partition_index_from_lengths
+
+            cache[key] = cp_partition_index_from_lengths(self.plan.physical_lengths, cp_size, cp_rank,
+                                                         device=self.device)
+        return cache[key]
+
+    def map_tensors(self, fn, memo: dict | None = None) -> "PackIndices":
+        """A copy with `fn` applied to every tensor built so far (e.g. to move them to a device).
+
+        `memo` (id -> result) keeps tensors shared with other holders (a micro-batch's
+        `packed_seq_params` holds the same boundaries) shared in the copy.
+        """
+        memo = {} if memo is None else memo
+
+        def once(value):
+            if not isinstance(value, torch.Tensor):
+                return value
+            if id(value) not in memo:
+                memo[id(value)] = fn(value)
+            return memo[id(value)]
+
+        copy = object.__new__(PackIndices)
+        for name, value in self.__dict__.items():
+            copy.__dict__[name] = {k: once(v) for k, v in value.items()} if name == "_cp_indices" else once(value)
+        copy.device = copy.cu_seqlens.device
+        return copy
+
     @functools.cached_property
     def row_slices(self) -> DocumentSlices:
         """Each document's real tokens in the flattened rows (host ints)."""
