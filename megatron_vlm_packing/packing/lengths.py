@@ -41,25 +41,25 @@ def lengths_from_keep_mask(keep: torch.Tensor, *, field: str = "attention_mask")
     """
     if keep.dim() != 2:
         raise ValueError(f"{field} must be [B, S], got shape {tuple(keep.shape)}")
-    if keep.dtype != torch.bool:
-        not_binary = ((keep != 0) & (keep != 1)).any(dim=1)
-        keep = keep != 0
-    else:
-        not_binary = torch.zeros(keep.shape[0], dtype=torch.bool, device=keep.device)
-    lengths = keep.sum(dim=1)
-    expected = torch.arange(keep.shape[1], device=keep.device) < lengths[:, None]
-    bad = (keep != expected).any(dim=1) | not_binary
-    # The single host sync: lengths and per-row validity come back together.
-    values = torch.cat([lengths, bad.long()]).tolist()
+    values = keep.view(torch.uint8) if keep.dtype == torch.bool else keep
+    # Three reductions, no [B, S] temporaries: a row of 0/1 values with n ones is 1...1 0...0
+    # exactly when n == S or its first 0 (argmin: the first minimum) is at position n.
+    low, high = values.aminmax()
+    lengths = values.sum(dim=1)
+    first_zero = values.argmin(dim=1)
+    bad = (lengths != keep.shape[1]) & (first_zero != lengths)
+    # The single host sync: lengths, per-row validity and the value range come back together.
+    host = torch.cat([lengths, bad.long(), torch.stack([low, high]).long()]).tolist()
     batch = keep.shape[0]
-    row_lengths, bad_rows = values[:batch], [b for b in range(batch) if values[batch + b]]
+    row_lengths, bad_rows = host[:batch], [b for b in range(batch) if host[batch + b]]
+    if host[-2] < 0 or host[-1] > 1:
+        not_binary = ((keep != 0) & (keep != 1)).any(dim=1)
+        raise ValueError(f"{field} row {int(torch.nonzero(not_binary)[0])} has values other than 0 and 1")
     if bad_rows:
         b = bad_rows[0]
-        if bool(not_binary[b]):
-            raise ValueError(f"{field} row {b} has values other than 0 and 1")
         raise ValueError(
             f"{field} rows must be right-padded and contiguous (1...1 0...0); {len(bad_rows)} "
-            f"bad row(s) {bad_rows[:8]}; row {b}: {_describe_row(keep[b].cpu())}"
+            f"bad row(s) {bad_rows[:8]}; row {b}: {_describe_row((keep[b] != 0).cpu())}"
         )
     return row_lengths
 
