@@ -104,3 +104,25 @@ def test_split_rows_gives_each_sample_its_images():
         split_rows(batch)
     with pytest.raises(ValueError, match=r"also has \['pixel_values_videos'\]"):
         split_rows({**batch, "pixel_values_videos": torch.zeros(1)}, image_token_id=9)
+
+
+def test_a_pack_with_a_different_number_of_documents_fails_before_any_forward():
+    from dataclasses import replace
+
+    from megatron_vlm_packing import pack_batch
+    from megatron_vlm_packing.validate import ParityProbeError, parity_probe
+
+    batch = _batch()
+    packed = pack_batch(batch, label_style="hf")
+    total = packed.input_ids.shape[1]
+    one = torch.tensor([0, total], dtype=torch.int32)  # every sample in one document
+    params = replace(packed.packed_seq_params, cu_seqlens_q=one, cu_seqlens_kv=one, cu_seqlens_q_padded=one,
+                     cu_seqlens_kv_padded=one)
+    foreign = replace(packed, packed_seq_params=params, plan=None)
+
+    def never(_):
+        raise AssertionError("no forward runs for a pack whose documents are not the samples")
+
+    with pytest.raises(ParityProbeError, match="the pack has 1 documents for 4 samples") as err:
+        parity_probe(never, batch, packed=foreign, label_style="hf")
+    assert "tokens_vs_source" in err.value.report.failed_checks
