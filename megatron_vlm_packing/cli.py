@@ -13,6 +13,17 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (a count of steps, ranks or samples)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive int (>= 1), got {value}")
+    return value
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Print the pack plan a batch of the given real lengths gets under a parallel layout."""
     from megatron_vlm_packing.packing import PackMultiples, make_pack_plan
@@ -55,26 +66,38 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from megatron_vlm_packing.planner.report import run_plan
+
+    return run_plan(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-vlm-packing", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="train a tiny VLM on embedded synthetic data with packing")
-    demo.add_argument("--steps", type=int, default=40, help="optimizer steps (default 40)")
+    demo.add_argument("--steps", type=_positive_int, default=40, help="optimizer steps (default 40)")
     demo.add_argument("--no-pack", action="store_true", help="pad rows densely instead of packing")
-    demo.add_argument("--tp", type=int, default=1, help="tensor-parallel size (under torchrun)")
-    demo.add_argument("--cp", type=int, default=1, help="context-parallel size (under torchrun)")
+    demo.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size (under torchrun)")
+    demo.add_argument("--cp", type=_positive_int, default=1, help="context-parallel size (under torchrun)")
     demo.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
     demo.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    demo.add_argument("--micro-batch-size", type=int, default=8)
+    demo.add_argument("--micro-batch-size", type=_positive_int, default=8)
     demo.add_argument("--seed", type=int, default=1234)
     demo.set_defaults(func=cmd_demo)
 
+    from megatron_vlm_packing.planner.report import add_plan_arguments
+
+    plan = sub.add_parser("plan", help="dataset-level packing: per-rank cost with and without balancing")
+    add_plan_arguments(plan)
+    plan.set_defaults(func=cmd_plan)
+
     inspect = sub.add_parser("inspect", help="show the pack plan for given real lengths")
     inspect.add_argument("lengths", type=_int_list, help="comma-separated real lengths, e.g. 5,0,3")
-    inspect.add_argument("--seq", type=int, default=None, help="padded row length (default: max length)")
-    inspect.add_argument("--tp", type=int, default=1)
-    inspect.add_argument("--cp", type=int, default=1)
+    inspect.add_argument("--seq", type=_positive_int, default=None, help="padded row length (default: max length)")
+    inspect.add_argument("--tp", type=_positive_int, default=1)
+    inspect.add_argument("--cp", type=_positive_int, default=1)
     inspect.add_argument("--sp", action="store_true")
     inspect.add_argument("--fp8", action="store_true")
     inspect.add_argument("--pad-to", type=int, default=None)
