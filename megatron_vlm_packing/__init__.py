@@ -12,6 +12,7 @@ from megatron_vlm_packing.step import loss_func, make_forward_step
 __version__ = "0.1.0"
 
 __all__ = [
-    "PackMultiples", "PackPlan", "PackedBatch", "PackedBatchSampler", "PlannerConfig", "plan_epoch", "cp_partition_index", "dense_cp_partition_index",
+    "PackMultiples", "PackPlan", "PackedBatch", "cp_partition_index", "dense_cp_partition_index",
+    "PackedBatchSampler", "PlannerConfig", "plan_epoch",
     "loss_func", "make_forward_step", "make_pack_plan", "pack_batch",
 ]
