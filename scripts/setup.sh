@@ -3,6 +3,10 @@
 #
 #   bash scripts/setup.sh            # .venv on Python 3.12 -> megatron-core 0.19.x (primary target)
 #   PY=3.11 VENV=.venv311 bash scripts/setup.sh   # support floor: megatron-core 0.16.1, torch 2.13 CPU
+#   NO_BRIDGE=1 bash scripts/setup.sh             # skip megatron-bridge (its tests then skip)
+#
+# On Python >= 3.12 the `bridge` extra (megatron-bridge's Qwen-VL / Omni model modules) is installed
+# with --no-deps: its own dependency list would replace torch, megatron-core and transformers.
 #
 # Re-running is cheap: it does nothing when the install stamp is newer than pyproject.toml.
 set -euo pipefail
@@ -39,5 +43,15 @@ if [ "$py_version" = "3.11" ]; then
   "$venv/bin/python" -m pip install -q "torch==2.13.0" "megatron-core==0.16.1"
 fi
 "$venv/bin/python" -m pip install -q -e ".[test,hf]"
+if [ -z "${NO_BRIDGE:-}" ] && "$venv/bin/python" -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then
+  versions() { "$venv/bin/python" -c 'import torch, megatron.core as m, transformers as t; print(torch.__version__, m.__version__, t.__version__)'; }
+  before=$(versions)
+  "$venv/bin/python" -m pip install -q --no-deps "megatron-bridge==0.6.2" einops omegaconf "antlr4-python3-runtime>=4.9,<4.10"
+  after=$(versions)
+  if [ "$before" != "$after" ]; then
+    echo "setup.sh: installing megatron-bridge changed torch / megatron-core / transformers: $before -> $after" >&2
+    exit 1
+  fi
+fi
 touch "$stamp"
 echo "setup.sh: ready: $("$venv/bin/python" -c 'import torch, megatron.core as m; print("torch", torch.__version__, "megatron-core", m.__version__)')"

@@ -13,6 +13,8 @@ Shape legend: T = physical packed tokens, N = documents, S = dense row length.
 
 from __future__ import annotations
 
+from typing import NamedTuple, Sequence
+
 import torch
 
 
@@ -66,19 +68,81 @@ def cp_partition_index(
         )
     if cp_size == 1:
         return torch.arange(total, device=cu.device)
-    chunk = lengths // two_cp  # [N]
-    local_lengths = 2 * chunk  # [N], tokens of each document on this rank
-    local_total = total // cp_size
-    doc = torch.repeat_interleave(
-        torch.arange(lengths.numel(), device=cu.device), local_lengths, output_size=local_total
-    )  # [T/cp]
+    return zigzag_index(cu, cp_size, cp_rank, local_total=total // cp_size).index
+
+
+class ZigzagIndex(NamedTuple):
+    """This CP rank's tokens of a packed sequence, as device tensors.
+
+    Attributes:
+        index: [Tl] long, packed slot of every local token (what `cp_partition_index` returns).
+        document_start: [Tl] long, first packed slot of the document each local token belongs to.
+    """
+
+    index: torch.Tensor
+    document_start: torch.Tensor
+
+
+def zigzag_index(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int, *, local_total: int) -> ZigzagIndex:
+    """TransformerEngine's per-document zigzag with no host sync and no check (the caller vouches).
+
+    Args:
+        cu_seqlens_padded: [N+1] int, physical boundaries on any device; every document length a
+            multiple of 2*cp_size when cp_size > 1 (not checked: checking would read it on the host).
+        cp_size, cp_rank: the context-parallel layout.
+        local_total: Tl = T // cp_size, a host int (from the plan, or the local tensor's length).
+
+    Returns:
+        `ZigzagIndex` on the device of `cu_seqlens_padded`; about ten kernels, none reads a value
+        back to the host (the output sizes are given).
+    """
+    cu = cu_seqlens_padded.long()
+    lengths = cu[1:] - cu[:-1]  # [N]
+    local_lengths = lengths // cp_size  # [N], each document's tokens on this rank
+    doc = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), local_lengths,
+                                  output_size=local_total)  # [Tl]
     local_starts = torch.cumsum(local_lengths, 0) - local_lengths  # [N]
-    offset = torch.arange(local_total, device=cu.device) - local_starts[doc]  # [T/cp]
-    doc_chunk = chunk[doc]
-    in_first = offset < doc_chunk
-    first_chunk_start = cp_rank * doc_chunk
-    second_chunk_start = (two_cp - 1 - cp_rank) * doc_chunk - doc_chunk  # minus the first half
-    return cu[:-1][doc] + offset + torch.where(in_first, first_chunk_start, second_chunk_start)
+    offset = torch.arange(local_total, device=cu.device) - local_starts[doc]  # [Tl], offset within the local document
+    document_start = cu[:-1][doc]  # [Tl]
+    if cp_size == 1:
+        return ZigzagIndex(document_start + offset, document_start)
+    chunk = (local_lengths // 2)[doc]  # [Tl], a document's chunk length (it is cut in 2*cp chunks)
+    first_chunk_start = cp_rank * chunk
+    second_chunk_start = (2 * cp_size - 1 - cp_rank) * chunk - chunk  # minus the first half
+    within = offset + torch.where(offset < chunk, first_chunk_start, second_chunk_start)
+    return ZigzagIndex(document_start + within, document_start)
+
+
+def cp_partition_index_from_lengths(
+    physical_lengths: Sequence[int], cp_size: int, cp_rank: int, *, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """`cp_partition_index` from the plan's host ints: checked on the host, built with no host sync.
+
+    Args:
+        physical_lengths: N host ints, every document's physical length (`PackPlan.physical_lengths`).
+        cp_size, cp_rank: the context-parallel layout.
+        device: where the index is built (N+1 ints cross to it in one copy).
+
+    Returns:
+        [T // cp_size] long, equal to `cp_partition_index(cumsum([0] + physical_lengths), cp_size, cp_rank)`.
+
+    Raises:
+        ValueError: no documents, or a length that is not a positive multiple of 2*cp_size (cp > 1).
+    """
+    _check_cp(cp_size, cp_rank)
+    two_cp = 2 * cp_size if cp_size > 1 else 1
+    bad = [(i, n) for i, n in enumerate(physical_lengths) if n <= 0 or n % two_cp]
+    if not physical_lengths or bad:
+        raise ValueError(f"physical_lengths must be N >= 1 positive multiples of 2*cp_size={two_cp}; "
+                         f"got {len(physical_lengths)} lengths, (document, length) {bad[:8]} misfit")
+    cu = [0]
+    for n in physical_lengths:
+        cu.append(cu[-1] + n)
+    if cp_size == 1:
+        return torch.arange(cu[-1], device=device)
+    cu_t = torch.tensor(cu, dtype=torch.long)
+    cu_t = cu_t.to(device, non_blocking=True) if device is not None else cu_t
+    return zigzag_index(cu_t, cp_size, cp_rank, local_total=cu[-1] // cp_size).index
 
 
 def dense_cp_partition_index(

@@ -1,17 +1,25 @@
-"""Multimodal rotary embedding that stays exact under packing and context parallelism.
+"""Multimodal rotary embedding that stays exact under packing and context parallelism, with no host sync.
 
 Megatron-Core's `MultimodalRotaryEmbedding` CP-slices its output with the whole-sequence zigzag.
-For a packed THD batch that is wrong for every document after the first (bug class 6): THD
-attention already takes each document's zigzag chunks from a frequency table whose length equals
-`cu_seqlens_padded[-1]` (`rope_utils._apply_rotary_pos_emb_thd`). So in THD mode this module
-returns per-token frequencies for the FULL packed sequence, `[T, 1, 1, D]`, unsliced, from full
-`[3, 1, T]` positions; in dense mode it slices like Megatron-Core.
+For a packed THD batch that is wrong for every document after the first (bug class 6): each
+document must be cut into its own zigzag chunks. And Megatron-Core's THD rope
+(`rope_utils._apply_rotary_pos_emb_thd`), given per-token frequencies, reads `cu_seqlens` on the
+host and loops over documents in every layer, for queries and keys (bug class 14).
 
-The mode is per call (bug class 5): `use_packed_mrope(model)` installs hooks that set
-`is_thd_format` from the current call's `packed_seq_params` on entry and restore it on exit,
-exceptions included.
+So in THD mode this module takes FULL `[3, 1, T]` positions, selects this CP rank's tokens once per
+micro-batch (the zigzag of the call's `cu_seqlens_q_padded`: the same index the tokens were
+selected with, built on the device with no host sync) and returns their frequencies
+`[T/cp, 1, 1, D]` marked as `CpLocalFreqs`; `patches.thd_rotary` applies such a table in every
+layer as one elementwise rotation. Where that patch is not needed (an installed THD rope with no
+host sync) it returns the full `[T, 1, 1, D]` table instead and Megatron-Core takes each
+document's chunks (checked by `megatron_thd.thd_rope_takes_document_chunks`). In dense mode it
+slices like Megatron-Core.
 
-Shape legend: B = batch, S = sequence (T when packed), D = rotary dim, F = D / 2 frequencies.
+The mode is per call (bug class 5): `use_packed_mrope(model)` installs hooks that set the call's
+THD boundaries (and `is_thd_format`) from its `packed_seq_params` on entry and restore them on
+exit, exceptions included.
+
+Shape legend: B = batch, S = sequence (T when packed), Tl = T / cp, D = rotary dim, F = D / 2 frequencies.
 """
 
 from __future__ import annotations
@@ -21,7 +29,8 @@ import inspect
 import torch
 from torch import nn
 
-from megatron_vlm_packing.parallel.cp import dense_cp_partition_index
+from megatron_vlm_packing.parallel.cp import dense_cp_partition_index, zigzag_index
+from megatron_vlm_packing.rope.megatron_thd import CpLocalFreqs, thd_boundaries
 
 
 def mrope_frequencies(position_ids: torch.Tensor, inv_freq: torch.Tensor, mrope_section, *,
@@ -55,6 +64,13 @@ def mrope_frequencies(position_ids: torch.Tensor, inv_freq: torch.Tensor, mrope_
     return emb.transpose(0, 1)[:, :, None, :].contiguous()
 
 
+def _thd_rotary_on() -> bool:
+    """Asked per call, so undoing the patch can never leave CP-local tables to a rope that expects full ones."""
+    from megatron_vlm_packing.patches.thd_rotary import thd_rotary_applied
+
+    return thd_rotary_applied()
+
+
 class PackedMultimodalRotaryEmbedding(nn.Module):
     """Drop-in for `GPTModel.rotary_pos_emb` with position_embedding_type="mrope"; any device."""
 
@@ -66,13 +82,25 @@ class PackedMultimodalRotaryEmbedding(nn.Module):
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
         self.cp_group = cp_group
         self.is_thd_format = False  # set per call by use_packed_mrope's hooks
+        self.thd_params = None  # the call's PackedSeqParams in THD mode (set per call by the hooks)
+
+    def _frequencies(self, position_ids: torch.Tensor, mrope_section) -> torch.Tensor:
+        return mrope_frequencies(position_ids, self.inv_freq, mrope_section, interleaved=self.interleaved,
+                                 seq_len_interpolation_factor=self.seq_len_interpolation_factor)
 
     def forward(self, position_ids: torch.Tensor, mrope_section, cp_group=None, **unused) -> torch.Tensor:
-        """[3, B, S] positions -> [S, B, 1, D] (THD: the full packed sequence; dense: this CP rank's part)."""
-        emb = mrope_frequencies(position_ids, self.inv_freq, mrope_section, interleaved=self.interleaved,
-                                seq_len_interpolation_factor=self.seq_len_interpolation_factor)
+        """[3, B, S] full positions -> [S, B, 1, D] (dense: this CP rank's part), or in THD mode
+        [Tl, 1, 1, D] `CpLocalFreqs` of this rank's tokens (the full [T, 1, 1, D] where patches.thd_rotary is off)."""
         group = cp_group if cp_group is not None else self.cp_group
-        if self.is_thd_format or group is None or group.size() == 1:
+        cp_size = 1 if group is None else group.size()
+        if self.is_thd_format and _thd_rotary_on():
+            if cp_size > 1:  # once per micro-batch: this rank's tokens, by the zigzag the tokens were selected with
+                local = zigzag_index(thd_boundaries(self.thd_params), cp_size, group.rank(),
+                                     local_total=position_ids.shape[-1] // cp_size)
+                position_ids = position_ids.index_select(-1, local.index)
+            return CpLocalFreqs.mark(self._frequencies(position_ids, mrope_section))
+        emb = self._frequencies(position_ids, mrope_section)
+        if self.is_thd_format or cp_size == 1:
             return emb
         index = dense_cp_partition_index(emb.shape[0], group.size(), group.rank(), device=emb.device)
         return emb.index_select(0, index)
@@ -114,8 +142,16 @@ def _refuse_unservable(model) -> None:
                          "build the model with rotary_interleaved=False")
     if "packed_seq_params" not in inspect.signature(model.forward).parameters:
         raise ValueError(f"{type(model).__name__}.forward takes no packed_seq_params: cannot tell THD calls apart")
+
+
+def _patch_thd_rope_or_refuse() -> None:
+    """Apply `patches.thd_rotary` (CP-local tables applied as one op) where the installed THD rope
+    syncs; otherwise that rope must take each document's chunks from a full table, or RuntimeError."""
+    from megatron_vlm_packing.patches.thd_rotary import apply_thd_rotary
     from megatron_vlm_packing.rope.megatron_thd import thd_rope_takes_document_chunks
 
+    if apply_thd_rotary():
+        return
     if not thd_rope_takes_document_chunks():
         raise RuntimeError("the installed megatron-core's _apply_rotary_pos_emb_thd does not take each document's "
                            "CP chunks from a full packed frequency table; packed mRoPE would be silently wrong here "
@@ -125,7 +161,9 @@ def _refuse_unservable(model) -> None:
 def use_packed_mrope(model, *, interleaved: bool = False) -> PackedMropeHandle:
     """Replace an mrope GPTModel's rotary with `PackedMultimodalRotaryEmbedding`; per-call THD mode.
 
-    Idempotent (a second call returns the existing handle). Raises ValueError for a model that is
+    Applies `patches.thd_rotary` (process-wide, idempotent; `undo()` leaves it on, other models may
+    use it) where the installed THD rope reads boundaries on the host; the rotary then returns
+    CP-local tables. Idempotent (a second call returns the existing handle). Raises ValueError for a model that is
     not mrope, uses fused rope (Megatron-Core's fused kernels take no 3D positions) or interleaved
     rotary halves, and RuntimeError where Megatron-Core's THD rope would not take each document's
     CP chunks from the full table (`megatron_thd.thd_rope_takes_document_chunks`).
@@ -134,6 +172,7 @@ def use_packed_mrope(model, *, interleaved: bool = False) -> PackedMropeHandle:
     if existing is not None and existing.hooks:
         return existing
     _refuse_unservable(model)
+    _patch_thd_rope_or_refuse()
     original = model.rotary_pos_emb
     rotary = PackedMultimodalRotaryEmbedding(
         original.inv_freq, interleaved=interleaved, cp_group=getattr(original, "cp_group", None),
@@ -144,12 +183,13 @@ def use_packed_mrope(model, *, interleaved: bool = False) -> PackedMropeHandle:
 
     def enter(module, args, kwargs):
         params = _packed_seq_params_of(forward_signature, args, kwargs)
-        saved.append(rotary.is_thd_format)
+        saved.append((rotary.is_thd_format, rotary.thd_params))
         rotary.is_thd_format = params is not None and params.qkv_format == "thd"
+        rotary.thd_params = params if rotary.is_thd_format else None
 
     def leave(module, args, kwargs, output=None):
         if saved:  # empty only if an earlier pre-hook raised before ours ran
-            rotary.is_thd_format = saved.pop()
+            rotary.is_thd_format, rotary.thd_params = saved.pop()
 
     hooks = [model.register_forward_pre_hook(enter, with_kwargs=True),
              model.register_forward_hook(leave, with_kwargs=True, always_call=True)]

@@ -22,8 +22,13 @@ def test_installed_thd_rope_takes_each_documents_cp_chunks(cp_size):
 
 def test_a_thd_rope_that_restarts_documents_is_detected_and_refused(monkeypatch):
     """A table one row short sends the installed function down its legacy path (every document
-    restarts at row 0): the check must see that, and use_packed_mrope must refuse to run."""
+    restarts at row 0): the check must see that, and use_packed_mrope must refuse to run where
+    patches.thd_rotary does not replace it (as on an upstream whose THD rope no longer syncs)."""
     from megatron.core.models.common.embeddings import rope_utils
+
+    from megatron_vlm_packing.patches import thd_rotary
+
+    monkeypatch.setattr(thd_rotary, "apply_thd_rotary", lambda: False)
 
     real = rope_utils._apply_rotary_pos_emb_thd
 

@@ -1,8 +1,35 @@
+import itertools
+
 import pytest
 import torch
 
+from megatron_vlm_packing.patches.thd_rotary import apply_thd_rotary, thd_rotary_applied, undo_thd_rotary
 from megatron_vlm_packing.rope import PackedMultimodalRotaryEmbedding, mrope_frequencies, use_packed_mrope
+from megatron_vlm_packing.rope.megatron_thd import CpLocalFreqs, _RankOf, thd_rope_host_syncs
 from megatron_vlm_packing.testing import apply_cpu_shims, cpu_shims_applied, undo_cpu_shims
+
+
+@pytest.fixture(autouse=True)
+def thd_patch_left_as_found():
+    """use_packed_mrope applies patches.thd_rotary process-wide: undo it after each test that did."""
+    was_on = thd_rotary_applied()
+    yield
+    if not was_on:
+        undo_thd_rotary()
+
+
+def upstream_thd():
+    """Megatron-Core's own `_apply_rotary_pos_emb_thd`, whether or not the patch is on."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron_vlm_packing.patches import thd_rotary
+
+    return thd_rotary._ORIGINAL.get("thd", rope_utils._apply_rotary_pos_emb_thd)
+
+
+def random_pack(cp: int, generator: torch.Generator):
+    """Boundaries of 5 documents, each a multiple of 2*cp (as pack plans make them)."""
+    lengths = [2 * cp * int(n) for n in torch.randint(1, 6, (5,), generator=generator)]
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32), max(lengths)
 
 
 @pytest.fixture
@@ -41,21 +68,95 @@ def test_sections_must_cover_the_frequencies():
         mrope_frequencies(torch.zeros(3, 1, 2), torch.ones(8), [2, 2, 2])
 
 
-def test_thd_mode_returns_the_full_table_and_dense_mode_slices_for_cp():
-    class FakeGroup:
-        def size(self):
-            return 2
+def test_thd_mode_returns_this_ranks_table_and_dense_mode_slices_for_cp():
+    from megatron.core.packed_seq_params import PackedSeqParams
 
-        def rank(self):
-            return 1
-
-    rotary = PackedMultimodalRotaryEmbedding(torch.ones(2), cp_group=FakeGroup())
-    positions = torch.arange(8).expand(3, 1, 8)
+    rotary = PackedMultimodalRotaryEmbedding(torch.ones(2), cp_group=_RankOf(2, 1))
+    positions = torch.arange(12).expand(3, 1, 12)
     rotary.is_thd_format = True
-    assert rotary(positions, [1, 1, 0]).shape[0] == 8
-    rotary.is_thd_format = False
-    dense = rotary(positions, [1, 1, 0])
+    rotary.thd_params = PackedSeqParams(qkv_format="thd", cu_seqlens_q_padded=torch.tensor([0, 4, 12]))
+    undo_thd_rotary()
+    assert rotary(positions, [1, 1, 0]).shape[0] == 12  # upstream's THD rope picks the rows itself
+    apply_thd_rotary()
+    local = rotary(positions, [1, 1, 0])  # this rank's rows, once: documents [0, 4) and [4, 12) zigzagged
+    assert isinstance(local, CpLocalFreqs) and local[:, 0, 0, 0].tolist() == [1.0, 2.0, 6.0, 7.0, 8.0, 9.0]
+    rotary.is_thd_format, rotary.thd_params = False, None
+    dense = rotary(positions[..., :8], [1, 1, 0])
     assert dense[:, 0, 0, 0].tolist() == [2.0, 3.0, 4.0, 5.0]  # chunks 1 and 2 of 4 (the zigzag)
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 4])
+@pytest.mark.parametrize("rotary_interleaved", [False, True])
+def test_loop_free_thd_rope_equals_megatron_core_bit_for_bit(cp_size, rotary_interleaved):
+    """Every table Megatron-Core's THD rope takes: 1D rope's [max_seqlen] (and longer), and a
+    whole-pack [T] table; every CP rank."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    upstream = upstream_thd()
+    apply_thd_rotary()
+    ours = rope_utils._apply_rotary_pos_emb_thd
+    generator = torch.Generator().manual_seed(cp_size)
+    cu, longest = random_pack(cp_size, generator)
+    total = int(cu[-1])
+    for table_rows in (longest, longest + 5, total):
+        freqs = torch.randn(table_rows, 1, 1, 8, generator=generator)
+        for rank in range(cp_size):
+            tokens = torch.randn(total // cp_size, 3, 10, generator=generator)  # [Tl, H, D], D > rotary dim
+            kwargs = dict(rotary_interleaved=rotary_interleaved, cp_group=_RankOf(cp_size, rank))
+            assert torch.equal(ours(tokens, cu, freqs, **kwargs), upstream(tokens, cu, freqs, **kwargs))
+
+
+@pytest.mark.parametrize("cp_size", [1, 2])
+@pytest.mark.parametrize("interleaved, section", [(False, [1, 1, 2]), (True, [2, 1, 1])])
+def test_cp_local_mrope_table_equals_megatron_cores_whole_pack_path(cp_size, interleaved, section):
+    """Ours: this rank's table gathered once, applied as one op. Megatron-Core: the whole-pack
+    table, each document's rows picked per layer. Same rotated queries."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    upstream = upstream_thd()
+    apply_thd_rotary()
+    generator = torch.Generator().manual_seed(7)
+    cu, _ = random_pack(cp_size, generator)
+    positions = torch.randint(0, 40, (3, 1, int(cu[-1])), generator=generator)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
+    whole = mrope_frequencies(positions, inv_freq, section, interleaved=interleaved)  # [T, 1, 1, 8]
+    for rank in range(cp_size):
+        rotary = PackedMultimodalRotaryEmbedding(inv_freq, interleaved=interleaved, cp_group=_RankOf(cp_size, rank))
+        rotary.is_thd_format = True
+        rotary.thd_params = PackedSeqParams(qkv_format="thd", cu_seqlens_q_padded=cu)
+        local = rotary(positions, section)
+        tokens = torch.randn(int(cu[-1]) // cp_size, 2, 8, generator=generator)
+        expected = upstream(tokens, cu, whole, cp_group=_RankOf(cp_size, rank))
+        got = rope_utils._apply_rotary_pos_emb_thd(tokens, cu, local, cp_group=_RankOf(cp_size, rank))
+        assert torch.equal(got, expected)
+
+
+def test_thd_patch_detects_the_loop_is_idempotent_and_undone():
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megatron_vlm_packing.patches.thd_rotary import upstream_thd_rope_syncs
+
+    undo_thd_rotary()
+    upstream = rope_utils._apply_rotary_pos_emb_thd
+    assert thd_rope_host_syncs() >= 3  # .tolist(), then per document (3 here): the defect the patch detects
+    assert apply_thd_rotary() and apply_thd_rotary()
+    patched = rope_utils._apply_rotary_pos_emb_thd
+    assert patched is not upstream and thd_rope_host_syncs() == 0
+    assert upstream_thd_rope_syncs() >= 3  # still counted on the original while patched
+    undo_thd_rotary()
+    assert rope_utils._apply_rotary_pos_emb_thd is upstream and not thd_rotary_applied()
+
+
+def test_the_cp_local_mark_survives_recompute_and_a_wrong_length_fails_loudly():
+    from megatron.core.models.common.embeddings import rope_utils
+
+    table = CpLocalFreqs.mark(torch.zeros(6, 1, 1, 4))
+    assert isinstance(table.detach(), CpLocalFreqs)  # activation recompute detaches its inputs
+    apply_thd_rotary()
+    with pytest.raises(ValueError, match="6 rows but this rank rotates 12 tokens"):
+        rope_utils._apply_rotary_pos_emb_thd(torch.ones(12, 1, 4), torch.tensor([0, 24]), table,
+                                             cp_group=_RankOf(2, 0))
 
 
 class TinyMropeModel(torch.nn.Module):

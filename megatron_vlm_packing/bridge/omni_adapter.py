@@ -1,0 +1,66 @@
+"""Adapter for Megatron-Bridge's Qwen3-Omni (`Qwen3OmniModel` and its `Qwen3OmniThinkerModel`).
+
+Consumes images, videos and audio. Under CP the thinker needs the full `input_ids` (to place the
+vision and audio features) and the full [3, 1, T] positions (each document's, as if alone); it
+selects its CP tokens itself with `cp_partition_index`, the same index `localize` applied to the
+labels and loss mask. Packed input needs `patches.apply_bridge_qwen3_omni_packed()` on Bridge
+versions whose thinker refuses `packed_seq_params` (0.6.2); dense rows go to Bridge's own code.
+
+Output: the language model's per-token loss, [1, Tl] packed or [B, L / cp] dense.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from megatron_vlm_packing.models.adapter import ModelAdapter
+from megatron_vlm_packing.packing.localize import LocalizeNeeds
+from megatron_vlm_packing.packing.micro_batch import MicroBatch
+
+OMNI_MODEL = "megatron.bridge.models.qwen_omni.modeling_qwen3_omni.model.Qwen3OmniModel"
+OMNI_THINKER = "megatron.bridge.models.qwen_omni.modeling_qwen3_omni.thinker_model.Qwen3OmniThinkerModel"
+
+
+def media_kwargs(micro_batch: MicroBatch) -> dict:
+    """The thinker's keywords for the micro-batch's images, videos and audio (Bridge's names)."""
+    kwargs = {}
+    vision, audio = micro_batch.vision, micro_batch.audio
+    if vision is not None and vision.has_images:
+        kwargs.update(pixel_values=vision.pixel_values, image_grid_thw=vision.image_grid_thw)
+    if vision is not None and vision.has_videos:
+        kwargs.update(pixel_values_videos=vision.pixel_values_videos, video_grid_thw=vision.video_grid_thw)
+        if vision.second_per_grid_ts is not None:
+            kwargs["video_second_per_grid"] = vision.second_per_grid_ts
+    if audio is not None:
+        kwargs.update(input_features=audio.input_features, feature_attention_mask=audio.feature_attention_mask)
+    return kwargs
+
+
+class Qwen3OmniAdapter(ModelAdapter):
+    """Bridge's Qwen3-Omni model or thinker: ids and positions full, labels / loss mask CP-local."""
+
+    consumes = frozenset({"images", "videos", "audio"})
+    needs = LocalizeNeeds(full_input_ids=True, full_position_ids=True)
+
+    def __init__(self, model: nn.Module):
+        super().__init__(model)
+        from megatron_vlm_packing.patches.bridge_qwen3_omni_packed import is_applied, thinker_refuses_packing
+
+        self.takes_packed_seq_params = is_applied() or not thinker_refuses_packing()
+
+    def check(self, micro_batch: MicroBatch) -> None:
+        if micro_batch.is_packed and not self.takes_packed_seq_params:
+            raise ValueError(
+                f"{self.model_name}: this Megatron-Bridge's Qwen3-Omni thinker refuses packed_seq_params "
+                f"(NotImplementedError); call megatron_vlm_packing.patches.apply_bridge_qwen3_omni_packed() "
+                f"before the first forward, or use pack=False")
+        super().check(micro_batch)
+        if micro_batch.is_packed and micro_batch.position_ids.dim() != 3:
+            raise ValueError(
+                f"{self.model_name} packed needs every document's mRoPE positions [3, 1, T]; the micro-batch has "
+                f"position_ids {tuple(micro_batch.position_ids.shape)} (pack with mrope=MRopeConfig of the model)")
+
+    def forward(self, model: nn.Module, micro_batch: MicroBatch):
+        mb = micro_batch
+        return model(input_ids=mb.input_ids, position_ids=mb.position_ids, labels=mb.labels,
+                     loss_mask=mb.loss_mask, packed_seq_params=mb.packed_seq_params, **media_kwargs(mb))

@@ -1,0 +1,79 @@
+"""What each context-parallel rank received against TransformerEngine's rule (contract item 5).
+
+TE's THD rule: each physical document is cut into 2*cp equal chunks, rank r keeps chunks r and
+2*cp-1-r. Every sequence-aligned tensor a rank receives must be the full tensor at that index;
+`input_ids` and `position_ids` may also stay full length (models that merge vision embeddings or
+take a full rotary table select their CP tokens themselves).
+
+Shape legend: T = physical packed slots, Tl = T / cp.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_vlm_packing.parallel.cp import cp_partition_index
+from megatron_vlm_packing.validate.boundaries import Boundaries
+from megatron_vlm_packing.validate.inputs import PackedInputs
+from megatron_vlm_packing.validate.report import Violation
+
+_FULL_ALLOWED = ("input_ids", "position_ids")
+
+
+def _te_index(bounds: Boundaries, cp_size: int, rank: int) -> torch.Tensor | None:
+    cu = torch.tensor([0] + [sum(bounds.physical[:i + 1]) for i in range(len(bounds.physical))], dtype=torch.int32)
+    try:
+        return cp_partition_index(cu, cp_size, rank)
+    except ValueError:  # lengths not multiples of 2*cp: already an alignment violation
+        return None
+
+
+def check_cp_index(index: torch.Tensor, bounds: Boundaries, cp_size: int, rank: int | None) -> list[Violation]:
+    """One rank's partition index: TE's for `rank` (or, rank unknown, for some rank)."""
+    ranks = [rank] if rank is not None else list(range(cp_size))
+    for r in ranks:
+        expected = _te_index(bounds, cp_size, r)
+        if expected is None:
+            return []
+        if torch.equal(index.long(), expected):
+            return []
+    expected = _te_index(bounds, cp_size, ranks[0])
+    where = "rank " + str(rank) if rank is not None else "any rank"
+    first = _first_difference(index, expected)
+    return [Violation("cp_partition", f"cp_index ({index.numel()} slots) is not TE's zigzag for {where} at cp={cp_size}"
+                      f"{first}")]
+
+
+def _first_difference(got: torch.Tensor, expected: torch.Tensor) -> str:
+    if got.numel() != expected.numel():
+        return f"; it has {got.numel()} slots, TE's has {expected.numel()}"
+    k = int((got.long() != expected).nonzero()[0])
+    return f"; first difference at local slot {k}: {int(got[k])} where TE has {int(expected[k])}"
+
+
+def check_cp_ranks(inputs: PackedInputs, bounds: Boundaries) -> list[Violation]:
+    """Every rank's `cp_index` and local tensors against the full batch at TE's index."""
+    out = []
+    cp_size = inputs.cp_size if inputs.cp_size > 1 else len(inputs.cp_ranks)
+    full = {"input_ids": inputs.input_ids, "labels": inputs.labels, "loss_mask": inputs.loss_mask,
+            "padding_mask": inputs.padding_mask, "position_ids": inputs.position_ids}
+    for rank, received in sorted(inputs.cp_ranks.items()):
+        expected = _te_index(bounds, cp_size, int(rank))
+        if expected is None:
+            return out
+        if received.get("cp_index") is not None:
+            out += check_cp_index(torch.as_tensor(received["cp_index"]).cpu(), bounds, cp_size, int(rank))
+        for name, local in received.items():
+            if name == "cp_index" or full.get(name) is None:
+                continue
+            local = torch.as_tensor(local).detach().cpu()
+            local = local.reshape(3, -1) if name == "position_ids" and full[name].dim() == 2 else local.reshape(-1)
+            if local.shape[-1] == inputs.total and name in _FULL_ALLOWED:
+                wrong = not torch.equal(local, full[name])
+            else:
+                want = full[name].index_select(-1, expected)
+                wrong = local.shape != want.shape or not torch.equal(local.to(want.dtype), want)
+            if wrong:
+                out.append(Violation("cp_partition", f"rank {rank}'s {name} ({local.shape[-1]} slots) is not the "
+                                     f"full {name} at TE's index for rank {rank} of cp={cp_size}"))
+    return out

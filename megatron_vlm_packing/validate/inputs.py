@@ -1,0 +1,245 @@
+"""What the validator reads: a packed micro-batch from any packer, normalised to flat tensors.
+
+`PackedInputs.build(...)` takes a `MicroBatch`, our `PackedBatch`, a mapping with the saved-batch
+keys (see `SAVED_KEYS`), or keywords, and flattens every sequence-aligned tensor to [T] ([3, T] for
+mRoPE positions) on the host. Nothing here judges the data; the checks do.
+
+Shape legend: T = physical packed slots, N = documents, B = source rows, S = source row length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Mapping
+
+import torch
+
+from megatron_vlm_packing.packing.plan import PackMultiples
+
+# Keys a saved batch (`torch.save` of a dict) may hold; see `megatron-vlm-packing check --help`.
+SAVED_KEYS = {
+    "input_ids": "[1, T] or [T] token ids, full length ('tokens' also read)",
+    "labels": "[1, T] next-token targets, -100 = none",
+    "loss_mask": "[1, T] per-token loss weights",
+    "position_ids": "[1, T] 1D positions or [3, 1, T] mRoPE positions",
+    "padding_mask": "[1, T] bool, True at pad slots",
+    "packed_seq_params": "a PackedSeqParams, or a dict with its field names",
+    "cu_seqlens": "[N+1] real boundaries (instead of packed_seq_params)",
+    "cu_seqlens_padded": "[N+1] physical boundaries (instead of packed_seq_params)",
+    "max_seqlen": "int, longest physical document",
+    "image_grid_thw": "[I, 3] (t, h, w) per image", "image_token_id": "int placeholder id",
+    "video_grid_thw": "[V, 3] per video", "video_token_id": "int placeholder id",
+    "spatial_merge_size": "int, vision tokens per side merged into one placeholder (default 2)",
+    "images_per_document": "N ints (optional)", "videos_per_document": "N ints (optional)",
+    "source_input_ids": "[B, S] the unpacked rows", "source_labels": "[B, S]",
+    "source_attention_mask": "[B, S] 1 = real token", "source_loss_mask": "[B, S] (optional)",
+    "label_style": "'hf' (source labels unshifted) or 'megatron' (already next-token)",
+    "tp_size": "int", "cp_size": "int", "sequence_parallel": "bool", "fp8": "bool",
+    "cp_ranks": "{rank: {'cp_index': [T/cp], 'labels': [1, T/cp], ...}} what each CP rank received",
+    "pad_token_id": "int (only used to name bug class 7 / suspect bug class 4)",
+}
+
+
+@dataclass(frozen=True)
+class SourceRows:
+    """The unpacked, right-padded rows a pack was made from.
+
+    Attributes:
+        input_ids: [B, S] long.
+        attention_mask: [B, S], 1 at real tokens; None = every row full.
+        labels: [B, S] long, -100 = no target; None = not compared.
+        loss_mask: [B, S] float weights (Megatron style), optional.
+        label_style: "hf" (labels unshifted: token s learns labels[s+1]) or "megatron" (token s learns labels[s]).
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor | None = None
+    labels: torch.Tensor | None = None
+    loss_mask: torch.Tensor | None = None
+    label_style: str = "hf"
+
+    def __post_init__(self) -> None:
+        if self.label_style not in ("hf", "megatron"):
+            raise ValueError(f"label_style must be 'hf' or 'megatron', got {self.label_style!r}")
+        if self.input_ids.dim() != 2:
+            raise ValueError(f"source input_ids must be [B, S], got shape {tuple(self.input_ids.shape)}")
+
+    def lengths(self) -> list[int]:
+        """Real length of each row (the count of 1s in the mask; holes are the packer's problem)."""
+        if self.attention_mask is None:
+            return [self.input_ids.shape[1]] * self.input_ids.shape[0]
+        return (self.attention_mask != 0).sum(dim=1).tolist()
+
+
+@dataclass(frozen=True)
+class PackedInputs:
+    """A packed micro-batch, flattened. Every tensor on the CPU.
+
+    Attributes:
+        input_ids: [T] long.
+        labels, loss_mask, padding_mask: [T] or None.
+        position_ids: [T] or [3, T] or None.
+        cu_seqlens, cu_seqlens_padded: [N+1] as given (any dtype), or None; `cu_seqlens_kv*` likewise.
+        max_seqlen: (q, kv) as given.
+        multiples: alignment the layout needs; cp_size: for the CP partition check.
+        cp_index: [T/cp] when the batch was already localized to one CP rank.
+        cp_rank: the rank `cp_index` belongs to, when known.
+        mrope: an `MRopeConfig` or callable(ids [1, L], image_grid_thw=, video_grid_thw=) -> [3, 1, L].
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor | None = None
+    loss_mask: torch.Tensor | None = None
+    position_ids: torch.Tensor | None = None
+    padding_mask: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
+    cu_seqlens_padded: torch.Tensor | None = None
+    cu_seqlens_kv: torch.Tensor | None = None
+    cu_seqlens_kv_padded: torch.Tensor | None = None
+    max_seqlen: tuple[Any, Any] | None = None
+    has_packed_seq_params: bool = False
+    image_grid_thw: torch.Tensor | None = None
+    image_token_id: int | None = None
+    video_grid_thw: torch.Tensor | None = None
+    video_token_id: int | None = None
+    spatial_merge_size: int = 2
+    images_per_document: tuple[int, ...] | None = None
+    videos_per_document: tuple[int, ...] | None = None
+    source: SourceRows | None = None
+    multiples: PackMultiples = PackMultiples()
+    cp_size: int = 1
+    cp_ranks: Mapping[int, Mapping[str, torch.Tensor]] | None = None
+    cp_index: torch.Tensor | None = None
+    cp_rank: int | None = None
+    pad_token_id: int | None = None
+    mrope: Any = None
+    ignore_index: int = -100
+    localized_total: int | None = None
+
+    @property
+    def total(self) -> int:
+        """T: the physical slots of the whole pack (a localized batch holds T/cp of them)."""
+        return self.localized_total if self.localized_total is not None else self.input_ids.numel()
+
+
+def _cpu(x):
+    return x.detach().cpu() if isinstance(x, torch.Tensor) else x
+
+
+def flat_tokens(x: torch.Tensor | None, name: str) -> torch.Tensor | None:
+    """[1, T] / [T] -> [T]; [3, 1, T] / [3, T] positions -> [3, T]."""
+    if x is None:
+        return None
+    x = _cpu(torch.as_tensor(x))
+    if x.dim() == 3 and x.shape[1] == 1:  # [C, 1, T]
+        return x[:, 0]
+    if x.dim() == 2 and x.shape[0] == 1:
+        return x[0]
+    if x.dim() == 1 or (x.dim() == 2 and name == "position_ids"):
+        return x
+    raise ValueError(f"{name} must be [1, T] (or [3, 1, T] for position_ids), got shape {tuple(x.shape)}")
+
+
+def _params_fields(params) -> dict:
+    """cu_seqlens sets and max_seqlen from a PackedSeqParams (or a dict with its field names)."""
+    get = params.get if isinstance(params, Mapping) else (lambda k, d=None: getattr(params, k, d))
+    q, q_pad = get("cu_seqlens_q"), get("cu_seqlens_q_padded")
+    return dict(cu_seqlens=q, cu_seqlens_padded=q_pad, cu_seqlens_kv=get("cu_seqlens_kv"),
+                cu_seqlens_kv_padded=get("cu_seqlens_kv_padded"),
+                max_seqlen=(get("max_seqlen_q"), get("max_seqlen_kv")), has_packed_seq_params=True)
+
+
+def _from_micro_batch(batch) -> dict:
+    """Fields of a `MicroBatch` (or our older `PackedBatch`), by attribute."""
+    out = {k: getattr(batch, k) for k in ("input_ids", "labels", "loss_mask", "position_ids", "padding_mask")}
+    if getattr(batch, "packed_seq_params", None) is not None:
+        out.update(_params_fields(batch.packed_seq_params))
+    vision = getattr(batch, "vision", None)
+    if vision is not None:
+        out.update(image_grid_thw=vision.image_grid_thw, video_grid_thw=vision.video_grid_thw,
+                   images_per_document=vision.images_per_sample, videos_per_document=vision.videos_per_sample)
+    passthrough = getattr(batch, "passthrough", None) or {}
+    for key in ("image_grid_thw", "video_grid_thw"):
+        if passthrough.get(key) is not None:
+            out[key] = passthrough[key]
+    plan = getattr(batch, "plan", None)
+    if plan is not None and getattr(plan, "multiples", None) is not None:
+        out["multiples"] = plan.multiples
+    if getattr(batch, "cp_index", None) is not None:
+        out["cp_index"] = batch.cp_index
+        if out.get("cu_seqlens_padded") is not None:  # sequence tensors hold T/cp slots: T from the boundaries
+            out["localized_total"] = int(out["cu_seqlens_padded"][-1])
+    return out
+
+
+def _from_mapping(batch: Mapping) -> dict:
+    unknown = sorted(set(batch) - set(SAVED_KEYS) - {"tokens", "cu_seqlens_kv", "cu_seqlens_kv_padded", "cp_rank",
+                                                     "max_seqlen_kv", "ignore_index", "mrope"})
+    if unknown:
+        raise ValueError(f"unknown keys in the batch: {unknown}; known keys: {sorted(SAVED_KEYS)}")
+    out = {k: v for k, v in batch.items() if not k.startswith("source_") and k != "label_style"}
+    if "tokens" in out:
+        out["input_ids"] = out.pop("tokens")
+    if out.get("packed_seq_params") is not None:
+        out.update(_params_fields(out.pop("packed_seq_params")))
+    else:
+        out.pop("packed_seq_params", None)
+    if "max_seqlen" in out and not isinstance(out["max_seqlen"], tuple):
+        out["max_seqlen"] = (out["max_seqlen"], out.pop("max_seqlen_kv", out["max_seqlen"]))
+    if batch.get("source_input_ids") is not None:
+        out["source"] = SourceRows(
+            input_ids=batch["source_input_ids"], attention_mask=batch.get("source_attention_mask"),
+            labels=batch.get("source_labels"), loss_mask=batch.get("source_loss_mask"),
+            label_style=batch.get("label_style", "hf"))
+    return out
+
+
+def build_inputs(batch=None, **overrides) -> PackedInputs:
+    """Normalise `batch` (MicroBatch / PackedBatch / mapping / None) plus keyword overrides.
+
+    Layout keywords: `tp_size`, `cp_size`, `sequence_parallel`, `fp8` (or `layout=ParallelLayout`),
+    from which the alignment multiples are derived; without any, the batch's own plan multiples (if it
+    has a plan) are checked, else no alignment.
+
+    Raises:
+        ValueError: no input_ids, an unknown key, or a tensor whose shape cannot be a packed batch.
+    """
+    values: dict = {}
+    if isinstance(batch, Mapping):
+        values.update(_from_mapping(batch))
+    elif batch is not None:
+        values.update(_from_micro_batch(batch))
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    if values.get("packed_seq_params") is not None:
+        values.update(_params_fields(values.pop("packed_seq_params")))
+    values.pop("packed_seq_params", None)
+    if isinstance(values.get("source"), Mapping):
+        values["source"] = SourceRows(**values["source"])
+    layout = values.pop("layout", None)
+    layout_keys = {k: values.pop(k) for k in ("tp_size", "cp_size", "sequence_parallel", "fp8") if k in values}
+    if layout is not None:
+        layout_keys = dict(tp_size=layout.tp_size, cp_size=layout.cp_size,
+                           sequence_parallel=layout.sequence_parallel, fp8=layout_keys.get("fp8", False))
+        values.setdefault("cp_rank", layout.cp_rank)
+    if layout_keys:
+        values["multiples"] = PackMultiples.for_parallel(**{k: (bool(v) if k in ("sequence_parallel", "fp8")
+                                                                else int(v)) for k, v in layout_keys.items()})
+        values["cp_size"] = int(layout_keys.get("cp_size", 1))
+    if values.get("max_seqlen") is not None and not isinstance(values["max_seqlen"], tuple):
+        values["max_seqlen"] = (values["max_seqlen"], values.pop("max_seqlen_kv", values["max_seqlen"]))
+    if values.get("input_ids") is None:
+        raise ValueError("the packed batch needs input_ids (or tokens)")
+    for name in ("input_ids", "labels", "loss_mask", "position_ids", "padding_mask"):
+        values[name] = flat_tokens(values.get(name), name)
+    for name in ("cu_seqlens", "cu_seqlens_padded", "cu_seqlens_kv", "cu_seqlens_kv_padded", "image_grid_thw",
+                 "video_grid_thw", "cp_index"):
+        if values.get(name) is not None:
+            values[name] = _cpu(torch.as_tensor(values[name]))
+    for name in ("images_per_document", "videos_per_document"):
+        if values.get(name) is not None:
+            values[name] = tuple(int(n) for n in values[name])
+    known = {f.name for f in fields(PackedInputs)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown inputs {unknown}; known: {sorted(known)}")
+    return PackedInputs(**values)

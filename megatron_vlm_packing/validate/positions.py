@@ -1,0 +1,121 @@
+"""Positions restart per document; mRoPE documents with vision tokens keep their t/h/w positions.
+
+Shape legend: T = physical packed slots, N = documents, L = one document's real tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_vlm_packing.validate.documents import Documents
+from megatron_vlm_packing.validate.inputs import PackedInputs
+from megatron_vlm_packing.validate.report import Violation
+
+
+def vision_documents(inputs: PackedInputs, docs: Documents, *, min_run: int = 1) -> set[int] | None:
+    """Documents with runs of >= `min_run` image / video placeholders at real slots; None when no
+    placeholder id is known. (A one-token image has equal t/h/w positions in mRoPE too.)"""
+    ids = [t for t in (inputs.image_token_id, inputs.video_token_id) if t is not None]
+    if not ids:
+        return None
+    is_vision = torch.isin(inputs.input_ids, torch.tensor(ids)) & docs.is_real
+    if min_run > 1:  # keep slots whose previous min_run - 1 slots are placeholders of the same document
+        run = is_vision.clone()
+        for k in range(1, min_run):
+            prev = torch.cat([torch.zeros(k, dtype=torch.bool), is_vision[:-k]])
+            same = torch.cat([torch.zeros(k, dtype=torch.bool), docs.doc_of_slot[k:] == docs.doc_of_slot[:-k]])
+            run &= prev & same
+        is_vision = run
+    return set(docs.doc_of_slot[is_vision].unique().tolist())
+
+
+def check_positions_1d(inputs: PackedInputs, docs: Documents) -> list[Violation]:
+    """1D positions equal the offset in the document at every real slot (contract item 3)."""
+    positions = inputs.position_ids
+    real = docs.is_real
+    wrong = real & (positions.long() != docs.offset)
+    if not wrong.any():
+        out = []
+    else:
+        bad = docs.doc_of_slot[wrong].unique().tolist()
+        detail = [(d, int(positions[docs.bounds.starts[d]])) for d in bad[:8]]
+        out = [Violation("positions_restart", f"(document, first position) {detail}; each document's real tokens "
+                         f"must be at 0, 1, 2, ...", tuple(bad))]
+    vision = vision_documents(inputs, docs, min_run=2)
+    if inputs.mrope is not None and vision:
+        out.append(Violation("mrope_channels_identical", f"1D positions for an mRoPE model: documents {sorted(vision)[:8]} "
+                             f"have vision tokens that need their own t/h/w positions", tuple(sorted(vision))))
+    return out
+
+
+def check_positions_3d(inputs: PackedInputs, docs: Documents, vision_items: dict, vision_failed: set[int]) -> list[Violation]:
+    """[3, T] positions: restart at 0, distinct channels on vision documents, equal to the model's index."""
+    positions = inputs.position_ids
+    out, flagged = [], set()
+    starts = [d for d in range(docs.num_documents) if docs.real[d] and
+              bool((positions[:, docs.bounds.starts[d]] != 0).any())]
+    if starts:
+        detail = [(d, positions[:, docs.bounds.starts[d]].tolist()) for d in starts[:6]]
+        out.append(Violation("positions_restart", f"(document, first t/h/w position) {detail}; each document starts "
+                             f"at 0", tuple(starts)))
+        flagged |= set(starts)
+    vision = vision_documents(inputs, docs, min_run=2) or set()
+    identical = []
+    for d in sorted(vision):
+        p = positions[:, docs.real_slots(d)]
+        if bool((p[0] == p[1]).all() and (p[1] == p[2]).all()):
+            identical.append(d)
+    if identical:
+        out.append(Violation("mrope_channels_identical", f"the 3 channels are equal on every token of documents "
+                             f"{identical[:8]}, which hold image / video placeholders", tuple(identical)))
+        flagged |= set(identical)
+    if inputs.mrope is not None:
+        out += _against_model_index(inputs, docs, vision_items, flagged | vision_failed)
+    return out
+
+
+def _index_of(inputs: PackedInputs, ids: torch.Tensor, grids: dict) -> torch.Tensor:
+    """[3, L] positions of one sample alone from the model's index (`MRopeConfig` or callable)."""
+    mrope = inputs.mrope
+    kwargs = {k: v for k, v in grids.items() if v is not None}
+    if callable(mrope):
+        result = mrope(ids[None], **kwargs)
+    else:
+        from megatron_vlm_packing.rope import get_rope_index
+
+        result = get_rope_index(ids[None], mrope, **kwargs)
+    result = result[0] if isinstance(result, tuple) else result
+    return result.reshape(3, -1)
+
+
+def _against_model_index(inputs: PackedInputs, docs: Documents, vision_items: dict, skip: set[int]) -> list[Violation]:
+    bad = []
+    for d in range(docs.num_documents):
+        if d in skip or docs.real[d] == 0:
+            continue
+        grids = {}
+        for kind in ("image", "video"):
+            items, grid = vision_items.get(kind), getattr(inputs, f"{kind}_grid_thw")
+            if items is not None and grid is not None and items[d]:
+                grids[f"{kind}_grid_thw"] = grid[items[d]]
+        slots = docs.real_slots(d)
+        try:
+            expected = _index_of(inputs, inputs.input_ids[slots], grids)
+        except ValueError as err:  # the model's own index refuses this document
+            bad.append((d, 0, "refused", str(err)))
+            continue
+        got = inputs.position_ids[:, slots]
+        if not torch.equal(got.to(expected.dtype), expected):
+            k = int((got.to(expected.dtype) != expected).any(0).nonzero()[0])
+            bad.append((d, k, got[:, k].tolist(), expected[:, k].tolist()))
+    if not bad:
+        return []
+    detail = [f"document {d}: the model's index refuses it: {e}" if g == "refused" else
+              f"document {d} token {k}: {g} where the model's index gives {e}" for d, k, g, e in bad[:4]]
+    return [Violation("mrope_positions", "; ".join(detail), tuple(d for d, *_ in bad))]
+
+
+def check_positions(inputs: PackedInputs, docs: Documents, vision_items: dict, vision_failed: set[int]) -> list[Violation]:
+    if inputs.position_ids.dim() == 1:
+        return check_positions_1d(inputs, docs)
+    return check_positions_3d(inputs, docs, vision_items, vision_failed)
