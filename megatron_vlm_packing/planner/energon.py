@@ -73,6 +73,8 @@ class EnergonPackingHooks:
         if len(fits):
             num_bins = -(-int(slots[fits].sum()) // self.layout.capacity)
             extra = self.cost_model.extra_costs(table, tokens)[fits]
+            if not self.layout.static_shapes:  # bins of different lengths: their GEMMs differ too
+                extra = extra + self.cost_model.lm_linear * slots[fits]
             groups = [[int(fits[p]) for p in g] for g in balanced_fit(slots[fits], extra, self.layout.capacity, num_bins)]
         return [[samples[i] for i in g] for g in groups + [[int(p)] for p in over]]
 

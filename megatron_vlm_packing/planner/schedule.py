@@ -134,6 +134,15 @@ def _columns(table: SampleTable, config: PlannerConfig) -> _Columns:
     return _Columns(tokens, config.layout.slot_sizes(tokens), config.cost_model.extra_costs(table, tokens))
 
 
+def _fit_costs(positions: np.ndarray, cols: _Columns, config: PlannerConfig) -> np.ndarray:
+    """[K] the part of each sample's cost that differs between bins: under static shapes every bin
+    pays lm_linear * capacity, so only the extras; otherwise its tokens' GEMMs too."""
+    extra = cols.extra[positions]
+    if config.layout.static_shapes:
+        return extra
+    return extra + config.cost_model.lm_linear * cols.slots[positions]
+
+
 def _make_bins(groups: list[list[int]], cols: _Columns, stream: np.ndarray, config: PlannerConfig) -> list[Bin]:
     """Bins from lists of stream positions (`cols` is indexed by stream position)."""
     if not groups:
@@ -160,7 +169,7 @@ def _pack_window(pos: np.ndarray, cols: _Columns, stream: np.ndarray, config: Pl
     fits = np.setdiff1d(np.arange(len(pos)), over, assume_unique=True) if len(over) else np.arange(len(pos))
     if config.balance:
         num_bins = max(1, -(-int(slots[fits].sum()) // capacity))
-        groups = balanced_fit(slots[fits], cols.extra[pos[fits]], capacity, num_bins)
+        groups = balanced_fit(slots[fits], _fit_costs(pos[fits], cols, config), capacity, num_bins)
     else:
         groups = best_fit_decreasing(slots[fits], capacity)
     window = pos[fits].tolist()
@@ -207,7 +216,7 @@ def _last_step_groups(tail: list[list[int]], cols: _Columns, config: PlannerConf
         return None, per_rank
     slots = cols.slots[positions]
     if config.balance:
-        groups = balanced_fit(slots, cols.extra[positions], config.layout.capacity, count)
+        groups = balanced_fit(slots, _fit_costs(positions, cols, config), config.layout.capacity, count)
     else:
         groups = best_fit_decreasing(slots, config.layout.capacity)
     if len(groups) > count:  # the greedy needed more bins (or oversize samples did): more per rank
