@@ -202,7 +202,7 @@ def make_forward_step(*, pack: bool = True, label_style: str = "hf", pad_to: int
         if probe is not None:  # the same build and model call, for the pack and each sample alone
             probe(model, batch, micro_batch,
                   pack=partial(build_micro_batch, layout=layout, options=options, mrope=mrope_used,
-                                                media_token_ids=media_token_ids),
+                               media_token_ids=media_token_ids),
                   forward=lambda mb: model_adapter.forward(model, prepare_for_model(mb, model_adapter, layout)))
         return output, partial(loss_func, local.loss_mask, local.stats)
 
