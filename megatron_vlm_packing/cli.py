@@ -1,4 +1,4 @@
-"""Command line: `megatron-vlm-packing {demo,inspect}` (also `python -m megatron_vlm_packing`)."""
+"""Command line: `megatron-vlm-packing {demo,inspect,check}` (also `python -m megatron_vlm_packing`)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,17 @@ def _int_list(text: str) -> list[int]:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (a count of steps, ranks or samples)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive int (>= 1), got {value}")
+    return value
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -41,30 +52,70 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    """Validate a saved packed batch: exit 0 clean, 1 on violations (2 unreadable, from main)."""
+    from megatron_vlm_packing.validate import validate_packed_batch
+    from megatron_vlm_packing.validate.saved import load_saved_batch
+
+    batch = load_saved_batch(args.file)
+    layout = {k: v for k, v in (("tp_size", args.tp), ("cp_size", args.cp), ("pad_token_id", args.pad_token_id))
+              if v is not None}
+    layout.update({k: True for k, v in (("sequence_parallel", args.sp), ("fp8", args.fp8)) if v})
+    report = validate_packed_batch({**batch, **layout})
+    print(report)
+    return 0 if report.ok else 1
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from megatron_vlm_packing.planner.report import run_plan
+
+    return run_plan(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-vlm-packing", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="train a tiny VLM on embedded synthetic data with packing")
-    demo.add_argument("--steps", type=int, default=40, help="optimizer steps (default 40)")
+    demo.add_argument("--steps", type=_positive_int, default=40, help="optimizer steps (default 40)")
     demo.add_argument("--no-pack", action="store_true", help="pad rows densely instead of packing")
-    demo.add_argument("--tp", type=int, default=1, help="tensor-parallel size (under torchrun)")
-    demo.add_argument("--cp", type=int, default=1, help="context-parallel size (under torchrun)")
+    demo.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size (under torchrun)")
+    demo.add_argument("--cp", type=_positive_int, default=1, help="context-parallel size (under torchrun)")
     demo.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
     demo.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    demo.add_argument("--micro-batch-size", type=int, default=8)
+    demo.add_argument("--micro-batch-size", type=_positive_int, default=8)
     demo.add_argument("--seed", type=int, default=1234)
     demo.set_defaults(func=cmd_demo)
 
+    from megatron_vlm_packing.planner.report import add_plan_arguments
+
+    plan = sub.add_parser("plan", help="dataset-level packing: per-rank cost with and without balancing")
+    add_plan_arguments(plan)
+    plan.set_defaults(func=cmd_plan)
+
     inspect = sub.add_parser("inspect", help="show the pack plan for given real lengths")
     inspect.add_argument("lengths", type=_int_list, help="comma-separated real lengths, e.g. 5,0,3")
-    inspect.add_argument("--seq", type=int, default=None, help="padded row length (default: max length)")
-    inspect.add_argument("--tp", type=int, default=1)
-    inspect.add_argument("--cp", type=int, default=1)
+    inspect.add_argument("--seq", type=_positive_int, default=None, help="padded row length (default: max length)")
+    inspect.add_argument("--tp", type=_positive_int, default=1)
+    inspect.add_argument("--cp", type=_positive_int, default=1)
     inspect.add_argument("--sp", action="store_true")
     inspect.add_argument("--fp8", action="store_true")
     inspect.add_argument("--pad-to", type=int, default=None)
     inspect.set_defaults(func=cmd_inspect)
+
+    from megatron_vlm_packing.validate.saved import saved_keys_help
+
+    check = sub.add_parser("check", help="validate a saved packed batch from any packer",
+                           formatter_class=argparse.RawDescriptionHelpFormatter,
+                           description="Exit status 0 when clean, 1 on violations, 2 when the file cannot be "
+                                       "read.\nFILE is torch.save of a dict with these keys:\n" + saved_keys_help())
+    check.add_argument("file", help="torch.save'd dict (see the keys above)")
+    check.add_argument("--tp", type=int, default=None, help="tensor-parallel size (overrides tp_size in FILE)")
+    check.add_argument("--cp", type=int, default=None, help="context-parallel size (overrides cp_size)")
+    check.add_argument("--sp", action="store_true", help="sequence parallelism")
+    check.add_argument("--fp8", action="store_true", help="FP8 alignment")
+    check.add_argument("--pad-token-id", type=int, default=None)
+    check.set_defaults(func=cmd_check)
     return parser
 
 

@@ -113,6 +113,10 @@ def run_demo(args: argparse.Namespace) -> int:
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if args.sp and args.tp < 2:
         raise ValueError(f"--sp needs --tp > 1, got --tp {args.tp}")
+    for flag, value in (("--steps", args.steps), ("--micro-batch-size", args.micro_batch_size), ("--tp", args.tp),
+                        ("--cp", args.cp)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
     setup_distributed(device, args.tp, args.cp, args.seed)
     rank0 = dist.get_rank() == 0
     data_cfg = SyntheticVLMConfig()

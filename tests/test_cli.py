@@ -19,3 +19,64 @@ def test_inspect_bad_input_is_a_clear_error(capsys):
 def test_inspect_rejects_non_integers():
     with pytest.raises(SystemExit):
         main(["inspect", "5,x"])
+
+
+def _saved_pack(tmp_path, name="batch.pt", **changes):
+    import torch
+
+    from megatron_vlm_packing import pack_batch
+
+    ids = torch.tensor([[11, 12, 13, 14, 15, 0], [21, 22, 0, 0, 0, 0], [31, 32, 33, 0, 0, 0]])
+    mask = (torch.arange(6) < torch.tensor([[5], [2], [3]])).long()
+    labels = torch.where(mask.bool(), ids, -100)
+    packed = pack_batch({"input_ids": ids, "labels": labels, "attention_mask": mask}, cp_size=2, label_style="hf")
+    batch = {"input_ids": packed.input_ids, "labels": packed.labels, "loss_mask": packed.loss_mask,
+             "position_ids": packed.position_ids, "padding_mask": packed.padding_mask,
+             "packed_seq_params": packed.packed_seq_params, "cp_size": 2,
+             "source_input_ids": ids, "source_labels": labels, "source_attention_mask": mask, "label_style": "hf"}
+    batch.update(changes)
+    path = tmp_path / name
+    torch.save(batch, path)
+    return path, packed
+
+
+def test_check_a_clean_saved_batch_exits_0(tmp_path, capsys):
+    path, _ = _saved_pack(tmp_path)
+    assert main(["check", str(path)]) == 0
+    assert "packed batch: 3 documents, 10 real tokens in 16 slots: OK" in capsys.readouterr().out
+
+
+def test_check_reports_uniform_boundaries_and_exits_1(tmp_path, capsys):
+    import torch
+
+    cu = torch.tensor([0, 8, 12, 16], dtype=torch.int32)
+    path, _ = _saved_pack(tmp_path, packed_seq_params={"cu_seqlens_q": cu, "cu_seqlens_q_padded": cu,
+                                                       "max_seqlen_q": 8, "max_seqlen_kv": 8})
+    assert main(["check", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "1 violation(s)" in out
+    assert "[uniform_boundaries] (contract 2, bug class 4)" in out and "(document, pad slots) [(0, 3), (1, 2), (2, 1)]" in out
+
+
+def test_check_layout_flags_override_the_file(tmp_path, capsys):
+    path, _ = _saved_pack(tmp_path)
+    assert main(["check", str(path), "--cp", "4"]) == 1
+    assert "[alignment]" in capsys.readouterr().out
+
+
+def test_check_unreadable_files_exit_2(tmp_path, capsys):
+    import torch
+
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a torch file")
+    assert main(["check", str(garbage)]) == 2
+    assert "not a readable torch.save file" in capsys.readouterr().err
+    assert main(["check", str(tmp_path / "missing.pt")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    listed = tmp_path / "list.pt"
+    torch.save([1, 2], listed)
+    assert main(["check", str(listed)]) == 2
+    assert "holds a list, expected a dict" in capsys.readouterr().err
+    unknown, _ = _saved_pack(tmp_path, "unknown.pt", cu_seqlen=1)
+    assert main(["check", str(unknown)]) == 2
+    assert "unknown keys in the batch: ['cu_seqlen']" in capsys.readouterr().err

@@ -85,6 +85,14 @@ class ReferenceCoreAttention(MegatronModule):
         self.pg_collection = pg_collection
 
     def _cp_group(self):
+        """The CP group, or None when this module's config has CP off.
+
+        Decided from the config, as TE's attention does: a module built with
+        context_parallel_size = 1 (e.g. a vision tower beside a CP language model) may still hold
+        the language model's CP group in its process-group collection.
+        """
+        if (getattr(self.config, "context_parallel_size", 1) or 1) == 1:
+            return None
         group = getattr(self.pg_collection, "cp", None)
         if group is None:
             from megatron.core import parallel_state
@@ -99,7 +107,7 @@ class ReferenceCoreAttention(MegatronModule):
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
         group = self._cp_group()
-        cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
+        cp_size, cp_rank = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             return self._thd(query, key, value, packed_seq_params, causal, group, cp_size, cp_rank)
         return self._bshd(query, key, value, attention_mask, causal, group, cp_size, cp_rank)

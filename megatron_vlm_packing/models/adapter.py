@@ -145,6 +145,16 @@ def adapter_for(model: nn.Module) -> ModelAdapter:
     )
 
 
+register_builtin_adapter("megatron.core.models.gpt.gpt_model.GPTModel",
+                         "megatron_vlm_packing.models.gpt_adapter:GPTModelAdapter")
+register_builtin_adapter("megatron_vlm_packing.models.packed_vlm.PackedVLM",
+                         "megatron_vlm_packing.models.packed_vlm:PackedVLMAdapter")
+# Megatron-Bridge's Qwen-VL models (megatron_vlm_packing.bridge.adapters), resolved lazily.
+register_builtin_adapter("megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model.Qwen3VLModel",
+                         "megatron_vlm_packing.bridge.adapters:Qwen3VLAdapter")
+register_builtin_adapter("megatron.bridge.models.qwen_vl.modeling_qwen25_vl.Qwen25VLModel",
+                         "megatron_vlm_packing.bridge.adapters:Qwen25VLAdapter")
+register_builtin_adapter("megatron.core.models.multimodal.llava_model.LLaVAModel", "megatron_vlm_packing.models.llava:LLaVAAdapter")
 # Megatron-Bridge's Qwen3-Omni model and thinker (megatron_vlm_packing.bridge.omni_adapter), resolved lazily.
 register_builtin_adapter("megatron.bridge.models.qwen_omni.modeling_qwen3_omni.model.Qwen3OmniModel",
                          "megatron_vlm_packing.bridge.omni_adapter:Qwen3OmniAdapter")

@@ -1,21 +1,72 @@
-"""Packed boundaries for Megatron-Core's `LLaVAModel`, whose forward expands every image token into
-`num_tiles * img_seq_len` embeddings (bug class 2: the boundaries stayed in collapsed space).
+"""Megatron-Core's `LLaVAModel`, packed exactly: boundaries in the expanded space, no lost tokens.
 
-Two ways to get them right:
-- the planner path (preferred): `llava_expanded_lengths` gives each sample's length after
-  expansion, so plans, alignment and token budgets are decided in the space attention sees;
-- the remap path: `remap_packed_seq_params` moves both boundary sets of a collapsed pack into the
-  expanded space (pad slots hold no images, so every document grows by its own images only), and
-  `patches.llava_boundaries` applies it inside `LLaVAModel.forward`.
+`LLaVAModel` expands every image token into `tiles * img_seq_len` embeddings inside its forward.
+Three things follow for a THD pack (all measured against the batched model, testing/llava_parity.py):
 
-Shape legend: T = collapsed packed tokens, N = documents, I = images (in token order).
+- **Boundaries** (bug class 2): attention sees the expanded sequence, so both boundary sets must be
+  expanded (`remap_packed_seq_params`; `patches.llava_boundaries` applies it on every pipeline stage).
+- **Alignment**: under CP every *expanded* document must divide by 2*cp and the expanded total by
+  LLaVA's shard factor; only a plan made in expanded space gets that (`llava_pack_plan`).
+- **The slot before an image** (bug class 13): `_preprocess_data` zeroes the loss mask and drops the
+  label of the collapsed slot just before each image token. In a pack, for a document that opens
+  with an image, that slot is the previous document's last physical slot: when it is a real token,
+  its loss is lost. The exact rule, from the source: only the slot at (image index - 1) is touched,
+  so one pad slot at the end of the previous document absorbs it (`llava_pack_plan` plans one;
+  `leaking_documents` finds packs without it).
+
+`pack_llava_batch` packs in the collapsed space with that plan; `LLaVAAdapter` calls the model.
+Shape legend: B = rows, S = row length, T = collapsed packed slots, N = documents, I = images.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
+
+from megatron_vlm_packing.models.adapter import ModelAdapter
+from megatron_vlm_packing.packing.localize import LocalizeNeeds
+from megatron_vlm_packing.packing.micro_batch import MicroBatch
+from megatron_vlm_packing.packing.plan import PackMultiples, PackPlan, round_up
+
+
+@dataclass(frozen=True)
+class LlavaSpace:
+    """How one `LLaVAModel` turns a collapsed sequence into the sequence attention sees.
+
+    Attributes:
+        img_seq_len: embeddings per image tile.
+        image_token_index: placeholder id of an image.
+        segment_multiple: every expanded physical document divides by it (2*cp when cp > 1).
+        total_multiple: the expanded total divides by it (LLaVA's CP/SP shard factor).
+        pipeline_length: under PP LLaVA pads every expanded row to this length (else None).
+        max_length: LLaVA truncates expanded rows beyond this (language_max_sequence_length).
+    """
+
+    img_seq_len: int
+    image_token_index: int
+    segment_multiple: int = 1
+    total_multiple: int = 1
+    pipeline_length: int | None = None
+    max_length: int | None = None
+
+    @classmethod
+    def of(cls, model) -> "LlavaSpace":
+        """Read from a built `LLaVAModel` (its own shard factor, as `_process_embedding_token_parallel` has it)."""
+        cp, tp, sp = model.context_parallel_lm, model.tensor_model_parallel_size_lm, model.sequence_parallel_lm
+        total = tp * cp * 2 if cp > 1 and sp else 2 * cp if cp > 1 else tp if sp else 1
+        max_length = getattr(model, "_language_max_sequence_length", None)
+        pipelined = bool(getattr(model, "_language_is_pipeline_parallel", False))
+        return cls(img_seq_len=int(model.img_seq_len), image_token_index=int(model.image_token_index),
+                   segment_multiple=2 * cp if cp > 1 else 1, total_multiple=total,
+                   pipeline_length=max_length if pipelined else None, max_length=max_length)
+
+
+def default_image_tiles(num_image_tiles, num_images: int, device) -> torch.Tensor:
+    """[I] int tiles per image: the given ones, or LLaVA's documented default, one per image."""
+    if num_image_tiles is None:
+        return torch.ones(num_images, dtype=torch.int, device=device)
+    return torch.as_tensor(num_image_tiles, device=device).reshape(-1).int()
 
 
 def image_expansion(input_ids: torch.Tensor, num_image_tiles: torch.Tensor, *, img_seq_len: int,
@@ -39,7 +90,7 @@ def image_expansion(input_ids: torch.Tensor, num_image_tiles: torch.Tensor, *, i
 
 def llava_expanded_lengths(input_ids: torch.Tensor, seq_lens: list[int], num_image_tiles, *, img_seq_len: int,
                            image_token_index: int) -> list[int]:
-    """Each right-padded row's real length after image expansion (the planner path).
+    """Each right-padded row's real length after image expansion.
 
     Args:
         input_ids: [B, S] collapsed ids; seq_lens: B real lengths; num_image_tiles: [I] tiles per image.
@@ -49,42 +100,201 @@ def llava_expanded_lengths(input_ids: torch.Tensor, seq_lens: list[int], num_ima
     return [n + int(e) for n, e in zip(seq_lens, (extra * keep).sum(1).tolist())]
 
 
+def _check_expanded(physical: list[int], *, segment: int, total_multiple: int, pad_to: int | None,
+                    max_length: int | None) -> int:
+    """The expanded total after `pad_to`, checking every multiple; ValueError naming the numbers."""
+    bad = [(i, n) for i, n in enumerate(physical) if n % segment]
+    if bad:
+        raise ValueError(f"expanded documents {[i for i, _ in bad][:8]} have physical lengths "
+                         f"{[n for _, n in bad][:8]} that do not divide by {segment}: plan the pack in expanded "
+                         f"space (models.llava.pack_llava_batch)")
+    total = sum(physical)
+    target = total if pad_to is None else pad_to
+    if target < total:
+        raise ValueError(f"the pack expands to {total} tokens but LLaVA pads rows to {pad_to}: it would truncate")
+    if max_length is not None and target > max_length:
+        raise ValueError(f"the pack expands to {target} tokens, more than language_max_sequence_length={max_length}: "
+                         f"LLaVAModel would truncate it silently; split the micro-batch")
+    if target % total_multiple:
+        raise ValueError(f"the expanded pack has {target} tokens, not a multiple of LLaVA's shard factor "
+                         f"{total_multiple}: plan the pack in expanded space (models.llava.pack_llava_batch)")
+    return target
+
+
 def remap_packed_seq_params(params, input_ids: torch.Tensor, num_image_tiles, *, img_seq_len: int,
-                            image_token_index: int, segment_multiple: int = 1, total_multiple: int = 1):
+                            image_token_index: int, segment_multiple: int = 1, total_multiple: int = 1,
+                            pad_to: int | None = None, max_length: int | None = None):
     """Both boundary sets of a collapsed THD pack, moved into LLaVA's expanded space.
+
+    Pad slots hold no images, so every document grows by exactly its own images.
 
     Args:
         params: PackedSeqParams of the collapsed pack (`cu_seqlens_q` real, `cu_seqlens_q_padded` physical).
         input_ids: [1, T] the collapsed packed ids.
         segment_multiple: every expanded physical document must divide by it (2*cp under CP).
-        total_multiple: LLaVA pads the expanded total to this (its CP/SP shard factor); the last
+        total_multiple: the expanded total must divide by it (LLaVA's CP/SP shard factor).
+        pad_to: the expanded length LLaVA pads the row to (pipeline parallelism); the last
             document takes that padding, as in our plans.
+        max_length: LLaVA truncates beyond it: refused.
 
     Returns:
         PackedSeqParams with expanded `cu_seqlens_*`, `cu_seqlens_*_padded` and `max_seqlen_*`.
 
     Raises:
-        ValueError: an expanded document that breaks `segment_multiple` (plan in expanded space
-        with `llava_expanded_lengths` instead), or image counts that disagree.
+        ValueError: a multiple that does not hold (plan in expanded space with `pack_llava_batch`),
+        a pack longer than LLaVA keeps, or image counts that disagree.
     """
     extra = image_expansion(input_ids, num_image_tiles, img_seq_len=img_seq_len,
                             image_token_index=image_token_index)[0]
     cu_real = params.cu_seqlens_q.long().to(extra.device)
     cu_padded = (params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q)
     cu_padded = cu_padded.long().to(extra.device)
+    if int(cu_padded[-1]) != extra.numel():
+        raise ValueError(f"cu_seqlens_q_padded ends at {int(cu_padded[-1])} but input_ids has {extra.numel()} slots")
     before = torch.cat([extra.new_zeros(1), torch.cumsum(extra, 0)])  # [T+1] expansion before each slot
     grown = before[cu_padded[1:]] - before[cu_padded[:-1]]  # [N] each document's own images
     real = (cu_real[1:] - cu_real[:-1]) + grown
-    physical = (cu_padded[1:] - cu_padded[:-1]) + grown
-    total = int(physical.sum())
-    physical[-1] += -(-total // total_multiple) * total_multiple - total
-    bad = torch.nonzero(physical % segment_multiple).flatten().tolist()
-    if bad:
-        raise ValueError(f"expanded documents {bad[:8]} have physical lengths {physical[bad[:8]].tolist()} that do not "
-                         f"divide by {segment_multiple}: plan the pack in expanded space (llava_expanded_lengths)")
+    physical = ((cu_padded[1:] - cu_padded[:-1]) + grown).tolist()
+    target = _check_expanded(physical, segment=segment_multiple, total_multiple=total_multiple, pad_to=pad_to,
+                             max_length=max_length)
+    physical[-1] += target - sum(physical)
     zero = cu_real.new_zeros(1)
-    new_real = torch.cat([zero, torch.cumsum(real, 0)]).to(params.cu_seqlens_q.dtype).to(params.cu_seqlens_q.device)
-    new_padded = torch.cat([zero, torch.cumsum(physical, 0)]).to(params.cu_seqlens_q.dtype).to(params.cu_seqlens_q.device)
-    longest = int(physical.max())
+    physical_t = torch.tensor(physical, dtype=torch.long, device=cu_real.device)
+    dtype, device = params.cu_seqlens_q.dtype, params.cu_seqlens_q.device
+    new_real = torch.cat([zero, torch.cumsum(real, 0)]).to(dtype).to(device)
+    new_padded = torch.cat([zero, torch.cumsum(physical_t, 0)]).to(dtype).to(device)
+    longest = max(physical)
     return replace(params, cu_seqlens_q=new_real, cu_seqlens_kv=new_real, cu_seqlens_q_padded=new_padded,
                    cu_seqlens_kv_padded=new_padded, max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
+def leaking_documents(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor,
+                      loss_mask: torch.Tensor | None, *, image_token_index: int) -> list[int]:
+    """Documents whose opening image would make LLaVA drop the previous document's last token.
+
+    Args:
+        input_ids: [1, T] collapsed packed ids; cu_seqlens / cu_seqlens_padded: [N+1] collapsed boundaries.
+        loss_mask: [1, T] (None: every real token counts).
+
+    Returns:
+        Indices i >= 1 of documents that open with an image token while document i-1 has no pad slot
+        and a nonzero loss weight on its last real token (the slot `_preprocess_data` zeroes).
+    """
+    cu, cu_padded = cu_seqlens.long().cpu(), cu_seqlens_padded.long().cpu()
+    starts = cu_padded[1:-1]  # [N-1] first slot of documents 1..N-1
+    if starts.numel() == 0:
+        return []
+    opens = (input_ids[0].index_select(0, starts.to(input_ids.device)) == image_token_index).cpu()
+    no_pad = (cu[1:-1] - cu[:-2]) == (cu_padded[1:-1] - cu_padded[:-2])
+    weighted = torch.ones_like(opens)
+    if loss_mask is not None:
+        weighted = (loss_mask[0].index_select(0, (starts - 1).to(loss_mask.device)) != 0).cpu()
+    return (torch.nonzero(opens & no_pad & weighted).flatten() + 1).tolist()
+
+
+def llava_pack_plan(row_lengths: list[int], *, row_capacity: int, row_expansion: list[int],
+                    opens_with_image: list[bool], space: LlavaSpace, pad_to: int | None = None) -> PackPlan:
+    """A collapsed-space plan whose expansion is aligned and loses no token.
+
+    Each document i gets the fewest pad slots p_i such that
+    - (real_i + p_i + expansion_i) divides by `space.segment_multiple` (its expanded physical length),
+    - p_i >= 1 when document i+1 opens with an image (the slot LLaVA zeroes is then a pad),
+    and the last document grows so the expanded total is `pad_to`, else `space.pipeline_length`,
+    else the next multiple of `space.total_multiple`.
+
+    Args:
+        row_lengths: B collapsed real lengths; row_expansion: B extra embeddings of each row's images;
+        opens_with_image: B, whether row b's first token is an image.
+        pad_to: expanded total wanted (static shapes).
+
+    Returns:
+        PackPlan in collapsed space (`multiples` = 1: the multiples hold after expansion instead).
+
+    Example (img_seq_len 4, one tile each, 2*cp = 4): rows [A=3 text, B=[<image>, t]] ->
+        A gets 1 pad (B opens with an image), B expands 2 -> 5, padded to 8: physical (4, 5),
+        expanded (4, 8).
+    """
+    rows = [b for b, n in enumerate(row_lengths) if n > 0]
+    if not rows:
+        raise ValueError(f"the batch has no real tokens ({len(row_lengths)} rows, all empty): nothing to pack")
+    seg = space.segment_multiple
+    physical = []
+    for k, b in enumerate(rows):
+        next_opens = k + 1 < len(rows) and opens_with_image[rows[k + 1]]
+        collapsed = row_lengths[b] + (1 if next_opens else 0)
+        physical.append(collapsed + (-(collapsed + row_expansion[b])) % seg)
+    expanded = [p + row_expansion[b] for p, b in zip(physical, rows)]
+    wanted = pad_to if pad_to is not None else space.pipeline_length
+    if wanted is None:
+        wanted = round_up(sum(expanded), space.total_multiple)
+    target = _check_expanded(expanded, segment=seg, total_multiple=space.total_multiple, pad_to=wanted,
+                             max_length=space.max_length)
+    physical[-1] += target - sum(expanded)
+    return PackPlan(row_lengths=tuple(int(n) for n in row_lengths), row_capacity=row_capacity,
+                    segment_rows=tuple(rows), real_lengths=tuple(row_lengths[b] for b in rows),
+                    physical_lengths=tuple(physical), multiples=PackMultiples())
+
+
+class LLaVAAdapter(ModelAdapter):
+    """Megatron-Core `LLaVAModel`: images ([tiles, C, H, W] pixels) with `num_image_tiles`.
+
+    Everything stays full length under CP (LLaVA expands images first, then selects its CP tokens
+    itself with the expanded boundaries). `num_image_tiles` is always passed, one per image when
+    the micro-batch has none, so every pipeline stage (and the boundary patch) sees the same tiles.
+    Returns `(losses, loss_mask)` on the last stage (LLaVA's own expanded, CP-local loss mask) and
+    the hidden states on the others.
+    """
+
+    consumes = frozenset({"images"})
+    needs = LocalizeNeeds(full_input_ids=True, full_position_ids=True, full_labels=True)
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.space = LlavaSpace.of(model)
+
+    def image_inputs(self, micro_batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(images [tiles, C, H, W] (empty when none), num_image_tiles [I] int), counts checked."""
+        ids = micro_batch.input_ids
+        n_images = int((ids == self.space.image_token_index).sum())
+        vision = micro_batch.vision
+        images = vision.pixel_values if vision is not None and vision.has_images else None
+        tiles = default_image_tiles(vision.num_image_tiles if vision is not None else None, n_images, ids.device)
+        if tiles.numel() != n_images:
+            raise ValueError(f"{n_images} image tokens in input_ids but {tiles.numel()} entries in num_image_tiles")
+        tile_count = int(tiles.sum())
+        given = 0 if images is None else images.shape[0]
+        if given != tile_count:
+            raise ValueError(f"num_image_tiles sums to {tile_count} tiles but the images hold {given}")
+        if images is None:
+            images = torch.zeros(0, dtype=torch.float32, device=ids.device)
+        return images, tiles
+
+    def pack(self, batch: dict, *, label_style: str = "megatron", pad_to: int | None = None,
+             pad_token_id: int = 0) -> MicroBatch:
+        """`pack_llava_batch` for this model's space (expanded alignment, no lost token)."""
+        from megatron_vlm_packing.models.llava_pack import pack_llava_batch
+
+        return pack_llava_batch(batch, self.space, label_style=label_style, pad_to=pad_to, pad_token_id=pad_token_id)
+
+    def check(self, micro_batch: MicroBatch) -> None:
+        super().check(micro_batch)
+        self.image_inputs(micro_batch)
+        if micro_batch.is_packed:
+            params = micro_batch.packed_seq_params
+            leaks = leaking_documents(micro_batch.input_ids, params.cu_seqlens_q, params.cu_seqlens_q_padded,
+                                      micro_batch.loss_mask, image_token_index=self.space.image_token_index)
+            if leaks:
+                raise ValueError(leak_message(leaks))
+
+    def forward(self, model, micro_batch: MicroBatch):
+        images, tiles = self.image_inputs(micro_batch)
+        output, loss_mask = model(images, micro_batch.input_ids, micro_batch.position_ids, None,
+                                  labels=micro_batch.labels, loss_mask=micro_batch.loss_mask,
+                                  num_image_tiles=tiles, packed_seq_params=micro_batch.packed_seq_params)
+        return output if loss_mask is None else (output, loss_mask)
+
+
+def leak_message(documents: list[int]) -> str:
+    return (f"documents {documents[:8]} open with an image right after the previous document's last real "
+            f"token: LLaVAModel zeroes the loss of the slot before each image, so that token's loss would be "
+            f"lost; pack with models.llava.pack_llava_batch (one pad slot before such documents)")

@@ -32,3 +32,58 @@ def merge_vision_embeddings(
                          f"{vision_embeddings.shape[0]} {field} embeddings from the vision tower")
     rows = vision_embeddings.to(text_embeddings.dtype).reshape(-1, *text_embeddings.shape[1:])
     return text_embeddings.index_copy(0, positions, rows)
+
+
+def sample_boundaries(input_ids: torch.Tensor, packed_seq_params=None) -> torch.Tensor:
+    """[N+1] long flat offsets where samples start: packed documents ([1, T] with THD boundaries)
+    or dense rows ([B, S]: 0, S, 2S, ...)."""
+    if packed_seq_params is not None and input_ids.shape[0] == 1:
+        return packed_seq_params.cu_seqlens_q_padded.to(device=input_ids.device, dtype=torch.long)
+    rows, length = input_ids.shape[0], input_ids.shape[-1]
+    return torch.arange(0, (rows + 1) * length, length, device=input_ids.device)
+
+
+def check_placeholders_per_sample(
+    input_ids: torch.Tensor, boundaries: torch.Tensor, tokens_per_item: list[int], *, token_id: int, field: str,
+    items_per_sample: tuple[int, ...] | None = None,
+) -> None:
+    """Each sample's placeholders must be exactly the tokens of a whole number of its own items.
+
+    Checking only the total would accept a pack where one image's placeholders sit in another
+    sample (its embedding would then train the wrong sample). Items are taken in token order: the
+    k-th sample owns the items whose tokens follow the previous samples' placeholders.
+
+    Args:
+        input_ids: [B, S] / [1, T] full token ids.
+        boundaries: [N+1] long flat sample offsets (`sample_boundaries`).
+        tokens_per_item: placeholder tokens of each item (image, video, clip) in order.
+        items_per_sample: N ints, when the batch says how many items each sample has.
+
+    Raises:
+        ValueError: naming the sample, its placeholder count and the items' token counts. One host sync.
+    """
+    flat = input_ids.reshape(-1)
+    positions = torch.nonzero(flat == token_id).flatten()
+    owner = torch.bucketize(positions, boundaries[1:], right=True)
+    counts = torch.bincount(owner, minlength=boundaries.numel() - 1).tolist()
+    item_ends = [0]
+    for n in tokens_per_item:
+        item_ends.append(item_ends[-1] + n)
+    if sum(counts) != item_ends[-1]:
+        raise ValueError(f"{sum(counts)} {field} placeholder tokens (id {token_id}) in input_ids but the "
+                         f"{len(tokens_per_item)} {field} inputs give {item_ends[-1]} tokens ({tokens_per_item})")
+    given = list(items_per_sample) if items_per_sample is not None else None
+    if given is not None and len(given) != len(counts):
+        raise ValueError(f"{field}s_per_sample has {len(given)} entries but the micro-batch has {len(counts)} samples")
+    done_tokens, done_items = 0, 0
+    for sample, count in enumerate(counts):
+        done_tokens += count
+        if done_tokens not in item_ends:
+            raise ValueError(f"sample {sample} has {count} {field} placeholder tokens (id {token_id}), which do not "
+                             f"cover whole {field}s in order (tokens per {field}: {tokens_per_item}): a placeholder "
+                             f"run belongs to another sample or does not match its grid")
+        items = item_ends.index(done_tokens) - done_items
+        if given is not None and items != given[sample]:
+            raise ValueError(f"sample {sample} has {count} {field} placeholder tokens = {items} {field}s, but "
+                             f"{field}s_per_sample says {given[sample]}")
+        done_items += items

@@ -1,96 +1,237 @@
-"""`PackedVLM`: any Megatron-Core GPTModel + a vision tower, exact under packing, CP and SP.
+"""`PackedVLM`: any Megatron-Core GPTModel + vision (images, videos) and audio towers, exact under
+packing, CP and SP.
 
 The order of operations is the point (contract items 5, 6 and 8):
 1. embed the FULL `input_ids` (the LM's own SP scatter must be off: build it with
    `scatter_embedding_sequence_parallel=False`),
-2. place the vision embeddings at the placeholder tokens (needs the full ids),
-3. select this CP rank's tokens with the one CP index the batch was partitioned with,
+2. place image, video and audio embeddings at their placeholder tokens (needs the full ids), after
+   checking that every sample's placeholders are exactly its own items' tokens,
+3. select this CP rank's tokens with the one CP index the micro-batch was localized with,
 4. scatter for sequence parallelism, once,
-5. run the decoder with `decoder_input`, the packed boundaries and the (CP-local) positions.
+5. run the decoder with `decoder_input`, the packed boundaries and the positions (1D CP-local, or
+   full-length mRoPE positions for the packed rotary this module installs).
 
-Shape legend: T = packed physical tokens, Tl = CP-local tokens, B = rows, S = row length, H = hidden.
+Shape legend: T = packed physical tokens, Tl = CP-local tokens, B = rows, S = row length, H = hidden,
+P / Pv = image / video patches, A = audio clips, F = mel bins, L = frames.
 """
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
-from megatron_vlm_packing.models.merge import merge_vision_embeddings
+from megatron_vlm_packing.models.adapter import ModelAdapter
+from megatron_vlm_packing.models.gpt_adapter import check_position_kind
+from megatron_vlm_packing.models.merge import check_placeholders_per_sample, merge_vision_embeddings, sample_boundaries
+from megatron_vlm_packing.packing.localize import LocalizeNeeds
+from megatron_vlm_packing.packing.micro_batch import MicroBatch
+
+
+def _tokens_per_grid(grid_thw: torch.Tensor, merge: int) -> list[int]:
+    return (grid_thw.prod(dim=1) // (merge * merge)).tolist()
 
 
 class PackedVLM(nn.Module):
-    """Language model + vision tower with packing-exact embedding merge, CP selection and SP scatter.
+    """Language model + vision / audio towers with packing-exact merge, CP selection and SP scatter.
 
     Args:
         language_model: a Megatron-Core `GPTModel` built with `scatter_embedding_sequence_parallel=False`.
-        vision: module mapping `(pixel_values, image_grid_thw) -> [M, H]`; None for text-only.
-        image_token_id: the placeholder id each vision embedding replaces.
+        vision: module `(pixel_values [P, C], grid_thw [I, 3]) -> [M, H]`, used for images and
+            videos; None for a model without vision.
+        image_token_id: the placeholder id each image embedding replaces.
+        video_token_id: the placeholder id of video embeddings; None for a model without video.
+        audio: module `(input_features [A, F, L], feature_attention_mask [A, L]) -> [M, H]`
+            (Qwen3-Omni style); None for a model without audio.
+        audio_token_id: the placeholder id of audio embeddings (needed with `audio`).
+        mrope: `rope.MRopeConfig` for a language model built with position_embedding_type="mrope":
+            installs the packed mRoPE rotary (`rope.use_packed_mrope`) and is the default `mrope=`
+            of `make_forward_step`. Required for an mRoPE language model.
+        spatial_merge_size: vision patches per side merged into one token (2 for the tiny tower).
+
+    Raises:
+        ValueError: the LM scatters its own embeddings under SP, an audio tower without
+            `audio_token_id`, an mRoPE config for a 1D-rotary LM (or the reverse), or placeholder ids
+            that disagree with the mRoPE config.
     """
 
-    def __init__(self, language_model: nn.Module, vision: nn.Module | None, *, image_token_id: int):
+    def __init__(self, language_model: nn.Module, vision: nn.Module | None = None, *, image_token_id: int | None = None,
+                 video_token_id: int | None = None, audio: nn.Module | None = None, audio_token_id: int | None = None,
+                 mrope=None, spatial_merge_size: int = 2):
         super().__init__()
         embedding = getattr(language_model, "embedding", None)
         if embedding is not None and getattr(embedding, "scatter_to_sequence_parallel", False) \
                 and language_model.config.sequence_parallel:
             raise ValueError("build the language model with scatter_embedding_sequence_parallel=False: "
                              "PackedVLM scatters once, after merging vision embeddings and selecting CP tokens")
-        self.language_model = language_model
-        self.vision = vision
-        self.image_token_id = image_token_id
+        if audio is not None and audio_token_id is None:
+            raise ValueError("an audio tower needs audio_token_id (the placeholder its embeddings replace)")
+        self.language_model, self.vision, self.audio = language_model, vision, audio
+        self.image_token_id, self.video_token_id, self.audio_token_id = image_token_id, video_token_id, audio_token_id
+        self.spatial_merge_size = spatial_merge_size
         self.config = language_model.config
         self.model_type = language_model.model_type  # read by Megatron's schedules
+        self.mrope = mrope
+        self._install_mrope(mrope)
+        self._lm_takes_padding_mask = "padding_mask" in inspect.signature(type(language_model).forward).parameters
+
+    def _install_mrope(self, mrope) -> None:
+        kind = getattr(self.language_model, "position_embedding_type", None)
+        if mrope is None:
+            if kind == "mrope":
+                raise ValueError("the language model uses position_embedding_type='mrope': pass "
+                                 "PackedVLM(mrope=MRopeConfig(...)) so the packed mRoPE rotary is installed")
+            return
+        if kind != "mrope":
+            raise ValueError(f"mrope={type(mrope).__name__} given but the language model's rotary is {kind!r} (1D): "
+                             f"build it with position_embedding_type='mrope' or drop mrope=")
+        for name in ("image_token_id", "video_token_id"):
+            ours = getattr(self, name)
+            if ours is not None and ours != getattr(mrope, name):
+                raise ValueError(f"{name}={ours} but the mRoPE config says {getattr(mrope, name)}")
+        from megatron_vlm_packing.rope import use_packed_mrope
+
+        use_packed_mrope(self.language_model, interleaved=mrope.mrope_interleaved)
 
     def set_input_tensor(self, input_tensor) -> None:
         """Pipeline stages after the first receive hidden states here (Megatron's schedule calls it)."""
         self.language_model.set_input_tensor(input_tensor)
 
-    def embed(self, input_ids: torch.Tensor, pixel_values=None, image_grid_thw=None) -> torch.Tensor:
-        """Full-sequence embeddings with vision rows merged: [S, B, H] (packed: [T, 1, H])."""
+    def _merge(self, flat, input_ids, bounds, *, token_id, embeddings, tokens_per_item, per_sample, field):
+        """Check each sample's placeholders against its items, then place the item embeddings."""
+        if token_id is None:
+            raise ValueError(f"the micro-batch has {field} inputs but this PackedVLM has no {field}_token_id")
+        check_placeholders_per_sample(input_ids, bounds, tokens_per_item, token_id=token_id, field=field,
+                                      items_per_sample=per_sample)
+        return merge_vision_embeddings(flat, input_ids, embeddings, token_id=token_id, field=field)
+
+    def _refuse_orphan_placeholders(self, input_ids, present: dict) -> None:
+        for field, token_id in (("image", self.image_token_id), ("video", self.video_token_id),
+                                ("audio", self.audio_token_id)):
+            if token_id is not None and not present[field] and bool((input_ids == token_id).any()):
+                raise ValueError(f"input_ids hold {field} placeholder tokens (id {token_id}) but no {field} inputs were given")
+
+    def embed(self, input_ids: torch.Tensor, *, pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
+              video_grid_thw=None, input_features=None, feature_attention_mask=None, packed_seq_params=None,
+              images_per_sample=None, videos_per_sample=None, audios_per_sample=None) -> torch.Tensor:
+        """Full-sequence embeddings with image / video / audio rows merged: [S, B, H] (packed: [T, 1, H])."""
         emb = self.language_model.embedding(input_ids=input_ids, position_ids=None)  # [S, B, H]
-        if pixel_values is None or self.vision is None:
-            if bool((input_ids == self.image_token_id).any()):
-                raise ValueError("input_ids hold image placeholder tokens but no pixel_values were given")
+        present = dict(image=pixel_values is not None, video=pixel_values_videos is not None,
+                       audio=input_features is not None)
+        self._refuse_orphan_placeholders(input_ids, present)
+        if not any(present.values()):
             return emb
-        vision = self.vision(pixel_values, image_grid_thw)  # [M, H]
+        if (present["image"] or present["video"]) and self.vision is None:
+            raise ValueError("the micro-batch has images or videos but this PackedVLM has no vision tower")
+        if present["audio"] and self.audio is None:
+            raise ValueError("the micro-batch has audio but this PackedVLM has no audio tower")
+        for field, pixels, grid in (("image_grid_thw", pixel_values, image_grid_thw),
+                                    ("video_grid_thw", pixel_values_videos, video_grid_thw)):
+            if pixels is not None and grid is None:
+                raise ValueError(f"{pixels.shape[0]} patches given without {field}: the tower cannot split them")
+        if present["audio"] and feature_attention_mask is None:
+            raise ValueError("input_features given without feature_attention_mask: audio lengths are unknown")
+        bounds = sample_boundaries(input_ids, packed_seq_params)
         flat = emb.transpose(0, 1).reshape(-1, emb.shape[-1])  # [B*S, H], row-major like input_ids
-        flat = merge_vision_embeddings(flat, input_ids, vision, token_id=self.image_token_id)
+        merge = self.spatial_merge_size
+        if present["image"]:
+            flat = self._merge(flat, input_ids, bounds, token_id=self.image_token_id, field="image",
+                               embeddings=self.vision(pixel_values, image_grid_thw),
+                               tokens_per_item=_tokens_per_grid(image_grid_thw, merge), per_sample=images_per_sample)
+        if present["video"]:
+            flat = self._merge(flat, input_ids, bounds, token_id=self.video_token_id, field="video",
+                               embeddings=self.vision(pixel_values_videos, video_grid_thw),
+                               tokens_per_item=_tokens_per_grid(video_grid_thw, merge), per_sample=videos_per_sample)
+        if present["audio"]:
+            from megatron_vlm_packing.models.audio import audio_tokens_per_clip
+
+            flat = self._merge(flat, input_ids, bounds, token_id=self.audio_token_id, field="audio",
+                               embeddings=self.audio(input_features, feature_attention_mask),
+                               tokens_per_item=audio_tokens_per_clip(feature_attention_mask, self.audio.n_window),
+                               per_sample=audios_per_sample)
         return flat.reshape(emb.shape[1], emb.shape[0], -1).transpose(0, 1)
 
+    def _decoder_input(self, input_ids, cp_index, media: dict, packed_seq_params):
+        emb = self.embed(input_ids, packed_seq_params=packed_seq_params, **media)
+        if cp_index is not None:
+            emb = emb.index_select(0, cp_index)  # [Tl, B, H]: the one CP index of the micro-batch
+        if self.config.sequence_parallel:
+            from megatron.core import tensor_parallel
+
+            emb = tensor_parallel.scatter_to_sequence_parallel_region(emb)
+        return emb
+
+    def _padding_mask(self, padding_mask, scatter: bool):
+        if padding_mask is None or not self._lm_takes_padding_mask:
+            return {}
+        if scatter and self.config.sequence_parallel:
+            # GPTModel scatters padding_mask only when it embeds itself; with decoder_input we must.
+            from megatron.core import tensor_parallel
+
+            pad = tensor_parallel.scatter_to_sequence_parallel_region(padding_mask.transpose(0, 1).contiguous())
+            padding_mask = pad.transpose(0, 1).contiguous()
+        return {"padding_mask": padding_mask}
+
     def forward(self, input_ids, position_ids, labels=None, *, packed_seq_params=None, cp_index=None,
-                attention_mask=None, padding_mask=None, moe_padding_mask=None, pixel_values=None,
-                image_grid_thw=None, rope_cu_seqlens=None, loss_mask=None):
+                attention_mask=None, padding_mask=None, **media):
         """Per-token loss [B, Sl] (labels given) or logits.
 
         Args:
             input_ids: [B, S] long, FULL sequence (packed: [1, T]); never CP-sliced.
-            position_ids: CP-local positions ([B, Sl] or [3, B, Sl]).
+            position_ids: CP-local [B, Sl] positions, or full [3, B, S] mRoPE positions.
             labels: CP-local [B, Sl] targets.
             cp_index: [Sl] long, this CP rank's token indices (None when cp = 1).
-            padding_mask / moe_padding_mask: CP-local [B, Sl] bool, True = pad (for MoE routing).
-            rope_cu_seqlens: accepted for interface compatibility; rotary positions restart at
-                `packed_seq_params`' boundaries.
+            padding_mask: CP-local [B, Sl] bool, True = pad (for MoE routing).
+            media: pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, input_features,
+                feature_attention_mask, images_per_sample, videos_per_sample, audios_per_sample
+                (see `embed`); any other keyword is a TypeError.
         """
+        unknown = sorted(set(media) - set(inspect.signature(self.embed).parameters) - {"input_ids"})
+        if unknown:
+            raise TypeError(f"PackedVLM.forward got unexpected keywords {unknown}")
         decoder_input = None
-        lm = self.language_model
-        if getattr(lm, "pre_process", True):
-            emb = self.embed(input_ids, pixel_values, image_grid_thw)
-            if cp_index is not None:
-                emb = emb.index_select(0, cp_index)
-            if self.config.sequence_parallel:
-                from megatron.core import tensor_parallel
+        if getattr(self.language_model, "pre_process", True):
+            decoder_input = self._decoder_input(input_ids, cp_index, media, packed_seq_params)
+        kwargs = self._padding_mask(padding_mask, scatter=decoder_input is not None)
+        return self.language_model(None, position_ids, attention_mask, decoder_input=decoder_input, labels=labels,
+                                   packed_seq_params=packed_seq_params, **kwargs)
 
-                emb = tensor_parallel.scatter_to_sequence_parallel_region(emb)
-            decoder_input = emb
-        pad = moe_padding_mask if moe_padding_mask is not None else padding_mask
-        kwargs = {}
-        if pad is not None:
-            if self.config.sequence_parallel and decoder_input is not None:
-                # GPTModel scatters padding_mask only when it embeds itself; with decoder_input we must.
-                from megatron.core import tensor_parallel
 
-                pad = tensor_parallel.scatter_to_sequence_parallel_region(pad.transpose(0, 1).contiguous())
-                pad = pad.transpose(0, 1).contiguous()
-            kwargs["padding_mask"] = pad
-        return lm(None, position_ids, attention_mask, decoder_input=decoder_input, labels=labels,
-                  packed_seq_params=packed_seq_params, **kwargs)
+class PackedVLMAdapter(ModelAdapter):
+    """`PackedVLM` takes the full ids (it merges media, then selects its CP tokens with `cp_index`)."""
+
+    def __init__(self, model: PackedVLM):
+        super().__init__(model)
+        consumes = set()
+        if model.vision is not None and model.image_token_id is not None:
+            consumes.add("images")
+        if model.vision is not None and model.video_token_id is not None:
+            consumes.add("videos")
+        if model.audio is not None:
+            consumes.add("audio")
+        self.consumes = frozenset(consumes)
+        self.mrope = model.mrope
+        self.rotary = "mrope" if model.mrope is not None else "1d"
+        self.needs = LocalizeNeeds(full_input_ids=True, full_position_ids=model.mrope is not None)
+
+    def check(self, micro_batch: MicroBatch) -> None:
+        super().check(micro_batch)
+        check_position_kind(micro_batch, self.rotary, self.model_name)
+
+    def forward(self, model: nn.Module, micro_batch: MicroBatch):
+        media = {}
+        vision, audio = micro_batch.vision, micro_batch.audio
+        if vision is not None and vision.has_images:
+            media.update(pixel_values=vision.pixel_values, image_grid_thw=vision.image_grid_thw,
+                         images_per_sample=vision.images_per_sample)
+        if vision is not None and vision.has_videos:
+            media.update(pixel_values_videos=vision.pixel_values_videos, video_grid_thw=vision.video_grid_thw,
+                         videos_per_sample=vision.videos_per_sample)
+        if audio is not None:
+            media.update(input_features=audio.input_features, feature_attention_mask=audio.feature_attention_mask,
+                         audios_per_sample=audio.audios_per_sample)
+        return model(micro_batch.input_ids, micro_batch.position_ids, micro_batch.labels,
+                     packed_seq_params=micro_batch.packed_seq_params, cp_index=micro_batch.cp_index,
+                     padding_mask=micro_batch.padding_mask, **media)
+

@@ -29,10 +29,13 @@ class LocalizeNeeds:
             selects its CP tokens itself with `MicroBatch.cp_index`.
         full_position_ids: the model takes positions for the whole sequence (e.g. a rotary that
             returns the full frequency table and lets THD attention take each document's chunks).
+        full_labels: labels, loss mask and padding mask stay full too: the model changes the
+            sequence length (LLaVA expands each image token) and applies the CP selection itself.
     """
 
     full_input_ids: bool = False
     full_position_ids: bool = False
+    full_labels: bool = False
 
 
 def localize(micro_batch: MicroBatch, layout: ParallelLayout, needs: LocalizeNeeds = LocalizeNeeds()) -> MicroBatch:
@@ -55,6 +58,11 @@ def localize(micro_batch: MicroBatch, layout: ParallelLayout, needs: LocalizeNee
         raise ValueError("micro_batch is already localized to a CP rank (cp_index is set); localize it once")
     if layout.cp_size == 1:
         return micro_batch
+    if needs.full_input_ids and needs.full_position_ids and needs.full_labels and not micro_batch.extras:
+        # The model selects its CP tokens itself, in a space of its own (LLaVA: after expanding
+        # images), so no index of this micro-batch's slots applies.
+        return replace(micro_batch, full_fields=frozenset({"input_ids", "position_ids", "labels", "loss_mask",
+                                                           "padding_mask"}))
     if micro_batch.is_packed:
         index = cp_partition_index(micro_batch.packed_seq_params.cu_seqlens_q_padded, layout.cp_size, layout.cp_rank)
     else:
@@ -78,13 +86,18 @@ def localize(micro_batch: MicroBatch, layout: ParallelLayout, needs: LocalizeNee
         full.add("position_ids")
     else:
         positions = last(positions)
+    targets = (micro_batch.labels, micro_batch.loss_mask, micro_batch.padding_mask)
+    if needs.full_labels:
+        full.update(("labels", "loss_mask", "padding_mask"))
+    else:
+        targets = tuple(last(x) for x in targets)
     return replace(
         micro_batch,
         input_ids=input_ids,
         position_ids=positions,
-        labels=last(micro_batch.labels),
-        loss_mask=last(micro_batch.loss_mask),
-        padding_mask=last(micro_batch.padding_mask),
+        labels=targets[0],
+        loss_mask=targets[1],
+        padding_mask=targets[2],
         extras={key: seq(value) for key, value in micro_batch.extras.items()},
         cp_index=index,
         full_fields=frozenset(full),

@@ -31,6 +31,8 @@ class VisionInputs:
         video_grid_thw: [V, 3] long.
         second_per_grid_ts: [V] float, seconds per temporal grid step (Qwen2.5-VL, Qwen3-Omni).
         videos_per_sample: B ints.
+        num_image_tiles: [I] int, tiles per image (LLaVA style: `pixel_values` then holds sum(tiles)
+            tiles, each expanded by the model); None = one tile per image.
     """
 
     pixel_values: torch.Tensor | None = None
@@ -40,6 +42,7 @@ class VisionInputs:
     video_grid_thw: torch.Tensor | None = None
     second_per_grid_ts: torch.Tensor | None = None
     videos_per_sample: tuple[int, ...] | None = None
+    num_image_tiles: torch.Tensor | None = None
 
     @property
     def has_images(self) -> bool:

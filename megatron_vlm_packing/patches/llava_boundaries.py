@@ -1,10 +1,19 @@
 """Patch of `megatron.core.models.multimodal.llava_model.LLaVAModel.forward`: packed boundaries in
-the expanded space.
+the expanded space, on every pipeline stage, and no silently lost token.
 
 `LLaVAModel._preprocess_data` expands each image token into `num_tiles * img_seq_len` embeddings
 but `forward` passes `packed_seq_params` through unchanged (bug class 2), so attention runs with
-collapsed-space boundaries on the expanded sequence and documents bleed into each other. The patch
-remaps both boundary sets (`models.llava.remap_packed_seq_params`) before the original forward.
+collapsed-space boundaries on the expanded sequence and documents bleed into each other. The patch,
+for a THD call:
+- fills `num_image_tiles` when it is omitted with LLaVA's documented default (one tile per image:
+  per image tile given, else per image token on stages without images), so every stage agrees;
+- remaps both boundary sets (`models.llava.remap_packed_seq_params`) on every stage that runs the
+  language model, `pre_process=False` stages included (their input has the expanded length too),
+  with LLaVA's own shard factor and, under PP, the fixed length LLaVA pads rows to;
+- refuses (ValueError) a pack whose expansion breaks 2*cp per document or the shard factor, that
+  LLaVA would truncate, or where a document opening with an image would make LLaVA zero the
+  previous document's last weighted token (bug class 13; `models.llava_pack.pack_llava_batch`
+  plans packs that satisfy all of this).
 Feature check: upstream would have to hand `packed_seq_params` to `_preprocess_data` to fix it;
 the patch applies only while it does not. Delete it once upstream remaps the boundaries itself.
 """
@@ -13,6 +22,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+
+import torch
 
 _ORIGINAL: dict = {}
 
@@ -27,13 +38,37 @@ def upstream_remaps_packed_boundaries() -> bool:
     return "packed_seq_params" in inspect.signature(_llava()._preprocess_data).parameters
 
 
-def _shard_multiples(model) -> tuple[int, int]:
-    """(segment, total) multiples LLaVA's own CP/SP sharding imposes on the expanded sequence."""
-    cp, tp = model.context_parallel_lm, model.tensor_model_parallel_size_lm
-    segment = 2 * cp if cp > 1 else 1
-    total = tp * cp * 2 if cp > 1 and model.sequence_parallel_lm else segment if cp > 1 else (
-        tp if model.sequence_parallel_lm else 1)
-    return segment, total
+def _default_tiles(call: dict, input_ids: torch.Tensor, image_token: int) -> torch.Tensor:
+    images = call.get("images")
+    if isinstance(images, torch.Tensor) and images.dim() > 1 and images.shape[0] > 0:
+        count = images.shape[0]  # LLaVA's own default: one tile per image given
+    else:
+        count = int((input_ids == image_token).sum())
+    return torch.ones(count, dtype=torch.int, device=input_ids.device)
+
+
+def expand_packed_call(model, call: dict) -> None:
+    """Rewrite `call` (LLaVAModel.forward's bound arguments) for a THD pack: tiles, expanded boundaries."""
+    from megatron_vlm_packing.models.llava import LlavaSpace, leak_message, leaking_documents, remap_packed_seq_params
+
+    params, input_ids = call["packed_seq_params"], call.get("input_ids")
+    if input_ids is None:
+        raise ValueError("LLaVAModel with THD packed_seq_params needs input_ids on every pipeline stage "
+                         "(the boundaries are expanded from the image tokens)")
+    image_token = call.get("image_token_index")
+    image_token = model.image_token_index if image_token is None else image_token
+    if call.get("num_image_tiles") is None:
+        call["num_image_tiles"] = _default_tiles(call, input_ids, image_token)
+    if model.post_process and call.get("labels") is not None:
+        leaks = leaking_documents(input_ids, params.cu_seqlens_q, params.cu_seqlens_q_padded,
+                                  call.get("loss_mask"), image_token_index=image_token)
+        if leaks:
+            raise ValueError(leak_message(leaks))
+    space = LlavaSpace.of(model)
+    call["packed_seq_params"] = remap_packed_seq_params(
+        params, input_ids, call["num_image_tiles"], img_seq_len=space.img_seq_len, image_token_index=image_token,
+        segment_multiple=space.segment_multiple, total_multiple=space.total_multiple,
+        pad_to=space.pipeline_length, max_length=space.max_length)
 
 
 def apply_llava_packed_boundaries() -> bool:
@@ -42,8 +77,6 @@ def apply_llava_packed_boundaries() -> bool:
         return False
     if "forward" in _ORIGINAL:
         return True
-    from megatron_vlm_packing.models.llava import remap_packed_seq_params
-
     LLaVAModel = _llava()
     original = LLaVAModel.forward
     signature = inspect.signature(original)
@@ -51,14 +84,9 @@ def apply_llava_packed_boundaries() -> bool:
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
         bound = signature.bind_partial(self, *args, **kwargs)
-        call = bound.arguments
-        params = call.get("packed_seq_params")
-        if params is not None and params.qkv_format == "thd" and self.pre_process and call.get("num_image_tiles") is not None:
-            image_token = call.get("image_token_index") or self.image_token_index
-            segment, total = _shard_multiples(self)
-            call["packed_seq_params"] = remap_packed_seq_params(
-                params, call["input_ids"], call["num_image_tiles"], img_seq_len=self.img_seq_len,
-                image_token_index=image_token, segment_multiple=segment, total_multiple=total)
+        params = bound.arguments.get("packed_seq_params")
+        if params is not None and params.qkv_format == "thd" and self.add_decoder:
+            expand_packed_call(self, bound.arguments)
         return original(*bound.args, **bound.kwargs)
 
     _ORIGINAL["forward"] = original

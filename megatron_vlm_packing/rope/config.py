@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_omni")
@@ -9,6 +10,15 @@ _MODEL_TYPES = {
     "qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl",
     "qwen3_omni_moe": "qwen3_omni", "qwen3_omni_moe_thinker": "qwen3_omni",
 }
+
+# transformers' own default when a config's rope parameters carry no mrope_section (read from the
+# installed modeling code: Qwen2/2.5-VL rotary `get("mrope_section", [16, 24, 24])`, Qwen3-VL and
+# Qwen3-Omni `get("mrope_section", [24, 20, 20])`).
+DEFAULT_MROPE_SECTION = {"qwen2_vl": (16, 24, 24), "qwen2_5_vl": (16, 24, 24), "qwen3_vl": (24, 20, 20),
+                         "qwen3_omni": (24, 20, 20)}
+# Every Qwen-VL / Qwen3-Omni vocabulary opens a vision block with this id (transformers' class
+# default); used when a Qwen3-Omni thinker config does not carry it (its default config does not).
+QWEN_VISION_START_TOKEN_ID = 151652
 
 
 def _first_attr(configs, name, default):
@@ -70,11 +80,26 @@ class MRopeConfig:
         if self.spatial_merge_size < 1 or len(self.mrope_section) != 3:
             raise ValueError(f"need spatial_merge_size >= 1 and 3 mrope sections, got "
                              f"{self.spatial_merge_size}, {self.mrope_section}")
+        if any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in self.mrope_section):
+            raise ValueError(f"mrope_section must be 3 positive ints, got {self.mrope_section}")
+        for name in ("image_token_id", "video_token_id", "vision_start_token_id"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        for name in ("position_id_per_seconds", "tokens_per_second"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
     @classmethod
     def from_hf_config(cls, hf_config, *, text_offset: str = "max_hw") -> "MRopeConfig":
         """Read a transformers config of a supported family (top level, text_config, vision_config,
-        rope_scaling or rope_parameters)."""
+        rope_scaling or rope_parameters).
+
+        Without an `mrope_section` the family's transformers default is used ([16, 24, 24] for
+        Qwen2/2.5-VL, [24, 20, 20] for Qwen3-VL / Qwen3-Omni), as the HF rotary does. A Qwen3-Omni
+        thinker without `vision_start_token_id` takes the top-level / talker value, else 151652.
+        """
         model_type = getattr(hf_config, "model_type", None)
         top = hf_config
         if model_type == "qwen3_omni_moe":
@@ -86,15 +111,15 @@ class MRopeConfig:
         text = getattr(hf_config, "text_config", None) or hf_config
         vision = hf_config.vision_config
         rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
-        section = rope.get("mrope_section")
-        if section is None:
-            raise ValueError(f"{model_type} config has no mrope_section in rope_parameters/rope_scaling: {rope}")
+        section = rope.get("mrope_section") or DEFAULT_MROPE_SECTION[family]
+        talker = getattr(top, "talker_config", None)
         return cls(
             family=family,
             spatial_merge_size=int(vision.spatial_merge_size),
             image_token_id=int(hf_config.image_token_id),
             video_token_id=int(hf_config.video_token_id),
-            vision_start_token_id=int(_first_attr((hf_config, top), "vision_start_token_id", -1)),
+            vision_start_token_id=int(_first_attr((hf_config, top, talker), "vision_start_token_id",
+                                                  QWEN_VISION_START_TOKEN_ID)),
             audio_token_id=getattr(hf_config, "audio_token_id", None),
             audio_start_token_id=getattr(hf_config, "audio_start_token_id", None),
             position_id_per_seconds=float(getattr(hf_config, "position_id_per_seconds", 25.0)),

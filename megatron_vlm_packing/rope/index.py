@@ -36,6 +36,54 @@ def token_types(input_ids: torch.Tensor, config: MRopeConfig) -> torch.Tensor:
     return (input_ids == config.image_token_id).int() + 2 * (input_ids == config.video_token_id).int()
 
 
+def check_grid(grid, name: str, merge: int) -> torch.Tensor | None:
+    """A [N, 3] integer grid with every entry >= 1 and h, w multiples of `merge`, or ValueError naming it."""
+    if grid is None:
+        return None
+    if not isinstance(grid, torch.Tensor):
+        raise ValueError(f"{name} must be a [N, 3] integer tensor, got {type(grid).__name__}")
+    if grid.dim() != 2 or grid.shape[1] != 3 or grid.is_floating_point() or grid.dtype == torch.bool:
+        raise ValueError(f"{name} must be a [N, 3] integer tensor, got shape {tuple(grid.shape)} {grid.dtype}")
+    bad = (grid < 1).any(dim=1) | (grid[:, 1:] % merge != 0).any(dim=1)
+    if bool(bad.any()):
+        row = int(torch.nonzero(bad)[0])
+        raise ValueError(f"{name} row {row} is {grid[row].tolist()}: t, h, w must be >= 1 and h, w multiples "
+                         f"of spatial_merge_size={merge}")
+    return grid
+
+
+def check_seconds(seconds, name: str = "second_per_grid_ts") -> None:
+    """Seconds per temporal grid step must be finite and >= 0 (NaN would give garbage positions)."""
+    if seconds is None:
+        return
+    values = torch.as_tensor(seconds if not isinstance(seconds, (list, tuple)) or not seconds
+                             or not torch.is_tensor(seconds[0]) else torch.stack([torch.as_tensor(x) for x in seconds]))
+    values = values.reshape(-1).double()
+    bad = ~torch.isfinite(values) | (values < 0)
+    if bool(bad.any()):
+        i = int(torch.nonzero(bad)[0])
+        raise ValueError(f"{name} entry {i} is {float(values[i])}: seconds per grid step must be finite and >= 0")
+
+
+def check_rope_inputs(input_ids, config: MRopeConfig, image_grid_thw, video_grid_thw, attention_mask,
+                      second_per_grid_ts) -> None:
+    """ValueError naming the field for inputs the index cannot take (before any arithmetic)."""
+    if not isinstance(config, MRopeConfig):
+        raise ValueError(f"config must be an MRopeConfig, got {type(config).__name__}")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point() \
+            or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must be a [B, S] integer tensor, got "
+                         f"{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__}"
+                         f"{' ' + str(input_ids.dtype) if isinstance(input_ids, torch.Tensor) else ''}")
+    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
+                                       or tuple(attention_mask.shape) != tuple(input_ids.shape)):
+        raise ValueError(f"attention_mask must be [B, S] = {tuple(input_ids.shape)} like input_ids, got "
+                         f"{tuple(getattr(attention_mask, 'shape', ())) or type(attention_mask).__name__}")
+    check_grid(image_grid_thw, "image_grid_thw", config.spatial_merge_size)
+    check_grid(video_grid_thw, "video_grid_thw", config.spatial_merge_size)
+    check_seconds(second_per_grid_ts)
+
+
 def _grid_per_run(run_type, image_grid_thw, video_grid_thw, device):
     """[K, 3] grid of every run in order (zeros for text), checking the counts."""
     grids = torch.zeros(run_type.numel(), 3, dtype=torch.long, device=device)
@@ -122,10 +170,13 @@ def get_rope_index(
         RopeIndex(position_ids [3, B, S] long, deltas [B, 1] long).
 
     Raises:
-        ValueError: placeholder blocks vs grid rows, or tokens per block vs grid, disagree.
+        ValueError: placeholder blocks vs grid rows, or tokens per block vs grid, disagree; a grid
+        entry < 1 (or h, w not multiples of the merge size); seconds NaN, infinite or negative;
+        non-integer ids or grids.
 
     Qwen3-Omni follows its own rule (rope/omni.py) and returns float positions, as its reference does.
     """
+    check_rope_inputs(input_ids, config, image_grid_thw, video_grid_thw, attention_mask, second_per_grid_ts)
     if config.family == "qwen3_omni":
         from megatron_vlm_packing.rope.omni import omni_rope_index
 

@@ -62,10 +62,27 @@ def _take(values, index: int, name: str):
     return values[index]
 
 
+def _check_block(tokens: list[int], begin: int, length: int, ids: set, *, row: int, what: str) -> None:
+    """tokens[begin:begin+length] are all placeholders of `ids`, and the block ends right there.
+
+    Raises:
+        ValueError: the block is shorter or longer than its grid / audio length says (naming both).
+    """
+    run = begin
+    while run < len(tokens) and tokens[run] in ids:
+        run += 1
+    if run - begin != length:
+        raise ValueError(f"row {row}: the {what} block at token {begin} has {run - begin} placeholder tokens but "
+                         f"its grid / audio length needs {length}")
+
+
 def omni_rope_index(input_ids, config: MRopeConfig, *, image_grid_thw=None, video_grid_thw=None,
                     attention_mask=None, use_audio_in_video: bool = False, audio_seqlens=None,
                     second_per_grids=None):
     """[3, B, S] float positions and [B, 1] deltas, as Qwen3-Omni's reference computes them."""
+    from megatron_vlm_packing.rope.index import check_seconds
+
+    check_seconds(second_per_grids)
     batch, seq = input_ids.shape
     mask = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
     if image_grid_thw is None and video_grid_thw is None:
@@ -97,10 +114,12 @@ def omni_rope_index(input_ids, config: MRopeConfig, *, image_grid_thw=None, vide
             start = next_start()  # right after the opening tokens
             if tokens[at] == config.audio_start_token_id:
                 length = int(audio_output_length(torch.as_tensor(_take(audio_seqlens, audio_i, "audio_seqlens")), config.audio_n_window))
+                _check_block(tokens, at + wrap, length, {config.audio_token_id}, row=row, what="audio")
                 pieces.append(_text(length, start))
                 cursor, audio_i = at + wrap + length + wrap, audio_i + 1
             elif not audio_in_video and tokens[at + 1] == config.image_token_id:
                 t, h, w = (int(x) for x in _take(image_grid_thw, image_i, "image_grid_thw"))
+                _check_block(tokens, at + wrap, t * h * w // merge ** 2, {config.image_token_id}, row=row, what="image")
                 pieces.append(_vision(start, torch.arange(t) * 1 * pps, h // merge, w // merge))
                 cursor, image_i = at + wrap + t * h * w // merge ** 2 + wrap, image_i + 1
             else:
@@ -109,11 +128,14 @@ def omni_rope_index(input_ids, config: MRopeConfig, *, image_grid_thw=None, vide
                 video = _vision(start, t_index, h // merge, w // merge)
                 if audio_in_video:
                     length = int(audio_output_length(torch.as_tensor(_take(audio_seqlens, audio_i, "audio_seqlens")), config.audio_n_window))
+                    _check_block(tokens, at + wrap, length + t * h * w // merge ** 2,
+                                 {config.video_token_id, config.audio_token_id}, row=row, what="video with audio")
                     merged, tail = _interleave_by_time(video, _text(length, start))
                     pieces.append(merged)
                     last = tail
                     cursor, audio_i = at + wrap + length + t * h * w // merge ** 2 + wrap, audio_i + 1
                 else:
+                    _check_block(tokens, at + wrap, t * h * w // merge ** 2, {config.video_token_id}, row=row, what="video")
                     pieces.append(video)
                     cursor = at + wrap + t * h * w // merge ** 2 + wrap
                 video_i += 1

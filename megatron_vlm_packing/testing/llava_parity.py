@@ -1,26 +1,40 @@
-"""Megatron-Core `LLaVAModel`, packed vs batched, with variable tiles per image (the original report).
+"""Megatron-Core `LLaVAModel`, packed vs batched (Megatron-LM PR #3427's check, rebuilt on CPU).
 
-`run_llava_parity(rank, world_size)` is a `run_distributed` target: a tiny LLaVA (CLIP-style ViT,
-MLP projector, GPT with the reference attention) runs the same multi-image samples batched
-(right-padded rows) and packed in THD, without and with `patches.llava_boundaries`, and reports
-token_mult_prob_error = exp(mean |logp_packed - logp_batched|) over the tokens with a loss.
+`run_llava_parity(rank, world_size)` is a `run_distributed` target (2 processes). The reference is
+the single-process model on the batched micro-batches (right-padded rows, LLaVA's own path). The
+packed runs go pack (`pack_llava_batch`) -> `adapter.check` -> `localize` -> `adapter.forward` ->
+the shipped `loss_func`, through `get_forward_backward_func` with PP=2 and with CP=2, both label
+styles. Samples cover images at sample starts, back-to-back images, an image as a sample's last
+token, text-only samples and the tile cycle [1, 2, 1, 3, 1]. Reported per case:
+token_mult_prob_error = exp(mean |logp_packed - logp_batched|) over tokens with a loss, and the
+worst relative error over every parameter gradient (vision tower and projection included).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from functools import partial
 
 import torch
+import torch.distributed as dist
 
-from megatron_vlm_packing.packing import pack_batch
 from megatron_vlm_packing.testing.distributed import initialize_parallel
-from megatron_vlm_packing.testing.parity import token_mult_prob_error
+from megatron_vlm_packing.testing.parity import full_gradients, gather_cp_tokens, max_relative_error, token_mult_prob_error
 
 IMAGE_TOKEN = 127
 TILE_CYCLE = (1, 2, 1, 3, 1)
+MAX_LENGTH = 160  # language_max_sequence_length: LLaVA pads every row to it under PP
+IMG, T = IMAGE_TOKEN, None  # T: a random text token
+MICRO_BATCHES = (
+    ((IMG, T, T, T), (T, T, IMG, IMG, T, T), (IMG, T, T, IMG), (T, T, T, T, T), (IMG, T, T)),
+    ((T, T, T), (IMG, IMG, T, T), (T, IMG, T, T, IMG)),
+)
 
 
-def build_tiny_llava(seed: int):
+def build_tiny_llava(seed: int, *, cp: int = 1, pp: int = 1, stage: int = 0):
+    """A tiny LLaVA (CLIP-style ViT, MLP projector, rope GPT with the reference attention) for a PP stage."""
+    from megatron.core.enums import ModelType
     from megatron.core.models.multimodal.llava_model import LLaVAModel
     from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -35,72 +49,268 @@ def build_tiny_llava(seed: int):
     vision_spec = copy.deepcopy(get_vit_layer_with_local_spec())
     vision_spec.submodules.input_layernorm = WrappedTorchNorm  # the local ViT spec's norm needs TE or apex
     vision_spec.submodules.pre_mlp_layernorm = WrappedTorchNorm
+    first, last = stage == 0, stage == pp - 1
     torch.manual_seed(seed)
-    return LLaVAModel(
-        language_transformer_config=transformer_config(TinyGPTConfig()),
+    model = LLaVAModel(
+        language_transformer_config=transformer_config(TinyGPTConfig(context_parallel=cp, pipeline_parallel=pp)),
         language_transformer_layer_spec=layer_spec("reference"), language_vocab_size=128,
-        language_max_sequence_length=1024, vision_transformer_config=vision,
+        language_max_sequence_length=MAX_LENGTH, vision_transformer_config=vision,
         vision_transformer_layer_spec=vision_spec, drop_vision_class_token=True,
         vision_projection_config=transformer_config(TinyGPTConfig(num_query_groups=4)),
         vision_projection_layer_spec=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
         language_position_embedding_type="rope", img_h=28, img_w=28, patch_dim=14, image_token_index=IMAGE_TOKEN,
+        pre_process=first, post_process=last, add_encoder=first,
     )
+    model.model_type = ModelType.encoder_or_decoder  # what megatron.training's get_model sets
+    return model
 
 
-def samples(seed: int):
-    """Rows with 0-3 images each (multi-image samples), tiles cycling through TILE_CYCLE."""
+def collated(rows, *, label_style: str, seed: int) -> dict:
+    """A right-padded batch of `rows` (IMG or T per token), labels in `label_style`, tiles cycling."""
     g = torch.Generator().manual_seed(seed)
-    rows, images_per_row = [], [2, 0, 3, 1, 2]
-    for n_images in images_per_row:
-        tokens = []
-        for _ in range(n_images):
-            tokens += torch.randint(1, 100, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g).tolist()
-            tokens.append(IMAGE_TOKEN)
-        tokens += torch.randint(1, 100, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g).tolist()
-        rows.append(tokens)
     width = max(map(len, rows))
     ids = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, :len(r)] = torch.tensor(r)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)] = torch.tensor([IMG if t == IMG else int(torch.randint(1, 100, (1,), generator=g)) for t in row])
     keep = torch.arange(width)[None] < torch.tensor([len(r) for r in rows])[:, None]
-    labels = torch.where(keep, torch.randint(1, 100, ids.shape, generator=g), 0)
-    n_images = int((ids == IMAGE_TOKEN).sum())
+    if label_style == "hf":  # unshifted, -100 at image tokens (Hugging Face processors do so)
+        labels = torch.where(keep & (ids != IMG), ids, -100)
+    else:
+        labels = torch.where(keep, torch.randint(1, 100, ids.shape, generator=g), -100)
+    n_images = int((ids == IMG).sum())
     tiles = torch.tensor([TILE_CYCLE[i % len(TILE_CYCLE)] for i in range(n_images)], dtype=torch.int)
     images = torch.randn(int(tiles.sum()), 3, 28, 28, generator=g)
-    return ids, keep, labels, tiles, images
+    return {"input_ids": ids, "labels": labels, "attention_mask": keep.long(), "images": images,
+            "num_image_tiles": tiles}
 
 
-def logprobs(model, images, ids, labels, loss_mask, tiles, params=None):
+def batches(label_style: str, seed: int) -> list[dict]:
+    return [collated(rows, label_style=label_style, seed=seed + i) for i, rows in enumerate(MICRO_BATCHES)]
+
+
+def batched_targets(batch: dict, label_style: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Megatron-style [B, S] labels and loss mask of the batched reference."""
+    from megatron_vlm_packing.packing import shift_labels_within_rows
+
+    keep = batch["attention_mask"].bool()
+    labels = shift_labels_within_rows(batch["labels"], keep) if label_style == "hf" else batch["labels"]
+    return labels, (keep & (labels != -100)).float()
+
+
+def reference(model, data: list[dict], label_style: str):
+    """Batched LLaVA: per micro-batch logprobs of the tokens with a loss, and the summed-loss grads."""
+    model.zero_grad()
+    logps = []
+    for batch in data:
+        labels, loss_mask = batched_targets(batch, label_style)
+        ids = batch["input_ids"]
+        positions = torch.arange(ids.shape[1])[None].expand_as(ids)
+        losses, mask = model(batch["images"], ids, positions, None, labels=labels, loss_mask=loss_mask,
+                             num_image_tiles=batch["num_image_tiles"])
+        (losses * mask).sum().backward()
+        logps.append(-losses.detach()[mask.bool()])
+    return logps, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+@contextlib.contextmanager
+def llava_cp_without_te():
+    """Let LLaVAModel run CP on a CPU without Transformer Engine; restored on exit.
+
+    LLaVA refuses CP/SP unless its core attention is TE's `TEDotProductAttention` (constructor) and
+    partitions THD packs with TE's `thd_get_partitioned_indices` (forward). Here our reference
+    attention (THD + CP, the same contract) stands in for the first, and our `cp_partition_index`,
+    which implements TE's rule (chunks r and 2*cp-1-r of every document), for the second. Only
+    attributes of LLaVA's module change. With TE installed nothing is changed.
+    """
+    from megatron.core.models.multimodal import llava_model
+
+    from megatron_vlm_packing.attention.reference import ReferenceCoreAttention
+    from megatron_vlm_packing.parallel.cp import cp_partition_index
+
+    if llava_model.HAVE_TE and llava_model.HAVE_TEX:
+        yield
+        return
+    names = ("HAVE_TE", "TEDotProductAttention", "HAVE_TEX", "tex", "is_te_min_version")
+    saved = {k: getattr(llava_model, k) for k in names}
+
+    class _Tex:
+        @staticmethod
+        def thd_get_partitioned_indices(cu_seqlens_padded, total, cp_size, cp_rank):
+            return cp_partition_index(cu_seqlens_padded, cp_size, cp_rank)
+
+    values = (True, ReferenceCoreAttention, True, _Tex, lambda *a, **k: True)
+    for k, v in zip(names, values):
+        setattr(llava_model, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(llava_model, k, v)
+
+
+def expanded_cu_seqlens_padded(adapter, mb) -> torch.Tensor:
+    from megatron_vlm_packing.models.llava import remap_packed_seq_params
+
+    s = adapter.space
+    _, tiles = adapter.image_inputs(mb)
+    return remap_packed_seq_params(mb.packed_seq_params, mb.input_ids, tiles, img_seq_len=s.img_seq_len,
+                                   image_token_index=s.image_token_index, segment_multiple=s.segment_multiple,
+                                   total_multiple=s.total_multiple, pad_to=s.pipeline_length).cu_seqlens_q_padded
+
+
+def forward_step(label_style: str, outputs: list, data_iterator, model):
+    """pack -> check -> localize -> adapter.forward -> the shipped loss (what make_forward_step does)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_vlm_packing.models.adapter import adapter_for
+    from megatron_vlm_packing.packing.localize import localize
+    from megatron_vlm_packing.parallel.layout import ParallelLayout
+    from megatron_vlm_packing.step import loss_func
+
+    adapter = adapter_for(model)
+    mb = adapter.pack(next(data_iterator), label_style=label_style)
+    adapter.check(mb)
+    local = localize(mb, ParallelLayout(cp_size=ps.get_context_parallel_world_size(),
+                                        cp_rank=ps.get_context_parallel_rank()), adapter.needs)
+    out = adapter.forward(model, local)
+    if isinstance(out, tuple):
+        outputs.append((out[0].detach(), out[1].detach(), expanded_cu_seqlens_padded(adapter, mb)))
+    stats = {"real_tokens": mb.stats.real_tokens, "physical_tokens": mb.stats.physical_tokens}
+    return out, partial(loss_func, local.loss_mask, stats)
+
+
+def packed_run(model, data: list[dict], label_style: str):
+    """Packed logprobs per micro-batch (last stage, else None) and this rank's full-shape grads."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    model.zero_grad()
+    outputs = []
+    with llava_cp_without_te():
+        get_forward_backward_func()(
+            forward_step_func=partial(forward_step, label_style, outputs), data_iterator=iter(data), model=[model],
+            num_microbatches=len(data), seq_length=MAX_LENGTH, micro_batch_size=1, forward_only=False)
+    logps = []
+    for losses, mask, cu_padded in outputs:
+        losses = gather_cp_tokens(losses, cu_padded, ps.get_context_parallel_group())
+        mask = gather_cp_tokens(mask, cu_padded, ps.get_context_parallel_group())
+        logps.append(-losses[mask.bool()])
+    grads = full_gradients(model, cp_group=ps.get_context_parallel_group())
+    return logps or None, grads
+
+
+def compare(ref_logps, ref_grads, logps, grads) -> dict:
+    """token_mult_prob_error (tokens with a loss), worst relative grad error and the parameters
+    checked (over all ranks: every reference parameter must be checked somewhere)."""
+    mult = 0.0  # ranks without the last stage report nothing
+    if logps is not None:
+        got, want = torch.cat(logps), torch.cat(ref_logps)
+        mult = token_mult_prob_error(got, want) if got.shape == want.shape else float("inf")
+    worst = max((max_relative_error(g, ref_grads[n]) for n, g in grads.items()), default=0.0)
+    result = torch.tensor([mult, worst], dtype=torch.float64)
+    dist.all_reduce(result, op=dist.ReduceOp.MAX)
+    names = [None] * dist.get_world_size()
+    dist.all_gather_object(names, sorted(grads))
+    checked = set().union(*map(set, names))
+    return {"token_mult_prob_error": result[0].item(), "max_rel_grad_err": result[1].item(),
+            "params_checked": len(checked), "params_missing": sorted(set(ref_grads) - checked)}
+
+
+def load_state(model, state: dict) -> None:
+    from megatron_vlm_packing.testing.parity import global_name
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(state[global_name(model, name)])
+
+
+def packed_direct(model, mb, *, tiles=None):
+    """One patched LLaVA call on a packed micro-batch (no schedule): logprobs of tokens with a loss."""
+    images = mb.vision.pixel_values if mb.vision is not None else torch.zeros(0)
+    losses, mask = model(images, mb.input_ids, mb.position_ids, None, labels=mb.labels, loss_mask=mb.loss_mask,
+                         num_image_tiles=tiles, packed_seq_params=mb.packed_seq_params)
+    return -losses.detach()[mask.bool()]
+
+
+def one_tile_checks(model, seed: int) -> dict:
+    """`num_image_tiles` omitted everywhere (LLaVA's default, one tile per image): packed == batched."""
+    from megatron_vlm_packing.models.llava import LlavaSpace
+    from megatron_vlm_packing.models.llava_pack import pack_llava_batch
+
+    out = {}
+    for style in ("megatron", "hf"):
+        got, want = [], []
+        for batch in batches(style, seed):
+            batch = dict(batch, images=batch["images"][: batch["num_image_tiles"].numel()])
+            batch.pop("num_image_tiles")
+            labels, loss_mask = batched_targets(batch, style)
+            ids = batch["input_ids"]
+            losses, mask = model(batch["images"], ids, torch.arange(ids.shape[1])[None].expand_as(ids), None,
+                                 labels=labels, loss_mask=loss_mask)
+            want.append(-losses.detach()[mask.bool()])
+            got.append(packed_direct(model, pack_llava_batch(batch, LlavaSpace.of(model), label_style=style)))
+        got, want = torch.cat(got), torch.cat(want)
+        out[f"tiles omitted, {style}"] = token_mult_prob_error(got, want) if got.shape == want.shape else float("inf")
+    return out
+
+
+def leak_checks(model, seed: int) -> dict:
+    """A plain pack (no pad slot before image-opening documents), Megatron labels: the patch refuses
+    it; upstream's forward (boundaries expanded by hand) loses one weighted token per such document."""
+    from megatron_vlm_packing.models.llava import LlavaSpace, remap_packed_seq_params
+    from megatron_vlm_packing.packing import pack_batch
+    from megatron_vlm_packing.patches import llava_boundaries
+
+    batch = batches("megatron", seed)[0]
+    packed = pack_batch({k: batch[k] for k in ("input_ids", "labels", "attention_mask")})
+    space = LlavaSpace.of(model)
+    args = (batch["images"], packed.input_ids, packed.position_ids, None)
+    kwargs = dict(labels=packed.labels, loss_mask=packed.loss_mask, num_image_tiles=batch["num_image_tiles"])
+    try:
+        model(*args, packed_seq_params=packed.packed_seq_params, **kwargs)
+        refused = ""
+    except ValueError as err:
+        refused = str(err)
+    expanded = remap_packed_seq_params(packed.packed_seq_params, packed.input_ids, batch["num_image_tiles"],
+                                       img_seq_len=space.img_seq_len, image_token_index=space.image_token_index)
+    llava_boundaries.undo_llava_packed_boundaries()
+    try:
+        _, mask = model(*args, packed_seq_params=expanded, **kwargs)
+    finally:
+        llava_boundaries.apply_llava_packed_boundaries()
+    _, ref_mask = batched_targets(batch, "megatron")
+    ids = batch["input_ids"]
     positions = torch.arange(ids.shape[1])[None].expand_as(ids)
-    loss, mask = model(images, ids, positions, None, labels=labels, loss_mask=loss_mask,
-                       num_image_tiles=tiles, packed_seq_params=params)
-    return -loss[mask.bool()]
+    _, want = model(batch["images"], ids, positions, None, labels=batch["labels"], loss_mask=ref_mask,
+                    num_image_tiles=batch["num_image_tiles"])
+    return {"leak refused": refused, "leak tokens lost upstream": int(want.sum() - mask.sum())}
 
 
 def run_llava_parity(rank: int, world_size: int, seed: int = 11) -> dict:
+    """Every check in one launch of 2 processes; what rank 0 saw (reductions make it global)."""
+    from megatron.core import parallel_state as ps
+
     from megatron_vlm_packing.patches import llava_boundaries
 
-    initialize_parallel(seed=seed)
-    model = build_tiny_llava(seed).eval()
-    ids, keep, labels, tiles, images = samples(seed)
-    loss_mask = keep.float()
-    packed = pack_batch({"input_ids": ids, "labels": labels, "loss_mask": loss_mask, "attention_mask": keep.long()})
-    result = {"images": int(tiles.numel()), "tiles": tiles.tolist(), "img_seq_len": int(model.img_seq_len)}
-    with torch.no_grad():
-        batched = logprobs(model, images, ids, labels, loss_mask, tiles)
-        for name, patched in (("unpatched", False), ("patched", True)):
-            if patched:
-                result["patch_active"] = llava_boundaries.apply_llava_packed_boundaries()
-            try:
-                got = logprobs(model, images, packed.input_ids, packed.labels.clamp_min(0), packed.loss_mask, tiles,
-                               packed.packed_seq_params)
-                result[name] = token_mult_prob_error(got, batched) if got.shape == batched.shape else float("inf")
-            except RuntimeError as err:  # collapsed boundaries on the expanded sequence may also crash
-                if patched:
-                    raise
-                result[name] = float("inf")
-                result["unpatched_error"] = str(err)[:160]
-            finally:
-                if patched:
-                    llava_boundaries.undo_llava_packed_boundaries()
+    result = {"patch_active": llava_boundaries.apply_llava_packed_boundaries()}
+    try:
+        initialize_parallel(seed=seed)
+        ref_model = build_tiny_llava(seed)
+        state = {n: p.detach().clone() for n, p in ref_model.named_parameters()}
+        result.update(img_seq_len=int(ref_model.img_seq_len), params=len(state))
+        refs = {style: (batches(style, seed), *reference(ref_model, batches(style, seed), style))
+                for style in ("megatron", "hf")}
+        result["tiles"] = batches("megatron", seed)[0]["num_image_tiles"].tolist()
+        with torch.no_grad():
+            result.update(one_tile_checks(ref_model, seed))
+            result.update(leak_checks(ref_model, seed))
+        for name, layout in (("PP=2", dict(pp=2)), ("CP=2", dict(cp=2))):
+            initialize_parallel(seed=seed, **layout)
+            with llava_cp_without_te():
+                model = build_tiny_llava(seed, stage=ps.get_pipeline_model_parallel_rank(), **layout)
+            load_state(model, state)
+            for style, (data, ref_logps, ref_grads) in refs.items():
+                result[f"{name}, {style} labels"] = compare(ref_logps, ref_grads, *packed_run(model, data, style))
+    finally:
+        llava_boundaries.undo_llava_packed_boundaries()
     return result

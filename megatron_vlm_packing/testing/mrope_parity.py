@@ -1,11 +1,12 @@
 """mRoPE under packing: a tiny mrope GPTModel, packed with per-sample 3D positions, vs each sample alone.
 
 `run_mrope_parity(rank, world_size, cp_sizes)` is a `run_distributed` target. For every CP size it
-returns the worst |dloss| between the packed run (positions from `pack_batch(mrope=...)`, sliced
-with the one CP index) and each sample alone with its own `get_rope_index` positions, plus the
-same with 1D positions broadcast to three channels (bug class 1), which must differ, and the
-same with Megatron-Core's own `MultimodalRotaryEmbedding` (which CP-slices the whole packed table:
-bug class 6).
+returns the worst |dloss| between the packed run (the shipped `make_forward_step(mrope=...)`) and
+each sample alone with its own `get_rope_index` positions, plus the same with 1D positions
+broadcast to three channels (bug class 1, made on purpose by a transform: the step itself refuses
+1D positions for an mRoPE model), which must differ, and the same with Megatron-Core's own
+`MultimodalRotaryEmbedding` (which CP-slices the whole packed table: bug class 6; the GPTModel
+adapter refuses it under CP, so this measurement uses an adapter without that refusal).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import torch.distributed as dist
 
 from megatron_vlm_packing.data import SyntheticVLMConfig, collate, synthetic_samples
 from megatron_vlm_packing.models.tiny_gpt import TinyGPTConfig, build_tiny_gpt
-from megatron_vlm_packing.packing import pack_batch
-from megatron_vlm_packing.parallel.cp import cp_partition_index
+from megatron_vlm_packing.models.gpt_adapter import GPTModelAdapter
+from megatron_vlm_packing.packing.pack import segment_positions
 from megatron_vlm_packing.rope import MRopeConfig, get_rope_index, use_packed_mrope
+from megatron_vlm_packing.step import make_forward_step
 from megatron_vlm_packing.testing.distributed import initialize_parallel
 from megatron_vlm_packing.testing.parity import gather_cp_tokens
 
@@ -46,19 +48,35 @@ def alone_losses(model, batch) -> torch.Tensor:
     return torch.cat(out)
 
 
-def packed_losses(model, batch, cp_size: int, cp_rank: int, *, broadcast_1d: bool) -> torch.Tensor:
-    packed = pack_batch(batch, cp_size=cp_size, label_style="hf", mrope=None if broadcast_1d else ROPE)
-    pos = packed.position_ids.expand(3, 1, -1) if broadcast_1d else packed.position_ids  # bug class 1 vs right
-    cu_padded = packed.packed_seq_params.cu_seqlens_q_padded
-    index = cp_partition_index(cu_padded, cp_size, cp_rank)
-    # THD + mRoPE: positions stay full length; the rotary returns the full table and THD attention
-    # takes each document's CP chunks from it.
-    loss = model(packed.input_ids[:, index], pos, None, labels=packed.labels[:, index].clamp_min(0),
-                 packed_seq_params=packed.packed_seq_params)
+class MegatronRotaryAdapter(GPTModelAdapter):
+    """GPTModelAdapter without its refusal of Megatron-Core's own mRoPE rotary under CP, to measure bug class 6."""
+
+    def refuse_megatron_mrope_under_cp(self, model) -> None:
+        return None
+
+
+def broadcast_1d_positions(mb):
+    """Bug class 1 made on purpose: each document's 1D positions copied to the 3 mRoPE channels."""
+    return replace(mb, position_ids=segment_positions(mb.indices).expand(3, 1, -1))
+
+
+def packed_losses(model, batch, cp_size: int, *, broadcast_1d: bool, adapter=None) -> torch.Tensor:
+    """Per-token losses at targets of the packed batch through the shipped step, gathered over CP."""
     from megatron.core import parallel_state as ps
 
+    seen = []
+
+    def observe(mb):
+        mb = broadcast_1d_positions(mb) if broadcast_1d else mb
+        seen.append(mb)
+        return mb
+
+    step = make_forward_step(mrope=ROPE, transform=observe, adapter=adapter)
+    text_only = {k: v for k, v in batch.items() if k != "pixel_values"}  # grids place positions; no tower here
+    loss, _ = step(iter([text_only]), model)  # [1, T/cp]
+    cu_padded = seen[0].packed_seq_params.cu_seqlens_q_padded
     full = gather_cp_tokens(loss.detach(), cu_padded, ps.get_context_parallel_group())[0]
-    return full[packed.loss_mask[0].bool()]
+    return full[seen[0].loss_mask[0].bool()]
 
 
 def run_mrope_parity(rank: int, world_size: int, cp_sizes: list[int], seed: int = 3):
@@ -82,15 +100,15 @@ def run_mrope_parity(rank: int, world_size: int, cp_sizes: list[int], seed: int 
             with torch.no_grad():
                 for name, param in model.named_parameters():
                     param.copy_(state[name])
-                rank = ps.get_context_parallel_rank()
-                first = packed_losses(model, batch, cp, rank, broadcast_1d=False)
+                adapter = None if ours else MegatronRotaryAdapter
+                first = packed_losses(model, batch, cp, broadcast_1d=False, adapter=adapter)
                 errors = [(first - alone).abs().max().item()]
                 if ours:
-                    wrong = packed_losses(model, batch, cp, rank, broadcast_1d=True)
+                    wrong = packed_losses(model, batch, cp, broadcast_1d=True)
                     errors.append((wrong - alone).abs().max().item())
                     # packed, then dense, then packed: no state leaks between calls (bug class 5)
                     dense = alone_losses(model, batch) if cp == 1 else alone
-                    again = packed_losses(model, batch, cp, rank, broadcast_1d=False)
+                    again = packed_losses(model, batch, cp, broadcast_1d=False)
                     errors += [(dense - alone).abs().max().item(), (again - first).abs().max().item()]
             worst = torch.tensor(errors)
             dist.all_reduce(worst, op=dist.ReduceOp.MAX)

@@ -47,33 +47,81 @@ def global_name(model: torch.nn.Module, name: str) -> str:
     return ".".join(parts)
 
 
+def is_gated_fc1(model: torch.nn.Module, name: str) -> bool:
+    """True for the weight/bias of a gated (SwiGLU) `linear_fc1`: two matrices [gate; up] stacked
+    on dim 0, each split over TP separately (rank r holds [gate_r; up_r])."""
+    module_name, _, leaf = name.rpartition(".")
+    if leaf not in ("weight", "bias") or not module_name.endswith("linear_fc1"):
+        return False
+    config = getattr(model.get_submodule(module_name), "config", None)
+    return bool(getattr(config, "gated_linear_unit", False))
+
+
+def tp_shard(full: torch.Tensor, param: torch.Tensor, *, gated: bool, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This TP rank's shard of a full (TP=1) tensor, laid out like `param` (gated fc1: per half)."""
+    if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return full
+    dim = param.partition_dim
+    if gated:
+        halves = full.chunk(2, dim=dim)
+        return torch.cat([half.chunk(tp_size, dim=dim)[tp_rank] for half in halves], dim=dim)
+    return full.chunk(tp_size, dim=dim)[tp_rank]
+
+
+def tp_unshard(parts: list[torch.Tensor], param: torch.Tensor, *, gated: bool) -> torch.Tensor:
+    """Every TP rank's shard (rank order) -> the full tensor (inverse of `tp_shard`)."""
+    dim = param.partition_dim
+    if gated:
+        halves = [part.chunk(2, dim=dim) for part in parts]
+        return torch.cat([torch.cat([h[i] for h in halves], dim=dim) for i in range(2)], dim=dim)
+    return torch.cat(parts, dim=dim)
+
+
+def load_full_state(model: torch.nn.Module, state: dict[str, torch.Tensor], *, tp_rank: int, tp_size: int) -> None:
+    """Copy full (TP=1) weights, named like `global_name`, into a TP-sharded / PP-stage model."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            full = state[global_name(model, name)]
+            param.copy_(tp_shard(full, param, gated=is_gated_fc1(model, name), tp_rank=tp_rank, tp_size=tp_size))
+
+
+def _summed_over_tp(name: str, param: torch.Tensor, config) -> bool:
+    """Grads Megatron sums over TP (finalize_model_grads): norms under SP, and q/k layernorm, whose
+    TP ranks each hold the grad from their own heads only."""
+    if getattr(param, "tensor_model_parallel", False):
+        return False
+    qk = bool(getattr(config, "qk_layernorm", False)) and ("q_layernorm" in name or "k_layernorm" in name)
+    return qk or bool(getattr(param, "sequence_parallel", False))
+
+
 def full_gradients(model: torch.nn.Module, *, tp_group=None, cp_group=None,
                    reduced_by_megatron: bool = False) -> dict[str, torch.Tensor]:
     """Every parameter's gradient as the single-process model would have it.
 
-    - TP-split parameters are all-gathered over TP along their partition dim.
-    - Parameters marked `sequence_parallel` (norms under SP) hold partial grads: summed over TP.
+    - TP-split parameters are all-gathered over TP along their partition dim (a gated `linear_fc1`
+      per half: see `tp_shard`).
+    - Parameters whose TP ranks hold partial grads (norms under SP, marked `sequence_parallel`;
+      q/k layernorm, by name, when the model's config has `qk_layernorm`) are summed over TP.
     - Under CP every rank saw part of the tokens: grads are summed over CP.
 
     With `reduced_by_megatron` the grads are read from `main_grad` (Megatron's
-    `DistributedDataParallel`), where `finalize_model_grads` already did the SP and DP x CP
-    reductions: only the TP gather is left to do here.
+    `DistributedDataParallel`), where `finalize_model_grads` already did the SP / q-k layernorm and
+    DP x CP reductions: only the TP gather is left to do here.
     """
+    config = getattr(model, "config", None)
+    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
     grads = {}
     for name, param in model.named_parameters():
         grad = param.main_grad if reduced_by_megatron else param.grad
         grad = (grad if grad is not None else torch.zeros_like(param)).detach().clone()
-        if reduced_by_megatron:
-            cp_group = None
-        if cp_group is not None and dist.get_world_size(cp_group) > 1:
+        if cp_group is not None and not reduced_by_megatron and dist.get_world_size(cp_group) > 1:
             dist.all_reduce(grad, group=cp_group)
-        if tp_group is not None and dist.get_world_size(tp_group) > 1:
-            if getattr(param, "tensor_model_parallel", False):
-                parts = [torch.empty_like(grad) for _ in range(dist.get_world_size(tp_group))]
-                dist.all_gather(parts, grad.contiguous(), group=tp_group)
-                grad = torch.cat(parts, dim=param.partition_dim)
-            elif getattr(param, "sequence_parallel", False) and not reduced_by_megatron:
-                dist.all_reduce(grad, group=tp_group)
+        if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
+            parts = [torch.empty_like(grad) for _ in range(tp_size)]
+            dist.all_gather(parts, grad.contiguous(), group=tp_group)
+            grad = tp_unshard(parts, param, gated=is_gated_fc1(model, name))
+        elif tp_size > 1 and not reduced_by_megatron and _summed_over_tp(name, param, config):
+            dist.all_reduce(grad, group=tp_group)
         grads[global_name(model, name)] = grad
     return grads
 

@@ -3,9 +3,9 @@
 `run_parity_cases(rank, world_size, cases)` is a `run_distributed` target: for every case it
 1. builds a TP=CP=PP=1 tiny GPT and runs each sample alone (batch 1, unpadded): per-token losses
    and the gradient of their sum (the truth);
-2. builds the case's parallel model, loads the same weights (sharded), packs the same micro-batches
-   with `pack_batch`, partitions them with one CP index, runs forward + backward (directly or
-   through Megatron's `get_forward_backward_func`), gathers losses and gradients back;
+2. builds the case's parallel model, loads the same weights (sharded), runs the same micro-batches
+   through the shipped `make_forward_step` and `loss_func` (directly or through Megatron's
+   `get_forward_backward_func`), gathers losses and gradients back;
 3. reports the worst |dloss|, |dlogit| and relative gradient error over all ranks.
 A `corruption` makes one deliberate packing mistake, so tests can prove the check catches it.
 A `dense` case feeds the right-padded rows as they are ([B, S], BSHD attention, the dense CP
@@ -19,14 +19,18 @@ tokens and a full row always present.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import partial
 
 import torch
 import torch.distributed as dist
 
+from megatron_vlm_packing.models.adapter import adapter_for
 from megatron_vlm_packing.models.tiny_gpt import TinyGPTConfig, build_tiny_gpt
-from megatron_vlm_packing.packing import pack_batch, shift_labels_within_rows
+from megatron_vlm_packing.packing import shift_labels_within_rows
+from megatron_vlm_packing.packing.localize import localize
+from megatron_vlm_packing.packing.micro_batch import MicroBatch
 from megatron_vlm_packing.parallel.cp import cp_partition_index, dense_cp_partition_index
+from megatron_vlm_packing.parallel.layout import ParallelLayout
+from megatron_vlm_packing.step import make_forward_step
 from megatron_vlm_packing.testing.distributed import initialize_parallel
 from megatron_vlm_packing.testing.parity import full_gradients, gather_in_order, max_relative_error, variable_batch
 
@@ -112,72 +116,59 @@ def load_sharded(model: torch.nn.Module, state: dict, tp_rank: int, tp_size: int
             param.copy_(full)
 
 
-def corrupt(case: ParityCase, packed, labels: torch.Tensor, params):
-    """Apply the case's deliberate mistake to the packed labels / boundaries."""
-    total = packed.num_physical_tokens
+def _with_cu_seqlens(params, cu: torch.Tensor, cu_padded: torch.Tensor):
+    longest = int((cu_padded[1:] - cu_padded[:-1]).max())  # shifted documents may be longer
+    return replace(params, cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
+                   cu_seqlens_kv_padded=cu_padded, max_seqlen_q=max(longest, params.max_seqlen_q),
+                   max_seqlen_kv=max(longest, params.max_seqlen_kv))
+
+
+def corrupt(case: ParityCase, mb: MicroBatch) -> MicroBatch:
+    """Apply the case's one deliberate mistake to a full-length packed micro-batch."""
+    params, total = mb.packed_seq_params, mb.stats.physical_tokens
     if case.corruption == "uniform_cu_seqlens":  # rows relaid at a fixed stride: boundaries ignore samples
         cu = torch.tensor(list(range(0, total, ROW_LENGTH)) + [total], dtype=torch.int32)
-        params = replace(params, cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
-                         max_seqlen_q=total, max_seqlen_kv=total)
-    elif case.corruption == "boundary_off_by_one":
+        return replace(mb, packed_seq_params=_with_cu_seqlens(params, cu, cu))
+    if case.corruption == "boundary_off_by_one":
         shift = torch.zeros_like(params.cu_seqlens_q)
         shift[1:-1] = 1
-        cu_padded = params.cu_seqlens_q_padded + shift
-        longest = int((cu_padded[1:] - cu_padded[:-1]).max())  # the shifted documents may be longer
-        params = replace(params, cu_seqlens_q=params.cu_seqlens_q + shift, cu_seqlens_kv=params.cu_seqlens_kv + shift,
-                         cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded,
-                         max_seqlen_q=max(longest, params.max_seqlen_q), max_seqlen_kv=max(longest, params.max_seqlen_kv))
-    elif case.corruption == "labels_shifted_after_packing":  # the hand-rolled packer's mistake
-        unshifted = packed.input_ids.clone()
-        labels = torch.cat([unshifted[:, 1:], torch.full_like(unshifted[:, :1], -100)], dim=1)
-        labels = torch.where(packed.padding_mask, -100, labels)
-    return labels, params
+        return replace(mb, packed_seq_params=_with_cu_seqlens(params, params.cu_seqlens_q + shift,
+                                                               params.cu_seqlens_q_padded + shift))
+    if case.corruption == "labels_shifted_after_packing":  # the hand-rolled packer's mistake
+        ids = mb.input_ids
+        labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+        labels = torch.where(mb.padding_mask, -100, labels)
+        return replace(mb, labels=labels, loss_mask=(labels != -100).float())
+    if case.corruption == "wrong_cp_rank":  # rank r gets the labels of rank cp-1-r
+        cu_padded = params.cu_seqlens_q_padded
+        labels, loss_mask = mb.labels.clone(), mb.loss_mask.clone()
+        for rank in range(case.cp):
+            mine, theirs = (cp_partition_index(cu_padded, case.cp, r) for r in (rank, case.cp - 1 - rank))
+            labels[:, mine], loss_mask[:, mine] = mb.labels[:, theirs], mb.loss_mask[:, theirs]
+        return replace(mb, labels=labels, loss_mask=loss_mask)
+    return mb
 
 
-def local_micro_batch(case: ParityCase, batch: dict, cp_rank: int) -> dict:
-    packed = pack_batch(batch, tp_size=case.tp, cp_size=case.cp, sequence_parallel=case.sp,
-                        label_style="hf", pad_to=64 if case.pp > 1 else None)
-    labels, params = corrupt(case, packed, packed.labels, packed.packed_seq_params)
-    loss_mask = (labels != -100).float() * (~packed.padding_mask).float()
-    cu_padded = packed.packed_seq_params.cu_seqlens_q_padded
-    index = cp_partition_index(cu_padded, case.cp, cp_rank)
-    label_index = index
-    if case.corruption == "wrong_cp_rank":
-        label_index = cp_partition_index(cu_padded, case.cp, case.cp - 1 - cp_rank)
-    order = torch.cat([cp_partition_index(cu_padded, case.cp, r) for r in range(case.cp)])
-    return dict(input_ids=packed.input_ids[:, index], position_ids=packed.position_ids[:, index],
-                labels=labels[:, label_index], loss_mask=loss_mask[:, label_index], params=params,
-                total=packed.num_physical_tokens, order=order, real_loss_mask=loss_mask, real=~packed.padding_mask)
+def cp_order(mb: MicroBatch, cp_size: int) -> torch.Tensor:
+    """[T] (packed) or [L] (dense rows): every CP rank's partition index concatenated in rank order."""
+    if mb.is_packed:
+        cu_padded = mb.packed_seq_params.cu_seqlens_q_padded
+        return torch.cat([cp_partition_index(cu_padded, cp_size, r) for r in range(cp_size)])
+    length = mb.input_ids.shape[-1]
+    return torch.cat([dense_cp_partition_index(length, cp_size, r) for r in range(cp_size)])
 
 
-def local_dense_micro_batch(case: ParityCase, batch: dict, cp_rank: int) -> dict:
-    """The right-padded rows unpacked: [B, S/cp] with the dense CP zigzag per row."""
-    keep = batch["attention_mask"].bool()
-    labels = shift_labels_within_rows(batch["labels"], keep)
-    seq = keep.shape[1]
-    loss_mask = (labels != -100).float()
-    index = dense_cp_partition_index(seq, case.cp, cp_rank)
-    order = torch.cat([dense_cp_partition_index(seq, case.cp, r) for r in range(case.cp)])
-    positions = torch.arange(seq)[index].expand(keep.shape[0], -1)
-    return dict(input_ids=batch["input_ids"][:, index], position_ids=positions, labels=labels[:, index],
-                loss_mask=loss_mask[:, index], params=None, total=seq, order=order, real_loss_mask=loss_mask,
-                real=keep)
+def make_step(case: ParityCase, seen: list):
+    """The shipped forward step; its micro-batches (full length, after the case's corruption) go to `seen`."""
+    def observe(mb: MicroBatch) -> MicroBatch:
+        mb = corrupt(case, mb)
+        seen.append(mb)
+        return mb
+
+    return make_forward_step(pack=not case.dense, pad_to=64 if case.pp > 1 else None, transform=observe)
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Contract item 9: (loss_sum, num_tokens, {"lm loss": [loss_sum, num_tokens]})."""
-    losses = output_tensor.float().reshape(-1)
-    mask = loss_mask.reshape(-1).float()
-    loss_sum = (losses * mask).sum()
-    num_tokens = mask.sum().to(torch.int)
-    return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), num_tokens.detach().float()])}
-
-
-def _forward(model, mb):
-    return model(mb["input_ids"], mb["position_ids"], None, labels=mb["labels"], packed_seq_params=mb["params"])
-
-
-def run_schedule(case: ParityCase, model, mbs: list[dict], outputs: list) -> None:
+def run_schedule(case: ParityCase, model, batches: list[dict], seen: list, outputs: list) -> None:
     """Forward + backward of every micro-batch through Megatron's `get_forward_backward_func`.
 
     With `case.ddp`, `model` is wrapped in Megatron's `DistributedDataParallel` and the schedule
@@ -192,17 +183,17 @@ def run_schedule(case: ParityCase, model, mbs: list[dict], outputs: list) -> Non
 
         model.config.finalize_model_grads_func = finalize_model_grads
         model = DistributedDataParallel(config=model.config, ddp_config=DistributedDataParallelConfig(), module=model)
+    step = make_step(case, seen)
 
-    def forward_step(data_iterator, model):
-        mb = next(data_iterator)
-        out = _forward(model, mb)
+    def recording_step(data_iterator, model):
+        output, loss = step(data_iterator, model)
         if ps.is_pipeline_last_stage():
-            outputs.append(out.detach())
-        return out, partial(loss_func, mb["loss_mask"])
+            outputs.append(output.detach())
+        return output, loss
 
-    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(mbs), model=[model],
-                                num_microbatches=len(mbs), seq_length=mbs[0]["total"],
-                                micro_batch_size=mbs[0]["input_ids"].shape[0], forward_only=False)
+    get_forward_backward_func()(forward_step_func=recording_step, data_iterator=iter(batches), model=[model],
+                                num_microbatches=len(batches), seq_length=64 if case.pp > 1 else ROW_LENGTH,
+                                micro_batch_size=1, forward_only=False)
 
 
 def run_packed(case: ParityCase, cfg: TinyGPTConfig, batches: list[dict], state: dict):
@@ -216,60 +207,70 @@ def run_packed(case: ParityCase, cfg: TinyGPTConfig, batches: list[dict], state:
                   sequence_parallel=case.sp)
     model = build_tiny_gpt(cfg, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
     load_sharded(model, state, ps.get_tensor_model_parallel_rank(), case.tp)
-    local = local_dense_micro_batch if case.dense else local_micro_batch
-    mbs = [local(case, b, ps.get_context_parallel_rank()) for b in batches]
-    outputs = []
+    seen, outputs = [], []
     if case.schedule:
-        run_schedule(case, model, mbs, outputs)
+        run_schedule(case, model, batches, seen, outputs)
     else:
-        for mb in mbs:
-            out = _forward(model, mb)
-            loss_func(mb["loss_mask"], out)[0].backward()
-            outputs.append(out.detach())
+        step = make_step(case, seen)
+        for batch in batches:
+            output, loss = step(iter([batch]), model)
+            loss(output)[0].backward()
+            outputs.append(output.detach())
     grads = full_gradients(model, tp_group=ps.get_tensor_model_parallel_group(),
                            cp_group=ps.get_context_parallel_group(), reduced_by_megatron=case.ddp)
     if case.ddp:  # finalize_model_grads divided by the global target count: back to sums
-        num_tokens = sum(mb["real_loss_mask"].sum() for mb in mbs)
+        num_tokens = sum(mb.loss_mask.sum() for mb in seen)
         grads = {name: grad * num_tokens for name, grad in grads.items()}
-    return mbs, outputs, grads, model
+    return seen, outputs, grads, model
+
+
+NOT_CHECKED = -1.0  # all-reduced with MAX, then reported as None ("-" in the table), never as 0
 
 
 def run_case(case: ParityCase, cfg: TinyGPTConfig) -> dict:
+    """Worst |dloss|, relative grad error and |dlogit| (None where not checked: PP, corruptions)."""
+    from megatron.core import parallel_state as ps
+
     batches = micro_batches(cfg.vocab_size, case.seed)
     ref_losses, ref_grads, state, ref_logits = reference_alone(cfg, batches, case.seed)
     mbs, outputs, grads, model = run_packed(case, cfg, batches, state)
-    from megatron.core import parallel_state as ps
-
+    cp_group = ps.get_context_parallel_group()
     dloss = torch.zeros(())
     for mb, out, ref in zip(mbs, outputs, ref_losses):
-        full = gather_in_order(out, mb["order"], ps.get_context_parallel_group())  # [1, T] or [B, S]
-        got = full[mb["real_loss_mask"].bool()]
+        full = gather_in_order(out, cp_order(mb, case.cp), cp_group)  # [1, T] or [B, L]
+        got = full[mb.loss_mask.bool()]
         dloss = torch.maximum(dloss, (got - ref).abs().max() if got.shape == ref.shape else torch.tensor(float("inf")))
-    logit_err = torch.zeros(())
+    logit_err = torch.tensor(NOT_CHECKED)
     if ps.is_pipeline_last_stage() and case.pp == 1 and case.corruption is None:
-        logit_err = packed_logits_error(model, mbs, ref_logits)
+        logit_err = packed_logits_error(model, mbs, ref_logits, case.cp)
     grad_err = torch.zeros(())
     for name, grad in grads.items():
         grad_err = torch.maximum(grad_err, torch.tensor(max_relative_error(grad, ref_grads[name])))
     worst = torch.stack([dloss, grad_err, logit_err])
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    dlogit = worst[2].item()
     return dict(case=case.name, max_dloss=worst[0].item(), max_rel_grad_err=worst[1].item(),
-                max_dlogit=worst[2].item(), checked_params=len(grads))
+                max_dlogit=None if dlogit == NOT_CHECKED else dlogit, checked_params=len(grads))
 
 
-def packed_logits_error(model, mbs, ref_logits) -> torch.Tensor:
-    """Worst |logit| difference at real tokens: vocab shards gathered over TP, tokens over CP."""
+def packed_logits_error(model, mbs: list[MicroBatch], ref_logits, cp_size: int) -> torch.Tensor:
+    """Worst |logit| difference at real tokens: vocab shards gathered over TP, tokens over CP.
+
+    Each recorded micro-batch is localized and run by the model's own adapter without labels.
+    """
     from megatron.core import parallel_state as ps
 
+    adapter = adapter_for(model)
+    layout = ParallelLayout.from_megatron(model.config)
+    tp_group = ps.get_tensor_model_parallel_group()
     worst = torch.zeros(())
     with torch.no_grad():
         for mb, ref in zip(mbs, ref_logits):
-            local = model(mb["input_ids"], mb["position_ids"], None, packed_seq_params=mb["params"])  # [1, T/cp, V/tp]
-            tp_group = ps.get_tensor_model_parallel_group()
+            local = adapter.forward(model, replace(localize(mb, layout, adapter.needs), labels=None))  # [B, L/cp, V/tp]
             parts = [torch.empty_like(local) for _ in range(dist.get_world_size(tp_group))]
             dist.all_gather(parts, local.contiguous(), group=tp_group)
-            full = gather_in_order(torch.cat(parts, dim=-1), mb["order"], ps.get_context_parallel_group())
-            worst = torch.maximum(worst, (full[mb["real"]] - ref).abs().max())
+            full = gather_in_order(torch.cat(parts, dim=-1), cp_order(mb, cp_size), ps.get_context_parallel_group())
+            worst = torch.maximum(worst, (full[~mb.padding_mask] - ref).abs().max())
     return worst
 
 

@@ -15,7 +15,8 @@ What counts (kind: the calls), on a tensor of ANY device (a CPU test stands in f
   `range(t)`, a shape), and formatting a tensor (`f"{t}"`, `str(t)`, `repr(t)`).
 - "dynamic_shape": calls whose OUTPUT SHAPE depends on tensor values, so the host must read them
   to allocate: `nonzero`, `argwhere`, one-argument `torch.where`, `masked_select`, indexing with a
-  boolean tensor (`x[mask]`, `x[mask] = v`), `unique`, `unique_consecutive`, `bincount`, and
+  boolean tensor (`x[mask]`, and `x[mask] = v` unless v is one value: torch then runs
+  `masked_fill_`, which needs no sync), `unique`, `unique_consecutive`, `bincount`, and
   `repeat_interleave` with tensor repeats and no `output_size`.
 - "to_host": `.cpu()`, `.numpy()`, `.to("cpu")` — counted only for a tensor NOT already on the
   CPU. On a CPU run they are identity operations on host data (a DataLoader's collate legitimately
@@ -24,7 +25,8 @@ What counts (kind: the calls), on a tensor of ANY device (a CPU test stands in f
 Not counted: collectives (they wait on the network, not the host), `torch.cuda.synchronize()` and
 stream/event waits (no tensor goes through them; none of this package's code calls them), and
 operations inside a call that is itself counted (the mode is off while a counted call runs, so
-`int(t)` is one sync, not two).
+`int(t)` is one sync, not two), and anything inside a module passed to `SyncCounter.exclude`
+(e.g. a CPU reference attention standing in for a GPU kernel).
 
 Usage:
 
@@ -72,6 +74,13 @@ def _has_bool_tensor_index(index) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
 
 
+def _masked_fill(index, value) -> bool:
+    """`x[mask] = v` that torch turns into `masked_fill_` (one bool index, one value): no sync."""
+    single = index if not isinstance(index, tuple) else (index[0] if len(index) == 1 else None)
+    one_value = not isinstance(value, torch.Tensor) or (value.numel() == 1 and value.device.type == "cpu")
+    return isinstance(single, torch.Tensor) and one_value
+
+
 def _is_off_host(tensor) -> bool:
     return isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu"
 
@@ -90,7 +99,10 @@ def classify(name: str, args: tuple, kwargs: dict) -> str | None:
         return _ALWAYS[name]
     if name == "where" and len(args) + len(kwargs) == 1:
         return "dynamic_shape"
-    if name in ("__getitem__", "__setitem__") and len(args) > 1 and _has_bool_tensor_index(args[1]):
+    if name == "__getitem__" and len(args) > 1 and _has_bool_tensor_index(args[1]):
+        return "dynamic_shape"
+    if name == "__setitem__" and len(args) > 2 and _has_bool_tensor_index(args[1]) \
+            and not _masked_fill(args[1], args[2]):
         return "dynamic_shape"
     if name == "repeat_interleave" and kwargs.get("output_size") is None:
         if "repeats" in kwargs or len(args) > 1:  # repeat_interleave(input, repeats, ...)
@@ -125,14 +137,35 @@ class SyncCounter(TorchFunctionMode):
     def __init__(self):
         super().__init__()
         self.events: list[SyncEvent] = []
+        self._excluded_depth = 0
+        self._hooks: list = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        kind = classify(name, args, kwargs)
-        if kind is not None:
-            self.events.append(SyncEvent(kind, name, _caller()))
+        if not self._excluded_depth:
+            name = getattr(func, "__name__", "")
+            kind = classify(name, args, kwargs)
+            if kind is not None:
+                self.events.append(SyncEvent(kind, name, _caller()))
         return func(*args, **kwargs)
+
+    def exclude(self, modules) -> "SyncCounter":
+        """Count nothing while any of `modules` runs its forward (hooks removed by `remove_exclusions`)."""
+        def enter(module, args):
+            self._excluded_depth += 1
+
+        def leave(module, args, output):
+            self._excluded_depth -= 1
+
+        for module in modules:
+            self._hooks += [module.register_forward_pre_hook(enter),
+                            module.register_forward_hook(leave, always_call=True)]
+        return self
+
+    def remove_exclusions(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     @property
     def total(self) -> int:
@@ -151,8 +184,15 @@ class SyncCounter(TorchFunctionMode):
 
 
 @contextmanager
-def count_host_syncs() -> Iterator[SyncCounter]:
-    """Count host syncs of everything run inside the block (this thread); see `SyncCounter`."""
-    counter = SyncCounter()
-    with counter:
-        yield counter
+def count_host_syncs(*, exclude=()) -> Iterator[SyncCounter]:
+    """Count host syncs of everything run inside the block (this thread); see `SyncCounter`.
+
+    Args:
+        exclude: modules whose forward is not counted (see `SyncCounter.exclude`).
+    """
+    counter = SyncCounter().exclude(exclude)
+    try:
+        with counter:
+            yield counter
+    finally:
+        counter.remove_exclusions()

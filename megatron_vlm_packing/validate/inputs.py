@@ -114,10 +114,12 @@ class PackedInputs:
     pad_token_id: int | None = None
     mrope: Any = None
     ignore_index: int = -100
+    localized_total: int | None = None
 
     @property
     def total(self) -> int:
-        return self.input_ids.numel()
+        """T: the physical slots of the whole pack (a localized batch holds T/cp of them)."""
+        return self.localized_total if self.localized_total is not None else self.input_ids.numel()
 
 
 def _cpu(x):
@@ -165,6 +167,8 @@ def _from_micro_batch(batch) -> dict:
         out["multiples"] = plan.multiples
     if getattr(batch, "cp_index", None) is not None:
         out["cp_index"] = batch.cp_index
+        if out.get("cu_seqlens_padded") is not None:  # sequence tensors hold T/cp slots: T from the boundaries
+            out["localized_total"] = int(out["cu_seqlens_padded"][-1])
     return out
 
 
@@ -180,9 +184,8 @@ def _from_mapping(batch: Mapping) -> dict:
         out.update(_params_fields(out.pop("packed_seq_params")))
     else:
         out.pop("packed_seq_params", None)
-    if "max_seqlen" in out:
+    if "max_seqlen" in out and not isinstance(out["max_seqlen"], tuple):
         out["max_seqlen"] = (out["max_seqlen"], out.pop("max_seqlen_kv", out["max_seqlen"]))
-        out.pop("max_seqlen_kv", None)
     if batch.get("source_input_ids") is not None:
         out["source"] = SourceRows(
             input_ids=batch["source_input_ids"], attention_mask=batch.get("source_attention_mask"),

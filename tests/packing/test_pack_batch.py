@@ -63,15 +63,20 @@ def test_megatron_labels_and_loss_mask_are_respected():
     assert packed.loss_mask.tolist() == [[1, 0, 1, 1, 1]]
 
 
-def test_extras_are_packed_and_vision_inputs_pass_through():
-    ids, keep = make_batch([2, 3], 4)
+def test_declared_extras_are_packed_and_vision_inputs_are_typed_with_per_sample_counts():
+    ids = torch.tensor([[5, 9, 0, 0], [9, 9, 9, 9]])  # 9 = image placeholder: row 0 one 1-token image, row 1 a 4-token one
+    keep = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
     weights = torch.arange(8.0).view(2, 4)
-    pixel_values = torch.randn(2, 4)  # [patches, dim]: happens to be [B, S]-shaped, still passes through
-    grid = torch.tensor([[1, 2, 2]])
+    pixel_values = torch.randn(4 + 16, 4)  # [patches, dim]
+    grid = torch.tensor([[1, 2, 2], [1, 4, 4]])
     packed = pack_batch({"input_ids": ids, "labels": ids, "attention_mask": keep, "token_weights": weights,
-                         "pixel_values": pixel_values, "image_grid_thw": grid})
-    assert packed.extras["token_weights"].tolist() == [[0.0, 1.0, 4.0, 5.0, 6.0]]
-    assert packed.passthrough["pixel_values"] is pixel_values and packed.passthrough["image_grid_thw"] is grid
+                         "pixel_values": pixel_values, "image_grid_thw": grid},
+                        extra_keys=("token_weights",), image_token_id=9, label_style="hf")
+    assert packed.extras["token_weights"].tolist() == [[0.0, 1.0, 4.0, 5.0, 6.0, 7.0]]
+    assert packed.vision.pixel_values is pixel_values and packed.vision.image_grid_thw is grid
+    assert packed.vision.images_per_sample == (1, 1) and packed.vision.pixel_values_videos is None
+    assert packed.audio is None and packed.inputs_present() == {"images", "extra:token_weights"}
+    assert (packed.stats.real_tokens, packed.stats.physical_tokens, packed.stats.row_tokens) == (6, 6, 8)
 
 
 def test_precomputed_3d_positions_are_packed_per_sample():
@@ -94,8 +99,9 @@ def test_mrope_callable_gets_each_sample_alone():
         return torch.stack([base, base * 2, base * 3]), None
 
     grid = torch.tensor([[1, 2, 2]])
-    packed = pack_batch({"input_ids": ids, "labels": ids, "attention_mask": keep, "image_grid_thw": grid},
-                        mrope=fake_index)
+    ids[0, 1] = 7  # one 1-token image in row 0
+    packed = pack_batch({"input_ids": ids, "labels": ids, "attention_mask": keep, "image_grid_thw": grid,
+                         "pixel_values": torch.zeros(4, 3)}, mrope=fake_index, image_token_id=7, label_style="hf")
     assert seen["mask"].tolist() == keep.long().tolist() and seen["grid"] is grid
     assert packed.position_ids[:, 0].tolist() == [[0, 1, 2, 0, 1], [0, 2, 4, 0, 2], [0, 3, 6, 0, 3]]
 
@@ -103,22 +109,22 @@ def test_mrope_callable_gets_each_sample_alone():
 @pytest.mark.parametrize(
     "batch, kwargs, expected",
     [
-        ({"labels": torch.ones(2, 3)}, {}, r"exactly one of 'input_ids' or 'tokens', found neither"),
+        ({"labels": torch.ones(2, 3, dtype=torch.long)}, {}, r"exactly one of 'input_ids' or 'tokens', found neither"),
         ({"input_ids": torch.ones(2, 3, dtype=torch.long), "tokens": torch.ones(2, 3)}, {}, r"found \['input_ids', 'tokens'\]"),
         ({"input_ids": torch.ones(6, dtype=torch.long), "labels": torch.ones(6)}, {}, r"input_ids must be a \[B, S\] tensor"),
         ({"input_ids": torch.ones(2, 3, dtype=torch.long)}, {}, r"no 'labels'"),
         ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 4)}, {}, r"labels has shape \(2, 4\) but input_ids is \(2, 3\)"),
-        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 3), "loss_mask": torch.ones(3, 3)}, {}, r"loss_mask has shape \(3, 3\)"),
-        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 3), "attention_mask": torch.tensor([[1, 0, 1], [1, 1, 1]])}, {}, r"attention_mask rows must be right-padded.*row 0.*holes at positions \[1\]"),
-        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 3), "attention_mask": torch.tensor([[0, 1, 1], [1, 1, 1]])}, {}, r"left padding"),
-        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 3), "attention_mask": torch.zeros(2, 3)}, {}, r"no real tokens"),
-        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 3)}, {"pad_to": 4}, r"pad_to=4 is smaller than the 6 physical tokens"),
-        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 3)}, {"label_style": "torch"}, r"label_style must be 'megatron' or 'hf'"),
-        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 3)}, {"cp_size": 0}, r"cp_size must be a positive int"),
-        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 3), "position_ids": torch.zeros(3, 2, 4, dtype=torch.long)}, {}, r"mRoPE positions must be \[3, 2, 3\]"),
-        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 3), "position_ids": torch.zeros(3, 2, 3, dtype=torch.long)}, {"mrope": lambda ids, **kw: None}, r"pass one of them"),
-        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 3)}, {"mrope": lambda ids, **kw: torch.zeros(2, 3)}, r"mrope positions must be \[3, B, S\] = \[3, 2, 3\], got \(2, 3\)"),
-        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 3)}, {"mrope": 3}, r"mrope must be an MRopeConfig or a callable"),
+        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 3, dtype=torch.long), "loss_mask": torch.ones(3, 3)}, {}, r"loss_mask has shape \(3, 3\)"),
+        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.tensor([[1, 0, 1], [1, 1, 1]])}, {}, r"attention_mask rows must be right-padded.*row 0.*holes at positions \[1\]"),
+        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.tensor([[0, 1, 1], [1, 1, 1]])}, {}, r"left padding"),
+        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.zeros(2, 3)}, {}, r"no real tokens"),
+        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 3, dtype=torch.long)}, {"pad_to": 4}, r"pad_to=4 is smaller than the 6 physical tokens"),
+        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 3, dtype=torch.long)}, {"label_style": "torch"}, r"label_style must be 'megatron' or 'hf'"),
+        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 3, dtype=torch.long)}, {"cp_size": 0}, r"cp_size must be a positive int"),
+        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 3, dtype=torch.long), "position_ids": torch.zeros(3, 2, 4, dtype=torch.long)}, {}, r"mRoPE positions must be \[3, 2, 3\]"),
+        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 3, dtype=torch.long), "position_ids": torch.zeros(3, 2, 3, dtype=torch.long)}, {"mrope": lambda ids, **kw: None}, r"pass one of them"),
+        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 3, dtype=torch.long)}, {"mrope": lambda ids, **kw: torch.zeros(2, 3)}, r"mrope positions must be \[3, B, S\] = \[3, 2, 3\], got \(2, 3\)"),
+        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 3, dtype=torch.long)}, {"mrope": 3}, r"mrope must be an MRopeConfig or a callable"),
     ],
 )
 def test_bad_batches_raise_naming_the_field(batch, kwargs, expected):
@@ -167,8 +173,8 @@ def test_mrope_config_packs_each_samples_own_positions():
     ids = torch.tensor([[1, 9, 9, 9, 9, 2, 0], [3, 4, 9, 9, 9, 9, 5]])
     keep = torch.tensor([[1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1]])
     grids = torch.tensor([[1, 4, 4], [1, 2, 8]])
-    packed = pack_batch({"input_ids": ids, "labels": ids, "attention_mask": keep, "image_grid_thw": grids},
-                        mrope=cfg, cp_size=2)
+    packed = pack_batch({"input_ids": ids, "labels": ids, "attention_mask": keep, "image_grid_thw": grids,
+                         "pixel_values": torch.zeros(32, 3)}, mrope=cfg, cp_size=2, label_style="hf")
     first = get_rope_index(ids[:1, :6], cfg, image_grid_thw=grids[:1]).position_ids[:, 0]
     second = get_rope_index(ids[1:], cfg, image_grid_thw=grids[1:]).position_ids[:, 0]
     cu_p = packed.packed_seq_params.cu_seqlens_q_padded.tolist()

@@ -17,7 +17,7 @@ CASES = {
                lambda: f"{x[0]}", lambda: str(x)],
     "dynamic_shape": [lambda: x.nonzero(), lambda: torch.nonzero(x), lambda: torch.argwhere(x),
                       lambda: torch.where(x), lambda: x.masked_select(mask), lambda: x[mask],
-                      lambda: x.clone().__setitem__(mask, 1), lambda: torch.unique(x), lambda: torch.bincount(x),
+                      lambda: x.clone().__setitem__(mask, torch.tensor([7, 8])), lambda: torch.unique(x), lambda: torch.bincount(x),
                       lambda: torch.repeat_interleave(x, x), lambda: x.repeat_interleave(x),
                       lambda: torch.repeat_interleave(x)],
 }
@@ -28,6 +28,7 @@ NOT_SYNCS = [
     lambda: x.repeat_interleave(2), lambda: x.repeat_interleave(repeats=2), lambda: x.cpu(), lambda: x.numpy(),
     lambda: x.to("cpu"), lambda: x.shape[0], lambda: x.numel(), lambda: torch.cumsum(x, 0),
     lambda: x.index_select(0, torch.tensor([1])), lambda: torch.tensor([1, 2]),
+    lambda: x.clone().__setitem__(mask, 1), lambda: x.clone().__setitem__(mask, torch.tensor(1)),  # masked_fill_
 ]
 
 
@@ -69,3 +70,16 @@ def test_nothing_is_counted_outside_the_block():
         pass
     x.tolist()
     assert syncs.total == 0
+
+
+def test_excluded_modules_are_not_counted_and_the_hooks_go_away():
+    class Reads(torch.nn.Module):
+        def forward(self, t):
+            return t.tolist()
+
+    inner, outer = Reads(), Reads()
+    with count_host_syncs(exclude=[inner]) as syncs:
+        inner(x)
+        outer(x)
+    assert syncs.by_kind == {"tolist": 1}
+    assert not inner._forward_pre_hooks and not inner._forward_hooks

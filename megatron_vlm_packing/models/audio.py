@@ -1,0 +1,75 @@
+"""A tiny Qwen3-Omni-style audio tower: mel frames of each clip -> a few audio tokens per clip.
+
+Inputs follow the Qwen3-Omni processor convention: `input_features` [A, F, L] (mel bins x frames,
+each clip right-padded to L frames) and `feature_attention_mask` [A, L] (1 at real frames). Each
+clip yields `audio_output_length(real frames, n_window)` tokens, the same count Qwen3-Omni's audio
+encoder gives (so `rope.get_rope_index` for the qwen3_omni family places them right). Clips never
+see each other: each is encoded alone, packed or not.
+
+Shape legend: A = clips, F = mel bins, L = padded frames, D = tower width, M = audio tokens of all
+clips, H = language-model hidden size.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron_vlm_packing.rope.omni import audio_output_length
+
+
+def audio_lengths_from_mask(feature_attention_mask: torch.Tensor) -> list[int]:
+    """Real frames per clip from a right-padded [A, L] mask (1 = real); one host sync.
+
+    Raises:
+        ValueError: a mask that is not 2D, or a clip whose real frames are not a prefix (holes or
+            left padding would silently shift frames).
+    """
+    if not isinstance(feature_attention_mask, torch.Tensor) or feature_attention_mask.dim() != 2:
+        raise ValueError(f"feature_attention_mask must be an [A, L] tensor, got "
+                         f"{getattr(feature_attention_mask, 'shape', type(feature_attention_mask))}")
+    keep = feature_attention_mask.bool()
+    lengths = keep.sum(1)
+    prefix = torch.arange(keep.shape[1], device=keep.device)[None] < lengths[:, None]
+    bad = torch.nonzero((keep != prefix).any(1)).flatten().tolist()
+    if bad:
+        raise ValueError(f"feature_attention_mask rows {bad} are not right-padded (real frames must come first)")
+    return lengths.tolist()
+
+
+def audio_tokens_per_clip(feature_attention_mask: torch.Tensor, n_window: int) -> list[int]:
+    """Language-model tokens of each clip: Qwen3-Omni's encoder output length of its real frames."""
+    lengths = torch.tensor(audio_lengths_from_mask(feature_attention_mask), dtype=torch.long)
+    return audio_output_length(lengths, n_window).tolist()
+
+
+class TinyAudioTower(nn.Module):
+    """Frames -> MLP -> mean over `audio_output_length` equal chunks -> projector to the LM width."""
+
+    def __init__(self, *, mel_bins: int, width: int, out_hidden: int, n_window: int = 50):
+        super().__init__()
+        self.n_window, self.out_hidden = n_window, out_hidden
+        self.frame_embed = nn.Sequential(nn.Linear(mel_bins, width), nn.GELU(), nn.Linear(width, width))
+        self.projector = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, out_hidden))
+
+    def forward(self, input_features: torch.Tensor, feature_attention_mask: torch.Tensor) -> torch.Tensor:
+        """input_features: [A, F, L]; feature_attention_mask: [A, L] -> [M, H] audio embeddings in clip order.
+
+        Raises:
+            ValueError: features and mask disagree in clips or frames, or the mask is not right-padded.
+        """
+        if input_features.dim() != 3 or input_features.shape[0] != feature_attention_mask.shape[0] \
+                or input_features.shape[2] != feature_attention_mask.shape[-1]:
+            raise ValueError(f"input_features {tuple(input_features.shape)} must be [A, F, L] matching "
+                             f"feature_attention_mask {tuple(feature_attention_mask.shape)} [A, L]")
+        lengths = audio_lengths_from_mask(feature_attention_mask)
+        counts = audio_output_length(torch.tensor(lengths), self.n_window).tolist()
+        dtype = self.frame_embed[0].weight.dtype
+        out = []
+        for clip, (frames, tokens) in enumerate(zip(lengths, counts)):
+            x = self.frame_embed(input_features[clip, :, :frames].transpose(0, 1).to(dtype))  # [frames, D]
+            chunks = torch.tensor_split(x, tokens, dim=0)  # `tokens` nonempty chunks (tokens <= frames)
+            out.append(torch.stack([c.mean(0) for c in chunks]))  # [tokens, D]
+        if not out:
+            return input_features.new_zeros(0, self.out_hidden)
+        return self.projector(torch.cat(out))

@@ -1,0 +1,113 @@
+"""`pad_batch`: the dense path (packing off) producing the same `MicroBatch` as `pack_batch`.
+
+Rows stay rows ([B, L]), right-padded to one length aligned for the parallel layout. Lengths,
+labels, loss weights, positions (mRoPE included) and vision/audio inputs come from the same
+`read_rows` as the packed path, so every check `pack_batch` makes is made here too.
+
+Shape legend: B = rows, S = collated row length, L = dense row length.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_vlm_packing.packing.dense import pad_or_truncate_positions, pad_or_truncate_rows
+from megatron_vlm_packing.packing.media import MediaTokens
+from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch
+from megatron_vlm_packing.packing.plan import PackMultiples, round_up
+from megatron_vlm_packing.packing.rows import IGNORE_INDEX, Rows, read_rows
+
+
+def dense_row_length(row_length: int, longest: int, multiple: int, *, seq_length: int | None, truncate: bool) -> int:
+    """L: `seq_length` when given (checked), else S rounded up to `multiple`.
+
+    Raises:
+        ValueError: `seq_length` not a positive multiple of `multiple`, or shorter than the longest
+        row's real tokens without `truncate=True` (nothing is cut silently).
+    """
+    if seq_length is None:
+        return round_up(row_length, multiple)
+    if isinstance(seq_length, bool) or not isinstance(seq_length, int) or seq_length < 1 or seq_length % multiple:
+        raise ValueError(f"seq_length={seq_length!r} must be a positive multiple of {multiple} "
+                         f"(the parallel layout's alignment)")
+    if seq_length < longest and not truncate:
+        raise ValueError(f"seq_length={seq_length} is shorter than the longest row's {longest} real tokens; "
+                         f"pass truncate=True to cut rows, nothing is truncated silently")
+    return seq_length
+
+
+def pad_positions_after_real(positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """[C, B, S] positions with each row's pad slots set to row max + 1, + 2, ... (never a restart)."""
+    floor = torch.finfo(positions.dtype).min if positions.is_floating_point() else torch.iinfo(positions.dtype).min
+    row_max = torch.where(keep, positions, floor).amax(dim=(0, 2), keepdim=True)  # [1, B, 1]
+    pad_rank = torch.cumsum(~keep, dim=1).to(positions.dtype)  # [B, S], 1, 2, ... at pads
+    return torch.where(keep, positions, row_max + pad_rank)
+
+
+def _cut_media_check(rows: Rows, length: int) -> None:
+    if length >= max(rows.lengths):
+        return
+    if rows.vision is not None or rows.audio is not None:
+        raise ValueError(f"truncate=True would cut rows to seq_length={length} below their real tokens "
+                         f"(longest {max(rows.lengths)}), and the batch has vision/audio inputs whose "
+                         f"placeholders cannot be cut")
+
+
+def pad_batch(
+    batch: dict,
+    *,
+    tp_size: int = 1,
+    cp_size: int = 1,
+    sequence_parallel: bool = False,
+    fp8: bool = False,
+    seq_length: int | None = None,
+    truncate: bool = False,
+    label_style: str = "megatron",
+    mrope=None,
+    pad_token_id: int = 0,
+    image_token_id: int | None = None,
+    video_token_id: int | None = None,
+    audio_token_id: int | None = None,
+    spatial_merge_size: int | None = None,
+    extra_keys: tuple[str, ...] = (),
+) -> MicroBatch:
+    """Right-padded dense rows of one aligned length, as a `MicroBatch` (packed_seq_params None).
+
+    Args: as `pack_batch`, plus
+        seq_length: fixed row length L (static shapes); must be a multiple of the layout's alignment.
+        truncate: allow `seq_length` to cut rows' real tokens (text only).
+
+    Returns:
+        MicroBatch with [B, L] fields (positions [B, L], or [3, B, L] for mRoPE; pad slots continue
+        after each row's largest position), `padding_mask` True at pad slots.
+    """
+    media = MediaTokens.resolve(mrope, image_token_id=image_token_id, video_token_id=video_token_id,
+                                audio_token_id=audio_token_id, spatial_merge_size=spatial_merge_size)
+    rows = read_rows(batch, label_style=label_style, mrope=mrope, media=media, extra_keys=tuple(extra_keys))
+    batch_size, row_length = rows.input_ids.shape
+    multiple = PackMultiples.for_parallel(tp_size=tp_size, cp_size=cp_size, sequence_parallel=sequence_parallel,
+                                          fp8=fp8).total
+    length = dense_row_length(row_length, max(rows.lengths), multiple, seq_length=seq_length, truncate=truncate)
+    _cut_media_check(rows, length)
+    keep = pad_or_truncate_rows(rows.keep, length, pad_value=False)
+    if rows.positions is None:
+        positions = torch.arange(length, device=keep.device).expand(batch_size, length)
+    else:
+        positions = pad_or_truncate_positions(pad_positions_after_real(rows.positions, rows.keep), length)
+    labels = pad_or_truncate_rows(rows.labels, length, pad_value=IGNORE_INDEX)
+    if length < row_length:  # truncated: the last kept token's target may lie beyond the cut, which is fine
+        labels = torch.where(keep, labels, IGNORE_INDEX)
+    real = int(keep.sum()) if length < max(rows.lengths) else sum(rows.lengths)
+    return MicroBatch(
+        input_ids=torch.where(keep, pad_or_truncate_rows(rows.input_ids, length), pad_token_id),
+        labels=labels,
+        loss_mask=pad_or_truncate_rows(rows.loss_weights, length) * keep,
+        position_ids=positions,
+        padding_mask=~keep,
+        packed_seq_params=None,
+        rope_cu_seqlens=None,
+        stats=BatchStats(real_tokens=real, physical_tokens=batch_size * length, row_tokens=batch_size * row_length),
+        vision=rows.vision,
+        audio=rows.audio,
+        extras={key: pad_or_truncate_rows(value, length) for key, value in rows.extras.items()},
+    )

@@ -1,0 +1,205 @@
+"""A collated batch read and checked once, as right-padded rows: what `pack_batch` and `pad_batch` share.
+
+`read_rows` turns a batch dict into a `Rows` value: ids, real-token mask, next-token labels, float
+loss weights, positions (mRoPE per row alone, or None for 1D positions restarting per document),
+typed vision/audio inputs with per-row counts and declared per-token extras. Every key of the
+batch is accounted for: an unknown key is a ValueError naming it, never sorted into a side dict.
+
+Shape legend: B = rows, S = row length.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import torch
+
+from megatron_vlm_packing.packing.lengths import real_lengths
+from megatron_vlm_packing.packing.media import AUDIO_KEYS, VISION_KEYS, MediaTokens, audio_inputs, vision_inputs
+from megatron_vlm_packing.packing.micro_batch import AudioInputs, VisionInputs
+
+IGNORE_INDEX = -100
+SEQUENCE_KEYS = ("input_ids", "tokens", "labels", "loss_mask", "attention_mask", "position_ids", "seq_lens")
+# Read only by an mRoPE index (`mrope=`): accepted only when one is given.
+ROPE_ONLY_KEYS = ("mm_token_type_ids", "use_audio_in_video", "audio_seqlens")
+_ROPE_INPUT_KEYS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts", "mm_token_type_ids",
+                    "audio_seqlens", "feature_attention_mask", "use_audio_in_video")
+
+
+@dataclass(frozen=True)
+class Rows:
+    """One checked, right-padded batch.
+
+    Attributes:
+        input_ids: [B, S] long.
+        keep: [B, S] bool, True at real tokens.
+        lengths: B real lengths (host ints).
+        labels: [B, S] long next-token targets (HF labels already shifted inside each row), -100
+            where there is none (pads included).
+        loss_weights: [B, S] float, the loss weight of each target (0 where there is none).
+        positions: [3, B, S] mRoPE positions of each row alone, or None (1D, restarting per document).
+        vision, audio: typed media inputs with per-row counts, or None.
+        extras: declared per-token tensors, [B, S, ...].
+    """
+
+    input_ids: torch.Tensor
+    keep: torch.Tensor
+    lengths: list[int]
+    labels: torch.Tensor
+    loss_weights: torch.Tensor
+    positions: torch.Tensor | None
+    vision: VisionInputs | None
+    audio: AudioInputs | None
+    extras: Mapping[str, torch.Tensor] = field(default_factory=dict)
+
+
+def check_keys(batch, *, extra_keys, mrope) -> None:
+    """The batch is a dict whose every key is understood; ValueError naming the first that is not."""
+    if not isinstance(batch, Mapping):
+        raise ValueError(f"batch must be a dict of tensors, got {type(batch).__name__}")
+    known = set(SEQUENCE_KEYS) | set(VISION_KEYS) | set(AUDIO_KEYS) | set(extra_keys)
+    for key in batch:
+        if key in ROPE_ONLY_KEYS and key not in known:
+            if mrope is None:
+                raise ValueError(f"batch key {key!r} is read only by an mRoPE index, and no mrope= was given")
+            continue
+        if key not in known:
+            raise ValueError(
+                f"unknown batch key {key!r}: pack_batch/pad_batch take {sorted(SEQUENCE_KEYS)}, vision "
+                f"{sorted(VISION_KEYS)}, audio {sorted(AUDIO_KEYS)}; declare per-token tensors with extra_keys="
+            )
+
+
+def input_ids_of(batch: Mapping) -> tuple[str, torch.Tensor]:
+    """(name, [B, S] integer ids) from exactly one of `input_ids` / `tokens`."""
+    keys = [k for k in ("input_ids", "tokens") if batch.get(k) is not None]
+    if len(keys) != 1:
+        raise ValueError(f"the batch needs exactly one of 'input_ids' or 'tokens', found {keys or 'neither'}")
+    ids = batch[keys[0]]
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        raise ValueError(f"{keys[0]} must be a [B, S] tensor, got {getattr(ids, 'shape', type(ids).__name__)}")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"{keys[0]} must hold integer token ids, got dtype {ids.dtype}")
+    if ids.shape[0] == 0 or ids.shape[1] == 0:
+        raise ValueError(f"{keys[0]} is empty: shape {tuple(ids.shape)}")
+    return keys[0], ids.long()
+
+
+def row_tensor(batch: Mapping, name: str, shape: tuple[int, int]) -> torch.Tensor | None:
+    """batch[name] when given, checked to be a [B, S] tensor."""
+    value = batch.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{name} must be a [B, S] tensor like input_ids {shape}, got {type(value).__name__}")
+    if tuple(value.shape) != shape:
+        raise ValueError(f"{name} has shape {tuple(value.shape)} but input_ids is {shape}")
+    return value
+
+
+def shift_labels_within_rows(labels: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Hugging Face labels (unshifted) to next-token targets, shifted inside each row.
+
+    Args:
+        labels: [B, S] long, HF convention (target of position s is labels[s+1]; -100 = ignore).
+        keep: [B, S] bool, True at real tokens (right-padded).
+
+    Returns:
+        [B, S] long: out[b, s] = labels[b, s+1] while s+1 is a real token of row b, else -100;
+        so the last token of a sample never learns the first token of the next (bug class 8).
+    """
+    shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)
+    next_is_real = torch.cat([keep[:, 1:], torch.zeros_like(keep[:, :1])], dim=1)
+    return torch.where(next_is_real, shifted, IGNORE_INDEX)
+
+
+def labels_and_weights(batch: Mapping, keep: torch.Tensor, label_style: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, S] next-token labels and float loss weights (a float `loss_mask` keeps its values)."""
+    shape = tuple(keep.shape)
+    labels = row_tensor(batch, "labels", shape)
+    if labels is None:
+        raise ValueError("the batch has no 'labels': pack_batch/pad_batch build training micro-batches")
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise ValueError(f"labels must hold integer token ids (-100 = ignore), got dtype {labels.dtype}")
+    labels = labels.long()
+    if label_style == "hf":
+        labels = shift_labels_within_rows(labels, keep)
+    elif label_style == "megatron":
+        labels = torch.where(keep, labels, IGNORE_INDEX)
+    else:
+        raise ValueError(f"label_style must be 'megatron' or 'hf', got {label_style!r}")
+    weights = (labels != IGNORE_INDEX).float()
+    loss_mask = row_tensor(batch, "loss_mask", shape)
+    if loss_mask is not None:
+        weights = weights * loss_mask.float()
+    return labels, weights
+
+
+def rope_positions(batch: Mapping, input_ids: torch.Tensor, keep: torch.Tensor, mrope, audio) -> torch.Tensor:
+    """[3, B, S] positions of each row alone, from an `MRopeConfig` or a callable."""
+    if callable(mrope):
+        fn: Callable = mrope
+        params = inspect.signature(mrope).parameters
+        accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        accepted = set(_ROPE_INPUT_KEYS) | {"attention_mask"} if accepts_any else set(params)
+    else:
+        from megatron_vlm_packing.rope import MRopeConfig, get_rope_index  # imported only when used
+
+        if not isinstance(mrope, MRopeConfig):
+            raise ValueError(f"mrope must be an MRopeConfig or a callable, got {type(mrope).__name__}")
+        fn = lambda ids, **kw: get_rope_index(ids, mrope, **kw)  # noqa: E731
+        accepted = set(inspect.signature(get_rope_index).parameters)
+    kwargs = {k: batch[k] for k in _ROPE_INPUT_KEYS if batch.get(k) is not None and k in accepted}
+    if audio is not None and "audio_seqlens" in accepted and "audio_seqlens" not in kwargs:
+        kwargs["audio_seqlens"] = torch.tensor(audio.audio_lengths)
+    result = fn(input_ids, attention_mask=keep.long(), **kwargs)
+    positions = result[0] if isinstance(result, tuple) else result
+    if not isinstance(positions, torch.Tensor) or positions.dim() != 3 or positions.shape[0] != 3 \
+            or tuple(positions.shape[1:]) != tuple(input_ids.shape):
+        raise ValueError(f"mrope positions must be [3, B, S] = [3, {input_ids.shape[0]}, {input_ids.shape[1]}], "
+                         f"got {tuple(getattr(positions, 'shape', ()))}")
+    return positions
+
+
+def batch_positions(batch: Mapping, input_ids: torch.Tensor, keep: torch.Tensor, mrope, audio) -> torch.Tensor | None:
+    """[3, B, S] mRoPE positions (computed, or given in the batch), or None for 1D positions."""
+    given = batch.get("position_ids")
+    if given is not None and not isinstance(given, torch.Tensor):
+        raise ValueError(f"position_ids must be a tensor, got {type(given).__name__}")
+    if mrope is not None:
+        if given is not None and given.dim() == 3:
+            raise ValueError("the batch has [3, B, S] position_ids and mrope= was given: pass one of them")
+        return rope_positions(batch, input_ids, keep, mrope, audio)
+    if given is not None and given.dim() == 3:
+        if given.shape[0] != 3 or tuple(given.shape[1:]) != tuple(input_ids.shape):
+            raise ValueError(f"position_ids has shape {tuple(given.shape)}; mRoPE positions must be "
+                             f"[3, {input_ids.shape[0]}, {input_ids.shape[1]}]")
+        return given
+    return None  # 1D positions are recomputed: each document restarts at 0 whatever the batch held
+
+
+def read_rows(batch, *, label_style: str, mrope, media: MediaTokens, extra_keys=()) -> Rows:
+    """Check a collated batch and read it into `Rows` (see the module docstring)."""
+    check_keys(batch, extra_keys=extra_keys, mrope=mrope)
+    _, input_ids = input_ids_of(batch)
+    shape = tuple(input_ids.shape)
+    lengths = real_lengths(batch_size=shape[0], row_length=shape[1],
+                           attention_mask=batch.get("attention_mask"), seq_lens=batch.get("seq_lens"))
+    keep = torch.arange(shape[1], device=input_ids.device) < torch.tensor(lengths, device=input_ids.device)[:, None]
+    labels, weights = labels_and_weights(batch, keep, label_style)
+    vision = vision_inputs(batch, input_ids, keep, media)
+    audio = audio_inputs(batch, input_ids, keep, media)
+    extras = {}
+    for key in extra_keys:
+        value = batch.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, torch.Tensor) or value.dim() < 2 or tuple(value.shape[:2]) != shape:
+            raise ValueError(f"extra key {key!r} must be a per-token [B, S, ...] tensor with [B, S] = {shape}, "
+                             f"got {tuple(getattr(value, 'shape', ())) or type(value).__name__}")
+        extras[key] = value
+    return Rows(input_ids=input_ids, keep=keep, lengths=lengths, labels=labels, loss_weights=weights,
+                positions=batch_positions(batch, input_ids, keep, mrope, audio), vision=vision, audio=audio,
+                extras=extras)

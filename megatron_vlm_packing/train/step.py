@@ -1,0 +1,173 @@
+"""The forward step users register: `make_forward_step(...) -> forward_step(data_iterator, model)`.
+
+Works with Megatron-LM's `pretrain`, `megatron.core.pipeline_parallel.get_forward_backward_func`
+and (with `with_state=True`) Megatron-Bridge's `(state, data_iterator, model)` form. A chain of
+small named stages, each testable alone:
+
+    read_micro_batch -> to_device -> build_micro_batch (pack_batch | pad_batch)
+      -> adapter.check -> localize (the one CP selection) -> adapter.forward -> loss_func
+
+The model's adapter (`models.adapter.adapter_for`, through DDP / Float16Module wrappers, or the
+`adapter=` given) declares what the model consumes and in which form; nothing is chosen by
+reading a forward's signature, and an input the adapter does not consume is a ValueError naming
+it (bug class 10). Process groups are looked up here, at the edge; everything below takes ints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from megatron_vlm_packing.models.adapter import ModelAdapter, adapter_for, unwrap_model
+from megatron_vlm_packing.packing.localize import localize
+from megatron_vlm_packing.packing.micro_batch import MicroBatch
+from megatron_vlm_packing.parallel.layout import ParallelLayout
+from megatron_vlm_packing.train.loss import loss_func
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """How a collated batch becomes a micro-batch (the arguments of `make_forward_step`)."""
+
+    pack: bool = True
+    label_style: str = "hf"
+    pad_to: int | None = None
+    seq_length: int | None = None
+    fp8: bool = False
+    mrope: Any = None
+
+    def __post_init__(self) -> None:
+        if self.label_style not in ("hf", "megatron"):
+            raise ValueError(f"label_style must be 'hf' or 'megatron', got {self.label_style!r}")
+        if self.pack and self.seq_length is not None:
+            raise ValueError(f"seq_length={self.seq_length} is the dense row length (pack=False); "
+                             f"with pack=True use pad_to for a fixed packed length")
+        if not self.pack and self.pad_to is not None:
+            raise ValueError(f"pad_to={self.pad_to} is the fixed packed length (pack=True); "
+                             f"with pack=False use seq_length")
+
+
+def read_micro_batch(data_iterator: Iterator, *, broadcast_from_tp_rank0: bool) -> dict:
+    """Every rank reads its (deterministic) iterator, or TP rank 0 reads and broadcasts the batch."""
+    if not broadcast_from_tp_rank0:
+        batch = next(data_iterator)
+    else:
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        holder = [next(data_iterator) if ps.get_tensor_model_parallel_rank() == 0 else None]
+        dist.broadcast_object_list(holder, src=ps.get_tensor_model_parallel_src_rank(),
+                                   group=ps.get_tensor_model_parallel_group())
+        batch = holder[0]
+    if not isinstance(batch, dict):
+        raise ValueError(f"the data iterator must yield a dict of tensors (a collated batch), got {type(batch).__name__}")
+    return batch
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    """Tensors of the batch on `device` (non-tensor values as they are)."""
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def resolve_mrope(options: StepOptions, adapter: ModelAdapter):
+    """The mRoPE config positions are computed with: the step's, else the model's own (PackedVLM).
+
+    Raises:
+        ValueError: `mrope=` given for a model whose adapter says its rotary is 1D (the positions
+            would be computed and then ignored, or fed to a 1D rotary).
+    """
+    rotary = getattr(adapter, "rotary", None)
+    if options.mrope is not None and rotary == "1d":
+        raise ValueError(f"make_forward_step(mrope=...) was given but {adapter.model_name}'s rotary is 1D "
+                         f"({type(adapter).__name__}): drop mrope= or build an mRoPE model")
+    return options.mrope if options.mrope is not None else getattr(adapter, "mrope", None)
+
+
+def build_micro_batch(batch: dict, layout: ParallelLayout, options: StepOptions, *, mrope=None) -> MicroBatch:
+    """`pack_batch` (real-length THD) or `pad_batch` (dense rows), aligned for `layout`; full length."""
+    from megatron_vlm_packing.packing import pack_batch, pad_batch
+
+    common = dict(tp_size=layout.tp_size, cp_size=layout.cp_size, sequence_parallel=layout.sequence_parallel,
+                  fp8=options.fp8, label_style=options.label_style, mrope=mrope)
+    if options.pack:
+        return pack_batch(batch, pad_to=options.pad_to, **common)
+    return pad_batch(batch, seq_length=options.seq_length, **common)
+
+
+def prepare_for_model(micro_batch: MicroBatch, adapter: ModelAdapter, layout: ParallelLayout) -> MicroBatch:
+    """Refuse what the model cannot take, then cut to this CP rank as the adapter declares."""
+    adapter.check(micro_batch)
+    return localize(micro_batch, layout, adapter.needs)
+
+
+class _Adapters:
+    """The adapter of each model the step is called with, built once per model object."""
+
+    def __init__(self, given):
+        self.given, self.built = given, {}
+
+    def __call__(self, model: nn.Module) -> ModelAdapter:
+        key = id(model)
+        if key not in self.built:
+            if self.given is None:
+                adapter = adapter_for(model)
+            elif isinstance(self.given, ModelAdapter):
+                adapter = self.given
+            elif callable(self.given):
+                adapter = self.given(unwrap_model(model))
+            else:
+                raise ValueError(f"adapter must be a ModelAdapter or a factory model -> ModelAdapter, got {self.given!r}")
+            if not isinstance(adapter, ModelAdapter):
+                raise ValueError(f"the adapter factory returned {type(adapter).__name__}, not a ModelAdapter")
+            self.built[key] = (model, adapter)  # the model is held so its id is never reused
+        return self.built[key][1]
+
+
+def make_forward_step(*, pack: bool = True, label_style: str = "hf", pad_to: int | None = None,
+                      seq_length: int | None = None, fp8: bool = False, mrope=None,
+                      broadcast_from_tp_rank0: bool = False, with_state: bool = False, adapter=None,
+                      transform: Callable[[MicroBatch], MicroBatch] | None = None) -> Callable:
+    """Build a Megatron forward step.
+
+    Args:
+        pack: real-length THD packing (True) or dense right-padded rows (False).
+        label_style: "hf" (unshifted labels, shifted inside each sample) or "megatron".
+        pad_to: fixed packed length (static shapes: PP > 1, EP > 1, CUDA graphs).
+        seq_length: fixed dense row length when `pack=False` (shorter than a real row is a ValueError).
+        mrope: `rope.MRopeConfig` or a callable giving [3, B, S] positions per sample alone; defaults
+            to the model's own (`PackedVLM(mrope=...)`). A ValueError for a model with 1D rotary.
+        broadcast_from_tp_rank0: TP rank 0 reads the iterator and broadcasts (Megatron-LM style).
+        with_state: return the `(state, data_iterator, model)` form (Megatron-Bridge).
+        adapter: a `ModelAdapter` (or a factory `model -> ModelAdapter`) overriding the registry.
+        transform: applied to each full-length micro-batch before the checks and `localize` (to
+            observe micro-batches, or for tests that make one deliberate mistake).
+
+    Returns:
+        `forward_step(data_iterator, model) -> (output_tensor, loss_func)`.
+    """
+    options = StepOptions(pack=pack, label_style=label_style, pad_to=pad_to, seq_length=seq_length, fp8=fp8,
+                          mrope=mrope)
+    adapters = _Adapters(adapter)
+
+    def forward_step(data_iterator, model):
+        model_adapter = adapters(model)
+        layout = ParallelLayout.from_megatron(unwrap_model(model).config)
+        batch = read_micro_batch(data_iterator, broadcast_from_tp_rank0=broadcast_from_tp_rank0)
+        batch = to_device(batch, next(model.parameters()).device)
+        micro_batch = build_micro_batch(batch, layout, options, mrope=resolve_mrope(options, model_adapter))
+        if transform is not None:
+            micro_batch = transform(micro_batch)
+        local = prepare_for_model(micro_batch, model_adapter, layout)
+        output = model_adapter.forward(model, local)
+        return output, partial(loss_func, local.loss_mask, local.stats)
+
+    if with_state:
+        def forward_step_with_state(state: Any, data_iterator, model):
+            return forward_step(data_iterator, model)
+
+        return forward_step_with_state
+    return forward_step

@@ -1,0 +1,228 @@
+"""The sampled parity probe: run one packed micro-batch again, and each of its samples alone, without
+gradients, and compare the per-token losses (contract item 1: no cross-sample flow).
+
+A pack that is wrong in a way that changes the numbers (boundaries that merge samples, labels
+crossing documents, positions that do not restart, a CP index of the wrong rank) shows up as a loss
+difference; above `tolerance` the probe raises `ParityProbeError` with the validator's report of
+the same pack, so the message names the broken contract item.
+
+Shape legend: B = rows, S = row length, T = physical packed slots, n = one sample's real tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Callable, Sequence
+
+import torch
+
+from megatron_vlm_packing.packing.lengths import real_lengths
+from megatron_vlm_packing.validate.inputs import SourceRows
+from megatron_vlm_packing.validate.report import ValidationReport
+from megatron_vlm_packing.validate.validate import validate_packed_batch
+
+_ROW_KEYS = ("input_ids", "tokens", "labels", "attention_mask", "loss_mask")
+_IMAGE_KEYS = ("pixel_values", "image_grid_thw")
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """Packed vs alone per-token losses of one micro-batch.
+
+    Attributes:
+        max_abs_diff: max |loss_packed - loss_alone| over trained tokens.
+        mean_abs_diff: mean of the same.
+        num_tokens: trained tokens compared.
+        per_document: max |diff| of each document (packed order).
+        tolerance: the threshold the probe was run with.
+    """
+
+    max_abs_diff: float
+    mean_abs_diff: float
+    num_tokens: int
+    per_document: tuple[float, ...]
+    tolerance: float
+
+    @property
+    def ok(self) -> bool:
+        return self.max_abs_diff <= self.tolerance
+
+    def __str__(self) -> str:
+        return (f"parity probe: max |dloss| {self.max_abs_diff:.3e}, mean {self.mean_abs_diff:.3e} over "
+                f"{self.num_tokens} tokens of {len(self.per_document)} samples (tolerance {self.tolerance:.1e})")
+
+
+class ParityProbeError(AssertionError):
+    """The packed losses differ from the samples' own; carries the result and the validator's report."""
+
+    def __init__(self, result: ProbeResult, report: ValidationReport, worst: str):
+        self.result, self.report = result, report
+        super().__init__(f"{result}: packing is not exact ({worst})\n{report}")
+
+
+def _images_per_row(ids: torch.Tensor, lengths: list[int], grid: torch.Tensor, token_id: int, merge: int) -> list[int]:
+    """How many consecutive grids each row's placeholders take."""
+    sizes = (grid.long().prod(dim=1) // (merge * merge)).tolist()
+    counts, j = [], 0
+    for b, n in enumerate(lengths):
+        need, take = int((ids[b, :n] == token_id).sum()), 0
+        while need > 0 and j + take < len(sizes):
+            need -= sizes[j + take]
+            take += 1
+        if need != 0:
+            raise ValueError(f"row {b}: its image placeholders do not match consecutive image_grid_thw rows {sizes}")
+        counts.append(take)
+        j += take
+    return counts
+
+
+def split_rows(batch: dict, *, image_token_id: int | None = None, spatial_merge_size: int = 2,
+               images_per_row: Sequence[int] | None = None) -> list[tuple[int, dict]]:
+    """Every non-empty row alone: (row, batch of one row cut to its n real tokens, with its own images).
+
+    Images are given to rows by `images_per_row` (a `MicroBatch`'s `vision.images_per_sample`),
+    else by counting each row's `image_token_id` placeholders against consecutive grids.
+
+    Raises:
+        ValueError: a key the probe cannot split per sample (videos, audio, unknown per-sample
+        inputs), or images without `image_token_id`.
+    """
+    unknown = sorted(k for k, v in batch.items() if v is not None and k not in _ROW_KEYS + _IMAGE_KEYS)
+    if unknown:
+        raise ValueError(f"the parity probe splits token rows and images only; the batch also has {unknown}")
+    ids = batch["input_ids"] if batch.get("input_ids") is not None else batch["tokens"]
+    lengths = real_lengths(batch_size=ids.shape[0], row_length=ids.shape[1], attention_mask=batch.get("attention_mask"))
+    images = None
+    if batch.get("pixel_values") is not None and images_per_row is not None:
+        images = [int(n) for n in images_per_row]
+    elif batch.get("pixel_values") is not None:
+        if image_token_id is None:
+            raise ValueError("the batch has pixel_values: the parity probe needs image_token_id to split them per sample")
+        images = _images_per_row(ids, lengths, batch["image_grid_thw"], image_token_id, spatial_merge_size)
+    rows, image_start, patch_start = [], 0, 0
+    for b, n in enumerate(lengths):
+        one = {k: batch[k][b:b + 1, :n] for k in _ROW_KEYS if batch.get(k) is not None}
+        if images is not None:
+            grid = batch["image_grid_thw"][image_start:image_start + images[b]]
+            patches = int(grid.long().prod(dim=1).sum())
+            if images[b]:
+                one.update(image_grid_thw=grid, pixel_values=batch["pixel_values"][patch_start:patch_start + patches])
+            image_start, patch_start = image_start + images[b], patch_start + patches
+        if n:
+            rows.append((b, one))
+    return rows
+
+
+def _document_starts(packed) -> list[int]:
+    """Physical start slot of each document: from the plan when the pack has one, else its boundaries."""
+    plan = getattr(packed, "plan", None)
+    if plan is not None:
+        starts = [0]
+        for n in plan.physical_lengths[:-1]:
+            starts.append(starts[-1] + n)
+        return starts
+    params = packed.packed_seq_params
+    cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+    return cu[:-1].tolist()
+
+
+def _alone(pack: Callable, sample: dict):
+    """One sample as its own micro-batch: dense (no packed_seq_params) when it needs no padding."""
+    single = pack(sample)
+    if single.input_ids.shape[-1] == sample["input_ids" if "input_ids" in sample else "tokens"].shape[-1]:
+        single = replace(single, packed_seq_params=None, rope_cu_seqlens=None)
+    return single
+
+
+def _token_differences(packed_loss: torch.Tensor, packed_trained: torch.Tensor, alone_loss: torch.Tensor,
+                       alone_trained: torch.Tensor) -> torch.Tensor:
+    """|difference| at every token trained in either run ([n] -> [k]); a token trained in only one
+    run counts its whole loss (it learns a target it does not have alone, or loses one)."""
+    both = packed_trained & alone_trained
+    diff = torch.where(both, (packed_loss - alone_loss).abs(),
+                       torch.where(packed_trained, packed_loss.abs(), alone_loss.abs()))
+    return diff[packed_trained | alone_trained]
+
+
+def parity_probe(
+    forward: Callable,
+    batch: dict,
+    *,
+    packed=None,
+    pack: Callable | None = None,
+    tolerance: float = 1e-4,
+    image_token_id: int | None = None,
+    spatial_merge_size: int = 2,
+    **pack_kwargs,
+) -> ProbeResult:
+    """Packed vs each sample alone, per token, without gradients.
+
+    Args:
+        forward: `forward(micro_batch) -> [1, T] / [1, n]` per-token losses (a model called with
+            labels), taking what `pack` returns; `packed_seq_params` is None for a sample alone
+            when it needs no padding (it then runs dense, causal).
+        batch: the collated, right-padded batch the pack was made from (token rows, optional images).
+        packed: the packed micro-batch to probe (default: `pack(batch)`); must be full length
+            (not localized to a CP rank).
+        pack: batch -> micro-batch (default: `pack_batch(**pack_kwargs)`); used for each sample alone too.
+        tolerance: largest |loss difference| accepted (fp32: 1e-4; use ~5e-2 under bf16).
+        image_token_id, spatial_merge_size: to give each sample its own images.
+        **pack_kwargs: for the default `pack` (label_style, mrope, tp_size, sequence_parallel, fp8, ...).
+
+    Returns:
+        `ProbeResult`.
+
+    Raises:
+        ParityProbeError: the difference exceeds `tolerance` (message: the numbers and the
+            validator's report of `packed` against `batch`).
+        ValueError: cp_size > 1 or a localized pack (each sample alone runs on one rank's view), or
+            a batch the probe cannot split per sample.
+    """
+    if pack_kwargs.get("cp_size", 1) != 1 or getattr(packed, "cp_index", None) is not None:
+        raise ValueError("the parity probe compares full-length packs: cp_size must be 1 and packed not localized")
+    if pack is None:
+        from megatron_vlm_packing import pack_batch
+
+        pack = partial(pack_batch, **pack_kwargs)
+    vision = getattr(packed, "vision", None)
+    rows = split_rows(batch, image_token_id=image_token_id, spatial_merge_size=spatial_merge_size,
+                      images_per_row=getattr(vision, "images_per_sample", None))
+    with torch.no_grad():
+        packed = pack(batch) if packed is None else packed
+        packed_loss = forward(packed).detach().float().reshape(-1)
+        packed_trained = packed.loss_mask.reshape(-1) != 0
+        starts = _document_starts(packed)
+        covered = torch.zeros_like(packed_trained)
+        diffs, per_doc = [], []
+        for d, (_, sample) in enumerate(rows):
+            alone = _alone(pack, sample)
+            n = sample["input_ids" if "input_ids" in sample else "tokens"].shape[-1]
+            window = slice(starts[d], starts[d] + n)
+            covered[window] = True
+            diff = _token_differences(packed_loss[window], packed_trained[window],
+                                      forward(alone).detach().float().reshape(-1)[:n],
+                                      alone.loss_mask.reshape(-1)[:n] != 0)
+            diffs.append(diff)
+            per_doc.append(float(diff.max()) if diff.numel() else 0.0)
+        diffs.append(packed_loss[packed_trained & ~covered].abs())  # loss on slots of no sample: pad slots
+    every = torch.cat(diffs) if diffs else torch.zeros(0)
+    result = ProbeResult(max_abs_diff=float(every.max()) if every.numel() else 0.0,
+                         mean_abs_diff=float(every.mean()) if every.numel() else 0.0,
+                         num_tokens=every.numel(), per_document=tuple(per_doc), tolerance=tolerance)
+    if not result.ok:
+        worst = max(range(len(per_doc)), key=per_doc.__getitem__)
+        raise ParityProbeError(result, _report(packed, batch, image_token_id, spatial_merge_size, pack_kwargs),
+                               f"worst: document {worst} (row {rows[worst][0]}), |dloss| {per_doc[worst]:.3e}")
+    return result
+
+
+def _report(packed, batch: dict, image_token_id, merge: int, pack_kwargs: dict) -> ValidationReport:
+    ids = batch["input_ids"] if batch.get("input_ids") is not None else batch["tokens"]
+    source = SourceRows(input_ids=ids, attention_mask=batch.get("attention_mask"), labels=batch.get("labels"),
+                        label_style=pack_kwargs.get("label_style", "megatron"))
+    layout = {k: pack_kwargs[k] for k in ("tp_size", "sequence_parallel", "fp8") if k in pack_kwargs}
+    extra = {}
+    if image_token_id is not None and batch.get("image_grid_thw") is not None:
+        extra = dict(image_token_id=image_token_id, image_grid_thw=batch["image_grid_thw"], spatial_merge_size=merge)
+    return validate_packed_batch(packed, source=source, mrope=pack_kwargs.get("mrope"), **layout, **extra)

@@ -1,0 +1,391 @@
+"""Bad or unusual inputs through `make_forward_step` with real Megatron-Core models (one process, gloo).
+
+`run_step_cases(rank, world_size)` is a `run_distributed` target: it builds the tiny models once,
+runs every case in `CASES` and returns {name: ("ok", value) | ("error", exception type, message)}.
+Each case is a function `(models) -> value`; the test file states what each must give.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from megatron_vlm_packing.data import SyntheticVLMConfig, collate, synthetic_samples
+from megatron_vlm_packing.models.adapter import ModelAdapter, register_adapter, unregister_adapter
+from megatron_vlm_packing.models.audio import TinyAudioTower
+from megatron_vlm_packing.models.gpt_adapter import GPTModelAdapter
+from megatron_vlm_packing.models.packed_vlm import PackedVLM
+from megatron_vlm_packing.models.tiny_gpt import TinyGPTConfig, build_tiny_gpt
+from megatron_vlm_packing.models.vision import TinyVisionTower
+from megatron_vlm_packing.rope import MRopeConfig
+from megatron_vlm_packing.step import make_forward_step
+
+DATA = SyntheticVLMConfig(max_text=10, max_images=2, grid_choices=(2, 4), max_videos=1, max_audios=1)
+LM = TinyGPTConfig(vocab_size=DATA.vocab_size, max_sequence_length=512)
+ROPE = MRopeConfig(family="qwen2_vl", image_token_id=DATA.image_token_id, video_token_id=DATA.video_token_id,
+                   vision_start_token_id=DATA.vision_start_id, mrope_section=(1, 1, 2))
+CASES = {}
+
+
+def case(fn):
+    CASES[fn.__name__] = fn
+    return fn
+
+
+def loss(step, model, batch) -> tuple[float, int]:
+    """(loss_sum, num_tokens) of one micro-batch through `step`, no grad."""
+    with torch.no_grad():
+        output, reduce = step(iter([batch]), model)
+        loss_sum, num_tokens, _ = reduce(output)
+    return round(loss_sum.item(), 4), int(num_tokens)
+
+
+def text_batch() -> dict:
+    ids = torch.tensor([[5, 6, 7, 8, 0, 0], [9, 10, 11, 0, 0, 0], [12, 13, 14, 15, 16, 17]])
+    mask = (ids != 0).long()
+    return {"input_ids": ids, "labels": torch.where(mask.bool(), ids, -100), "attention_mask": mask}
+
+
+def media_batch(seed: int = 11) -> dict:
+    """4 samples with images, a video and audio clips (checked: each kind is present)."""
+    batch = collate(synthetic_samples(4, seed=seed, cfg=DATA))
+    assert {"pixel_values_videos", "input_features"} <= set(batch) and len(batch["image_grid_thw"]), sorted(batch)
+    return batch
+
+
+def only(batch: dict, *keys: str) -> dict:
+    """The text keys plus `keys`; placeholders of dropped media become text."""
+    out = {k: batch[k].clone() for k in ("input_ids", "labels", "attention_mask")}
+    out.update({k: batch[k] for k in keys})
+    dropped = {"pixel_values": DATA.image_token_id, "pixel_values_videos": DATA.video_token_id,
+               "input_features": DATA.audio_token_id}
+    for key, token in dropped.items():
+        if key not in keys:
+            out["input_ids"][out["input_ids"] == token] = 7
+    return out
+
+
+def build_models() -> dict:
+    torch.manual_seed(0)
+    lm = lambda cfg=LM: build_tiny_gpt(cfg, scatter_embedding_sequence_parallel=False)  # noqa: E731
+    vision = lambda: TinyVisionTower(patch_features=DATA.patch_features, width=16, out_hidden=LM.hidden_size, heads=2)  # noqa: E731
+    audio = TinyAudioTower(mel_bins=DATA.mel_bins, width=16, out_hidden=LM.hidden_size)
+    mrope_cfg = replace(LM, position_embedding_type="mrope", mrope_section=ROPE.mrope_section)
+    mrope_gpt = build_tiny_gpt(mrope_cfg)
+    from megatron_vlm_packing.rope import use_packed_mrope
+
+    use_packed_mrope(mrope_gpt)
+    return dict(
+        gpt=build_tiny_gpt(LM),
+        vlm=PackedVLM(lm(), vision(), image_token_id=DATA.image_token_id),
+        media=PackedVLM(lm(), vision(), image_token_id=DATA.image_token_id, video_token_id=DATA.video_token_id,
+                        audio=audio, audio_token_id=DATA.audio_token_id),
+        mrope_gpt=mrope_gpt,
+        mrope_vlm=PackedVLM(lm(mrope_cfg), vision(), image_token_id=DATA.image_token_id,
+                            video_token_id=DATA.video_token_id, mrope=ROPE),
+    )
+
+
+class Wrapper(nn.Module):
+    """A DDP / Float16Module-like wrapper (holds the model as `.module`)."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
+class NoPackedSeqParams(nn.Module):
+    """A user's model whose forward takes no packed_seq_params (an old step withheld it silently)."""
+
+    def __init__(self, gpt):
+        super().__init__()
+        self.gpt, self.config = gpt, gpt.config
+
+    def forward(self, input_ids, position_ids, labels=None):
+        return self.gpt(input_ids, position_ids, None, labels=labels)
+
+
+class NoPackedSeqParamsAdapter(ModelAdapter):
+    takes_packed_seq_params = False
+
+    def forward(self, model, mb):
+        return model(mb.input_ids, mb.position_ids, labels=mb.labels)
+
+
+class UserLM(Wrapper):
+    """A user's own model class around a GPTModel (registered with its own adapter)."""
+
+    @property
+    def config(self):
+        return self.module.config
+
+
+class UserLMAdapter(GPTModelAdapter):
+    def __init__(self, model):
+        super().__init__(model.module)
+
+    def forward(self, model, mb):
+        return super().forward(model.module, mb)
+
+
+# --- inputs the model does not consume --------------------------------------------------------
+
+@case
+def gpt_with_images(m):
+    return loss(make_forward_step(), m["gpt"], only(media_batch(), "pixel_values", "image_grid_thw"))
+
+
+@case
+def gpt_with_videos(m):
+    return loss(make_forward_step(), m["gpt"], only(media_batch(), "pixel_values_videos", "video_grid_thw"))
+
+
+@case
+def gpt_with_audio(m):
+    return loss(make_forward_step(), m["gpt"], only(media_batch(), "input_features", "feature_attention_mask"))
+
+
+@case
+def image_vlm_with_videos(m):
+    return loss(make_forward_step(), m["vlm"], only(media_batch(), "pixel_values", "image_grid_thw",
+                                                    "pixel_values_videos", "video_grid_thw"))
+
+
+@case
+def image_vlm_with_audio(m):
+    return loss(make_forward_step(), m["vlm"], only(media_batch(), "input_features", "feature_attention_mask"))
+
+
+@case
+def gpt_with_unknown_per_token_tensor(m):
+    batch = text_batch()
+    batch["token_type_ids"] = torch.zeros_like(batch["input_ids"])
+    return loss(make_forward_step(), m["gpt"], batch)
+
+
+# --- models and adapters ----------------------------------------------------------------------
+
+@case
+def model_without_packed_seq_params_unregistered(m):
+    return loss(make_forward_step(), NoPackedSeqParams(m["gpt"]), text_batch())
+
+
+@case
+def model_without_packed_seq_params_packed(m):
+    return loss(make_forward_step(adapter=NoPackedSeqParamsAdapter), NoPackedSeqParams(m["gpt"]), text_batch())
+
+
+@case
+def unknown_model_type(m):
+    return loss(make_forward_step(), Wrapper(nn.Linear(2, 2)), text_batch())
+
+
+@case
+def adapter_not_an_adapter(m):
+    return loss(make_forward_step(adapter="gpt"), m["gpt"], text_batch())
+
+
+@case
+def adapter_factory_returns_wrong_type(m):
+    return loss(make_forward_step(adapter=lambda model: object()), m["gpt"], text_batch())
+
+
+@case
+def wrapped_model_equals_bare(m):
+    step = make_forward_step()
+    return loss(step, Wrapper(Wrapper(m["gpt"])), text_batch()) == loss(make_forward_step(), m["gpt"], text_batch())
+
+
+@case
+def registered_user_model_equals_gpt(m):
+    register_adapter(UserLM, UserLMAdapter)
+    try:
+        return loss(make_forward_step(), UserLM(m["gpt"]), text_batch()) == loss(make_forward_step(), m["gpt"], text_batch())
+    finally:
+        unregister_adapter(UserLM)
+
+
+@case
+def explicit_adapter_overrides_registry(m):
+    return loss(make_forward_step(adapter=GPTModelAdapter), m["gpt"], text_batch()) == \
+        loss(make_forward_step(), m["gpt"], text_batch())
+
+
+@case
+def with_state_form_equals_plain(m):
+    with torch.no_grad():
+        output, reduce = make_forward_step(with_state=True)(object(), iter([text_batch()]), m["gpt"])
+    return (round(reduce(output)[0].item(), 4), int(reduce(output)[1])) == loss(make_forward_step(), m["gpt"], text_batch())
+
+
+@case
+def batch_not_a_dict(m):
+    return loss(make_forward_step(), m["gpt"], [text_batch()["input_ids"]])
+
+
+# --- rotary kind ------------------------------------------------------------------------------
+
+@case
+def mrope_for_1d_gpt(m):
+    batch = only(media_batch(), "image_grid_thw")
+    return loss(make_forward_step(mrope=ROPE), m["gpt"], batch)
+
+
+@case
+def mrope_for_1d_vlm(m):
+    return loss(make_forward_step(mrope=ROPE), m["vlm"], only(media_batch(), "pixel_values", "image_grid_thw"))
+
+
+@case
+def positions_3d_for_1d_gpt(m):
+    batch = text_batch()
+    batch["position_ids"] = torch.arange(6).expand(3, 3, 6).clone()
+    return loss(make_forward_step(), m["gpt"], batch)
+
+
+@case
+def mrope_gpt_without_mrope(m):
+    return loss(make_forward_step(), m["mrope_gpt"], text_batch())
+
+
+@case
+def mrope_vlm_uses_its_own_config(m):
+    batch = only(media_batch(), "pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+    return loss(make_forward_step(), m["mrope_vlm"], batch) == loss(make_forward_step(mrope=ROPE), m["mrope_vlm"], batch)
+
+
+@case
+def mrope_vlm_positions_matter(m):
+    """Different t/h/w positions give a different loss (mRoPE reaches the rotary, not 1D copies)."""
+    batch = only(media_batch(), "pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+    shifted = replace(ROPE, spatial_merge_size=1)  # wrong grid arithmetic on purpose: h/w positions change
+    try:
+        other = loss(make_forward_step(mrope=shifted), m["mrope_vlm"], batch)
+    except ValueError:  # tokens per block no longer match the grid: also proof that positions are computed
+        return True
+    return other != loss(make_forward_step(), m["mrope_vlm"], batch)
+
+
+@case
+def vlm_mrope_with_1d_lm(m):
+    return PackedVLM(build_tiny_gpt(LM, scatter_embedding_sequence_parallel=False), None,
+                     image_token_id=DATA.image_token_id, mrope=ROPE)
+
+
+@case
+def vlm_mrope_lm_without_config(m):
+    cfg = replace(LM, position_embedding_type="mrope", mrope_section=ROPE.mrope_section)
+    return PackedVLM(build_tiny_gpt(cfg, scatter_embedding_sequence_parallel=False), None,
+                     image_token_id=DATA.image_token_id)
+
+
+# --- media placement --------------------------------------------------------------------------
+
+def _move_one_image_placeholder_to_another_sample(batch: dict) -> dict:
+    """One placeholder of the first image moves to another row: the total stays, the samples' counts do not."""
+    ids = batch["input_ids"].clone()
+    image = DATA.image_token_id
+    donor = next(r for r in range(ids.shape[0]) if bool((ids[r] == image).any()))
+    target = next(r for r in range(ids.shape[0]) if r != donor)
+    ids[donor, int(torch.nonzero(ids[donor] == image)[0])] = 7
+    ids[target, 0] = image
+    return {**batch, "input_ids": ids}
+
+
+@case
+def image_placeholders_moved_to_another_sample(m):
+    batch = only(media_batch(), "pixel_values", "image_grid_thw")
+    return loss(make_forward_step(), m["vlm"], _move_one_image_placeholder_to_another_sample(batch))
+
+
+@case
+def image_tokens_without_pixel_values(m):
+    return loss(make_forward_step(), m["vlm"], only(media_batch(), "image_grid_thw") | {
+        "input_ids": media_batch()["input_ids"]})
+
+
+@case
+def video_grid_one_frame_short(m):
+    batch = only(media_batch(), "pixel_values_videos", "video_grid_thw")
+    grid = batch["video_grid_thw"].clone()
+    grid[0, 0] -= 1
+    frames = int(grid[0].prod())
+    return loss(make_forward_step(), m["media"], {**batch, "video_grid_thw": grid,
+                                                  "pixel_values_videos": batch["pixel_values_videos"][:frames]})
+
+
+@case
+def audio_mask_with_a_hole(m):
+    batch = only(media_batch(), "input_features", "feature_attention_mask")
+    mask = batch["feature_attention_mask"].clone()
+    mask[0, 1] = 0
+    return loss(make_forward_step(), m["media"], {**batch, "feature_attention_mask": mask})
+
+
+@case
+def audio_clip_shorter_than_its_placeholders(m):
+    batch = only(media_batch(), "input_features", "feature_attention_mask")
+    mask = batch["feature_attention_mask"].clone()
+    mask[0, 4:] = 0  # 4 frames -> 1 token, fewer than the clip's placeholders
+    return loss(make_forward_step(), m["media"], {**batch, "feature_attention_mask": mask})
+
+
+@case
+def video_content_reaches_the_loss(m):
+    """A video 100x brighter changes the loss (an old step embedded video placeholders as text)."""
+    batch = only(media_batch(), "pixel_values_videos", "video_grid_thw")
+    bright = {**batch, "pixel_values_videos": batch["pixel_values_videos"] * 100}
+    return loss(make_forward_step(), m["media"], batch) != loss(make_forward_step(), m["media"], bright)
+
+
+@case
+def audio_content_reaches_the_loss(m):
+    batch = only(media_batch(), "input_features", "feature_attention_mask")
+    loud = {**batch, "input_features": batch["input_features"] * 100}
+    return loss(make_forward_step(), m["media"], batch) != loss(make_forward_step(), m["media"], loud)
+
+
+@case
+def all_media_packed_equals_each_sample_alone(m):
+    """Images + videos + audio: the packed loss sum equals the sum of each sample alone."""
+    samples = synthetic_samples(4, seed=11, cfg=DATA)
+    packed = loss(make_forward_step(), m["media"], collate(samples))
+    alone = [loss(make_forward_step(pack=False), m["media"], collate([s])) for s in samples]
+    return abs(packed[0] - sum(a[0] for a in alone)) < 1e-3 and packed[1] == sum(a[1] for a in alone)
+
+
+# --- options ----------------------------------------------------------------------------------
+
+@case
+def pack_with_seq_length(m):
+    return make_forward_step(pack=True, seq_length=16)
+
+
+@case
+def dense_with_pad_to(m):
+    return make_forward_step(pack=False, pad_to=16)
+
+
+@case
+def bad_label_style(m):
+    return make_forward_step(label_style="shifted")
+
+
+def run_step_cases(rank: int, world_size: int, names: list[str] | None = None) -> dict:
+    from megatron_vlm_packing.testing.distributed import initialize_parallel
+
+    initialize_parallel(seed=0)
+    models = build_models()
+    out = {}
+    for name in names or list(CASES):
+        try:
+            value = CASES[name](models)
+            out[name] = ("ok", value if isinstance(value, (bool, int, float, tuple)) else type(value).__name__)
+        except Exception as err:  # reported to the test, which says which exception each case must raise
+            out[name] = ("error", type(err).__name__, str(err))
+    return out

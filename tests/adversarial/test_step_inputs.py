@@ -1,0 +1,78 @@
+"""Bad or unusual inputs through `make_forward_step` with real Megatron-Core models (tiny GPTModel,
+PackedVLM with vision and audio towers, mRoPE): each gives the exact error (type, field, numbers)
+or the exact correct result. One process launch runs every case (tests/adversarial/step_cases.py).
+
+Every case here failed on bd042f6: inputs were dropped by signature sniffing (videos, audio,
+packed_seq_params, per-token tensors), mRoPE settings were computed and ignored, and nothing was
+checked per sample.
+"""
+
+import re
+
+import pytest
+
+from megatron_vlm_packing.testing.distributed import run_distributed
+from tests.adversarial.step_cases import CASES, run_step_cases
+
+ERR = "error"
+EXPECTED = {
+    # inputs the model does not consume: a ValueError naming the input (bug class 10)
+    "gpt_with_images": (ERR, "ValueError", r"carries \['images'\] but GPTModel's adapter"),
+    "gpt_with_videos": (ERR, "ValueError", r"carries \['videos'\] but GPTModel's adapter"),
+    "gpt_with_audio": (ERR, "ValueError", r"carries \['audio'\] but GPTModel's adapter"),
+    "image_vlm_with_videos": (ERR, "ValueError", r"carries \['videos'\] but PackedVLM's adapter .* consumes only \['images'\]"),
+    "image_vlm_with_audio": (ERR, "ValueError", r"carries \['audio'\] but PackedVLM's adapter"),
+    "gpt_with_unknown_per_token_tensor": (ERR, "ValueError", r"token_type_ids"),
+    # models and adapters
+    "model_without_packed_seq_params_unregistered": (ERR, "ValueError", r"no model adapter for .*NoPackedSeqParams"),
+    "model_without_packed_seq_params_packed": (ERR, "ValueError", r"NoPackedSeqParams cannot take packed_seq_params"),
+    "unknown_model_type": (ERR, "ValueError", r"no model adapter for torch\.nn\.modules\.linear\.Linear"),
+    "adapter_not_an_adapter": (ERR, "ValueError", r"adapter must be a ModelAdapter or a factory"),
+    "adapter_factory_returns_wrong_type": (ERR, "ValueError", r"the adapter factory returned object, not a ModelAdapter"),
+    "wrapped_model_equals_bare": ("ok", True),
+    "registered_user_model_equals_gpt": ("ok", True),
+    "explicit_adapter_overrides_registry": ("ok", True),
+    "with_state_form_equals_plain": ("ok", True),
+    "batch_not_a_dict": (ERR, "ValueError", r"must yield a dict of tensors .* got list"),
+    # rotary kind (bug class 1)
+    "mrope_for_1d_gpt": (ERR, "ValueError", r"mrope=\.\.\.\) was given but GPTModel's rotary is 1D"),
+    "mrope_for_1d_vlm": (ERR, "ValueError", r"mrope=\.\.\.\) was given but PackedVLM's rotary is 1D"),
+    "positions_3d_for_1d_gpt": (ERR, "ValueError", r"position_ids"),
+    "mrope_gpt_without_mrope": (ERR, "ValueError", r"GPTModel uses mRoPE but the micro-batch has 1D position_ids of shape \(1, 13\)"),
+    "mrope_vlm_uses_its_own_config": ("ok", True),
+    "mrope_vlm_positions_matter": ("ok", True),
+    "vlm_mrope_with_1d_lm": (ERR, "ValueError", r"mrope=MRopeConfig given but the language model's rotary is 'rope'"),
+    "vlm_mrope_lm_without_config": (ERR, "ValueError", r"pass PackedVLM\(mrope=MRopeConfig"),
+    # media placement, per sample
+    "image_placeholders_moved_to_another_sample": (ERR, "ValueError", r"sample \d has \d+ image placeholder tokens \(id 253\), which do not cover whole images"),
+    "image_tokens_without_pixel_values": (ERR, "ValueError", r"input_ids hold image placeholder tokens \(id 253\) but no image inputs"),
+    "video_grid_one_frame_short": (ERR, "ValueError", r"video placeholder tokens \(id 252\) in input_ids but the 1 video inputs give \d+ tokens"),
+    "audio_mask_with_a_hole": (ERR, "ValueError", r"feature_attention_mask rows \[0\] are not right-padded"),
+    "audio_clip_shorter_than_its_placeholders": (ERR, "ValueError", r"\d+ audio placeholder tokens \(id 251\) in input_ids but the \d audio inputs give \d+ tokens"),
+    "video_content_reaches_the_loss": ("ok", True),
+    "audio_content_reaches_the_loss": ("ok", True),
+    "all_media_packed_equals_each_sample_alone": ("ok", True),
+    # options
+    "pack_with_seq_length": (ERR, "ValueError", r"seq_length=16 is the dense row length"),
+    "dense_with_pad_to": (ERR, "ValueError", r"pad_to=16 is the fixed packed length"),
+    "bad_label_style": (ERR, "ValueError", r"label_style must be 'hf' or 'megatron', got 'shifted'"),
+}
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    return run_distributed(run_step_cases, 1)
+
+
+def test_every_case_has_an_expectation():
+    assert sorted(EXPECTED) == sorted(CASES) and len(CASES) >= 30
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_step_input(outcomes, name):
+    got, want = outcomes[name], EXPECTED[name]
+    if want[0] == "ok":
+        assert got == want, got
+    else:
+        assert got[0] == ERR and got[1] == want[1], got
+        assert re.search(want[2], got[2]), got[2]

@@ -1,0 +1,106 @@
+"""Other packers' layouts, our own packs over random plans, and the typed MicroBatch."""
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_vlm_packing import pack_batch
+from megatron_vlm_packing.packing.localize import localize
+from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch, VisionInputs
+from megatron_vlm_packing.parallel.layout import ParallelLayout
+from megatron_vlm_packing.validate import SourceRows, validate_packed_batch
+
+from tests.validate.conftest import DATA, pack_fields, vlm_batch
+
+
+def bridge_uniform_step_layout(batch: dict, multiple: int = 16) -> dict:
+    """Megatron-Bridge's qwen3_vl_step layout, written from its description: every row right-padded
+    to a multiple of 16 (fp8 padding), rows laid end to end, cu_seqlens = cu_seqlens_padded =
+    [0, S, 2S, ...]; labels shifted inside each row, no loss at pads, 1D positions per row."""
+    ids, keep, labels = batch["input_ids"], batch["attention_mask"].bool(), batch["labels"]
+    rows, length = ids.shape
+    padded = -(-length // multiple) * multiple
+    pad = lambda x, v: torch.cat([x, torch.full((rows, padded - length), v, dtype=x.dtype)], 1)  # noqa: E731
+    ids, keep, labels = pad(ids, 0), pad(keep, False), pad(labels, -100)
+    shifted = torch.where(torch.cat([keep[:, 1:], keep[:, :1] & False], 1), torch.roll(labels, -1, 1), -100)
+    cu = torch.arange(rows + 1, dtype=torch.int32) * padded
+    return dict(input_ids=ids.reshape(1, -1), labels=shifted.reshape(1, -1),
+                loss_mask=(shifted != -100).float().reshape(1, -1),
+                position_ids=torch.arange(padded).repeat(rows)[None], cu_seqlens=cu, cu_seqlens_padded=cu.clone(),
+                max_seqlen=padded), ~keep.reshape(1, -1)
+
+
+def test_bridge_uniform_boundaries_are_bug_class_4_whatever_the_evidence():
+    batch = vlm_batch(seed=7)
+    fields, pads = bridge_uniform_step_layout(batch)
+    source = SourceRows(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+    for evidence in (dict(padding_mask=pads), dict(source=source), dict(pad_token_id=0)):
+        report = validate_packed_batch(**fields, **evidence, fp8=True)
+        assert report.failed_checks == {"uniform_boundaries"}, (evidence.keys(), str(report))
+        assert report.bug_classes == {4}
+        assert "uniform cu_seqlens [0, " in str(report)
+        assert report.num_real_tokens == int(batch["attention_mask"].sum())
+    assert "suspected" in str(validate_packed_batch(**fields, pad_token_id=0))
+    no_evidence = validate_packed_batch(**fields)
+    assert no_evidence.ok and any(name == "uniform_boundaries" for name, _ in no_evidence.skipped)
+
+
+def test_bridge_layout_with_real_boundaries_is_clean():
+    """The same layout with TE's two sets (real inside physical) is a correct pack."""
+    batch = vlm_batch(seed=7)
+    fields, pads = bridge_uniform_step_layout(batch)
+    lengths = batch["attention_mask"].sum(1)
+    fields["cu_seqlens"] = torch.cat([torch.zeros(1), lengths.cumsum(0)]).to(torch.int32)
+    source = SourceRows(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+    report = validate_packed_batch(**fields, padding_mask=pads, source=source, fp8=True)
+    assert report.ok, str(report)
+
+
+@settings(max_examples=25, deadline=None)
+@given(lengths=st.lists(st.integers(0, 12), min_size=1, max_size=5).filter(any),
+       cp=st.sampled_from([1, 2, 4]), tp=st.sampled_from([1, 2]), sp=st.booleans(), fp8=st.booleans(),
+       seed=st.integers(0, 1000))
+def test_our_packs_validate_clean_over_random_plans(lengths, cp, tp, sp, fp8, seed):
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    keep = torch.arange(width)[None] < torch.tensor(lengths)[:, None]
+    ids = torch.where(keep, torch.randint(1, 50, (len(lengths), width), generator=g), 0)
+    labels = torch.where(keep & (torch.rand(ids.shape, generator=g) < 0.8), ids, -100)
+    batch = {"input_ids": ids, "labels": labels, "attention_mask": keep.long()}
+    fields = pack_fields(batch, cp_size=cp, mrope=None, tp_size=tp, sequence_parallel=sp, fp8=fp8)
+    report = validate_packed_batch(**fields)
+    assert report.ok, str(report)
+
+
+def micro_batch(batch: dict, *, cp_size: int) -> MicroBatch:
+    packed = pack_batch(batch, cp_size=cp_size, label_style="hf")
+    images = (batch["input_ids"] == DATA.image_token_id)
+    return MicroBatch(
+        input_ids=packed.input_ids, labels=packed.labels, loss_mask=packed.loss_mask,
+        position_ids=packed.position_ids, padding_mask=packed.padding_mask,
+        packed_seq_params=packed.packed_seq_params, rope_cu_seqlens=packed.rope_cu_seqlens,
+        stats=BatchStats(packed.num_real_tokens, packed.num_physical_tokens, batch["input_ids"].numel()),
+        vision=VisionInputs(pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
+                            images_per_sample=tuple(_images_per_row(images))),
+        plan=packed.plan, indices=packed.indices)
+
+
+def _images_per_row(images: torch.Tensor) -> list[int]:
+    starts = images & ~torch.cat([torch.zeros_like(images[:, :1]), images[:, :-1]], 1)
+    return starts.sum(1).tolist()
+
+
+def test_a_micro_batch_is_read_directly_and_a_localized_one_checks_its_cp_index():
+    batch = vlm_batch(seed=3)
+    mb = micro_batch(batch, cp_size=2)
+    report = validate_packed_batch(mb, image_token_id=DATA.image_token_id, cp_size=2)
+    assert report.ok and "vision_placeholders" in report.checked, str(report)
+    wrong = dict(zip(("images_per_sample",), [tuple(reversed(mb.vision.images_per_sample))]))
+    moved = validate_packed_batch(mb, image_token_id=DATA.image_token_id,
+                                  images_per_document=wrong["images_per_sample"])
+    assert moved.failed_checks == {"vision_placeholders"}, str(moved)
+    local = localize(mb, ParallelLayout(cp_size=2, cp_rank=1))
+    assert validate_packed_batch(local, cp_rank=1).ok
+    bad = validate_packed_batch(local, cp_rank=0)
+    assert bad.failed_checks == {"cp_partition"} and "not TE's zigzag for rank 0" in str(bad)
+    assert "localized to one CP rank" in str(bad)

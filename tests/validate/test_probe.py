@@ -1,0 +1,106 @@
+"""The sampled parity probe on a real tiny Megatron-Core GPTModel (CPU, one process)."""
+
+import pytest
+import torch
+
+from megatron_vlm_packing.testing.distributed import run_distributed
+from megatron_vlm_packing.validate.probe import split_rows
+
+
+def _batch(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = [9, 3, 14, 6]
+    width = max(lengths)
+    keep = torch.arange(width)[None] < torch.tensor(lengths)[:, None]
+    ids = torch.where(keep, torch.randint(1, 120, (len(lengths), width), generator=g), 0)
+    return {"input_ids": ids, "labels": torch.where(keep, ids, -100), "attention_mask": keep.long()}
+
+
+def _uniform(packed, width: int):
+    """Bug class 4 made harmful: [0, S, 2S, ...] laid over a real-length pack (samples merge)."""
+    from dataclasses import replace
+
+    total = packed.input_ids.shape[1]
+    cu = torch.tensor(list(range(0, total, width)) + [total], dtype=torch.int32)
+    params = replace(packed.packed_seq_params, cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
+                     cu_seqlens_kv_padded=cu, max_seqlen_q=width, max_seqlen_kv=width)
+    return replace(packed, packed_seq_params=params)
+
+
+def _crossing(packed):
+    """Bug class 8: the last token of the first sample learns the first token of the second."""
+    from dataclasses import replace
+
+    labels, mask = packed.labels.clone(), packed.loss_mask.clone()
+    end, start = int(packed.packed_seq_params.cu_seqlens_q[1]) - 1, int(packed.packed_seq_params.cu_seqlens_q_padded[1])
+    labels[0, end], mask[0, end] = packed.input_ids[0, start], 1.0
+    return replace(packed, labels=labels, loss_mask=mask)
+
+
+def run_probe_cases(rank, world_size):
+    from megatron_vlm_packing import make_forward_step, pack_batch
+    from megatron_vlm_packing.models.tiny_gpt import TinyGPTConfig, build_tiny_gpt
+    from megatron_vlm_packing.testing.distributed import initialize_parallel
+    from megatron_vlm_packing.validate import ParityProbeError, model_losses, parity_probe, with_parity_probe
+
+    initialize_parallel()
+    model = build_tiny_gpt(TinyGPTConfig(position_embedding_type="rope", backend="reference"))
+    batch, out = _batch(), {}
+    forward = model_losses(model)
+    clean = parity_probe(forward, batch, label_style="hf")
+    out["clean"] = (clean.max_abs_diff, clean.num_tokens, len(clean.per_document), str(clean))
+    for name, corrupt in (("uniform", lambda p: _uniform(p, batch["input_ids"].shape[1])), ("crossing", _crossing)):
+        packed = corrupt(pack_batch(batch, label_style="hf"))
+        try:
+            parity_probe(forward, batch, packed=packed, label_style="hf")
+            out[name] = None
+        except ParityProbeError as err:
+            out[name] = (err.result.max_abs_diff, sorted(err.report.failed_checks), str(err))
+    seen = []
+    step = with_parity_probe(make_forward_step(pack=True, label_style="hf"), every=2, label_style="hf",
+                             on_result=seen.append)
+    for _ in range(3):  # calls 0 and 2 are probed
+        output, loss = step(iter([batch]), model)
+    out["wrapped"] = ([r.max_abs_diff for r in seen], model.training, tuple(output.shape))
+    return out
+
+
+@pytest.fixture(scope="module")
+def probe_cases():
+    return run_distributed(run_probe_cases, 1)
+
+
+def test_probe_passes_on_a_correct_pack(probe_cases):
+    max_diff, tokens, docs, text = probe_cases["clean"]
+    assert max_diff <= 1e-5 and tokens == 9 + 3 + 14 + 6 - 4 and docs == 4
+    assert text.startswith("parity probe: max |dloss|")
+
+
+def test_probe_raises_with_the_validators_report_on_uniform_boundaries(probe_cases):
+    max_diff, failed, message = probe_cases["uniform"]
+    assert max_diff > 1e-2
+    assert "tokens_vs_source" in failed and "packing is not exact" in message and "[tokens_vs_source]" in message
+
+
+def test_probe_raises_and_names_bug_class_8(probe_cases):
+    max_diff, failed, message = probe_cases["crossing"]
+    assert max_diff > 1e-2 and failed == ["labels_cross_documents"] and "bug class 8" in message
+
+
+def test_wrapped_forward_step_probes_every_nth_call(probe_cases):
+    diffs, training, shape = probe_cases["wrapped"]
+    assert len(diffs) == 2 and max(diffs) <= 1e-5
+    assert training  # the probe ran in eval mode and restored training mode
+
+
+def test_split_rows_gives_each_sample_its_images():
+    ids = torch.tensor([[5, 9, 9, 9, 9, 6, 0], [9, 7, 0, 0, 0, 0, 0]])
+    batch = {"input_ids": ids, "labels": ids, "attention_mask": (ids != 0).long(),
+             "pixel_values": torch.arange(20.0)[:, None], "image_grid_thw": torch.tensor([[1, 4, 4], [1, 2, 2]])}
+    (r0, a), (r1, b) = split_rows(batch, image_token_id=9)
+    assert (r0, r1) == (0, 1) and a["input_ids"].shape == (1, 6) and b["input_ids"].shape == (1, 2)
+    assert a["pixel_values"].shape[0] == 16 and b["pixel_values"].flatten().tolist() == [16.0, 17.0, 18.0, 19.0]
+    with pytest.raises(ValueError, match="needs image_token_id"):
+        split_rows(batch)
+    with pytest.raises(ValueError, match=r"also has \['pixel_values_videos'\]"):
+        split_rows({**batch, "pixel_values_videos": torch.zeros(1)}, image_token_id=9)
