@@ -214,6 +214,12 @@ class PackedVLMAdapter(ModelAdapter):
         self.mrope = model.mrope
         self.rotary = "mrope" if model.mrope is not None else "1d"
         self.needs = LocalizeNeeds(full_input_ids=True, full_position_ids=model.mrope is not None)
+        ids = dict(image_token_id=model.image_token_id if "images" in consumes else None,
+                   video_token_id=model.video_token_id if "videos" in consumes else None,
+                   audio_token_id=model.audio_token_id if "audio" in consumes else None)
+        self.media_token_ids = {k: v for k, v in ids.items() if v is not None}
+        if self.media_token_ids:
+            self.media_token_ids["spatial_merge_size"] = model.spatial_merge_size
 
     def check(self, micro_batch: MicroBatch) -> None:
         super().check(micro_batch)

@@ -66,14 +66,35 @@ def _cat_documents(flat: torch.Tensor, slices: DocumentSlices, pad_value) -> tor
     return torch.cat(interleaved)
 
 
+def _check_row_geometry(indices: PackIndices, batch_size: int, row_length: int, plan) -> None:
+    """B and S must be the plan's: a wrong row length would scatter tokens into the wrong rows."""
+    for name, value in (("batch_size", batch_size), ("row_length", row_length)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if plan is not None:
+        expected = (len(plan.row_lengths), plan.row_capacity)
+        if (batch_size, row_length) != expected:
+            raise ValueError(f"unpack_rows got (batch_size, row_length) = {(batch_size, row_length)} but the plan "
+                             f"was made for {expected}")
+        return
+    # Pad slots point at the scratch slot B*S of the plan's rows; real slots at b*S + s < B*S.
+    top, has_pad = torch.stack([indices.unpack_target.max(), (~indices.is_real).any().long()]).tolist()  # one sync
+    limit = batch_size * row_length
+    if (has_pad and top != limit) or (not has_pad and top >= limit):
+        raise ValueError(f"unpack_rows got (batch_size, row_length) = {(batch_size, row_length)}, B*S = {limit}, "
+                         f"but the plan's indices {'put pads at slot' if has_pad else 'reach slot'} {top}: pass the "
+                         f"B and S the plan was made for (or plan=)")
+
+
 def unpack_rows(
-    packed: torch.Tensor, indices: PackIndices, *, batch_size: int, row_length: int, pad_value=0
+    packed: torch.Tensor, indices: PackIndices, *, batch_size: int, row_length: int, pad_value=0, plan=None
 ) -> torch.Tensor:
     """Inverse of `pack_rows` on real tokens.
 
     Args:
         packed: [1, T, ...].
-        batch_size, row_length: B and S of the rows the plan was made for.
+        batch_size, row_length: B and S of the rows the plan was made for (checked: against
+            `plan` when given, which is exact; else from the indices, one host sync).
 
     Returns:
         rows: [B, S, ...], real tokens back in place, `pad_value` everywhere else (empty rows are
@@ -82,6 +103,7 @@ def unpack_rows(
     total = indices.source.numel()
     if packed.dim() < 2 or packed.shape[0] != 1 or packed.shape[1] != total:
         raise ValueError(f"packed must be [1, {total}, ...] (the plan's T), got shape {tuple(packed.shape)}")
+    _check_row_geometry(indices, batch_size, row_length, plan)
     values = packed[0]  # [T, ...]
     out = torch.full(
         (batch_size * row_length + 1, *values.shape[1:]), pad_value, dtype=values.dtype, device=values.device
