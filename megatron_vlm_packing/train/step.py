@@ -103,7 +103,8 @@ def build_micro_batch(batch: dict, layout: ParallelLayout, options: StepOptions,
     from megatron_vlm_packing.packing import pack_batch, pad_batch
 
     common = dict(tp_size=layout.tp_size, cp_size=layout.cp_size, sequence_parallel=layout.sequence_parallel,
-                  fp8=options.fp8, label_style=options.label_style, mrope=mrope, **(media_token_ids or {}))
+                  fp8=options.fp8, label_style=options.label_style, mrope=mrope, **(media_token_ids or {}),
+                  require_media_counts=False)  # the adapter's check refuses media it does not consume
     if options.pack:
         return pack_batch(batch, pad_to=options.pad_to, **common)
     return pad_batch(batch, seq_length=options.seq_length, **common)

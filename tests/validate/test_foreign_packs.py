@@ -73,7 +73,7 @@ def test_our_packs_validate_clean_over_random_plans(lengths, cp, tp, sp, fp8, se
 
 
 def micro_batch(batch: dict, *, cp_size: int) -> MicroBatch:
-    packed = pack_batch(batch, cp_size=cp_size, label_style="hf")
+    packed = pack_batch(batch, cp_size=cp_size, label_style="hf", image_token_id=DATA.image_token_id)
     images = (batch["input_ids"] == DATA.image_token_id)
     return MicroBatch(
         input_ids=packed.input_ids, labels=packed.labels, loss_mask=packed.loss_mask,
