@@ -73,8 +73,9 @@ def to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-def resolve_mrope(options: StepOptions, adapter: ModelAdapter):
-    """The mRoPE config positions are computed with: the step's, else the model's own (PackedVLM).
+def resolve_mrope(options: StepOptions, adapter: ModelAdapter, batch: dict | None = None):
+    """The mRoPE config positions are computed with: the step's, else the model's own (PackedVLM)
+    unless the batch already carries [3, B, S] `position_ids` (then those are packed as given).
 
     Raises:
         ValueError: `mrope=` given for a model whose adapter says its rotary is 1D (the positions
@@ -84,7 +85,12 @@ def resolve_mrope(options: StepOptions, adapter: ModelAdapter):
     if options.mrope is not None and rotary == "1d":
         raise ValueError(f"make_forward_step(mrope=...) was given but {adapter.model_name}'s rotary is 1D "
                          f"({type(adapter).__name__}): drop mrope= or build an mRoPE model")
-    return options.mrope if options.mrope is not None else getattr(adapter, "mrope", None)
+    if options.mrope is not None:
+        return options.mrope
+    given = (batch or {}).get("position_ids")
+    if isinstance(given, torch.Tensor) and given.dim() == 3:
+        return None
+    return getattr(adapter, "mrope", None)
 
 
 def build_micro_batch(batch: dict, layout: ParallelLayout, options: StepOptions, *, mrope=None,
@@ -163,7 +169,7 @@ def make_forward_step(*, pack: bool = True, label_style: str = "hf", pad_to: int
         layout = ParallelLayout.from_megatron(unwrap_model(model).config)
         batch = read_micro_batch(data_iterator, broadcast_from_tp_rank0=broadcast_from_tp_rank0)
         batch = to_device(batch, next(model.parameters()).device)
-        micro_batch = build_micro_batch(batch, layout, options, mrope=resolve_mrope(options, model_adapter),
+        micro_batch = build_micro_batch(batch, layout, options, mrope=resolve_mrope(options, model_adapter, batch),
                                         media_token_ids=getattr(model_adapter, "media_token_ids", None))
         if transform is not None:
             micro_batch = transform(micro_batch)
