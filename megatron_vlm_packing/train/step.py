@@ -79,8 +79,9 @@ def to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-def resolve_mrope(options: StepOptions, adapter: ModelAdapter):
-    """The mRoPE config positions are computed with: the step's, else the model's own (PackedVLM).
+def resolve_mrope(options: StepOptions, adapter: ModelAdapter, batch: dict | None = None):
+    """The mRoPE config positions are computed with: the step's, else the model's own (PackedVLM)
+    unless the batch already carries [3, B, S] `position_ids` (then those are packed as given).
 
     Raises:
         ValueError: `mrope=` given for a model whose adapter says its rotary is 1D (the positions
@@ -90,7 +91,12 @@ def resolve_mrope(options: StepOptions, adapter: ModelAdapter):
     if options.mrope is not None and rotary == "1d":
         raise ValueError(f"make_forward_step(mrope=...) was given but {adapter.model_name}'s rotary is 1D "
                          f"({type(adapter).__name__}): drop mrope= or build an mRoPE model")
-    return options.mrope if options.mrope is not None else getattr(adapter, "mrope", None)
+    if options.mrope is not None:
+        return options.mrope
+    given = (batch or {}).get("position_ids")
+    if isinstance(given, torch.Tensor) and given.dim() == 3:
+        return None
+    return getattr(adapter, "mrope", None)
 
 
 def build_micro_batch(batch: dict, layout: ParallelLayout, options: StepOptions, *, mrope=None,
@@ -183,15 +189,16 @@ def make_forward_step(*, pack: bool = True, label_style: str = "hf", pad_to: int
         layout = ParallelLayout.from_megatron(unwrap_model(model).config)
         batch = read_micro_batch(data_iterator, broadcast_from_tp_rank0=broadcast_from_tp_rank0)
         device = next(model.parameters()).device
-        mrope_used = resolve_mrope(options, model_adapter)
         media_token_ids = getattr(model_adapter, "media_token_ids", None)
         if isinstance(batch, MicroBatch):  # packed in the DataLoader: only moved here
             if probe is not None:
                 raise ValueError("parity_probe_every needs collated batches (it re-packs each sample alone); "
                                  "the data iterator yielded micro-batches packed in the DataLoader")
+            resolve_mrope(options, model_adapter)  # refuses mrope= for a 1D model here too
             micro_batch = micro_batch_from_loader(batch, multiples=layout_multiples(layout, options), device=device)
         else:
             batch = to_device(batch, device)
+            mrope_used = resolve_mrope(options, model_adapter, batch)
             micro_batch = model_adapter.build_micro_batch(batch, layout, options)
             if micro_batch is None:
                 micro_batch = build_micro_batch(batch, layout, options, mrope=mrope_used,
