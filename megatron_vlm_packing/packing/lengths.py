@@ -41,17 +41,20 @@ def lengths_from_keep_mask(keep: torch.Tensor, *, field: str = "attention_mask")
     """
     if keep.dim() != 2:
         raise ValueError(f"{field} must be [B, S], got shape {tuple(keep.shape)}")
-    values = keep.view(torch.uint8) if keep.dtype == torch.bool else keep
+    if keep.is_floating_point() or keep.is_complex():  # rare: 0.0/1.0 masks; 0.5 is not binary
+        not_binary = ((keep != 0) & (keep != 1)).any()
+        values = (keep != 0).view(torch.uint8)
+        low_high = torch.stack([torch.zeros_like(not_binary), not_binary]).long() * 2  # high 2: not 0/1
+    else:
+        values = keep.view(torch.uint8) if keep.dtype == torch.bool else keep
+        low_high = torch.stack(values.aminmax()).long()
     # Three reductions, no [B, S] temporaries: a row of 0/1 values with n ones is 1...1 0...0
     # exactly when n == S or its first 0 (argmin: the first minimum) is at position n.
-    low, high = values.aminmax()
-    lengths = values.sum(dim=1)
-    first_zero = values.argmin(dim=1)
-    bad = (lengths != keep.shape[1]) & (first_zero != lengths)
-    # The single host sync: lengths, per-row validity and the value range come back together.
-    host = torch.cat([lengths, bad.long(), torch.stack([low, high]).long()]).tolist()
-    batch = keep.shape[0]
-    row_lengths, bad_rows = host[:batch], [b for b in range(batch) if host[batch + b]]
+    # The single host sync: lengths, first zeros and the value range come back together.
+    host = torch.cat([values.sum(dim=1), values.argmin(dim=1), low_high]).tolist()
+    batch, row_length = keep.shape
+    row_lengths, first_zero = host[:batch], host[batch:2 * batch]
+    bad_rows = [b for b in range(batch) if row_lengths[b] != row_length and first_zero[b] != row_lengths[b]]
     if host[-2] < 0 or host[-1] > 1:
         not_binary = ((keep != 0) & (keep != 1)).any(dim=1)
         raise ValueError(f"{field} row {int(torch.nonzero(not_binary)[0])} has values other than 0 and 1")
