@@ -17,7 +17,7 @@ from typing import Callable, Mapping
 import torch
 
 from megatron_vlm_packing.packing.documents import DOCUMENT_KEY, split_documents
-from megatron_vlm_packing.packing.lengths import real_lengths
+from megatron_vlm_packing.packing.lengths import real_lengths, real_lengths_and_flags
 from megatron_vlm_packing.packing.media import AUDIO_KEYS, VISION_KEYS, MediaTokens, audio_inputs, vision_inputs
 from megatron_vlm_packing.packing.micro_batch import AudioInputs, VisionInputs
 
@@ -154,8 +154,11 @@ def refuse_hf_labels_as_megatron(labels: torch.Tensor, input_ids: torch.Tensor, 
 
 
 def labels_and_weights(batch: Mapping, input_ids: torch.Tensor, keep: torch.Tensor, label_style: str,
-                       vocab_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, S] next-token labels and float loss weights (a float `loss_mask` keeps its values)."""
+                       vocab_size: int | None, *, checked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, S] next-token labels and float loss weights (a float `loss_mask` keeps its values).
+
+    `checked`: the value checks already passed (`value_check_flags`, read with the lengths); skip them.
+    """
     shape = tuple(keep.shape)
     labels = row_tensor(batch, "labels", shape)
     if labels is None:
@@ -163,12 +166,14 @@ def labels_and_weights(batch: Mapping, input_ids: torch.Tensor, keep: torch.Tens
     if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
         raise ValueError(f"labels must hold integer token ids (-100 = ignore), got dtype {labels.dtype}")
     labels = labels.long()
-    check_label_values(labels, keep, vocab_size)
+    if not checked:
+        check_label_values(labels, keep, vocab_size)
     if label_style == "hf":
         labels = shift_labels_within_rows(labels, keep)
     elif label_style == "megatron":
         labels = torch.where(keep, labels, IGNORE_INDEX)
-        refuse_hf_labels_as_megatron(labels, input_ids, keep)
+        if not checked:
+            refuse_hf_labels_as_megatron(labels, input_ids, keep)
     else:
         raise ValueError(f"label_style must be 'megatron' or 'hf', got {label_style!r}")
     weights = (labels != IGNORE_INDEX).float()
@@ -178,7 +183,7 @@ def labels_and_weights(batch: Mapping, input_ids: torch.Tensor, keep: torch.Tens
             raise ValueError(f"loss_mask must be real weights, got dtype {loss_mask.dtype}")
         values = loss_mask.float()
         bad = keep & ~(torch.isfinite(values) & (values >= 0))
-        if bool(bad.any()):
+        if not checked and bool(bad.any()):
             b, t = _first_bad(bad)
             raise ValueError(f"loss_mask row {b} position {t} is {float(values[b, t])}: loss weights must be finite "
                              f"and >= 0")
@@ -277,6 +282,35 @@ def batch_positions(batch: Mapping, input_ids: torch.Tensor, keep: torch.Tensor,
     return None  # 1D positions: each document restarts at 0
 
 
+def value_check_flags(batch: Mapping, input_ids: torch.Tensor, keep: torch.Tensor, label_style: str,
+                      vocab_size: int | None) -> torch.Tensor | None:
+    """[1] long on the device: 1 when any value check of `check_ids` / `labels_and_weights` would fail.
+
+    Computed before the real lengths are read, from the mask itself (`keep`), so that the flag rides
+    the lengths' one host sync (`real_lengths_and_flags`); when it is set the checks run again,
+    eagerly, and raise their own messages in their own order. None where a check cannot be
+    expressed here (missing or non-integer labels, complex weights): the checks then run eagerly.
+    """
+    labels, loss_mask = batch.get("labels"), batch.get("loss_mask")
+    if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.is_complex() \
+            or labels.dtype == torch.bool or tuple(labels.shape) != tuple(keep.shape):
+        return None
+    if loss_mask is not None and (not isinstance(loss_mask, torch.Tensor) or loss_mask.is_complex()):
+        return None
+    labels = labels.long()
+    bad = (input_ids < 0) | ((labels != IGNORE_INDEX) & (labels < 0))
+    if vocab_size is not None:
+        bad = bad | (input_ids >= vocab_size) | (labels >= vocab_size)
+    if loss_mask is not None:
+        values = loss_mask.float()
+        bad = bad | ~(torch.isfinite(values) & (values >= 0))
+    flags = [(keep & bad).any()]
+    if label_style == "megatron":  # refuse_hf_labels_as_megatron's condition
+        target = keep & (labels != IGNORE_INDEX)
+        flags.append((target.sum() >= 2) & ((labels == input_ids) | ~target).all())
+    return torch.stack(flags).any().long().reshape(1)
+
+
 def check_pad_token_id(pad_token_id) -> int:
     if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or pad_token_id < 0:
         raise ValueError(f"pad_token_id must be a non-negative int (the id written at pad slots), got {pad_token_id!r}")
@@ -327,11 +361,18 @@ def read_rows(batch, *, label_style: str, mrope, media: MediaTokens, extra_keys=
         batch, document_rows = split_documents(batch, name, extra_keys)
         input_ids = batch[name].long()
     shape = tuple(input_ids.shape)
-    lengths = real_lengths(batch_size=shape[0], row_length=shape[1],
-                           attention_mask=batch.get("attention_mask"), seq_lens=batch.get("seq_lens"))
+    mask = batch.get("attention_mask")
+    flags = None
+    if document_rows is None and isinstance(mask, torch.Tensor) and tuple(mask.shape) == shape \
+            and batch.get("seq_lens") is None:  # a 2D mask: the checks ride the lengths' one host sync
+        flags = value_check_flags(batch, input_ids, mask != 0, label_style, vocab_size)
+    lengths, flagged = real_lengths_and_flags(batch_size=shape[0], row_length=shape[1], attention_mask=mask,
+                                              seq_lens=batch.get("seq_lens"), flags=flags)
+    checked = flags is not None and not any(flagged)
     keep = torch.arange(shape[1], device=input_ids.device) < torch.tensor(lengths, device=input_ids.device)[:, None]
-    check_ids(input_ids, keep, vocab_size, name)
-    labels, weights = labels_and_weights(batch, input_ids, keep, label_style, vocab_size)
+    if not checked:
+        check_ids(input_ids, keep, vocab_size, name)
+    labels, weights = labels_and_weights(batch, input_ids, keep, label_style, vocab_size, checked=checked)
     vision = vision_inputs(batch, input_ids, keep, media)
     audio = audio_inputs(batch, input_ids, keep, media)
     return Rows(input_ids=input_ids, keep=keep, lengths=lengths, labels=labels, loss_weights=weights,
