@@ -187,6 +187,8 @@ def main() -> None:
     parser.add_argument("--backends", default="auto", help="comma list of reference,torch,te or 'auto' (all that run)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rope-fusion", action="store_true",
+                        help="1D rope with TE's fused kernels (the THD rotary then never reaches Python)")
     parser.add_argument("--out")
     args = parser.parse_args()
     preset = PRESETS[args.preset]
@@ -198,7 +200,7 @@ def main() -> None:
 
     setup_distributed(device, 1, 1, args.seed)
     lines = [f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu (1 thread)'}, torch "
-             f"{torch.__version__}, preset {args.preset}, rope {args.rope} (unfused), batch {preset['batch']}, "
+             f"{torch.__version__}, preset {args.preset}, rope {args.rope} ({'fused' if args.rope_fusion else 'unfused'}), batch {preset['batch']}, "
              f"{args.repeats} timed steps (median)", "",
              "| backend | S | mode | rotary | slots | ms/step | speedup vs batch max | token-ideal | "
              "fraction of ideal | peak GiB |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -210,7 +212,9 @@ def main() -> None:
                          mrope_section=preset["mrope_section"])
     for backend in runnable_backends(args.backends, device):
         torch.manual_seed(args.seed)
-        model = build_tiny_gpt(replace(base, backend=backend)).to(device=device, dtype=preset["dtype"])
+        fused = args.rope_fusion and args.rope == "1d" and backend == "te"
+        model = build_tiny_gpt(replace(base, backend=backend, extra={"apply_rope_fusion": True} if fused else {}))
+        model = model.to(device=device, dtype=preset["dtype"])
         for seq in preset["seq_lengths"]:
             lengths = lognormal_lengths(preset["batch"], seq, args.seed + seq)
             batch = on(device, make_batch(lengths, seq, preset["vocab_size"], mrope=args.rope == "mrope",
@@ -222,7 +226,8 @@ def main() -> None:
     print(text)
     if args.out:
         command = " ".join(["python benchmarks/step_pack_vs_pad.py", f"--preset {args.preset}", f"--rope {args.rope}",
-                            f"--backends {args.backends}", f"--repeats {args.repeats}"])
+                            f"--backends {args.backends}", f"--repeats {args.repeats}"]
+                           + (["--rope-fusion"] if args.rope_fusion else []))
         with open(args.out, "w") as f:
             f.write(f"# GPTModel step: padded vs packed, Megatron's rotary vs ours\n\n`{command}`\n\n{text}\n")
 
