@@ -158,3 +158,14 @@ def test_bridge_collate_time_packs_validate_clean():
         assert report.ok, (multiple, str(report))
         if multiple == 1:  # the same pack claimed for CP=2: Bridge was not asked to align it
             assert validate_packed_batch(**fields, cp_size=2).failed_checks == {"alignment"}
+
+
+def test_pack_batch_micro_batch_with_an_empty_row_maps_images_to_documents():
+    batch = vlm_batch(seed=3)
+    rows = batch["input_ids"].shape[0]
+    batch = {**batch, **{k: torch.cat([batch[k][:1], torch.full_like(batch[k][:1], fill), batch[k][1:]])
+                         for k, fill in (("input_ids", 0), ("labels", -100), ("attention_mask", 0))}}
+    mb = pack_batch(batch, label_style="hf", image_token_id=DATA.image_token_id)  # row 1: no tokens, no document
+    assert mb.vision.images_per_sample[1] == 0 and len(mb.vision.images_per_sample) == rows + 1
+    report = validate_packed_batch(mb, image_token_id=DATA.image_token_id)
+    assert report.ok and report.num_documents == rows and "vision_placeholders" in report.checked, str(report)
