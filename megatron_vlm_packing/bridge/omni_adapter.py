@@ -36,14 +36,34 @@ def media_kwargs(micro_batch: MicroBatch) -> dict:
     return kwargs
 
 
+def qwen3_omni_mrope(model: nn.Module):
+    """The `rope.MRopeConfig` of a Bridge `Qwen3OmniModel` or thinker (positions, media counts)."""
+    from megatron_vlm_packing.rope import MRopeConfig
+
+    thinker = getattr(model, "thinker", model)
+    audio = getattr(thinker, "audio_model", None)
+    n_window = int(audio.n_window) if audio is not None else int(thinker.thinker_transformer_config.audio_config.n_window)
+    return MRopeConfig(family="qwen3_omni", spatial_merge_size=int(thinker.config.spatial_merge_size),
+                       image_token_id=int(thinker.image_token_id), video_token_id=int(thinker.video_token_id),
+                       vision_start_token_id=int(thinker.vision_start_token_id),
+                       audio_token_id=int(thinker.audio_token_id), audio_start_token_id=int(thinker.audio_start_token_id),
+                       position_id_per_seconds=float(thinker.position_id_per_seconds), audio_n_window=n_window,
+                       mrope_section=tuple(int(x) for x in thinker.config.mrope_section), mrope_interleaved=True)
+
+
 class Qwen3OmniAdapter(ModelAdapter):
-    """Bridge's Qwen3-Omni model or thinker: ids and positions full, labels / loss mask CP-local."""
+    """Bridge's Qwen3-Omni model or thinker: ids and positions full, labels / loss mask CP-local.
+
+    `mrope` is the model's own `MRopeConfig` (the step packs each sample's positions with it).
+    """
 
     consumes = frozenset({"images", "videos", "audio"})
     needs = LocalizeNeeds(full_input_ids=True, full_position_ids=True)
+    rotary = "mrope"
 
     def __init__(self, model: nn.Module):
         super().__init__(model)
+        self.mrope = qwen3_omni_mrope(model)
         from megatron_vlm_packing.patches.bridge_qwen3_omni_packed import is_applied, thinker_refuses_packing
 
         self.takes_packed_seq_params = is_applied() or not thinker_refuses_packing()

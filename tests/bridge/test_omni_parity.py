@@ -151,6 +151,8 @@ def packed_case(samples, ref, tp, cp, sp):
     load_full_state(model, state, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp)
     mb = micro_batch(collate_omni(samples), cfg)
     layout = ParallelLayout(tp_size=tp, cp_size=cp, cp_rank=ps.get_context_parallel_rank(), sequence_parallel=sp)
+    if tp == 1 and cp == 1:
+        refusal_checks(model, mb, layout)
     out, local = run_packed(model, mb, layout)
     (out * local.loss_mask).sum().backward()
     cp_group = ps.get_context_parallel_group()
@@ -165,9 +167,89 @@ def packed_case(samples, ref, tp, cp, sp):
     towers = {k: sum(1 for n in grads if f".{k}." in n and grads[n].abs().sum() > 0) for k in ("visual", "audio_model")}
     worst = torch.tensor([(packed_losses - ref_losses).abs().max().item(), grad_err])
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    if cp > 1 and tp > 1:
+        rotary_state_check(model, samples, cfg, layout, mb)
     return dict(layout=f"tp={tp} cp={cp} sp={sp}", max_dloss=worst[0].item(), max_rel_grad_err=worst[1].item(),
                 tokens=int(packed_losses.numel()), ref_tokens=int(ref_losses.numel()), vision_params=towers["visual"],
                 audio_params=towers["audio_model"], physical=mb.stats.physical_tokens, real=mb.stats.real_tokens)
+
+
+def dense_micro_batch(batch, cfg, multiple: int):
+    """One right-padded dense row ([1, L], L a multiple of `multiple`) as a `MicroBatch`."""
+    from megatron_vlm_packing.packing import shift_labels_within_rows
+    from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch
+
+    length = batch["input_ids"].shape[1]
+    pad = -length % multiple
+    ids = torch.nn.functional.pad(batch["input_ids"], (0, pad))
+    keep = torch.nn.functional.pad(batch["attention_mask"], (0, pad)).bool()
+    labels = shift_labels_within_rows(torch.nn.functional.pad(batch["labels"], (0, pad), value=-100), keep)
+    positions = _positions(dict(batch, input_ids=ids, attention_mask=keep.long()), cfg)
+    return MicroBatch(input_ids=ids, labels=labels, loss_mask=(labels != -100).float(), position_ids=positions,
+                      padding_mask=~keep, packed_seq_params=None, rope_cu_seqlens=None,
+                      stats=BatchStats(real_tokens=length, physical_tokens=ids.numel(), row_tokens=ids.numel()))
+
+
+def _raises(fn, *words):
+    try:
+        fn()
+    except ValueError as err:
+        missing = [w for w in words if w not in str(err)]
+        assert not missing, f"ValueError without {missing}: {err}"
+        return
+    raise AssertionError(f"no ValueError (expected one naming {words})")
+
+
+def refusal_checks(model, mb, layout):
+    """Bad input and a missing patch are ValueErrors naming what is wrong (no collectives here)."""
+    from dataclasses import replace
+
+    from megatron_vlm_packing.models.adapter import adapter_for
+    from megatron_vlm_packing.patches import bridge_qwen3_omni_packed as patch
+
+    patch.undo_bridge_qwen3_omni_packed()
+    try:
+        _raises(lambda: adapter_for(model).check(mb), "apply_bridge_qwen3_omni_packed")
+    finally:
+        assert patch.apply_bridge_qwen3_omni_packed()
+    adapter = adapter_for(model)
+    assert adapter.mrope == _cfg().mrope_config(), adapter.mrope
+    _raises(lambda: adapter.check(replace(mb, position_ids=mb.position_ids[0])), "[3, 1, T]")
+    ids = mb.input_ids.clone()
+    first_image = int(torch.nonzero(ids[0] == model.thinker.image_token_id)[0])
+    ids[0, first_image] = 1  # one image placeholder fewer than the encoder's features
+    _raises(lambda: adapter.forward(model, replace(mb, input_ids=ids)), "image placeholder", "produced")
+    _raises(lambda: model(input_ids=mb.input_ids, position_ids=mb.position_ids,
+                          packed_seq_params=mb.packed_seq_params, labels=mb.labels, pixel_value=1), "pixel_value")
+    _raises(lambda: model(input_ids=mb.input_ids, position_ids=None, packed_seq_params=mb.packed_seq_params),
+            "position_ids")
+
+
+def rotary_state_check(model, samples, cfg, layout, packed_mb):
+    """Bug class 5: a dense call after a packed one equals the dense call before it, bit for bit."""
+    from megatron_vlm_packing.bridge.build_omni import collate_omni
+    from megatron_vlm_packing.models.adapter import adapter_for
+    from megatron_vlm_packing.packing.localize import localize
+
+    adapter = adapter_for(model)
+    dense = localize(dense_micro_batch(collate_omni([samples[1]]), cfg, 2 * cfg.context_parallel * cfg.tensor_parallel),
+                     layout, adapter.needs)
+    rotary = model.thinker.language_model.rotary_pos_emb
+    with torch.no_grad():
+        before = adapter.forward(model, dense)
+        run_packed(model, packed_mb, layout)
+        flag_after_packed = rotary.is_thd_format
+        after = adapter.forward(model, dense)
+        rotary.is_thd_format = True  # what a leaked flag would do to the dense call
+        try:
+            bites = not torch.equal(adapter.forward(model, dense), before)
+        except (RuntimeError, ValueError):
+            bites = True
+        finally:
+            rotary.is_thd_format = False
+    assert not flag_after_packed, "is_thd_format leaked out of the packed call"
+    assert torch.equal(before, after), f"dense output changed after a packed call: {(before - after).abs().max()}"
+    assert bites, "a leaked is_thd_format did not change the dense CP output: the check cannot fail"
 
 
 def omni_parity(rank: int, world_size: int, layouts):
