@@ -200,6 +200,9 @@ def make_forward_step(*, pack: bool = True, label_style: str = "hf", pad_to: int
             batch = to_device(batch, device)
             mrope_used = resolve_mrope(options, model_adapter, batch)
             micro_batch = model_adapter.build_micro_batch(batch, layout, options)
+            if micro_batch is not None and probe is not None:
+                raise ValueError(f"parity_probe_every: {type(model_adapter).__name__} builds its own micro-batches "
+                                 f"(e.g. in LLaVA's expanded space), which the probe cannot split per sample")
             if micro_batch is None:
                 micro_batch = build_micro_batch(batch, layout, options, mrope=mrope_used,
                                                 media_token_ids=media_token_ids)
