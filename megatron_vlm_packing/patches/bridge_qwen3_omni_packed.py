@@ -12,8 +12,9 @@ packed path and leaves every dense call to Bridge's own code:
 - Positions: the caller's [3, 1, T] positions, each document's as if it were alone (float: video
   t positions are fractional), e.g. `pack_batch(mrope=TinyOmniConfig.mrope_config())` /
   `rope.get_rope_index`; never recomputed from the packed ids as one sequence.
-- Rotary state is per call (bug class 5): the rotary's `is_thd_format` is set for the packed call
-  and restored after it, so a later dense call slices for CP exactly as if no packed call ran.
+- Rotary state is per call (bug class 5): the rotary's `is_thd_format` is set from each call
+  (True packed, False dense) and restored after it, so a dense call slices for CP exactly as if no
+  packed call ran, whatever flag another caller left behind.
 - Deepstack features enter the language model as dense [T, H] tensors (zero outside vision
   tokens) that go through the same CP index and Megatron's SP scatter as the embeddings; the
   scatter's backward all-gathers, so every TP rank's vision tower gets the whole gradient (Bridge's
@@ -32,6 +33,7 @@ Shape legend: T = physical packed tokens, Tl = T / cp, H = hidden size, A = audi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import types
@@ -87,8 +89,9 @@ def apply_bridge_qwen3_omni_packed() -> bool:
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
         call = signature.bind(self, *args, **kwargs).arguments
-        if call.get("packed_seq_params") is None:
-            return original(self, *args, **kwargs)
+        if call.get("packed_seq_params") is None:  # dense: Bridge's code, with the rotary in dense mode
+            with rotary_mode(self, thd=False):
+                return original(self, *args, **kwargs)
         call.pop("self")
         extra = call.pop("kwargs", {})
         return packed_thinker_forward(self, **call, **extra)
@@ -144,15 +147,25 @@ def packed_thinker_forward(thinker, *, input_ids, position_ids, packed_seq_param
     if deepstack:  # all-True mask: the dense features are zero outside vision tokens
         deepstack_embeds = [d[:, 0] for d in deepstack]  # [Tl / tp, H]
         visual_pos_masks = torch.ones(1, deepstack_embeds[0].shape[0], dtype=torch.bool, device=input_ids.device)
-    rotary = thinker.language_model.rotary_pos_emb
-    saved = rotary.is_thd_format
-    rotary.is_thd_format = True  # positions are this rank's already: the rotary must not slice for CP
-    try:
+    with rotary_mode(thinker, thd=True):  # positions are this rank's already: the rotary must not slice for CP
         return thinker.language_model(
             input_ids=None, position_ids=positions, attention_mask=None, decoder_input=embeddings, labels=labels,
             loss_mask=loss_mask, packed_seq_params=packed_seq_params, runtime_gather_output=runtime_gather_output,
             extra_block_kwargs=extra_block_kwargs, visual_pos_masks=visual_pos_masks,
             deepstack_visual_embeds=deepstack_embeds)
+
+
+@contextlib.contextmanager
+def rotary_mode(thinker, *, thd: bool):
+    """The language model's rotary `is_thd_format` set for one call and restored after it (bug class 5)."""
+    rotary = getattr(getattr(thinker, "language_model", None), "rotary_pos_emb", None)
+    if rotary is None or not hasattr(rotary, "is_thd_format"):
+        yield
+        return
+    saved = rotary.is_thd_format
+    rotary.is_thd_format = thd
+    try:
+        yield
     finally:
         rotary.is_thd_format = saved
 
