@@ -77,13 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="train a tiny VLM on embedded synthetic data with packing")
-    demo.add_argument("--steps", type=_positive_int, default=40, help="optimizer steps (default 40)")
+    demo.add_argument("--steps", type=int, default=40, help="optimizer steps (default 40)")
     demo.add_argument("--no-pack", action="store_true", help="pad rows densely instead of packing")
-    demo.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size (under torchrun)")
-    demo.add_argument("--cp", type=_positive_int, default=1, help="context-parallel size (under torchrun)")
+    demo.add_argument("--tp", type=int, default=1, help="tensor-parallel size (under torchrun)")
+    demo.add_argument("--cp", type=int, default=1, help="context-parallel size (under torchrun)")
     demo.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
     demo.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    demo.add_argument("--micro-batch-size", type=_positive_int, default=8)
+    demo.add_argument("--micro-batch-size", type=int, default=8)
     demo.add_argument("--seed", type=int, default=1234)
     demo.set_defaults(func=cmd_demo)
 

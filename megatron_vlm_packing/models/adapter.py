@@ -67,6 +67,11 @@ class ModelAdapter:
                 f"micro-batch would train as one causal document; use pack=False or a model that takes it"
             )
 
+    def build_micro_batch(self, batch: dict, layout, options) -> MicroBatch | None:
+        """A model-specific micro-batch from a collated batch (LLaVA plans in its expanded space);
+        None (the default) lets the step use `pack_batch` / `pad_batch`."""
+        return None
+
     def forward(self, model: nn.Module, micro_batch: MicroBatch):
         """Call `model` (possibly wrapped) on a localized micro-batch; return its output."""
         raise NotImplementedError(f"{type(self).__name__} must implement forward(model, micro_batch)")

@@ -203,17 +203,25 @@ class PackedVLMAdapter(ModelAdapter):
 
     def __init__(self, model: PackedVLM):
         super().__init__(model)
+        # A pipeline stage after the first holds no towers: the first stage consumed the media.
+        later_stage = not getattr(model.language_model, "pre_process", True)
         consumes = set()
-        if model.vision is not None and model.image_token_id is not None:
+        if model.image_token_id is not None and (model.vision is not None or later_stage):
             consumes.add("images")
-        if model.vision is not None and model.video_token_id is not None:
+        if model.video_token_id is not None and (model.vision is not None or later_stage):
             consumes.add("videos")
-        if model.audio is not None:
+        if model.audio_token_id is not None and (model.audio is not None or later_stage):
             consumes.add("audio")
         self.consumes = frozenset(consumes)
         self.mrope = model.mrope
         self.rotary = "mrope" if model.mrope is not None else "1d"
         self.needs = LocalizeNeeds(full_input_ids=True, full_position_ids=model.mrope is not None)
+        ids = dict(image_token_id=model.image_token_id if "images" in consumes else None,
+                   video_token_id=model.video_token_id if "videos" in consumes else None,
+                   audio_token_id=model.audio_token_id if "audio" in consumes else None)
+        self.media_token_ids = {k: v for k, v in ids.items() if v is not None}
+        if self.media_token_ids:
+            self.media_token_ids["spatial_merge_size"] = model.spatial_merge_size
 
     def check(self, micro_batch: MicroBatch) -> None:
         super().check(micro_batch)

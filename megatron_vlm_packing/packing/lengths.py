@@ -41,25 +41,25 @@ def lengths_from_keep_mask(keep: torch.Tensor, *, field: str = "attention_mask")
     """
     if keep.dim() != 2:
         raise ValueError(f"{field} must be [B, S], got shape {tuple(keep.shape)}")
-    if keep.dtype != torch.bool:
-        not_binary = ((keep != 0) & (keep != 1)).any(dim=1)
-        keep = keep != 0
-    else:
-        not_binary = torch.zeros(keep.shape[0], dtype=torch.bool, device=keep.device)
-    lengths = keep.sum(dim=1)
-    expected = torch.arange(keep.shape[1], device=keep.device) < lengths[:, None]
-    bad = (keep != expected).any(dim=1) | not_binary
-    # The single host sync: lengths and per-row validity come back together.
-    values = torch.cat([lengths, bad.long()]).tolist()
+    values = keep.view(torch.uint8) if keep.dtype == torch.bool else keep
+    # Three reductions, no [B, S] temporaries: a row of 0/1 values with n ones is 1...1 0...0
+    # exactly when n == S or its first 0 (argmin: the first minimum) is at position n.
+    low, high = values.aminmax()
+    lengths = values.sum(dim=1)
+    first_zero = values.argmin(dim=1)
+    bad = (lengths != keep.shape[1]) & (first_zero != lengths)
+    # The single host sync: lengths, per-row validity and the value range come back together.
+    host = torch.cat([lengths, bad.long(), torch.stack([low, high]).long()]).tolist()
     batch = keep.shape[0]
-    row_lengths, bad_rows = values[:batch], [b for b in range(batch) if values[batch + b]]
+    row_lengths, bad_rows = host[:batch], [b for b in range(batch) if host[batch + b]]
+    if host[-2] < 0 or host[-1] > 1:
+        not_binary = ((keep != 0) & (keep != 1)).any(dim=1)
+        raise ValueError(f"{field} row {int(torch.nonzero(not_binary)[0])} has values other than 0 and 1")
     if bad_rows:
         b = bad_rows[0]
-        if bool(not_binary[b]):
-            raise ValueError(f"{field} row {b} has values other than 0 and 1")
         raise ValueError(
             f"{field} rows must be right-padded and contiguous (1...1 0...0); {len(bad_rows)} "
-            f"bad row(s) {bad_rows[:8]}; row {b}: {_describe_row(keep[b].cpu())}"
+            f"bad row(s) {bad_rows[:8]}; row {b}: {_describe_row((keep[b] != 0).cpu())}"
         )
     return row_lengths
 
@@ -80,6 +80,47 @@ def keep_mask_from_4d(mask: torch.Tensor) -> torch.Tensor:
             f"4D attention_mask must be bool with True = masked (Megatron convention), got {mask.dtype}"
         )
     return ~torch.diagonal(mask[:, 0], dim1=-2, dim2=-1)
+
+
+def check_4d_is_causal(mask: torch.Tensor, keep: torch.Tensor) -> None:
+    """Between real tokens a 4D mask must be plain causal (row i sees columns 0..i).
+
+    A block-diagonal mask (several documents in a row) or any other pattern would be replaced by
+    causal attention per row without a word; documents are declared with `document_lengths`.
+
+    Raises:
+        ValueError: naming the row and the first real (query, key) pair that differs.
+    """
+    if mask.shape[-1] != keep.shape[-1]:
+        return  # the shape check in real_lengths reports this
+    size = mask.shape[-1]
+    causal = torch.ones(size, size, dtype=torch.bool, device=mask.device).tril()
+    real_pair = keep[:, :, None] & keep[:, None, :]  # [B, S, S]
+    bad = real_pair & (~mask[:, 0] != causal)
+    if bool(bad.any()):
+        b, i, j = torch.nonzero(bad)[0].tolist()
+        what = "masks" if j <= i else "lets"
+        raise ValueError(
+            f"4D attention_mask row {b} {what} real token {i} {'from' if j <= i else 'see'} real token {j}: between "
+            f"real tokens it must be causal; several documents in a row are declared with document_lengths"
+        )
+
+
+def _seq_lens_list(seq_lens) -> list:
+    """`seq_lens` as a list of Python ints; fractional, bool or non-numeric entries are a ValueError."""
+    if isinstance(seq_lens, torch.Tensor):
+        if seq_lens.dim() != 1:
+            raise ValueError(f"seq_lens must be [B] (one length per row), got shape {tuple(seq_lens.shape)}; "
+                             f"several documents per row go in document_lengths")
+        values = seq_lens.tolist()
+    elif isinstance(seq_lens, (list, tuple)):
+        values = list(seq_lens)
+    else:
+        raise ValueError(f"seq_lens must be a [B] integer tensor or a list of ints, got {type(seq_lens).__name__}")
+    for b, n in enumerate(values):
+        if isinstance(n, bool) or not isinstance(n, (int, float)) or (isinstance(n, float) and not n.is_integer()):
+            raise ValueError(f"seq_lens row {b} is {n!r}: lengths must be whole numbers of tokens")
+    return [int(n) for n in values]
 
 
 def real_lengths(
@@ -106,7 +147,7 @@ def real_lengths(
     if attention_mask is not None and seq_lens is not None:
         raise ValueError("give either attention_mask or seq_lens, not both")
     if seq_lens is not None:
-        lengths = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else list(seq_lens)
+        lengths = _seq_lens_list(seq_lens)
         if len(lengths) != batch_size:
             raise ValueError(f"seq_lens has {len(lengths)} entries but input_ids has {batch_size} rows")
         out_of_range = [(b, n) for b, n in enumerate(lengths) if not 0 <= int(n) <= row_length]
@@ -120,6 +161,7 @@ def real_lengths(
         return [row_length] * batch_size
     if attention_mask.dim() == 4:
         keep = keep_mask_from_4d(attention_mask)
+        check_4d_is_causal(attention_mask, keep)
     elif attention_mask.dim() == 2:
         keep = attention_mask
     else:

@@ -221,8 +221,8 @@ def _video_counts(videos, grid, seconds, input_ids, keep, tokens: MediaTokens) -
         if seconds.numel() != grid.shape[0]:
             raise ValueError(f"second_per_grid_ts has {seconds.numel()} entries but video_grid_thw has "
                              f"{grid.shape[0]} videos")
-        if not bool(torch.isfinite(seconds.float()).all()) or bool((seconds <= 0).any()):
-            raise ValueError(f"second_per_grid_ts must be finite and > 0, got {seconds.tolist()}")
+        if not bool(torch.isfinite(seconds.float()).all()) or bool((seconds < 0).any()):
+            raise ValueError(f"second_per_grid_ts must be finite and >= 0, got {seconds.tolist()}")
     return items_per_row(rows, grid_tokens(grid, tokens.spatial_merge_size, "video_grid_thw"),
                          kind="video", field="video_grid_thw")
 

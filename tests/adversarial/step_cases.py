@@ -196,9 +196,16 @@ def adapter_factory_returns_wrong_type(m):
 
 
 @case
-def wrapped_model_equals_bare(m):
-    step = make_forward_step()
-    return loss(step, Wrapper(Wrapper(m["gpt"])), text_batch()) == loss(make_forward_step(), m["gpt"], text_batch())
+def wrapped_vlm_found_through_wrappers(m):
+    """Through two `.module` wrappers: PackedVLM's adapter, the same loss, and its videos reach the loss."""
+    from megatron_vlm_packing.models.adapter import adapter_for
+
+    wrapped = Wrapper(Wrapper(m["media"]))
+    batch = only(media_batch(), "pixel_values_videos", "video_grid_thw")
+    bright = {**batch, "pixel_values_videos": batch["pixel_values_videos"] * 100}
+    same = loss(make_forward_step(), wrapped, batch) == loss(make_forward_step(), m["media"], batch)
+    return type(adapter_for(wrapped)).__name__, same, loss(make_forward_step(), wrapped, bright) != \
+        loss(make_forward_step(), wrapped, batch)
 
 
 @case
@@ -218,9 +225,13 @@ def explicit_adapter_overrides_registry(m):
 
 @case
 def with_state_form_equals_plain(m):
+    """Megatron-Bridge's (state, data_iterator, model) form: the same loss, audio included."""
+    batch = only(media_batch(), "input_features", "feature_attention_mask")
     with torch.no_grad():
-        output, reduce = make_forward_step(with_state=True)(object(), iter([text_batch()]), m["gpt"])
-    return (round(reduce(output)[0].item(), 4), int(reduce(output)[1])) == loss(make_forward_step(), m["gpt"], text_batch())
+        output, reduce = make_forward_step(with_state=True)(object(), iter([batch]), m["media"])
+        with_state = (round(reduce(output)[0].item(), 4), int(reduce(output)[1]))
+    loud = {**batch, "input_features": batch["input_features"] * 100}
+    return with_state == loss(make_forward_step(), m["media"], batch), with_state != loss(make_forward_step(), m["media"], loud)
 
 
 @case
@@ -305,8 +316,7 @@ def image_placeholders_moved_to_another_sample(m):
 
 @case
 def image_tokens_without_pixel_values(m):
-    return loss(make_forward_step(), m["vlm"], only(media_batch(), "image_grid_thw") | {
-        "input_ids": media_batch()["input_ids"]})
+    return loss(make_forward_step(), m["vlm"], only(media_batch()) | {"input_ids": media_batch()["input_ids"]})
 
 
 @case
@@ -356,7 +366,52 @@ def all_media_packed_equals_each_sample_alone(m):
     samples = synthetic_samples(4, seed=11, cfg=DATA)
     packed = loss(make_forward_step(), m["media"], collate(samples))
     alone = [loss(make_forward_step(pack=False), m["media"], collate([s])) for s in samples]
-    return abs(packed[0] - sum(a[0] for a in alone)) < 1e-3 and packed[1] == sum(a[1] for a in alone)
+    batch = collate(samples)
+    changed = {**batch, "pixel_values_videos": batch["pixel_values_videos"] * 100, "input_features": batch["input_features"] * 100}
+    media_matter = loss(make_forward_step(), m["media"], changed) != packed
+    return abs(packed[0] - sum(a[0] for a in alone)) < 1e-3 and packed[1] == sum(a[1] for a in alone), media_matter
+
+
+# --- packing off (pad_batch): the same checks as packing --------------------------------------
+
+@case
+def dense_left_padding(m):
+    batch = text_batch()
+    batch["attention_mask"] = batch["attention_mask"].flip(1)
+    return loss(make_forward_step(pack=False), m["gpt"], batch)
+
+
+@case
+def dense_mask_with_a_hole(m):
+    batch = text_batch()
+    batch["attention_mask"][2, 3] = 0
+    return loss(make_forward_step(pack=False), m["gpt"], batch)
+
+
+@case
+def dense_seq_length_shorter_than_a_row(m):
+    return loss(make_forward_step(pack=False, seq_length=4), m["gpt"], text_batch())
+
+
+@case
+def dense_seq_lens_equal_the_attention_mask(m):
+    batch = text_batch()
+    by_lengths = {k: v for k, v in batch.items() if k != "attention_mask"} | {"seq_lens": torch.tensor([4, 3, 6])}
+    return loss(make_forward_step(pack=False), m["gpt"], by_lengths) == loss(make_forward_step(pack=False), m["gpt"], batch)
+
+
+@case
+def dense_mrope_equals_packed_mrope(m):
+    """Packing off gives an mRoPE model its 3D positions too (it used to get 1D ones)."""
+    batch = only(media_batch(), "pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+    dense, packed = loss(make_forward_step(pack=False), m["mrope_vlm"], batch), loss(make_forward_step(), m["mrope_vlm"], batch)
+    return abs(dense[0] - packed[0]) < 1e-3 and dense[1] == packed[1]
+
+
+@case
+def float_input_ids(m):
+    batch = text_batch()
+    return loss(make_forward_step(), m["gpt"], batch | {"input_ids": batch["input_ids"].float()})
 
 
 # --- options ----------------------------------------------------------------------------------

@@ -2,9 +2,13 @@
 PackedVLM with vision and audio towers, mRoPE): each gives the exact error (type, field, numbers)
 or the exact correct result. One process launch runs every case (tests/adversarial/step_cases.py).
 
-Every case here failed on bd042f6: inputs were dropped by signature sniffing (videos, audio,
-packed_seq_params, per-token tensors), mRoPE settings were computed and ignored, and nothing was
-checked per sample.
+Every case here fails on bd042f6: inputs were dropped by signature sniffing (videos, audio,
+packed_seq_params, per-token tensors), mRoPE settings were computed and ignored, the dense path
+checked nothing (left padding, holes, seq_lens, a short seq_length) and gave mRoPE models 1D
+positions, and media were not checked per sample. Cases that return a result also assert that
+media reach the loss, which the old step could not do. Where the packer (`pack_batch` /
+`pad_batch`) refuses an input first, its message is the one expected; `PackedVLM` repeats the
+per-sample checks for callers that run it directly (tests/step/test_media.py).
 """
 
 import re
@@ -29,10 +33,10 @@ EXPECTED = {
     "unknown_model_type": (ERR, "ValueError", r"no model adapter for torch\.nn\.modules\.linear\.Linear"),
     "adapter_not_an_adapter": (ERR, "ValueError", r"adapter must be a ModelAdapter or a factory"),
     "adapter_factory_returns_wrong_type": (ERR, "ValueError", r"the adapter factory returned object, not a ModelAdapter"),
-    "wrapped_model_equals_bare": ("ok", True),
+    "wrapped_vlm_found_through_wrappers": ("ok", ("PackedVLMAdapter", True, True)),
     "registered_user_model_equals_gpt": ("ok", True),
     "explicit_adapter_overrides_registry": ("ok", True),
-    "with_state_form_equals_plain": ("ok", True),
+    "with_state_form_equals_plain": ("ok", (True, True)),
     "batch_not_a_dict": (ERR, "ValueError", r"must yield a dict of tensors .* got list"),
     # rotary kind (bug class 1)
     "mrope_for_1d_gpt": (ERR, "ValueError", r"mrope=\.\.\.\) was given but GPTModel's rotary is 1D"),
@@ -44,14 +48,21 @@ EXPECTED = {
     "vlm_mrope_with_1d_lm": (ERR, "ValueError", r"mrope=MRopeConfig given but the language model's rotary is 'rope'"),
     "vlm_mrope_lm_without_config": (ERR, "ValueError", r"pass PackedVLM\(mrope=MRopeConfig"),
     # media placement, per sample
-    "image_placeholders_moved_to_another_sample": (ERR, "ValueError", r"sample \d has \d+ image placeholder tokens \(id 253\), which do not cover whole images"),
+    "image_placeholders_moved_to_another_sample": (ERR, "ValueError", r"row 0 has 1 image placeholder tokens, but the images of image_grid_thw in order give it 2"),
     "image_tokens_without_pixel_values": (ERR, "ValueError", r"input_ids hold image placeholder tokens \(id 253\) but no image inputs"),
-    "video_grid_one_frame_short": (ERR, "ValueError", r"video placeholder tokens \(id 252\) in input_ids but the 1 video inputs give \d+ tokens"),
-    "audio_mask_with_a_hole": (ERR, "ValueError", r"feature_attention_mask rows \[0\] are not right-padded"),
-    "audio_clip_shorter_than_its_placeholders": (ERR, "ValueError", r"\d+ audio placeholder tokens \(id 251\) in input_ids but the \d audio inputs give \d+ tokens"),
+    "video_grid_one_frame_short": (ERR, "ValueError", r"row 0 has 4 video placeholder tokens, but the videos of video_grid_thw in order give it 2"),
+    "audio_mask_with_a_hole": (ERR, "ValueError", r"feature_attention_mask rows must be right-padded .* bad row\(s\) \[0\].* holes at positions \[1\]"),
+    "audio_clip_shorter_than_its_placeholders": (ERR, "ValueError", r"row 1 has 2 audio placeholder tokens, but the audios of feature_attention_mask in order give it 5"),
     "video_content_reaches_the_loss": ("ok", True),
     "audio_content_reaches_the_loss": ("ok", True),
-    "all_media_packed_equals_each_sample_alone": ("ok", True),
+    "all_media_packed_equals_each_sample_alone": ("ok", (True, True)),
+    # packing off: pad_batch, the same checks and positions as packing
+    "dense_left_padding": (ERR, "ValueError", r"attention_mask rows must be right-padded .* bad row\(s\) \[0, 1\].* left padding: first real token at position 2"),
+    "dense_mask_with_a_hole": (ERR, "ValueError", r"attention_mask rows must be right-padded .* bad row\(s\) \[2\].* holes at positions \[3\]"),
+    "dense_seq_length_shorter_than_a_row": (ERR, "ValueError", r"seq_length=4 is shorter than the longest row's 6 real tokens"),
+    "dense_seq_lens_equal_the_attention_mask": ("ok", True),
+    "dense_mrope_equals_packed_mrope": ("ok", True),
+    "float_input_ids": (ERR, "ValueError", r"input_ids must hold integer token ids, got dtype torch.float32"),
     # options
     "pack_with_seq_length": (ERR, "ValueError", r"seq_length=16 is the dense row length"),
     "dense_with_pad_to": (ERR, "ValueError", r"pad_to=16 is the fixed packed length"),

@@ -104,3 +104,21 @@ def test_a_micro_batch_is_read_directly_and_a_localized_one_checks_its_cp_index(
     bad = validate_packed_batch(local, cp_rank=0)
     assert bad.failed_checks == {"cp_partition"} and "not TE's zigzag for rank 0" in str(bad)
     assert "localized to one CP rank" in str(bad)
+
+
+def test_alignment_under_sequence_parallelism_and_fp8():
+    for seed in range(9, 20):  # a pack whose T (a multiple of 2 for SP) is not one of 32 (FP8 too)
+        fields = pack_fields(vlm_batch(seed=seed), cp_size=1, mrope=None, tp_size=2, sequence_parallel=True)
+        if fields["input_ids"].shape[1] % 32:
+            break
+    assert validate_packed_batch(**fields).ok
+    report = validate_packed_batch(**{**fields, "fp8": True})
+    assert report.failed_checks == {"alignment"} and "is not a multiple of 32" in str(report), str(report)
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 10_000), cp=st.sampled_from([1, 2]))
+def test_our_vlm_packs_validate_clean(seed, cp):
+    batch = vlm_batch(seed=seed, num=3)
+    report = validate_packed_batch(**pack_fields(batch, cp_size=cp))
+    assert report.ok, str(report)
