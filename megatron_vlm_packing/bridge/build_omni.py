@@ -245,11 +245,11 @@ def omni_sample(rng: torch.Generator, cfg: TinyOmniConfig, *, images: int, video
 
 def omni_samples(cfg: TinyOmniConfig, num: int, *, seed: int, max_text: int = 20, max_images: int = 1,
                  max_videos: int = 1, max_audios: int = 1) -> list[dict]:
-    """`num` samples, identical for the same seed. Every kind of media appears in the first three
-    samples whatever the draw (sample 0: an image and an audio clip, 1: a video, 2: text only)."""
+    """`num` samples, identical for the same seed. The first four are fixed whatever the draw
+    (0: an image and an audio clip, 1: a video, 2: text only, 3: an image, a video and a clip)."""
     rng = torch.Generator().manual_seed(seed)
     forced = [dict(images=1, videos=0, audios=1), dict(images=0, videos=1, audios=0),
-              dict(images=0, videos=0, audios=0)]
+              dict(images=0, videos=0, audios=0), dict(images=1, videos=1, audios=1)]
     samples = []
     for i in range(num):
         counts = forced[i] if i < len(forced) else dict(

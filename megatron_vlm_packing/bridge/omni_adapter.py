@@ -42,11 +42,14 @@ def qwen3_omni_mrope(model: nn.Module):
 
     thinker = getattr(model, "thinker", model)
     audio = getattr(thinker, "audio_model", None)
-    n_window = int(audio.n_window) if audio is not None else int(thinker.thinker_transformer_config.audio_config.n_window)
+    if audio is None:
+        audio = thinker.thinker_transformer_config.audio_config
+    n_window = int(audio.n_window)
     return MRopeConfig(family="qwen3_omni", spatial_merge_size=int(thinker.config.spatial_merge_size),
                        image_token_id=int(thinker.image_token_id), video_token_id=int(thinker.video_token_id),
                        vision_start_token_id=int(thinker.vision_start_token_id),
-                       audio_token_id=int(thinker.audio_token_id), audio_start_token_id=int(thinker.audio_start_token_id),
+                       audio_token_id=int(thinker.audio_token_id),
+                       audio_start_token_id=int(thinker.audio_start_token_id),
                        position_id_per_seconds=float(thinker.position_id_per_seconds), audio_n_window=n_window,
                        mrope_section=tuple(int(x) for x in thinker.config.mrope_section), mrope_interleaved=True)
 

@@ -42,7 +42,6 @@ import torch
 
 THINKER_MODULE = "megatron.bridge.models.qwen_omni.modeling_qwen3_omni.thinker_model"
 _ORIGINAL: dict = {}
-_DENSE_ONLY = ("inference_params",)
 _MEDIA_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "video_second_per_grid",
                "input_features", "feature_attention_mask", "audio_feature_lengths")
 
@@ -132,6 +131,9 @@ def packed_thinker_forward(thinker, *, input_ids, position_ids, packed_seq_param
                                           ("attention_mask", attention_mask)) if v is not None]
         raise ValueError(f"packed Qwen3-Omni thinker cannot take {named}: boundaries come from packed_seq_params, "
                          f"media from {list(_MEDIA_KEYS)}")
+    if not thinker.pre_process:
+        raise ValueError("packed Qwen3-Omni runs on the first pipeline stage only (Bridge's deepstack block "
+                         "supports no pipeline parallelism)")
     pg = thinker.pg_collection
     cp_size, cp_rank = pg.cp.size(), pg.cp.rank()
     _check_packed_layout(input_ids, position_ids, packed_seq_params, labels, cp_size)
@@ -176,7 +178,8 @@ def _check_packed_layout(input_ids, position_ids, packed_seq_params, labels, cp_
         raise ValueError("packed Qwen3-Omni needs THD packed_seq_params with cu_seqlens_q_padded "
                          f"(qkv_format={packed_seq_params.qkv_format!r})")
     if input_ids is None or input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise ValueError(f"packed input_ids must be [1, T], got {None if input_ids is None else tuple(input_ids.shape)}")
+        got = None if input_ids is None else tuple(input_ids.shape)
+        raise ValueError(f"packed input_ids must be [1, T], got {got}")
     total = input_ids.shape[1]
     if position_ids is None or tuple(position_ids.shape) != (3, 1, total):
         got = None if position_ids is None else tuple(position_ids.shape)

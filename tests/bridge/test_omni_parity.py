@@ -140,11 +140,6 @@ def grad_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
 
 
-def rank_debug():
-    import os
-    return os.environ.get("OMNI_DEBUG") == "1" and dist.get_rank() == 0
-
-
 def packed_case(samples, ref, tp, cp, sp):
     """Worst |dloss| per token and relative grad error of one layout vs the reference."""
     from megatron.core import parallel_state as ps
@@ -172,11 +167,7 @@ def packed_case(samples, ref, tp, cp, sp):
     dist.all_reduce(report, group=cp_group)
     mb = micro_batch(collate_omni(samples), cfg)
     grads = full_gradients(model, tp_group=ps.get_tensor_model_parallel_group(), cp_group=cp_group)
-    errors = {n: grad_error(g, ref_grads[n]) for n, g in grads.items()}
-    grad_err = max(errors.values())
-    if rank_debug():
-        for n in sorted(errors, key=errors.get)[-8:]:
-            print(n, errors[n], ref_grads[n].abs().max().item(), grads[n].abs().max().item(), flush=True)
+    grad_err = max(grad_error(g, ref_grads[n]) for n, g in grads.items())
     towers = {k: sum(1 for n in grads if f".{k}." in n and grads[n].abs().sum() > 0) for k in ("visual", "audio_model")}
     dloss_sum = abs(report[0].item() - ref_losses.sum().item())
     assert int(report[1]) == ref_losses.numel(), (report, ref_losses.numel())
@@ -198,9 +189,9 @@ def dense_micro_batch(samples, cfg):
 
     batch = collate_omni(samples)
     multiple = 2 * cfg.context_parallel * cfg.tensor_parallel
+    row = -(-batch["input_ids"].shape[1] // multiple) * multiple
     return pad_batch(batch, tp_size=cfg.tensor_parallel, cp_size=cfg.context_parallel,
-                     sequence_parallel=cfg.sequence_parallel, seq_length=-(-batch["input_ids"].shape[1] // multiple) * multiple,
-                     label_style="hf", mrope=cfg.mrope_config())
+                     sequence_parallel=cfg.sequence_parallel, seq_length=row, label_style="hf", mrope=cfg.mrope_config())
 
 
 def _raises(fn, *words):
