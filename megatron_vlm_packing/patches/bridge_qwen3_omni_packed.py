@@ -19,9 +19,11 @@ packed path and leaves every dense call to Bridge's own code:
   tokens) that go through the same CP index and Megatron's SP scatter as the embeddings; the
   scatter's backward all-gathers, so every TP rank's vision tower gets the whole gradient (Bridge's
   `split_deepstack_embs` slices per SP rank with no backward collective: bug class 12).
-- Audio clips are encoded together (the encoder keeps clips apart by their lengths) and placed in
-  token order; the count of audio placeholders must equal the encoder's output length (Bridge's own
-  dense path trims per row and cannot take two clips in a row).
+- Audio clips are encoded in groups whose chunks pad alike when alone (`audio_embeddings`: Hugging
+  Face's encoder carries chunk padding into the last real frames, so clips of different lengths
+  encoded in one call differ from each clip alone) and placed in token order; the count of audio
+  placeholders must equal the encoder's output length (Bridge's own dense path trims per row and
+  cannot take two clips in a row).
 - Labels and loss mask are this CP rank's (`packing.localize`); ids and positions full length.
 
 Feature check: the original forward is run on an empty object with `packed_seq_params`; the defect
