@@ -15,9 +15,10 @@ The packed mRoPE rotary is installed per model, not globally: `rope.use_packed_m
 Megatron-Bridge patches (`apply_bridge_patches`, not part of `apply_all`: they import Bridge's model
 modules): `bridge_deepstack_sp` (Qwen3-VL deepstack gradients under TP + SP) and
 `bridge_thd_cp_index` (packed CP token selection without TE's kernel), `bridge_qwen25_vl_cp`
-(Qwen2.5-VL's missing CP token selection), `bridge_qwen3_omni_packed` (packed THD path for the
-Qwen3-Omni thinker, which refuses `packed_seq_params`). Apply them before the first
+(Qwen2.5-VL's missing CP token selection). Apply them before the first
 forward of a Bridge model; the Bridge adapters refuse a layout whose defect is present and unpatched.
+Qwen3-Omni's packed THD path is applied on its own: `apply_bridge_qwen3_omni_packed()` (the thinker
+refuses `packed_seq_params`; the Omni adapter refuses packed micro-batches until it is applied).
 """
 
 from megatron_vlm_packing.patches.llava_boundaries import (
@@ -47,12 +48,10 @@ def apply_all() -> dict[str, bool]:
 def apply_bridge_patches() -> dict[str, bool]:
     """Apply every Megatron-Bridge patch whose defect is present; returns which are active."""
     return {"bridge_deepstack_sp": apply_bridge_deepstack_sp(), "bridge_thd_cp_index": apply_bridge_thd_cp_index(),
-            "bridge_qwen25_vl_cp": apply_bridge_qwen25_vl_cp(),
-            "bridge_qwen3_omni_packed": apply_bridge_qwen3_omni_packed()}
+            "bridge_qwen25_vl_cp": apply_bridge_qwen25_vl_cp()}
 
 
 def undo_bridge_patches() -> None:
-    undo_bridge_qwen3_omni_packed()
     undo_bridge_qwen25_vl_cp()
     undo_bridge_thd_cp_index()
     undo_bridge_deepstack_sp()
