@@ -67,7 +67,10 @@ def _dense_audio_shim(encoder) -> None:
 
 
 def reference(samples):
-    """Bridge's dense path, one sample at a time: per-token losses at targets, grads, weights."""
+    """Bridge's dense path, one sample at a time: per-token losses at targets, grads, weights.
+
+    The samples are shared out over the launch's ranks (each a TP=CP=1 replica with the same weights)
+    and the per-sample gradients summed, so the truth costs one process's share, not all of it."""
     from megatron_vlm_packing.bridge.build_omni import build_tiny_omni, collate_omni
     from megatron_vlm_packing.packing import shift_labels_within_rows
     from megatron_vlm_packing.testing.distributed import initialize_parallel
@@ -77,16 +80,23 @@ def reference(samples):
     model = build_tiny_omni(cfg, seed=SEED)
     _dense_audio_shim(model.thinker.audio_model)
     state = {n: p.detach().clone() for n, p in model.named_parameters()}
-    losses = []
-    for sample in samples:
-        batch = collate_omni([sample])
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = {}
+    for i in range(rank, len(samples), world):
+        batch = collate_omni([samples[i]])
         labels = shift_labels_within_rows(batch["labels"], batch["attention_mask"].bool())
         out = model(input_ids=batch["input_ids"], position_ids=_positions(batch, cfg), labels=labels,
                     loss_mask=(labels != -100).float(), **_media(batch))
-        losses.append(out[labels != -100])
+        losses[i] = out[labels != -100].detach()
         out[labels != -100].sum().backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    return torch.cat(losses).detach(), grads, state
+    grads = {}
+    for name, param in model.named_parameters():
+        grads[name] = param.grad.detach().clone() if param.grad is not None else torch.zeros_like(param)
+        dist.all_reduce(grads[name])  # sum over the samples of every rank
+    every = [None] * world
+    dist.all_gather_object(every, losses)
+    merged = {i: loss for part in every for i, loss in part.items()}
+    return torch.cat([merged[i] for i in range(len(samples))]), grads, state
 
 
 def micro_batch(batch, cfg):
