@@ -90,7 +90,11 @@ def build_model(args, device: str, dtype: torch.dtype):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from megatron_vlm_packing.models.tiny_gpt import TinyGPTConfig, build_tiny_gpt
+    from megatron_vlm_packing.patches import apply_thd_rotary
 
+    # The packed step runs with our loop-free THD rotary (patches.apply_all); without it Megatron-Core's
+    # THD rope costs a host sync per document per layer, which the fit would book as model cost.
+    apply_thd_rotary()
     cfg = TinyGPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                         num_query_groups=args.heads, ffn_hidden_size=args.ffn, vocab_size=args.vocab,
                         max_sequence_length=max(args.lengths), params_dtype=dtype,
