@@ -12,6 +12,12 @@ then a Python loop copying each row's slices into them (and an `arange` of pad p
 row is padded to the CP multiple), and the boundary tensors. It is written here, not imported, so
 the benchmark runs without Bridge and Transformer Engine.
 
+The third column, "packing core", times this project's packing pieces alone (mask check, plan,
+indices, slices copied, positions, padding mask, PackedSeqParams) without `pack_batch`'s checks of
+every [B, S] value (ids in range, labels -100 or in range, Hugging Face labels given as Megatron
+ones, loss weights finite): what `pack_batch` would cost with those checks made on the packed
+tokens instead.
+
 Both packers get the same batch (Megatron-style: input_ids, labels already aligned, a float
 loss_mask, a 0/1 attention_mask, 2D position_ids) and produce the same things: packed ids, labels,
 loss mask, positions restarting per sample, and both boundary sets; ours also builds the padding
@@ -110,6 +116,24 @@ def ours(batch: dict, *, cp_size: int = 1):
                       label_style="megatron")
 
 
+def packing_core(batch: dict, *, cp_size: int = 1):
+    """What any exact packer must do, with this project's pieces and none of `read_rows`' [B, S] value
+    checks: real lengths (mask checked), plan, indices, ids / labels / loss weights packed, positions,
+    padding mask, PackedSeqParams."""
+    from megatron_vlm_packing.packing import (
+        PackMultiples, lengths_from_keep_mask, make_pack_plan, make_packed_seq_params, pack_rows, plan_indices,
+        segment_positions,
+    )
+
+    ids = batch["input_ids"]
+    plan = make_pack_plan(lengths_from_keep_mask(batch["attention_mask"]), row_capacity=ids.shape[1],
+                          multiples=PackMultiples.for_parallel(cp_size=cp_size))
+    indices = plan_indices(plan)
+    return (pack_rows(ids, indices), pack_rows(batch["labels"], indices, pad_value=IGNORE_INDEX),
+            pack_rows(batch["loss_mask"], indices), segment_positions(indices), ~indices.is_real,
+            make_packed_seq_params(plan, indices))
+
+
 def check_same(batch: dict, cp_size: int) -> None:
     """Both packers agree on every real token and on the boundaries (what is being compared)."""
     theirs, mine = bridge_row_loop(batch, pad_to_multiple_of=2 * cp_size if cp_size > 1 else 1), ours(batch, cp_size=cp_size)
@@ -121,20 +145,23 @@ def check_same(batch: dict, cp_size: int) -> None:
         raise AssertionError("cu_seqlens differ between the packers")
 
 
-def side_by_side(batch: dict, cp_size: int, repeats: int) -> tuple[float, float, float]:
-    """(bridge ms, ours ms, ratio): medians over alternating calls after one warm-up of each."""
+def side_by_side(batch: dict, cp_size: int, repeats: int) -> tuple[float, ...]:
+    """(bridge ms, pack_batch ms, core ms, bridge/pack_batch, bridge/core): medians over
+    alternating calls after one warm-up of each."""
     multiple = 2 * cp_size if cp_size > 1 else 1
-    calls = (lambda: bridge_row_loop(batch, pad_to_multiple_of=multiple), lambda: ours(batch, cp_size=cp_size))
+    calls = (lambda: bridge_row_loop(batch, pad_to_multiple_of=multiple), lambda: ours(batch, cp_size=cp_size),
+             lambda: packing_core(batch, cp_size=cp_size))
     for call in calls:
         call()
-    bridge_ms, ours_ms = [], []
+    samples = [[], [], []]
     for _ in range(repeats):
-        for call, samples in zip(calls, (bridge_ms, ours_ms)):
+        for call, timings in zip(calls, samples):
             start = time.thread_time()
             call()
-            samples.append((time.thread_time() - start) * 1e3)
-    ratio = statistics.median(b / o for b, o in zip(bridge_ms, ours_ms))
-    return statistics.median(bridge_ms), statistics.median(ours_ms), ratio
+            timings.append((time.thread_time() - start) * 1e3)
+    bridge, full, core = samples
+    return (statistics.median(bridge), statistics.median(full), statistics.median(core),
+            statistics.median(b / o for b, o in zip(bridge, full)), statistics.median(b / o for b, o in zip(bridge, core)))
 
 
 def main() -> None:
@@ -147,15 +174,16 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     lines = [f"cp={args.cp}, torch {torch.__version__}, 1 thread",
-             "| B x S | real tokens | bridge row loop ms | pack_batch ms | speedup |", "|---|---|---|---|---|"]
+             "| B x S | real tokens | bridge row loop ms | pack_batch ms | packing core ms | pack_batch speedup "
+             "| core speedup |", "|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
     for b in args.batches:
         for s in args.seqs:
             batch = make_batch(b, s)
             check_same(batch, args.cp)
-            bridge_ms, ours_ms, ratio = side_by_side(batch, args.cp, args.repeats)
-            line = (f"| {b} x {s} | {int(batch['attention_mask'].sum())} | {bridge_ms:.3f} | {ours_ms:.3f} "
-                    f"| {ratio:.2f}x |")
+            bridge_ms, full_ms, core_ms, full_ratio, core_ratio = side_by_side(batch, args.cp, args.repeats)
+            line = (f"| {b} x {s} | {int(batch['attention_mask'].sum())} | {bridge_ms:.3f} | {full_ms:.3f} "
+                    f"| {core_ms:.3f} | {full_ratio:.2f}x | {core_ratio:.2f}x |")
             lines.append(line)
             print(line, flush=True)
     if args.out:

@@ -31,6 +31,7 @@ from megatron_vlm_packing.packing.localize import localize
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
 from megatron_vlm_packing.parallel.layout import ParallelLayout
 from megatron_vlm_packing.train.loss import loss_func
+from megatron_vlm_packing.validate.step_probe import StepProbe
 
 
 @dataclass(frozen=True)
@@ -78,8 +79,9 @@ def to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-def resolve_mrope(options: StepOptions, adapter: ModelAdapter):
-    """The mRoPE config positions are computed with: the step's, else the model's own (PackedVLM).
+def resolve_mrope(options: StepOptions, adapter: ModelAdapter, batch: dict | None = None):
+    """The mRoPE config positions are computed with: the step's, else the model's own (PackedVLM)
+    unless the batch already carries [3, B, S] `position_ids` (then those are packed as given).
 
     Raises:
         ValueError: `mrope=` given for a model whose adapter says its rotary is 1D (the positions
@@ -89,7 +91,12 @@ def resolve_mrope(options: StepOptions, adapter: ModelAdapter):
     if options.mrope is not None and rotary == "1d":
         raise ValueError(f"make_forward_step(mrope=...) was given but {adapter.model_name}'s rotary is 1D "
                          f"({type(adapter).__name__}): drop mrope= or build an mRoPE model")
-    return options.mrope if options.mrope is not None else getattr(adapter, "mrope", None)
+    if options.mrope is not None:
+        return options.mrope
+    given = (batch or {}).get("position_ids")
+    if isinstance(given, torch.Tensor) and given.dim() == 3:
+        return None
+    return getattr(adapter, "mrope", None)
 
 
 def build_micro_batch(batch: dict, layout: ParallelLayout, options: StepOptions, *, mrope=None,
@@ -148,7 +155,8 @@ class _Adapters:
 def make_forward_step(*, pack: bool = True, label_style: str = "hf", pad_to: int | None = None,
                       seq_length: int | None = None, fp8: bool = False, mrope=None,
                       broadcast_from_tp_rank0: bool = False, with_state: bool = False, adapter=None,
-                      transform: Callable[[MicroBatch], MicroBatch] | None = None) -> Callable:
+                      transform: Callable[[MicroBatch], MicroBatch] | None = None,
+                      parity_probe_every: int | None = None, parity_probe_tolerance: float = 1e-4) -> Callable:
     """Build a Megatron forward step.
 
     Args:
@@ -163,6 +171,10 @@ def make_forward_step(*, pack: bool = True, label_style: str = "hf", pad_to: int
         adapter: a `ModelAdapter` (or a factory `model -> ModelAdapter`) overriding the registry.
         transform: applied to each full-length micro-batch before the checks and `localize` (to
             observe micro-batches, or for tests that make one deliberate mistake).
+        parity_probe_every: every N-th micro-batch also runs packed and each sample alone without
+            gradients (`validate.StepProbe`); the per-token loss difference is printed and, above
+            `parity_probe_tolerance`, raises `validate.ParityProbeError` with the validator's report.
+            Needs cp = 1 and one pipeline stage.
 
     Returns:
         `forward_step(data_iterator, model) -> (output_tensor, loss_func)`.
@@ -170,24 +182,39 @@ def make_forward_step(*, pack: bool = True, label_style: str = "hf", pad_to: int
     options = StepOptions(pack=pack, label_style=label_style, pad_to=pad_to, seq_length=seq_length, fp8=fp8,
                           mrope=mrope)
     adapters = _Adapters(adapter)
+    probe = None if parity_probe_every is None else StepProbe(parity_probe_every, tolerance=parity_probe_tolerance)
 
     def forward_step(data_iterator, model):
         model_adapter = adapters(model)
         layout = ParallelLayout.from_megatron(unwrap_model(model).config)
         batch = read_micro_batch(data_iterator, broadcast_from_tp_rank0=broadcast_from_tp_rank0)
         device = next(model.parameters()).device
+        media_token_ids = getattr(model_adapter, "media_token_ids", None)
         if isinstance(batch, MicroBatch):  # packed in the DataLoader: only moved here
+            if probe is not None:
+                raise ValueError("parity_probe_every needs collated batches (it re-packs each sample alone); "
+                                 "the data iterator yielded micro-batches packed in the DataLoader")
+            resolve_mrope(options, model_adapter)  # refuses mrope= for a 1D model here too
             micro_batch = micro_batch_from_loader(batch, multiples=layout_multiples(layout, options), device=device)
         else:
             batch = to_device(batch, device)
+            mrope_used = resolve_mrope(options, model_adapter, batch)
             micro_batch = model_adapter.build_micro_batch(batch, layout, options)
+            if micro_batch is not None and probe is not None:
+                raise ValueError(f"parity_probe_every: {type(model_adapter).__name__} builds its own micro-batches "
+                                 f"(e.g. in LLaVA's expanded space), which the probe cannot split per sample")
             if micro_batch is None:
-                micro_batch = build_micro_batch(batch, layout, options, mrope=resolve_mrope(options, model_adapter),
-                                                media_token_ids=getattr(model_adapter, "media_token_ids", None))
+                micro_batch = build_micro_batch(batch, layout, options, mrope=mrope_used,
+                                                media_token_ids=media_token_ids)
         if transform is not None:
             micro_batch = transform(micro_batch)
         local = prepare_for_model(micro_batch, model_adapter, layout)
         output = model_adapter.forward(model, local)
+        if probe is not None:  # the same build and model call, for the pack and each sample alone
+            probe(model, batch, micro_batch,
+                  pack=partial(build_micro_batch, layout=layout, options=options, mrope=mrope_used,
+                               media_token_ids=media_token_ids),
+                  forward=lambda mb: model_adapter.forward(model, prepare_for_model(mb, model_adapter, layout)))
         return output, partial(loss_func, local.loss_mask, local.stats)
 
     if with_state:

@@ -14,6 +14,7 @@ import torch
 
 from megatron_vlm_packing.data import SyntheticVLMConfig, collate, synthetic_samples
 from megatron_vlm_packing.models.tiny_gpt import TinyGPTConfig, build_tiny_gpt
+from megatron_vlm_packing.packing import pack_batch
 from megatron_vlm_packing.packing.collate import PackingCollator
 from megatron_vlm_packing.rope import MRopeConfig, get_rope_index, use_packed_mrope
 from megatron_vlm_packing.testing.distributed import initialize_parallel
@@ -63,6 +64,9 @@ def run_sync_budget(rank: int, world_size: int, cp_sizes: list[int], seed: int =
             loss, syncs = counted_step(model, step, item, core)
             row[name] = dict(syncs=syncs.total, report=syncs.report(), loss=loss.item(),
                              grad=torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+        with count_host_syncs() as packing_alone:
+            pack_batch(batch, cp_size=cp, label_style="hf")
+        row["pack_batch"] = dict(syncs=packing_alone.total, report=packing_alone.report())
         row["loss_diff"] = abs(row["in_step"]["loss"] - row["loader"]["loss"])
         row["grad_diff"] = (row["in_step"].pop("grad") - row["loader"].pop("grad")).abs().max().item()
         results.append(row)
