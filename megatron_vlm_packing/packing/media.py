@@ -171,27 +171,32 @@ def _row_counts(input_ids: torch.Tensor, keep: torch.Tensor, token_id: int | Non
     return ((input_ids == token_id) & keep).sum(dim=1).tolist()
 
 
-def vision_inputs(batch: dict, input_ids: torch.Tensor, keep: torch.Tensor, tokens: MediaTokens) -> VisionInputs | None:
+def vision_inputs(batch: dict, input_ids: torch.Tensor, keep: torch.Tensor, tokens: MediaTokens, *,
+                  grids_for_rope: bool = False) -> VisionInputs | None:
     """The batch's images and videos with per-row counts; None when it has neither.
 
     Args:
         batch: the collated batch. input_ids: [B, S]; keep: [B, S] bool, True at real tokens.
+        grids_for_rope: an mRoPE index reads the grids (`mrope=`): grids without pixels are then
+            position inputs only (a text model with mRoPE), checked block by block by the index.
     """
     pixels = _tensor(batch, "pixel_values", (2, 4), "[P, C] patches or [I, C, H, W] images")
     image_grid = _long_grid(batch, "image_grid_thw")
     videos = _tensor(batch, "pixel_values_videos", (2,), "[Pv, C] patches")
     video_grid = _long_grid(batch, "video_grid_thw")
     seconds = _tensor(batch, "second_per_grid_ts", (1,), "a [V] float tensor")
-    if pixels is None and image_grid is not None and image_grid.shape[0]:
-        raise ValueError(f"image_grid_thw has {image_grid.shape[0]} rows but the batch has no pixel_values")
-    if videos is None and video_grid is not None and video_grid.shape[0]:
-        raise ValueError(f"video_grid_thw has {video_grid.shape[0]} rows but the batch has no pixel_values_videos")
+    if pixels is None and image_grid is not None and image_grid.shape[0] and not grids_for_rope:
+        raise ValueError(f"image_grid_thw has {image_grid.shape[0]} rows but the batch has no pixel_values "
+                         f"(grids alone are read only by an mRoPE index: pass mrope=)")
+    if videos is None and video_grid is not None and video_grid.shape[0] and not grids_for_rope:
+        raise ValueError(f"video_grid_thw has {video_grid.shape[0]} rows but the batch has no pixel_values_videos "
+                         f"(grids alone are read only by an mRoPE index: pass mrope=)")
     if pixels is not None and pixels.shape[0] == 0:
         pixels = image_grid = None  # an empty image list (a batch without images) carries nothing
     if videos is not None and videos.shape[0] == 0:
         videos = video_grid = seconds = None
     if pixels is None and videos is None:
-        if seconds is not None and seconds.numel():
+        if seconds is not None and seconds.numel() and not grids_for_rope:
             raise ValueError(f"second_per_grid_ts has {seconds.numel()} entries but the batch has no videos")
         return None
     images_per_row = videos_per_row = None

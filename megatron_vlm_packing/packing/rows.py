@@ -391,7 +391,7 @@ def read_rows(batch, *, label_style: str, mrope, media: MediaTokens, extra_keys=
     queue_position_checks(batch, keep, mrope, checks)
     read = checks.read(keep.sum(dim=1) if lengths is None else None)  # the one host sync
     lengths = read if lengths is None else lengths
-    vision = vision_inputs(batch, input_ids, keep, media)
+    vision = vision_inputs(batch, input_ids, keep, media, grids_for_rope=mrope is not None)
     audio = audio_inputs(batch, input_ids, keep, media)
     return Rows(input_ids=input_ids, keep=keep, lengths=lengths, labels=labels, loss_weights=weights,
                 positions=batch_positions(batch, input_ids, keep, mrope, audio), vision=vision, audio=audio,

@@ -368,3 +368,14 @@ def test_pre_packed_rows_with_per_document_positions_are_accepted():
                     label_style="hf")
     assert mb.position_ids.tolist() == [[0, 1, 2, 0, 1]]
     assert mb.packed_seq_params.cu_seqlens_q.tolist() == [0, 3, 5] and mb.labels.tolist() == [[12, 13, -100, 22, -100]]
+
+
+def test_grids_without_pixels_are_position_inputs_with_mrope_only():
+    cfg = MRopeConfig(family="qwen2_vl", image_token_id=IMG, video_token_id=VID)
+    batch = with_(hf_batch(((1, IMG, IMG, 2), (3, 4))), image_grid_thw=torch.tensor([[1, 2, 4]]))
+    mb = pack_batch(batch, label_style="hf", mrope=cfg)  # a text model with mRoPE: grids only place positions
+    alone = get_rope_index(torch.tensor([[1, IMG, IMG, 2]]), cfg, image_grid_thw=batch["image_grid_thw"]).position_ids
+    assert mb.vision is None and torch.equal(mb.position_ids[:, 0, :4], alone[:, 0])
+    with pytest.raises(ValueError, match=r"image_grid_thw has 1 rows but the batch has no pixel_values \(grids alone "
+                                         r"are read only by an mRoPE index: pass mrope=\)"):
+        pack_batch(batch, label_style="hf", image_token_id=IMG)
