@@ -68,7 +68,7 @@ def main() -> None:
     seq = 4096
     keep = torch.arange(seq)[None] < lengths[:, None]
     ids = torch.ones(len(lengths), seq, dtype=torch.long)
-    packed = pack_batch({"input_ids": ids, "labels": ids, "attention_mask": keep.long()}, cp_size=2)
+    packed = pack_batch({"input_ids": ids, "labels": ids, "attention_mask": keep.long()}, cp_size=2, label_style="hf")
     params = packed.packed_seq_params
     params.cu_seqlens_q, params.cu_seqlens_kv = params.cu_seqlens_q.cuda(), params.cu_seqlens_kv.cuda()
     params.cu_seqlens_q_padded = params.cu_seqlens_q_padded.cuda()

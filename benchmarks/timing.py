@@ -1,4 +1,10 @@
-"""Wall-clock samples of a callable, synchronising CUDA around each call (shared by the benchmarks)."""
+"""Timing samples of a callable, shared by the benchmarks.
+
+Wall time, with CUDA synchronised around each call. `clock="thread"` times this thread's CPU time
+instead (`time.thread_time`): for a single-threaded CPU run (`torch.set_num_threads(1)`) that is
+the wall time of an idle machine, and it stays honest on a shared one (other processes' load is
+not counted).
+"""
 
 from __future__ import annotations
 
@@ -7,17 +13,20 @@ import time
 import torch
 
 
-def wall_ms(fn, *, device: str, repeats: int, warmup: int = 3) -> list[float]:
+def wall_ms(fn, *, device: str, repeats: int, warmup: int = 3, clock: str = "wall") -> list[float]:
     """Milliseconds of `repeats` calls of `fn` after `warmup` untimed calls."""
     for _ in range(warmup):
         fn()
+    if clock == "thread" and device == "cuda":
+        raise ValueError("clock='thread' times one CPU thread; CUDA work needs the wall clock")
+    clock = time.thread_time if clock == "thread" else time.perf_counter
     samples = []
     for _ in range(repeats):
         if device == "cuda":
             torch.cuda.synchronize()
-        start = time.perf_counter()
+        start = clock()
         fn()
         if device == "cuda":
             torch.cuda.synchronize()
-        samples.append((time.perf_counter() - start) * 1e3)
+        samples.append((clock() - start) * 1e3)
     return samples

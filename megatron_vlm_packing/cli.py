@@ -47,6 +47,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if args.planner:  # dataset-level packing: per-rank cost with and without balancing, no training
+        from megatron_vlm_packing.planner.report import plan_args_from, run_plan
+
+        return run_plan(plan_args_from(args))
     from megatron_vlm_packing.demo import run_demo
 
     return run_demo(args)
@@ -66,20 +70,34 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from megatron_vlm_packing.planner.report import run_plan
+
+    return run_plan(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-vlm-packing", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="train a tiny VLM on embedded synthetic data with packing")
-    demo.add_argument("--steps", type=_positive_int, default=40, help="optimizer steps (default 40)")
+    demo.add_argument("--steps", type=int, default=40, help="optimizer steps (default 40)")
     demo.add_argument("--no-pack", action="store_true", help="pad rows densely instead of packing")
-    demo.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size (under torchrun)")
-    demo.add_argument("--cp", type=_positive_int, default=1, help="context-parallel size (under torchrun)")
+    demo.add_argument("--tp", type=int, default=1, help="tensor-parallel size (under torchrun)")
+    demo.add_argument("--cp", type=int, default=1, help="context-parallel size (under torchrun)")
     demo.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
     demo.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    demo.add_argument("--micro-batch-size", type=_positive_int, default=8)
+    demo.add_argument("--micro-batch-size", type=int, default=8)
     demo.add_argument("--seed", type=int, default=1234)
+    demo.add_argument("--planner", action="store_true",
+                      help="show dataset-level packing instead: per-rank cost with and without balancing")
     demo.set_defaults(func=cmd_demo)
+
+    from megatron_vlm_packing.planner.report import add_plan_arguments
+
+    plan = sub.add_parser("plan", help="dataset-level packing: per-rank cost with and without balancing")
+    add_plan_arguments(plan)
+    plan.set_defaults(func=cmd_plan)
 
     inspect = sub.add_parser("inspect", help="show the pack plan for given real lengths")
     inspect.add_argument("lengths", type=_int_list, help="comma-separated real lengths, e.g. 5,0,3")

@@ -6,12 +6,13 @@
   packed ids). It also CP-selects labels, so this rank's labels are handed back full length
   (-100 elsewhere): the model's selection returns exactly them.
 - `Qwen25VLAdapter` (`Qwen25VLModel`): full `input_ids`; the model always recomputes its mRoPE
-  positions (per packed sample) and takes the labels as they are. Bridge 0.6.2's Qwen2.5-VL has no
-  context parallelism (it never selects CP tokens): refused with a ValueError.
+  positions (per packed sample) and takes this rank's labels. Bridge 0.6.2's Qwen2.5-VL never
+  selects CP tokens: under CP the adapter requires `patches.apply_bridge_qwen25_vl_cp()` and
+  installs the packed mRoPE rotary on its language model (full positions under THD + CP).
 
 `Qwen3VLAdapter` refuses, with a ValueError naming the patch, a layout whose Bridge defect is not
 patched here (`patches.apply_bridge_patches()`): deepstack gradients under TP + SP, the TE-only THD
-CP index.
+CP index; `Qwen25VLAdapter` likewise for CP.
 """
 
 from __future__ import annotations
@@ -45,6 +46,28 @@ def _layout(model) -> tuple[int, int, bool]:
             bool(config.sequence_parallel))
 
 
+def qwen3_vl_mrope(model):
+    """The `rope.MRopeConfig` of a Bridge `Qwen3VLModel` (positions and per-sample media counts)."""
+    from megatron_vlm_packing.rope import MRopeConfig
+
+    return MRopeConfig(family="qwen3_vl", spatial_merge_size=int(model.vision_transformer_config.spatial_merge_size),
+                       image_token_id=int(model.image_token_id), video_token_id=int(model.video_token_id),
+                       vision_start_token_id=int(model.vision_start_token_id),
+                       mrope_section=tuple(int(x) for x in model.config.mrope_section), mrope_interleaved=True)
+
+
+def qwen25_vl_mrope(model):
+    """The `rope.MRopeConfig` of a Bridge `Qwen25VLModel` (its config is the provider)."""
+    from megatron_vlm_packing.rope import MRopeConfig
+
+    config, vision = model.config, model.config.vision_config
+    return MRopeConfig(family="qwen2_5_vl", spatial_merge_size=int(vision.spatial_merge_size),
+                       image_token_id=int(config.image_token_id), video_token_id=int(config.video_token_id),
+                       vision_start_token_id=int(config.vision_start_token_id),
+                       tokens_per_second=float(getattr(vision, "tokens_per_second", 1.0) or 1.0),
+                       mrope_section=tuple(int(x) for x in config.mrope_section), mrope_interleaved=False)
+
+
 def _require_patch(active: bool, defect: bool, what: str, apply_name: str) -> None:
     if defect and not active:
         raise ValueError(f"{what}: call megatron_vlm_packing.patches.{apply_name}() (or apply_bridge_patches()) "
@@ -56,9 +79,11 @@ class Qwen3VLAdapter(ModelAdapter):
 
     consumes = frozenset({"images", "videos"})
     needs = LocalizeNeeds(full_input_ids=True, full_position_ids=True)
+    rotary = "mrope"
 
     def __init__(self, model):
         super().__init__(model)
+        self.mrope = qwen3_vl_mrope(model)
         from megatron_vlm_packing.patches import bridge_deepstack_sp, bridge_thd_cp_index
 
         tp, cp, sp = _layout(model)
@@ -89,13 +114,22 @@ class Qwen25VLAdapter(ModelAdapter):
     consumes = frozenset({"images", "videos"})
     needs = LocalizeNeeds(full_input_ids=True, full_position_ids=True)
 
+    rotary = "mrope"
+
     def __init__(self, model):
         super().__init__(model)
+        self.mrope = qwen25_vl_mrope(model)
         _, cp, _ = _layout(model)
         if cp > 1:
-            raise ValueError(f"Bridge's Qwen25VLModel does not select context-parallel tokens: with "
-                             f"context_parallel_size={cp} every CP rank would run the whole sequence; "
-                             f"train it with CP = 1 (TP, SP and PP are supported)")
+            from megatron_vlm_packing.patches import bridge_qwen25_vl_cp
+            from megatron_vlm_packing.rope import use_packed_mrope
+
+            _require_patch(bridge_qwen25_vl_cp.is_applied(), True,
+                           f"Bridge's Qwen25VLModel does not select context-parallel tokens (with "
+                           f"context_parallel_size={cp} every CP rank would run the whole sequence)",
+                           "apply_bridge_qwen25_vl_cp")
+            # Under THD + CP the rotary must return the full table from full positions (bug class 6).
+            use_packed_mrope(model.language_model)
 
     def forward(self, model, micro_batch: MicroBatch):
         mb = micro_batch

@@ -4,8 +4,9 @@
 the reference is the TP = CP = 1 model (Bridge's own, built by its provider) running every sample
 alone as one dense unpadded row, with Bridge's own mRoPE positions. Each case then builds the model
 at its layout, loads the reference weights (SwiGLU-aware TP shards), packs the micro-batch at real
-lengths with images and videos, localizes it for this CP rank, and calls the model through the
-family's adapter; every parameter gradient (vision tower included) is gathered back and compared.
+lengths with images and videos through the shipped `make_forward_step` (the 3-argument Bridge form
+for CP cases) and its loss function, with the adapter the registry finds for Bridge's model class;
+every parameter gradient (vision tower included) is gathered back and compared.
 
 A case is (family, tp, cp, sp[, "unpatched"]): "unpatched" runs without the Bridge patches (the
 adapter's refusal bypassed) to show that a patch is necessary.
@@ -25,6 +26,7 @@ from megatron_vlm_packing.bridge.smoke import alone_loss_sum
 from megatron_vlm_packing.bridge.tiny import TinyBridgeConfig, build_tiny_bridge_model
 
 SEED = 3
+
 NUM_SAMPLES = 4
 
 
@@ -41,48 +43,56 @@ def _reference(family: str, samples: list[dict]):
     return total.detach(), grads, state
 
 
-def micro_batch_of(batch: dict, cfg: TinyBridgeConfig, layout):
+def micro_batch_of(batch: dict, mrope, layout):
     """The packed `MicroBatch` of `batch` for `layout` (full length; `localize` cuts it)."""
     from megatron_vlm_packing import pack_batch
-    from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch, VisionInputs
 
-    packed = pack_batch(batch, tp_size=layout.tp_size, cp_size=layout.cp_size,
-                        sequence_parallel=layout.sequence_parallel, label_style="hf", mrope=cfg.mrope_config())
-    if isinstance(packed, MicroBatch) and packed.vision is not None:
-        return packed
-    # The first `PackedBatch` (before the typed seam): vision inputs passed through untouched.
-    vision = VisionInputs(**{k: batch[k] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos",
-                                                   "video_grid_thw", "second_per_grid_ts") if k in batch})
-    stats = BatchStats(real_tokens=packed.num_real_tokens, physical_tokens=packed.num_physical_tokens,
-                       row_tokens=batch["input_ids"].numel())
-    return MicroBatch(input_ids=packed.input_ids, labels=packed.labels, loss_mask=packed.loss_mask,
-                      position_ids=packed.position_ids, padding_mask=packed.padding_mask,
-                      packed_seq_params=packed.packed_seq_params, rope_cu_seqlens=packed.rope_cu_seqlens,
-                      stats=stats, vision=vision, plan=packed.plan, indices=packed.indices)
+    return pack_batch(batch, tp_size=layout.tp_size, cp_size=layout.cp_size,
+                      sequence_parallel=layout.sequence_parallel, label_style="hf", mrope=mrope)
 
 
-def _packed_step(model, batch: dict, cfg: TinyBridgeConfig, *, check: bool):
-    """Forward + backward of one packed micro-batch through the family's adapter; the loss sum of
-    this rank's tokens."""
-    from megatron_vlm_packing.models.adapter import adapter_for, qualified_name
-    from megatron_vlm_packing.packing.localize import localize
-    from megatron_vlm_packing.parallel.layout import ParallelLayout
+def _unchecked_adapter(model):
+    """The family's adapter without its refusal of an unpatched layout ("unpatched" cases only)."""
+    from megatron_vlm_packing.bridge import adapters
 
-    layout = ParallelLayout.from_megatron(model.config)
-    if check:
-        adapter = adapter_for(model)
-    else:  # "unpatched": the adapter would refuse; call its forward as it is
-        from megatron_vlm_packing.models.adapter import _BUILTIN, _resolve
+    cls, mrope_of = ((adapters.Qwen25VLAdapter, adapters.qwen25_vl_mrope) if type(model).__name__ == "Qwen25VLModel"
+                     else (adapters.Qwen3VLAdapter, adapters.qwen3_vl_mrope))
+    adapter = object.__new__(cls)
+    adapter.model_name, adapter.mrope = type(model).__name__, mrope_of(model)
+    return adapter
 
-        adapter = object.__new__(_resolve(_BUILTIN[qualified_name(type(model))]))
-    mb = localize(micro_batch_of(batch, cfg, layout), layout, adapter.needs)
-    if check:
-        adapter.check(mb)
-    out = adapter.forward(model, mb)
-    losses, mask = out if isinstance(out, tuple) else (out, mb.loss_mask)
-    loss = (losses.float() * mask).sum()
-    loss.backward()
-    return loss.detach()
+
+def _packed_step(model, batch: dict, *, check: bool, with_state: bool = False):
+    """Forward + backward of one packed micro-batch through the shipped `make_forward_step` and its
+    loss function (the adapter found by the registry); the loss sum of this rank's tokens.
+
+    With `check=False` ("unpatched") the adapter's refusal of an unpatched layout is bypassed.
+    """
+    from megatron_vlm_packing import make_forward_step
+
+    step = make_forward_step(pack=True, label_style="hf", with_state=with_state,
+                             adapter=None if check else _unchecked_adapter(model))
+    args = (None, iter([batch]), model) if with_state else (iter([batch]), model)
+    output, loss_func = step(*args)
+    loss_sum, _, _ = loss_func(output)
+    loss_sum.backward()
+    return loss_sum.detach()
+
+
+def _refusal(case: tuple) -> dict:
+    """(family, tp, cp, sp, "refused"): the adapter must refuse this layout with a ValueError."""
+    from megatron_vlm_packing.models.adapter import adapter_for
+    from megatron_vlm_packing.testing.distributed import initialize_parallel
+
+    family, tp, cp, sp = case[:4]
+    initialize_parallel(tp=tp, cp=cp, seed=SEED)
+    model = build_tiny_bridge_model(TinyBridgeConfig(family=family, tensor_parallel=tp, context_parallel=cp,
+                                                     sequence_parallel=sp), seed=SEED)
+    try:
+        adapter_for(model)
+    except ValueError as err:
+        return dict(case=case, refused=str(err))
+    return dict(case=case, refused=None)
 
 
 def _run_case(case: tuple, samples: list[dict], reference) -> dict:
@@ -103,7 +113,7 @@ def _run_case(case: tuple, samples: list[dict], reference) -> dict:
     try:
         model = build_tiny_bridge_model(cfg, seed=SEED + 1)  # other weights: load_full_state must set them all
         load_full_state(model, state, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp)
-        loss = _packed_step(model, collate_qwen_vl(samples), cfg, check=not unpatched)
+        loss = _packed_step(model, collate_qwen_vl(samples), check=not unpatched, with_state=cp > 1)
     finally:
         undo_bridge_patches()
     dist.all_reduce(loss, group=ps.get_context_parallel_group())
@@ -113,18 +123,52 @@ def _run_case(case: tuple, samples: list[dict], reference) -> dict:
     worst = torch.tensor([abs(loss - ref_loss).item(), max(errors.values()), max(errors[n] for n in vision),
                           sum(errors[n] > 1e-3 for n in vision)], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return dict(case=case, loss=ref_loss.item(), abs_dloss=worst[0].item(), max_rel_grad_err=worst[1].item(),
+    return dict(case=case, loss=ref_loss.item(), model=f"{type(model).__module__}.{type(model).__name__}", abs_dloss=worst[0].item(), max_rel_grad_err=worst[1].item(),
                 max_rel_vision_grad_err=worst[2].item(), vision_params_off=int(worst[3]),
                 params=len(errors), vision_params=len(vision), missing=sorted(set(ref_grads) - set(grads)))
 
 
 def run_bridge_parity(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
     """Every case of `cases` (grouped by family, one reference per family); results in order."""
+    import sys
+
     results, references = [], {}
     for case in cases:
         family = case[0]
+        if "refused" in case[4:]:
+            results.append(_refusal(case))
+            continue
         samples = qwen_vl_samples(TinyBridgeConfig(family=family), NUM_SAMPLES, seed=SEED)
         if family not in references:
             references[family] = _reference(family, samples)
         results.append(_run_case(case, samples, references[family]))
+    for result in results:  # Bridge's models came from its leaf modules: no TE, no package chain
+        result.update(transformer_engine_imported="transformer_engine" in sys.modules,
+                      bridge_package_imported="megatron.bridge" in sys.modules)
     return results
+
+
+ALL_CASES = [
+    (family, tp, cp, sp) for family in ("qwen3_vl", "qwen3_vl_moe", "qwen25_vl")
+    for tp, cp, sp in ((1, 1, False), (2, 1, True), (1, 2, False), (2, 2, True))
+] + [("qwen3_vl", 2, 1, True, "unpatched")]
+
+
+def parity_table(results: list[dict]) -> str:
+    """Markdown rows: family, layout, |dloss|, worst relative gradient error (all / vision)."""
+    rows = ["| model (Bridge 0.6.2) | layout | max abs dloss | max rel grad err | max rel vision grad err "
+            "| vision params off (> 1e-3) |", "|---|---|---|---|---|---|"]
+    for r in results:
+        family, tp, cp, sp = r["case"][:4]
+        layout = " x ".join(p for p in (f"TP={tp}" if tp > 1 else "", f"CP={cp}" if cp > 1 else "") if p) or "TP=1"
+        layout += " + SP" if sp else ""
+        layout += ", unpatched" if "unpatched" in r["case"][4:] else ""
+        rows.append(f"| {family} | {layout} | {r['abs_dloss']:.2e} | {r['max_rel_grad_err']:.2e} | "
+                    f"{r['max_rel_vision_grad_err']:.2e} | {r['vision_params_off']} of {r['vision_params']} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    from megatron_vlm_packing.testing.distributed import run_distributed
+
+    print(parity_table(run_distributed(run_bridge_parity, 4, ALL_CASES)))

@@ -67,6 +67,11 @@ class ModelAdapter:
                 f"micro-batch would train as one causal document; use pack=False or a model that takes it"
             )
 
+    def build_micro_batch(self, batch: dict, layout, options) -> MicroBatch | None:
+        """A model-specific micro-batch from a collated batch (LLaVA plans in its expanded space);
+        None (the default) lets the step use `pack_batch` / `pad_batch`."""
+        return None
+
     def forward(self, model: nn.Module, micro_batch: MicroBatch):
         """Call `model` (possibly wrapped) on a localized micro-batch; return its output."""
         raise NotImplementedError(f"{type(self).__name__} must implement forward(model, micro_batch)")
@@ -155,3 +160,8 @@ register_builtin_adapter("megatron.bridge.models.qwen_vl.modelling_qwen3_vl.mode
 register_builtin_adapter("megatron.bridge.models.qwen_vl.modeling_qwen25_vl.Qwen25VLModel",
                          "megatron_vlm_packing.bridge.adapters:Qwen25VLAdapter")
 register_builtin_adapter("megatron.core.models.multimodal.llava_model.LLaVAModel", "megatron_vlm_packing.models.llava:LLaVAAdapter")
+# Megatron-Bridge's Qwen3-Omni model and thinker (megatron_vlm_packing.bridge.omni_adapter), resolved lazily.
+register_builtin_adapter("megatron.bridge.models.qwen_omni.modeling_qwen3_omni.model.Qwen3OmniModel",
+                         "megatron_vlm_packing.bridge.omni_adapter:Qwen3OmniAdapter")
+register_builtin_adapter("megatron.bridge.models.qwen_omni.modeling_qwen3_omni.thinker_model.Qwen3OmniThinkerModel",
+                         "megatron_vlm_packing.bridge.omni_adapter:Qwen3OmniAdapter")

@@ -20,6 +20,7 @@ Shape legend: B = rows, S = row length, T = collapsed packed slots, N = document
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -107,7 +108,7 @@ def _check_expanded(physical: list[int], *, segment: int, total_multiple: int, p
     if bad:
         raise ValueError(f"expanded documents {[i for i, _ in bad][:8]} have physical lengths "
                          f"{[n for _, n in bad][:8]} that do not divide by {segment}: plan the pack in expanded "
-                         f"space (models.llava.pack_llava_batch)")
+                         f"space (models.llava_pack.pack_llava_batch)")
     total = sum(physical)
     target = total if pad_to is None else pad_to
     if target < total:
@@ -117,7 +118,7 @@ def _check_expanded(physical: list[int], *, segment: int, total_multiple: int, p
                          f"LLaVAModel would truncate it silently; split the micro-batch")
     if target % total_multiple:
         raise ValueError(f"the expanded pack has {target} tokens, not a multiple of LLaVA's shard factor "
-                         f"{total_multiple}: plan the pack in expanded space (models.llava.pack_llava_batch)")
+                         f"{total_multiple}: plan the pack in expanded space (models.llava_pack.pack_llava_batch)")
     return target
 
 
@@ -269,12 +270,22 @@ class LLaVAAdapter(ModelAdapter):
             images = torch.zeros(0, dtype=torch.float32, device=ids.device)
         return images, tiles
 
-    def pack(self, batch: dict, *, label_style: str = "megatron", pad_to: int | None = None,
-             pad_token_id: int = 0) -> MicroBatch:
-        """`pack_llava_batch` for this model's space (expanded alignment, no lost token)."""
+    def build_micro_batch(self, batch: dict, layout, options) -> MicroBatch:
+        """The step's micro-batch: `pack_llava_batch` in this model's expanded space (`options.pad_to`
+        is an expanded length); FP8's total multiple joins LLaVA's shard factor.
+
+        Raises:
+            ValueError: `pack=False` (right-padded rows go to LLaVAModel directly, not through the step).
+        """
         from megatron_vlm_packing.models.llava_pack import pack_llava_batch
 
-        return pack_llava_batch(batch, self.space, label_style=label_style, pad_to=pad_to, pad_token_id=pad_token_id)
+        if not options.pack:
+            raise ValueError("LLaVAModel runs through make_forward_step packed (pack=True); right-padded rows "
+                             "are LLaVA's own batched path: call the model directly")
+        total = PackMultiples.for_parallel(tp_size=layout.tp_size, cp_size=layout.cp_size,
+                                           sequence_parallel=layout.sequence_parallel, fp8=options.fp8).total
+        space = replace(self.space, total_multiple=math.lcm(self.space.total_multiple, total))
+        return pack_llava_batch(batch, space, label_style=options.label_style, pad_to=options.pad_to)
 
     def check(self, micro_batch: MicroBatch) -> None:
         super().check(micro_batch)
@@ -297,4 +308,4 @@ class LLaVAAdapter(ModelAdapter):
 def leak_message(documents: list[int]) -> str:
     return (f"documents {documents[:8]} open with an image right after the previous document's last real "
             f"token: LLaVAModel zeroes the loss of the slot before each image, so that token's loss would be "
-            f"lost; pack with models.llava.pack_llava_batch (one pad slot before such documents)")
+            f"lost; pack with models.llava_pack.pack_llava_batch (one pad slot before such documents)")

@@ -13,7 +13,7 @@ from megatron_vlm_packing.packing.media import MediaTokens
 from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch
 from megatron_vlm_packing.packing.pack import pack_positions, pack_rows, segment_positions
 from megatron_vlm_packing.packing.plan import PackIndices, PackMultiples, PackPlan, make_pack_plan, plan_indices
-from megatron_vlm_packing.packing.rows import IGNORE_INDEX, read_rows, shift_labels_within_rows  # noqa: F401
+from megatron_vlm_packing.packing.rows import IGNORE_INDEX, check_pad_token_id, read_rows, shift_labels_within_rows  # noqa: F401
 
 # Kept for callers of the first `PackedBatch`: the one typed micro-batch now.
 PackedBatch = MicroBatch
@@ -55,6 +55,9 @@ def pack_batch(
     audio_token_id: int | None = None,
     spatial_merge_size: int | None = None,
     extra_keys: tuple[str, ...] = (),
+    vocab_size: int | None = None,
+    position_layout: str | None = None,
+    require_media_counts: bool = True,
 ) -> MicroBatch:
     """Pack a right-padded micro-batch into one THD sequence at real lengths.
 
@@ -78,15 +81,28 @@ def pack_batch(
         pad_token_id: value of `input_ids` at pad slots.
         image_token_id, video_token_id, audio_token_id, spatial_merge_size: placeholder ids used to
             count images / videos / audio clips per sample (default: those of an `MRopeConfig`
-            given as `mrope`; merge size 2).
+            given as `mrope`; merge size 2). Media whose id is not known are a ValueError unless
+            `require_media_counts=False` (their counts are then None: for a step whose model
+            adapter refuses media it does not consume and passes the ids of those it does).
         extra_keys: per-token [B, S, ...] batch tensors to pack into `extras` (pad slots 0).
+        vocab_size: when given, ids and labels outside [0, vocab_size) are a ValueError (labels
+            may also be -100); negative ids / labels other than -100 always are.
+        position_layout: "3BS" or "B3S" for 3D `position_ids` in the batch; needed only when B == 3
+            makes the shape ambiguous.
+
+    Pre-packed rows: `document_lengths` ([B, D] ints, see `packing.documents`) makes every document
+    of every row its own THD segment (positions restart, HF labels shift inside each document,
+    per-document mRoPE and media counts); the plan's rows are then the documents, in order.
 
     Returns:
         MicroBatch with [1, T] fields (positions [3, 1, T] for mRoPE), `plan` and `indices` set.
     """
     media = MediaTokens.resolve(mrope, image_token_id=image_token_id, video_token_id=video_token_id,
-                                audio_token_id=audio_token_id, spatial_merge_size=spatial_merge_size)
-    rows = read_rows(batch, label_style=label_style, mrope=mrope, media=media, extra_keys=tuple(extra_keys))
+                                audio_token_id=audio_token_id, spatial_merge_size=spatial_merge_size,
+                                require_counts=require_media_counts)
+    check_pad_token_id(pad_token_id)
+    rows = read_rows(batch, label_style=label_style, mrope=mrope, media=media, extra_keys=tuple(extra_keys),
+                     vocab_size=vocab_size, position_layout=position_layout)
     batch_size, row_length = rows.input_ids.shape
     multiples = PackMultiples.for_parallel(
         tp_size=tp_size, cp_size=cp_size, sequence_parallel=sequence_parallel, fp8=fp8
@@ -103,7 +119,7 @@ def pack_batch(
         packed_seq_params=make_packed_seq_params(plan, indices),
         rope_cu_seqlens=indices.cu_seqlens,
         stats=BatchStats(real_tokens=plan.num_real_tokens, physical_tokens=plan.total,
-                         row_tokens=batch_size * row_length),
+                         row_tokens=rows.row_tokens),
         vision=rows.vision,
         audio=rows.audio,
         extras={key: pack_rows(value, indices) for key, value in rows.extras.items()},

@@ -15,7 +15,7 @@ from megatron_vlm_packing.packing.dense import pad_or_truncate_positions, pad_or
 from megatron_vlm_packing.packing.media import MediaTokens
 from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch
 from megatron_vlm_packing.packing.plan import PackMultiples, round_up
-from megatron_vlm_packing.packing.rows import IGNORE_INDEX, Rows, read_rows
+from megatron_vlm_packing.packing.rows import IGNORE_INDEX, Rows, check_pad_token_id, read_rows
 
 
 def dense_row_length(row_length: int, longest: int, multiple: int, *, seq_length: int | None, truncate: bool) -> int:
@@ -53,6 +53,21 @@ def _cut_media_check(rows: Rows, length: int) -> None:
                          f"placeholders cannot be cut")
 
 
+def _refuse_documents(rows: Rows) -> None:
+    """Dense rows hold one document each: causal attention over a row would join its documents."""
+    if rows.document_rows is None:
+        return
+    counts = {}
+    for row in rows.document_rows:
+        counts[row] = counts.get(row, 0) + 1
+    several = {row: n for row, n in counts.items() if n > 1}
+    if several:
+        row, n = next(iter(several.items()))
+        raise ValueError(f"document_lengths gives row {row} {n} documents: dense rows attend causally across the "
+                         f"whole row, so pad_batch cannot keep them apart; use pack_batch (each document its own "
+                         f"THD segment)")
+
+
 def pad_batch(
     batch: dict,
     *,
@@ -70,6 +85,9 @@ def pad_batch(
     audio_token_id: int | None = None,
     spatial_merge_size: int | None = None,
     extra_keys: tuple[str, ...] = (),
+    vocab_size: int | None = None,
+    position_layout: str | None = None,
+    require_media_counts: bool = True,
 ) -> MicroBatch:
     """Right-padded dense rows of one aligned length, as a `MicroBatch` (packed_seq_params None).
 
@@ -77,13 +95,20 @@ def pad_batch(
         seq_length: fixed row length L (static shapes); must be a multiple of the layout's alignment.
         truncate: allow `seq_length` to cut rows' real tokens (text only).
 
+    `document_lengths` with one document per row is accepted; several documents in a row are a
+    ValueError (dense causal attention would join them: pack them instead).
+
     Returns:
         MicroBatch with [B, L] fields (positions [B, L], or [3, B, L] for mRoPE; pad slots continue
         after each row's largest position), `padding_mask` True at pad slots.
     """
     media = MediaTokens.resolve(mrope, image_token_id=image_token_id, video_token_id=video_token_id,
-                                audio_token_id=audio_token_id, spatial_merge_size=spatial_merge_size)
-    rows = read_rows(batch, label_style=label_style, mrope=mrope, media=media, extra_keys=tuple(extra_keys))
+                                audio_token_id=audio_token_id, spatial_merge_size=spatial_merge_size,
+                                require_counts=require_media_counts)
+    check_pad_token_id(pad_token_id)
+    rows = read_rows(batch, label_style=label_style, mrope=mrope, media=media, extra_keys=tuple(extra_keys),
+                     vocab_size=vocab_size, position_layout=position_layout)
+    _refuse_documents(rows)
     batch_size, row_length = rows.input_ids.shape
     multiple = PackMultiples.for_parallel(tp_size=tp_size, cp_size=cp_size, sequence_parallel=sequence_parallel,
                                           fp8=fp8).total
@@ -106,7 +131,7 @@ def pad_batch(
         padding_mask=~keep,
         packed_seq_params=None,
         rope_cu_seqlens=None,
-        stats=BatchStats(real_tokens=real, physical_tokens=batch_size * length, row_tokens=batch_size * row_length),
+        stats=BatchStats(real_tokens=real, physical_tokens=batch_size * length, row_tokens=rows.row_tokens),
         vision=rows.vision,
         audio=rows.audio,
         extras={key: pad_or_truncate_rows(value, length) for key, value in rows.extras.items()},

@@ -39,29 +39,39 @@ def lengths_from_keep_mask(keep: torch.Tensor, *, field: str = "attention_mask")
 
     One host sync.
     """
+    return _read_keep_mask(keep, field, None)[0]
+
+
+def _read_keep_mask(keep: torch.Tensor, field: str, flags: torch.Tensor | None) -> tuple[list[int], list]:
+    """(lengths, host values of `flags`): `flags` ([K] on the mask's device) ride the same host sync."""
     if keep.dim() != 2:
         raise ValueError(f"{field} must be [B, S], got shape {tuple(keep.shape)}")
-    if keep.dtype != torch.bool:
-        not_binary = ((keep != 0) & (keep != 1)).any(dim=1)
-        keep = keep != 0
+    if keep.is_floating_point() or keep.is_complex():  # rare: 0.0/1.0 masks; 0.5 is not binary
+        not_binary = ((keep != 0) & (keep != 1)).any()
+        values = (keep != 0).view(torch.uint8)
+        low_high = torch.stack([torch.zeros_like(not_binary), not_binary]).long() * 2  # high 2: not 0/1
     else:
-        not_binary = torch.zeros(keep.shape[0], dtype=torch.bool, device=keep.device)
-    lengths = keep.sum(dim=1)
-    expected = torch.arange(keep.shape[1], device=keep.device) < lengths[:, None]
-    bad = (keep != expected).any(dim=1) | not_binary
-    # The single host sync: lengths and per-row validity come back together.
-    values = torch.cat([lengths, bad.long()]).tolist()
-    batch = keep.shape[0]
-    row_lengths, bad_rows = values[:batch], [b for b in range(batch) if values[batch + b]]
+        values = keep.view(torch.uint8) if keep.dtype == torch.bool else keep
+        low_high = torch.stack(values.aminmax()).long()
+    # Three reductions, no [B, S] temporaries: a row of 0/1 values with n ones is 1...1 0...0
+    # exactly when n == S or its first 0 (argmin: the first minimum) is at position n.
+    # The single host sync: lengths, first zeros and the value range come back together.
+    extra = [] if flags is None else [flags.to(device=values.device, dtype=torch.long)]
+    host = torch.cat([values.sum(dim=1), values.argmin(dim=1), low_high, *extra]).tolist()
+    batch, row_length = keep.shape
+    flag_values, host = host[len(host) - (0 if flags is None else flags.numel()):], host[:2 * batch + 2]
+    row_lengths, first_zero = host[:batch], host[batch:2 * batch]
+    bad_rows = [b for b in range(batch) if row_lengths[b] != row_length and first_zero[b] != row_lengths[b]]
+    if host[-2] < 0 or host[-1] > 1:
+        not_binary = ((keep != 0) & (keep != 1)).any(dim=1)
+        raise ValueError(f"{field} row {int(torch.nonzero(not_binary)[0])} has values other than 0 and 1")
     if bad_rows:
         b = bad_rows[0]
-        if bool(not_binary[b]):
-            raise ValueError(f"{field} row {b} has values other than 0 and 1")
         raise ValueError(
             f"{field} rows must be right-padded and contiguous (1...1 0...0); {len(bad_rows)} "
-            f"bad row(s) {bad_rows[:8]}; row {b}: {_describe_row(keep[b].cpu())}"
+            f"bad row(s) {bad_rows[:8]}; row {b}: {_describe_row((keep[b] != 0).cpu())}"
         )
-    return row_lengths
+    return row_lengths, flag_values
 
 
 def keep_mask_from_4d(mask: torch.Tensor) -> torch.Tensor:
@@ -82,6 +92,93 @@ def keep_mask_from_4d(mask: torch.Tensor) -> torch.Tensor:
     return ~torch.diagonal(mask[:, 0], dim1=-2, dim2=-1)
 
 
+def check_4d_is_causal(mask: torch.Tensor, keep: torch.Tensor) -> None:
+    """Between real tokens a 4D mask must be plain causal (row i sees columns 0..i).
+
+    A block-diagonal mask (several documents in a row) or any other pattern would be replaced by
+    causal attention per row without a word; documents are declared with `document_lengths`.
+
+    Raises:
+        ValueError: naming the row and the first real (query, key) pair that differs.
+    """
+    if mask.shape[-1] != keep.shape[-1]:
+        return  # the shape check in real_lengths reports this
+    size = mask.shape[-1]
+    causal = torch.ones(size, size, dtype=torch.bool, device=mask.device).tril()
+    real_pair = keep[:, :, None] & keep[:, None, :]  # [B, S, S]
+    bad = real_pair & (~mask[:, 0] != causal)
+    if bool(bad.any()):
+        b, i, j = torch.nonzero(bad)[0].tolist()
+        what = "masks" if j <= i else "lets"
+        raise ValueError(
+            f"4D attention_mask row {b} {what} real token {i} {'from' if j <= i else 'see'} real token {j}: between "
+            f"real tokens it must be causal; several documents in a row are declared with document_lengths"
+        )
+
+
+def _seq_lens_list(seq_lens) -> list:
+    """`seq_lens` as a list of Python ints; fractional, bool or non-numeric entries are a ValueError."""
+    if isinstance(seq_lens, torch.Tensor):
+        if seq_lens.dim() != 1:
+            raise ValueError(f"seq_lens must be [B] (one length per row), got shape {tuple(seq_lens.shape)}; "
+                             f"several documents per row go in document_lengths")
+        values = seq_lens.tolist()
+    elif isinstance(seq_lens, (list, tuple)):
+        values = list(seq_lens)
+    else:
+        raise ValueError(f"seq_lens must be a [B] integer tensor or a list of ints, got {type(seq_lens).__name__}")
+    for b, n in enumerate(values):
+        if isinstance(n, bool) or not isinstance(n, (int, float)) or (isinstance(n, float) and not n.is_integer()):
+            raise ValueError(f"seq_lens row {b} is {n!r}: lengths must be whole numbers of tokens")
+    return [int(n) for n in values]
+
+
+def keep_mask_deferred(
+    *,
+    batch_size: int,
+    row_length: int,
+    attention_mask: torch.Tensor | None = None,
+    seq_lens=None,
+    device=None,
+) -> tuple[torch.Tensor, list[int] | None, torch.Tensor | None]:
+    """The [B, S] keep-mask of the rows without reading anything back to the host.
+
+    Returns:
+        (keep [B, S] bool, lengths as host ints when they were host data (seq_lens, full rows) else
+        None, bad: a 0-dim bool device tensor that is True when the mask is invalid, or None).
+        When `bad` reads True, `real_lengths` with the same arguments raises the detailed error.
+        Shape and `seq_lens` errors are raised at once (they need no device data).
+    """
+    if attention_mask is not None and seq_lens is not None:
+        raise ValueError("give either attention_mask or seq_lens, not both")
+    arange = torch.arange(row_length, device=device)
+    if attention_mask is None:
+        lengths = real_lengths(batch_size=batch_size, row_length=row_length, seq_lens=seq_lens)
+        keep = arange[None] < torch.tensor(lengths, device=device)[:, None]
+        return keep, lengths, None
+    if attention_mask.dim() == 4:
+        keep = keep_mask_from_4d(attention_mask)
+        size = attention_mask.shape[-1]
+        causal = torch.ones(size, size, dtype=torch.bool, device=attention_mask.device).tril()
+        not_causal = (keep[:, :, None] & keep[:, None, :] & (~attention_mask[:, 0] != causal)).any()
+        not_binary = torch.zeros((), dtype=torch.bool, device=keep.device)
+    elif attention_mask.dim() == 2:
+        keep, not_causal = attention_mask, torch.zeros((), dtype=torch.bool, device=attention_mask.device)
+        not_binary = ((keep != 0) & (keep != 1)).any() if keep.dtype != torch.bool else not_causal
+        keep = keep != 0
+    else:
+        raise ValueError(
+            f"attention_mask must be [B, S] or [B, 1, S, S], got shape {tuple(attention_mask.shape)}"
+        )
+    if tuple(keep.shape) != (batch_size, row_length):
+        raise ValueError(
+            f"attention_mask covers {tuple(keep.shape)} tokens but input_ids is {(batch_size, row_length)}"
+        )
+    expected = arange.to(keep.device)[None] < keep.sum(dim=1, keepdim=True)
+    bad = (keep != expected).any() | not_binary | not_causal
+    return expected, None, bad
+
+
 def real_lengths(
     *,
     batch_size: int,
@@ -89,6 +186,19 @@ def real_lengths(
     attention_mask: torch.Tensor | None = None,
     seq_lens: torch.Tensor | list[int] | None = None,
 ) -> list[int]:
+    """Real length of every row (see `real_lengths_and_flags`, which this is without flags)."""
+    return real_lengths_and_flags(batch_size=batch_size, row_length=row_length, attention_mask=attention_mask,
+                                  seq_lens=seq_lens)[0]
+
+
+def real_lengths_and_flags(
+    *,
+    batch_size: int,
+    row_length: int,
+    attention_mask: torch.Tensor | None = None,
+    seq_lens: torch.Tensor | list[int] | None = None,
+    flags: torch.Tensor | None = None,
+) -> tuple[list[int], list]:
     """Real length of every row from exactly one source: `seq_lens`, a 2D or 4D mask, or neither.
 
     Args:
@@ -97,7 +207,9 @@ def real_lengths(
         seq_lens: [B] ints, 0 <= len <= S.
 
     Returns:
-        B Python ints. With neither source every row is full length (S).
+        (B Python ints, the host values of `flags`). With neither source every row is full length
+        (S). `flags` ([K] numbers on any device, e.g. value checks computed before the lengths are
+        known) are read back in the same host sync as a 2D mask's lengths.
 
     Raises:
         ValueError: both sources given, a shape that disagrees with `input_ids`, lengths out of
@@ -106,7 +218,7 @@ def real_lengths(
     if attention_mask is not None and seq_lens is not None:
         raise ValueError("give either attention_mask or seq_lens, not both")
     if seq_lens is not None:
-        lengths = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else list(seq_lens)
+        lengths = _seq_lens_list(seq_lens)
         if len(lengths) != batch_size:
             raise ValueError(f"seq_lens has {len(lengths)} entries but input_ids has {batch_size} rows")
         out_of_range = [(b, n) for b, n in enumerate(lengths) if not 0 <= int(n) <= row_length]
@@ -115,11 +227,12 @@ def real_lengths(
                 f"seq_lens must lie in [0, {row_length}] (the row length of input_ids); "
                 f"out of range (row, length): {out_of_range[:8]}"
             )
-        return [int(n) for n in lengths]
+        return [int(n) for n in lengths], _read_flags(flags)
     if attention_mask is None:
-        return [row_length] * batch_size
+        return [row_length] * batch_size, _read_flags(flags)
     if attention_mask.dim() == 4:
         keep = keep_mask_from_4d(attention_mask)
+        check_4d_is_causal(attention_mask, keep)
     elif attention_mask.dim() == 2:
         keep = attention_mask
     else:
@@ -131,4 +244,8 @@ def real_lengths(
             f"attention_mask covers {tuple(keep.shape)} tokens but input_ids is "
             f"{(batch_size, row_length)}"
         )
-    return lengths_from_keep_mask(keep)
+    return _read_keep_mask(keep, "attention_mask", flags)
+
+
+def _read_flags(flags: torch.Tensor | None) -> list:
+    return [] if flags is None else flags.tolist()

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
+from megatron_vlm_packing.packing.plan import PackIndices
 from megatron_vlm_packing.parallel.cp import cp_partition_index, dense_cp_partition_index
 from megatron_vlm_packing.parallel.layout import ParallelLayout
 
@@ -36,6 +37,16 @@ class LocalizeNeeds:
     full_input_ids: bool = False
     full_position_ids: bool = False
     full_labels: bool = False
+
+
+def packed_cp_index(micro_batch: MicroBatch, layout: ParallelLayout) -> torch.Tensor:
+    """This rank's slots: from the plan's host ints when the boundaries are the plan's own (no host
+    sync; a loader's collate may have built it already), else read from `cu_seqlens_q_padded`."""
+    cu_padded = micro_batch.packed_seq_params.cu_seqlens_q_padded
+    indices = micro_batch.indices
+    if isinstance(indices, PackIndices) and cu_padded is indices.cu_seqlens_padded:
+        return indices.cp_index(layout.cp_size, layout.cp_rank)
+    return cp_partition_index(cu_padded, layout.cp_size, layout.cp_rank)
 
 
 def localize(micro_batch: MicroBatch, layout: ParallelLayout, needs: LocalizeNeeds = LocalizeNeeds()) -> MicroBatch:
@@ -64,7 +75,7 @@ def localize(micro_batch: MicroBatch, layout: ParallelLayout, needs: LocalizeNee
         return replace(micro_batch, full_fields=frozenset({"input_ids", "position_ids", "labels", "loss_mask",
                                                            "padding_mask"}))
     if micro_batch.is_packed:
-        index = cp_partition_index(micro_batch.packed_seq_params.cu_seqlens_q_padded, layout.cp_size, layout.cp_rank)
+        index = packed_cp_index(micro_batch, layout)
     else:
         index = dense_cp_partition_index(micro_batch.input_ids.shape[-1], layout.cp_size, layout.cp_rank,
                                          device=micro_batch.input_ids.device)

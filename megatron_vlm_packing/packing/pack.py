@@ -1,7 +1,10 @@
 """Pack right-padded rows into one THD sequence and back, following a `PackIndices`.
 
-Every function is vectorised over tokens (gathers and scatters, no Python loop) and keeps autograd
-(packing embeddings or logits back-propagates to the rows).
+Packing copies each document's contiguous slice of its row: one `torch.split` of the flattened
+rows into views and one `torch.cat` (a single memcpy-speed pass, one kernel on a GPU), with pad
+slots taken from one small filled buffer. No [T] index is built and nothing is read back to the
+host: every size is a host int of the plan. Unpacking scatters with `unpack_target`. Everything
+keeps autograd (packing embeddings or logits back-propagates to the rows).
 
 Shape legend: B = rows, S = row length, T = physical packed tokens, N = documents, `...` = any
 trailing feature dims.
@@ -11,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_vlm_packing.packing.plan import PackIndices
+from megatron_vlm_packing.packing.plan import DocumentSlices, PackIndices
 
 
 def pack_rows(rows: torch.Tensor, indices: PackIndices, *, pad_value=0) -> torch.Tensor:
@@ -25,21 +28,73 @@ def pack_rows(rows: torch.Tensor, indices: PackIndices, *, pad_value=0) -> torch
     Returns:
         packed: [1, T, ...], real tokens in document order, `pad_value` at pad slots.
     """
+    plan = indices.plan
+    if rows.dim() < 2 or tuple(rows.shape[:2]) != (len(plan.row_lengths), plan.row_capacity):
+        raise ValueError(f"rows must be [B, S, ...] = [{len(plan.row_lengths)}, {plan.row_capacity}, ...] "
+                         f"(the plan's), got shape {tuple(rows.shape)}")
     flat = rows.reshape(rows.shape[0] * rows.shape[1], *rows.shape[2:])  # [B*S, ...]
-    gathered = flat.index_select(0, indices.source)  # [T, ...]
-    keep = indices.is_real.view(-1, *([1] * (rows.dim() - 2)))
-    pad = torch.as_tensor(pad_value, dtype=rows.dtype, device=rows.device)
-    return torch.where(keep, gathered, pad).unsqueeze(0)
+    return _cat_documents(flat, indices.row_slices, pad_value).unsqueeze(0)
+
+
+def pack_next_token_labels(labels: torch.Tensor, indices: PackIndices, *, ignore_index: int = -100) -> torch.Tensor:
+    """Hugging Face labels (unshifted) packed as next-token targets, shifted inside each sample.
+
+    Args:
+        labels: [B, S] long, HF convention (the target of position s is labels[s+1]).
+
+    Returns:
+        [1, T] long: slot t of a document holds its source token's labels[s+1] while s+1 is a real
+        token of the same sample, else `ignore_index`; so the last token of a sample never learns
+        the first token of the next (bug class 8). One copy of each document's labels[1:n].
+    """
+    return _cat_documents(labels.reshape(-1), indices.next_token_slices, ignore_index).unsqueeze(0)
+
+
+def _cat_documents(flat: torch.Tensor, slices: DocumentSlices, pad_value) -> torch.Tensor:
+    """[T, ...]: every document's slice of `flat` ([B*S, ...]), each followed by its pad slots."""
+    if flat.shape[0] != slices.flat_length:
+        raise ValueError(f"rows hold {flat.shape[0]} tokens but the plan's rows hold {slices.flat_length}")
+    pieces = flat.split_with_sizes(slices.split_sizes)[1::2]  # views of every document's slice
+    if not slices.longest_pad:
+        return torch.cat(pieces)
+    pad = torch.full((slices.longest_pad, *flat.shape[1:]), pad_value, dtype=flat.dtype, device=flat.device)
+    interleaved = []
+    for piece, pad_length in zip(pieces, slices.pad_lengths):
+        interleaved.append(piece)
+        if pad_length:
+            interleaved.append(pad[:pad_length])
+    return torch.cat(interleaved)
+
+
+def _check_row_geometry(indices: PackIndices, batch_size: int, row_length: int, plan) -> None:
+    """B and S must be the plan's: a wrong row length would scatter tokens into the wrong rows."""
+    for name, value in (("batch_size", batch_size), ("row_length", row_length)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if plan is not None:
+        expected = (len(plan.row_lengths), plan.row_capacity)
+        if (batch_size, row_length) != expected:
+            raise ValueError(f"unpack_rows got (batch_size, row_length) = {(batch_size, row_length)} but the plan "
+                             f"was made for {expected}")
+        return
+    # Pad slots point at the scratch slot B*S of the plan's rows; real slots at b*S + s < B*S.
+    top, has_pad = torch.stack([indices.unpack_target.max(), (~indices.is_real).any().long()]).tolist()  # one sync
+    limit = batch_size * row_length
+    if (has_pad and top != limit) or (not has_pad and top >= limit):
+        raise ValueError(f"unpack_rows got (batch_size, row_length) = {(batch_size, row_length)}, B*S = {limit}, "
+                         f"but the plan's indices {'put pads at slot' if has_pad else 'reach slot'} {top}: pass the "
+                         f"B and S the plan was made for (or plan=)")
 
 
 def unpack_rows(
-    packed: torch.Tensor, indices: PackIndices, *, batch_size: int, row_length: int, pad_value=0
+    packed: torch.Tensor, indices: PackIndices, *, batch_size: int, row_length: int, pad_value=0, plan=None
 ) -> torch.Tensor:
     """Inverse of `pack_rows` on real tokens.
 
     Args:
         packed: [1, T, ...].
-        batch_size, row_length: B and S of the rows the plan was made for.
+        batch_size, row_length: B and S of the rows the plan was made for (checked: against
+            `plan` when given, which is exact; else from the indices, one host sync).
 
     Returns:
         rows: [B, S, ...], real tokens back in place, `pad_value` everywhere else (empty rows are
@@ -48,6 +103,7 @@ def unpack_rows(
     total = indices.source.numel()
     if packed.dim() < 2 or packed.shape[0] != 1 or packed.shape[1] != total:
         raise ValueError(f"packed must be [1, {total}, ...] (the plan's T), got shape {tuple(packed.shape)}")
+    _check_row_geometry(indices, batch_size, row_length, plan)
     values = packed[0]  # [T, ...]
     out = torch.full(
         (batch_size * row_length + 1, *values.shape[1:]), pad_value, dtype=values.dtype, device=values.device

@@ -12,9 +12,9 @@ Shape legend: B = rows, S = row length, N = documents (rows with real tokens), T
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
@@ -196,10 +196,47 @@ def make_pack_plan(
     )
 
 
-class PackIndices(NamedTuple):
-    """Device index tensors of a plan (built once per micro-batch by `plan_indices`).
+@dataclass(frozen=True)
+class DocumentSlices:
+    """Where each document's tokens lie in the flattened rows, as sizes for one `split_with_sizes`.
 
     Attributes:
+        split_sizes: 2N+1 ints: gap, document 0, gap, document 1, ..., rest; they cover B*S exactly,
+            so the odd pieces of `flat.split_with_sizes(split_sizes)` are the documents' slices.
+        pad_lengths: N ints, pad slots after each document's slice.
+        longest_pad: max(pad_lengths).
+        flat_length: B*S.
+    """
+
+    split_sizes: tuple[int, ...]
+    pad_lengths: tuple[int, ...]
+    longest_pad: int
+    flat_length: int
+
+    @classmethod
+    def of(cls, plan: "PackPlan", *, shift: int = 0) -> "DocumentSlices":
+        """Slices [row*S + shift, row*S + real) of every document (shift 1: next-token targets)."""
+        sizes, position, capacity = [], 0, plan.row_capacity
+        for row, real in zip(plan.segment_rows, plan.real_lengths):
+            start = row * capacity + shift
+            sizes += (start - position, real - shift)
+            position = row * capacity + real
+        flat_length = len(plan.row_lengths) * capacity
+        sizes.append(flat_length - position)
+        pads = tuple(phys - real + shift for real, phys in zip(plan.real_lengths, plan.physical_lengths))
+        return cls(tuple(sizes), pads, max(pads), flat_length)
+
+
+class PackIndices:
+    """Device index tensors of a plan, each built on first use (`plan_indices` makes one per micro-batch).
+
+    A micro-batch rarely needs them all: `pack.pack_rows` copies each document's slice (one
+    `torch.cat`), so packing token ids needs no [T] index at all. Each attribute is computed once,
+    on `device`, with no host sync (every size is a host int of the plan).
+
+    Attributes:
+        plan: the host `PackPlan`.
+        device: where the tensors live.
         segment_of_slot: [T] long, document of every physical slot.
         offset_in_segment: [T] long, slot offset within its document (0 at each document start).
         is_real: [T] bool, True at real tokens, False at pad slots.
@@ -211,56 +248,113 @@ class PackIndices(NamedTuple):
         cu_seqlens_padded: [N+1] int32, physical boundaries.
     """
 
-    segment_of_slot: torch.Tensor
-    offset_in_segment: torch.Tensor
-    is_real: torch.Tensor
-    next_is_real: torch.Tensor
-    source: torch.Tensor
-    unpack_target: torch.Tensor
-    cu_seqlens: torch.Tensor
-    cu_seqlens_padded: torch.Tensor
+    def __init__(self, plan: PackPlan, device: torch.device):
+        self.plan, self.device = plan, device
+        cu_real, cu_phys = [0], [0]
+        for real, phys in zip(plan.real_lengths, plan.physical_lengths):
+            cu_real.append(cu_real[-1] + real)
+            cu_phys.append(cu_phys[-1] + phys)
+        self.cu_real_host, self.cu_padded_host = tuple(cu_real), tuple(cu_phys)
+        both = _to_device(torch.tensor([cu_real, cu_phys], dtype=torch.int32), device)  # one small copy
+        self.cu_seqlens, self.cu_seqlens_padded = both[0], both[1]
+
+    def cp_index(self, cp_size: int, cp_rank: int) -> torch.Tensor:
+        """[T/cp] long: the slots CP rank `cp_rank` keeps (`parallel.cp.cp_partition_index`), built
+        from the plan's host ints with no host sync; cached (a loader's collate can build every
+        rank's in its worker, and they travel with the micro-batch)."""
+        key = (cp_size, cp_rank)
+        cache = self.__dict__.setdefault("_cp_indices", {})
+        if key not in cache:
+            from megatron_vlm_packing.parallel.cp import cp_partition_index_from_lengths
+
+            cache[key] = cp_partition_index_from_lengths(self.plan.physical_lengths, cp_size, cp_rank,
+                                                         device=self.device)
+        return cache[key]
+
+    def map_tensors(self, fn, memo: dict | None = None) -> "PackIndices":
+        """A copy with `fn` applied to every tensor built so far (e.g. to move them to a device).
+
+        `memo` (id -> result) keeps tensors shared with other holders (a micro-batch's
+        `packed_seq_params` holds the same boundaries) shared in the copy.
+        """
+        memo = {} if memo is None else memo
+
+        def once(value):
+            if not isinstance(value, torch.Tensor):
+                return value
+            if id(value) not in memo:
+                memo[id(value)] = fn(value)
+            return memo[id(value)]
+
+        copy = object.__new__(PackIndices)
+        for name, value in self.__dict__.items():
+            copy.__dict__[name] = {k: once(v) for k, v in value.items()} if name == "_cp_indices" else once(value)
+        copy.device = copy.cu_seqlens.device
+        return copy
+
+    @functools.cached_property
+    def row_slices(self) -> DocumentSlices:
+        """Each document's real tokens in the flattened rows (host ints)."""
+        return DocumentSlices.of(self.plan)
+
+    @functools.cached_property
+    def next_token_slices(self) -> DocumentSlices:
+        """Each document's next-token targets (labels[1:n]) in the flattened rows (host ints)."""
+        return DocumentSlices.of(self.plan, shift=1)
+
+    @property
+    def has_pad_slots(self) -> bool:
+        return self.plan.real_lengths != self.plan.physical_lengths
+
+    @functools.cached_property
+    def offset_in_segment(self) -> torch.Tensor:
+        ramp = torch.arange(self.plan.max_seqlen, device=self.device)
+        return torch.cat([ramp[:n] for n in self.plan.physical_lengths])
+
+    @functools.cached_property
+    def is_real(self) -> torch.Tensor:
+        if not self.has_pad_slots:
+            return torch.ones(self.plan.total, dtype=torch.bool, device=self.device)
+        return self.offset_in_segment < self._per_slot(self.plan.real_lengths)
+
+    @functools.cached_property
+    def next_is_real(self) -> torch.Tensor:
+        return self.offset_in_segment + 1 < self._per_slot(self.plan.real_lengths)
+
+    @functools.cached_property
+    def segment_of_slot(self) -> torch.Tensor:
+        return self._per_slot(range(self.plan.num_segments))
+
+    @functools.cached_property
+    def source(self) -> torch.Tensor:
+        starts = [row * self.plan.row_capacity for row in self.plan.segment_rows]
+        return torch.where(self.is_real, self._per_slot(starts) + self.offset_in_segment, 0)
+
+    @functools.cached_property
+    def unpack_target(self) -> torch.Tensor:
+        scratch = len(self.plan.row_lengths) * self.plan.row_capacity
+        return torch.where(self.is_real, self.source, scratch)
+
+    def _per_slot(self, per_document) -> torch.Tensor:
+        """[T] long: each document's value repeated over its physical slots."""
+        values = _to_device(torch.tensor(list(per_document), dtype=torch.long), self.device)
+        lengths = _to_device(torch.tensor(self.plan.physical_lengths, dtype=torch.long), self.device)
+        return torch.repeat_interleave(values, lengths, output_size=self.plan.total)
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a small host tensor to `device` without blocking the host (pinned on CUDA)."""
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 def plan_indices(plan: PackPlan, device: torch.device | str | None = None) -> PackIndices:
-    """Build the [T] index tensors of `plan` on `device` with no host sync.
+    """The index tensors of `plan` on `device`, built lazily with no host sync.
 
-    The per-document metadata (4 x N ints) crosses to the device in one small copy; every [T]
-    tensor is then computed on the device.
+    The boundaries (2 x (N+1) ints) cross to the device in one small copy now; every [T] tensor is
+    built on first use from the plan's host ints.
     """
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    n = plan.num_segments
-    cu_real = [0]
-    cu_phys = [0]
-    for real, phys in zip(plan.real_lengths, plan.physical_lengths):
-        cu_real.append(cu_real[-1] + real)
-        cu_phys.append(cu_phys[-1] + phys)
-    meta = torch.tensor(
-        [list(plan.segment_rows) + [0], list(plan.real_lengths) + [0],
-         list(plan.physical_lengths) + [0], cu_real, cu_phys],
-        dtype=torch.long,
-    )
-    if device.type == "cuda":
-        meta = meta.pin_memory().to(device, non_blocking=True)
-    else:
-        meta = meta.to(device)
-    physical, cu_real_t, cu_phys_t = meta[2, :n], meta[3], meta[4]
-    total = plan.total
-    segment = torch.repeat_interleave(torch.arange(n, device=device), physical, output_size=total)
-    # Every slot's document row, real length and start: three [T] gathers of [N] tables.
-    rows_t, real_t, start_t = (meta[i, :n].index_select(0, segment) for i in (0, 1, 4))
-    offset = torch.arange(total, device=device) - start_t
-    is_real = offset < real_t
-    next_is_real = offset + 1 < real_t
-    source = torch.where(is_real, rows_t * plan.row_capacity + offset, 0)
-    scratch = len(plan.row_lengths) * plan.row_capacity
-    unpack_target = torch.where(is_real, source, scratch)
-    return PackIndices(
-        segment_of_slot=segment,
-        offset_in_segment=offset,
-        is_real=is_real,
-        next_is_real=next_is_real,
-        source=source,
-        unpack_target=unpack_target,
-        cu_seqlens=cu_real_t.to(torch.int32),
-        cu_seqlens_padded=cu_phys_t.to(torch.int32),
-    )
+    return PackIndices(plan, torch.device(device) if device is not None else torch.device("cpu"))

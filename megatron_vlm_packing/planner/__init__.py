@@ -13,10 +13,13 @@ from megatron_vlm_packing.planner.balance import assign_to_ranks, imbalance
 from megatron_vlm_packing.planner.bins import Bin, BinLayout, best_fit_decreasing
 from megatron_vlm_packing.planner.cost import CostModel, TransformerShape
 from megatron_vlm_packing.planner.metadata import SampleMetadata, SampleTable, TokenCounter, llava_tokens
+from megatron_vlm_packing.planner.energon import EnergonPackingHooks, PlannedPackingMixin
+from megatron_vlm_packing.planner.sampler import PackedBatchSampler
 from megatron_vlm_packing.planner.schedule import EpochPlan, PlannerConfig, Step, plan_epoch
 
 __all__ = [
-    "Bin", "BinLayout", "CostModel", "EpochPlan", "PlannerConfig", "SampleMetadata", "SampleTable", "Step",
+    "Bin", "BinLayout", "CostModel", "EnergonPackingHooks", "EpochPlan", "PackedBatchSampler",
+    "PlannedPackingMixin", "PlannerConfig", "SampleMetadata", "SampleTable", "Step",
     "TokenCounter", "TransformerShape", "assign_to_ranks", "best_fit_decreasing", "imbalance", "llava_tokens",
     "plan_epoch",
 ]

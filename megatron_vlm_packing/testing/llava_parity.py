@@ -2,9 +2,9 @@
 
 `run_llava_parity(rank, world_size)` is a `run_distributed` target (2 processes). The reference is
 the single-process model on the batched micro-batches (right-padded rows, LLaVA's own path). The
-packed runs go pack (`pack_llava_batch`) -> `adapter.check` -> `localize` -> `adapter.forward` ->
-the shipped `loss_func`, through `get_forward_backward_func` with PP=2 and with CP=2, both label
-styles. Samples cover images at sample starts, back-to-back images, an image as a sample's last
+packed runs go through the shipped `make_forward_step` (LLaVAAdapter: `pack_llava_batch` -> check
+-> localize -> forward -> `loss_func`) and `get_forward_backward_func` with PP=2 and with CP=2,
+both label styles. Samples cover images at sample starts, back-to-back images, an image as a sample's last
 token, text-only samples and the tile cycle [1, 2, 1, 3, 1]. Reported per case:
 token_mult_prob_error = exp(mean |logp_packed - logp_batched|) over tokens with a loss, and the
 worst relative error over every parameter gradient (vision tower and projection included).
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import time
 from functools import partial
 
 import torch
@@ -131,7 +132,8 @@ def llava_cp_without_te():
         yield
         return
     names = ("HAVE_TE", "TEDotProductAttention", "HAVE_TEX", "tex", "is_te_min_version")
-    saved = {k: getattr(llava_model, k) for k in names}
+    missing = object()  # megatron-core 0.16.1 defines no TEDotProductAttention without TE
+    saved = {k: getattr(llava_model, k, missing) for k in names}
 
     class _Tex:
         @staticmethod
@@ -145,7 +147,10 @@ def llava_cp_without_te():
         yield
     finally:
         for k, v in saved.items():
-            setattr(llava_model, k, v)
+            if v is missing:
+                delattr(llava_model, k)
+            else:
+                setattr(llava_model, k, v)
 
 
 def expanded_cu_seqlens_padded(adapter, mb) -> torch.Tensor:
@@ -158,40 +163,47 @@ def expanded_cu_seqlens_padded(adapter, mb) -> torch.Tensor:
                                    total_multiple=s.total_multiple, pad_to=s.pipeline_length).cu_seqlens_q_padded
 
 
-def forward_step(label_style: str, outputs: list, data_iterator, model):
-    """pack -> check -> localize -> adapter.forward -> the shipped loss (what make_forward_step does)."""
-    from megatron.core import parallel_state as ps
+class _Observed:
+    """Each micro-batch the step built (to unpack the last stage's CP-local losses afterwards)."""
 
-    from megatron_vlm_packing.models.adapter import adapter_for
-    from megatron_vlm_packing.packing.localize import localize
-    from megatron_vlm_packing.parallel.layout import ParallelLayout
-    from megatron_vlm_packing.step import loss_func
+    def __init__(self):
+        self.micro_batches = []
 
-    adapter = adapter_for(model)
-    mb = adapter.pack(next(data_iterator), label_style=label_style)
-    adapter.check(mb)
-    local = localize(mb, ParallelLayout(cp_size=ps.get_context_parallel_world_size(),
-                                        cp_rank=ps.get_context_parallel_rank()), adapter.needs)
-    out = adapter.forward(model, local)
-    if isinstance(out, tuple):
-        outputs.append((out[0].detach(), out[1].detach(), expanded_cu_seqlens_padded(adapter, mb)))
-    stats = {"real_tokens": mb.stats.real_tokens, "physical_tokens": mb.stats.physical_tokens}
-    return out, partial(loss_func, local.loss_mask, stats)
+    def __call__(self, micro_batch):
+        self.micro_batches.append(micro_batch)
+        return micro_batch
 
 
-def packed_run(model, data: list[dict], label_style: str):
+def _observe_outputs(outputs: list, step):
+    """The schedule's forward step, keeping the last stage's (losses, loss mask) outputs."""
+    def forward_step(data_iterator, model):
+        out, loss = step(data_iterator, model)
+        if isinstance(out, tuple):
+            outputs.append((out[0].detach(), out[1].detach()))
+        return out, loss
+
+    return forward_step
+
+
+def packed_run(model, data: list[dict], label_style: str, *, forward_only: bool = False):
     """Packed logprobs per micro-batch (last stage, else None) and this rank's full-shape grads."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megatron_vlm_packing.models.adapter import adapter_for
+    from megatron_vlm_packing.train.step import make_forward_step
+
     model.zero_grad()
-    outputs = []
+    outputs, observed = [], _Observed()
+    step = make_forward_step(label_style=label_style, transform=observed)
     with llava_cp_without_te():
         get_forward_backward_func()(
-            forward_step_func=partial(forward_step, label_style, outputs), data_iterator=iter(data), model=[model],
-            num_microbatches=len(data), seq_length=MAX_LENGTH, micro_batch_size=1, forward_only=False)
+            forward_step_func=_observe_outputs(outputs, step), data_iterator=iter(data), model=[model],
+            num_microbatches=len(data), seq_length=MAX_LENGTH, micro_batch_size=1, forward_only=forward_only)
     logps = []
-    for losses, mask, cu_padded in outputs:
+    adapter = adapter_for(model)
+    for (losses, mask), mb in zip(outputs, observed.micro_batches):
+        cu_padded = expanded_cu_seqlens_padded(adapter, mb)
         losses = gather_cp_tokens(losses, cu_padded, ps.get_context_parallel_group())
         mask = gather_cp_tokens(mask, cu_padded, ps.get_context_parallel_group())
         logps.append(-losses[mask.bool()])
@@ -202,17 +214,19 @@ def packed_run(model, data: list[dict], label_style: str):
 def compare(ref_logps, ref_grads, logps, grads) -> dict:
     """token_mult_prob_error (tokens with a loss), worst relative grad error and the parameters
     checked (over all ranks: every reference parameter must be checked somewhere)."""
-    mult = 0.0  # ranks without the last stage report nothing
+    mult, tokens = 0.0, 0  # ranks without the last stage report nothing
     if logps is not None:
         got, want = torch.cat(logps), torch.cat(ref_logps)
         mult = token_mult_prob_error(got, want) if got.shape == want.shape else float("inf")
+        tokens = got.numel()
     worst = max((max_relative_error(g, ref_grads[n]) for n, g in grads.items()), default=0.0)
-    result = torch.tensor([mult, worst], dtype=torch.float64)
+    result = torch.tensor([mult, worst, tokens], dtype=torch.float64)
     dist.all_reduce(result, op=dist.ReduceOp.MAX)
     names = [None] * dist.get_world_size()
     dist.all_gather_object(names, sorted(grads))
     checked = set().union(*map(set, names))
     return {"token_mult_prob_error": result[0].item(), "max_rel_grad_err": result[1].item(),
+            "tokens_compared": int(result[2]),
             "params_checked": len(checked), "params_missing": sorted(set(ref_grads) - checked)}
 
 
@@ -286,6 +300,81 @@ def leak_checks(model, seed: int) -> dict:
     return {"leak refused": refused, "leak tokens lost upstream": int(want.sum() - mask.sum())}
 
 
+@contextlib.contextmanager
+def remap_on_first_stage_only():
+    """Deliberate mistake (the patch before this fix): stages with pre_process=False keep the
+    collapsed boundaries. The PP control must catch it."""
+    from megatron_vlm_packing.patches import llava_boundaries
+
+    full = llava_boundaries.expand_packed_call
+
+    def first_stage_only(model, call):
+        if model.pre_process:
+            full(model, call)
+
+    llava_boundaries.expand_packed_call = first_stage_only
+    try:
+        yield
+    finally:
+        llava_boundaries.expand_packed_call = full
+
+
+def pp_control(model, data, ref_logps) -> float:
+    """token_mult_prob_error with the first-stage-only mistake; inf when the last stage fails. One
+    micro-batch, forward only: a last stage that fails leaves its peer waiting for nothing."""
+    try:
+        with remap_on_first_stage_only():
+            logps, _ = packed_run(model, data[:1], "megatron", forward_only=True)
+        error = 0.0
+        if logps is not None:
+            got, want = torch.cat(logps), ref_logps[0]
+            error = token_mult_prob_error(got, want) if got.shape == want.shape else float("inf")
+    except RuntimeError:  # rope over collapsed boundaries on the expanded input
+        error = float("inf")
+    worst = torch.tensor([error], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return worst.item()
+
+
+def upstream_direct(model, seed: int) -> float:
+    """Control: upstream LLaVAModel (no patch) on a well-planned pack: boundaries stay collapsed."""
+    from megatron_vlm_packing.models.llava_pack import pack_llava_batch
+    from megatron_vlm_packing.models.llava import LlavaSpace
+    from megatron_vlm_packing.patches import llava_boundaries
+
+    batch = batches("megatron", seed)[0]
+    mb = pack_llava_batch(batch, LlavaSpace.of(model))
+    labels, loss_mask = batched_targets(batch, "megatron")
+    ids = batch["input_ids"]
+    losses, mask = model(batch["images"], ids, torch.arange(ids.shape[1])[None].expand_as(ids), None,
+                         labels=labels, loss_mask=loss_mask, num_image_tiles=batch["num_image_tiles"])
+    llava_boundaries.undo_llava_packed_boundaries()
+    try:
+        got = packed_direct(model, mb, tiles=batch["num_image_tiles"])
+    except RuntimeError:  # rope over collapsed boundaries: the document lengths do not add up
+        return float("inf")
+    finally:
+        llava_boundaries.apply_llava_packed_boundaries()
+    want = -losses[mask.bool()]
+    return token_mult_prob_error(got, want) if got.shape == want.shape else float("inf")
+
+
+def cp_plain_pack_refusal(model, seed: int) -> str:
+    """Control: a pack aligned in collapsed space only (pack_batch(cp_size=2)) is refused by the patch."""
+    from megatron_vlm_packing.packing import pack_batch
+
+    batch = batches("hf", seed)[0]
+    packed = pack_batch({k: batch[k] for k in ("input_ids", "labels", "attention_mask")}, cp_size=2,
+                        label_style="hf")
+    try:
+        model(batch["images"], packed.input_ids, packed.position_ids, None, labels=packed.labels,
+              loss_mask=packed.loss_mask, num_image_tiles=batch["num_image_tiles"],
+              packed_seq_params=packed.packed_seq_params)
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
 def run_llava_parity(rank: int, world_size: int, seed: int = 11) -> dict:
     """Every check in one launch of 2 processes; what rank 0 saw (reductions make it global)."""
     from megatron.core import parallel_state as ps
@@ -293,6 +382,12 @@ def run_llava_parity(rank: int, world_size: int, seed: int = 11) -> dict:
     from megatron_vlm_packing.patches import llava_boundaries
 
     result = {"patch_active": llava_boundaries.apply_llava_packed_boundaries()}
+    clock = [time.perf_counter()]
+
+    def lap(name):
+        clock.append(time.perf_counter())
+        result.setdefault("seconds", {})[name] = round(clock[-1] - clock[-2], 2)
+
     try:
         initialize_parallel(seed=seed)
         ref_model = build_tiny_llava(seed)
@@ -301,9 +396,12 @@ def run_llava_parity(rank: int, world_size: int, seed: int = 11) -> dict:
         refs = {style: (batches(style, seed), *reference(ref_model, batches(style, seed), style))
                 for style in ("megatron", "hf")}
         result["tiles"] = batches("megatron", seed)[0]["num_image_tiles"].tolist()
+        lap("reference")
         with torch.no_grad():
             result.update(one_tile_checks(ref_model, seed))
             result.update(leak_checks(ref_model, seed))
+            result["upstream, no patch"] = upstream_direct(ref_model, seed)
+        lap("single-process checks")
         for name, layout in (("PP=2", dict(pp=2)), ("CP=2", dict(cp=2))):
             initialize_parallel(seed=seed, **layout)
             with llava_cp_without_te():
@@ -311,6 +409,12 @@ def run_llava_parity(rank: int, world_size: int, seed: int = 11) -> dict:
             load_state(model, state)
             for style, (data, ref_logps, ref_grads) in refs.items():
                 result[f"{name}, {style} labels"] = compare(ref_logps, ref_grads, *packed_run(model, data, style))
+                lap(f"{name}, {style} labels")
+            if name == "PP=2":
+                result["PP=2, control: first stage only"] = pp_control(model, *refs["megatron"][:2])
+            else:
+                with llava_cp_without_te():
+                    result["CP=2, control: plain pack"] = cp_plain_pack_refusal(model, seed)
     finally:
         llava_boundaries.undo_llava_packed_boundaries()
     return result

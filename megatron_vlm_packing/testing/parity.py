@@ -42,7 +42,8 @@ def global_name(model: torch.nn.Module, name: str) -> str:
         i = parts.index("layers")
         layers = model.get_submodule(".".join(parts[:i + 1]))
         layer = layers[int(parts[i + 1])]
-        parts[i + 1] = str(layer.layer_number - 1)
+        if hasattr(layer, "layer_number"):  # Megatron layers; plain torch ones (HF towers) keep their index
+            parts[i + 1] = str(layer.layer_number - 1)
     return ".".join(parts)
 
 

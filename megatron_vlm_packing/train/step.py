@@ -7,6 +7,9 @@ small named stages, each testable alone:
     read_micro_batch -> to_device -> build_micro_batch (pack_batch | pad_batch)
       -> adapter.check -> localize (the one CP selection) -> adapter.forward -> loss_func
 
+An iterator may also yield an already-packed `MicroBatch` (`packing.collate.PackingCollator` in the
+DataLoader's workers): it is checked against the layout and moved (non-blocking), not re-packed.
+
 The model's adapter (`models.adapter.adapter_for`, through DDP / Float16Module wrappers, or the
 `adapter=` given) declares what the model consumes and in which form; nothing is chosen by
 reading a forward's signature, and an input the adapter does not consume is a ValueError naming
@@ -23,10 +26,12 @@ import torch
 from torch import nn
 
 from megatron_vlm_packing.models.adapter import ModelAdapter, adapter_for, unwrap_model
+from megatron_vlm_packing.packing.collate import micro_batch_from_loader
 from megatron_vlm_packing.packing.localize import localize
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
 from megatron_vlm_packing.parallel.layout import ParallelLayout
 from megatron_vlm_packing.train.loss import loss_func
+from megatron_vlm_packing.validate.step_probe import StepProbe
 
 
 @dataclass(frozen=True)
@@ -51,7 +56,7 @@ class StepOptions:
                              f"with pack=False use seq_length")
 
 
-def read_micro_batch(data_iterator: Iterator, *, broadcast_from_tp_rank0: bool) -> dict:
+def read_micro_batch(data_iterator: Iterator, *, broadcast_from_tp_rank0: bool) -> dict | MicroBatch:
     """Every rank reads its (deterministic) iterator, or TP rank 0 reads and broadcasts the batch."""
     if not broadcast_from_tp_rank0:
         batch = next(data_iterator)
@@ -63,8 +68,9 @@ def read_micro_batch(data_iterator: Iterator, *, broadcast_from_tp_rank0: bool) 
         dist.broadcast_object_list(holder, src=ps.get_tensor_model_parallel_src_rank(),
                                    group=ps.get_tensor_model_parallel_group())
         batch = holder[0]
-    if not isinstance(batch, dict):
-        raise ValueError(f"the data iterator must yield a dict of tensors (a collated batch), got {type(batch).__name__}")
+    if not isinstance(batch, (dict, MicroBatch)):
+        raise ValueError(f"the data iterator must yield a dict of tensors (a collated batch) or a packed "
+                         f"MicroBatch, got {type(batch).__name__}")
     return batch
 
 
@@ -103,10 +109,18 @@ def build_micro_batch(batch: dict, layout: ParallelLayout, options: StepOptions,
     from megatron_vlm_packing.packing import pack_batch, pad_batch
 
     common = dict(tp_size=layout.tp_size, cp_size=layout.cp_size, sequence_parallel=layout.sequence_parallel,
-                  fp8=options.fp8, label_style=options.label_style, mrope=mrope, **(media_token_ids or {}))
+                  fp8=options.fp8, label_style=options.label_style, mrope=mrope, **(media_token_ids or {}),
+                  require_media_counts=False)  # the adapter's check refuses media it does not consume
     if options.pack:
         return pack_batch(batch, pad_to=options.pad_to, **common)
     return pad_batch(batch, seq_length=options.seq_length, **common)
+
+
+def layout_multiples(layout: ParallelLayout, options: StepOptions):
+    from megatron_vlm_packing.packing.plan import PackMultiples
+
+    return PackMultiples.for_parallel(tp_size=layout.tp_size, cp_size=layout.cp_size,
+                                      sequence_parallel=layout.sequence_parallel, fp8=options.fp8)
 
 
 def prepare_for_model(micro_batch: MicroBatch, adapter: ModelAdapter, layout: ParallelLayout) -> MicroBatch:
@@ -141,7 +155,8 @@ class _Adapters:
 def make_forward_step(*, pack: bool = True, label_style: str = "hf", pad_to: int | None = None,
                       seq_length: int | None = None, fp8: bool = False, mrope=None,
                       broadcast_from_tp_rank0: bool = False, with_state: bool = False, adapter=None,
-                      transform: Callable[[MicroBatch], MicroBatch] | None = None) -> Callable:
+                      transform: Callable[[MicroBatch], MicroBatch] | None = None,
+                      parity_probe_every: int | None = None, parity_probe_tolerance: float = 1e-4) -> Callable:
     """Build a Megatron forward step.
 
     Args:
@@ -156,6 +171,10 @@ def make_forward_step(*, pack: bool = True, label_style: str = "hf", pad_to: int
         adapter: a `ModelAdapter` (or a factory `model -> ModelAdapter`) overriding the registry.
         transform: applied to each full-length micro-batch before the checks and `localize` (to
             observe micro-batches, or for tests that make one deliberate mistake).
+        parity_probe_every: every N-th micro-batch also runs packed and each sample alone without
+            gradients (`validate.StepProbe`); the per-token loss difference is printed and, above
+            `parity_probe_tolerance`, raises `validate.ParityProbeError` with the validator's report.
+            Needs cp = 1 and one pipeline stage.
 
     Returns:
         `forward_step(data_iterator, model) -> (output_tensor, loss_func)`.
@@ -163,18 +182,39 @@ def make_forward_step(*, pack: bool = True, label_style: str = "hf", pad_to: int
     options = StepOptions(pack=pack, label_style=label_style, pad_to=pad_to, seq_length=seq_length, fp8=fp8,
                           mrope=mrope)
     adapters = _Adapters(adapter)
+    probe = None if parity_probe_every is None else StepProbe(parity_probe_every, tolerance=parity_probe_tolerance)
 
     def forward_step(data_iterator, model):
         model_adapter = adapters(model)
         layout = ParallelLayout.from_megatron(unwrap_model(model).config)
         batch = read_micro_batch(data_iterator, broadcast_from_tp_rank0=broadcast_from_tp_rank0)
-        batch = to_device(batch, next(model.parameters()).device)
-        micro_batch = build_micro_batch(batch, layout, options, mrope=resolve_mrope(options, model_adapter, batch),
-                                        media_token_ids=getattr(model_adapter, "media_token_ids", None))
+        device = next(model.parameters()).device
+        media_token_ids = getattr(model_adapter, "media_token_ids", None)
+        if isinstance(batch, MicroBatch):  # packed in the DataLoader: only moved here
+            if probe is not None:
+                raise ValueError("parity_probe_every needs collated batches (it re-packs each sample alone); "
+                                 "the data iterator yielded micro-batches packed in the DataLoader")
+            resolve_mrope(options, model_adapter)  # refuses mrope= for a 1D model here too
+            micro_batch = micro_batch_from_loader(batch, multiples=layout_multiples(layout, options), device=device)
+        else:
+            batch = to_device(batch, device)
+            mrope_used = resolve_mrope(options, model_adapter, batch)
+            micro_batch = model_adapter.build_micro_batch(batch, layout, options)
+            if micro_batch is not None and probe is not None:
+                raise ValueError(f"parity_probe_every: {type(model_adapter).__name__} builds its own micro-batches "
+                                 f"(e.g. in LLaVA's expanded space), which the probe cannot split per sample")
+            if micro_batch is None:
+                micro_batch = build_micro_batch(batch, layout, options, mrope=mrope_used,
+                                                media_token_ids=media_token_ids)
         if transform is not None:
             micro_batch = transform(micro_batch)
         local = prepare_for_model(micro_batch, model_adapter, layout)
         output = model_adapter.forward(model, local)
+        if probe is not None:  # the same build and model call, for the pack and each sample alone
+            probe(model, batch, micro_batch,
+                  pack=partial(build_micro_batch, layout=layout, options=options, mrope=mrope_used,
+                               media_token_ids=media_token_ids),
+                  forward=lambda mb: model_adapter.forward(model, prepare_for_model(mb, model_adapter, layout)))
         return output, partial(loss_func, local.loss_mask, local.stats)
 
     if with_state:

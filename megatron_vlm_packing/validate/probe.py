@@ -145,6 +145,27 @@ def _token_differences(packed_loss: torch.Tensor, packed_trained: torch.Tensor, 
     return diff[packed_trained | alone_trained]
 
 
+def _differences(forward: Callable, packed, rows: list[tuple[int, dict]], pack: Callable):
+    """Per-token |differences| of every sample (and of loss on slots of no sample), max per sample."""
+    packed_loss = forward(packed).detach().float().reshape(-1)  # [T]
+    packed_trained = packed.loss_mask.reshape(-1) != 0
+    starts = _document_starts(packed)
+    covered = torch.zeros_like(packed_trained)
+    diffs, per_doc = [], []
+    for d, (_, sample) in enumerate(rows):
+        alone = _alone(pack, sample)
+        n = sample["input_ids" if "input_ids" in sample else "tokens"].shape[-1]
+        window = slice(starts[d], starts[d] + n)
+        covered[window] = True
+        diff = _token_differences(packed_loss[window], packed_trained[window],
+                                  forward(alone).detach().float().reshape(-1)[:n],
+                                  alone.loss_mask.reshape(-1)[:n] != 0)
+        diffs.append(diff)
+        per_doc.append(float(diff.max()) if diff.numel() else 0.0)
+    diffs.append(packed_loss[packed_trained & ~covered].abs())  # loss on slots of no sample: pad slots
+    return diffs, per_doc
+
+
 def parity_probe(
     forward: Callable,
     batch: dict,
@@ -188,25 +209,14 @@ def parity_probe(
     vision = getattr(packed, "vision", None)
     rows = split_rows(batch, image_token_id=image_token_id, spatial_merge_size=spatial_merge_size,
                       images_per_row=getattr(vision, "images_per_sample", None))
+    packed = pack(batch) if packed is None else packed
+    if len(_document_starts(packed)) != len(rows):
+        result = ProbeResult(float("inf"), float("inf"), 0, (), tolerance)
+        raise ParityProbeError(result, _report(packed, batch, image_token_id, spatial_merge_size, pack_kwargs),
+                               f"the pack has {len(_document_starts(packed))} documents for {len(rows)} samples")
     with torch.no_grad():
-        packed = pack(batch) if packed is None else packed
-        packed_loss = forward(packed).detach().float().reshape(-1)
-        packed_trained = packed.loss_mask.reshape(-1) != 0
-        starts = _document_starts(packed)
-        covered = torch.zeros_like(packed_trained)
-        diffs, per_doc = [], []
-        for d, (_, sample) in enumerate(rows):
-            alone = _alone(pack, sample)
-            n = sample["input_ids" if "input_ids" in sample else "tokens"].shape[-1]
-            window = slice(starts[d], starts[d] + n)
-            covered[window] = True
-            diff = _token_differences(packed_loss[window], packed_trained[window],
-                                      forward(alone).detach().float().reshape(-1)[:n],
-                                      alone.loss_mask.reshape(-1)[:n] != 0)
-            diffs.append(diff)
-            per_doc.append(float(diff.max()) if diff.numel() else 0.0)
-        diffs.append(packed_loss[packed_trained & ~covered].abs())  # loss on slots of no sample: pad slots
-    every = torch.cat(diffs) if diffs else torch.zeros(0)
+        diffs, per_doc = _differences(forward, packed, rows, pack)
+    every = torch.cat(diffs)
     result = ProbeResult(max_abs_diff=float(every.max()) if every.numel() else 0.0,
                          mean_abs_diff=float(every.mean()) if every.numel() else 0.0,
                          num_tokens=every.numel(), per_document=tuple(per_doc), tolerance=tolerance)

@@ -17,7 +17,7 @@ def make_batch(lengths, seq_len, *, vocab=50, seed=0, pad_id=0):
 
 def test_three_row_example_both_boundary_sets():
     ids, keep = make_batch([5, 2, 3], 6)
-    packed = pack_batch({"input_ids": ids, "labels": ids, "attention_mask": keep.long()}, cp_size=2)
+    packed = pack_batch({"input_ids": ids, "labels": ids, "attention_mask": keep.long()}, cp_size=2, label_style="hf")
     params = packed.packed_seq_params
     assert params.qkv_format == "thd"
     assert params.cu_seqlens_q.tolist() == [0, 5, 7, 10]
@@ -37,7 +37,7 @@ def test_pad_id_equal_to_real_tokens_does_not_matter():
     # Bug class 7: a real token equal to the pad id (0 or eos) must stay real.
     ids = torch.tensor([[0, 0, 7, 0], [3, 0, 0, 0]])
     keep = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
-    packed = pack_batch({"input_ids": ids, "labels": ids, "attention_mask": keep})
+    packed = pack_batch({"input_ids": ids, "labels": ids, "attention_mask": keep}, label_style="hf")
     assert packed.padding_mask.sum().item() == 0
     assert packed.packed_seq_params.cu_seqlens_q.tolist() == [0, 4, 6]
 
@@ -83,7 +83,8 @@ def test_precomputed_3d_positions_are_packed_per_sample():
     ids, keep = make_batch([3, 2], 3)
     pos = torch.stack([torch.tensor([[0, 1, 1], [0, 1, 0]]), torch.tensor([[0, 2, 3], [0, 1, 0]]),
                        torch.tensor([[0, 1, 4], [0, 1, 0]])])
-    packed = pack_batch({"input_ids": ids, "labels": ids, "attention_mask": keep, "position_ids": pos}, cp_size=2)
+    packed = pack_batch({"input_ids": ids, "labels": ids, "attention_mask": keep, "position_ids": pos}, cp_size=2,
+                        label_style="hf")
     assert packed.position_ids.shape == (3, 1, 8)
     assert packed.position_ids[0, 0].tolist() == [0, 1, 1, 5, 0, 1, 2, 3]
     assert packed.position_ids[2, 0].tolist() == [0, 1, 4, 5, 0, 1, 2, 3]
@@ -109,22 +110,22 @@ def test_mrope_callable_gets_each_sample_alone():
 @pytest.mark.parametrize(
     "batch, kwargs, expected",
     [
-        ({"labels": torch.ones(2, 3, dtype=torch.long)}, {}, r"exactly one of 'input_ids' or 'tokens', found neither"),
+        ({"labels": torch.full((2, 3), 2)}, {}, r"exactly one of 'input_ids' or 'tokens', found neither"),
         ({"input_ids": torch.ones(2, 3, dtype=torch.long), "tokens": torch.ones(2, 3)}, {}, r"found \['input_ids', 'tokens'\]"),
         ({"input_ids": torch.ones(6, dtype=torch.long), "labels": torch.ones(6)}, {}, r"input_ids must be a \[B, S\] tensor"),
         ({"input_ids": torch.ones(2, 3, dtype=torch.long)}, {}, r"no 'labels'"),
         ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 4)}, {}, r"labels has shape \(2, 4\) but input_ids is \(2, 3\)"),
-        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 3, dtype=torch.long), "loss_mask": torch.ones(3, 3)}, {}, r"loss_mask has shape \(3, 3\)"),
-        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.tensor([[1, 0, 1], [1, 1, 1]])}, {}, r"attention_mask rows must be right-padded.*row 0.*holes at positions \[1\]"),
-        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.tensor([[0, 1, 1], [1, 1, 1]])}, {}, r"left padding"),
-        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.zeros(2, 3)}, {}, r"no real tokens"),
-        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 3, dtype=torch.long)}, {"pad_to": 4}, r"pad_to=4 is smaller than the 6 physical tokens"),
-        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 3, dtype=torch.long)}, {"label_style": "torch"}, r"label_style must be 'megatron' or 'hf'"),
-        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 3, dtype=torch.long)}, {"cp_size": 0}, r"cp_size must be a positive int"),
-        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 3, dtype=torch.long), "position_ids": torch.zeros(3, 2, 4, dtype=torch.long)}, {}, r"mRoPE positions must be \[3, 2, 3\]"),
-        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 3, dtype=torch.long), "position_ids": torch.zeros(3, 2, 3, dtype=torch.long)}, {"mrope": lambda ids, **kw: None}, r"pass one of them"),
-        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 3, dtype=torch.long)}, {"mrope": lambda ids, **kw: torch.zeros(2, 3)}, r"mrope positions must be \[3, B, S\] = \[3, 2, 3\], got \(2, 3\)"),
-        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 3, dtype=torch.long)}, {"mrope": 3}, r"mrope must be an MRopeConfig or a callable"),
+        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.full((2, 3), 2), "loss_mask": torch.ones(3, 3)}, {}, r"loss_mask has shape \(3, 3\)"),
+        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.full((2, 3), 2), "attention_mask": torch.tensor([[1, 0, 1], [1, 1, 1]])}, {}, r"attention_mask rows must be right-padded.*row 0.*holes at positions \[1\]"),
+        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.full((2, 3), 2), "attention_mask": torch.tensor([[0, 1, 1], [1, 1, 1]])}, {}, r"left padding"),
+        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.full((2, 3), 2), "attention_mask": torch.zeros(2, 3)}, {}, r"no real tokens"),
+        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.full((2, 3), 2)}, {"pad_to": 4}, r"pad_to=4 is smaller than the 6 physical tokens"),
+        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.full((2, 3), 2)}, {"label_style": "torch"}, r"label_style must be 'megatron' or 'hf'"),
+        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.full((2, 3), 2)}, {"cp_size": 0}, r"cp_size must be a positive int"),
+        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.full((2, 3), 2), "position_ids": torch.zeros(3, 2, 4, dtype=torch.long)}, {}, r"mRoPE positions must be \[3, 2, 3\]"),
+        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.full((2, 3), 2), "position_ids": torch.zeros(3, 2, 3, dtype=torch.long)}, {"mrope": lambda ids, **kw: None}, r"pass one of them"),
+        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.full((2, 3), 2)}, {"mrope": lambda ids, **kw: torch.zeros(2, 3)}, r"mrope positions must be \[3, B, S\] = \[3, 2, 3\], got \(2, 3\)"),
+        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.full((2, 3), 2)}, {"mrope": 3}, r"mrope must be an MRopeConfig or a callable"),
     ],
 )
 def test_bad_batches_raise_naming_the_field(batch, kwargs, expected):
@@ -141,6 +142,8 @@ def test_bad_batches_raise_naming_the_field(batch, kwargs, expected):
 def test_pack_batch_contract(lengths, tp, cp, sp, fp8, style):
     ids, keep = make_batch(lengths, 9)
     labels = torch.where(keep, ids, -100)
+    if style == "megatron":  # Megatron labels are the next token already
+        labels = torch.where(keep, torch.roll(ids, -1, dims=1), -100)
     packed = pack_batch({"input_ids": ids, "labels": labels, "attention_mask": keep.long()},
                         tp_size=tp, cp_size=cp, sequence_parallel=sp, fp8=fp8, label_style=style)
     plan, params = packed.plan, packed.packed_seq_params

@@ -94,7 +94,7 @@ def test_pack_batch_packs_omni_float_positions_per_sample():
              "video_grid_thw": videos, "second_per_grid_ts": seconds, "audio_seqlens": audios,
              "use_audio_in_video": True, "pixel_values": torch.zeros(int(images.prod(1).sum()), 2),
              "pixel_values_videos": torch.zeros(int(videos.prod(1).sum()), 2)}
-    packed = pack_batch(batch, mrope=cfg, cp_size=2)
+    packed = pack_batch(batch, mrope=cfg, cp_size=2, label_style="hf")
     assert sum(packed.vision.images_per_sample) == len(images) and sum(packed.vision.videos_per_sample) == len(videos)
     full = get_rope_index(ids, cfg, image_grid_thw=images, video_grid_thw=videos, attention_mask=mask,
                           use_audio_in_video=True, audio_seqlens=audios, second_per_grid_ts=seconds).position_ids

@@ -1,4 +1,5 @@
-"""The sampled parity probe on a real tiny Megatron-Core GPTModel (CPU, one process)."""
+"""The sampled parity probe on a real tiny Megatron-Core GPTModel (CPU, one process, one launch): alone,
+wrapped around a forward step, and inside `make_forward_step(parity_probe_every=N)`."""
 
 import pytest
 import torch
@@ -62,6 +63,50 @@ def run_probe_cases(rank, world_size):
     for _ in range(3):  # calls 0 and 2 are probed
         output, loss = step(iter([batch]), model)
     out["wrapped"] = ([r.max_abs_diff for r in seen], model.training, tuple(output.shape))
+    out.update(run_step_probe_cases(model, batch))
+    return out
+
+
+def run_step_probe_cases(model, batch) -> dict:
+    """make_forward_step(parity_probe_every=N): quiet on the step's own packs, raising on a corrupted one."""
+    import contextlib
+    import io
+
+    from megatron_vlm_packing import make_forward_step
+    from megatron_vlm_packing.validate import ParityProbeError
+
+    out = {}
+    step = make_forward_step(label_style="hf", parity_probe_every=2)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        for _ in range(3):  # micro-batches 0 and 2 are probed
+            output, loss = step(iter([batch]), model)
+            loss(output)[0].backward()  # the step's own graph is untouched by the probe
+    out["step_clean"] = (printed.getvalue(), model.training)
+    width = batch["input_ids"].shape[1]
+    corrupt = make_forward_step(label_style="hf", parity_probe_every=1, transform=lambda mb: _uniform(mb, width))
+    try:
+        corrupt(iter([batch]), model)
+        out["step_corrupt"] = None
+    except ParityProbeError as err:
+        out["step_corrupt"] = (err.result.max_abs_diff, sorted(err.report.failed_checks), str(err))
+    try:
+        make_forward_step(parity_probe_every=0)
+        out["step_bad_every"] = None
+    except ValueError as err:
+        out["step_bad_every"] = str(err)
+    from megatron_vlm_packing import pack_batch
+    from megatron_vlm_packing.models.gpt_adapter import GPTModelAdapter
+
+    class OwnBuild(GPTModelAdapter):  # like LLaVA's adapter: plans its own micro-batches
+        def build_micro_batch(self, batch, layout, options):
+            return pack_batch(batch, label_style="hf")
+
+    try:
+        make_forward_step(label_style="hf", parity_probe_every=1, adapter=OwnBuild)(iter([batch]), model)
+        out["step_own_build"] = None
+    except ValueError as err:
+        out["step_own_build"] = str(err)
     return out
 
 
@@ -93,6 +138,24 @@ def test_wrapped_forward_step_probes_every_nth_call(probe_cases):
     assert training  # the probe ran in eval mode and restored training mode
 
 
+def test_the_step_probes_every_nth_micro_batch_and_passes_on_its_own_packs(probe_cases):
+    printed, training = probe_cases["step_clean"]
+    lines = [line for line in printed.splitlines() if line.startswith("parity probe:")]
+    assert len(lines) == 2 and all("of 4 samples" in line for line in lines), printed
+    assert all(float(line.split("max |dloss| ")[1].split(",")[0]) <= 1e-5 for line in lines)
+    assert training
+
+
+def test_the_step_probe_raises_on_uniform_boundaries_with_the_report(probe_cases):
+    max_diff, failed, message = probe_cases["step_corrupt"]
+    assert max_diff > 1e-2 and "tokens_vs_source" in failed and "packing is not exact" in message
+
+
+def test_parity_probe_every_must_be_positive_and_refuses_adapters_that_build_their_own(probe_cases):
+    assert "parity_probe_every must be a positive int, got 0" in probe_cases["step_bad_every"]
+    assert "OwnBuild builds its own micro-batches" in probe_cases["step_own_build"]
+
+
 def test_split_rows_gives_each_sample_its_images():
     ids = torch.tensor([[5, 9, 9, 9, 9, 6, 0], [9, 7, 0, 0, 0, 0, 0]])
     batch = {"input_ids": ids, "labels": ids, "attention_mask": (ids != 0).long(),
@@ -104,3 +167,25 @@ def test_split_rows_gives_each_sample_its_images():
         split_rows(batch)
     with pytest.raises(ValueError, match=r"also has \['pixel_values_videos'\]"):
         split_rows({**batch, "pixel_values_videos": torch.zeros(1)}, image_token_id=9)
+
+
+def test_a_pack_with_a_different_number_of_documents_fails_before_any_forward():
+    from dataclasses import replace
+
+    from megatron_vlm_packing import pack_batch
+    from megatron_vlm_packing.validate import ParityProbeError, parity_probe
+
+    batch = _batch()
+    packed = pack_batch(batch, label_style="hf")
+    total = packed.input_ids.shape[1]
+    one = torch.tensor([0, total], dtype=torch.int32)  # every sample in one document
+    params = replace(packed.packed_seq_params, cu_seqlens_q=one, cu_seqlens_kv=one, cu_seqlens_q_padded=one,
+                     cu_seqlens_kv_padded=one)
+    foreign = replace(packed, packed_seq_params=params, plan=None)
+
+    def never(_):
+        raise AssertionError("no forward runs for a pack whose documents are not the samples")
+
+    with pytest.raises(ParityProbeError, match="the pack has 1 documents for 4 samples") as err:
+        parity_probe(never, batch, packed=foreign, label_style="hf")
+    assert "tokens_vs_source" in err.value.report.failed_checks

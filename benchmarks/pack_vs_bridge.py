@@ -1,0 +1,195 @@
+"""`pack_batch` against Megatron-Bridge 0.6.2's row-loop packer, side by side, on CPU, one thread.
+
+    python benchmarks/pack_vs_bridge.py [--batches 4 8 16 32 64] [--seqs 2048 4096 8192 16384 32768]
+                                        [--cp 1] [--repeats 7] [--out benchmarks/results/pack_vs_bridge.md]
+
+The baseline (`bridge_row_loop`) re-implements, step for step, what
+`megatron.bridge.data.packing.in_batch.pack_right_padded_sequence_batch_to_mcore_thd` does
+(read in megatron-bridge 0.6.2): lengths from the mask (sum, an `arange < length` mask,
+`torch.equal` against it, one `.item()` per row), one dict of row slices per sample (tokens,
+position_ids, labels, loss_mask; each checked 1D and of the row's length), `torch.full` outputs,
+then a Python loop copying each row's slices into them (and an `arange` of pad positions where a
+row is padded to the CP multiple), and the boundary tensors. It is written here, not imported, so
+the benchmark runs without Bridge and Transformer Engine.
+
+The third column, "packing core", times this project's packing pieces alone (mask check, plan,
+indices, slices copied, positions, padding mask, PackedSeqParams) without `pack_batch`'s checks of
+every [B, S] value (ids in range, labels -100 or in range, Hugging Face labels given as Megatron
+ones, loss weights finite): what `pack_batch` would cost with those checks made on the packed
+tokens instead.
+
+Both packers get the same batch (Megatron-style: input_ids, labels already aligned, a float
+loss_mask, a 0/1 attention_mask, 2D position_ids) and produce the same things: packed ids, labels,
+loss mask, positions restarting per sample, and both boundary sets; ours also builds the padding
+mask and `PackedSeqParams`. Real lengths are lognormal (median S/4, sigma 0.8, clipped to [16, S]).
+Times are this thread's CPU time (`time.thread_time`): with one thread and no waiting, that is the
+wall time of an idle machine, and it stays honest on a shared machine where other processes take
+the cores. Calls alternate (bridge, ours, bridge, ours, ...) so that cache and frequency effects hit
+both alike; the table gives the median of each and the median of the per-pair ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+def make_batch(batch: int, seq: int, seed: int = 0) -> dict:
+    torch.manual_seed(seed)  # the lognormal sampler draws from the global generator
+    lengths = torch.distributions.LogNormal(torch.log(torch.tensor(seq / 4.0)), 0.8).sample((batch,))
+    lengths = lengths.clamp(16, seq).long()
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 32000, (batch, seq), generator=g)
+    keep = torch.arange(seq)[None] < lengths[:, None]
+    return {
+        "input_ids": torch.where(keep, ids, 0),
+        "labels": torch.where(keep, torch.roll(ids, -1, 1), IGNORE_INDEX),
+        "loss_mask": keep.float(),
+        "attention_mask": keep.long(),
+        "position_ids": torch.arange(seq).expand(batch, seq).contiguous(),
+    }
+
+
+def _multiple_up(value: int, multiple: int) -> int:
+    return value if multiple <= 1 else -(-value // multiple) * multiple
+
+
+def _row_slice(tensor: torch.Tensor, length: int) -> torch.Tensor:
+    if tensor.dim() != 1 or tensor.numel() != length:
+        raise ValueError("row tensors must be 1D and as long as their token row")
+    return tensor
+
+
+def bridge_row_loop(batch: dict, *, pad_to_multiple_of: int = 1, pad_token_id: int = 0) -> dict:
+    """Megatron-Bridge 0.6.2's collate-time packer, re-implemented (see the module docstring)."""
+    tokens, positions = batch["input_ids"], batch["position_ids"]
+    active = batch["attention_mask"].to(device=tokens.device, dtype=torch.bool)
+    lengths_t = active.sum(dim=1)
+    expected = torch.arange(tokens.size(1), device=tokens.device).unsqueeze(0) < lengths_t.unsqueeze(1)
+    if not torch.equal(active, expected):
+        raise ValueError("right-padded rows required")
+    lengths = [int(n.item()) for n in lengths_t]
+    if any(n == 0 for n in lengths):
+        raise ValueError("empty row")
+    keys = ("labels", "loss_mask")
+    rows = []
+    for b, n in enumerate(lengths):
+        row = {"input_ids": tokens[b, :n], "position_ids": positions[b, :n]}
+        row.update({k: batch[k][b, :n] for k in keys})
+        for key in ("position_ids", *keys):
+            _row_slice(row[key], n)
+        rows.append(row)
+    padded = [_multiple_up(n, pad_to_multiple_of) for n in lengths]
+    cu, cu_padded = [0], [0]
+    for n, p in zip(lengths, padded):
+        cu.append(cu[-1] + n)
+        cu_padded.append(cu_padded[-1] + p)
+    total = cu_padded[-1]
+    out = {"input_ids": torch.full((1, total), pad_token_id, dtype=tokens.dtype),
+           "position_ids": torch.zeros((1, total), dtype=positions.dtype),
+           "labels": torch.full((1, total), IGNORE_INDEX, dtype=batch["labels"].dtype),
+           "loss_mask": torch.full((1, total), 0, dtype=batch["loss_mask"].dtype)}
+    offset = 0
+    for row, n, p in zip(rows, lengths, padded):
+        for key in ("input_ids", "position_ids", *keys):
+            out[key][0, offset:offset + n] = row[key]
+        if p > n:
+            start = row["position_ids"][-1] + 1
+            out["position_ids"][0, offset + n:offset + p] = torch.arange(start, start + p - n, dtype=positions.dtype)
+        offset += p
+    out["cu_seqlens_q"] = torch.tensor(cu, dtype=torch.int32)
+    if pad_to_multiple_of > 1:
+        out["cu_seqlens_q_padded"] = torch.tensor(cu_padded, dtype=torch.int32)
+    out["max_seqlen_q"] = torch.tensor(max(padded), dtype=torch.int32)
+    return out
+
+
+def ours(batch: dict, *, cp_size: int = 1):
+    from megatron_vlm_packing import pack_batch
+
+    return pack_batch({k: v for k, v in batch.items() if k != "position_ids"}, cp_size=cp_size,
+                      label_style="megatron")
+
+
+def packing_core(batch: dict, *, cp_size: int = 1):
+    """What any exact packer must do, with this project's pieces and none of `read_rows`' [B, S] value
+    checks: real lengths (mask checked), plan, indices, ids / labels / loss weights packed, positions,
+    padding mask, PackedSeqParams."""
+    from megatron_vlm_packing.packing import (
+        PackMultiples, lengths_from_keep_mask, make_pack_plan, make_packed_seq_params, pack_rows, plan_indices,
+        segment_positions,
+    )
+
+    ids = batch["input_ids"]
+    plan = make_pack_plan(lengths_from_keep_mask(batch["attention_mask"]), row_capacity=ids.shape[1],
+                          multiples=PackMultiples.for_parallel(cp_size=cp_size))
+    indices = plan_indices(plan)
+    return (pack_rows(ids, indices), pack_rows(batch["labels"], indices, pad_value=IGNORE_INDEX),
+            pack_rows(batch["loss_mask"], indices), segment_positions(indices), ~indices.is_real,
+            make_packed_seq_params(plan, indices))
+
+
+def check_same(batch: dict, cp_size: int) -> None:
+    """Both packers agree on every real token and on the boundaries (what is being compared)."""
+    theirs, mine = bridge_row_loop(batch, pad_to_multiple_of=2 * cp_size if cp_size > 1 else 1), ours(batch, cp_size=cp_size)
+    real = ~mine.padding_mask[0]
+    for key, value in (("input_ids", mine.input_ids), ("labels", mine.labels), ("position_ids", mine.position_ids)):
+        if not torch.equal(theirs[key][0][real], value[0][real]):
+            raise AssertionError(f"{key} differs between the packers")
+    if not torch.equal(theirs["cu_seqlens_q"], mine.packed_seq_params.cu_seqlens_q):
+        raise AssertionError("cu_seqlens differ between the packers")
+
+
+def side_by_side(batch: dict, cp_size: int, repeats: int) -> tuple[float, ...]:
+    """(bridge ms, pack_batch ms, core ms, bridge/pack_batch, bridge/core): medians over
+    alternating calls after one warm-up of each."""
+    multiple = 2 * cp_size if cp_size > 1 else 1
+    calls = (lambda: bridge_row_loop(batch, pad_to_multiple_of=multiple), lambda: ours(batch, cp_size=cp_size),
+             lambda: packing_core(batch, cp_size=cp_size))
+    for call in calls:
+        call()
+    samples = [[], [], []]
+    for _ in range(repeats):
+        for call, timings in zip(calls, samples):
+            start = time.thread_time()
+            call()
+            timings.append((time.thread_time() - start) * 1e3)
+    bridge, full, core = samples
+    return (statistics.median(bridge), statistics.median(full), statistics.median(core),
+            statistics.median(b / o for b, o in zip(bridge, full)), statistics.median(b / o for b, o in zip(bridge, core)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[4, 8, 16, 32, 64])
+    parser.add_argument("--seqs", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
+    parser.add_argument("--cp", type=int, default=1, help="pack for this CP size (documents padded to 2*cp)")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--out", help="append the markdown table to this file")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    lines = [f"cp={args.cp}, torch {torch.__version__}, 1 thread",
+             "| B x S | real tokens | bridge row loop ms | pack_batch ms | packing core ms | pack_batch speedup "
+             "| core speedup |", "|---|---|---|---|---|---|---|"]
+    print("\n".join(lines), flush=True)
+    for b in args.batches:
+        for s in args.seqs:
+            batch = make_batch(b, s)
+            check_same(batch, args.cp)
+            bridge_ms, full_ms, core_ms, full_ratio, core_ratio = side_by_side(batch, args.cp, args.repeats)
+            line = (f"| {b} x {s} | {int(batch['attention_mask'].sum())} | {bridge_ms:.3f} | {full_ms:.3f} "
+                    f"| {core_ms:.3f} | {full_ratio:.2f}x | {core_ratio:.2f}x |")
+            lines.append(line)
+            print(line, flush=True)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write("\n".join(lines) + "\n\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Adapter for Megatron-Bridge's Qwen3-Omni (`Qwen3OmniModel` and its `Qwen3OmniThinkerModel`).
+
+Consumes images, videos and audio. Under CP the thinker needs the full `input_ids` (to place the
+vision and audio features) and the full [3, 1, T] positions (each document's, as if alone); it
+selects its CP tokens itself with `cp_partition_index`, the same index `localize` applied to the
+labels and loss mask. Packed input needs `patches.apply_bridge_qwen3_omni_packed()` on Bridge
+versions whose thinker refuses `packed_seq_params` (0.6.2); dense rows go to Bridge's own code.
+
+Output: the language model's per-token loss, [1, Tl] packed or [B, L / cp] dense.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from megatron_vlm_packing.models.adapter import ModelAdapter
+from megatron_vlm_packing.packing.localize import LocalizeNeeds
+from megatron_vlm_packing.packing.micro_batch import MicroBatch
+
+OMNI_MODEL = "megatron.bridge.models.qwen_omni.modeling_qwen3_omni.model.Qwen3OmniModel"
+OMNI_THINKER = "megatron.bridge.models.qwen_omni.modeling_qwen3_omni.thinker_model.Qwen3OmniThinkerModel"
+
+
+def media_kwargs(micro_batch: MicroBatch) -> dict:
+    """The thinker's keywords for the micro-batch's images, videos and audio (Bridge's names)."""
+    kwargs = {}
+    vision, audio = micro_batch.vision, micro_batch.audio
+    if vision is not None and vision.has_images:
+        kwargs.update(pixel_values=vision.pixel_values, image_grid_thw=vision.image_grid_thw)
+    if vision is not None and vision.has_videos:
+        kwargs.update(pixel_values_videos=vision.pixel_values_videos, video_grid_thw=vision.video_grid_thw)
+        if vision.second_per_grid_ts is not None:
+            kwargs["video_second_per_grid"] = vision.second_per_grid_ts
+    if audio is not None:
+        kwargs.update(input_features=audio.input_features, feature_attention_mask=audio.feature_attention_mask)
+    return kwargs
+
+
+def qwen3_omni_mrope(model: nn.Module):
+    """The `rope.MRopeConfig` of a Bridge `Qwen3OmniModel` or thinker (positions, media counts)."""
+    from megatron_vlm_packing.rope import MRopeConfig
+
+    thinker = getattr(model, "thinker", model)
+    audio = getattr(thinker, "audio_model", None)
+    if audio is None:
+        audio = thinker.thinker_transformer_config.audio_config
+    n_window = int(audio.n_window)
+    return MRopeConfig(family="qwen3_omni", spatial_merge_size=int(thinker.config.spatial_merge_size),
+                       image_token_id=int(thinker.image_token_id), video_token_id=int(thinker.video_token_id),
+                       vision_start_token_id=int(thinker.vision_start_token_id),
+                       audio_token_id=int(thinker.audio_token_id),
+                       audio_start_token_id=int(thinker.audio_start_token_id),
+                       position_id_per_seconds=float(thinker.position_id_per_seconds), audio_n_window=n_window,
+                       mrope_section=tuple(int(x) for x in thinker.config.mrope_section), mrope_interleaved=True)
+
+
+class Qwen3OmniAdapter(ModelAdapter):
+    """Bridge's Qwen3-Omni model or thinker: ids and positions full, labels / loss mask CP-local.
+
+    `mrope` is the model's own `MRopeConfig` (the step packs each sample's positions with it).
+    """
+
+    consumes = frozenset({"images", "videos", "audio"})
+    needs = LocalizeNeeds(full_input_ids=True, full_position_ids=True)
+    rotary = "mrope"
+
+    def __init__(self, model: nn.Module):
+        super().__init__(model)
+        self.mrope = qwen3_omni_mrope(model)
+        audio = getattr(getattr(model, "thinker", model), "audio_model", None)
+        # Bridge 0.6.2's dense audio path asks the encoder for `_get_feat_extract_output_lengths`,
+        # which transformers 5.x's encoder no longer has.
+        self.dense_audio_runs = audio is None or hasattr(audio, "_get_feat_extract_output_lengths")
+        from megatron_vlm_packing.patches.bridge_qwen3_omni_packed import is_applied, thinker_refuses_packing
+
+        self.takes_packed_seq_params = is_applied() or not thinker_refuses_packing()
+
+    def check(self, micro_batch: MicroBatch) -> None:
+        if micro_batch.is_packed and not self.takes_packed_seq_params:
+            raise ValueError(
+                f"{self.model_name}: this Megatron-Bridge's Qwen3-Omni thinker refuses packed_seq_params "
+                f"(NotImplementedError); call megatron_vlm_packing.patches.apply_bridge_qwen3_omni_packed() "
+                f"before the first forward, or use pack=False")
+        super().check(micro_batch)
+        if not micro_batch.is_packed and micro_batch.audio is not None:
+            self._check_dense_audio(micro_batch.audio)
+        if micro_batch.is_packed and micro_batch.position_ids.dim() != 3:
+            raise ValueError(
+                f"{self.model_name} packed needs every document's mRoPE positions [3, 1, T]; the micro-batch has "
+                f"position_ids {tuple(micro_batch.position_ids.shape)} (pack with mrope=MRopeConfig of the model)")
+
+    def _check_dense_audio(self, audio) -> None:
+        """Dense rows with audio run Bridge's own code: refuse what it cannot run, with the reason."""
+        if not self.dense_audio_runs:
+            raise ValueError(f"{self.model_name}: Bridge's dense Qwen3-Omni audio path calls the audio encoder's "
+                             f"_get_feat_extract_output_lengths, which this transformers' encoder lacks; "
+                             f"train audio packed (pack=True, patches.apply_bridge_qwen3_omni_packed())")
+        if audio.audios_per_sample and max(audio.audios_per_sample) > 1:
+            raise ValueError(f"{self.model_name}: Bridge's dense Qwen3-Omni path takes at most one audio clip per "
+                             f"row (audios_per_sample={list(audio.audios_per_sample)}); train audio packed")
+
+    def forward(self, model: nn.Module, micro_batch: MicroBatch):
+        mb = micro_batch
+        return model(input_ids=mb.input_ids, position_ids=mb.position_ids, labels=mb.labels,
+                     loss_mask=mb.loss_mask, packed_seq_params=mb.packed_seq_params, **media_kwargs(mb))

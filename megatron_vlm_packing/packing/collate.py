@@ -1,0 +1,145 @@
+"""Packing in the DataLoader's worker processes: the step then only moves tensors and runs the model.
+
+`PackingCollator` is a `collate_fn`: it collates the samples (your function), then on the CPU, in
+the worker, reads the real lengths, plans, packs tokens / labels / loss weights / positions (mRoPE
+per sample included), builds the padding mask, `PackedSeqParams` and every CP rank's partition
+index, and returns one typed `MicroBatch` (a `LoaderMicroBatch`, which DataLoader's
+`pin_memory=True` pins). `make_forward_step` takes such a micro-batch from the iterator as it is:
+`to_device` moves its tensors with `non_blocking=True`, and nothing on the step's path reads a
+value back to the host (checked by `testing.sync_counter`: 0 syncs for a packed forward + backward).
+
+    loader = DataLoader(dataset, batch_size=8, num_workers=4, pin_memory=True,
+                        collate_fn=PackingCollator(collate=my_collate, cp_size=2, mrope=rope_config))
+    forward_step = make_forward_step()  # packs in the step only when the iterator yields dicts
+
+The collator packs for one parallel layout (tp/cp/sp/fp8): the step refuses a micro-batch whose
+alignment does not match the model's layout (a ValueError naming both).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from megatron_vlm_packing.packing.micro_batch import MicroBatch
+from megatron_vlm_packing.packing.plan import PackIndices, PackMultiples
+
+
+class LoaderMicroBatch(MicroBatch):
+    """A `MicroBatch` packed in a DataLoader worker; `pin_memory()` lets DataLoader pin it."""
+
+    def pin_memory(self) -> "LoaderMicroBatch":
+        return map_tensors(self, lambda t: t.pin_memory())
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PackingCollator:
+    """`collate_fn` that returns a packed `MicroBatch` built on the CPU (see the module docstring).
+
+    Attributes:
+        collate: samples -> a collated, right-padded batch dict (what `pack_batch` takes); None when
+            the dataset already yields batch dicts (`batch_size=None` in the DataLoader).
+        tp_size, cp_size, sequence_parallel, fp8, pad_to: the layout the pack is aligned for.
+        label_style, mrope, pad_token_id, extra_keys, pack_options: passed to `pack_batch`
+            (`pack_options`: any other keyword of it, e.g. image_token_id).
+    """
+
+    collate: Callable[[list], dict] | None = None
+    tp_size: int = 1
+    cp_size: int = 1
+    sequence_parallel: bool = False
+    fp8: bool = False
+    pad_to: int | None = None
+    label_style: str = "hf"
+    mrope: object = None
+    pad_token_id: int = 0
+    extra_keys: tuple[str, ...] = ()
+    pack_options: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        PackMultiples.for_parallel(tp_size=self.tp_size, cp_size=self.cp_size,
+                                   sequence_parallel=self.sequence_parallel, fp8=self.fp8)  # checks the sizes
+
+    @property
+    def multiples(self) -> PackMultiples:
+        return PackMultiples.for_parallel(tp_size=self.tp_size, cp_size=self.cp_size,
+                                          sequence_parallel=self.sequence_parallel, fp8=self.fp8)
+
+    def __call__(self, samples) -> LoaderMicroBatch:
+        from megatron_vlm_packing.packing.batch import pack_batch
+
+        batch = self.collate(samples) if self.collate is not None else samples
+        if not isinstance(batch, dict):
+            raise ValueError(f"PackingCollator got {type(batch).__name__}: give collate= (samples -> batch dict), "
+                             f"or let the dataset yield batch dicts")
+        on_host = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        packed = pack_batch(on_host, tp_size=self.tp_size, cp_size=self.cp_size,
+                            sequence_parallel=self.sequence_parallel, fp8=self.fp8, pad_to=self.pad_to,
+                            label_style=self.label_style, mrope=self.mrope, pad_token_id=self.pad_token_id,
+                            extra_keys=self.extra_keys, **self.pack_options)
+        prepare_indices(packed.indices, self.cp_size)
+        return LoaderMicroBatch(**{f.name: getattr(packed, f.name) for f in dataclasses.fields(MicroBatch)})
+
+
+def prepare_indices(indices: PackIndices, cp_size: int) -> None:
+    """Build, here, what the step would otherwise build: every CP rank's index and the pad-slot mask."""
+    indices.is_real  # noqa: B018 (a cached property: built now, carried to the step)
+    if cp_size > 1:
+        for rank in range(cp_size):
+            indices.cp_index(cp_size, rank)
+
+
+def map_tensors(micro_batch: MicroBatch, fn: Callable[[torch.Tensor], torch.Tensor]) -> MicroBatch:
+    """A copy of `micro_batch` with `fn` applied to every tensor it holds, once per tensor object
+    (the boundaries shared by `packed_seq_params`, `rope_cu_seqlens` and `indices` stay shared)."""
+    memo: dict[int, torch.Tensor] = {}
+
+    def once(value):
+        if not isinstance(value, torch.Tensor):
+            return value
+        if id(value) not in memo:
+            memo[id(value)] = fn(value)
+        return memo[id(value)]
+
+    def fields(obj):
+        if obj is None:
+            return None
+        return dataclasses.replace(obj, **{f.name: once(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                                            if isinstance(getattr(obj, f.name), torch.Tensor)})
+
+    indices = micro_batch.indices
+    if isinstance(indices, PackIndices):
+        indices = indices.map_tensors(fn, memo)
+    return dataclasses.replace(
+        micro_batch, input_ids=once(micro_batch.input_ids), labels=once(micro_batch.labels),
+        loss_mask=once(micro_batch.loss_mask), position_ids=once(micro_batch.position_ids),
+        padding_mask=once(micro_batch.padding_mask), packed_seq_params=fields(micro_batch.packed_seq_params),
+        rope_cu_seqlens=once(micro_batch.rope_cu_seqlens), vision=fields(micro_batch.vision),
+        audio=fields(micro_batch.audio), extras={k: once(v) for k, v in micro_batch.extras.items()},
+        indices=indices, cp_index=once(micro_batch.cp_index))
+
+
+def micro_batch_to(micro_batch: MicroBatch, device: torch.device) -> MicroBatch:
+    """Every tensor of the micro-batch on `device`, copied with `non_blocking=True` (asynchronous
+    from pinned memory); nothing is read back to the host."""
+    return map_tensors(micro_batch, lambda t: t.to(device, non_blocking=True))
+
+
+def check_layout(micro_batch: MicroBatch, multiples: PackMultiples) -> None:
+    """A loader-packed micro-batch must be aligned for the model's layout.
+
+    Raises:
+        ValueError: its plan's multiples differ from `multiples` (naming both).
+    """
+    plan = micro_batch.plan
+    if micro_batch.is_packed and plan is not None and plan.multiples != multiples:
+        raise ValueError(f"the micro-batch was packed for {plan.multiples} but the model's layout needs {multiples}: "
+                         f"build the PackingCollator with the model's tp_size, cp_size, sequence_parallel and fp8")
+
+
+def micro_batch_from_loader(micro_batch: MicroBatch, *, multiples: PackMultiples, device: torch.device) -> MicroBatch:
+    """The step's stage for an already-packed micro-batch: check its alignment, move it (non-blocking)."""
+    check_layout(micro_batch, multiples)
+    return micro_batch_to(micro_batch, device)

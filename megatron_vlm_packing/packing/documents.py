@@ -1,0 +1,118 @@
+"""Pre-packed rows: a batch whose rows already hold several documents keeps every document.
+
+Format (one, checked): `document_lengths`, a [B, D] integer tensor (or B lists of ints) giving the
+real length of each document of each row, in order, padded with trailing zeros; each row's
+lengths sum to that row's real length (from `attention_mask` / `seq_lens`, or the full row). This
+is what packed-SFT datasets give as per-row `cu_seqlens` (take `diff`) or `seq_lens` lists.
+
+`split_documents` turns such a batch into one row per document ([N, S], right-padded): every
+sequence-aligned tensor is gathered (rows of the same length S), so the rest of the pipeline treats each document as a sample
+of its own: positions restart, HF labels shift inside each document, mRoPE positions and media
+counts are per document, and `pack_batch` makes each document its own THD segment.
+
+Shape legend: B = rows, S = row length, D = most documents in a row, N = documents.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from megatron_vlm_packing.packing.lengths import real_lengths
+
+DOCUMENT_KEY = "document_lengths"
+
+
+def document_table(value, lengths: list[int]) -> list[list[int]]:
+    """Per-row document lengths as host ints, checked against the rows' real lengths.
+
+    Raises:
+        ValueError: not integers, a negative or zero length before the row's last document, or a
+        row whose documents do not sum to its real length (naming the row and numbers).
+    """
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 2 or value.is_floating_point() or value.dtype == torch.bool:
+            raise ValueError(f"{DOCUMENT_KEY} must be a [B, D] integer tensor (or B lists of ints), got "
+                             f"shape {tuple(value.shape)} {value.dtype}")
+        rows = value.tolist()
+    elif isinstance(value, (list, tuple)) and all(isinstance(r, (list, tuple)) for r in value):
+        rows = [list(r) for r in value]
+        if any(isinstance(x, bool) or not isinstance(x, int) for r in rows for x in r):
+            raise ValueError(f"{DOCUMENT_KEY} must hold ints, got {value!r}")
+    else:
+        raise ValueError(f"{DOCUMENT_KEY} must be a [B, D] integer tensor or B lists of ints, got {type(value).__name__}")
+    if len(rows) != len(lengths):
+        raise ValueError(f"{DOCUMENT_KEY} has {len(rows)} rows but input_ids has {len(lengths)}")
+    table = []
+    for b, (row, real) in enumerate(zip(rows, lengths)):
+        while row and row[-1] == 0:
+            row = row[:-1]
+        if any(n < 1 for n in row):
+            raise ValueError(f"{DOCUMENT_KEY} row {b} is {rows[b]}: document lengths must be >= 1 "
+                             f"(zeros only as trailing padding)")
+        if sum(row) != real:
+            raise ValueError(f"{DOCUMENT_KEY} row {b} sums to {sum(row)} tokens ({row}) but the row has {real} "
+                             f"real tokens")
+        table.append(row)
+    return table
+
+
+def _gather_index(table: list[list[int]], row_length: int, device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """[N, S] flat source index b*S + s of every document slot, [N, S] bool real mask, N lengths."""
+    starts, doc_lengths = [], []
+    for b, row in enumerate(table):
+        offset = 0
+        for n in row:
+            starts.append(b * row_length + offset)
+            doc_lengths.append(n)
+            offset += n
+    arange = torch.arange(row_length, device=device)  # documents keep the row length S (each fits in its row)
+    start_t = torch.tensor(starts, device=device)
+    length_t = torch.tensor(doc_lengths, device=device)
+    valid = arange[None] < length_t[:, None]
+    index = torch.where(valid, start_t[:, None] + arange[None], 0)
+    return index, valid, doc_lengths
+
+
+def _gather_rows(x: torch.Tensor, index: torch.Tensor, valid: torch.Tensor, fill) -> torch.Tensor:
+    """[B, S, ...] -> [N, Ld, ...] following `index`; `fill` outside each document."""
+    flat = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+    out = flat.index_select(0, index.reshape(-1)).reshape(*index.shape, *x.shape[2:])
+    keep = valid.view(*valid.shape, *([1] * (x.dim() - 2)))
+    return torch.where(keep, out, torch.as_tensor(fill, dtype=x.dtype, device=x.device))
+
+
+def split_documents(batch: Mapping, input_ids_key: str, extra_keys=()) -> tuple[dict, list[int]]:
+    """One row per document (see the module docstring).
+
+    Returns:
+        (new batch with [N, S] sequence tensors and `seq_lens` = document lengths, N source rows).
+
+    Raises:
+        ValueError: a bad `document_lengths` (see `document_table`), or a 4D attention mask (give
+        either the document lengths or a mask, the lengths are the format).
+    """
+    ids = batch[input_ids_key]
+    mask = batch.get("attention_mask")
+    if mask is not None and isinstance(mask, torch.Tensor) and mask.dim() == 4:
+        raise ValueError(f"{DOCUMENT_KEY} goes with a 2D attention_mask or seq_lens, not a 4D attention_mask")
+    lengths = real_lengths(batch_size=ids.shape[0], row_length=ids.shape[1], attention_mask=mask,
+                           seq_lens=batch.get("seq_lens"))
+    table = document_table(batch[DOCUMENT_KEY], lengths)
+    index, valid, doc_lengths = _gather_index(table, ids.shape[1], ids.device)
+    out = {k: v for k, v in batch.items() if k not in (DOCUMENT_KEY, "attention_mask", "seq_lens")}
+    out["seq_lens"] = doc_lengths
+    fills = {input_ids_key: 0, "labels": -100, "loss_mask": 0}
+    for key in (input_ids_key, "labels", "loss_mask", *extra_keys):
+        value = batch.get(key)
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == tuple(ids.shape):
+            out[key] = _gather_rows(value, index, valid, fills.get(key, 0))
+    positions = batch.get("position_ids")
+    if isinstance(positions, torch.Tensor) and positions.dim() == 2 and tuple(positions.shape) == tuple(ids.shape):
+        out["position_ids"] = _gather_rows(positions, index, valid, 0)
+    elif isinstance(positions, torch.Tensor) and positions.dim() == 3 and positions.shape[0] == 3 \
+            and tuple(positions.shape[1:]) == tuple(ids.shape):
+        out["position_ids"] = torch.stack([_gather_rows(p, index, valid, 0) for p in positions])
+    rows_of_documents = [b for b, row in enumerate(table) for _ in row]
+    return out, rows_of_documents

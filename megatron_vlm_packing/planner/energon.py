@@ -1,0 +1,103 @@
+"""Megatron-Energon packing hooks: `select_samples_to_pack` / `pack_selected_samples`.
+
+Energon calls `select_samples_to_pack(samples)` with a buffer of `packing_buffer_size` encoded
+samples and `pack_selected_samples(samples)` once per returned group (method names as in
+Energon's TaskEncoder documentation). `EnergonPackingHooks` implements both from per-sample
+metadata: groups are cost-balanced bins of the layout's capacity (never truncated; an oversize
+sample is an error or a bin of its own), and a group becomes one `MicroBatch` through the user's
+collate (samples -> right-padded batch dict) and `pack_batch(..., pad_to=capacity)`.
+
+Energon fills each rank's buffer on its own, so these hooks balance the bins of a buffer against
+each other, not ranks against ranks; `PackedBatchSampler` has the global view for that.
+
+Energon is not imported: the hooks are plain callables, and `PlannedPackingMixin` lends them to a
+task encoder class that sets `packing_hooks`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from megatron_vlm_packing.packing.batch import pack_batch
+from megatron_vlm_packing.packing.micro_batch import MicroBatch
+from megatron_vlm_packing.packing.plan import PackMultiples
+from megatron_vlm_packing.planner.bins import BinLayout, balanced_fit
+from megatron_vlm_packing.planner.cost import CostModel
+from megatron_vlm_packing.planner.metadata import ExpandedTokens, SampleMetadata, SampleTable, TokenCounter
+
+_PARALLEL_KEYS = ("tp_size", "cp_size", "sequence_parallel", "fp8")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EnergonPackingHooks:
+    """The two Energon packing methods, from metadata and a collate.
+
+    Attributes:
+        metadata: encoded sample -> `SampleMetadata` (from its token ids and grids; no pixels read).
+        collate: list of encoded samples -> right-padded batch dict that `pack_batch` accepts.
+        layout: bin capacity and alignment; must match `pack_kwargs`' parallel sizes.
+        pack_kwargs: keyword arguments of `pack_batch` (tp_size, cp_size, sequence_parallel, fp8,
+            label_style, mrope, pad_token_id); `pad_to` is the layout's.
+    """
+
+    metadata: Callable[[Any], SampleMetadata]
+    collate: Callable[[list], dict]
+    layout: BinLayout
+    cost_model: CostModel = field(default_factory=CostModel.qwen2_5_vl_7b)
+    expanded_tokens: ExpandedTokens = field(default_factory=TokenCounter)
+    pack_kwargs: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if "pad_to" in self.pack_kwargs:
+            raise ValueError("pack_kwargs must not set pad_to: bins are padded to the layout's capacity")
+        multiples = PackMultiples.for_parallel(**{k: self.pack_kwargs[k] for k in _PARALLEL_KEYS
+                                                  if k in self.pack_kwargs})
+        if multiples != self.layout.multiples:
+            raise ValueError(f"pack_kwargs give multiples {multiples} but the layout has {self.layout.multiples}")
+
+    def select_samples_to_pack(self, samples: list) -> list[list]:
+        """Partition a buffer into bins (lists of the same sample objects), cost-balanced."""
+        if not samples:
+            return []
+        table = SampleTable.from_samples([self.metadata(s) for s in samples])
+        tokens = np.asarray(self.expanded_tokens(table), dtype=np.int64)
+        if tokens.min() < 1:
+            raise ValueError(f"sample {int(np.argmin(tokens))} of the buffer has no tokens")
+        slots = self.layout.slot_sizes(tokens)
+        over = self.layout.check_oversize(slots, np.arange(len(samples)))
+        fits = np.setdiff1d(np.arange(len(samples)), over)
+        groups = []
+        if len(fits):
+            num_bins = -(-int(slots[fits].sum()) // self.layout.capacity)
+            extra = self.cost_model.extra_costs(table, tokens)[fits]
+            if not self.layout.static_shapes:  # bins of different lengths: their GEMMs differ too
+                extra = extra + self.cost_model.lm_linear * slots[fits]
+            groups = [[int(fits[p]) for p in g] for g in balanced_fit(slots[fits], extra, self.layout.capacity, num_bins)]
+        return [[samples[i] for i in g] for g in groups + [[int(p)] for p in over]]
+
+    def pack_selected_samples(self, samples: list) -> MicroBatch:
+        """One bin -> one packed micro-batch, padded to the capacity (static) or aligned (dynamic)."""
+        batch = self.collate(samples)
+        pad_to = self._aligned_total(samples) if self.layout.static_shapes else None
+        return pack_batch(batch, pad_to=pad_to, **self.pack_kwargs)
+
+    def _aligned_total(self, samples: list) -> int:
+        """Physical tokens of a bin (an oversize sample's own bin is longer than the capacity)."""
+        table = SampleTable.from_samples([self.metadata(s) for s in samples])
+        slots = int(self.layout.slot_sizes(np.asarray(self.expanded_tokens(table))).sum())
+        return self.layout.physical(slots)
+
+
+class PlannedPackingMixin:
+    """Mixin for a Megatron-Energon task encoder: set the class attribute `packing_hooks`."""
+
+    packing_hooks: EnergonPackingHooks
+
+    def select_samples_to_pack(self, samples: list) -> list[list]:
+        return self.packing_hooks.select_samples_to_pack(samples)
+
+    def pack_selected_samples(self, samples: list) -> MicroBatch:
+        return self.packing_hooks.pack_selected_samples(samples)

@@ -1,0 +1,138 @@
+"""Bad or unusual inputs through the mRoPE index, `MRopeConfig` and the CLI: each gives the exact
+error (field and numbers) or the exact correct result.
+
+Every case here failed on bd042f6: negative / zero grids and NaN seconds gave garbage positions or
+unclear errors, a Qwen3-Omni block one token short of its grid was silently mis-positioned,
+transformers' own default configs were refused (no mrope_section) or got vision_start_token_id -1,
+and `demo --steps -1` exited 0.
+"""
+
+import pytest
+import torch
+
+from megatron_vlm_packing.cli import main
+from megatron_vlm_packing.rope import MRopeConfig, get_rope_index
+
+transformers = pytest.importorskip("transformers")
+
+QWEN2 = MRopeConfig(family="qwen2_vl", image_token_id=9, video_token_id=8)
+QWEN25 = MRopeConfig(family="qwen2_5_vl", image_token_id=9, video_token_id=8, tokens_per_second=2.0)
+OMNI = MRopeConfig(family="qwen3_omni", image_token_id=9, video_token_id=8, vision_start_token_id=5,
+                   audio_token_id=7, audio_start_token_id=6, mrope_section=(24, 20, 20), mrope_interleaved=True)
+IMAGE_ROW = torch.tensor([[1, 9, 9, 2]])  # one image of grid [1, 2, 4] (2 placeholders)
+VIDEO_ROW = torch.tensor([[1, 8, 8, 2]])  # one video of grid [1, 2, 4]
+
+
+def omni_row(body):
+    """[1, L] ids: text, one block opened by `body[0]` (start id), its placeholders, an end id, text."""
+    return torch.tensor([[1, *body, 3, 4]])
+
+
+ERRORS = [
+    ("negative_grid", lambda: get_rope_index(IMAGE_ROW, QWEN2, image_grid_thw=torch.tensor([[1, -2, 4]])),
+     r"image_grid_thw row 0 is \[1, -2, 4\]: t, h, w must be >= 1 and h, w multiples of spatial_merge_size=2"),
+    ("zero_grid", lambda: get_rope_index(IMAGE_ROW, QWEN2, image_grid_thw=torch.tensor([[0, 2, 4]])),
+     r"image_grid_thw row 0 is \[0, 2, 4\]"),
+    ("grid_not_a_multiple_of_merge", lambda: get_rope_index(IMAGE_ROW, QWEN2, image_grid_thw=torch.tensor([[1, 3, 4]])),
+     r"image_grid_thw row 0 is \[1, 3, 4\]: .*multiples of spatial_merge_size=2"),
+    ("negative_video_grid", lambda: get_rope_index(VIDEO_ROW, QWEN2, video_grid_thw=torch.tensor([[-1, 2, 4]])),
+     r"video_grid_thw row 0 is \[-1, 2, 4\]"),
+    ("float_grid", lambda: get_rope_index(IMAGE_ROW, QWEN2, image_grid_thw=torch.tensor([[1.0, 2.0, 4.0]])),
+     r"image_grid_thw must be a \[N, 3\] integer tensor, got shape \(1, 3\) torch\.float32"),
+    ("grid_as_list", lambda: get_rope_index(IMAGE_ROW, QWEN2, image_grid_thw=[[1, 2, 4]]),
+     r"image_grid_thw must be a \[N, 3\] integer tensor, got list"),
+    ("nan_seconds", lambda: get_rope_index(VIDEO_ROW, QWEN25, video_grid_thw=torch.tensor([[1, 2, 4]]),
+                                           second_per_grid_ts=torch.tensor([float("nan")])),
+     r"second_per_grid_ts entry 0 is nan: seconds per grid step must be finite and >= 0"),
+    ("negative_seconds", lambda: get_rope_index(VIDEO_ROW, QWEN25, video_grid_thw=torch.tensor([[1, 2, 4]]),
+                                                second_per_grid_ts=[-0.5]),
+     r"second_per_grid_ts entry 0 is -0\.5"),
+    ("infinite_seconds", lambda: get_rope_index(VIDEO_ROW, QWEN25, video_grid_thw=torch.tensor([[1, 2, 4]]),
+                                                second_per_grid_ts=torch.tensor([float("inf")], dtype=torch.float64)),
+     r"second_per_grid_ts entry 0 is inf"),
+    ("float_input_ids", lambda: get_rope_index(IMAGE_ROW.float(), QWEN2, image_grid_thw=torch.tensor([[1, 2, 4]])),
+     r"input_ids must be a \[B, S\] integer tensor, got \(1, 4\) torch\.float32"),
+    ("mask_shape", lambda: get_rope_index(IMAGE_ROW, QWEN2, image_grid_thw=torch.tensor([[1, 2, 4]]),
+                                          attention_mask=torch.ones(1, 3)),
+     r"attention_mask must be \[B, S\] = \(1, 4\) like input_ids, got \(1, 3\)"),
+    ("config_not_an_mrope_config", lambda: get_rope_index(IMAGE_ROW, {"family": "qwen2_vl"}),
+     r"config must be an MRopeConfig, got dict"),
+    # Qwen3-Omni blocks must hold exactly the placeholders their grid / audio length needs
+    ("omni_image_block_one_token_short",
+     lambda: get_rope_index(omni_row([5, 9, 9, 9]), OMNI, image_grid_thw=torch.tensor([[1, 4, 4]])),
+     r"row 0: the image block at token 2 has 3 placeholder tokens but its grid / audio length needs 4"),
+    ("omni_image_block_one_token_long",
+     lambda: get_rope_index(omni_row([5, 9, 9, 9]), OMNI, image_grid_thw=torch.tensor([[1, 2, 4]])),
+     r"row 0: the image block at token 2 has 3 placeholder tokens but its grid / audio length needs 2"),
+    ("omni_video_block_short",
+     lambda: get_rope_index(omni_row([5, 8]), OMNI, video_grid_thw=torch.tensor([[1, 2, 4]]),
+                            second_per_grid_ts=torch.tensor([1.0])),
+     r"row 0: the video block at token 2 has 1 placeholder tokens but its grid / audio length needs 2"),
+    ("omni_audio_block_short",
+     lambda: get_rope_index(omni_row([6, 7]), OMNI, image_grid_thw=torch.zeros(0, 3, dtype=torch.long),
+                            audio_seqlens=torch.tensor([10])),
+     r"row 0: the audio block at token 2 has 1 placeholder tokens but its grid / audio length needs 2"),
+    ("omni_nan_seconds",
+     lambda: get_rope_index(omni_row([5, 8, 8]), OMNI, video_grid_thw=torch.tensor([[1, 2, 4]]),
+                            second_per_grid_ts=torch.tensor([float("nan")])),
+     r"second_per_grid_ts entry 0 is nan"),
+    # MRopeConfig
+    ("config_zero_section", lambda: MRopeConfig(family="qwen2_vl", mrope_section=(16, 0, 24)),
+     r"mrope_section must be 3 positive ints, got \(16, 0, 24\)"),
+    ("config_negative_image_id", lambda: MRopeConfig(family="qwen2_vl", image_token_id=-1),
+     r"image_token_id must be a non-negative int, got -1"),
+    ("config_nan_tokens_per_second", lambda: MRopeConfig(family="qwen2_5_vl", tokens_per_second=float("nan")),
+     r"tokens_per_second must be a finite number > 0, got nan"),
+    ("config_zero_position_per_seconds", lambda: MRopeConfig(family="qwen3_omni", position_id_per_seconds=0),
+     r"position_id_per_seconds must be a finite number > 0, got 0"),
+]
+
+
+@pytest.mark.parametrize("name, call, message", ERRORS, ids=[e[0] for e in ERRORS])
+def test_bad_rope_input_is_a_value_error_naming_field_and_numbers(name, call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+@pytest.mark.parametrize("config_name, section, interleaved", [
+    ("Qwen2VLConfig", (16, 24, 24), False),
+    ("Qwen2_5_VLConfig", (16, 24, 24), False),
+    ("Qwen3VLConfig", (24, 20, 20), True),
+    ("Qwen3OmniMoeConfig", (24, 20, 20), True),
+])
+def test_transformers_default_configs_are_read_with_transformers_default_sections(config_name, section, interleaved):
+    config = getattr(transformers, config_name)()
+    ours = MRopeConfig.from_hf_config(config)
+    assert ours.mrope_section == section and ours.mrope_interleaved is interleaved
+    assert ours.vision_start_token_id == 151652 and ours.image_token_id == 151655
+
+
+def test_default_omni_thinker_never_gets_vision_start_minus_one():
+    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeThinkerConfig
+
+    ours = MRopeConfig.from_hf_config(Qwen3OmniMoeThinkerConfig())
+    assert ours.family == "qwen3_omni" and ours.vision_start_token_id == 151652
+    assert (ours.audio_token_id, ours.audio_start_token_id) == (151646, 151647)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["demo", "--steps", "-1"], "--steps must be >= 1, got -1"),
+    (["demo", "--steps", "0"], "--steps must be >= 1, got 0"),
+    (["demo", "--micro-batch-size", "0"], "--micro-batch-size must be >= 1, got 0"),
+    (["demo", "--tp", "-2"], "--tp must be >= 1, got -2"),
+])
+def test_cli_demo_refuses_non_positive_counts_with_exit_2(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["inspect", "5,3", "--cp", "0"], "argument --cp: must be a positive int (>= 1), got 0"),
+    (["inspect", "5,3", "--seq", "0"], "argument --seq: must be a positive int (>= 1), got 0"),
+    (["inspect", "5,3", "--tp", "-1"], "argument --tp: must be a positive int (>= 1), got -1"),
+])
+def test_cli_inspect_refuses_non_positive_counts_with_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

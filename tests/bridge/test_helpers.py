@@ -1,0 +1,88 @@
+"""Small pure pieces: SwiGLU-aware TP sharding, labels handed back full length, the Bridge patches'
+defect checks, idempotence and undo."""
+
+import pytest
+import torch
+
+from megatron_vlm_packing.testing.parity import tp_shard, tp_unshard
+
+
+def _param(shape, dim):
+    p = torch.nn.Parameter(torch.zeros(shape))
+    p.tensor_model_parallel, p.partition_dim = True, dim
+    return p
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_tp_shard_unshard_round_trip(gated):
+    full = torch.arange(8 * 3.0).reshape(8, 3)  # gated: rows 0-3 gate, 4-7 up
+    param = _param((4, 3), 0)
+    parts = [tp_shard(full, param, gated=gated, tp_rank=r, tp_size=2) for r in range(2)]
+    assert torch.equal(tp_unshard(parts, param, gated=gated), full)
+    if gated:  # rank 0 holds the first half of gate and the first half of up
+        assert parts[0][:, 0].tolist() == [0.0, 3.0, 12.0, 15.0]
+
+
+def test_full_length_puts_local_values_at_the_cp_index():
+    from megatron_vlm_packing.bridge.adapters import full_length
+    from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch
+
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    local = torch.tensor([[5, 6, 7, 8]])
+    mb = MicroBatch(input_ids=ids, labels=local, loss_mask=local.float(), position_ids=ids, padding_mask=ids.bool(),
+                    packed_seq_params=None, rope_cu_seqlens=None, stats=BatchStats(8, 8, 8),
+                    cp_index=torch.tensor([0, 1, 6, 7]))
+    assert full_length(local, mb, -100).tolist() == [[5, 6, -100, -100, -100, -100, 7, 8]]
+
+
+class _Group:  # the two methods Bridge calls on a process group
+    def __init__(self, size, rank):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
+
+
+@pytest.mark.bridge
+def test_thd_cp_index_follows_te_rule_and_checks_the_total():
+    from megatron_vlm_packing.parallel.cp import cp_partition_index
+    from megatron_vlm_packing.patches.bridge_thd_cp_index import thd_cp_partition_indices
+
+    cu = torch.tensor([0, 8, 12], dtype=torch.int32)
+    for rank in range(2):
+        got = thd_cp_partition_indices(cu, total_tokens=12, cp_group=_Group(2, rank), device="cpu")
+        assert torch.equal(got, cp_partition_index(cu, 2, rank))
+    with pytest.raises(ValueError, match="ends at 12 but the packed stream has 16"):
+        thd_cp_partition_indices(cu, total_tokens=16, cp_group=_Group(2, 0), device="cpu")
+
+
+@pytest.mark.bridge
+def test_bridge_patches_detect_apply_once_and_undo():
+    from megatron_vlm_packing.bridge.imports import import_bridge_module
+    from megatron_vlm_packing.patches import apply_bridge_patches, undo_bridge_patches
+    from megatron_vlm_packing.patches import bridge_deepstack_sp as deepstack
+    from megatron_vlm_packing.patches import bridge_thd_cp_index as cp_index
+
+    from megatron_vlm_packing.patches import bridge_qwen25_vl_cp as qwen25_cp
+
+    model = import_bridge_module(deepstack.QWEN3_VL_MODEL)
+    utils = import_bridge_module(cp_index.PACKED_SEQ_UTILS)
+    qwen25 = import_bridge_module(qwen25_cp.QWEN25_VL_MODEL).Qwen25VLModel
+    originals = (model.split_deepstack_embs, utils.get_thd_cp_partition_indices, qwen25.forward)
+    active = {"bridge_deepstack_sp": True, "bridge_thd_cp_index": True, "bridge_qwen25_vl_cp": True}
+    assert deepstack.upstream_deepstack_split_is_plain_slice()  # the 0.6.2 defect is seen
+    try:
+        assert apply_bridge_patches() == active
+        patched = (model.split_deepstack_embs, utils.get_thd_cp_partition_indices, qwen25.forward)
+        assert apply_bridge_patches() == active
+        assert (model.split_deepstack_embs, utils.get_thd_cp_partition_indices, qwen25.forward) == patched  # idempotent
+        assert all(p is not o for p, o in zip(patched, originals))
+        # Without SP the patched split is Bridge's own (nothing to gather).
+        mask, embeds = torch.ones(1, 4, dtype=torch.bool), [torch.arange(4.0)[:, None]]
+        assert model.split_deepstack_embs(mask, embeds)[1][0] is embeds[0]
+    finally:
+        undo_bridge_patches()
+    assert (model.split_deepstack_embs, utils.get_thd_cp_partition_indices, qwen25.forward) == originals

@@ -1,0 +1,73 @@
+"""`run_distributed` targets for the host-sync budget tests (module-level so spawn can pickle them).
+
+A tiny mRoPE GPTModel with the packed rotary, fed 3D positions from the synthetic VLM data's own
+`get_rope_index` (the model has no vision tower: image placeholders are plain tokens to it). The
+reference core attention is left out of the count: it stands in, on the CPU, for TE's fused
+attention on the GPU and builds its masks from the boundaries on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from megatron_vlm_packing.data import SyntheticVLMConfig, collate, synthetic_samples
+from megatron_vlm_packing.models.tiny_gpt import TinyGPTConfig, build_tiny_gpt
+from megatron_vlm_packing.packing import pack_batch
+from megatron_vlm_packing.packing.collate import PackingCollator
+from megatron_vlm_packing.rope import MRopeConfig, get_rope_index, use_packed_mrope
+from megatron_vlm_packing.testing.distributed import initialize_parallel
+from megatron_vlm_packing.testing.sync_counter import count_host_syncs
+from megatron_vlm_packing.train.step import make_forward_step
+
+DATA = SyntheticVLMConfig(max_text=24, max_images=2, grid_choices=(2, 4))
+ROPE = MRopeConfig(family="qwen2_vl", image_token_id=DATA.image_token_id, video_token_id=DATA.vocab_size + 1,  # no videos: an id no token has
+                   vision_start_token_id=DATA.vision_start_id, mrope_section=(1, 1, 2))
+LM = TinyGPTConfig(vocab_size=DATA.vocab_size, position_embedding_type="mrope", mrope_section=(1, 1, 2),
+                   max_sequence_length=1024)
+
+
+def text_batch_with_mrope_positions(seed: int) -> dict:
+    """A right-padded batch with [3, B, S] positions; the images' pixels are dropped (GPTModel has no tower)."""
+    batch = collate(synthetic_samples(5, seed=seed, cfg=DATA))
+    positions = get_rope_index(batch["input_ids"], ROPE, image_grid_thw=batch["image_grid_thw"],
+                               attention_mask=batch["attention_mask"]).position_ids
+    return dict(input_ids=batch["input_ids"], labels=batch["labels"], attention_mask=batch["attention_mask"],
+                position_ids=positions)
+
+
+def counted_step(model, step, item, exclude):
+    """(loss sum, host syncs) of one forward + backward through the step."""
+    with count_host_syncs(exclude=exclude) as syncs:
+        output, loss_fn = step(iter([item]), model)
+        loss_sum = loss_fn(output)[0]
+        loss_sum.backward()
+    return loss_sum.detach(), syncs
+
+
+def run_sync_budget(rank: int, world_size: int, cp_sizes: list[int], seed: int = 5) -> list[dict]:
+    results = []
+    batch = text_batch_with_mrope_positions(seed)
+    for cp in cp_sizes:
+        initialize_parallel(cp=cp, seed=seed)
+        torch.manual_seed(seed)
+        model = build_tiny_gpt(replace(LM, context_parallel=cp))
+        use_packed_mrope(model)
+        core = [layer.self_attention.core_attention for layer in model.decoder.layers]
+        step = make_forward_step(label_style="hf")
+        loader_packed = PackingCollator(cp_size=cp, label_style="hf")(batch)  # what a DataLoader worker returns
+        row = dict(cp=cp)
+        for name, item in (("in_step", batch), ("loader", loader_packed)):
+            counted_step(model, step, item, core)  # warm-up: adapters and patches settle on the first call
+            model.zero_grad(set_to_none=True)
+            loss, syncs = counted_step(model, step, item, core)
+            row[name] = dict(syncs=syncs.total, report=syncs.report(), loss=loss.item(),
+                             grad=torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+        with count_host_syncs() as packing_alone:
+            pack_batch(batch, cp_size=cp, label_style="hf")
+        row["pack_batch"] = dict(syncs=packing_alone.total, report=packing_alone.report())
+        row["loss_diff"] = abs(row["in_step"]["loss"] - row["loader"]["loss"])
+        row["grad_diff"] = (row["in_step"].pop("grad") - row["loader"].pop("grad")).abs().max().item()
+        results.append(row)
+    return results

@@ -1,0 +1,57 @@
+"""PackingCollator in a real DataLoader worker: the same micro-batch as pack_batch, every CP rank's
+index built in the worker, pinning and moving keep shared boundaries shared, layouts checked."""
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from megatron_vlm_packing.data import SyntheticVLMConfig, collate, synthetic_samples
+from megatron_vlm_packing.packing import MicroBatch, PackMultiples, pack_batch
+from megatron_vlm_packing.packing.collate import LoaderMicroBatch, PackingCollator, check_layout, micro_batch_to
+from megatron_vlm_packing.parallel.cp import cp_partition_index
+from megatron_vlm_packing.rope import MRopeConfig
+
+DATA = SyntheticVLMConfig(max_text=24, max_images=2, grid_choices=(2, 4))
+ROPE = MRopeConfig(family="qwen2_vl", image_token_id=DATA.image_token_id, video_token_id=DATA.vocab_size + 1,
+                   vision_start_token_id=DATA.vision_start_id, mrope_section=(1, 1, 2))
+
+
+def test_a_worker_packs_what_pack_batch_packs_with_every_cp_index():
+    samples = synthetic_samples(8, seed=2, cfg=DATA)
+    collator = PackingCollator(collate=collate, cp_size=2, mrope=ROPE)
+    loader = DataLoader(samples, batch_size=4, num_workers=1, collate_fn=collator)
+    for i, packed in enumerate(loader):  # built in the worker process, pickled back
+        assert isinstance(packed, LoaderMicroBatch) and isinstance(packed, MicroBatch)
+        expected = pack_batch(collate(samples[4 * i:4 * i + 4]), cp_size=2, label_style="hf", mrope=ROPE)
+        for name in ("input_ids", "labels", "loss_mask", "position_ids", "padding_mask"):
+            assert torch.equal(getattr(packed, name), getattr(expected, name)), name
+        assert torch.equal(packed.vision.pixel_values, expected.vision.pixel_values)
+        assert packed.position_ids.shape[0] == 3  # mRoPE positions computed in the worker
+        cu = expected.packed_seq_params.cu_seqlens_q_padded
+        cached = packed.indices.__dict__["_cp_indices"]  # built in the worker, not in the step
+        for rank in (0, 1):
+            assert torch.equal(cached[(2, rank)], cp_partition_index(cu, 2, rank))
+
+
+def test_moving_keeps_the_boundaries_shared_and_the_type():
+    packed = PackingCollator(cp_size=2, pack_options=dict(image_token_id=DATA.image_token_id))(
+        collate(synthetic_samples(3, seed=4, cfg=DATA)))
+    moved = micro_batch_to(packed, torch.device("cpu"))
+    assert type(moved) is LoaderMicroBatch
+    assert moved.packed_seq_params.cu_seqlens_q_padded is moved.indices.cu_seqlens_padded
+    assert moved.rope_cu_seqlens is moved.indices.cu_seqlens
+    assert torch.equal(moved.indices.cp_index(2, 1), packed.indices.cp_index(2, 1))
+
+
+def test_a_micro_batch_packed_for_another_layout_is_refused():
+    packed = PackingCollator(cp_size=2, pack_options=dict(image_token_id=DATA.image_token_id))(
+        collate(synthetic_samples(3, seed=4, cfg=DATA)))
+    check_layout(packed, PackMultiples.for_parallel(cp_size=2))
+    with pytest.raises(ValueError, match="packed for PackMultiples\\(segment=4, total=4\\) but the model's layout "
+                                         "needs PackMultiples\\(segment=1, total=2\\)"):
+        check_layout(packed, PackMultiples.for_parallel(tp_size=2, sequence_parallel=True))
+
+
+def test_the_collator_needs_a_batch_dict():
+    with pytest.raises(ValueError, match="give collate="):
+        PackingCollator()(synthetic_samples(2, seed=1, cfg=DATA))

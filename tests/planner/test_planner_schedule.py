@@ -1,0 +1,104 @@
+"""The epoch plan: no sample lost or duplicated, alignment, equal micro-batches per rank, determinism,
+oversize both ways, balancing beats the unbalanced baseline."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_vlm_packing.packing import PackMultiples
+from megatron_vlm_packing.planner import BinLayout, PlannerConfig, SampleMetadata, SampleTable, plan_epoch
+from megatron_vlm_packing.planner.synthetic import SyntheticMix, synthetic_table
+
+
+def _random_table(seed: int, n: int) -> SampleTable:
+    rng = np.random.default_rng(seed)
+    samples = [SampleMetadata(text_tokens=int(rng.integers(1, 90)),
+                              image_grids=tuple((1, 2 * int(rng.integers(1, 4)), 2 * int(rng.integers(1, 4)))
+                                                for _ in range(int(rng.integers(0, 3)))),
+                              audio_frames=tuple(int(x) for x in rng.integers(1, 30, int(rng.integers(0, 2)))))
+               for _ in range(n)]
+    return SampleTable.from_samples(samples)
+
+
+def _check_plan(plan, table, config, carried_in=()):
+    seen = sorted([s for b in plan.bins() for s in b.samples] + list(plan.carried))
+    assert seen == sorted(list(range(len(table))) + list(carried_in))
+    layout = config.layout
+    for step in plan.steps:
+        assert len(step.ranks) == config.dp_size
+        assert len({len(r) for r in step.ranks}) == 1 and len(step.ranks[0]) >= 1
+        for bins in step.ranks:
+            for b in bins:
+                plan_b = b.plan(layout)
+                assert plan_b.total == b.physical and b.physical % layout.multiples.total == 0
+                assert b.physical <= layout.capacity or len(b.samples) == 1
+                assert b.physical == layout.capacity or not layout.static_shapes or len(b.samples) == 1
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 1000), n=st.integers(0, 120), dp=st.integers(1, 5), m=st.integers(1, 3),
+       cp=st.sampled_from([1, 2]), static=st.booleans(), balance=st.booleans(),
+       tail=st.sampled_from(["short_step", "carry"]), window=st.integers(1, 3),
+       per_step=st.sampled_from([None, 0, 7]))
+def test_no_sample_lost_or_duplicated(seed, n, dp, m, cp, static, balance, tail, window, per_step):
+    table = _random_table(seed, n)
+    multiples = PackMultiples.for_parallel(cp_size=cp)
+    config = PlannerConfig(layout=BinLayout(capacity=multiples.total * 128, multiples=multiples,
+                                            static_shapes=static, oversize="own_bin"),
+                           dp_size=dp, micro_batches_per_rank=m, balance=balance, tail=tail,
+                           window_steps=window, seed=seed,
+                           samples_per_step=None if per_step is None else dp + per_step)
+    carried_in = tuple(range(min(n, dp - 1)))
+    _check_plan(plan_epoch(table, config, epoch=1, carried_in=carried_in), table, config, carried_in)
+
+
+def test_deterministic_for_a_seed():
+    table = synthetic_table(600, seed=5)
+    config = PlannerConfig(layout=BinLayout(capacity=32768), dp_size=4, micro_batches_per_rank=2, seed=11)
+    first, again = plan_epoch(table, config, epoch=2), plan_epoch(table, config, epoch=2)
+    assert first == again
+    other = plan_epoch(table, PlannerConfig(layout=BinLayout(capacity=32768), dp_size=4, micro_batches_per_rank=2,
+                                            seed=12), epoch=2)
+    assert [b.samples for b in other.bins()] != [b.samples for b in first.bins()]
+
+
+def test_oversize_error_or_own_bin():
+    table = SampleTable.from_samples([SampleMetadata(text_tokens=n) for n in (10, 300, 20, 30)])
+    with pytest.raises(ValueError, match=r"sample 1 \(300 slots\)"):
+        plan_epoch(table, PlannerConfig(layout=BinLayout(capacity=64)))
+    plan = plan_epoch(table, PlannerConfig(layout=BinLayout(capacity=64, oversize="own_bin")))
+    alone = [b for b in plan.bins() if 1 in b.samples]
+    assert len(alone) == 1 and alone[0].samples == (1,) and alone[0].physical == 300
+    with pytest.raises(ValueError, match="no tokens"):
+        plan_epoch(SampleTable.from_samples([SampleMetadata(text_tokens=0)]), PlannerConfig(layout=BinLayout(capacity=64)))
+
+
+def test_tail_carried_when_fewer_samples_than_ranks():
+    table = SampleTable.from_samples([SampleMetadata(text_tokens=5) for _ in range(3)])
+    plan = plan_epoch(table, PlannerConfig(layout=BinLayout(capacity=64), dp_size=4))
+    assert plan.steps == () and sorted(plan.carried) == [0, 1, 2]
+
+
+def test_balancing_beats_unbalanced_on_a_skewed_input():
+    # Skewed: a few long documents and image-heavy samples among many short texts.
+    table = synthetic_table(3000, seed=1, mix=SyntheticMix(text_sigma=1.6, p_text_only=0.7))
+    kwargs = dict(layout=BinLayout(capacity=32768, oversize="own_bin"), dp_size=8, tail="carry")
+    balanced = plan_epoch(table, PlannerConfig(**kwargs))
+    unbalanced = plan_epoch(table, PlannerConfig(balance=False, **kwargs))
+    worst = lambda plan: max(step.imbalance for step in plan.steps)  # noqa: E731
+    mean = lambda plan: float(np.mean([step.imbalance for step in plan.steps]))  # noqa: E731
+    assert worst(balanced) < worst(unbalanced) and mean(balanced) < mean(unbalanced)
+    assert mean(balanced) < 1.02 and balanced.fill() > 0.99
+
+
+def test_fixed_samples_per_step_varies_micro_batches():
+    table = synthetic_table(400, seed=4)
+    config = PlannerConfig(layout=BinLayout(capacity=16384, oversize="own_bin"), dp_size=4, samples_per_step=40)
+    plan = plan_epoch(table, config)
+    assert [sum(len(b.samples) for r in step.ranks for b in r) for step in plan.steps] == [40] * 10
+    per_rank = {len(step.ranks[0]) for step in plan.steps}
+    assert len(per_rank) > 1  # steps of equal samples need different numbers of micro-batches
+    assert max(step.imbalance for step in plan.steps) < 1.02
+    with pytest.raises(ValueError, match="samples_per_step"):
+        PlannerConfig(layout=BinLayout(capacity=64), dp_size=4, samples_per_step=3)
