@@ -17,13 +17,13 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from megatron_vlm_packing.data import SyntheticVLMConfig, collate, synthetic_samples
+from megatron_vlm_packing.demo.synthetic import SyntheticVLMConfig, collate, synthetic_samples
 from megatron_vlm_packing.models.tiny_gpt import TinyGPTConfig, build_tiny_gpt
 from megatron_vlm_packing.models.gpt_adapter import GPTModelAdapter
 from megatron_vlm_packing.packing.pack import segment_positions
 from megatron_vlm_packing.rope import MRopeConfig, get_rope_index, use_packed_mrope
 from megatron_vlm_packing.step import make_forward_step
-from megatron_vlm_packing.testing.distributed import initialize_parallel
+from megatron_vlm_packing.runtime.launcher import initialize_parallel
 from megatron_vlm_packing.testing.parity import gather_cp_tokens
 
 DATA = SyntheticVLMConfig(max_text=16, max_images=3, grid_choices=(2, 4, 6))
