@@ -15,7 +15,7 @@ import torch
 from megatron_vlm_packing.models.gpt_adapter import GPTModelAdapter
 from megatron_vlm_packing.models.tiny_gpt import TinyGPTConfig, build_tiny_gpt
 from megatron_vlm_packing.step import make_forward_step
-from megatron_vlm_packing.testing.distributed import initialize_parallel
+from megatron_vlm_packing.runtime.launcher import initialize_parallel
 from megatron_vlm_packing.testing.parity import variable_batch
 
 MOE = TinyGPTConfig(num_moe_experts=4, moe_router_topk=2, moe_aux_loss_coeff=1.0, num_layers=2)

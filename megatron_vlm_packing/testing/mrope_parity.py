@@ -1,7 +1,8 @@
 """mRoPE under packing: a tiny mrope GPTModel, packed with per-sample 3D positions, vs each sample alone.
 
 `run_mrope_parity(rank, world_size, cp_sizes)` is a `run_distributed` target. For every CP size it
-returns the worst |dloss| between the packed run (the shipped `make_forward_step(mrope=...)`) and
+returns the worst |dloss| between the packed run (the shipped `make_forward_step`, the batch's
+[3, B, S] positions packed per document) and
 each sample alone with its own `get_rope_index` positions, plus the same with 1D positions
 broadcast to three channels (bug class 1, made on purpose by a transform: the step itself refuses
 1D positions for an mRoPE model), which must differ, and the same with Megatron-Core's own
@@ -16,13 +17,13 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from megatron_vlm_packing.data import SyntheticVLMConfig, collate, synthetic_samples
+from megatron_vlm_packing.demo.synthetic import SyntheticVLMConfig, collate, synthetic_samples
 from megatron_vlm_packing.models.tiny_gpt import TinyGPTConfig, build_tiny_gpt
 from megatron_vlm_packing.models.gpt_adapter import GPTModelAdapter
 from megatron_vlm_packing.packing.pack import segment_positions
 from megatron_vlm_packing.rope import MRopeConfig, get_rope_index, use_packed_mrope
 from megatron_vlm_packing.step import make_forward_step
-from megatron_vlm_packing.testing.distributed import initialize_parallel
+from megatron_vlm_packing.runtime.launcher import initialize_parallel
 from megatron_vlm_packing.testing.parity import gather_cp_tokens
 
 DATA = SyntheticVLMConfig(max_text=16, max_images=3, grid_choices=(2, 4, 6))
@@ -71,8 +72,12 @@ def packed_losses(model, batch, cp_size: int, *, broadcast_1d: bool, adapter=Non
         seen.append(mb)
         return mb
 
-    step = make_forward_step(mrope=ROPE, transform=observe, adapter=adapter)
-    text_only = {k: v for k, v in batch.items() if k != "pixel_values"}  # grids place positions; no tower here
+    # A text GPTModel has no tower: the collator's [3, B, S] positions (each row's own get_rope_index)
+    # carry the images' t/h/w, and the step packs them per document.
+    positions = get_rope_index(batch["input_ids"], ROPE, image_grid_thw=batch["image_grid_thw"],
+                               attention_mask=batch["attention_mask"]).position_ids
+    text_only = {k: batch[k] for k in ("input_ids", "labels", "attention_mask")} | {"position_ids": positions}
+    step = make_forward_step(transform=observe, adapter=adapter)
     loss, _ = step(iter([text_only]), model)  # [1, T/cp]
     cu_padded = seen[0].packed_seq_params.cu_seqlens_q_padded
     full = gather_cp_tokens(loss.detach(), cu_padded, ps.get_context_parallel_group())[0]

@@ -31,7 +31,7 @@ from megatron_vlm_packing.packing.micro_batch import MicroBatch
 from megatron_vlm_packing.parallel.cp import cp_partition_index, dense_cp_partition_index
 from megatron_vlm_packing.parallel.layout import ParallelLayout
 from megatron_vlm_packing.step import make_forward_step
-from megatron_vlm_packing.testing.distributed import initialize_parallel
+from megatron_vlm_packing.runtime.launcher import initialize_parallel
 from megatron_vlm_packing.testing.parity import full_gradients, gather_in_order, max_relative_error, variable_batch
 
 NUM_MICRO_BATCHES = 2

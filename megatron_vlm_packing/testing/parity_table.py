@@ -10,7 +10,7 @@ relative gradient error over all params. Every case runs the shipped `make_forwa
 
 from __future__ import annotations
 
-from megatron_vlm_packing.testing.distributed import run_distributed
+from megatron_vlm_packing.runtime.launcher import run_distributed
 from megatron_vlm_packing.testing.parity_cases import ParityCase, run_parity_cases
 
 # Each case draws its own micro-batch lengths from its seed (a length-1 sample and an empty row always).

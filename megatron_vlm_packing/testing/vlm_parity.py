@@ -15,14 +15,14 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from megatron_vlm_packing.data import SyntheticVLMConfig, collate, synthetic_samples
+from megatron_vlm_packing.demo.synthetic import SyntheticVLMConfig, collate, synthetic_samples
 from megatron_vlm_packing.models.audio import TinyAudioTower
 from megatron_vlm_packing.models.packed_vlm import PackedVLM
 from megatron_vlm_packing.models.tiny_gpt import TinyGPTConfig, build_tiny_gpt
 from megatron_vlm_packing.models.vision import TinyVisionTower
 from megatron_vlm_packing.rope import MRopeConfig
 from megatron_vlm_packing.step import make_forward_step
-from megatron_vlm_packing.testing.distributed import initialize_parallel
+from megatron_vlm_packing.runtime.launcher import initialize_parallel
 from megatron_vlm_packing.testing.parity import full_gradients, max_relative_error
 from megatron_vlm_packing.testing.parity_cases import load_sharded
 

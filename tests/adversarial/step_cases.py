@@ -12,7 +12,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from megatron_vlm_packing.data import SyntheticVLMConfig, collate, synthetic_samples
+from megatron_vlm_packing.demo.synthetic import SyntheticVLMConfig, collate, synthetic_samples
 from megatron_vlm_packing.models.adapter import ModelAdapter, register_adapter, unregister_adapter
 from megatron_vlm_packing.models.audio import TinyAudioTower
 from megatron_vlm_packing.models.gpt_adapter import GPTModelAdapter
@@ -444,7 +444,7 @@ def bad_label_style(m):
 
 
 def run_step_cases(rank: int, world_size: int, names: list[str] | None = None) -> dict:
-    from megatron_vlm_packing.testing.distributed import initialize_parallel
+    from megatron_vlm_packing.runtime import initialize_parallel
 
     initialize_parallel(seed=0)
     models = build_models()

@@ -15,7 +15,7 @@ import re
 
 import pytest
 
-from megatron_vlm_packing.testing.distributed import run_distributed
+from megatron_vlm_packing.runtime import run_distributed
 from tests.adversarial.step_cases import CASES, run_step_cases
 
 ERR = "error"

@@ -9,7 +9,7 @@ Each launch batches several cases: starting Megatron-Core in a process costs sec
 
 import pytest
 
-from megatron_vlm_packing.testing.distributed import run_distributed
+from megatron_vlm_packing.runtime import run_distributed
 from megatron_vlm_packing.testing.parity_cases import run_parity_cases
 from megatron_vlm_packing.testing.parity_table import CORRUPTION_CASES, STANDARD_CASES
 

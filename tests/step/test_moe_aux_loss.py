@@ -1,6 +1,6 @@
 """Pads never count in the MoE router's load-balancing loss when the plan's padding mask is passed."""
 
-from megatron_vlm_packing.testing.distributed import run_distributed
+from megatron_vlm_packing.runtime import run_distributed
 from megatron_vlm_packing.testing.moe_parity import run_moe_aux_loss
 
 

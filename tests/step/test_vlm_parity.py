@@ -4,7 +4,7 @@ gradients of each sample alone (vision and audio towers included); also with ima
 TP rank 0 reads the data iterator and broadcasts (Megatron-LM's convention), and with TP2 + SP x PP2
 (fixed pack length, the towers on the first stage, labels used on the last)."""
 
-from megatron_vlm_packing.testing.distributed import run_distributed
+from megatron_vlm_packing.runtime import run_distributed
 from megatron_vlm_packing.testing.vlm_parity import VLMCase, run_vlm_parity
 
 

@@ -1,6 +1,8 @@
 """`megatron-vlm-packing demo`: train a tiny VLM with packing on embedded synthetic data.
 
-Runs on the CPU by default (gloo, the CPU shims, the reference attention) and on the GPU when
+The model (`demo/model.py`: a 2-layer GPTModel with vision and audio towers) trains on images,
+videos and audio clips through the shipped `make_forward_step` and `loss_func`. Runs on the CPU by
+default (the product runtime: gloo, the CPU shims, the reference attention) and on the GPU when
 one is present. Under torchrun, `--tp/--cp/--sp` select the parallel layout. Each step prints the
 loss, real vs physical tokens, packing efficiency and tokens/s; the run ends with packed vs
 unpacked loss parity on a held-out batch.
@@ -15,46 +17,30 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_vlm_packing.data import SyntheticVLMConfig, collate, synthetic_samples
-from megatron_vlm_packing.models.packed_vlm import PackedVLM
-from megatron_vlm_packing.models.tiny_gpt import TinyGPTConfig, build_tiny_gpt
-from megatron_vlm_packing.models.vision import TinyVisionTower
-from megatron_vlm_packing.step import make_forward_step
+from megatron_vlm_packing.demo.model import DEMO_DATA, build_demo_model
+from megatron_vlm_packing.demo.synthetic import collate, synthetic_samples
+from megatron_vlm_packing.train.step import make_forward_step
 
 MICRO_BATCHES_PER_STEP = 2
 
 
 def setup_distributed(device: str, tp: int, cp: int, seed: int) -> None:
-    from megatron_vlm_packing.testing.distributed import initialize_parallel
+    from megatron_vlm_packing.runtime.launcher import initialize_parallel
 
     if device == "cpu":
-        from megatron_vlm_packing.testing.cpu_shims import apply_cpu_shims
+        from megatron_vlm_packing.runtime.cpu_shims import apply_cpu_shims
 
         apply_cpu_shims()
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # a plain single-process run
             os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-            from megatron_vlm_packing.testing.distributed import free_port
+            from megatron_vlm_packing.runtime.launcher import free_port
 
             os.environ["MASTER_PORT"] = str(free_port())
         if device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("nccl" if device == "cuda" else "gloo")
     initialize_parallel(tp=tp, cp=cp, seed=seed)
-
-
-def build_demo_model(args, data_cfg: SyntheticVLMConfig, device: str) -> PackedVLM:
-    # The exact reference attention on every device: the demo model is float32 (flash-style varlen
-    # kernels want bf16/fp16) and tiny, and the point is the packed-vs-unpacked parity.
-    backend = "reference"
-    cfg = TinyGPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                        ffn_hidden_size=128, vocab_size=data_cfg.vocab_size, max_sequence_length=2048,
-                        backend=backend, tensor_parallel=args.tp, context_parallel=args.cp,
-                        sequence_parallel=args.sp)
-    torch.manual_seed(args.seed)  # identical weights on every rank (shards of the same model)
-    lm = build_tiny_gpt(cfg, scatter_embedding_sequence_parallel=False)
-    vision = TinyVisionTower(patch_features=data_cfg.patch_features, width=32, out_hidden=cfg.hidden_size)
-    return PackedVLM(lm, vision, image_token_id=data_cfg.image_token_id).to(device)
 
 
 def finalize_grads(model: torch.nn.Module, num_tokens: torch.Tensor) -> None:
@@ -119,14 +105,14 @@ def run_demo(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     setup_distributed(device, args.tp, args.cp, args.seed)
     rank0 = dist.get_rank() == 0
-    data_cfg = SyntheticVLMConfig()
-    model = build_demo_model(args, data_cfg, device)
+    data_cfg = DEMO_DATA
+    model = build_demo_model(tp=args.tp, cp=args.cp, sp=args.sp, seed=args.seed, device=device, data=data_cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     step_fn = make_forward_step(pack=not args.no_pack)
     mb = args.micro_batch_size
     samples = synthetic_samples(args.steps * MICRO_BATCHES_PER_STEP * mb, seed=args.seed, cfg=data_cfg)
     if rank0:
-        print(f"demo: tiny VLM (2-layer GPT, hidden 64, 2x2-merge vision tower) on {device}, "
+        print(f"demo: tiny VLM (2-layer GPT, hidden 64, vision tower for images and videos, audio tower) on {device}, "
               f"tp={args.tp} cp={args.cp} sp={args.sp}, packing {'off' if args.no_pack else 'on'}, "
               f"{args.steps} steps x {MICRO_BATCHES_PER_STEP} micro-batches of {mb} samples")
     for step in range(args.steps):
