@@ -230,6 +230,21 @@ class DeferredChecks:
         return values[:count] if lengths is not None else None
 
 
+def refuse_unread_rope_inputs(batch: Mapping, accepted: set, audio, *, name: str) -> None:
+    """A position callable must read every grid the batch carries, else those tokens get text positions.
+
+    Raises:
+        ValueError: naming the callable and each input it does not take.
+    """
+    unread = [k for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+              if batch.get(k) is not None and k not in accepted]
+    if audio is not None and not {"audio_seqlens", "feature_attention_mask"} & accepted:
+        unread.append("audio_seqlens / feature_attention_mask")
+    if unread:
+        raise ValueError(f"the batch carries {unread} but the mrope callable {name} takes none of them by name: "
+                         f"its positions would treat those tokens as text; accept them (or **kwargs)")
+
+
 def rope_positions(batch: Mapping, input_ids: torch.Tensor, keep: torch.Tensor, mrope, audio) -> torch.Tensor:
     """[3, B, S] positions of each row alone, from an `MRopeConfig` or a callable."""
     if callable(mrope):
@@ -245,6 +260,8 @@ def rope_positions(batch: Mapping, input_ids: torch.Tensor, keep: torch.Tensor, 
         fn = lambda ids, **kw: get_rope_index(ids, mrope, **kw)  # noqa: E731
         accepted = set(inspect.signature(get_rope_index).parameters)
     kwargs = {k: batch[k] for k in _ROPE_INPUT_KEYS if batch.get(k) is not None and k in accepted}
+    if callable(mrope):
+        refuse_unread_rope_inputs(batch, accepted, audio, name=getattr(mrope, "__name__", type(mrope).__name__))
     if audio is not None and "audio_seqlens" in accepted and "audio_seqlens" not in kwargs:
         kwargs["audio_seqlens"] = torch.tensor(audio.audio_lengths)
     result = fn(input_ids, attention_mask=keep.long(), **kwargs)

@@ -107,6 +107,23 @@ def test_mrope_callable_gets_each_sample_alone():
     assert packed.position_ids[:, 0].tolist() == [[0, 1, 2, 0, 1], [0, 2, 4, 0, 2], [0, 3, 6, 0, 3]]
 
 
+def test_mrope_callable_that_cannot_read_a_grid_the_batch_carries_is_refused():
+    ids, keep = make_batch([3, 2], 4)
+    ids[0, 1] = 7  # one 1-token image in row 0
+
+    def text_only_index(input_ids, attention_mask=None):  # would give the image token text positions
+        base = torch.cumsum(attention_mask, dim=1) - 1
+        return torch.stack([base, base, base])
+
+    batch = {"input_ids": ids, "labels": ids, "attention_mask": keep, "image_grid_thw": torch.tensor([[1, 2, 2]]),
+             "pixel_values": torch.zeros(4, 3)}
+    with pytest.raises(ValueError, match=r"carries \['image_grid_thw'\] but the mrope callable text_only_index "
+                                         r"takes none of them"):
+        pack_batch(batch, mrope=text_only_index, image_token_id=7, label_style="hf")
+    any_keywords = lambda input_ids, **kw: text_only_index(input_ids, kw["attention_mask"])  # noqa: E731
+    assert pack_batch(batch, mrope=any_keywords, image_token_id=7, label_style="hf").position_ids.shape == (3, 1, 5)
+
+
 @pytest.mark.parametrize(
     "batch, kwargs, expected",
     [
