@@ -71,8 +71,12 @@ def packed_losses(model, batch, cp_size: int, *, broadcast_1d: bool, adapter=Non
         seen.append(mb)
         return mb
 
-    step = make_forward_step(mrope=ROPE, transform=observe, adapter=adapter)
-    text_only = {k: v for k, v in batch.items() if k != "pixel_values"}  # grids place positions; no tower here
+    step = make_forward_step(transform=observe, adapter=adapter)
+    # No vision tower here: the images' pixels and grids stay out of the batch (a grid without its
+    # pixels is refused), and each row's own get_rope_index positions come in as [3, B, S].
+    text_only = {k: v for k, v in batch.items() if k not in ("pixel_values", "image_grid_thw")}
+    text_only["position_ids"] = get_rope_index(batch["input_ids"], ROPE, image_grid_thw=batch["image_grid_thw"],
+                                               attention_mask=batch["attention_mask"]).position_ids
     loss, _ = step(iter([text_only]), model)  # [1, T/cp]
     cu_padded = seen[0].packed_seq_params.cu_seqlens_q_padded
     full = gather_cp_tokens(loss.detach(), cu_padded, ps.get_context_parallel_group())[0]
