@@ -6,7 +6,7 @@ is fitted by least squares to the cost model's form
 
     ms = a * T + b * sum_d s_d^2 + c * documents + d
 
-and the report gives the coefficients, each case's measured and predicted time, the relative
+(the fastest of --repeats interleaved rounds per case) and the report gives the coefficients, each case's measured and predicted time, the relative
 error of the fit (and of leave-one-out predictions), and b / a next to the FLOP model's ratio
 `lm_attention / lm_linear` for the same shape.
 
@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import statistics
 import sys
 from dataclasses import replace
 
@@ -35,7 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from timing import wall_ms  # benchmarks/timing.py (the script's folder is on sys.path)
+import time
 
 from megatron_vlm_packing.attention.torch_varlen import TorchVarlenCoreAttention
 
@@ -91,7 +90,11 @@ def build_model(args, device: str, dtype: torch.dtype):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from megatron_vlm_packing.models.tiny_gpt import TinyGPTConfig, build_tiny_gpt
+    from megatron_vlm_packing.patches import apply_thd_rotary
 
+    # The packed step runs with our loop-free THD rotary (patches.apply_all); without it Megatron-Core's
+    # THD rope costs a host sync per document per layer, which the fit would book as model cost.
+    apply_thd_rotary()
     cfg = TinyGPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                         num_query_groups=args.heads, ffn_hidden_size=args.ffn, vocab_size=args.vocab,
                         max_sequence_length=max(args.lengths), params_dtype=dtype,
@@ -122,6 +125,20 @@ def step_fn(model, lengths: list[int], vocab: int, device: str):
     return run
 
 
+def timed_ms(run, device: str) -> float:
+    """One step's time: CPU time of this process on the CPU (other load on a shared machine does not
+    count; run with OMP_NUM_THREADS=1), wall time between CUDA synchronisations on the GPU."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1e3
+    start = time.process_time()
+    run()
+    return (time.process_time() - start) * 1e3
+
+
 def fit(features: np.ndarray, ms: np.ndarray) -> np.ndarray:
     """Least squares weighted by 1/ms (relative error), coefficients [a, b, c, d]."""
     weights = 1.0 / ms
@@ -138,7 +155,7 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=256)
-    parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 2048, 4096])
+    parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[512, 1024, 2048])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out")
@@ -147,14 +164,18 @@ def main(argv=None) -> int:
     setup(args.device, args.seed)
     model, cfg = build_model(args, args.device, dtype)
     rng = np.random.default_rng(args.seed)
-    rows = []
-    for total in args.lengths:
-        for name, lengths in mixes(total, rng).items():
-            run = step_fn(model, lengths, args.vocab, args.device)
-            ms = statistics.median(wall_ms(run, device=args.device, repeats=args.repeats, warmup=1))
+    cases = [(total, name, lengths, step_fn(model, lengths, args.vocab, args.device))
+             for total in args.lengths for name, lengths in mixes(total, rng).items()]
+    times = [[] for _ in cases]
+    for repeat in range(args.repeats + 1):  # cases interleaved; the first round warms up
+        for i, (total, name, lengths, run) in enumerate(cases):
+            ms = timed_ms(run, args.device)
             model.zero_grad(set_to_none=True)
-            rows.append((total, name, len(lengths), float(sum(n * n for n in lengths)), ms))
-            print(f"T={total} {name}: {len(lengths)} docs, {ms:.1f} ms", file=sys.stderr)
+            if repeat:
+                times[i].append(ms)
+                print(f"T={total} {name}: {len(lengths)} docs, {ms:.1f} ms", file=sys.stderr)
+    rows = [(total, name, len(lengths), float(sum(n * n for n in lengths)), min(t))  # min: least disturbed
+            for (total, name, lengths, _), t in zip(cases, times)]
     features = np.asarray([[t, sq, n, 1.0] for t, _, n, sq, _ in rows])
     ms = np.asarray([r[-1] for r in rows])
     coef = fit(features, ms)

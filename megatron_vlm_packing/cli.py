@@ -47,6 +47,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if args.planner:  # dataset-level packing: per-rank cost with and without balancing, no training
+        from megatron_vlm_packing.planner.report import plan_args_from, run_plan
+
+        return run_plan(plan_args_from(args))
     from megatron_vlm_packing.demo import run_demo
 
     return run_demo(args)
@@ -85,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     demo.add_argument("--micro-batch-size", type=int, default=8)
     demo.add_argument("--seed", type=int, default=1234)
+    demo.add_argument("--planner", action="store_true",
+                      help="show dataset-level packing instead: per-rank cost with and without balancing")
     demo.set_defaults(func=cmd_demo)
 
     from megatron_vlm_packing.planner.report import add_plan_arguments

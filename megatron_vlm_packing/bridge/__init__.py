@@ -1,8 +1,13 @@
 """Megatron-Bridge's Qwen-VL models (and the builders other families reuse) on this package's step.
 
-Nothing here imports Megatron-Bridge at import time: `imports` finds and imports Bridge's leaf
-model modules on demand, without its Transformer-Engine-importing package chain; `build` builds
-tiny models with Bridge's own providers and TE-free specs; `adapters` drive them packed.
+Nothing here imports Megatron-Bridge at import time:
+- `imports`: Bridge's leaf model modules on demand, without its TE-importing package chain;
+- `build`: a provider's own `provide()` with its TE names swapped for local layers (any family);
+- `tiny`: tiny Qwen2.5-VL / Qwen3-VL (dense, MoE) configs and builders, for CPU tests;
+- `samples`: text + images + videos in each family's token layout;
+- `adapters`: `Qwen3VLAdapter`, `Qwen25VLAdapter` (registered in `models.adapter`);
+- `parity` / `smoke`: packed vs each sample alone (`python -m megatron_vlm_packing.bridge.parity`).
+Patches for Bridge's defects live in `patches/bridge_*.py` (`patches.apply_bridge_patches()`).
 """
 
 from megatron_vlm_packing.bridge.imports import (

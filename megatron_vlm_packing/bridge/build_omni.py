@@ -168,9 +168,13 @@ def omni_te_free_swaps(core_attention: type) -> list[tuple[str, dict]]:
 def build_tiny_omni(cfg: TinyOmniConfig, seed: int = 0):
     """Bridge's `Qwen3OmniModel` for `cfg`. With the same seed the weights at any TP are the shards of
     the TP=1 weights (CPU initialization); the vision and audio encoders are replicated."""
+    from megatron.core.enums import ModelType
+
     provider = tiny_omni_provider(cfg)
     swaps = omni_te_free_swaps(packed_core_attention(cfg.attention_backend))
-    return build_with_provider(provider, swaps=swaps, seed=seed)
+    model = build_with_provider(provider, swaps=swaps, seed=seed)
+    model.model_type = ModelType.encoder_or_decoder  # what Bridge's get_model sets (Megatron's schedules read it)
+    return model
 
 
 def _block(open_id: int, close_id: int, token: int, count: int) -> torch.Tensor:
@@ -241,11 +245,11 @@ def omni_sample(rng: torch.Generator, cfg: TinyOmniConfig, *, images: int, video
 
 def omni_samples(cfg: TinyOmniConfig, num: int, *, seed: int, max_text: int = 20, max_images: int = 1,
                  max_videos: int = 1, max_audios: int = 1) -> list[dict]:
-    """`num` samples, identical for the same seed. Every kind of media appears in the first three
-    samples whatever the draw (sample 0: an image and an audio clip, 1: a video, 2: text only)."""
+    """`num` samples, identical for the same seed. The first four are fixed whatever the draw
+    (0: an image and an audio clip, 1: a video, 2: text only, 3: an image, a video and a clip)."""
     rng = torch.Generator().manual_seed(seed)
     forced = [dict(images=1, videos=0, audios=1), dict(images=0, videos=1, audios=0),
-              dict(images=0, videos=0, audios=0)]
+              dict(images=0, videos=0, audios=0), dict(images=1, videos=1, audios=1)]
     samples = []
     for i in range(num):
         counts = forced[i] if i < len(forced) else dict(

@@ -36,14 +36,41 @@ def media_kwargs(micro_batch: MicroBatch) -> dict:
     return kwargs
 
 
+def qwen3_omni_mrope(model: nn.Module):
+    """The `rope.MRopeConfig` of a Bridge `Qwen3OmniModel` or thinker (positions, media counts)."""
+    from megatron_vlm_packing.rope import MRopeConfig
+
+    thinker = getattr(model, "thinker", model)
+    audio = getattr(thinker, "audio_model", None)
+    if audio is None:
+        audio = thinker.thinker_transformer_config.audio_config
+    n_window = int(audio.n_window)
+    return MRopeConfig(family="qwen3_omni", spatial_merge_size=int(thinker.config.spatial_merge_size),
+                       image_token_id=int(thinker.image_token_id), video_token_id=int(thinker.video_token_id),
+                       vision_start_token_id=int(thinker.vision_start_token_id),
+                       audio_token_id=int(thinker.audio_token_id),
+                       audio_start_token_id=int(thinker.audio_start_token_id),
+                       position_id_per_seconds=float(thinker.position_id_per_seconds), audio_n_window=n_window,
+                       mrope_section=tuple(int(x) for x in thinker.config.mrope_section), mrope_interleaved=True)
+
+
 class Qwen3OmniAdapter(ModelAdapter):
-    """Bridge's Qwen3-Omni model or thinker: ids and positions full, labels / loss mask CP-local."""
+    """Bridge's Qwen3-Omni model or thinker: ids and positions full, labels / loss mask CP-local.
+
+    `mrope` is the model's own `MRopeConfig` (the step packs each sample's positions with it).
+    """
 
     consumes = frozenset({"images", "videos", "audio"})
     needs = LocalizeNeeds(full_input_ids=True, full_position_ids=True)
+    rotary = "mrope"
 
     def __init__(self, model: nn.Module):
         super().__init__(model)
+        self.mrope = qwen3_omni_mrope(model)
+        audio = getattr(getattr(model, "thinker", model), "audio_model", None)
+        # Bridge 0.6.2's dense audio path asks the encoder for `_get_feat_extract_output_lengths`,
+        # which transformers 5.x's encoder no longer has.
+        self.dense_audio_runs = audio is None or hasattr(audio, "_get_feat_extract_output_lengths")
         from megatron_vlm_packing.patches.bridge_qwen3_omni_packed import is_applied, thinker_refuses_packing
 
         self.takes_packed_seq_params = is_applied() or not thinker_refuses_packing()
@@ -55,10 +82,22 @@ class Qwen3OmniAdapter(ModelAdapter):
                 f"(NotImplementedError); call megatron_vlm_packing.patches.apply_bridge_qwen3_omni_packed() "
                 f"before the first forward, or use pack=False")
         super().check(micro_batch)
+        if not micro_batch.is_packed and micro_batch.audio is not None:
+            self._check_dense_audio(micro_batch.audio)
         if micro_batch.is_packed and micro_batch.position_ids.dim() != 3:
             raise ValueError(
                 f"{self.model_name} packed needs every document's mRoPE positions [3, 1, T]; the micro-batch has "
                 f"position_ids {tuple(micro_batch.position_ids.shape)} (pack with mrope=MRopeConfig of the model)")
+
+    def _check_dense_audio(self, audio) -> None:
+        """Dense rows with audio run Bridge's own code: refuse what it cannot run, with the reason."""
+        if not self.dense_audio_runs:
+            raise ValueError(f"{self.model_name}: Bridge's dense Qwen3-Omni audio path calls the audio encoder's "
+                             f"_get_feat_extract_output_lengths, which this transformers' encoder lacks; "
+                             f"train audio packed (pack=True, patches.apply_bridge_qwen3_omni_packed())")
+        if audio.audios_per_sample and max(audio.audios_per_sample) > 1:
+            raise ValueError(f"{self.model_name}: Bridge's dense Qwen3-Omni path takes at most one audio clip per "
+                             f"row (audios_per_sample={list(audio.audios_per_sample)}); train audio packed")
 
     def forward(self, model: nn.Module, micro_batch: MicroBatch):
         mb = micro_batch

@@ -108,7 +108,7 @@ def _check_expanded(physical: list[int], *, segment: int, total_multiple: int, p
     if bad:
         raise ValueError(f"expanded documents {[i for i, _ in bad][:8]} have physical lengths "
                          f"{[n for _, n in bad][:8]} that do not divide by {segment}: plan the pack in expanded "
-                         f"space (models.llava.pack_llava_batch)")
+                         f"space (models.llava_pack.pack_llava_batch)")
     total = sum(physical)
     target = total if pad_to is None else pad_to
     if target < total:
@@ -118,7 +118,7 @@ def _check_expanded(physical: list[int], *, segment: int, total_multiple: int, p
                          f"LLaVAModel would truncate it silently; split the micro-batch")
     if target % total_multiple:
         raise ValueError(f"the expanded pack has {target} tokens, not a multiple of LLaVA's shard factor "
-                         f"{total_multiple}: plan the pack in expanded space (models.llava.pack_llava_batch)")
+                         f"{total_multiple}: plan the pack in expanded space (models.llava_pack.pack_llava_batch)")
     return target
 
 
@@ -308,4 +308,4 @@ class LLaVAAdapter(ModelAdapter):
 def leak_message(documents: list[int]) -> str:
     return (f"documents {documents[:8]} open with an image right after the previous document's last real "
             f"token: LLaVAModel zeroes the loss of the slot before each image, so that token's loss would be "
-            f"lost; pack with models.llava.pack_llava_batch (one pad slot before such documents)")
+            f"lost; pack with models.llava_pack.pack_llava_batch (one pad slot before such documents)")

@@ -203,12 +203,14 @@ class PackedVLMAdapter(ModelAdapter):
 
     def __init__(self, model: PackedVLM):
         super().__init__(model)
+        # A pipeline stage after the first holds no towers: the first stage consumed the media.
+        later_stage = not getattr(model.language_model, "pre_process", True)
         consumes = set()
-        if model.vision is not None and model.image_token_id is not None:
+        if model.image_token_id is not None and (model.vision is not None or later_stage):
             consumes.add("images")
-        if model.vision is not None and model.video_token_id is not None:
+        if model.video_token_id is not None and (model.vision is not None or later_stage):
             consumes.add("videos")
-        if model.audio is not None:
+        if model.audio_token_id is not None and (model.audio is not None or later_stage):
             consumes.add("audio")
         self.consumes = frozenset(consumes)
         self.mrope = model.mrope

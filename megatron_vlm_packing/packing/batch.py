@@ -57,6 +57,7 @@ def pack_batch(
     extra_keys: tuple[str, ...] = (),
     vocab_size: int | None = None,
     position_layout: str | None = None,
+    require_media_counts: bool = True,
 ) -> MicroBatch:
     """Pack a right-padded micro-batch into one THD sequence at real lengths.
 
@@ -80,7 +81,9 @@ def pack_batch(
         pad_token_id: value of `input_ids` at pad slots.
         image_token_id, video_token_id, audio_token_id, spatial_merge_size: placeholder ids used to
             count images / videos / audio clips per sample (default: those of an `MRopeConfig`
-            given as `mrope`; merge size 2).
+            given as `mrope`; merge size 2). Media whose id is not known are a ValueError unless
+            `require_media_counts=False` (their counts are then None: for a step whose model
+            adapter refuses media it does not consume and passes the ids of those it does).
         extra_keys: per-token [B, S, ...] batch tensors to pack into `extras` (pad slots 0).
         vocab_size: when given, ids and labels outside [0, vocab_size) are a ValueError (labels
             may also be -100); negative ids / labels other than -100 always are.
@@ -95,7 +98,8 @@ def pack_batch(
         MicroBatch with [1, T] fields (positions [3, 1, T] for mRoPE), `plan` and `indices` set.
     """
     media = MediaTokens.resolve(mrope, image_token_id=image_token_id, video_token_id=video_token_id,
-                                audio_token_id=audio_token_id, spatial_merge_size=spatial_merge_size)
+                                audio_token_id=audio_token_id, spatial_merge_size=spatial_merge_size,
+                                require_counts=require_media_counts)
     check_pad_token_id(pad_token_id)
     rows = read_rows(batch, label_style=label_style, mrope=mrope, media=media, extra_keys=tuple(extra_keys),
                      vocab_size=vocab_size, position_layout=position_layout)

@@ -87,6 +87,7 @@ def pad_batch(
     extra_keys: tuple[str, ...] = (),
     vocab_size: int | None = None,
     position_layout: str | None = None,
+    require_media_counts: bool = True,
 ) -> MicroBatch:
     """Right-padded dense rows of one aligned length, as a `MicroBatch` (packed_seq_params None).
 
@@ -102,7 +103,8 @@ def pad_batch(
         after each row's largest position), `padding_mask` True at pad slots.
     """
     media = MediaTokens.resolve(mrope, image_token_id=image_token_id, video_token_id=video_token_id,
-                                audio_token_id=audio_token_id, spatial_merge_size=spatial_merge_size)
+                                audio_token_id=audio_token_id, spatial_merge_size=spatial_merge_size,
+                                require_counts=require_media_counts)
     check_pad_token_id(pad_token_id)
     rows = read_rows(batch, label_style=label_style, mrope=mrope, media=media, extra_keys=tuple(extra_keys),
                      vocab_size=vocab_size, position_layout=position_layout)

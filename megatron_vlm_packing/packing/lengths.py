@@ -133,6 +133,52 @@ def _seq_lens_list(seq_lens) -> list:
     return [int(n) for n in values]
 
 
+def keep_mask_deferred(
+    *,
+    batch_size: int,
+    row_length: int,
+    attention_mask: torch.Tensor | None = None,
+    seq_lens=None,
+    device=None,
+) -> tuple[torch.Tensor, list[int] | None, torch.Tensor | None]:
+    """The [B, S] keep-mask of the rows without reading anything back to the host.
+
+    Returns:
+        (keep [B, S] bool, lengths as host ints when they were host data (seq_lens, full rows) else
+        None, bad: a 0-dim bool device tensor that is True when the mask is invalid, or None).
+        When `bad` reads True, `real_lengths` with the same arguments raises the detailed error.
+        Shape and `seq_lens` errors are raised at once (they need no device data).
+    """
+    if attention_mask is not None and seq_lens is not None:
+        raise ValueError("give either attention_mask or seq_lens, not both")
+    arange = torch.arange(row_length, device=device)
+    if attention_mask is None:
+        lengths = real_lengths(batch_size=batch_size, row_length=row_length, seq_lens=seq_lens)
+        keep = arange[None] < torch.tensor(lengths, device=device)[:, None]
+        return keep, lengths, None
+    if attention_mask.dim() == 4:
+        keep = keep_mask_from_4d(attention_mask)
+        size = attention_mask.shape[-1]
+        causal = torch.ones(size, size, dtype=torch.bool, device=attention_mask.device).tril()
+        not_causal = (keep[:, :, None] & keep[:, None, :] & (~attention_mask[:, 0] != causal)).any()
+        not_binary = torch.zeros((), dtype=torch.bool, device=keep.device)
+    elif attention_mask.dim() == 2:
+        keep, not_causal = attention_mask, torch.zeros((), dtype=torch.bool, device=attention_mask.device)
+        not_binary = ((keep != 0) & (keep != 1)).any() if keep.dtype != torch.bool else not_causal
+        keep = keep != 0
+    else:
+        raise ValueError(
+            f"attention_mask must be [B, S] or [B, 1, S, S], got shape {tuple(attention_mask.shape)}"
+        )
+    if tuple(keep.shape) != (batch_size, row_length):
+        raise ValueError(
+            f"attention_mask covers {tuple(keep.shape)} tokens but input_ids is {(batch_size, row_length)}"
+        )
+    expected = arange.to(keep.device)[None] < keep.sum(dim=1, keepdim=True)
+    bad = (keep != expected).any() | not_binary | not_causal
+    return expected, None, bad
+
+
 def real_lengths(
     *,
     batch_size: int,

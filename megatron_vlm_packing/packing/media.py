@@ -39,6 +39,8 @@ class MediaTokens:
         image_token_id, video_token_id, audio_token_id: placeholder ids (None = not known).
         spatial_merge_size: grid patches per side merged into one placeholder (2 in every Qwen-VL).
         audio_n_window: Qwen3-Omni audio encoder window (sets each clip's token count).
+        require_counts: media whose placeholder id is not known are a ValueError (default); False
+            leaves their per-sample counts None (for a caller whose model adapter checks media).
     """
 
     image_token_id: int | None = None
@@ -46,6 +48,7 @@ class MediaTokens:
     audio_token_id: int | None = None
     spatial_merge_size: int = 2
     audio_n_window: int = 50
+    require_counts: bool = True
 
     def __post_init__(self) -> None:
         for name in ("image_token_id", "video_token_id", "audio_token_id"):
@@ -59,7 +62,7 @@ class MediaTokens:
 
     @classmethod
     def resolve(cls, mrope=None, *, image_token_id=None, video_token_id=None, audio_token_id=None,
-                spatial_merge_size=None, audio_n_window=None) -> "MediaTokens":
+                spatial_merge_size=None, audio_n_window=None, require_counts: bool = True) -> "MediaTokens":
         """Explicit keywords, else the values of an `MRopeConfig` given as `mrope`.
 
         Raises:
@@ -79,7 +82,7 @@ class MediaTokens:
             if chosen is not None:
                 values[name] = int(chosen) if isinstance(chosen, (int, float)) and not isinstance(chosen, bool) \
                     else chosen
-        return cls(**values)
+        return cls(**values, require_counts=bool(require_counts))
 
 
 def _long_grid(batch: dict, name: str) -> torch.Tensor | None:
@@ -153,9 +156,17 @@ def items_per_row(row_tokens: list[int] | None, item_tokens: list[int], *, kind:
 
 
 def _row_counts(input_ids: torch.Tensor, keep: torch.Tensor, token_id: int | None, kind: str,
-                field: str) -> list[int] | None:
-    """Placeholder tokens per row; None when the placeholder id is not known (counts then unknown)."""
+                field: str, require: bool) -> list[int] | None:
+    """Placeholder tokens per row; None only when the id is not known and counts are not required.
+
+    Raises:
+        ValueError: media present, no placeholder id known and `require` (the default).
+    """
     if token_id is None:
+        if require:
+            raise ValueError(f"the batch has {field} but no {kind}_token_id is known to count the {kind}s of each "
+                             f"sample: pass {kind}_token_id= (or mrope=MRopeConfig(...)), or "
+                             f"require_media_counts=False when a model adapter checks the media itself")
         return None
     return ((input_ids == token_id) & keep).sum(dim=1).tolist()
 
@@ -194,7 +205,7 @@ def vision_inputs(batch: dict, input_ids: torch.Tensor, keep: torch.Tensor, toke
 
 
 def _image_counts(pixels, grid, input_ids, keep, tokens: MediaTokens) -> tuple[int, ...]:
-    rows = _row_counts(input_ids, keep, tokens.image_token_id, "image", "pixel_values")
+    rows = _row_counts(input_ids, keep, tokens.image_token_id, "image", "pixel_values", tokens.require_counts)
     if pixels.dim() == 4:
         if grid is not None:
             raise ValueError(f"pixel_values is [I, C, H, W] = {tuple(pixels.shape)} (whole images) but "
@@ -211,7 +222,7 @@ def _image_counts(pixels, grid, input_ids, keep, tokens: MediaTokens) -> tuple[i
 
 
 def _video_counts(videos, grid, seconds, input_ids, keep, tokens: MediaTokens) -> tuple[int, ...]:
-    rows = _row_counts(input_ids, keep, tokens.video_token_id, "video", "pixel_values_videos")
+    rows = _row_counts(input_ids, keep, tokens.video_token_id, "video", "pixel_values_videos", tokens.require_counts)
     if grid is None:
         raise ValueError(f"pixel_values_videos is {tuple(videos.shape)} patches but the batch has no video_grid_thw")
     patches = int(grid.prod(dim=1).sum())
@@ -248,7 +259,7 @@ def audio_inputs(batch: dict, input_ids: torch.Tensor, keep: torch.Tensor, token
     if min(frames) < 1:
         raise ValueError(f"feature_attention_mask gives clip {frames.index(min(frames))} no real frames")
     clip_tokens = audio_output_length(torch.tensor(frames), tokens.audio_n_window).tolist()
-    rows = _row_counts(input_ids, keep, tokens.audio_token_id, "audio", "input_features")
+    rows = _row_counts(input_ids, keep, tokens.audio_token_id, "audio", "input_features", tokens.require_counts)
     per_row = items_per_row(rows, clip_tokens, kind="audio", field="feature_attention_mask")
     return AudioInputs(input_features=features, feature_attention_mask=mask, audio_lengths=tuple(frames),
                        audios_per_sample=per_row)

@@ -17,7 +17,7 @@ from typing import Callable, Mapping
 import torch
 
 from megatron_vlm_packing.packing.documents import DOCUMENT_KEY, split_documents
-from megatron_vlm_packing.packing.lengths import real_lengths, real_lengths_and_flags
+from megatron_vlm_packing.packing.lengths import keep_mask_deferred, real_lengths
 from megatron_vlm_packing.packing.media import AUDIO_KEYS, VISION_KEYS, MediaTokens, audio_inputs, vision_inputs
 from megatron_vlm_packing.packing.micro_batch import AudioInputs, VisionInputs
 
@@ -153,11 +153,21 @@ def refuse_hf_labels_as_megatron(labels: torch.Tensor, input_ids: torch.Tensor, 
                          f"the current token)")
 
 
+def check_loss_weights(values: torch.Tensor, keep: torch.Tensor) -> None:
+    """Loss weights of real tokens are finite and >= 0; ValueError naming row and position."""
+    bad = keep & ~(torch.isfinite(values) & (values >= 0))
+    if bool(bad.any()):
+        b, t = _first_bad(bad)
+        raise ValueError(f"loss_mask row {b} position {t} is {float(values[b, t])}: loss weights must be finite "
+                         f"and >= 0")
+
+
 def labels_and_weights(batch: Mapping, input_ids: torch.Tensor, keep: torch.Tensor, label_style: str,
-                       vocab_size: int | None, *, checked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                       vocab_size: int | None, checks: "DeferredChecks") -> tuple[torch.Tensor, torch.Tensor]:
     """[B, S] next-token labels and float loss weights (a float `loss_mask` keeps its values).
 
-    `checked`: the value checks already passed (`value_check_flags`, read with the lengths); skip them.
+    Value checks (label range, HF labels given as Megatron labels, loss weights) are queued on
+    `checks`: computed on the device, read back with the lengths in one host sync.
     """
     shape = tuple(keep.shape)
     labels = row_tensor(batch, "labels", shape)
@@ -165,30 +175,59 @@ def labels_and_weights(batch: Mapping, input_ids: torch.Tensor, keep: torch.Tens
         raise ValueError("the batch has no 'labels': pack_batch/pad_batch build training micro-batches")
     if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
         raise ValueError(f"labels must hold integer token ids (-100 = ignore), got dtype {labels.dtype}")
-    labels = labels.long()
-    if not checked:
-        check_label_values(labels, keep, vocab_size)
-    if label_style == "hf":
-        labels = shift_labels_within_rows(labels, keep)
-    elif label_style == "megatron":
-        labels = torch.where(keep, labels, IGNORE_INDEX)
-        if not checked:
-            refuse_hf_labels_as_megatron(labels, input_ids, keep)
-    else:
+    if label_style not in ("hf", "megatron"):
         raise ValueError(f"label_style must be 'megatron' or 'hf', got {label_style!r}")
+    raw = labels.long()
+    out_of_range = (raw != IGNORE_INDEX) & (raw < 0)
+    if vocab_size is not None:
+        out_of_range = out_of_range | (raw >= vocab_size)
+    checks.add((keep & out_of_range).any(), lambda: check_label_values(raw, keep, vocab_size))
+    if label_style == "hf":
+        labels = shift_labels_within_rows(raw, keep)
+    else:
+        labels = torch.where(keep, raw, IGNORE_INDEX)
+        target = keep & (labels != IGNORE_INDEX)
+        copies = (target.sum() >= 2) & ((labels == input_ids) | ~target).all()
+        checks.add(copies, lambda: refuse_hf_labels_as_megatron(labels, input_ids, keep))
     weights = (labels != IGNORE_INDEX).float()
     loss_mask = row_tensor(batch, "loss_mask", shape)
     if loss_mask is not None:
         if loss_mask.is_complex():
             raise ValueError(f"loss_mask must be real weights, got dtype {loss_mask.dtype}")
         values = loss_mask.float()
-        bad = keep & ~(torch.isfinite(values) & (values >= 0))
-        if not checked and bool(bad.any()):
-            b, t = _first_bad(bad)
-            raise ValueError(f"loss_mask row {b} position {t} is {float(values[b, t])}: loss weights must be finite "
-                             f"and >= 0")
+        checks.add((keep & ~(torch.isfinite(values) & (values >= 0))).any(), lambda: check_loss_weights(values, keep))
         weights = weights * values
     return labels, weights
+
+
+class DeferredChecks:
+    """Validity flags computed on the device and read back in one host sync (with the lengths).
+
+    Each flag comes with a function that, when the flag reads True, recomputes the details on the
+    host and raises the ValueError naming the field and numbers. The clean path costs one sync.
+    """
+
+    def __init__(self) -> None:
+        self.flags: list[torch.Tensor] = []
+        self.raisers: list = []
+
+    def add(self, flag: torch.Tensor, raiser) -> None:
+        self.flags.append(flag.reshape(1).long())
+        self.raisers.append(raiser)
+
+    def read(self, lengths: torch.Tensor | None) -> list[int] | None:
+        """Raise the first failed check's error; return `lengths` ([B] device ints) as host ints."""
+        parts = ([lengths.long()] if lengths is not None else []) + self.flags
+        if not parts:
+            return None
+        device = parts[0].device
+        values = torch.cat([p.to(device) for p in parts]).tolist()  # the one host sync
+        count = 0 if lengths is None else lengths.numel()
+        for bad, raiser in zip(values[count:], self.raisers):
+            if bad:
+                raiser()
+                raise AssertionError("a failed check did not raise its ValueError")  # a bug here, not in the input
+        return values[:count] if lengths is not None else None
 
 
 def rope_positions(batch: Mapping, input_ids: torch.Tensor, keep: torch.Tensor, mrope, audio) -> torch.Tensor:
@@ -266,49 +305,28 @@ def check_1d_positions(given: torch.Tensor, keep: torch.Tensor) -> None:
                          f"are computed from the real lengths (restarting per document)")
 
 
+def queue_position_checks(batch: Mapping, keep: torch.Tensor, mrope, checks: DeferredChecks) -> None:
+    """Refuse [3, B, S] positions beside mrope= now; queue the check of [B, S] positions."""
+    given = batch.get("position_ids")
+    if given is None:
+        return
+    if mrope is not None and given.dim() == 3:
+        raise ValueError("the batch has [3, B, S] position_ids and mrope= was given: pass one of them")
+    if given.dim() == 2:
+        expected = torch.arange(keep.shape[1], device=keep.device).expand_as(keep)
+        checks.add((keep & (given != expected)).any(), lambda: check_1d_positions(given, keep))
+
+
 def batch_positions(batch: Mapping, input_ids: torch.Tensor, keep: torch.Tensor, mrope, audio) -> torch.Tensor | None:
-    """[3, B, S] mRoPE positions (computed, or given in the batch), or None for 1D positions."""
+    """[3, B, S] mRoPE positions (computed, or given in the batch), or None for 1D positions.
+
+    Run after `queue_position_checks` and the checks' read."""
     given = batch.get("position_ids")
     if mrope is not None:
-        if given is not None and given.dim() == 3:
-            raise ValueError("the batch has [3, B, S] position_ids and mrope= was given: pass one of them")
-        if given is not None:
-            check_1d_positions(given, keep)
         return rope_positions(batch, input_ids, keep, mrope, audio)
     if given is not None and given.dim() == 3:
         return given
-    if given is not None:
-        check_1d_positions(given, keep)
     return None  # 1D positions: each document restarts at 0
-
-
-def value_check_flags(batch: Mapping, input_ids: torch.Tensor, keep: torch.Tensor, label_style: str,
-                      vocab_size: int | None) -> torch.Tensor | None:
-    """[1] long on the device: 1 when any value check of `check_ids` / `labels_and_weights` would fail.
-
-    Computed before the real lengths are read, from the mask itself (`keep`), so that the flag rides
-    the lengths' one host sync (`real_lengths_and_flags`); when it is set the checks run again,
-    eagerly, and raise their own messages in their own order. None where a check cannot be
-    expressed here (missing or non-integer labels, complex weights): the checks then run eagerly.
-    """
-    labels, loss_mask = batch.get("labels"), batch.get("loss_mask")
-    if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.is_complex() \
-            or labels.dtype == torch.bool or tuple(labels.shape) != tuple(keep.shape):
-        return None
-    if loss_mask is not None and (not isinstance(loss_mask, torch.Tensor) or loss_mask.is_complex()):
-        return None
-    labels = labels.long()
-    bad = (input_ids < 0) | ((labels != IGNORE_INDEX) & (labels < 0))
-    if vocab_size is not None:
-        bad = bad | (input_ids >= vocab_size) | (labels >= vocab_size)
-    if loss_mask is not None:
-        values = loss_mask.float()
-        bad = bad | ~(torch.isfinite(values) & (values >= 0))
-    flags = [(keep & bad).any()]
-    if label_style == "megatron":  # refuse_hf_labels_as_megatron's condition
-        target = keep & (labels != IGNORE_INDEX)
-        flags.append((target.sum() >= 2) & ((labels == input_ids) | ~target).all())
-    return torch.stack(flags).any().long().reshape(1)
 
 
 def check_pad_token_id(pad_token_id) -> int:
@@ -361,18 +379,18 @@ def read_rows(batch, *, label_style: str, mrope, media: MediaTokens, extra_keys=
         batch, document_rows = split_documents(batch, name, extra_keys)
         input_ids = batch[name].long()
     shape = tuple(input_ids.shape)
-    mask = batch.get("attention_mask")
-    flags = None
-    if document_rows is None and isinstance(mask, torch.Tensor) and tuple(mask.shape) == shape \
-            and batch.get("seq_lens") is None:  # a 2D mask: the checks ride the lengths' one host sync
-        flags = value_check_flags(batch, input_ids, mask != 0, label_style, vocab_size)
-    lengths, flagged = real_lengths_and_flags(batch_size=shape[0], row_length=shape[1], attention_mask=mask,
-                                              seq_lens=batch.get("seq_lens"), flags=flags)
-    checked = flags is not None and not any(flagged)
-    keep = torch.arange(shape[1], device=input_ids.device) < torch.tensor(lengths, device=input_ids.device)[:, None]
-    if not checked:
-        check_ids(input_ids, keep, vocab_size, name)
-    labels, weights = labels_and_weights(batch, input_ids, keep, label_style, vocab_size, checked=checked)
+    mask, seq_lens = batch.get("attention_mask"), batch.get("seq_lens")
+    keep, lengths, mask_bad = keep_mask_deferred(batch_size=shape[0], row_length=shape[1], attention_mask=mask,
+                                                 seq_lens=seq_lens, device=input_ids.device)
+    checks = DeferredChecks()
+    if mask_bad is not None:  # raises the detailed mask error (holes, left padding, non-causal 4D)
+        checks.add(mask_bad, lambda: real_lengths(batch_size=shape[0], row_length=shape[1], attention_mask=mask))
+    bad_ids = (input_ids < 0) if vocab_size is None else ((input_ids < 0) | (input_ids >= vocab_size))
+    checks.add((keep & bad_ids).any(), lambda: check_ids(input_ids, keep, vocab_size, name))
+    labels, weights = labels_and_weights(batch, input_ids, keep, label_style, vocab_size, checks)
+    queue_position_checks(batch, keep, mrope, checks)
+    read = checks.read(keep.sum(dim=1) if lengths is None else None)  # the one host sync
+    lengths = read if lengths is None else lengths
     vision = vision_inputs(batch, input_ids, keep, media)
     audio = audio_inputs(batch, input_ids, keep, media)
     return Rows(input_ids=input_ids, keep=keep, lengths=lengths, labels=labels, loss_weights=weights,

@@ -17,6 +17,8 @@ modules): `bridge_deepstack_sp` (Qwen3-VL deepstack gradients under TP + SP) and
 `bridge_thd_cp_index` (packed CP token selection without TE's kernel), `bridge_qwen25_vl_cp`
 (Qwen2.5-VL's missing CP token selection). Apply them before the first
 forward of a Bridge model; the Bridge adapters refuse a layout whose defect is present and unpatched.
+Qwen3-Omni's packed THD path is applied on its own: `apply_bridge_qwen3_omni_packed()` (the thinker
+refuses `packed_seq_params`; the Omni adapter refuses packed micro-batches until it is applied).
 """
 
 from megatron_vlm_packing.patches.llava_boundaries import (
@@ -26,6 +28,9 @@ from megatron_vlm_packing.patches.bridge_deepstack_sp import apply_bridge_deepst
 from megatron_vlm_packing.patches.bridge_qwen25_vl_cp import apply_bridge_qwen25_vl_cp, undo_bridge_qwen25_vl_cp
 from megatron_vlm_packing.patches.bridge_thd_cp_index import apply_bridge_thd_cp_index, undo_bridge_thd_cp_index
 from megatron_vlm_packing.patches.thd_rotary import apply_thd_rotary, undo_thd_rotary, upstream_thd_rope_syncs
+from megatron_vlm_packing.patches.bridge_qwen3_omni_packed import (
+    apply_bridge_qwen3_omni_packed, undo_bridge_qwen3_omni_packed,
+)
 from megatron_vlm_packing.patches.gpt_model_forward import (
     apply_sp_embedding_scatter, apply_sp_padding_mask_scatter, undo_sp_embedding_scatter,
     undo_sp_padding_mask_scatter, upstream_scatters_standalone_embeddings,
@@ -62,6 +67,7 @@ def undo_all() -> None:
 __all__ = [
     "apply_bridge_deepstack_sp", "apply_bridge_patches", "apply_bridge_thd_cp_index", "undo_bridge_deepstack_sp",
     "undo_bridge_patches", "undo_bridge_thd_cp_index", "apply_bridge_qwen25_vl_cp", "undo_bridge_qwen25_vl_cp",
+    "apply_bridge_qwen3_omni_packed", "undo_bridge_qwen3_omni_packed",
     "apply_llava_packed_boundaries", "undo_llava_packed_boundaries", "upstream_remaps_packed_boundaries",
     "apply_all", "apply_sp_embedding_scatter", "apply_sp_padding_mask_scatter", "undo_all",
     "undo_sp_embedding_scatter", "undo_sp_padding_mask_scatter", "upstream_scatters_standalone_embeddings",

@@ -12,15 +12,18 @@ packed path and leaves every dense call to Bridge's own code:
 - Positions: the caller's [3, 1, T] positions, each document's as if it were alone (float: video
   t positions are fractional), e.g. `pack_batch(mrope=TinyOmniConfig.mrope_config())` /
   `rope.get_rope_index`; never recomputed from the packed ids as one sequence.
-- Rotary state is per call (bug class 5): the rotary's `is_thd_format` is set for the packed call
-  and restored after it, so a later dense call slices for CP exactly as if no packed call ran.
+- Rotary state is per call (bug class 5): the rotary's `is_thd_format` is set from each call
+  (True packed, False dense) and restored after it, so a dense call slices for CP exactly as if no
+  packed call ran, whatever flag another caller left behind.
 - Deepstack features enter the language model as dense [T, H] tensors (zero outside vision
   tokens) that go through the same CP index and Megatron's SP scatter as the embeddings; the
   scatter's backward all-gathers, so every TP rank's vision tower gets the whole gradient (Bridge's
   `split_deepstack_embs` slices per SP rank with no backward collective: bug class 12).
-- Audio clips are encoded together (the encoder keeps clips apart by their lengths) and placed in
-  token order; the count of audio placeholders must equal the encoder's output length (Bridge's own
-  dense path trims per row and cannot take two clips in a row).
+- Audio clips are encoded in groups whose chunks pad alike when alone (`audio_embeddings`: Hugging
+  Face's encoder carries chunk padding into the last real frames, so clips of different lengths
+  encoded in one call differ from each clip alone) and placed in token order; the count of audio
+  placeholders must equal the encoder's output length (Bridge's own dense path trims per row and
+  cannot take two clips in a row).
 - Labels and loss mask are this CP rank's (`packing.localize`); ids and positions full length.
 
 Feature check: the original forward is run on an empty object with `packed_seq_params`; the defect
@@ -32,6 +35,7 @@ Shape legend: T = physical packed tokens, Tl = T / cp, H = hidden size, A = audi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import types
@@ -40,7 +44,6 @@ import torch
 
 THINKER_MODULE = "megatron.bridge.models.qwen_omni.modeling_qwen3_omni.thinker_model"
 _ORIGINAL: dict = {}
-_DENSE_ONLY = ("inference_params",)
 _MEDIA_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "video_second_per_grid",
                "input_features", "feature_attention_mask", "audio_feature_lengths")
 
@@ -87,8 +90,9 @@ def apply_bridge_qwen3_omni_packed() -> bool:
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
         call = signature.bind(self, *args, **kwargs).arguments
-        if call.get("packed_seq_params") is None:
-            return original(self, *args, **kwargs)
+        if call.get("packed_seq_params") is None:  # dense: Bridge's code, with the rotary in dense mode
+            with rotary_mode(self, thd=False):
+                return original(self, *args, **kwargs)
         call.pop("self")
         extra = call.pop("kwargs", {})
         return packed_thinker_forward(self, **call, **extra)
@@ -129,6 +133,9 @@ def packed_thinker_forward(thinker, *, input_ids, position_ids, packed_seq_param
                                           ("attention_mask", attention_mask)) if v is not None]
         raise ValueError(f"packed Qwen3-Omni thinker cannot take {named}: boundaries come from packed_seq_params, "
                          f"media from {list(_MEDIA_KEYS)}")
+    if not thinker.pre_process:
+        raise ValueError("packed Qwen3-Omni runs on the first pipeline stage only (Bridge's deepstack block "
+                         "supports no pipeline parallelism)")
     pg = thinker.pg_collection
     cp_size, cp_rank = pg.cp.size(), pg.cp.rank()
     _check_packed_layout(input_ids, position_ids, packed_seq_params, labels, cp_size)
@@ -144,15 +151,25 @@ def packed_thinker_forward(thinker, *, input_ids, position_ids, packed_seq_param
     if deepstack:  # all-True mask: the dense features are zero outside vision tokens
         deepstack_embeds = [d[:, 0] for d in deepstack]  # [Tl / tp, H]
         visual_pos_masks = torch.ones(1, deepstack_embeds[0].shape[0], dtype=torch.bool, device=input_ids.device)
-    rotary = thinker.language_model.rotary_pos_emb
-    saved = rotary.is_thd_format
-    rotary.is_thd_format = True  # positions are this rank's already: the rotary must not slice for CP
-    try:
+    with rotary_mode(thinker, thd=True):  # positions are this rank's already: the rotary must not slice for CP
         return thinker.language_model(
             input_ids=None, position_ids=positions, attention_mask=None, decoder_input=embeddings, labels=labels,
             loss_mask=loss_mask, packed_seq_params=packed_seq_params, runtime_gather_output=runtime_gather_output,
             extra_block_kwargs=extra_block_kwargs, visual_pos_masks=visual_pos_masks,
             deepstack_visual_embeds=deepstack_embeds)
+
+
+@contextlib.contextmanager
+def rotary_mode(thinker, *, thd: bool):
+    """The language model's rotary `is_thd_format` set for one call and restored after it (bug class 5)."""
+    rotary = getattr(getattr(thinker, "language_model", None), "rotary_pos_emb", None)
+    if rotary is None or not hasattr(rotary, "is_thd_format"):
+        yield
+        return
+    saved = rotary.is_thd_format
+    rotary.is_thd_format = thd
+    try:
+        yield
     finally:
         rotary.is_thd_format = saved
 
@@ -163,7 +180,8 @@ def _check_packed_layout(input_ids, position_ids, packed_seq_params, labels, cp_
         raise ValueError("packed Qwen3-Omni needs THD packed_seq_params with cu_seqlens_q_padded "
                          f"(qkv_format={packed_seq_params.qkv_format!r})")
     if input_ids is None or input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise ValueError(f"packed input_ids must be [1, T], got {None if input_ids is None else tuple(input_ids.shape)}")
+        got = None if input_ids is None else tuple(input_ids.shape)
+        raise ValueError(f"packed input_ids must be [1, T], got {got}")
     total = input_ids.shape[1]
     if position_ids is None or tuple(position_ids.shape) != (3, 1, total):
         got = None if position_ids is None else tuple(position_ids.shape)

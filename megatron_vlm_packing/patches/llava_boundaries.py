@@ -59,7 +59,7 @@ def expand_packed_call(model, call: dict) -> None:
     image_token = model.image_token_index if image_token is None else image_token
     if call.get("num_image_tiles") is None:
         call["num_image_tiles"] = _default_tiles(call, input_ids, image_token)
-    if model.post_process and call.get("labels") is not None:
+    if call.get("labels") is not None:  # checked on every stage, so that no stage waits for a failed peer
         leaks = leaking_documents(input_ids, params.cu_seqlens_q, params.cu_seqlens_q_padded,
                                   call.get("loss_mask"), image_token_index=image_token)
         if leaks:

@@ -18,8 +18,8 @@ them from model shapes; `CostModel.qwen2_5_vl_7b()` is the documented default:
 - Vision (675M ViT: hidden 1280, 32 layers, 16 heads x 80, SwiGLU 3420, 2x2 merger to 3584):
   28 layers attend within 8x8-patch windows (a linear term: 12 * 1280 * 64 per patch per layer),
   4 layers attend over the whole frame (12 * 1280 * 4 = 6.1e4 per p^2; bidirectional, no halving).
-- Audio (Qwen2.5-Omni Whisper-style encoder: hidden 1280, 32 layers, GELU 5120, bidirectional
-  attention over each clip).
+- Audio (Qwen2.5-Omni Whisper-style encoder: hidden 1280, 32 layers, GELU 5120): bidirectional
+  attention counted over each whole clip, an upper bound where the encoder attends within chunks.
 
 The benchmark `benchmarks/planner_cost_fit.py` fits `lm_linear` and `lm_attention` (and a
 per-document term) from timed forward + backward steps and reports how well the form fits.

@@ -4,7 +4,7 @@ Energon calls `select_samples_to_pack(samples)` with a buffer of `packing_buffer
 samples and `pack_selected_samples(samples)` once per returned group (method names as in
 Energon's TaskEncoder documentation). `EnergonPackingHooks` implements both from per-sample
 metadata: groups are cost-balanced bins of the layout's capacity (never truncated; an oversize
-sample is an error or a bin of its own), and a group becomes one `PackedBatch` through the user's
+sample is an error or a bin of its own), and a group becomes one `MicroBatch` through the user's
 collate (samples -> right-padded batch dict) and `pack_batch(..., pad_to=capacity)`.
 
 Energon fills each rank's buffer on its own, so these hooks balance the bins of a buffer against
@@ -21,7 +21,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from megatron_vlm_packing.packing.batch import PackedBatch, pack_batch
+from megatron_vlm_packing.packing.batch import pack_batch
+from megatron_vlm_packing.packing.micro_batch import MicroBatch
 from megatron_vlm_packing.packing.plan import PackMultiples
 from megatron_vlm_packing.planner.bins import BinLayout, balanced_fit
 from megatron_vlm_packing.planner.cost import CostModel
@@ -72,10 +73,12 @@ class EnergonPackingHooks:
         if len(fits):
             num_bins = -(-int(slots[fits].sum()) // self.layout.capacity)
             extra = self.cost_model.extra_costs(table, tokens)[fits]
+            if not self.layout.static_shapes:  # bins of different lengths: their GEMMs differ too
+                extra = extra + self.cost_model.lm_linear * slots[fits]
             groups = [[int(fits[p]) for p in g] for g in balanced_fit(slots[fits], extra, self.layout.capacity, num_bins)]
         return [[samples[i] for i in g] for g in groups + [[int(p)] for p in over]]
 
-    def pack_selected_samples(self, samples: list) -> PackedBatch:
+    def pack_selected_samples(self, samples: list) -> MicroBatch:
         """One bin -> one packed micro-batch, padded to the capacity (static) or aligned (dynamic)."""
         batch = self.collate(samples)
         pad_to = self._aligned_total(samples) if self.layout.static_shapes else None
@@ -96,5 +99,5 @@ class PlannedPackingMixin:
     def select_samples_to_pack(self, samples: list) -> list[list]:
         return self.packing_hooks.select_samples_to_pack(samples)
 
-    def pack_selected_samples(self, samples: list) -> PackedBatch:
+    def pack_selected_samples(self, samples: list) -> MicroBatch:
         return self.packing_hooks.pack_selected_samples(samples)

@@ -64,8 +64,12 @@ class SampleTable:
     audio_owner: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     def __post_init__(self) -> None:
+        for name in ("text_tokens", "image_owner", "video_owner", "audio_frames", "audio_owner"):
+            object.__setattr__(self, name, np.asarray(getattr(self, name), dtype=np.int64).reshape(-1))
+        for name in ("image_grids", "video_grids"):
+            object.__setattr__(self, name, _grid_array(getattr(self, name), name))
         n = len(self.text_tokens)
-        if (np.asarray(self.text_tokens) < 0).any():
+        if (self.text_tokens < 0).any():
             raise ValueError(f"text_tokens must be >= 0; sample {int(np.argmin(self.text_tokens))} has "
                              f"{int(np.min(self.text_tokens))}")
         for name in ("image", "video", "audio"):

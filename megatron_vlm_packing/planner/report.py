@@ -56,3 +56,14 @@ def run_plan(args: argparse.Namespace) -> int:
             shown = " ".join(f"{c:.3f}" for c in costs[:16]) + (" ..." if len(costs) > 16 else "")
             print(f"{name:12s} step {s} per-rank cost (PFLOP): {shown}  max/mean {step.imbalance:.4f}")
     return 0
+
+
+def plan_args_from(args: argparse.Namespace) -> argparse.Namespace:
+    """`plan`'s defaults, with the parallel layout and seed of another command's `args` (the demo's)."""
+    parser = argparse.ArgumentParser()
+    add_plan_arguments(parser)
+    plan_args = parser.parse_args([])
+    for name in ("tp", "cp", "sp", "fp8", "seed"):
+        if hasattr(args, name):
+            setattr(plan_args, name, getattr(args, name))
+    return plan_args

@@ -11,8 +11,11 @@ Where it plugs in:
   `train_valid_test_datasets_provider`; Megatron then calls `forward_step` once per micro-batch.
 - Megatron-Bridge: pass the DataLoader (or its iterator) where a custom dataset provider returns
   loaders; the step is the same.
-Run `micro_batches_per_step()` micro-batches per optimizer step (the last step of an epoch may be
-shorter when `tail="short_step"`).
+Run `micro_batches_per_step()` micro-batches per optimizer step. Megatron's fixed global batch
+(`--micro-batch-size 1 --global-batch-size M*DP`, one bin per micro-batch) matches
+`micro_batches_per_rank=M` with `tail="carry"`: every step then has exactly M micro-batches per
+rank. `tail="short_step"` and `samples_per_step` give steps of varying length, for loops that pass
+`num_microbatches` per step to `get_forward_backward_func`.
 
 Resume: `state_dict()` records the epoch, how many micro-batches this rank has taken, and the
 samples carried in from the previous epoch; the plan is rebuilt from the seed and iteration resumes

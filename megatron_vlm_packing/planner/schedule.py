@@ -43,6 +43,11 @@ class PlannerConfig:
         balance: balance cost over ranks (False: the unbalanced baseline).
         tail: the epoch's last samples (less than a step): "short_step" (one step with fewer
             micro-batches per rank, bins less full) or "carry" (they lead the next epoch).
+        samples_per_step: a fixed number of samples per optimizer step (what sample-based LR
+            schedules assume); each step then runs as many micro-batches per rank as its samples
+            need (variable), spread over R * m bins of balanced cost (bins are then less full: pair
+            it with dynamic shapes). None: a fixed number of bins
+            (`micro_batches_per_rank`) per step and a variable number of samples.
         cost_model: per-bin cost; expanded_tokens: tokens per sample in the space attention sees.
     """
 
@@ -54,6 +59,7 @@ class PlannerConfig:
     shuffle: bool = True
     balance: bool = True
     tail: str = "short_step"
+    samples_per_step: int | None = None
     cost_model: CostModel = field(default_factory=CostModel.qwen2_5_vl_7b)
     expanded_tokens: ExpandedTokens = field(default_factory=TokenCounter)
 
@@ -61,6 +67,9 @@ class PlannerConfig:
         for name in ("dp_size", "micro_batches_per_rank", "window_steps"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        if self.samples_per_step is not None and (not isinstance(self.samples_per_step, int)
+                                                  or self.samples_per_step < self.dp_size):
+            raise ValueError(f"samples_per_step must be an int >= dp_size={self.dp_size}, got {self.samples_per_step!r}")
         if self.tail not in ("short_step", "carry"):
             raise ValueError(f"tail must be 'short_step' or 'carry', got {self.tail!r}")
 
@@ -125,6 +134,15 @@ def _columns(table: SampleTable, config: PlannerConfig) -> _Columns:
     return _Columns(tokens, config.layout.slot_sizes(tokens), config.cost_model.extra_costs(table, tokens))
 
 
+def _fit_costs(positions: np.ndarray, cols: _Columns, config: PlannerConfig) -> np.ndarray:
+    """[K] the part of each sample's cost that differs between bins: under static shapes every bin
+    pays lm_linear * capacity, so only the extras; otherwise its tokens' GEMMs too."""
+    extra = cols.extra[positions]
+    if config.layout.static_shapes:
+        return extra
+    return extra + config.cost_model.lm_linear * cols.slots[positions]
+
+
 def _make_bins(groups: list[list[int]], cols: _Columns, stream: np.ndarray, config: PlannerConfig) -> list[Bin]:
     """Bins from lists of stream positions (`cols` is indexed by stream position)."""
     if not groups:
@@ -151,7 +169,7 @@ def _pack_window(pos: np.ndarray, cols: _Columns, stream: np.ndarray, config: Pl
     fits = np.setdiff1d(np.arange(len(pos)), over, assume_unique=True) if len(over) else np.arange(len(pos))
     if config.balance:
         num_bins = max(1, -(-int(slots[fits].sum()) // capacity))
-        groups = balanced_fit(slots[fits], cols.extra[pos[fits]], capacity, num_bins)
+        groups = balanced_fit(slots[fits], _fit_costs(pos[fits], cols, config), capacity, num_bins)
     else:
         groups = best_fit_decreasing(slots[fits], capacity)
     window = pos[fits].tolist()
@@ -188,25 +206,45 @@ def _keep_whole_steps(groups: list[list[int]], slots: np.ndarray, size: int, cap
     return [groups[i] for i in kept], np.asarray(rest, dtype=np.int64)
 
 
-def _last_step_groups(tail: list[list[int]], cols: _Columns, config: PlannerConfig):
-    """Re-pack the epoch's last samples into R * m bins (m per rank, as few as fit); None if too few."""
+def _last_step_groups(tail: list[list[int]], cols: _Columns, config: PlannerConfig, per_rank: int | None = None):
+    """Re-pack samples into R * m bins (m per rank: `per_rank`, or as many as `tail` had bins, per
+    rank); None if there are fewer samples than bins."""
     positions = np.asarray([p for g in tail for p in g], dtype=np.int64)
-    per_rank = -(-len(tail) // config.dp_size)
+    per_rank = per_rank or -(-len(tail) // config.dp_size)
     count = config.dp_size * per_rank
     if len(positions) < count:
         return None, per_rank
     slots = cols.slots[positions]
     if config.balance:
-        groups = balanced_fit(slots, cols.extra[positions], config.layout.capacity, count)
+        groups = balanced_fit(slots, _fit_costs(positions, cols, config), config.layout.capacity, count)
     else:
         groups = best_fit_decreasing(slots, config.layout.capacity)
-    if len(groups) > count:  # the greedy needed more bins than the tail had: one more per rank
-        per_rank += 1
+    if len(groups) > count:  # the greedy needed more bins (or oversize samples did): more per rank
+        per_rank = -(-len(groups) // config.dp_size)
         count = config.dp_size * per_rank
     groups = split_to_count(groups, count, slots)
     if groups is None:
         return None, per_rank
     return [[int(positions[p]) for p in g] for g in groups], per_rank
+
+
+def _fixed_samples_steps(cols: _Columns, stream: np.ndarray, config: PlannerConfig, rng, bar: Progress):
+    """Steps of exactly `samples_per_step` samples, micro-batches as needed; the last, shorter one
+    runs (tail="short_step") or is carried (tail="carry", or fewer samples than ranks)."""
+    steps, n = [], config.samples_per_step
+    for start in range(0, len(stream), n):
+        positions = np.arange(start, min(start + n, len(stream)))
+        if len(positions) < n and config.tail == "carry":
+            return steps, tuple(int(stream[p]) for p in positions)
+        config.layout.check_oversize(cols.slots[positions], stream[positions])
+        groups = [[int(p) for p in positions]]  # _last_step_groups re-packs them into R * m bins
+        per_rank = -(-int(cols.slots[positions].sum()) // (config.layout.capacity * config.dp_size))
+        last, per_rank = _last_step_groups(groups, cols, config, per_rank=max(1, per_rank))
+        if last is None:
+            return steps, tuple(int(stream[p]) for p in positions)
+        steps.extend(_steps_from_bins(_make_bins(last, cols, stream, config), config, per_rank, rng))
+        bar.update(positions[-1] + 1)
+    return steps, ()
 
 
 def _tail_steps(groups: list[list[int]], cols: _Columns, stream: np.ndarray, config: PlannerConfig, rng):
@@ -239,8 +277,12 @@ def plan_epoch(table: SampleTable, config: PlannerConfig, *, epoch: int = 0, car
     cols = _Columns(cols.tokens[stream], cols.slots[stream], cols.extra[stream])  # by stream position
     cum = np.cumsum(cols.slots)
     window_slots = config.window_steps * config.bins_per_step * config.layout.capacity
-    steps, pending, start = [], np.zeros(0, np.int64), 0
     bar = Progress(len(stream), enabled=progress, label=f"planning epoch {epoch}")
+    if config.samples_per_step is not None:
+        steps, carried = _fixed_samples_steps(cols, stream, config, rng, bar)
+        bar.close()
+        return EpochPlan(epoch, tuple(steps), carried)
+    steps, pending, start = [], np.zeros(0, np.int64), 0
     while start < len(stream):
         base = int(cum[start - 1]) if start else 0
         budget = window_slots - int(cols.slots[pending].sum())

@@ -132,7 +132,8 @@ def llava_cp_without_te():
         yield
         return
     names = ("HAVE_TE", "TEDotProductAttention", "HAVE_TEX", "tex", "is_te_min_version")
-    saved = {k: getattr(llava_model, k) for k in names}
+    missing = object()  # megatron-core 0.16.1 defines no TEDotProductAttention without TE
+    saved = {k: getattr(llava_model, k, missing) for k in names}
 
     class _Tex:
         @staticmethod
@@ -146,7 +147,10 @@ def llava_cp_without_te():
         yield
     finally:
         for k, v in saved.items():
-            setattr(llava_model, k, v)
+            if v is missing:
+                delattr(llava_model, k)
+            else:
+                setattr(llava_model, k, v)
 
 
 def expanded_cu_seqlens_padded(adapter, mb) -> torch.Tensor:

@@ -79,8 +79,9 @@ def to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-def resolve_mrope(options: StepOptions, adapter: ModelAdapter):
-    """The mRoPE config positions are computed with: the step's, else the model's own (PackedVLM).
+def resolve_mrope(options: StepOptions, adapter: ModelAdapter, batch: dict | None = None):
+    """The mRoPE config positions are computed with: the step's, else the model's own (PackedVLM)
+    unless the batch already carries [3, B, S] `position_ids` (then those are packed as given).
 
     Raises:
         ValueError: `mrope=` given for a model whose adapter says its rotary is 1D (the positions
@@ -90,7 +91,12 @@ def resolve_mrope(options: StepOptions, adapter: ModelAdapter):
     if options.mrope is not None and rotary == "1d":
         raise ValueError(f"make_forward_step(mrope=...) was given but {adapter.model_name}'s rotary is 1D "
                          f"({type(adapter).__name__}): drop mrope= or build an mRoPE model")
-    return options.mrope if options.mrope is not None else getattr(adapter, "mrope", None)
+    if options.mrope is not None:
+        return options.mrope
+    given = (batch or {}).get("position_ids")
+    if isinstance(given, torch.Tensor) and given.dim() == 3:
+        return None
+    return getattr(adapter, "mrope", None)
 
 
 def build_micro_batch(batch: dict, layout: ParallelLayout, options: StepOptions, *, mrope=None,
@@ -103,7 +109,8 @@ def build_micro_batch(batch: dict, layout: ParallelLayout, options: StepOptions,
     from megatron_vlm_packing.packing import pack_batch, pad_batch
 
     common = dict(tp_size=layout.tp_size, cp_size=layout.cp_size, sequence_parallel=layout.sequence_parallel,
-                  fp8=options.fp8, label_style=options.label_style, mrope=mrope, **(media_token_ids or {}))
+                  fp8=options.fp8, label_style=options.label_style, mrope=mrope, **(media_token_ids or {}),
+                  require_media_counts=False)  # the adapter's check refuses media it does not consume
     if options.pack:
         return pack_batch(batch, pad_to=options.pad_to, **common)
     return pad_batch(batch, seq_length=options.seq_length, **common)
@@ -182,16 +189,20 @@ def make_forward_step(*, pack: bool = True, label_style: str = "hf", pad_to: int
         layout = ParallelLayout.from_megatron(unwrap_model(model).config)
         batch = read_micro_batch(data_iterator, broadcast_from_tp_rank0=broadcast_from_tp_rank0)
         device = next(model.parameters()).device
-        mrope_used = resolve_mrope(options, model_adapter)
         media_token_ids = getattr(model_adapter, "media_token_ids", None)
         if isinstance(batch, MicroBatch):  # packed in the DataLoader: only moved here
             if probe is not None:
                 raise ValueError("parity_probe_every needs collated batches (it re-packs each sample alone); "
                                  "the data iterator yielded micro-batches packed in the DataLoader")
+            resolve_mrope(options, model_adapter)  # refuses mrope= for a 1D model here too
             micro_batch = micro_batch_from_loader(batch, multiples=layout_multiples(layout, options), device=device)
         else:
             batch = to_device(batch, device)
+            mrope_used = resolve_mrope(options, model_adapter, batch)
             micro_batch = model_adapter.build_micro_batch(batch, layout, options)
+            if micro_batch is not None and probe is not None:
+                raise ValueError(f"parity_probe_every: {type(model_adapter).__name__} builds its own micro-batches "
+                                 f"(e.g. in LLaVA's expanded space), which the probe cannot split per sample")
             if micro_batch is None:
                 micro_batch = build_micro_batch(batch, layout, options, mrope=mrope_used,
                                                 media_token_ids=media_token_ids)
@@ -202,7 +213,7 @@ def make_forward_step(*, pack: bool = True, label_style: str = "hf", pad_to: int
         if probe is not None:  # the same build and model call, for the pack and each sample alone
             probe(model, batch, micro_batch,
                   pack=partial(build_micro_batch, layout=layout, options=options, mrope=mrope_used,
-                                                media_token_ids=media_token_ids),
+                               media_token_ids=media_token_ids),
                   forward=lambda mb: model_adapter.forward(model, prepare_for_model(mb, model_adapter, layout)))
         return output, partial(loss_func, local.loss_mask, local.stats)
 

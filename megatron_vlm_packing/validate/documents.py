@@ -58,9 +58,8 @@ class Documents:
 
 
 def make_documents(bounds: Boundaries, total: int) -> Documents:
+    """The slot -> document view; the boundaries must cover exactly `total` slots (checked before)."""
     doc = torch.repeat_interleave(torch.arange(bounds.num_documents), torch.tensor(bounds.physical))
-    if doc.numel() != total:  # boundaries cover a different T (already reported): pad or cut the view
-        doc = torch.cat([doc, doc.new_full((max(total - doc.numel(), 0),), bounds.num_documents - 1)])[:total]
     offset = torch.arange(total) - torch.tensor(bounds.starts, dtype=torch.long)[doc]
     return Documents(bounds=bounds, real=bounds.real, doc_of_slot=doc, offset=offset)
 

@@ -155,9 +155,15 @@ def _from_micro_batch(batch) -> dict:
     if getattr(batch, "packed_seq_params", None) is not None:
         out.update(_params_fields(batch.packed_seq_params))
     vision = getattr(batch, "vision", None)
+    rows = getattr(getattr(batch, "plan", None), "segment_rows", None)  # empty rows make no document
+
+    def per_document(per_row):
+        return None if per_row is None or rows is None else tuple(per_row[r] for r in rows if r < len(per_row))
+
     if vision is not None:
         out.update(image_grid_thw=vision.image_grid_thw, video_grid_thw=vision.video_grid_thw,
-                   images_per_document=vision.images_per_sample, videos_per_document=vision.videos_per_sample)
+                   images_per_document=per_document(vision.images_per_sample),
+                   videos_per_document=per_document(vision.videos_per_sample))
     passthrough = getattr(batch, "passthrough", None) or {}
     for key in ("image_grid_thw", "video_grid_thw"):
         if passthrough.get(key) is not None:

@@ -80,6 +80,10 @@ def run_checks(inputs: PackedInputs) -> ValidationReport:
                                 tuple(checked + ["cp_partition"]),
                                 (("per-token checks", "the batch is localized to one CP rank: validate it "
                                   "before localize, with cp_ranks for what each rank received"),))
+    if sum(bounds.physical) != inputs.total or any(r > p for r, p in zip(bounds.real, bounds.physical)):
+        return ValidationReport(tuple(violations), bounds.num_documents, inputs.total, sum(bounds.real),
+                                tuple(checked), (("per-token checks", "the boundaries do not lay the documents "
+                                                  "out over the T slots"),))
     docs = make_documents(bounds, inputs.total)
     docs, more, skip = _settle_real_slots(inputs, docs)
     violations += more

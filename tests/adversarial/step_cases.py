@@ -283,6 +283,18 @@ def mrope_vlm_positions_matter(m):
 
 
 @case
+def mrope_vlm_with_collated_3d_positions(m):
+    """[3, B, S] positions from the collator are packed as given, and equal the model's own config's."""
+    from megatron_vlm_packing.rope import get_rope_index
+
+    batch = only(media_batch(), "pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+    positions = get_rope_index(batch["input_ids"], ROPE, image_grid_thw=batch["image_grid_thw"],
+                               video_grid_thw=batch["video_grid_thw"], attention_mask=batch["attention_mask"]).position_ids
+    return loss(make_forward_step(), m["mrope_vlm"], batch | {"position_ids": positions}) == \
+        loss(make_forward_step(), m["mrope_vlm"], batch)
+
+
+@case
 def vlm_mrope_with_1d_lm(m):
     return PackedVLM(build_tiny_gpt(LM, scatter_embedding_sequence_parallel=False), None,
                      image_token_id=DATA.image_token_id, mrope=ROPE)

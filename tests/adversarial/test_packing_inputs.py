@@ -359,3 +359,12 @@ def test_dense_4d_mask_reads_lengths_from_the_diagonal():
 
 def test_micro_batch_keeps_packed_batch_name():
     assert packing.PackedBatch is packing.MicroBatch
+
+
+def test_pre_packed_rows_with_per_document_positions_are_accepted():
+    # a packed-SFT row: position_ids restart per document, declared by document_lengths
+    batch = hf_batch(((11, 12, 13, 21, 22),), 5)
+    mb = pack_batch(with_(batch, position_ids=torch.tensor([[0, 1, 2, 0, 1]]), document_lengths=[[3, 2]]),
+                    label_style="hf")
+    assert mb.position_ids.tolist() == [[0, 1, 2, 0, 1]]
+    assert mb.packed_seq_params.cu_seqlens_q.tolist() == [0, 3, 5] and mb.labels.tolist() == [[12, 13, -100, 22, -100]]

@@ -45,6 +45,7 @@ EXPECTED = {
     "mrope_gpt_without_mrope": (ERR, "ValueError", r"GPTModel uses mRoPE but the micro-batch has 1D position_ids of shape \(1, 13\)"),
     "mrope_vlm_uses_its_own_config": ("ok", True),
     "mrope_vlm_positions_matter": ("ok", True),
+    "mrope_vlm_with_collated_3d_positions": ("ok", True),
     "vlm_mrope_with_1d_lm": (ERR, "ValueError", r"mrope=MRopeConfig given but the language model's rotary is 'rope'"),
     "vlm_mrope_lm_without_config": (ERR, "ValueError", r"pass PackedVLM\(mrope=MRopeConfig"),
     # media placement, per sample

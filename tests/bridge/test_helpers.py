@@ -66,19 +66,23 @@ def test_bridge_patches_detect_apply_once_and_undo():
     from megatron_vlm_packing.patches import bridge_deepstack_sp as deepstack
     from megatron_vlm_packing.patches import bridge_thd_cp_index as cp_index
 
+    from megatron_vlm_packing.patches import bridge_qwen25_vl_cp as qwen25_cp
+
     model = import_bridge_module(deepstack.QWEN3_VL_MODEL)
     utils = import_bridge_module(cp_index.PACKED_SEQ_UTILS)
-    originals = (model.split_deepstack_embs, utils.get_thd_cp_partition_indices)
+    qwen25 = import_bridge_module(qwen25_cp.QWEN25_VL_MODEL).Qwen25VLModel
+    originals = (model.split_deepstack_embs, utils.get_thd_cp_partition_indices, qwen25.forward)
+    active = {"bridge_deepstack_sp": True, "bridge_thd_cp_index": True, "bridge_qwen25_vl_cp": True}
     assert deepstack.upstream_deepstack_split_is_plain_slice()  # the 0.6.2 defect is seen
     try:
-        assert apply_bridge_patches() == {"bridge_deepstack_sp": True, "bridge_thd_cp_index": True}
-        patched = (model.split_deepstack_embs, utils.get_thd_cp_partition_indices)
-        assert apply_bridge_patches() == {"bridge_deepstack_sp": True, "bridge_thd_cp_index": True}
-        assert (model.split_deepstack_embs, utils.get_thd_cp_partition_indices) == patched  # idempotent
-        assert patched[0] is not originals[0] and patched[1] is not originals[1]
+        assert apply_bridge_patches() == active
+        patched = (model.split_deepstack_embs, utils.get_thd_cp_partition_indices, qwen25.forward)
+        assert apply_bridge_patches() == active
+        assert (model.split_deepstack_embs, utils.get_thd_cp_partition_indices, qwen25.forward) == patched  # idempotent
+        assert all(p is not o for p, o in zip(patched, originals))
         # Without SP the patched split is Bridge's own (nothing to gather).
         mask, embeds = torch.ones(1, 4, dtype=torch.bool), [torch.arange(4.0)[:, None]]
         assert model.split_deepstack_embs(mask, embeds)[1][0] is embeds[0]
     finally:
         undo_bridge_patches()
-    assert (model.split_deepstack_embs, utils.get_thd_cp_partition_indices) == originals
+    assert (model.split_deepstack_embs, utils.get_thd_cp_partition_indices, qwen25.forward) == originals

@@ -3,8 +3,10 @@ sample alone, at TP=1, TP2+SP, CP2, TP2xCP2xSP, in one 4-process launch.
 
 The truth is Bridge's own unpatched dense path on one sample at a time (TP=CP=1, batch 1, unpadded,
 positions from `rope.get_rope_index`, identical to transformers'). The packed runs go through the
-adapter (`adapter_for` -> check -> `localize` -> `adapter.forward`) with the patch applied; every
-parameter gradient is compared, the vision and audio encoders included (each TP rank's own copy).
+shipped step (`make_forward_step` -> `pack_batch` -> adapter check -> `localize` -> adapter forward ->
+`loss_func`) under Megatron's `get_forward_backward_func`, with the patch applied; per-token losses,
+the loss sum and every parameter gradient are compared, the vision and audio encoders included
+(each TP rank's own copy).
 The same launch checks bug class 5 at CP=2: a dense call after a packed one gives bit-identical
 output to the dense call before it, and the check bites (a leaked `is_thd_format` changes it).
 """
@@ -65,7 +67,10 @@ def _dense_audio_shim(encoder) -> None:
 
 
 def reference(samples):
-    """Bridge's dense path, one sample at a time: per-token losses at targets, grads, weights."""
+    """Bridge's dense path, one sample at a time: per-token losses at targets, grads, weights.
+
+    The samples are shared out over the launch's ranks (each a TP=CP=1 replica with the same weights)
+    and the per-sample gradients summed, so the truth costs one process's share, not all of it."""
     from megatron_vlm_packing.bridge.build_omni import build_tiny_omni, collate_omni
     from megatron_vlm_packing.packing import shift_labels_within_rows
     from megatron_vlm_packing.testing.distributed import initialize_parallel
@@ -75,51 +80,31 @@ def reference(samples):
     model = build_tiny_omni(cfg, seed=SEED)
     _dense_audio_shim(model.thinker.audio_model)
     state = {n: p.detach().clone() for n, p in model.named_parameters()}
-    losses = []
-    for sample in samples:
-        batch = collate_omni([sample])
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = {}
+    for i in range(rank, len(samples), world):
+        batch = collate_omni([samples[i]])
         labels = shift_labels_within_rows(batch["labels"], batch["attention_mask"].bool())
         out = model(input_ids=batch["input_ids"], position_ids=_positions(batch, cfg), labels=labels,
                     loss_mask=(labels != -100).float(), **_media(batch))
-        losses.append(out[labels != -100])
+        losses[i] = out[labels != -100].detach()
         out[labels != -100].sum().backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    return torch.cat(losses).detach(), grads, state
+    grads = {}
+    for name, param in model.named_parameters():
+        grads[name] = param.grad.detach().clone() if param.grad is not None else torch.zeros_like(param)
+        dist.all_reduce(grads[name])  # sum over the samples of every rank
+    every = [None] * world
+    dist.all_gather_object(every, losses)
+    merged = {i: loss for part in every for i, loss in part.items()}
+    return torch.cat([merged[i] for i in range(len(samples))]), grads, state
 
 
 def micro_batch(batch, cfg):
-    """The packed `MicroBatch` of a collated Omni batch, aligned for cfg's layout."""
-    from megatron_vlm_packing.packing import pack_batch
-    from megatron_vlm_packing.packing.micro_batch import AudioInputs, BatchStats, MicroBatch, VisionInputs
+    """The packed `MicroBatch` of a collated Omni batch (the shipped `pack_batch`), aligned for cfg."""
+    from megatron_vlm_packing import pack_batch
 
-    packed = pack_batch(batch, tp_size=cfg.tensor_parallel, cp_size=cfg.context_parallel,
-                        sequence_parallel=cfg.sequence_parallel, label_style="hf", mrope=cfg.mrope_config())
-    vision = VisionInputs(pixel_values=batch.get("pixel_values"), image_grid_thw=batch.get("image_grid_thw"),
-                          pixel_values_videos=batch.get("pixel_values_videos"),
-                          video_grid_thw=batch.get("video_grid_thw"),
-                          second_per_grid_ts=batch.get("second_per_grid_ts"))
-    audio = None
-    if "input_features" in batch:
-        audio = AudioInputs(input_features=batch["input_features"],
-                            feature_attention_mask=batch["feature_attention_mask"],
-                            audio_lengths=tuple(batch["audio_seqlens"].tolist()), audios_per_sample=())
-    stats = BatchStats(real_tokens=packed.num_real_tokens, physical_tokens=packed.num_physical_tokens,
-                       row_tokens=batch["input_ids"].numel())
-    return MicroBatch(input_ids=packed.input_ids, labels=packed.labels, loss_mask=packed.loss_mask,
-                      position_ids=packed.position_ids, padding_mask=packed.padding_mask,
-                      packed_seq_params=packed.packed_seq_params, rope_cu_seqlens=packed.rope_cu_seqlens,
-                      stats=stats, vision=vision, audio=audio, plan=packed.plan, indices=packed.indices)
-
-
-def grad_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max(max |b|, 1e-6): relative, with a floor for grads that are exactly zero in
-    exact arithmetic (e.g. attention key biases) and rounding noise here."""
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
-
-
-def rank_debug():
-    import os
-    return os.environ.get("OMNI_DEBUG") == "1" and dist.get_rank() == 0
+    return pack_batch(batch, tp_size=cfg.tensor_parallel, cp_size=cfg.context_parallel,
+                      sequence_parallel=cfg.sequence_parallel, label_style="hf", mrope=cfg.mrope_config())
 
 
 def run_packed(model, mb, layout):
@@ -131,6 +116,38 @@ def run_packed(model, mb, layout):
     adapter.check(mb)
     local = localize(mb, layout, adapter.needs)
     return adapter.forward(model, local), local
+
+
+def train_step(model, batch):
+    """One micro-batch through the shipped step and Megatron's schedule (forward + backward).
+
+    Returns (report [loss_sum, tokens], per-token losses [1, Tl], the localized micro-batch)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_vlm_packing import make_forward_step
+    from megatron_vlm_packing.bridge.omni_adapter import Qwen3OmniAdapter
+
+    class Recording(Qwen3OmniAdapter):  # the registry's adapter, keeping what the model returned
+        seen = []
+
+        def forward(self, model, micro_batch):
+            out = super().forward(model, micro_batch)
+            self.seen.append((out.detach(), micro_batch))
+            return out
+
+    adapter = Recording(model)
+    reports = get_forward_backward_func()(
+        forward_step_func=make_forward_step(pack=True, label_style="hf", adapter=adapter),
+        data_iterator=iter([batch]), model=[model], num_microbatches=1, seq_length=0, micro_batch_size=1,
+        forward_only=False)
+    out, local = adapter.seen[0]
+    return reports[0]["lm loss"], out, local
+
+
+def grad_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max(max |b|, 1e-6): relative, with a floor for grads that are exactly zero in
+    exact arithmetic (e.g. attention key biases) and rounding noise here."""
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
 
 
 def packed_case(samples, ref, tp, cp, sp):
@@ -149,25 +166,116 @@ def packed_case(samples, ref, tp, cp, sp):
     cfg = _cfg(tp, cp, sp)
     model = build_tiny_omni(cfg, seed=SEED)
     load_full_state(model, state, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp)
-    mb = micro_batch(collate_omni(samples), cfg)
     layout = ParallelLayout(tp_size=tp, cp_size=cp, cp_rank=ps.get_context_parallel_rank(), sequence_parallel=sp)
-    out, local = run_packed(model, mb, layout)
-    (out * local.loss_mask).sum().backward()
+    if tp == 1 and cp == 1:
+        refusal_checks(model, micro_batch(collate_omni(samples), cfg), samples)
+    report, out, local = train_step(model, collate_omni(samples))
     cp_group = ps.get_context_parallel_group()
-    full = gather_cp_tokens(out.detach()[..., None], mb.packed_seq_params.cu_seqlens_q_padded, cp_group)[..., 0]
-    packed_losses = full[mb.loss_mask.bool()]
+    cu_padded = local.packed_seq_params.cu_seqlens_q_padded
+    full = gather_cp_tokens(torch.stack([out, local.loss_mask], -1), cu_padded, cp_group)  # [1, T, 2]
+    packed_losses = full[..., 0][full[..., 1].bool()]
+    dist.all_reduce(report, group=cp_group)
+    mb = micro_batch(collate_omni(samples), cfg)
     grads = full_gradients(model, tp_group=ps.get_tensor_model_parallel_group(), cp_group=cp_group)
-    errors = {n: grad_error(g, ref_grads[n]) for n, g in grads.items()}
-    grad_err = max(errors.values())
-    if rank_debug():
-        for n in sorted(errors, key=errors.get)[-8:]:
-            print(n, errors[n], ref_grads[n].abs().max().item(), grads[n].abs().max().item(), flush=True)
+    grad_err = max(grad_error(g, ref_grads[n]) for n, g in grads.items())
     towers = {k: sum(1 for n in grads if f".{k}." in n and grads[n].abs().sum() > 0) for k in ("visual", "audio_model")}
-    worst = torch.tensor([(packed_losses - ref_losses).abs().max().item(), grad_err])
+    dloss_sum = abs(report[0].item() - ref_losses.sum().item())
+    assert int(report[1]) == ref_losses.numel(), (report, ref_losses.numel())
+    worst = torch.tensor([(packed_losses - ref_losses).abs().max().item(), grad_err, dloss_sum])
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    if cp > 1 and tp > 1:
+        rotary_state_check(model, samples, cfg, layout, mb)
     return dict(layout=f"tp={tp} cp={cp} sp={sp}", max_dloss=worst[0].item(), max_rel_grad_err=worst[1].item(),
+                dloss_sum=worst[2].item(),
                 tokens=int(packed_losses.numel()), ref_tokens=int(ref_losses.numel()), vision_params=towers["visual"],
                 audio_params=towers["audio_model"], physical=mb.stats.physical_tokens, real=mb.stats.real_tokens)
+
+
+def dense_micro_batch(samples, cfg):
+    """Right-padded dense rows (the shipped `pad_batch`), aligned for cfg's layout; rows a multiple of
+    2 * cp * tp long, which Bridge's dense deepstack split asserts."""
+    from megatron_vlm_packing import pad_batch
+    from megatron_vlm_packing.bridge.build_omni import collate_omni
+
+    batch = collate_omni(samples)
+    multiple = 2 * cfg.context_parallel * cfg.tensor_parallel
+    row = -(-batch["input_ids"].shape[1] // multiple) * multiple
+    return pad_batch(batch, tp_size=cfg.tensor_parallel, cp_size=cfg.context_parallel,
+                     sequence_parallel=cfg.sequence_parallel, seq_length=row, label_style="hf", mrope=cfg.mrope_config())
+
+
+def _raises(fn, *words):
+    try:
+        fn()
+    except ValueError as err:
+        missing = [w for w in words if w not in str(err)]
+        assert not missing, f"ValueError without {missing}: {err}"
+        return
+    raise AssertionError(f"no ValueError (expected one naming {words})")
+
+
+def refusal_checks(model, mb, samples):
+    """Bad input and a missing patch are ValueErrors naming what is wrong (no collectives here)."""
+    from dataclasses import replace
+
+    from megatron_vlm_packing.models.adapter import adapter_for
+    from megatron_vlm_packing.patches import bridge_qwen3_omni_packed as patch
+
+    patch.undo_bridge_qwen3_omni_packed()
+    try:
+        _raises(lambda: adapter_for(model).check(mb), "apply_bridge_qwen3_omni_packed")
+    finally:
+        assert patch.apply_bridge_qwen3_omni_packed()
+    adapter = adapter_for(model)
+    assert adapter.mrope == _cfg().mrope_config(), adapter.mrope
+    _raises(lambda: adapter.check(replace(mb, position_ids=mb.position_ids[0])), "[3, 1, T]")
+    ids = mb.input_ids.clone()
+    first_image = int(torch.nonzero(ids[0] == model.thinker.image_token_id)[0])
+    ids[0, first_image] = 1  # one image placeholder fewer than the encoder's features
+    _raises(lambda: adapter.forward(model, replace(mb, input_ids=ids)), "image placeholder", "produced")
+    _raises(lambda: model(input_ids=mb.input_ids, position_ids=mb.position_ids,
+                          packed_seq_params=mb.packed_seq_params, labels=mb.labels, pixel_value=1), "pixel_value")
+    _raises(lambda: model(input_ids=mb.input_ids, position_ids=None, packed_seq_params=mb.packed_seq_params),
+            "position_ids")
+    _raises(lambda: adapter.check(dense_micro_batch(samples[:1], _cfg())), "_get_feat_extract_output_lengths")
+
+
+def rotary_state_check(model, samples, cfg, layout, packed_mb):
+    """Bug class 5: a dense call after a packed one equals the dense call before it, bit for bit."""
+    from megatron_vlm_packing.models.adapter import adapter_for
+    from megatron_vlm_packing.packing.localize import localize
+
+    adapter = adapter_for(model)
+    dense = localize(dense_micro_batch([samples[1]], cfg), layout, adapter.needs)
+    rotary = model.thinker.language_model.rotary_pos_emb
+    with torch.no_grad():
+        before = adapter.forward(model, dense)
+        run_packed(model, packed_mb, layout)
+        flag_after_packed = rotary.is_thd_format
+        after = adapter.forward(model, dense)
+        rotary.is_thd_format = True  # a flag leaked by someone else: the patched dense call sets its own
+        try:
+            after_leak = adapter.forward(model, dense)
+            bites = _leak_changes_bridge_dense(model, dense, before)
+        finally:
+            rotary.is_thd_format = False
+    assert not flag_after_packed, "is_thd_format leaked out of the packed call"
+    assert torch.equal(before, after), f"dense output changed after a packed call: {(before - after).abs().max()}"
+    assert torch.equal(before, after_leak), "a leaked is_thd_format changed the patched dense call"
+    assert bites, "a leaked is_thd_format did not change Bridge's own dense CP output: the check cannot fail"
+
+
+def _leak_changes_bridge_dense(model, dense, before) -> bool:
+    """Bridge's original forward (no per-call flag) with the leaked flag: output differs, or it fails."""
+    from megatron_vlm_packing.bridge.omni_adapter import media_kwargs
+    from megatron_vlm_packing.patches.bridge_qwen3_omni_packed import _ORIGINAL
+
+    try:
+        out = _ORIGINAL["forward"](model.thinker, input_ids=dense.input_ids, position_ids=dense.position_ids,
+                                   labels=dense.labels, loss_mask=dense.loss_mask, **media_kwargs(dense))
+    except (RuntimeError, ValueError):
+        return True
+    return not torch.equal(out, before)
 
 
 def omni_parity(rank: int, world_size: int, layouts):
@@ -188,6 +296,6 @@ def test_packed_omni_matches_each_sample_alone():
         print(r)
     for r in results:
         assert r["tokens"] == r["ref_tokens"], r
-        assert r["max_dloss"] < 1e-5, r
+        assert r["max_dloss"] < 1e-5 and r["dloss_sum"] < 1e-3, r  # a sum of ~300 in fp32
         assert r["max_rel_grad_err"] < 1e-4, r
         assert r["vision_params"] > 10 and r["audio_params"] > 10, r

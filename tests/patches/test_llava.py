@@ -3,6 +3,7 @@ the expanded-space plan for CP / the shard factor / PP. Pure functions, no proce
 model-level parity is tests/llava/test_llava_parity.py."""
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -135,3 +136,38 @@ def test_expanded_lengths_check_counts():
     assert llava_expanded_lengths(ids, [3, 4], torch.tensor([3, 1, 2]), img_seq_len=4, image_token_index=IMG) == [14, 14]
     with pytest.raises(ValueError, match="3 image tokens in input_ids but 2 entries in num_image_tiles"):
         image_expansion(ids, torch.tensor([1, 1]), img_seq_len=4, image_token_index=IMG)
+
+
+def _adapter(space):
+    from megatron_vlm_packing.models.llava import LLaVAAdapter
+
+    adapter = LLaVAAdapter.__new__(LLaVAAdapter)  # the checks read only the space (no model needed)
+    adapter.model_name, adapter.space = "LLaVAModel", space
+    return adapter
+
+
+def test_adapter_refuses_leaking_packs_and_keeps_everything_full_under_cp():
+    from megatron_vlm_packing.packing import pack_batch
+    from megatron_vlm_packing.packing.localize import localize
+    from megatron_vlm_packing.packing.micro_batch import VisionInputs
+    from megatron_vlm_packing.parallel.layout import ParallelLayout
+    from megatron_vlm_packing.train.step import StepOptions
+
+    ids = torch.tensor([[5, 6, 7], [IMG, 8, 9]])
+    batch = {"input_ids": ids, "labels": ids + 1, "images": torch.zeros(1, 3, 2, 2)}
+    space = LlavaSpace(img_seq_len=4, image_token_index=IMG, segment_multiple=4, total_multiple=4)
+    adapter = _adapter(space)
+    plain = replace(pack_batch({"input_ids": ids, "labels": ids + 1}, label_style="megatron"),
+                    vision=VisionInputs(pixel_values=torch.zeros(1, 3, 2, 2), images_per_sample=(0, 1)))
+    with pytest.raises(ValueError, match=r"documents \[1\] open with an image right after"):
+        adapter.check(plain)
+    mb = adapter.build_micro_batch(batch, ParallelLayout(cp_size=2), StepOptions(label_style="megatron"))
+    adapter.check(mb)
+    assert mb.plan.physical_lengths == (4, 5)  # one pad before the image-opening document; 8 expanded
+    local = localize(mb, ParallelLayout(cp_size=2, cp_rank=1), adapter.needs)
+    assert local.cp_index is None and local.labels is mb.labels and local.loss_mask is mb.loss_mask
+    assert {"input_ids", "position_ids", "labels", "loss_mask"} <= local.full_fields
+    with pytest.raises(ValueError, match="num_image_tiles sums to 1 tiles but the images hold 2"):
+        adapter.check(replace(mb, vision=VisionInputs(pixel_values=torch.zeros(2, 3, 2, 2), images_per_sample=(0, 1))))
+    with pytest.raises(ValueError, match="LLaVAModel runs through make_forward_step packed"):
+        adapter.build_micro_batch(batch, ParallelLayout(), StepOptions(pack=False))

@@ -75,7 +75,7 @@ def test_pack_batch_builds_the_bins_plan():
     tokens = tuple(len(s["input_ids"]) for s in samples)
     planned = Bin(tuple(range(5)), tokens, layout.physical(int(layout.slot_sizes(np.asarray(tokens)).sum())), 0.0)
     packed = pack_batch(collate(samples), tp_size=2, cp_size=2, sequence_parallel=True, pad_to=planned.physical,
-                        label_style="hf")
+                        label_style="hf", image_token_id=SyntheticVLMConfig().image_token_id)
     assert packed.plan.real_lengths == planned.plan(layout).real_lengths
     assert packed.plan.physical_lengths == planned.plan(layout).physical_lengths
     assert packed.input_ids.shape == (1, layout.capacity) and torch.equal(

@@ -11,3 +11,10 @@ def test_plan_command_shows_balancing(capsys):
     assert set(rows) == {"unbalanced", "balanced"}
     assert float(rows["balanced"][3]) < float(rows["unbalanced"][3])  # mean over steps of max/mean
     assert "balanced     step 0 per-rank cost (PFLOP)" in out and "segment 4, total 4" in out
+
+
+def test_demo_planner_flag_prints_both_plans(capsys):
+    assert main(["demo", "--planner", "--cp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "unbalanced   step 0 per-rank cost" in out and "balanced     step 0 per-rank cost" in out
+    assert "segment 4, total 4" in out  # the demo's --cp reached the planner's alignment

@@ -5,7 +5,8 @@ import io
 import numpy as np
 import pytest
 
-from megatron_vlm_packing.planner import CostModel, SampleMetadata, SampleTable, TokenCounter, TransformerShape
+from megatron_vlm_packing.planner import (BinLayout, CostModel, PlannerConfig, SampleMetadata, SampleTable, TokenCounter,
+                                          TransformerShape, plan_epoch)
 from megatron_vlm_packing.planner.metadata import llava_tokens
 from megatron_vlm_packing.planner.progress import Progress
 from megatron_vlm_packing.planner.synthetic import synthetic_table
@@ -51,6 +52,11 @@ def test_columns_equal_per_sample_formulas():
 def test_llava_expansion_and_bad_metadata():
     table = SampleTable.from_samples([SampleMetadata(10, image_grids=((1, 4, 4), (1, 2, 2))), SampleMetadata(3)])
     assert llava_tokens(576)(table).tolist() == [10 + 2 * 576, 3]
+    # Bins are sized in the space attention sees: 1162 expanded tokens do not fit 1024 slots.
+    config = PlannerConfig(layout=BinLayout(capacity=2048), expanded_tokens=llava_tokens(576))
+    assert sorted(b.tokens for b in plan_epoch(table, config).bins()) == [(10 + 2 * 576, 3)]
+    with pytest.raises(ValueError, match=r"sample 0 \(1162 slots\)"):
+        plan_epoch(table, PlannerConfig(layout=BinLayout(capacity=1024), expanded_tokens=llava_tokens(576)))
     with pytest.raises(ValueError, match="image_grids"):
         SampleTable.from_samples([SampleMetadata(1, image_grids=((1, 0, 4),))])
     with pytest.raises(ValueError, match="text_tokens"):

@@ -39,7 +39,8 @@ def test_sampler_in_a_dataloader_packs_each_bin_as_planned(samples):
         sampler = PackedBatchSampler(table, config, dp_rank=rank)
         loader = torch.utils.data.DataLoader(
             samples, batch_sampler=sampler, num_workers=0,
-            collate_fn=lambda group: (group, pack_batch(collate(group), cp_size=2, pad_to=160, label_style="hf")))
+            collate_fn=lambda group: (group, pack_batch(collate(group), cp_size=2, pad_to=160, label_style="hf",
+                                                            image_token_id=SyntheticVLMConfig().image_token_id)))
         bins = sampler.plan().micro_batches(rank)
         batches = list(loader)
         assert len(batches) == len(sampler) == len(bins) > 0
@@ -72,7 +73,8 @@ def test_resume_mid_epoch_equals_uninterrupted(samples):
 class _TaskEncoder(PlannedPackingMixin):
     packing_hooks = EnergonPackingHooks(
         metadata=lambda s: metadata(s.payload), collate=lambda group: collate([s.payload for s in group]),
-        layout=BinLayout(capacity=96), pack_kwargs={"label_style": "hf"})
+        layout=BinLayout(capacity=96),
+        pack_kwargs={"label_style": "hf", "image_token_id": SyntheticVLMConfig().image_token_id})
 
 
 class _Sample:  # an Energon-like encoded sample: any object

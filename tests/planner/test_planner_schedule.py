@@ -39,14 +39,16 @@ def _check_plan(plan, table, config, carried_in=()):
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 1000), n=st.integers(0, 120), dp=st.integers(1, 5), m=st.integers(1, 3),
        cp=st.sampled_from([1, 2]), static=st.booleans(), balance=st.booleans(),
-       tail=st.sampled_from(["short_step", "carry"]), window=st.integers(1, 3))
-def test_no_sample_lost_or_duplicated(seed, n, dp, m, cp, static, balance, tail, window):
+       tail=st.sampled_from(["short_step", "carry"]), window=st.integers(1, 3),
+       per_step=st.sampled_from([None, 0, 7]))
+def test_no_sample_lost_or_duplicated(seed, n, dp, m, cp, static, balance, tail, window, per_step):
     table = _random_table(seed, n)
     multiples = PackMultiples.for_parallel(cp_size=cp)
     config = PlannerConfig(layout=BinLayout(capacity=multiples.total * 128, multiples=multiples,
                                             static_shapes=static, oversize="own_bin"),
                            dp_size=dp, micro_batches_per_rank=m, balance=balance, tail=tail,
-                           window_steps=window, seed=seed)
+                           window_steps=window, seed=seed,
+                           samples_per_step=None if per_step is None else dp + per_step)
     carried_in = tuple(range(min(n, dp - 1)))
     _check_plan(plan_epoch(table, config, epoch=1, carried_in=carried_in), table, config, carried_in)
 
@@ -88,3 +90,15 @@ def test_balancing_beats_unbalanced_on_a_skewed_input():
     mean = lambda plan: float(np.mean([step.imbalance for step in plan.steps]))  # noqa: E731
     assert worst(balanced) < worst(unbalanced) and mean(balanced) < mean(unbalanced)
     assert mean(balanced) < 1.02 and balanced.fill() > 0.99
+
+
+def test_fixed_samples_per_step_varies_micro_batches():
+    table = synthetic_table(400, seed=4)
+    config = PlannerConfig(layout=BinLayout(capacity=16384, oversize="own_bin"), dp_size=4, samples_per_step=40)
+    plan = plan_epoch(table, config)
+    assert [sum(len(b.samples) for r in step.ranks for b in r) for step in plan.steps] == [40] * 10
+    per_rank = {len(step.ranks[0]) for step in plan.steps}
+    assert len(per_rank) > 1  # steps of equal samples need different numbers of micro-batches
+    assert max(step.imbalance for step in plan.steps) < 1.02
+    with pytest.raises(ValueError, match="samples_per_step"):
+        PlannerConfig(layout=BinLayout(capacity=64), dp_size=4, samples_per_step=3)

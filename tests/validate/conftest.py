@@ -15,7 +15,8 @@ MROPE = MRopeConfig(family="qwen2_vl", spatial_merge_size=2, image_token_id=DATA
 
 def pack_fields(batch: dict, *, cp_size: int = 1, mrope=MROPE, **layout) -> dict:
     """Validator keywords for `batch` packed by our pack_batch (HF labels), with its source rows."""
-    packed = pack_batch(batch, cp_size=cp_size, label_style="hf", mrope=mrope, **layout)
+    packed = pack_batch(batch, cp_size=cp_size, label_style="hf", mrope=mrope, image_token_id=DATA.image_token_id,
+                        **layout)
     params = packed.packed_seq_params
     fields = dict(
         input_ids=packed.input_ids, labels=packed.labels, loss_mask=packed.loss_mask,

@@ -73,7 +73,7 @@ def test_our_packs_validate_clean_over_random_plans(lengths, cp, tp, sp, fp8, se
 
 
 def micro_batch(batch: dict, *, cp_size: int) -> MicroBatch:
-    packed = pack_batch(batch, cp_size=cp_size, label_style="hf")
+    packed = pack_batch(batch, cp_size=cp_size, label_style="hf", image_token_id=DATA.image_token_id)
     images = (batch["input_ids"] == DATA.image_token_id)
     return MicroBatch(
         input_ids=packed.input_ids, labels=packed.labels, loss_mask=packed.loss_mask,
@@ -122,3 +122,50 @@ def test_our_vlm_packs_validate_clean(seed, cp):
     batch = vlm_batch(seed=seed, num=3)
     report = validate_packed_batch(**pack_fields(batch, cp_size=cp))
     assert report.ok, str(report)
+
+
+def bridge_in_batch():
+    import pytest
+
+    from megatron_vlm_packing.bridge.imports import bridge_unavailable_reason, import_bridge_module
+
+    reason = bridge_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    return import_bridge_module("megatron.bridge.data.packing.in_batch")
+
+
+def test_bridge_collate_time_packs_validate_clean():
+    """Megatron-Bridge's own collate-time packing (data.packing.in_batch) packs at real lengths."""
+    in_batch = bridge_in_batch()
+    g = torch.Generator().manual_seed(4)
+    lengths = [9, 2, 13, 5]
+    keep = torch.arange(13)[None] < torch.tensor(lengths)[:, None]
+    ids = torch.where(keep, torch.randint(1, 90, (4, 13), generator=g), 0)
+    labels = torch.where(keep, torch.randint(1, 90, (4, 13), generator=g), -100)  # Megatron style, aligned
+    rows = {"tokens": ids.clone(), "labels": labels.clone(), "loss_mask": keep.float(),
+            "position_ids": torch.arange(13).expand(4, 13).clone(), "attention_mask": keep.long()}
+    source = SourceRows(input_ids=ids, attention_mask=keep.long(), labels=labels, loss_mask=keep.float(),
+                        label_style="megatron")
+    for multiple, cp in ((1, 1), (4, 2)):
+        packed = dict(rows)
+        in_batch.pack_right_padded_sequence_batch_to_mcore_thd(packed, pad_to_multiple_of=multiple)
+        fields = dict(input_ids=packed["tokens"], labels=packed["labels"], loss_mask=packed["loss_mask"],
+                      position_ids=packed["position_ids"], cu_seqlens=packed["cu_seqlens_q"],
+                      cu_seqlens_padded=packed.get("cu_seqlens_q_padded"), cu_seqlens_kv=packed["cu_seqlens_kv"],
+                      max_seqlen=packed["max_seqlen_q"], source=source, pad_token_id=0)
+        report = validate_packed_batch(**fields, cp_size=cp)
+        assert report.ok, (multiple, str(report))
+        if multiple == 1:  # the same pack claimed for CP=2: Bridge was not asked to align it
+            assert validate_packed_batch(**fields, cp_size=2).failed_checks == {"alignment"}
+
+
+def test_pack_batch_micro_batch_with_an_empty_row_maps_images_to_documents():
+    batch = vlm_batch(seed=3)
+    rows = batch["input_ids"].shape[0]
+    batch = {**batch, **{k: torch.cat([batch[k][:1], torch.full_like(batch[k][:1], fill), batch[k][1:]])
+                         for k, fill in (("input_ids", 0), ("labels", -100), ("attention_mask", 0))}}
+    mb = pack_batch(batch, label_style="hf", image_token_id=DATA.image_token_id)  # row 1: no tokens, no document
+    assert mb.vision.images_per_sample[1] == 0 and len(mb.vision.images_per_sample) == rows + 1
+    report = validate_packed_batch(mb, image_token_id=DATA.image_token_id)
+    assert report.ok and report.num_documents == rows and "vision_placeholders" in report.checked, str(report)

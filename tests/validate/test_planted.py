@@ -233,3 +233,12 @@ def test_shapes(vlm_pack):
     fields = vlm_pack[1]
     report = only(validate_packed_batch(**clone(fields, labels=fields["labels"][:, :-1])), "shapes")
     assert "labels has" in str(report)
+
+
+def test_boundaries_that_do_not_cover_the_slots_stop_before_per_token_checks(vlm_pack):
+    fields = vlm_pack[1]
+    pad = fields["cu_seqlens_padded"].clone()
+    pad[-1] -= 4  # the last document stays a multiple of 2*cp, the pack no longer ends at T
+    cu = torch.minimum(fields["cu_seqlens"], pad)
+    report = only(validate_packed_batch(**clone(fields, cu_seqlens=cu, cu_seqlens_padded=pad)), "real_vs_padded")
+    assert "ends at" in str(report) and "not checked: per-token checks" in str(report)

@@ -95,6 +95,18 @@ def run_step_probe_cases(model, batch) -> dict:
         out["step_bad_every"] = None
     except ValueError as err:
         out["step_bad_every"] = str(err)
+    from megatron_vlm_packing import pack_batch
+    from megatron_vlm_packing.models.gpt_adapter import GPTModelAdapter
+
+    class OwnBuild(GPTModelAdapter):  # like LLaVA's adapter: plans its own micro-batches
+        def build_micro_batch(self, batch, layout, options):
+            return pack_batch(batch, label_style="hf")
+
+    try:
+        make_forward_step(label_style="hf", parity_probe_every=1, adapter=OwnBuild)(iter([batch]), model)
+        out["step_own_build"] = None
+    except ValueError as err:
+        out["step_own_build"] = str(err)
     return out
 
 
@@ -139,8 +151,9 @@ def test_the_step_probe_raises_on_uniform_boundaries_with_the_report(probe_cases
     assert max_diff > 1e-2 and "tokens_vs_source" in failed and "packing is not exact" in message
 
 
-def test_parity_probe_every_must_be_positive(probe_cases):
+def test_parity_probe_every_must_be_positive_and_refuses_adapters_that_build_their_own(probe_cases):
     assert "parity_probe_every must be a positive int, got 0" in probe_cases["step_bad_every"]
+    assert "OwnBuild builds its own micro-batches" in probe_cases["step_own_build"]
 
 
 def test_split_rows_gives_each_sample_its_images():
