@@ -28,6 +28,7 @@ import torch
 
 from megatron_vlm_packing.bridge.build import build_with_provider, local_gpt_layer_spec, packed_core_attention
 from megatron_vlm_packing.bridge.imports import import_bridge_module
+from megatron_vlm_packing.bridge.samples import collate_qwen_vl
 
 QWEN3_OMNI_PROVIDER = "megatron.bridge.models.qwen_omni.qwen3_omni_provider"
 QWEN3_OMNI_THINKER = "megatron.bridge.models.qwen_omni.modeling_qwen3_omni.thinker_model"
@@ -268,20 +269,7 @@ def collate_omni(samples: list[dict], *, pad_token_id: int = 0) -> dict:
     input_features [A, F, L], feature_attention_mask [A, L] long, audio_seqlens [A] (real frames,
     for the rope index). Keys of a kind no sample has are left out, as a processor would.
     """
-    longest = max(len(s["input_ids"]) for s in samples)
-    ids = torch.full((len(samples), longest), pad_token_id, dtype=torch.long)
-    labels = torch.full((len(samples), longest), -100, dtype=torch.long)
-    mask = torch.zeros(len(samples), longest, dtype=torch.long)
-    for i, s in enumerate(samples):
-        n = len(s["input_ids"])
-        ids[i, :n], labels[i, :n], mask[i, :n] = s["input_ids"], s["labels"], 1
-    batch = {"input_ids": ids, "labels": labels, "attention_mask": mask}
-    for pixels, grid in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")):
-        grids = torch.cat([s[grid] for s in samples])
-        if len(grids):
-            batch[grid], batch[pixels] = grids, torch.cat([s[pixels] for s in samples])
-            if grid == "video_grid_thw":
-                batch["second_per_grid_ts"] = torch.cat([s["second_per_grid_ts"] for s in samples])
+    batch = collate_qwen_vl(samples, pad_token_id=pad_token_id)  # text, images, videos (+ seconds per grid)
     clips = [f for s in samples for f in s["audio_features"]]
     if clips:
         frames = torch.tensor([f.shape[1] for f in clips])
