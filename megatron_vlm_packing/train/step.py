@@ -26,7 +26,6 @@ import torch
 from torch import nn
 
 from megatron_vlm_packing.models.adapter import ModelAdapter, adapter_for, unwrap_model
-from megatron_vlm_packing.packing.collate import micro_batch_from_loader
 from megatron_vlm_packing.packing.localize import localize
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
 from megatron_vlm_packing.parallel.layout import ParallelLayout
@@ -116,13 +115,6 @@ def build_micro_batch(batch: dict, layout: ParallelLayout, options: StepOptions,
     return pad_batch(batch, seq_length=options.seq_length, **common)
 
 
-def layout_multiples(layout: ParallelLayout, options: StepOptions):
-    from megatron_vlm_packing.packing.plan import PackMultiples
-
-    return PackMultiples.for_parallel(tp_size=layout.tp_size, cp_size=layout.cp_size,
-                                      sequence_parallel=layout.sequence_parallel, fp8=options.fp8)
-
-
 def prepare_for_model(micro_batch: MicroBatch, adapter: ModelAdapter, layout: ParallelLayout) -> MicroBatch:
     """Refuse what the model cannot take, then cut to this CP rank as the adapter declares."""
     adapter.check(micro_batch)
@@ -195,7 +187,7 @@ def make_forward_step(*, pack: bool = True, label_style: str = "hf", pad_to: int
                 raise ValueError("parity_probe_every needs collated batches (it re-packs each sample alone); "
                                  "the data iterator yielded micro-batches packed in the DataLoader")
             resolve_mrope(options, model_adapter)  # refuses mrope= for a 1D model here too
-            micro_batch = micro_batch_from_loader(batch, multiples=layout_multiples(layout, options), device=device)
+            micro_batch = model_adapter.micro_batch_from_loader(batch, layout, options, device)
         else:
             batch = to_device(batch, device)
             mrope_used = resolve_mrope(options, model_adapter, batch)
