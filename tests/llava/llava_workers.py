@@ -1,16 +1,21 @@
 """One launch of 2 processes for the LLaVA checks added after the PP=2 / CP=2 suite
 (`testing.llava_parity.run_llava_parity`):
 
-- host syncs of a packed forward + backward through the step at CP=2, counted per source
-  (tests/perf/test_llava_sync_budget.py holds the assertions).
+- TP=2 + SP parity: Megatron-Core LLaVAModel, every part TP-sharded and the language model
+  sequence-parallel, packed through `make_forward_step` + `get_forward_backward_func`, against the
+  single-process model on the batched micro-batches (both label styles), with a deliberate-mistake
+  control (a pack not padded to LLaVA's SP shard factor is refused, on both of the patch's paths);
+- host syncs of a packed forward + backward through the step at CP=2 and at TP=2 + SP, counted per
+  source (tests/perf/test_llava_sync_budget.py holds the assertions).
 
-`launch()` runs it once per test session.
+`launch()` runs it once per test session; both test files read the same result.
 """
 
 from __future__ import annotations
 
 import functools
 import time
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -79,10 +84,10 @@ def batched_syncs(model, batch):
     return syncs
 
 
-def sync_row(model, batch, kernel, batched) -> dict:
-    """Syncs (by source) in the step packing and with a LlavaPackingCollator micro-batch; `batched`:
-    LLaVA's own batched forward, counted on one process (megatron-core 0.16.1 runs batched CP only
-    with megatron.training installed)."""
+def sync_row(model, batch, kernel, batched=None) -> dict:
+    """Syncs (by source) in the step packing and with a LlavaPackingCollator micro-batch, and in LLaVA's
+    own batched forward: on `model` itself, or `batched` when given (counted on one process for CP:
+    megatron-core 0.16.1 runs batched CP only with megatron.training installed)."""
     from megatron_vlm_packing.models.llava import LlavaSpace
     from megatron_vlm_packing.models.llava_pack import LlavaPackingCollator
     from megatron_vlm_packing.train.step import make_forward_step
@@ -97,19 +102,70 @@ def sync_row(model, batch, kernel, batched) -> dict:
             _counted(model, step, item, exclude)  # warm-up: the adapter is built on the first call
         loss, grads, syncs = _counted(model, step, item, exclude)
         row[name] = dict(_split(syncs), loss=loss.item(), grads=grads)
-    row["batched"] = _split(batched)
+    row["batched"] = _split(batched if batched is not None else batched_syncs(model, batch))
     row["loss_diff"] = abs(row["in_step"]["loss"] - row["loader"]["loss"])
     row["grad_diff"] = (row["in_step"].pop("grads") - row["loader"].pop("grads")).abs().max().item()
     return row
 
 
+def packed_tp_run(model, data: list[dict], label_style: str):
+    """Packed logprobs per micro-batch and full (TP-gathered) grads, through the shipped step."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_vlm_packing.testing.parity import full_gradients
+    from megatron_vlm_packing.train.step import make_forward_step
+
+    model.zero_grad()
+    outputs, step = [], make_forward_step(label_style=label_style)
+
+    def forward_step(data_iterator, model):
+        out, loss = step(data_iterator, model)
+        outputs.append((out[0].detach(), out[1].detach()))
+        return out, loss
+
+    from megatron_vlm_packing.testing.llava_parity import MAX_LENGTH
+
+    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(data), model=[model],
+                                num_microbatches=len(data), seq_length=MAX_LENGTH, micro_batch_size=1)
+    logps = [-losses[mask.bool()] for losses, mask in outputs]
+    return logps, full_gradients(model, tp_group=ps.get_tensor_model_parallel_group())
+
+
+def sp_shard_controls(model, seed: int) -> dict:
+    """Deliberate mistakes: a pack planned without LLaVA's SP shard factor (total multiple 1, expanded
+    total odd) is refused, not scattered unevenly over the TP ranks, on both of the patch's paths: the
+    plan's host ints (what the step passes) and the boundaries read from the ids (a direct call)."""
+    from megatron_vlm_packing.models.adapter import adapter_for
+    from megatron_vlm_packing.models.llava import LlavaSpace
+    from megatron_vlm_packing.models.llava_pack import pack_llava_batch
+    from megatron_vlm_packing.testing.llava_parity import batches, packed_direct
+
+    batch = batches("hf", seed)[1]
+    mb = pack_llava_batch(batch, replace(LlavaSpace.of(model), total_multiple=1), label_style="hf")
+    out = {"expanded total": mb.plan.total + sum(mb.plan.expansion)}
+    for name, call in (("planned", lambda: adapter_for(model).forward(model, mb)),
+                       ("read from ids", lambda: packed_direct(model, mb, tiles=batch["num_image_tiles"]))):
+        try:
+            call()
+            out[name] = "accepted"
+        except ValueError as err:
+            out[name] = str(err)
+    return out
+
+
 def run_llava_checks(rank: int, world_size: int, seed: int = 11) -> dict:
     """Every check in one launch (2 processes); what rank 0 saw (reductions make the parity global)."""
+    from megatron.core import parallel_state as ps
+
     from megatron_vlm_packing.patches import (
         apply_llava_packed_boundaries, apply_thd_rotary, undo_llava_packed_boundaries, undo_thd_rotary,
     )
     from megatron_vlm_packing.testing.distributed import initialize_parallel
-    from megatron_vlm_packing.testing.llava_parity import batches, build_tiny_llava, llava_cp_without_te
+    from megatron_vlm_packing.testing.llava_parity import (
+        batches, build_tiny_llava, compare, llava_cp_without_te, reference,
+    )
+    from megatron_vlm_packing.testing.parity import load_full_state
 
     result, clock = {"patches": (apply_llava_packed_boundaries(), apply_thd_rotary())}, [time.perf_counter()]
     kernel = _PartitionKernel()
@@ -120,7 +176,23 @@ def run_llava_checks(rank: int, world_size: int, seed: int = 11) -> dict:
 
     try:
         initialize_parallel(seed=seed)
-        batched = batched_syncs(build_tiny_llava(seed), batches("hf", seed)[0])
+        ref_model = build_tiny_llava(seed)
+        state = {n: p.detach().clone() for n, p in ref_model.named_parameters()}
+        refs = {style: (batches(style, seed), *reference(ref_model, batches(style, seed), style))
+                for style in ("megatron", "hf")}
+        result["params"] = len(state)
+        batched = batched_syncs(ref_model, batches("hf", seed)[0])
+        lap("reference")
+        initialize_parallel(tp=2, seed=seed)
+        with llava_cp_without_te():
+            model = build_tiny_llava(seed, tp=2, sp=True)
+            load_full_state(model, state, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=2)
+            for style, (data, ref_logps, ref_grads) in refs.items():
+                result[f"TP=2+SP, {style} labels"] = compare(ref_logps, ref_grads, *packed_tp_run(model, data, style))
+            lap("TP=2+SP parity")
+            result["TP=2+SP, control: no shard factor"] = sp_shard_controls(model, seed)
+            result["syncs TP=2+SP"] = sync_row(model, batches("hf", seed)[0], kernel)
+        lap("TP=2+SP syncs")
         initialize_parallel(cp=2, seed=seed)
         with llava_cp_without_te():
             _count_kernel_apart(kernel)

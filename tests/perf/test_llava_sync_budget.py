@@ -17,7 +17,7 @@ import pytest
 from tests.llava.llava_workers import launch
 
 
-@pytest.mark.parametrize("layout", ["CP=2"])
+@pytest.mark.parametrize("layout", ["CP=2", "TP=2+SP"])
 def test_packed_llava_step_syncs_once_in_step_and_never_with_loader_packing(layout):
     row = launch()[f"syncs {layout}"]
     in_step, loader, batched = row["in_step"], row["loader"], row["batched"]
