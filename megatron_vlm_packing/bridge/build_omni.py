@@ -126,13 +126,9 @@ def omni_te_free_swaps(core_attention: type) -> list[tuple[str, dict]]:
 def build_tiny_omni(cfg: TinyOmniConfig, seed: int = 0):
     """Bridge's `Qwen3OmniModel` for `cfg`. With the same seed the weights at any TP are the shards of
     the TP=1 weights (CPU initialization); the vision and audio encoders are replicated."""
-    from megatron.core.enums import ModelType
-
     provider = tiny_omni_provider(cfg)
-    swaps = omni_te_free_swaps(packed_core_attention(cfg.attention_backend))
-    model = build_with_provider(provider, swaps=swaps, seed=seed)
-    model.model_type = ModelType.encoder_or_decoder  # what Bridge's get_model sets (Megatron's schedules read it)
-    return model
+    return build_with_provider(provider, swaps=omni_te_free_swaps(packed_core_attention(cfg.attention_backend)),
+                               seed=seed)
 
 
 def _block(open_id: int, close_id: int, token: int, count: int) -> torch.Tensor:
