@@ -32,9 +32,10 @@ MICRO_BATCHES = 3
 SAMPLES_PER_MICRO_BATCH = 2
 
 
-def tiny_config(family: str, *, tp: int = 1, pp: int = 1, sp: bool = False):
+def tiny_config(family: str, *, tp: int = 1, cp: int = 1, pp: int = 1, sp: bool = False):
     """The tiny config of `family` with PP_LAYERS language layers, at the given layout."""
-    layout = dict(num_layers=PP_LAYERS, tensor_parallel=tp, pipeline_parallel=pp, sequence_parallel=sp)
+    layout = dict(num_layers=PP_LAYERS, tensor_parallel=tp, context_parallel=cp, pipeline_parallel=pp,
+                  sequence_parallel=sp)
     if family == "qwen3_omni":
         from megatron_vlm_packing.bridge.build_omni import TinyOmniConfig
 
@@ -56,8 +57,9 @@ def fixed_length(batches: list[dict], cfg, multiple: int = 16) -> int:
     """The packed length every micro-batch is padded to: the longest pack, rounded up to `multiple`."""
     from megatron_vlm_packing import pack_batch
 
-    longest = max(pack_batch(b, tp_size=cfg.tensor_parallel, sequence_parallel=cfg.sequence_parallel,
-                             label_style="hf", mrope=cfg.mrope_config()).input_ids.shape[1] for b in batches)
+    longest = max(pack_batch(b, tp_size=cfg.tensor_parallel, cp_size=cfg.context_parallel,
+                             sequence_parallel=cfg.sequence_parallel, label_style="hf",
+                             mrope=cfg.mrope_config()).input_ids.shape[1] for b in batches)
     return -(-longest // multiple) * multiple
 
 
@@ -85,8 +87,26 @@ def truth(family: str, samples: list[dict]):
     return both[0], int(both[1]), grads, state
 
 
-def packed_through_schedule(model, batches: list[dict], pad_to: int):
-    """Forward + backward of every micro-batch through the shipped step and Megatron's schedule.
+def one_document_on_later_stages(micro_batch):
+    """Deliberate mistake (a control): later pipeline stages attend across the whole pack as one
+    document, as a stage that ignored the boundaries would; the first stage keeps them."""
+    from dataclasses import replace
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    if ps.is_pipeline_first_stage():
+        return micro_batch
+    total = micro_batch.input_ids.shape[-1]
+    cu = torch.tensor([0, total], dtype=torch.int32)
+    one = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
+                          cu_seqlens_kv_padded=cu, max_seqlen_q=total, max_seqlen_kv=total)
+    return replace(micro_batch, packed_seq_params=one)
+
+
+def packed_through_schedule(model, batches: list[dict], pad_to: int | None, transform=None):
+    """Forward + backward of every micro-batch through the shipped step and Megatron's schedule
+    (`pad_to` None: real lengths, for a model config with `variable_seq_lengths`).
 
     Returns [loss sum, tokens] float64 summed over micro-batches on the last stage, zeros elsewhere.
     """
@@ -96,8 +116,8 @@ def packed_through_schedule(model, batches: list[dict], pad_to: int):
     from megatron_vlm_packing import make_forward_step
 
     reports = get_forward_backward_func()(
-        forward_step_func=make_forward_step(pack=True, label_style="hf", pad_to=pad_to),
-        data_iterator=iter(batches), model=[model], num_microbatches=len(batches), seq_length=pad_to,
+        forward_step_func=make_forward_step(pack=True, label_style="hf", pad_to=pad_to, transform=transform),
+        data_iterator=iter(batches), model=[model], num_microbatches=len(batches), seq_length=pad_to or 0,
         micro_batch_size=1, forward_only=False)
     out = torch.zeros(2, dtype=torch.float64)
     if ps.is_pipeline_last_stage():
@@ -134,23 +154,59 @@ def _compare(loss_tokens: torch.Tensor, reference, grads: dict, towers: tuple[st
 
 
 def pp_case(case: tuple, samples: list[dict], reference) -> dict:
+    """One case: (family, tp, pp, sp[, "cp2"][, "variable"][, "control"]). "cp2": context parallel 2 as
+    well; "variable": real packed lengths, p2p shapes exchanged per micro-batch (`variable_seq_lengths`)
+    instead of a fixed `pad_to`; "control": `one_document_on_later_stages` (the comparison must fail)."""
+    import time
+
+    start = time.perf_counter()
     from megatron.core import parallel_state as ps
 
     from megatron_vlm_packing.bridge.truth import TOWERS, build_family
     from megatron_vlm_packing.testing.distributed import initialize_parallel
     from megatron_vlm_packing.testing.parity import full_gradients, load_full_state
 
-    family, tp, pp, sp = case
-    initialize_parallel(tp=tp, pp=pp, seed=SEED)
-    cfg = tiny_config(family, tp=tp, pp=pp, sp=sp)
+    family, tp, pp, sp = case[:4]
+    cp, variable = (2 if "cp2" in case[4:] else 1), "variable" in case[4:]
+    initialize_parallel(tp=tp, cp=cp, pp=pp, seed=SEED)
+    cfg = tiny_config(family, tp=tp, cp=cp, pp=pp, sp=sp)
     model = build_family(family, cfg, seed=SEED + 1)  # other weights: load_full_state must set them all
     load_full_state(model, reference[3], tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp)
+    model.config.variable_seq_lengths = variable
     batches = micro_batches(family, samples)
-    loss_tokens = packed_through_schedule(model, batches, fixed_length(batches, cfg))
-    grads = full_gradients(model, tp_group=ps.get_tensor_model_parallel_group())
+    transform = one_document_on_later_stages if "control" in case[4:] else None
+    loss_tokens = packed_through_schedule(model, batches, None if variable else fixed_length(batches, cfg), transform)
+    cp_group = ps.get_context_parallel_group()
+    dist.all_reduce(loss_tokens, group=cp_group)  # each CP rank holds its tokens' part
+    grads = full_gradients(model, tp_group=ps.get_tensor_model_parallel_group(), cp_group=cp_group)
     result = _compare(loss_tokens, reference, grads, TOWERS[family])
-    result.update(case=case, stage=f"{type(model).__name__} x {pp} stages", micro_batches=len(batches))
+    result.update(case=case, stage=f"{type(model).__name__} x {pp} stages", micro_batches=len(batches),
+                  seconds=round(time.perf_counter() - start, 1))
     return result
+
+
+def refusal(case: tuple) -> dict:
+    """(family, tp, pp, sp, "refused"): the family with 2 language layers (1 per stage, fewer than its 2
+    deepstack levels) is built per stage; what `adapter_for` says on each pipeline stage."""
+    from dataclasses import replace
+
+    from megatron.core import parallel_state as ps
+
+    from megatron_vlm_packing.bridge.truth import build_family
+    from megatron_vlm_packing.models.adapter import adapter_for
+    from megatron_vlm_packing.testing.distributed import initialize_parallel
+
+    family, tp, pp, sp = case[:4]
+    initialize_parallel(tp=tp, pp=pp, seed=SEED)
+    model = build_family(family, replace(tiny_config(family, tp=tp, pp=pp, sp=sp), num_layers=2), seed=SEED)
+    try:
+        adapter_for(model)
+        message = None
+    except ValueError as err:
+        message = str(err)
+    said = [None] * dist.get_world_size()
+    dist.all_gather_object(said, (ps.get_pipeline_model_parallel_rank(), message))
+    return dict(case=case, refused=dict(sorted(set(said))))
 
 
 def run_bridge_pp_parity(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
@@ -161,19 +217,28 @@ def run_bridge_pp_parity(rank: int, world_size: int, cases: list[tuple]) -> list
         apply_bridge_qwen3_omni_packed, undo_bridge_qwen3_omni_packed,
     )
 
-    results, truths = [], {}
+    import time
+
+    results, truths, seconds = [], {}, {}
     apply_bridge_patches()
     apply_bridge_qwen3_omni_packed()  # packed only: the truth's dense calls run Bridge's own code
     try:
         for case in cases:
             family = case[0]
+            if "refused" in case[4:]:
+                results.append(refusal(case))
+                continue
             samples = family_samples(family, tiny_config(family), MICRO_BATCHES * SAMPLES_PER_MICRO_BATCH, seed=SEED)
             if family not in truths:
+                start = time.perf_counter()
                 truths[family] = truth(family, samples)
+                seconds[family] = round(time.perf_counter() - start, 1)
             results.append(pp_case(case, samples, truths[family]))
     finally:
         undo_bridge_qwen3_omni_packed()
         undo_bridge_patches()
+    for result in results:
+        result["truth_seconds"] = seconds.get(result["case"][0])
     return results
 
 
@@ -185,9 +250,12 @@ def pp_parity_table(results: list[dict]) -> str:
     """Markdown rows: family, layout, |dloss|, worst relative gradient error (all / towers)."""
     rows = ["| model (Bridge 0.6.2) | layout | micro-batches | max abs dloss | max rel grad err "
             "| max rel tower grad err | params compared |", "|---|---|---|---|---|---|---|"]
-    for r in results:
-        family, tp, pp, sp = r["case"]
-        layout = f"PP={pp}" + (f" x TP={tp}" if tp > 1 else "") + (" + SP" if sp else "")
+    for r in (r for r in results if "refused" not in r):
+        family, tp, pp, sp = r["case"][:4]
+        extras = r["case"][4:]
+        layout = f"PP={pp}" + (f" x TP={tp}" if tp > 1 else "") + (" x CP=2" if "cp2" in extras else "")
+        layout += (" + SP" if sp else "") + (", real lengths (variable_seq_lengths)" if "variable" in extras else "")
+        layout += ", control: later stages ignore the boundaries" if "control" in extras else ""
         rows.append(f"| {family} | {layout} | {r['micro_batches']} | {r['abs_dloss']:.2e} | "
                     f"{r['max_rel_grad_err']:.2e} | {r['max_rel_tower_grad_err']:.2e} | {r['params']} |")
     return "\n".join(rows)
