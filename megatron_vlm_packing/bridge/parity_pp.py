@@ -1,24 +1,29 @@
 """Bridge parity under pipeline parallelism: packed micro-batches through Megatron-Core's schedule.
 
 `run_bridge_pp_parity(rank, world_size, cases)` is a `testing.run_distributed` target. A case is
-(family, tp, pp, sp) with family "qwen3_vl", "qwen3_vl_moe", "qwen25_vl" or "qwen3_omni".
+(family, tp, pp, sp[, options]) with family "qwen3_vl", "qwen3_vl_moe", "qwen25_vl" or "qwen3_omni"
+and options "cp2" (context parallel 2 too), "variable" (real packed lengths, `variable_seq_lengths`),
+"control" (a deliberate mistake the comparison must catch), "refused" (what the adapter says).
 
 - Truth: the TP = PP = 1 model of the family (Bridge's own, built by its provider) running every
   sample alone, dense and unpadded, on Bridge's own path (`bridge.truth`); the samples are shared
   out over the launch's ranks and the gradients summed.
 - Packed: the model at the case's layout (each rank builds its pipeline stage: vision tower and
   embedding on the first, output layer on the last), the truth's weights loaded, and several
-  micro-batches of packed samples through the shipped `make_forward_step` (fixed packed length
-  `pad_to`, static p2p shapes) and `get_forward_backward_func` (1F1B: several micro-batches in
-  flight). With `calculate_per_token_loss` the schedule neither averages nor scales, so the
-  gradients are those of the sum of every token's loss, exactly the truth's.
+  micro-batches of packed samples through the shipped `make_forward_step` (every stage reads the
+  same micro-batches: later stages need the boundaries, positions and labels) and
+  `get_forward_backward_func` (1F1B: several micro-batches in flight), with a fixed packed length
+  `pad_to` (static p2p shapes) or at real lengths. With `calculate_per_token_loss` the schedule
+  neither averages nor scales, so the gradients are those of the sum of every token's loss, the truth's.
 - Compared: the loss sum and token count of the last stage, and every parameter gradient on every
-  stage (TP shards gathered, named by global layer index); every truth parameter must be compared
-  on some rank, the vision (and audio) towers included.
+  stage (TP shards gathered, CP parts summed, named by global layer index); every truth parameter must
+  be compared on some rank, the vision (and audio) towers included.
 
 Bridge asserts that Qwen3-VL's deepstack levels all feed layers of the first stage
-(`Qwen3VLModel.__init__`), so the PP models have `PP_LAYERS` language layers (2 per stage for the 2
-deepstack levels of the tiny configs).
+(`Qwen3VLModel.__init__`; Qwen3-Omni at its first image), so the PP models have `PP_LAYERS` language
+layers (2 per stage for the 2 deepstack levels of the tiny configs).
+
+    python -m megatron_vlm_packing.bridge.parity_pp [family ...]     # the README's PP table
 """
 
 from __future__ import annotations
@@ -242,8 +247,11 @@ def run_bridge_pp_parity(rank: int, world_size: int, cases: list[tuple]) -> list
     return results
 
 
-ALL_CASES = [(family, tp, 2, tp > 1) for family in ("qwen3_vl", "qwen3_vl_moe", "qwen25_vl", "qwen3_omni")
-             for tp in (1, 2)]
+FAMILIES = ("qwen3_vl", "qwen3_vl_moe", "qwen25_vl", "qwen3_omni")
+ALL_CASES = ([(family, tp, 2, tp > 1) for family in FAMILIES for tp in (1, 2)]
+             + [(family, 1, 2, False, "cp2") for family in FAMILIES]
+             + [("qwen3_vl", 1, 2, False, "variable"), ("qwen3_omni", 2, 2, True, "variable"),
+                ("qwen3_vl", 1, 2, False, "control")])
 
 
 def pp_parity_table(results: list[dict]) -> str:
