@@ -42,7 +42,8 @@ def test_packed_through_the_pipeline_equals_each_sample_alone(results, case):
 
 def test_later_stages_ignoring_the_boundaries_fail_the_comparison(results):
     r = results[CONTROL]
-    assert r["abs_dloss"] > 0.1 and r["max_rel_grad_err"] > 1e-2, r
+    # measured: |dloss| 0.12, grads off by 1.3 relative (parity is < 1e-4 and < 1e-5)
+    assert r["abs_dloss"] > 1e-3 and r["max_rel_grad_err"] > 0.1, r
 
 
 def test_omni_first_stage_with_fewer_layers_than_deepstack_levels_is_refused(results):
