@@ -23,7 +23,8 @@ Bridge asserts that Qwen3-VL's deepstack levels all feed layers of the first sta
 (`Qwen3VLModel.__init__`; Qwen3-Omni at its first image), so the PP models have `PP_LAYERS` language
 layers (2 per stage for the 2 deepstack levels of the tiny configs).
 
-    python -m megatron_vlm_packing.bridge.parity_pp [family ...]     # the README's PP table
+    python -m megatron_vlm_packing.bridge.parity_pp [--wide] [family ...]   # the README's PP table
+                                                        # (--wide: PP2 x TP2 x CP2 x SP, 8 processes)
 """
 
 from __future__ import annotations
@@ -269,10 +270,14 @@ def pp_parity_table(results: list[dict]) -> str:
     return "\n".join(rows)
 
 
+WIDE_CASES = [(family, 2, 2, True, "cp2") for family in FAMILIES]  # PP2 x TP2 x CP2 x SP: 8 processes
+
 if __name__ == "__main__":
     import sys
 
     from megatron_vlm_packing.testing.distributed import run_distributed
 
-    chosen = [c for c in ALL_CASES if not sys.argv[1:] or c[0] in sys.argv[1:]]
-    print(pp_parity_table(run_distributed(run_bridge_pp_parity, 4, chosen)))
+    wide = "--wide" in sys.argv
+    names = [a for a in sys.argv[1:] if not a.startswith("--")]
+    chosen = [c for c in (WIDE_CASES if wide else ALL_CASES) if not names or c[0] in names]
+    print(pp_parity_table(run_distributed(run_bridge_pp_parity, 8 if wide else 4, chosen)))
