@@ -17,16 +17,12 @@ alternating step by step (rotated order), forward + loss + backward, no optimize
 - vlm_step: Bridge's generic VLM step on a batch packed at collate time at real lengths by Bridge's
   `data.packing.in_batch.build_mcore_thd_sequence_batch_from_rows` (called for real).
 
-What is Bridge's code and what is reimplemented: Bridge's two `forward_step` modules import
-`megatron.bridge.training.config`, which imports Hugging Face `datasets` (not installed with
-`--no-deps`; and they move every tensor with `.cuda()`), so their argument plumbing is rewritten
-here from `models/qwen_vl/qwen3_vl_step.py:155-210` (`_pad_and_pack_qwen3_vl_step`) and `:290-353`,
-`training/vlm_step.py:278-321`, and the per-sample rows of `models/qwen_vl/data/collate_fn.py:153-232`
-and `:318-347` (labels and loss mask shifted per sample). Everything else Bridge runs is Bridge's:
-the model, `build_mcore_thd_sequence_batch_from_rows`, `pad_or_truncate_sequence_batch`,
-`padding_utils.pad_or_truncate_*`, `get_packed_seq_params`, `GenericVisualInputs`, and the loss
-`create_masked_next_token_loss_function`. When `qwen3_vl_step` does import (a GPU machine with the
-full Bridge install), its `_pad_and_pack_qwen3_vl_step` is checked equal to ours on every batch.
+What is Bridge's code and what is rewritten: see `bridge_steps.py`. Bridge's two `forward_step`
+modules cannot be imported without Hugging Face `datasets` (through `training/config.py`), so their
+argument plumbing is rewritten there, with file:line of what it follows; the model, the collate-time
+packer and padder, `get_packed_seq_params`, `GenericVisualInputs` and the loss are Bridge's, called.
+Where `qwen3_vl_step` does import (a full Bridge install), its `_pad_and_pack_qwen3_vl_step` is
+checked equal to the rewrite on the first batch.
 
 CPU: TE-free build (`megatron_vlm_packing.bridge.build`) with `SegmentAttention` below (one SDPA per
 document: cost follows sum(len^2) as a varlen kernel's does, where the project's reference attention
@@ -42,9 +38,14 @@ import math
 import os
 import statistics
 import sys
+import time
 
 import torch
-from timing import wall_ms  # benchmarks/timing.py (the script's folder is on sys.path)
+from bridge_steps import (  # benchmarks/bridge_steps.py (the script's folder is on sys.path)
+    check_against_real_qwen3_vl_step, collate_for_qwen3_vl_step, collate_for_vlm_step, lognormal_batches, qwen3_vl_step,
+    vlm_step,
+)
+from timing import wall_ms  # benchmarks/timing.py
 
 MODEL_GPU = dict(num_layers=4, hidden_size=1024, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=2816,
                  vocab_size=4096, mrope_section=(24, 20, 20), vision_depth=4, vision_hidden=256, vision_heads=4,
@@ -52,209 +53,12 @@ MODEL_GPU = dict(num_layers=4, hidden_size=1024, num_attention_heads=8, num_quer
 PRESETS = {
     "cpu": dict(model=dict(hidden_size=128, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=256,
                            mrope_section=(4, 6, 6)),
-                batch=8, batches=3, repeats=3, median_text=80, max_text=512, grids=(4, 8), video_grids=(4,)),
+                batch=8, batches=4, repeats=5, median_text=80, max_text=512, grids=(4, 8), video_grids=(4,)),
     "tiny": dict(model={}, batch=3, batches=1, repeats=1, median_text=12, max_text=24, grids=(2, 4), video_grids=(2,)),
     "gpu": dict(model=MODEL_GPU, batch=8, batches=4, repeats=5, median_text=1024, max_text=6144, grids=(16, 32),
                 video_grids=(16,)),
 }
-SEQ_LENGTH_CAP = 16384  # Bridge's dataset seq_length (the collate's cap); no sample here reaches it
 ARMS = ("ours", "ours, loader-packed", "qwen3_vl_step", "vlm_step")
-QWEN3_VL_STEP = "megatron.bridge.models.qwen_vl.qwen3_vl_step"
-
-
-# --- samples -------------------------------------------------------------------------------------
-
-def _media(rng, cfg, grids, *, video: bool):
-    """(token blocks, [t, h, w], patches [t*h*w, F]): Qwen3-VL layout, one block per video frame."""
-    h, w = (grids[int(i)] for i in torch.randint(0, len(grids), (2,), generator=rng))
-    t, ids = (2 if video else 1), cfg.token_ids
-    token = ids["video_token_id" if video else "image_token_id"]
-    block = torch.tensor([ids["vision_start_token_id"]] + [token] * (h * w // 4) + [ids["vision_end_token_id"]])
-    return [block] * t, [t, h, w], torch.randn(t * h * w, cfg.patch_features, generator=rng)
-
-
-def lognormal_sample(rng, cfg, *, text: int, images: int, videos: int, grids, video_grids) -> dict:
-    """One Hugging-Face-style sample (unshifted labels, -100 on vision tokens) with media at random cuts."""
-    text_ids = torch.randint(1, cfg.vocab_size - 8, (text,), generator=rng)
-    kinds = [False] * images + [True] * videos
-    cuts = sorted(torch.randint(0, text + 1, (len(kinds),), generator=rng).tolist())
-    ids, labels, prev = [], [], 0
-    media = {"image_grid_thw": [], "pixel_values": [], "video_grid_thw": [], "pixel_values_videos": []}
-    for cut, video in zip(cuts, kinds):
-        ids.append(text_ids[prev:cut])
-        labels.append(text_ids[prev:cut])
-        prev = cut
-        blocks, grid, patches = _media(rng, cfg, video_grids if video else grids, video=video)
-        ids += blocks
-        labels += [torch.full_like(b, -100) for b in blocks]
-        media["video_grid_thw" if video else "image_grid_thw"].append(grid)
-        media["pixel_values_videos" if video else "pixel_values"].append(patches)
-    sample = {"input_ids": torch.cat(ids + [text_ids[prev:]]), "labels": torch.cat(labels + [text_ids[prev:]])}
-    for grid, pixels in (("image_grid_thw", "pixel_values"), ("video_grid_thw", "pixel_values_videos")):
-        sample[grid] = torch.tensor(media[grid], dtype=torch.long).reshape(-1, 3)
-        sample[pixels] = torch.cat(media[pixels]) if media[pixels] else torch.zeros(0, cfg.patch_features)
-    return sample
-
-
-def lognormal_batches(cfg, preset: dict, seed: int) -> list[list[dict]]:
-    """`batches` micro-batches of `batch` samples: text ~ lognormal(median, sigma 0.8), 0-2 images, 0-1 video."""
-    rng = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(preset["batches"]):
-        samples = []
-        for _ in range(preset["batch"]):
-            text = math.exp(math.log(preset["median_text"]) + 0.8 * float(torch.randn(1, generator=rng)))
-            samples.append(lognormal_sample(
-                rng, cfg, text=int(min(max(text, 4), preset["max_text"])),
-                images=int(torch.randint(0, 3, (1,), generator=rng)),
-                videos=int(torch.rand(1, generator=rng) < 0.3), grids=preset["grids"],
-                video_grids=preset["video_grids"]))
-        out.append(samples)
-    return out
-
-
-# --- Bridge's data side (collate) ----------------------------------------------------------------
-
-def bridge_rows(samples: list[dict]) -> list[dict]:
-    """Per-sample rows as Bridge's Qwen collate writes them: labels and loss mask shifted per sample."""
-    rows = []
-    for s in samples:
-        ids = s["input_ids"]
-        supervised = (s["labels"] != -100).float()
-        loss_mask = torch.cat([supervised[1:], supervised.new_zeros(1)])
-        labels = torch.cat([ids[1:], ids.new_full((1,), -100)]).masked_fill(loss_mask == 0, -100)
-        rows.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels,
-                     "loss_mask": loss_mask, "position_ids": torch.arange(ids.numel())})
-    return rows
-
-
-def bridge_visual_inputs(samples: list[dict]):
-    """Bridge's `GenericVisualInputs` with the batch's images and videos (sample order)."""
-    from megatron_vlm_packing.bridge.imports import import_bridge_module
-
-    visual = import_bridge_module("megatron.bridge.training.utils.visual_inputs").GenericVisualInputs
-    fields = {}
-    for grid, pixels in (("image_grid_thw", "pixel_values"), ("video_grid_thw", "pixel_values_videos")):
-        grids = torch.cat([s[grid] for s in samples])
-        if len(grids):
-            fields[grid], fields[pixels] = grids, torch.cat([s[pixels] for s in samples])
-    return visual(**fields)
-
-
-def collate_for_qwen3_vl_step(samples: list[dict], pad_multiple: int = 128) -> dict:
-    """Bridge's unpacked collate (packing deferred to the step): rows right-padded, then Bridge's
-    `pad_or_truncate_sequence_batch` to the batch max rounded up to `pad_multiple`."""
-    from megatron_vlm_packing.bridge.imports import import_bridge_module
-
-    padding = import_bridge_module("megatron.bridge.data.collators.sequence_padding")
-    rows, longest = bridge_rows(samples), max(len(s["input_ids"]) for s in samples)
-    batch = {}
-    for key, fill in (("input_ids", 0), ("attention_mask", 0), ("labels", -100), ("loss_mask", 0)):
-        rows_t = [torch.nn.functional.pad(r[key], (0, longest - len(r[key])), value=fill) for r in rows]
-        batch[key] = torch.stack(rows_t)
-    batch["position_ids"] = torch.arange(longest).expand(len(rows), -1).clone()
-    padding.pad_or_truncate_sequence_batch(batch, sequence_length=SEQ_LENGTH_CAP, pad_to_multiple_of=pad_multiple)
-    batch["visual_inputs"] = bridge_visual_inputs(samples)
-    return batch
-
-
-def collate_for_vlm_step(samples: list[dict]) -> dict:
-    """Bridge's Qwen collate with `enable_in_batch_packing=True`: Bridge's own THD packer at real lengths."""
-    from megatron_vlm_packing.bridge.imports import import_bridge_module
-
-    in_batch = import_bridge_module("megatron.bridge.data.packing.in_batch")
-    packed = in_batch.build_mcore_thd_sequence_batch_from_rows(bridge_rows(samples), sequence_length=SEQ_LENGTH_CAP,
-                                                               pad_token_id=0, ignore_index=-100, pad_to_multiple_of=1)
-    packed["visual_inputs"] = bridge_visual_inputs(samples)
-    return packed
-
-
-# --- Bridge's two steps (argument plumbing rewritten; see the module docstring) -----------------
-
-def _bridge(name: str):
-    from megatron_vlm_packing.bridge.imports import import_bridge_module
-
-    return import_bridge_module(name)
-
-
-def _to(device, value):
-    return value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
-
-
-def _visual_kwargs(batch: dict, device, dtype) -> dict:
-    kwargs = batch["visual_inputs"].normalized_for_model()
-    return {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device)) for k, v in kwargs.items()}
-
-
-def qwen3_vl_step_args(batch: dict, tp_size: int = 1):
-    """`_pad_and_pack_qwen3_vl_step(use_fp8_padding=True)` + the in-batch-packing forward arguments:
-    rows padded to a multiple of lcm(tp, 16), boundaries [0, S, 2S, ...], attention mask all ones."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    pad = _bridge("megatron.bridge.training.utils.padding_utils")
-    tokens = batch["input_ids"]
-    rows, length = tokens.shape
-    target = math.ceil(length / math.lcm(tp_size, 16)) * math.lcm(tp_size, 16)
-    tokens = pad.pad_or_truncate_2d_to_len(tokens, target_len=target, max_cap=target, pad_value=0)
-    labels = pad.pad_or_truncate_2d_to_len(batch["labels"], target_len=target, max_cap=target, pad_value=-100)
-    loss_mask = pad.pad_or_truncate_2d_to_len(batch["loss_mask"], target_len=target, max_cap=target, pad_value=0)
-    cu = torch.arange(rows + 1, dtype=torch.int32, device=tokens.device) * target
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
-                             cu_seqlens_kv_padded=cu, max_seqlen_q=target, max_seqlen_kv=target)
-    args = dict(input_ids=tokens, labels=labels.reshape(1, -1), loss_mask=loss_mask.reshape(1, -1),
-                attention_mask=torch.ones(rows, target, dtype=torch.bool, device=tokens.device), position_ids=None,
-                packed_seq_params=params)
-    return args
-
-
-def qwen3_vl_step(model, batch: dict, device, dtype) -> torch.Tensor:
-    """Forward of Bridge's `qwen3_vl_step` (in-batch packing) + its loss; returns the loss sum."""
-    batch = {k: _to(device, v) for k, v in batch.items()}
-    args = qwen3_vl_step_args(batch, int(model.config.tensor_model_parallel_size))
-    return _bridge_loss(model, args, batch, device, dtype)
-
-
-def vlm_step(model, batch: dict, device, dtype) -> torch.Tensor:
-    """Forward of Bridge's `vlm_step` on a collate-packed batch + its loss; returns the loss sum."""
-    utils = _bridge("megatron.bridge.training.utils.packed_seq_utils")
-    batch = {k: _to(device, v) for k, v in batch.items()}
-    meta = {k: batch[k] for k in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded",
-                                  "max_seqlen_q", "max_seqlen_kv") if batch.get(k) is not None}
-    args = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=None,
-                labels=batch["labels"], loss_mask=batch["loss_mask"].contiguous(),
-                packed_seq_params=utils.get_packed_seq_params(meta))
-    return _bridge_loss(model, args, batch, device, dtype)
-
-
-def _bridge_loss(model, args: dict, batch: dict, device, dtype) -> torch.Tensor:
-    losses = _bridge("megatron.bridge.training.losses")
-    output = model(**args, **_visual_kwargs(batch, device, dtype))
-    loss_mask = args["loss_mask"]
-    if isinstance(output, tuple):
-        output, loss_mask = output
-    loss_sum, _, _ = losses.create_masked_next_token_loss_function(loss_mask, False, False)(output)
-    return loss_sum
-
-
-def check_against_real_qwen3_vl_step(batch: dict) -> str:
-    """'equal' / 'not importable here: ...': ours vs Bridge's `_pad_and_pack_qwen3_vl_step` on `batch`."""
-    from types import SimpleNamespace
-
-    try:
-        real = _bridge(QWEN3_VL_STEP)._pad_and_pack_qwen3_vl_step
-    except ImportError as err:
-        return f"not importable here ({type(err).__name__}: {err})"
-    one = SimpleNamespace(size=lambda: 1)
-    tokens, labels, loss_mask, _, _, params = real(batch["input_ids"], batch["labels"], batch["loss_mask"],
-                                                  batch["attention_mask"], batch["position_ids"],
-                                                  SimpleNamespace(tp=one, cp=one), use_fp8_padding=True)
-    ours = qwen3_vl_step_args(batch)
-    same = (torch.equal(tokens, ours["input_ids"]) and torch.equal(labels.reshape(1, -1), ours["labels"])
-            and torch.equal(loss_mask.reshape(1, -1), ours["loss_mask"])
-            and torch.equal(params.cu_seqlens_q, ours["packed_seq_params"].cu_seqlens_q))
-    if not same:
-        raise AssertionError("our rewrite of _pad_and_pack_qwen3_vl_step differs from Bridge's")
-    return "equal"
 
 
 # --- CPU attention whose cost follows the boundaries --------------------------------------------
@@ -315,7 +119,7 @@ def our_step():
 
 
 def arm_inputs(model, samples: list[dict], dtype) -> dict:
-    """{arm: (step, host-side input, physical tokens, attention pairs)} for one micro-batch."""
+    """{arm: (step, host-side input, physical tokens, attention pairs, collate-side ms)} for one micro-batch."""
     from megatron_vlm_packing import pack_batch
     from megatron_vlm_packing.bridge.adapters import qwen3_vl_mrope
     from megatron_vlm_packing.bridge.samples import collate_qwen_vl
@@ -324,8 +128,9 @@ def arm_inputs(model, samples: list[dict], dtype) -> dict:
     for key in ("pixel_values", "pixel_values_videos"):
         if key in ours:
             ours[key] = ours[key].to(dtype)
-    loader = pack_batch(ours, label_style="hf", mrope=qwen3_vl_mrope(model))
-    padded, packed = collate_for_qwen3_vl_step(samples), collate_for_vlm_step(samples)
+    loader, loader_ms = _host_ms(lambda: pack_batch(ours, label_style="hf", mrope=qwen3_vl_mrope(model)))
+    padded, padded_ms = _host_ms(lambda: collate_for_qwen3_vl_step(samples))
+    packed, packed_ms = _host_ms(lambda: collate_for_vlm_step(samples))
     rows, target = padded["input_ids"].shape[0], math.ceil(padded["input_ids"].shape[1] / 16) * 16
 
     def pairs(cu):
@@ -333,9 +138,17 @@ def arm_inputs(model, samples: list[dict], dtype) -> dict:
         return sum(n * (n + 1) // 2 for n in lengths)
     ours_shape = (loader.input_ids.shape[-1], pairs(loader.packed_seq_params.cu_seqlens_q))
     step = our_step()
-    return {"ours": (step, ours, *ours_shape), "ours, loader-packed": (step, loader, *ours_shape),
-            "qwen3_vl_step": (qwen3_vl_step, padded, rows * target, rows * target * (target + 1) // 2),
-            "vlm_step": (vlm_step, packed, packed["input_ids"].shape[1], pairs(packed["cu_seqlens_q"]))}
+    return {"ours": (step, ours, *ours_shape, 0.0), "ours, loader-packed": (step, loader, *ours_shape, loader_ms),
+            "qwen3_vl_step": (qwen3_vl_step, padded, rows * target, rows * target * (target + 1) // 2, padded_ms),
+            "vlm_step": (vlm_step, packed, packed["input_ids"].shape[1], pairs(packed["cu_seqlens_q"]), packed_ms)}
+
+
+def _host_ms(fn):
+    """(fn(), this thread's CPU ms for a second call): collate-side work, outside the timed step."""
+    fn()  # first call pays lazy imports
+    start = time.thread_time()
+    out = fn()
+    return out, (time.thread_time() - start) * 1e3
 
 
 def alone_loss_sum(model, sample: dict, device, dtype) -> torch.Tensor:
@@ -377,13 +190,13 @@ def correctness(model, samples: list[dict], inputs: dict, device, dtype) -> dict
 
 # --- timing ----------------------------------------------------------------------------------------
 
-def time_arms(model, inputs: list[dict], device, dtype, repeats: int) -> dict[str, list[float]]:
-    """ms of forward + backward per arm; one untimed round, then `repeats` rounds over every batch
+def time_arms(model, inputs: list[dict], device, dtype, repeats: int, warmup: int = 1) -> dict[str, list[float]]:
+    """ms of forward + backward per arm; `warmup` untimed rounds, then `repeats` rounds over every batch
     with the arms in rotated order (load on a shared machine hits every arm alike)."""
     clock = "wall" if device == "cuda" else "thread"
     times = {arm: [] for arm in ARMS}
     step_index = 0
-    for round_ in range(repeats + 1):
+    for round_ in range(warmup + repeats):
         for per_arm in inputs:
             order = ARMS[step_index % len(ARMS):] + ARMS[:step_index % len(ARMS)]
             step_index += 1
@@ -392,7 +205,7 @@ def time_arms(model, inputs: list[dict], device, dtype, repeats: int) -> dict[st
                 model.zero_grad(set_to_none=True)
                 ms = wall_ms(lambda: step(model, batch, device, dtype).backward(), device=device, repeats=1,
                              warmup=0, clock=clock)[0]
-                if round_ > 0:
+                if round_ >= warmup:
                     times[arm].append(ms)
     model.zero_grad(set_to_none=True)
     return times
@@ -430,30 +243,34 @@ def setup(device: str) -> None:
         torch.cuda.set_device(0)
     if not dist.is_initialized():
         dist.init_process_group("gloo" if device == "cpu" else "nccl", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel()
 
 
-def report(times: dict, shapes: dict, checks: dict, real_check: str) -> list[str]:
+def report(times: dict, shapes: dict, checks: dict, real_check: str, tolerance: tuple[float, float]) -> list[str]:
     """Markdown: the timing table (ratios ours / arm) and the correctness table."""
     med = {arm: statistics.median(t) for arm, t in times.items()}
     lines = ["| arm | real tokens / step | physical tokens / step | attention pairs / step | ms / step (median) "
-             "| ours / arm (medians) | ours / arm (paired median) |", "|---|---|---|---|---|---|---|"]
+             "| ours / arm (medians) | ours / arm (paired median) | collate-side ms (not in the step) |",
+             "|---|---|---|---|---|---|---|---|"]
     for arm in ARMS:
-        real, physical, pairs = (statistics.mean(s) for s in zip(*shapes[arm]))
+        real, physical, pairs, collate = (statistics.mean(s) for s in zip(*shapes[arm]))
         paired = statistics.median(a / b for a, b in zip(times["ours"], times[arm]))
         lines.append(f"| {arm} | {real:.0f} | {physical:.0f} | {pairs:.3g} | {med[arm]:.1f} | "
-                     f"{med['ours'] / med[arm]:.2f} | {paired:.2f} |")
-    lines += ["", "| arm | abs(loss - alone) | relative | max rel grad err vs alone | equals each sample alone |",
-              "|---|---|---|---|---|"]
+                     f"{med['ours'] / med[arm]:.2f} | {paired:.2f} | {collate:.1f} |")
+    loss_tol, grad_tol = tolerance
+    lines += ["", f"| arm | abs(loss - alone) | relative | max rel grad err vs alone | equals each sample alone "
+              f"(relative loss < {loss_tol:g}, grads < {grad_tol:g}) |", "|---|---|---|---|---|"]
     for arm in ARMS:
         dloss, rel, grad = checks[arm]
-        lines.append(f"| {arm} | {dloss:.2e} | {rel:.1e} | {grad:.1e} | {'yes' if rel < 1e-4 and grad < 1e-3 else 'NO'} |")
+        verdict = "yes" if rel < loss_tol and grad < grad_tol else "NO"
+        lines.append(f"| {arm} | {dloss:.2e} | {rel:.1e} | {grad:.1e} | {verdict} |")
     lines += ["", f"Our rewrite of `_pad_and_pack_qwen3_vl_step` vs Bridge's: {real_check}."]
     return lines
 
 
 def run(preset_name: str, *, cpu_attention: str = "segmented", seed: int = 0, repeats: int | None = None,
-        batches: int | None = None) -> tuple[list[str], dict]:
+        batches: int | None = None, warmup: int = 1) -> tuple[list[str], dict]:
     """Build, make the batches, check correctness on the first, time all; (markdown lines, raw)."""
     from megatron_vlm_packing.bridge.tiny import TinyBridgeConfig
 
@@ -471,13 +288,14 @@ def run(preset_name: str, *, cpu_attention: str = "segmented", seed: int = 0, re
     shapes = {arm: [(r, *per[arm][2:]) for r, per in zip(real, inputs)] for arm in ARMS}
     checks = correctness(model, batches_[0], inputs[0], device, dtype)
     real_check = check_against_real_qwen3_vl_step(inputs[0]["qwen3_vl_step"][1])
-    times = time_arms(model, inputs, device, dtype, preset["repeats"])
+    times = time_arms(model, inputs, device, dtype, preset["repeats"], warmup)
     head = [f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu (1 thread, thread CPU time)'}, "
             f"torch {torch.__version__}, megatron-bridge {_bridge_version()}, model {model_summary(cfg, device, cpu_attention)}, "
             f"{preset['batches']} micro-batches of {preset['batch']} samples, {preset['repeats']} timed rounds "
             f"(arms alternating), images {sum(len(s['image_grid_thw']) for b in batches_ for s in b)}, "
             f"videos {sum(len(s['video_grid_thw']) for b in batches_ for s in b)}", ""]
-    return head + report(times, shapes, checks, real_check), dict(times=times, shapes=shapes, checks=checks)
+    tolerance = (1e-4, 1e-3) if dtype == torch.float32 else (1e-2, 5e-2)
+    return head + report(times, shapes, checks, real_check, tolerance), dict(times=times, shapes=shapes, checks=checks)
 
 
 def _bridge_version() -> str:
@@ -499,13 +317,14 @@ def main(argv=None) -> int:
     parser.add_argument("--cpu-attention", choices=("segmented", "reference"), default="segmented")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--batches", type=int, default=None)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds over every batch first")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     if args.preset == "gpu" and not torch.cuda.is_available():
         parser.error("--preset gpu needs a CUDA GPU (and Transformer Engine)")
     lines, _ = run(args.preset, cpu_attention=args.cpu_attention, seed=args.seed, repeats=args.repeats,
-                   batches=args.batches)
+                   batches=args.batches, warmup=args.warmup)
     text = "\n".join(lines)
     print(text)
     if args.out:
