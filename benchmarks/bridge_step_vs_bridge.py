@@ -292,19 +292,21 @@ def run(preset_name: str, *, cpu_attention: str = "segmented", seed: int = 0, re
     checks = correctness(model, batches_[0], inputs[0], device, dtype)
     real_check = check_against_real_qwen3_vl_step(inputs[0]["qwen3_vl_step"][1])
     times = time_arms(model, inputs, device, dtype, preset["repeats"], warmup)
-    head = [f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu (1 thread, thread CPU time)'}, "
-            f"torch {torch.__version__}, megatron-bridge {_bridge_version()}, model {model_summary(cfg, device, cpu_attention)}, "
-            f"{preset['batches']} micro-batches of {preset['batch']} samples, {preset['repeats']} timed rounds "
-            f"(arms alternating), images {sum(len(s['image_grid_thw']) for b in batches_ for s in b)}, "
-            f"videos {sum(len(s['video_grid_thw']) for b in batches_ for s in b)}", ""]
+    head = [_head(device, cfg, cpu_attention, preset, batches_), ""]
     tolerance = (1e-4, 1e-3) if dtype == torch.float32 else (1e-2, 5e-2)
     return head + report(times, shapes, checks, real_check, tolerance), dict(times=times, shapes=shapes, checks=checks)
 
 
-def _bridge_version() -> str:
+def _head(device: str, cfg, cpu_attention: str, preset: dict, batches: list[list[dict]]) -> str:
+    """One line: device, versions, model, batches, media counts."""
     from megatron_vlm_packing.bridge.imports import bridge_version
 
-    return str(bridge_version())
+    where = torch.cuda.get_device_name() if device == "cuda" else "cpu (1 thread, thread CPU time)"
+    images = sum(len(s["image_grid_thw"]) for b in batches for s in b)
+    videos = sum(len(s["video_grid_thw"]) for b in batches for s in b)
+    return (f"device: {where}, torch {torch.__version__}, megatron-bridge {bridge_version()}, model "
+            f"{model_summary(cfg, device, cpu_attention)}, {preset['batches']} micro-batches of {preset['batch']} "
+            f"samples, {preset['repeats']} timed rounds (arms alternating), images {images}, videos {videos}")
 
 
 def model_summary(cfg, device: str, cpu_attention: str) -> str:
