@@ -53,7 +53,7 @@ MODEL_GPU = dict(num_layers=4, hidden_size=1024, num_attention_heads=8, num_quer
 PRESETS = {
     "cpu": dict(model=dict(hidden_size=128, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=256,
                            mrope_section=(4, 6, 6)),
-                batch=8, batches=4, repeats=5, median_text=80, max_text=512, grids=(4, 8), video_grids=(4,)),
+                batch=8, batches=4, repeats=8, median_text=80, max_text=512, grids=(4, 8), video_grids=(4,)),
     "tiny": dict(model={}, batch=3, batches=1, repeats=1, median_text=12, max_text=24, grids=(2, 4), video_grids=(2,)),
     "gpu": dict(model=MODEL_GPU, batch=8, batches=4, repeats=5, median_text=1024, max_text=6144, grids=(16, 32),
                 video_grids=(16,)),

@@ -195,14 +195,32 @@ def _bridge_loss(model, args: dict, batch: dict, device, dtype) -> torch.Tensor:
     return loss_sum
 
 
+def real_qwen3_vl_step_module():
+    """Bridge's `qwen3_vl_step` module through its real package chain, or the reason it cannot load.
+
+    Its `training/config.py` needs Hugging Face `datasets`, megatron-energon and names that Bridge's
+    package `__init__` files define (so the bare-package import cannot serve it), and the chain needs
+    Transformer Engine: it is only tried where TE is installed.
+    """
+    import importlib
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        return None, "megatron.bridge's package chain needs Transformer Engine (not installed)"
+    try:
+        return importlib.import_module(QWEN3_VL_STEP), None
+    except ImportError as err:
+        return None, f"{type(err).__name__}: {err}"
+
+
 def check_against_real_qwen3_vl_step(batch: dict) -> str:
-    """'equal' / 'not importable here: ...': ours vs Bridge's `_pad_and_pack_qwen3_vl_step` on `batch`."""
+    """'equal' / 'not importable here (...)': ours vs Bridge's `_pad_and_pack_qwen3_vl_step` on `batch`."""
     from types import SimpleNamespace
 
-    try:
-        real = _bridge(QWEN3_VL_STEP)._pad_and_pack_qwen3_vl_step
-    except ImportError as err:
-        return f"not importable here ({type(err).__name__}: {err})"
+    module, reason = real_qwen3_vl_step_module()
+    if module is None:
+        return f"not importable here ({reason})"
+    real = module._pad_and_pack_qwen3_vl_step
     one = SimpleNamespace(size=lambda: 1)
     tokens, labels, loss_mask, _, _, params = real(batch["input_ids"], batch["labels"], batch["loss_mask"],
                                                   batch["attention_mask"], batch["position_ids"],
