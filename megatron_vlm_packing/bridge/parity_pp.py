@@ -251,7 +251,8 @@ def run_bridge_pp_parity(rank: int, world_size: int, cases: list[tuple]) -> list
 FAMILIES = ("qwen3_vl", "qwen3_vl_moe", "qwen25_vl", "qwen3_omni")
 ALL_CASES = ([(family, tp, 2, tp > 1) for family in FAMILIES for tp in (1, 2)]
              + [(family, 1, 2, False, "cp2") for family in FAMILIES]
-             + [("qwen3_vl", 1, 2, False, "variable"), ("qwen3_omni", 2, 2, True, "variable"),
+             + [("qwen3_vl", 1, 2, False, "variable"), ("qwen3_vl_moe", 1, 2, False, "variable"),
+                ("qwen3_omni", 2, 2, True, "variable"),
                 ("qwen3_vl", 1, 2, False, "control")])
 
 
