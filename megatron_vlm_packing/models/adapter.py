@@ -72,6 +72,17 @@ class ModelAdapter:
         None (the default) lets the step use `pack_batch` / `pad_batch`."""
         return None
 
+    def micro_batch_from_loader(self, micro_batch: MicroBatch, layout, options, device) -> MicroBatch:
+        """A micro-batch packed in the DataLoader (`packing.collate.PackingCollator`), checked for the
+        layout (its plan's multiples) and moved to `device` without a host sync; adapters that plan in
+        a space of their own (LLaVA) check their own plan instead."""
+        from megatron_vlm_packing.packing.collate import micro_batch_from_loader
+        from megatron_vlm_packing.packing.plan import PackMultiples
+
+        multiples = PackMultiples.for_parallel(tp_size=layout.tp_size, cp_size=layout.cp_size,
+                                               sequence_parallel=layout.sequence_parallel, fp8=options.fp8)
+        return micro_batch_from_loader(micro_batch, multiples=multiples, device=device)
+
     def forward(self, model: nn.Module, micro_batch: MicroBatch):
         """Call `model` (possibly wrapped) on a localized micro-batch; return its output."""
         raise NotImplementedError(f"{type(self).__name__} must implement forward(model, micro_batch)")

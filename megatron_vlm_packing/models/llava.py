@@ -20,10 +20,12 @@ Shape legend: B = rows, S = row length, T = collapsed packed slots, N = document
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, replace
 
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_vlm_packing.models.adapter import ModelAdapter
 from megatron_vlm_packing.packing.localize import LocalizeNeeds
@@ -70,23 +72,30 @@ def default_image_tiles(num_image_tiles, num_images: int, device) -> torch.Tenso
     return torch.as_tensor(num_image_tiles, device=device).reshape(-1).int()
 
 
-def image_expansion(input_ids: torch.Tensor, num_image_tiles: torch.Tensor, *, img_seq_len: int,
-                    image_token_index: int) -> torch.Tensor:
+def image_expansion(input_ids: torch.Tensor, num_image_tiles, *, img_seq_len: int, image_token_index: int,
+                    check: bool = True) -> torch.Tensor:
     """Extra embeddings each token position turns into: [same shape as input_ids] long.
 
     An image token becomes `tiles * img_seq_len` embeddings (adds that minus one); text adds 0.
+    Images take their tiles in row-major token order, gathered on the device (no host sync).
+
+    Args:
+        check: count the image tokens against `num_image_tiles` (one host sync). With False the
+            caller checks the count itself (a mismatch then gives meaningless values, not an error).
 
     Raises:
-        ValueError: image tokens and `num_image_tiles` entries disagree.
+        ValueError: image tokens and `num_image_tiles` entries disagree (with `check`).
     """
     is_image = input_ids == image_token_index
     tiles = torch.as_tensor(num_image_tiles, device=input_ids.device).reshape(-1).long()
-    count = int(is_image.sum())
-    if count != tiles.numel():
-        raise ValueError(f"{count} image tokens in input_ids but {tiles.numel()} entries in num_image_tiles")
-    extra = torch.zeros_like(input_ids, dtype=torch.long)
-    extra[is_image] = tiles * img_seq_len - 1  # row-major: images in token order
-    return extra
+    if check:
+        count = int(is_image.sum())
+        if count != tiles.numel():
+            raise ValueError(f"{count} image tokens in input_ids but {tiles.numel()} entries in num_image_tiles")
+    if tiles.numel() == 0:
+        return torch.zeros_like(input_ids, dtype=torch.long)
+    ordinal = is_image.reshape(-1).long().cumsum(0).sub(1).clamp(0, tiles.numel() - 1).reshape(input_ids.shape)
+    return torch.where(is_image, tiles[ordinal] * img_seq_len - 1, 0)
 
 
 def llava_expanded_lengths(input_ids: torch.Tensor, seq_lens: list[int], num_image_tiles, *, img_seq_len: int,
@@ -236,6 +245,77 @@ def llava_pack_plan(row_lengths: list[int], *, row_capacity: int, row_expansion:
                     physical_lengths=tuple(physical), multiples=PackMultiples())
 
 
+@dataclass(frozen=True)
+class LlavaPackPlan(PackPlan):
+    """A `llava_pack_plan` with what LLaVA does to each document, all host ints (read once, when packing).
+
+    With it the adapter checks tiles and leaks, and the boundary patch expands the boundaries
+    (`expanded_packed_seq_params`), without reading any tensor back: no host sync after packing.
+
+    Attributes:
+        space: the `LlavaSpace` the plan was made for (its total multiple includes FP8's).
+        tiles: I tiles of every image, in token order.
+        images_per_document: N images of each document.
+        expansion: N extra embeddings of each document's images (the expanded physical and real
+            lengths are the collapsed ones plus these).
+        opens_with_image: N, whether each document's first token is an image.
+    """
+
+    space: LlavaSpace
+    tiles: tuple[int, ...]
+    images_per_document: tuple[int, ...]
+    expansion: tuple[int, ...]
+    opens_with_image: tuple[bool, ...]
+
+    @property
+    def expanded_physical(self) -> tuple[int, ...]:
+        return tuple(p + e for p, e in zip(self.physical_lengths, self.expansion))
+
+    @property
+    def expanded_real(self) -> tuple[int, ...]:
+        return tuple(r + e for r, e in zip(self.real_lengths, self.expansion))
+
+    def leaking_documents(self) -> list[int]:
+        """`leaking_documents` from the plan: documents opening with an image after a document with no pad."""
+        return [i for i in range(1, self.num_segments) if self.opens_with_image[i]
+                and self.physical_lengths[i - 1] == self.real_lengths[i - 1]]
+
+
+@dataclass
+class PlannedPackedSeqParams(PackedSeqParams):
+    """Collapsed-space `PackedSeqParams` with the `LlavaPackPlan` they came from (what `LLaVAAdapter`
+    passes): `patches.llava_boundaries` expands them from the plan's host ints, with no host sync,
+    instead of reading the image tokens back (`remap_packed_seq_params`)."""
+
+    llava_plan: LlavaPackPlan | None = None
+
+
+def planned_packed_seq_params(plan: LlavaPackPlan, collapsed: PackedSeqParams) -> PlannedPackedSeqParams:
+    fields = {f.name: getattr(collapsed, f.name) for f in dataclasses.fields(PackedSeqParams) if f.init}
+    return PlannedPackedSeqParams(**fields, llava_plan=plan)
+
+
+def expanded_packed_seq_params(plan: LlavaPackPlan, collapsed: PackedSeqParams) -> PackedSeqParams:
+    """The expanded boundaries of `plan`'s pack, from host ints (one small non-blocking copy, no sync).
+
+    Equal to `remap_packed_seq_params(collapsed, ...)` for the plan's micro-batch; every field other
+    than the boundaries and `max_seqlen_*` is `collapsed`'s.
+    """
+    from megatron_vlm_packing.packing.plan import _to_device
+
+    real, physical = [0], [0]
+    for r, p in zip(plan.expanded_real, plan.expanded_physical):
+        real.append(real[-1] + r)
+        physical.append(physical[-1] + p)
+    cu = collapsed.cu_seqlens_q
+    both = _to_device(torch.tensor([real, physical], dtype=cu.dtype), cu.device)  # [2, N+1]
+    fields = {f.name: getattr(collapsed, f.name) for f in dataclasses.fields(PackedSeqParams) if f.init}
+    longest = max(plan.expanded_physical)
+    fields.update(cu_seqlens_q=both[0], cu_seqlens_kv=both[0], cu_seqlens_q_padded=both[1],
+                  cu_seqlens_kv_padded=both[1], max_seqlen_q=longest, max_seqlen_kv=longest)
+    return PackedSeqParams(**fields)
+
+
 class LLaVAAdapter(ModelAdapter):
     """Megatron-Core `LLaVAModel`: images ([tiles, C, H, W] pixels) with `num_image_tiles`.
 
@@ -254,21 +334,27 @@ class LLaVAAdapter(ModelAdapter):
         self.space = LlavaSpace.of(model)
 
     def image_inputs(self, micro_batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(images [tiles, C, H, W] (empty when none), num_image_tiles [I] int), counts checked."""
-        ids = micro_batch.input_ids
-        n_images = int((ids == self.space.image_token_index).sum())
+        """(images [tiles, C, H, W] (empty when none), num_image_tiles [I] int), counts checked:
+        from a `LlavaPackPlan`'s host ints and the tensors' shapes (no sync), else read from the ids."""
+        ids, plan = micro_batch.input_ids, planned(micro_batch)
+        n_images = len(plan.tiles) if plan is not None else int((ids == self.space.image_token_index).sum())
         vision = micro_batch.vision
         images = vision.pixel_values if vision is not None and vision.has_images else None
         tiles = default_image_tiles(vision.num_image_tiles if vision is not None else None, n_images, ids.device)
         if tiles.numel() != n_images:
             raise ValueError(f"{n_images} image tokens in input_ids but {tiles.numel()} entries in num_image_tiles")
-        tile_count = int(tiles.sum())
+        tile_count = sum(plan.tiles) if plan is not None else int(tiles.sum())
         given = 0 if images is None else images.shape[0]
         if given != tile_count:
             raise ValueError(f"num_image_tiles sums to {tile_count} tiles but the images hold {given}")
         if images is None:
             images = torch.zeros(0, dtype=torch.float32, device=ids.device)
         return images, tiles
+
+    def space_for(self, layout, options) -> LlavaSpace:
+        """This model's space with FP8's total multiple (and the layout's) joining LLaVA's shard factor."""
+        return aligned_space(self.space, tp_size=layout.tp_size, cp_size=layout.cp_size,
+                             sequence_parallel=layout.sequence_parallel, fp8=options.fp8)
 
     def build_micro_batch(self, batch: dict, layout, options) -> MicroBatch:
         """The step's micro-batch: `pack_llava_batch` in this model's expanded space (`options.pad_to`
@@ -282,27 +368,69 @@ class LLaVAAdapter(ModelAdapter):
         if not options.pack:
             raise ValueError("LLaVAModel runs through make_forward_step packed (pack=True); right-padded rows "
                              "are LLaVA's own batched path: call the model directly")
-        total = PackMultiples.for_parallel(tp_size=layout.tp_size, cp_size=layout.cp_size,
-                                           sequence_parallel=layout.sequence_parallel, fp8=options.fp8).total
-        space = replace(self.space, total_multiple=math.lcm(self.space.total_multiple, total))
-        return pack_llava_batch(batch, space, label_style=options.label_style, pad_to=options.pad_to)
+        return pack_llava_batch(batch, self.space_for(layout, options), label_style=options.label_style,
+                                pad_to=options.pad_to)
+
+    def micro_batch_from_loader(self, micro_batch: MicroBatch, layout, options, device) -> MicroBatch:
+        """A micro-batch packed by `models.llava_pack.LlavaPackingCollator`, for this model's space: moved.
+
+        Raises:
+            ValueError: it was not planned in LLaVA's expanded space, or for another space / layout.
+        """
+        from megatron_vlm_packing.packing.collate import micro_batch_to
+
+        plan, wanted = micro_batch.plan, self.space_for(layout, options)
+        if not isinstance(plan, LlavaPackPlan):
+            raise ValueError("the DataLoader yielded a micro-batch not planned in LLaVA's expanded space: build it "
+                             "with models.llava_pack.LlavaPackingCollator(space=LlavaSpace.of(model), ...)")
+        if plan.space != wanted:
+            raise ValueError(f"the micro-batch was packed for {plan.space} but this model and layout need {wanted}: "
+                             f"build the LlavaPackingCollator with LlavaSpace.of(model) and the step's fp8")
+        return micro_batch_to(micro_batch, device)
 
     def check(self, micro_batch: MicroBatch) -> None:
         super().check(micro_batch)
         self.image_inputs(micro_batch)
-        if micro_batch.is_packed:
+        if not micro_batch.is_packed:
+            return
+        plan = planned(micro_batch)
+        if plan is not None:
+            if replace(plan.space, total_multiple=self.space.total_multiple) != self.space \
+                    or plan.space.total_multiple % self.space.total_multiple:
+                raise ValueError(f"the micro-batch was planned for {plan.space}, not this model's {self.space}")
+            leaks = plan.leaking_documents()
+        else:
             params = micro_batch.packed_seq_params
             leaks = leaking_documents(micro_batch.input_ids, params.cu_seqlens_q, params.cu_seqlens_q_padded,
                                       micro_batch.loss_mask, image_token_index=self.space.image_token_index)
-            if leaks:
-                raise ValueError(leak_message(leaks))
+        if leaks:
+            raise ValueError(leak_message(leaks))
 
     def forward(self, model, micro_batch: MicroBatch):
         images, tiles = self.image_inputs(micro_batch)
+        params, plan = micro_batch.packed_seq_params, planned(micro_batch)
+        if plan is not None:  # the patch expands them from the plan's host ints, else from the ids
+            params = planned_packed_seq_params(plan, params)
         output, loss_mask = model(images, micro_batch.input_ids, micro_batch.position_ids, None,
                                   labels=micro_batch.labels, loss_mask=micro_batch.loss_mask,
-                                  num_image_tiles=tiles, packed_seq_params=micro_batch.packed_seq_params)
+                                  num_image_tiles=tiles, packed_seq_params=params)
         return output if loss_mask is None else (output, loss_mask)
+
+
+def planned(micro_batch: MicroBatch) -> LlavaPackPlan | None:
+    """The micro-batch's `LlavaPackPlan` when its boundaries are that plan's own (as packed), else None."""
+    plan, params, indices = micro_batch.plan, micro_batch.packed_seq_params, micro_batch.indices
+    if not isinstance(plan, LlavaPackPlan) or params is None or indices is None:
+        return None
+    return plan if params.cu_seqlens_q_padded is indices.cu_seqlens_padded else None
+
+
+def aligned_space(space: LlavaSpace, *, tp_size: int = 1, cp_size: int = 1, sequence_parallel: bool = False,
+                  fp8: bool = False) -> LlavaSpace:
+    """`space` whose total multiple also covers the layout's (FP8's included)."""
+    total = PackMultiples.for_parallel(tp_size=tp_size, cp_size=cp_size, sequence_parallel=sequence_parallel,
+                                       fp8=fp8).total
+    return replace(space, total_multiple=math.lcm(space.total_multiple, total))
 
 
 def leak_message(documents: list[int]) -> str:

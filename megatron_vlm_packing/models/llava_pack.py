@@ -1,21 +1,25 @@
 """`pack_llava_batch`: a LLaVA micro-batch packed so that its expansion is exact and aligned.
 
-The labels, loss mask and ids are packed by `pack_batch` (same lengths / label-shift code as every
-other model), tightly, then laid out on `llava_pack_plan`'s slots: pad slots where the expanded
-documents need them for CP / the shard factor, and one before every document that opens with an
-image (the slot LLaVA zeroes). See models/llava.py for the rules.
+The rows are read and checked by `pack_batch`'s own functions (same lengths / label-shift / value
+checks as every other model, `packing.rows`), then packed onto `llava_pack_plan`'s slots: pad slots
+where the expanded documents need them for CP / the shard factor, and one before every document that
+opens with an image (the slot LLaVA zeroes). See models/llava.py for the rules. One host sync: the
+lengths, every check and each row's images / expansion / tiles are read back together.
+`LlavaPackingCollator` does the same in the DataLoader's workers (no sync left in the step).
 
-Shape legend: B = rows, S = row length, T0 = tight collapsed slots, T = planned collapsed slots.
+Shape legend: B = rows, S = row length, T = planned collapsed slots, I = images.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
 import torch
 
-from megatron_vlm_packing.models.llava import LlavaSpace, default_image_tiles, image_expansion, llava_pack_plan
+from megatron_vlm_packing.models.llava import LlavaPackPlan, LlavaSpace, image_expansion, llava_pack_plan
 from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch, VisionInputs
 
-_TEXT_KEYS = ("input_ids", "tokens", "labels", "loss_mask", "attention_mask", "seq_lens")
 _IMAGE_KEYS = ("images", "pixel_values")
 IGNORE_INDEX = -100
 
@@ -27,33 +31,75 @@ def _images(batch: dict) -> torch.Tensor | None:
     return batch[given[0]] if given else None
 
 
-def _tiles(batch: dict, ids: torch.Tensor, keep: torch.Tensor, space: LlavaSpace, images) -> torch.Tensor:
-    """[I] tiles per image, checked against the image tokens of real slots and the image tiles given."""
-    is_image = ids == space.image_token_index
-    stray = int((is_image & ~keep).sum())
+def _llava_row_values(batch: dict, ids: torch.Tensor, keep: torch.Tensor, space: LlavaSpace):
+    """What the expanded-space plan needs from the device, as one [3B + 1 (+ I)] long tensor to read
+    with the lengths: per row the images, the extra embeddings and whether it opens with an image;
+    the image tokens in padding; and the tiles of every image when `num_image_tiles` is given.
+
+    Returns:
+        (values, tiles [I] int tensor or None when omitted).
+    """
+    is_image = ids == space.image_token_index  # [B, S]
+    given = batch.get("num_image_tiles")
+    if given is None:  # LLaVA's default: one tile per image
+        extra, tiles = is_image.long() * (space.img_seq_len - 1), None
+    else:
+        tiles = torch.as_tensor(given, device=ids.device).reshape(-1).int()
+        extra = image_expansion(ids, tiles, img_seq_len=space.img_seq_len, image_token_index=space.image_token_index,
+                                check=False)  # meaningful once the counts agree (checked after the read)
+    parts = [is_image.sum(1), extra.sum(1), is_image[:, 0].long(), (is_image & ~keep).sum().reshape(1)]
+    return torch.cat([p.long() for p in parts] + ([tiles.long()] if tiles is not None else [])), tiles
+
+
+def _llava_rows(values: list[int], rows: int, tiles, images, device):
+    """`_llava_row_values` read back, checked against the image tiles given.
+
+    Returns:
+        (tiles [I] int tensor, tiles as host ints, images per row, expansion per row, opens per row).
+    """
+    per_row, expansion = values[:rows], values[rows:2 * rows]
+    opens, stray = [bool(v) for v in values[2 * rows:3 * rows]], values[3 * rows]
     if stray:
         raise ValueError(f"{stray} image tokens lie in the padding of the rows (outside the real lengths)")
-    n_images = int(is_image.sum())
-    tiles = default_image_tiles(batch.get("num_image_tiles"), n_images, ids.device)
-    if tiles.numel() != n_images:
-        raise ValueError(f"{n_images} image tokens in input_ids but {tiles.numel()} entries in num_image_tiles")
-    given = 0 if images is None else images.shape[0]
-    if given != int(tiles.sum()):
-        raise ValueError(f"num_image_tiles sums to {int(tiles.sum())} tiles but the images hold {given}")
-    return tiles
+    n_images = sum(per_row)
+    host_tiles = values[3 * rows + 1:] if tiles is not None else [1] * n_images
+    if tiles is None:
+        tiles = torch.ones(n_images, dtype=torch.int, device=device)
+    if len(host_tiles) != n_images:
+        raise ValueError(f"{n_images} image tokens in input_ids but {len(host_tiles)} entries in num_image_tiles")
+    count = 0 if images is None else images.shape[0]
+    if count != sum(host_tiles):
+        raise ValueError(f"num_image_tiles sums to {sum(host_tiles)} tiles but the images hold {count}")
+    return tiles, tuple(host_tiles), per_row, expansion, opens
 
 
-def _relayout(indices, tight_lengths: tuple[int, ...]):
-    """Gather function moving tight [.., T0] (or [1, T0, ...]) tensors onto the planned [.., T] slots."""
-    starts = torch.tensor((0,) + tight_lengths, device=indices.is_real.device).cumsum(0)[:-1]
-    source = torch.where(indices.is_real, starts[indices.segment_of_slot] + indices.offset_in_segment, 0)
+def _read_rows(batch: dict, space: LlavaSpace, label_style: str):
+    """The rows, their labels and loss weights, checked, and the expanded-space facts: ONE host sync.
 
-    def move(x: torch.Tensor, pad_value, dim: int = -1) -> torch.Tensor:
-        moved = x.index_select(dim, source)
-        mask = indices.is_real.reshape([-1 if d == (dim % x.dim()) else 1 for d in range(x.dim())])
-        return torch.where(mask, moved, torch.as_tensor(pad_value, dtype=x.dtype, device=x.device))
+    `pack_batch`'s own checks (mask, ids, labels, loss weights: `packing.rows`) are queued as device
+    flags and read back together with the lengths and `_llava_row_values`.
 
-    return move
+    Returns:
+        (ids [B, S] long, labels [B, S], weights [B, S] float, row lengths, `_llava_rows`'s tuple).
+    """
+    from megatron_vlm_packing.packing.lengths import keep_mask_deferred, real_lengths
+    from megatron_vlm_packing.packing.rows import DeferredChecks, check_ids, input_ids_of, labels_and_weights
+
+    name, ids = input_ids_of(batch)
+    rows, width = ids.shape
+    mask = batch.get("attention_mask")
+    keep, lengths, mask_bad = keep_mask_deferred(batch_size=rows, row_length=width, attention_mask=mask,
+                                                 seq_lens=batch.get("seq_lens"), device=ids.device)
+    checks = DeferredChecks()
+    if mask_bad is not None:  # raises the detailed mask error (holes, left padding, non-causal 4D)
+        checks.add(mask_bad, lambda: real_lengths(batch_size=rows, row_length=width, attention_mask=mask))
+    checks.add((keep & (ids < 0)).any(), lambda: check_ids(ids, keep, None, name))
+    labels, weights = labels_and_weights(batch, ids, keep, label_style, None, checks)
+    llava, tiles = _llava_row_values(batch, ids, keep, space)
+    read = checks.read(torch.cat([keep.sum(1).long() if lengths is None else llava.new_zeros(0), llava]))  # the sync
+    if lengths is None:
+        lengths, read = read[:rows], read[rows:]
+    return ids, labels, weights, list(lengths), _llava_rows(read, rows, tiles, _images(batch), ids.device)
 
 
 def pack_llava_batch(batch: dict, space: LlavaSpace, *, label_style: str = "megatron", pad_to: int | None = None,
@@ -70,38 +116,78 @@ def pack_llava_batch(batch: dict, space: LlavaSpace, *, label_style: str = "mega
 
     Returns:
         MicroBatch in collapsed space ([1, T] ids, labels, loss mask, 1D positions restarting per
-        document, padding mask) whose `packed_seq_params` are the collapsed boundaries (the patch
-        expands them inside the model); `stats` count expanded tokens (what attention computes).
+        document, padding mask) whose `packed_seq_params` are the collapsed boundaries and whose
+        `plan` is a `LlavaPackPlan` (the patch expands the boundaries from it); `stats` count
+        expanded tokens (what attention computes). One host sync.
     """
-    from megatron_vlm_packing.packing import make_packed_seq_params, pack_batch, plan_indices, segment_positions
+    from megatron_vlm_packing.packing import make_packed_seq_params, pack_rows, plan_indices, segment_positions
+    from megatron_vlm_packing.packing.rows import check_pad_token_id
 
+    check_pad_token_id(pad_token_id)
     if pad_token_id == space.image_token_index:
         raise ValueError(f"pad_token_id={pad_token_id} is LLaVA's image token: pad slots would become images")
-    tight = pack_batch({k: batch[k] for k in _TEXT_KEYS if batch.get(k) is not None},
-                       label_style=label_style, pad_token_id=pad_token_id)
-    ids = batch["input_ids"] if batch.get("input_ids") is not None else batch["tokens"]
-    row_lengths = list(tight.plan.row_lengths)
-    keep = torch.arange(ids.shape[1], device=ids.device)[None] < torch.tensor(row_lengths, device=ids.device)[:, None]
-    images = _images(batch)
-    tiles = _tiles(batch, ids, keep, space, images)
-    extra = image_expansion(ids, tiles, img_seq_len=space.img_seq_len, image_token_index=space.image_token_index)
-    row_expansion = extra.sum(1).tolist()
-    opens = (ids[:, 0] == space.image_token_index).tolist()
+    ids, labels, weights, row_lengths, llava = _read_rows(batch, space, label_style)
+    tiles, host_tiles, images_per_row, row_expansion, opens = llava
     plan = llava_pack_plan(row_lengths, row_capacity=ids.shape[1], row_expansion=row_expansion,
                            opens_with_image=opens, space=space, pad_to=pad_to)
+    docs = plan.segment_rows
+    plan = LlavaPackPlan(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}, space=space,
+                         tiles=host_tiles, images_per_document=tuple(images_per_row[b] for b in docs),
+                         expansion=tuple(row_expansion[b] for b in docs),
+                         opens_with_image=tuple(opens[b] for b in docs))
     indices = plan_indices(plan, ids.device)
-    move = _relayout(indices, tight.plan.physical_lengths)
-    images_per_sample = (ids == space.image_token_index).sum(1).tolist()
+    images = _images(batch)
     vision = None
     if images is not None and images.shape[0] > 0:
-        vision = VisionInputs(pixel_values=images, images_per_sample=tuple(images_per_sample), num_image_tiles=tiles)
+        vision = VisionInputs(pixel_values=images, images_per_sample=tuple(images_per_row), num_image_tiles=tiles)
     expanded_rows = [n + e for n, e in zip(row_lengths, row_expansion)]
     stats = BatchStats(real_tokens=sum(expanded_rows), physical_tokens=plan.total + sum(row_expansion),
                        row_tokens=len(row_lengths) * max(expanded_rows))
     return MicroBatch(
-        input_ids=move(tight.input_ids, pad_token_id), labels=move(tight.labels, IGNORE_INDEX),
-        loss_mask=move(tight.loss_mask, 0), position_ids=segment_positions(indices),
-        padding_mask=~indices.is_real[None], packed_seq_params=make_packed_seq_params(plan, indices),
-        rope_cu_seqlens=indices.cu_seqlens, stats=stats, vision=vision,
-        extras={k: move(v, 0, dim=1) for k, v in tight.extras.items()}, plan=plan, indices=indices,
+        input_ids=pack_rows(ids, indices, pad_value=pad_token_id),
+        labels=pack_rows(labels, indices, pad_value=IGNORE_INDEX), loss_mask=pack_rows(weights, indices),
+        position_ids=segment_positions(indices), padding_mask=~indices.is_real[None],
+        packed_seq_params=make_packed_seq_params(plan, indices), rope_cu_seqlens=indices.cu_seqlens, stats=stats,
+        vision=vision, plan=plan, indices=indices,
     )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LlavaPackingCollator:
+    """`collate_fn` packing LLaVA micro-batches in the DataLoader's workers (`pack_llava_batch` on the CPU).
+
+    The step then only moves the micro-batch (non-blocking): its `LlavaPackPlan` carries, as host
+    ints, everything the adapter checks and the expanded boundaries are built from, so nothing on
+    the step's path is read back to the host (LLaVAModel's own expansion aside).
+
+        space = LlavaSpace.of(model)  # the model's (or any stage's) img_seq_len, image token, CP/SP/PP
+        loader = DataLoader(dataset, batch_size=8, num_workers=4, pin_memory=True,
+                            collate_fn=LlavaPackingCollator(space=space, collate=my_collate))
+
+    Attributes:
+        space: `LlavaSpace.of(model)`; fp8 joins FP8's total multiple, as `make_forward_step(fp8=True)`.
+        collate: samples -> a collated, right-padded batch dict (what `pack_llava_batch` takes);
+            None when the dataset already yields batch dicts.
+        label_style, pad_to, pad_token_id: passed to `pack_llava_batch` (`pad_to`: expanded length).
+    """
+
+    space: LlavaSpace
+    collate: Callable[[list], dict] | None = None
+    fp8: bool = False
+    label_style: str = "hf"
+    pad_to: int | None = None
+    pad_token_id: int = 0
+
+    def __call__(self, samples):
+        from megatron_vlm_packing.models.llava import aligned_space
+        from megatron_vlm_packing.packing.collate import LoaderMicroBatch, prepare_indices
+
+        batch = self.collate(samples) if self.collate is not None else samples
+        if not isinstance(batch, dict):
+            raise ValueError(f"LlavaPackingCollator got {type(batch).__name__}: give collate= (samples -> batch "
+                             f"dict), or let the dataset yield batch dicts")
+        on_host = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        packed = pack_llava_batch(on_host, aligned_space(self.space, fp8=self.fp8), label_style=self.label_style,
+                                  pad_to=self.pad_to, pad_token_id=self.pad_token_id)
+        prepare_indices(packed.indices, 1)  # LLaVA selects its CP tokens itself, in expanded space
+        return LoaderMicroBatch(**{f.name: getattr(packed, f.name) for f in dataclasses.fields(MicroBatch)})

@@ -14,6 +14,8 @@ for a THD call:
   LLaVA would truncate, or where a document opening with an image would make LLaVA zero the
   previous document's last weighted token (bug class 13; `models.llava_pack.pack_llava_batch`
   plans packs that satisfy all of this).
+For `PlannedPackedSeqParams` (what `LLaVAAdapter` passes for a micro-batch with a `LlavaPackPlan`)
+the same is done from the plan's host ints (`expand_planned_call`): nothing is read back to the host.
 Feature check: upstream would have to hand `packed_seq_params` to `_preprocess_data` to fix it;
 the patch applies only while it does not. Delete it once upstream remaps the boundaries itself.
 """
@@ -52,6 +54,9 @@ def expand_packed_call(model, call: dict) -> None:
     from megatron_vlm_packing.models.llava import LlavaSpace, leak_message, leaking_documents, remap_packed_seq_params
 
     params, input_ids = call["packed_seq_params"], call.get("input_ids")
+    if getattr(params, "llava_plan", None) is not None:
+        expand_planned_call(model, call)
+        return
     if input_ids is None:
         raise ValueError("LLaVAModel with THD packed_seq_params needs input_ids on every pipeline stage "
                          "(the boundaries are expanded from the image tokens)")
@@ -69,6 +74,28 @@ def expand_packed_call(model, call: dict) -> None:
         params, input_ids, call["num_image_tiles"], img_seq_len=space.img_seq_len, image_token_index=image_token,
         segment_multiple=space.segment_multiple, total_multiple=space.total_multiple,
         pad_to=space.pipeline_length, max_length=space.max_length)
+
+
+def expand_planned_call(model, call: dict) -> None:
+    """`expand_packed_call` for `models.llava.PlannedPackedSeqParams`: every count from the plan's host
+    ints (tiles, leaks, expanded lengths), so nothing is read back to the host."""
+    from megatron_vlm_packing.models.llava import LlavaSpace, expanded_packed_seq_params, leak_message
+
+    params = call["packed_seq_params"]
+    plan, space = params.llava_plan, LlavaSpace.of(model)
+    token = call.get("image_token_index")
+    if token is not None and token != plan.space.image_token_index:
+        raise ValueError(f"image_token_index={token} but the pack was planned for {plan.space.image_token_index}")
+    if plan.space.img_seq_len != space.img_seq_len or plan.space.pipeline_length != space.pipeline_length \
+            or plan.space.segment_multiple != space.segment_multiple or plan.space.total_multiple % space.total_multiple:
+        raise ValueError(f"the pack was planned for {plan.space}, not this LLaVAModel's {space}")
+    if call.get("num_image_tiles") is None:
+        call["num_image_tiles"] = torch.tensor(plan.tiles, dtype=torch.int).to(call["input_ids"].device,
+                                                                                non_blocking=True)
+    leaks = plan.leaking_documents() if call.get("labels") is not None else []
+    if leaks:
+        raise ValueError(leak_message(leaks))
+    call["packed_seq_params"] = expanded_packed_seq_params(plan, params)
 
 
 def apply_llava_packed_boundaries() -> bool:

@@ -4,11 +4,17 @@ Works with Megatron-LM's `pretrain`, `megatron.core.pipeline_parallel.get_forwar
 and (with `with_state=True`) Megatron-Bridge's `(state, data_iterator, model)` form. A chain of
 small named stages, each testable alone:
 
-    read_micro_batch -> to_device -> build_micro_batch (pack_batch | pad_batch)
-      -> adapter.check -> localize (the one CP selection) -> adapter.forward -> loss_func
+    read_micro_batch                      (the iterator's item: a collated dict or a packed MicroBatch)
+      -> micro_batch_for_model            (full-length MicroBatch on the model's device:
+           to_device -> adapter.build_micro_batch | build_micro_batch (pack_batch | pad_batch),
+           or, for a MicroBatch packed in the DataLoader, adapter.micro_batch_from_loader)
+      -> transform (optional)
+      -> prepare_for_model                (adapter.check -> localize: the one CP selection)
+      -> adapter.forward -> loss_func     (-> probe_parity every N-th micro-batch, when asked)
 
-An iterator may also yield an already-packed `MicroBatch` (`packing.collate.PackingCollator` in the
-DataLoader's workers): it is checked against the layout and moved (non-blocking), not re-packed.
+An iterator may yield an already-packed `MicroBatch` (`packing.collate.PackingCollator`, or
+`models.llava_pack.LlavaPackingCollator`, in the DataLoader's workers): it is checked against the
+layout and moved (non-blocking), not re-packed.
 
 The model's adapter (`models.adapter.adapter_for`, through DDP / Float16Module wrappers, or the
 `adapter=` given) declares what the model consumes and in which form; nothing is chosen by
@@ -26,7 +32,6 @@ import torch
 from torch import nn
 
 from megatron_vlm_packing.models.adapter import ModelAdapter, adapter_for, unwrap_model
-from megatron_vlm_packing.packing.collate import micro_batch_from_loader
 from megatron_vlm_packing.packing.localize import localize
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
 from megatron_vlm_packing.parallel.layout import ParallelLayout
@@ -57,7 +62,8 @@ class StepOptions:
 
 
 def read_micro_batch(data_iterator: Iterator, *, broadcast_from_tp_rank0: bool) -> dict | MicroBatch:
-    """Every rank reads its (deterministic) iterator, or TP rank 0 reads and broadcasts the batch."""
+    """The iterator's next item: every rank reads its (deterministic) iterator, or TP rank 0 reads and
+    broadcasts it. Returns a collated batch dict or a packed `MicroBatch`; anything else is a ValueError."""
     if not broadcast_from_tp_rank0:
         batch = next(data_iterator)
     else:
@@ -116,17 +122,68 @@ def build_micro_batch(batch: dict, layout: ParallelLayout, options: StepOptions,
     return pad_batch(batch, seq_length=options.seq_length, **common)
 
 
-def layout_multiples(layout: ParallelLayout, options: StepOptions):
-    from megatron_vlm_packing.packing.plan import PackMultiples
-
-    return PackMultiples.for_parallel(tp_size=layout.tp_size, cp_size=layout.cp_size,
-                                      sequence_parallel=layout.sequence_parallel, fp8=options.fp8)
-
-
 def prepare_for_model(micro_batch: MicroBatch, adapter: ModelAdapter, layout: ParallelLayout) -> MicroBatch:
-    """Refuse what the model cannot take, then cut to this CP rank as the adapter declares."""
+    """Refuse what the model cannot take (`adapter.check`), then cut the full-length micro-batch to
+    this CP rank as the adapter declares (`localize`); returns the rank-local micro-batch."""
     adapter.check(micro_batch)
     return localize(micro_batch, layout, adapter.needs)
+
+
+@dataclass(frozen=True)
+class BuiltMicroBatch:
+    """What `micro_batch_for_model` returns.
+
+    Attributes:
+        micro_batch: the full-length micro-batch, on the model's device.
+        batch: the collated batch it was packed from, on the device (None: packed in the DataLoader).
+        repack: `batch -> MicroBatch` packing a collated batch the same way (what the parity probe
+            packs each sample alone with); None when the DataLoader or the adapter packed.
+    """
+
+    micro_batch: MicroBatch
+    batch: dict | None = None
+    repack: Callable[[dict], MicroBatch] | None = None
+
+
+def micro_batch_for_model(item: dict | MicroBatch, adapter: ModelAdapter, layout: ParallelLayout,
+                          options: StepOptions, device: torch.device, *, probing: bool = False) -> BuiltMicroBatch:
+    """The model's full-length micro-batch from what the data iterator yielded.
+
+    Args:
+        item: a collated batch dict (moved to `device`, then built by the adapter's own
+            `build_micro_batch`, else `pack_batch` / `pad_batch`), or a `MicroBatch` packed in the
+            DataLoader (checked for the layout by the adapter and moved, not re-packed).
+        probing: the parity probe will re-pack the batch sample by sample.
+
+    Raises:
+        ValueError: probing a micro-batch the probe cannot re-pack (loader- or adapter-built), or
+            `mrope=` for a model whose rotary is 1D.
+    """
+    if isinstance(item, MicroBatch):  # packed in the DataLoader: only moved here
+        if probing:
+            raise ValueError("parity_probe_every needs collated batches (it re-packs each sample alone); "
+                             "the data iterator yielded micro-batches packed in the DataLoader")
+        resolve_mrope(options, adapter)  # refuses mrope= for a 1D model here too
+        return BuiltMicroBatch(adapter.micro_batch_from_loader(item, layout, options, device))
+    batch = to_device(item, device)
+    mrope_used = resolve_mrope(options, adapter, batch)
+    micro_batch = adapter.build_micro_batch(batch, layout, options)
+    if micro_batch is not None:
+        if probing:
+            raise ValueError(f"parity_probe_every: {type(adapter).__name__} builds its own micro-batches "
+                             f"(e.g. in LLaVA's expanded space), which the probe cannot split per sample")
+        return BuiltMicroBatch(micro_batch, batch)
+    repack = partial(build_micro_batch, layout=layout, options=options, mrope=mrope_used,
+                     media_token_ids=getattr(adapter, "media_token_ids", None))
+    return BuiltMicroBatch(repack(batch), batch, repack)
+
+
+def probe_parity(probe: StepProbe, model: nn.Module, adapter: ModelAdapter, layout: ParallelLayout,
+                 built: BuiltMicroBatch, micro_batch: MicroBatch) -> None:
+    """Run the parity probe on `micro_batch` (the step's, after `transform`): the same build and model
+    call for the pack and for each sample of `built.batch` alone (`validate.StepProbe`)."""
+    probe(model, built.batch, micro_batch, pack=built.repack,
+          forward=lambda mb: adapter.forward(model, prepare_for_model(mb, adapter, layout)))
 
 
 class _Adapters:
@@ -187,34 +244,14 @@ def make_forward_step(*, pack: bool = True, label_style: str = "hf", pad_to: int
     def forward_step(data_iterator, model):
         model_adapter = adapters(model)
         layout = ParallelLayout.from_megatron(unwrap_model(model).config)
-        batch = read_micro_batch(data_iterator, broadcast_from_tp_rank0=broadcast_from_tp_rank0)
-        device = next(model.parameters()).device
-        media_token_ids = getattr(model_adapter, "media_token_ids", None)
-        if isinstance(batch, MicroBatch):  # packed in the DataLoader: only moved here
-            if probe is not None:
-                raise ValueError("parity_probe_every needs collated batches (it re-packs each sample alone); "
-                                 "the data iterator yielded micro-batches packed in the DataLoader")
-            resolve_mrope(options, model_adapter)  # refuses mrope= for a 1D model here too
-            micro_batch = micro_batch_from_loader(batch, multiples=layout_multiples(layout, options), device=device)
-        else:
-            batch = to_device(batch, device)
-            mrope_used = resolve_mrope(options, model_adapter, batch)
-            micro_batch = model_adapter.build_micro_batch(batch, layout, options)
-            if micro_batch is not None and probe is not None:
-                raise ValueError(f"parity_probe_every: {type(model_adapter).__name__} builds its own micro-batches "
-                                 f"(e.g. in LLaVA's expanded space), which the probe cannot split per sample")
-            if micro_batch is None:
-                micro_batch = build_micro_batch(batch, layout, options, mrope=mrope_used,
-                                                media_token_ids=media_token_ids)
-        if transform is not None:
-            micro_batch = transform(micro_batch)
+        item = read_micro_batch(data_iterator, broadcast_from_tp_rank0=broadcast_from_tp_rank0)
+        built = micro_batch_for_model(item, model_adapter, layout, options, next(model.parameters()).device,
+                                      probing=probe is not None)
+        micro_batch = built.micro_batch if transform is None else transform(built.micro_batch)
         local = prepare_for_model(micro_batch, model_adapter, layout)
         output = model_adapter.forward(model, local)
-        if probe is not None:  # the same build and model call, for the pack and each sample alone
-            probe(model, batch, micro_batch,
-                  pack=partial(build_micro_batch, layout=layout, options=options, mrope=mrope_used,
-                               media_token_ids=media_token_ids),
-                  forward=lambda mb: model_adapter.forward(model, prepare_for_model(mb, model_adapter, layout)))
+        if probe is not None:
+            probe_parity(probe, model, model_adapter, layout, built, micro_batch)
         return output, partial(loss_func, local.loss_mask, local.stats)
 
     if with_state:
