@@ -39,11 +39,6 @@ def lengths_from_keep_mask(keep: torch.Tensor, *, field: str = "attention_mask")
 
     One host sync.
     """
-    return _read_keep_mask(keep, field, None)[0]
-
-
-def _read_keep_mask(keep: torch.Tensor, field: str, flags: torch.Tensor | None) -> tuple[list[int], list]:
-    """(lengths, host values of `flags`): `flags` ([K] on the mask's device) ride the same host sync."""
     if keep.dim() != 2:
         raise ValueError(f"{field} must be [B, S], got shape {tuple(keep.shape)}")
     if keep.is_floating_point() or keep.is_complex():  # rare: 0.0/1.0 masks; 0.5 is not binary
@@ -56,10 +51,8 @@ def _read_keep_mask(keep: torch.Tensor, field: str, flags: torch.Tensor | None) 
     # Three reductions, no [B, S] temporaries: a row of 0/1 values with n ones is 1...1 0...0
     # exactly when n == S or its first 0 (argmin: the first minimum) is at position n.
     # The single host sync: lengths, first zeros and the value range come back together.
-    extra = [] if flags is None else [flags.to(device=values.device, dtype=torch.long)]
-    host = torch.cat([values.sum(dim=1), values.argmin(dim=1), low_high, *extra]).tolist()
+    host = torch.cat([values.sum(dim=1), values.argmin(dim=1), low_high]).tolist()
     batch, row_length = keep.shape
-    flag_values, host = host[len(host) - (0 if flags is None else flags.numel()):], host[:2 * batch + 2]
     row_lengths, first_zero = host[:batch], host[batch:2 * batch]
     bad_rows = [b for b in range(batch) if row_lengths[b] != row_length and first_zero[b] != row_lengths[b]]
     if host[-2] < 0 or host[-1] > 1:
@@ -71,7 +64,7 @@ def _read_keep_mask(keep: torch.Tensor, field: str, flags: torch.Tensor | None) 
             f"{field} rows must be right-padded and contiguous (1...1 0...0); {len(bad_rows)} "
             f"bad row(s) {bad_rows[:8]}; row {b}: {_describe_row((keep[b] != 0).cpu())}"
         )
-    return row_lengths, flag_values
+    return row_lengths
 
 
 def keep_mask_from_4d(mask: torch.Tensor) -> torch.Tensor:
@@ -186,19 +179,6 @@ def real_lengths(
     attention_mask: torch.Tensor | None = None,
     seq_lens: torch.Tensor | list[int] | None = None,
 ) -> list[int]:
-    """Real length of every row (see `real_lengths_and_flags`, which this is without flags)."""
-    return real_lengths_and_flags(batch_size=batch_size, row_length=row_length, attention_mask=attention_mask,
-                                  seq_lens=seq_lens)[0]
-
-
-def real_lengths_and_flags(
-    *,
-    batch_size: int,
-    row_length: int,
-    attention_mask: torch.Tensor | None = None,
-    seq_lens: torch.Tensor | list[int] | None = None,
-    flags: torch.Tensor | None = None,
-) -> tuple[list[int], list]:
     """Real length of every row from exactly one source: `seq_lens`, a 2D or 4D mask, or neither.
 
     Args:
@@ -207,9 +187,7 @@ def real_lengths_and_flags(
         seq_lens: [B] ints, 0 <= len <= S.
 
     Returns:
-        (B Python ints, the host values of `flags`). With neither source every row is full length
-        (S). `flags` ([K] numbers on any device, e.g. value checks computed before the lengths are
-        known) are read back in the same host sync as a 2D mask's lengths.
+        B Python ints. With neither source every row is full length (S).
 
     Raises:
         ValueError: both sources given, a shape that disagrees with `input_ids`, lengths out of
@@ -227,9 +205,9 @@ def real_lengths_and_flags(
                 f"seq_lens must lie in [0, {row_length}] (the row length of input_ids); "
                 f"out of range (row, length): {out_of_range[:8]}"
             )
-        return [int(n) for n in lengths], _read_flags(flags)
+        return [int(n) for n in lengths]
     if attention_mask is None:
-        return [row_length] * batch_size, _read_flags(flags)
+        return [row_length] * batch_size
     if attention_mask.dim() == 4:
         keep = keep_mask_from_4d(attention_mask)
         check_4d_is_causal(attention_mask, keep)
@@ -244,8 +222,4 @@ def real_lengths_and_flags(
             f"attention_mask covers {tuple(keep.shape)} tokens but input_ids is "
             f"{(batch_size, row_length)}"
         )
-    return _read_keep_mask(keep, "attention_mask", flags)
-
-
-def _read_flags(flags: torch.Tensor | None) -> list:
-    return [] if flags is None else flags.tolist()
+    return lengths_from_keep_mask(keep)
