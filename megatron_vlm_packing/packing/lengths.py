@@ -8,6 +8,9 @@ Shape legend: B = rows, S = row length (padded).
 
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import torch
 
 
@@ -126,6 +129,52 @@ def _seq_lens_list(seq_lens) -> list:
     return [int(n) for n in values]
 
 
+def any_true(flags: torch.Tensor) -> torch.Tensor:
+    """0-dim: 1 when any element of a bool tensor is True (a uint8 max, which CPUs vectorise; no host read)."""
+    if flags.numel() == 0:
+        return torch.zeros((), dtype=torch.uint8, device=flags.device)
+    return flags.view(torch.uint8).amax()
+
+
+class DeferredKeep:
+    """Real lengths of right-padded rows whose mask is checked and read later, with other values, in one sync.
+
+    Attributes:
+        lengths: B host ints when they were host data (`seq_lens`, full rows), else None.
+        values: device tensors to read when `lengths` is None, the [B] lengths first (see `fails`).
+        fails: host values -> True when the mask is invalid (`real_lengths` then raises the details).
+        keep: [B, S] bool, True at real tokens (exact once the mask has passed), built on first use:
+            the packed path needs none.
+    """
+
+    def __init__(self, lengths, values, fails, keep_fn) -> None:
+        self.lengths, self.values, self.fails, self._keep_fn = lengths, values, fails, keep_fn
+
+    @functools.cached_property
+    def keep(self) -> torch.Tensor:
+        return self._keep_fn()
+
+
+def right_padded_reads(mask: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], Callable[[list], bool]]:
+    """3 x [B] device numbers of a [B, S] integer or bool mask (row sums, row minima, first minimum of
+    each row) and the host test that fails unless every row is 1...1 0...0. Two reductions, no
+    [B, S] temporaries.
+
+    Why it is exact: with row minimum m >= 0 and first minimum at z, the z values before z are >= 1.
+    If m == 0 the row sum n is >= z, with equality exactly when those are all 1 and all after are 0;
+    if m >= 1 every value is >= 1 and n == S exactly when all are 1.
+    """
+    values = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+    minima, first_minimum = values.min(dim=1)
+    batch, row_length = mask.shape
+
+    def fails(host: list) -> bool:
+        sums, mins, firsts = host[:batch], host[batch:2 * batch], host[2 * batch:]
+        return any(m < 0 or n != (firsts[b] if m == 0 else row_length) for b, (n, m) in enumerate(zip(sums, mins)))
+
+    return (values.sum(dim=1), minima, first_minimum), fails
+
+
 def keep_mask_deferred(
     *,
     batch_size: int,
@@ -133,32 +182,22 @@ def keep_mask_deferred(
     attention_mask: torch.Tensor | None = None,
     seq_lens=None,
     device=None,
-) -> tuple[torch.Tensor, list[int] | None, torch.Tensor | None]:
-    """The [B, S] keep-mask of the rows without reading anything back to the host.
+) -> DeferredKeep:
+    """The rows' real lengths and keep-mask without reading anything back to the host.
 
-    Returns:
-        (keep [B, S] bool, lengths as host ints when they were host data (seq_lens, full rows) else
-        None, bad: a 0-dim bool device tensor that is True when the mask is invalid, or None).
-        When `bad` reads True, `real_lengths` with the same arguments raises the detailed error.
-        Shape and `seq_lens` errors are raised at once (they need no device data).
+    Shape and `seq_lens` errors are raised at once (they need no device data); the mask's own
+    validity (0/1 values, right padding, a causal 4D mask) rides the caller's one host read, and
+    when it fails, `real_lengths` with the same arguments raises the detailed error.
     """
     if attention_mask is not None and seq_lens is not None:
         raise ValueError("give either attention_mask or seq_lens, not both")
-    arange = torch.arange(row_length, device=device)
     if attention_mask is None:
         lengths = real_lengths(batch_size=batch_size, row_length=row_length, seq_lens=seq_lens)
-        keep = arange[None] < torch.tensor(lengths, device=device)[:, None]
-        return keep, lengths, None
+        return DeferredKeep(lengths, None, None, lambda: keep_from_lengths(lengths, row_length, device))
     if attention_mask.dim() == 4:
         keep = keep_mask_from_4d(attention_mask)
-        size = attention_mask.shape[-1]
-        causal = torch.ones(size, size, dtype=torch.bool, device=attention_mask.device).tril()
-        not_causal = (keep[:, :, None] & keep[:, None, :] & (~attention_mask[:, 0] != causal)).any()
-        not_binary = torch.zeros((), dtype=torch.bool, device=keep.device)
     elif attention_mask.dim() == 2:
-        keep, not_causal = attention_mask, torch.zeros((), dtype=torch.bool, device=attention_mask.device)
-        not_binary = ((keep != 0) & (keep != 1)).any() if keep.dtype != torch.bool else not_causal
-        keep = keep != 0
+        keep = attention_mask
     else:
         raise ValueError(
             f"attention_mask must be [B, S] or [B, 1, S, S], got shape {tuple(attention_mask.shape)}"
@@ -167,9 +206,25 @@ def keep_mask_deferred(
         raise ValueError(
             f"attention_mask covers {tuple(keep.shape)} tokens but input_ids is {(batch_size, row_length)}"
         )
-    expected = arange.to(keep.device)[None] < keep.sum(dim=1, keepdim=True)
-    bad = (keep != expected).any() | not_binary | not_causal
-    return expected, None, bad
+    if attention_mask.dim() == 2 and not attention_mask.is_floating_point() and not attention_mask.is_complex():
+        values, fails = right_padded_reads(attention_mask)
+        keep_fn = (lambda: attention_mask) if attention_mask.dtype == torch.bool else (lambda: attention_mask != 0)
+        return DeferredKeep(None, values, fails, keep_fn)
+    # Rare forms, checked the longer way: a float 0/1 mask, a 4D mask (its diagonal; causal between real tokens).
+    if attention_mask.dim() == 4:
+        size = attention_mask.shape[-1]
+        causal = torch.ones(size, size, dtype=torch.bool, device=attention_mask.device).tril()
+        other = any_true(keep[:, :, None] & keep[:, None, :] & (~attention_mask[:, 0] != causal))
+    else:
+        other = any_true((attention_mask != 0) & (attention_mask != 1))
+        keep = attention_mask != 0
+    values, fails = right_padded_reads(keep)
+    return DeferredKeep(None, values + (other,), lambda host: bool(host[-1]) or fails(host[:-1]), lambda: keep)
+
+
+def keep_from_lengths(lengths: list[int], row_length: int, device=None) -> torch.Tensor:
+    """[B, S] bool, True at the first lengths[b] slots of row b."""
+    return torch.arange(row_length, device=device)[None] < torch.tensor(lengths, device=device)[:, None]
 
 
 def real_lengths(
