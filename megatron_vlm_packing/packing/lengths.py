@@ -147,12 +147,16 @@ class DeferredKeep:
             the packed path needs none.
     """
 
-    def __init__(self, lengths, values, fails, keep_fn) -> None:
-        self.lengths, self.values, self.fails, self._keep_fn = lengths, values, fails, keep_fn
+    def __init__(self, lengths, values, fails, keep_fn, mask: torch.Tensor | None = None) -> None:
+        self.lengths, self.values, self.fails, self._keep_fn, self._mask = lengths, values, fails, keep_fn, mask
 
     @functools.cached_property
     def keep(self) -> torch.Tensor:
         return self._keep_fn()
+
+    def real_slots(self) -> torch.Tensor:
+        """[B, S] 1 at real tokens, 0 at pad slots: a 2D integer or bool mask as given (no copy), else `keep`."""
+        return self._mask if self._mask is not None else self.keep
 
 
 def right_padded_reads(mask: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], Callable[[list], bool]]:
@@ -209,7 +213,7 @@ def keep_mask_deferred(
     if attention_mask.dim() == 2 and not attention_mask.is_floating_point() and not attention_mask.is_complex():
         values, fails = right_padded_reads(attention_mask)
         keep_fn = (lambda: attention_mask) if attention_mask.dtype == torch.bool else (lambda: attention_mask != 0)
-        return DeferredKeep(None, values, fails, keep_fn)
+        return DeferredKeep(None, values, fails, keep_fn, mask=attention_mask)
     # Rare forms, checked the longer way: a float 0/1 mask, a 4D mask (its diagonal; causal between real tokens).
     if attention_mask.dim() == 4:
         size = attention_mask.shape[-1]

@@ -185,14 +185,15 @@ def queue_media_reads(batch: dict, input_ids: torch.Tensor, keep, tokens: MediaT
     for name in ("image_grid_thw", "video_grid_thw"):
         grid = batch.get(name)
         if isinstance(grid, torch.Tensor) and grid.dim() == 2 and grid.numel() and not grid.is_floating_point():
-            entries[name] = checks.add(grid.long().reshape(-1), _never, None)
+            entries[name] = checks.add(grid.to(input_ids.device, torch.long).reshape(-1), _never, None)
     seconds = batch.get("second_per_grid_ts")
     if isinstance(seconds, torch.Tensor) and seconds.numel() and not seconds.is_complex():
-        entries["second_per_grid_ts"] = checks.add(seconds.double().reshape(-1), _never, None)
+        entries["second_per_grid_ts"] = checks.add(seconds.to(input_ids.device, torch.float64).reshape(-1), _never,
+                                                   None)
     mask = batch.get("feature_attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.numel() and not mask.is_floating_point() \
             and not mask.is_complex():
-        values, fails = right_padded_reads(mask)
+        values, fails = right_padded_reads(mask.to(input_ids.device))
         entries["audio_frames"] = checks.add(
             values, fails, lambda: lengths_from_keep_mask(mask, field="feature_attention_mask"))
     return entries

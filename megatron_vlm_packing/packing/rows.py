@@ -89,7 +89,9 @@ def loss_weights_of(labels: torch.Tensor, loss_values: torch.Tensor | None) -> t
     (value * True / value * False computes value * 1.0 / value * 0.0 in float32: the same bits as
     multiplying by the float target mask, one op fewer.)"""
     is_target = labels != IGNORE_INDEX
-    return is_target.float() if loss_values is None else loss_values.float().mul(is_target)
+    if loss_values is None:
+        return is_target.float()
+    return (loss_values if loss_values.dtype == torch.float32 else loss_values.float()).mul(is_target)
 
 
 def check_keys(batch, *, extra_keys, mrope) -> None:
@@ -126,7 +128,7 @@ def input_ids_of(batch: Mapping) -> tuple[str, torch.Tensor]:
         raise ValueError(f"{keys[0]} must hold integer token ids, got dtype {ids.dtype}")
     if ids.shape[0] == 0 or ids.shape[1] == 0:
         raise ValueError(f"{keys[0]} is empty: shape {tuple(ids.shape)}")
-    return keys[0], ids.long()
+    return keys[0], ids if ids.dtype == torch.int64 else ids.long()
 
 
 def row_tensor(batch: Mapping, name: str, shape: tuple[int, int]) -> torch.Tensor | None:
@@ -203,7 +205,7 @@ def checked_labels(batch: Mapping, shape: tuple[int, int], label_style: str) -> 
         raise ValueError(f"labels must hold integer token ids (-100 = ignore), got dtype {labels.dtype}")
     if label_style not in ("hf", "megatron"):
         raise ValueError(f"label_style must be 'megatron' or 'hf', got {label_style!r}")
-    return labels.long()
+    return labels if labels.dtype == torch.int64 else labels.long()
 
 
 def checked_loss_values(batch: Mapping, shape: tuple[int, int]) -> torch.Tensor | None:
@@ -236,15 +238,28 @@ def real_target_differs(raw_labels: torch.Tensor, input_ids: torch.Tensor, row_l
     return any_true((labels != tokens) & (labels != IGNORE_INDEX) & real)
 
 
-def queue_value_checks(input_ids: torch.Tensor, name: str, keep: Callable[[], torch.Tensor],
-                       row_lengths: Callable[[], torch.Tensor], raw_labels: torch.Tensor, loss_values: torch.Tensor | None,
-                       label_style: str, vocab_size: int | None, checks: "DeferredChecks") -> None:
+@dataclass(frozen=True)
+class ValueInputs:
+    """What the value checks read. input_ids, raw_labels: [B, S] long; loss_values: [B, S] or None.
+    keep(): [B, S] bool keep-mask; real_slots(): [B, S] 1 at real tokens, 0 elsewhere (the 0/1 mask
+    as given, or keep()); row_lengths(): [B] real lengths on the device. Each built on call only."""
+
+    input_ids: torch.Tensor
+    name: str
+    raw_labels: torch.Tensor
+    loss_values: torch.Tensor | None
+    keep: Callable[[], torch.Tensor]
+    real_slots: Callable[[], torch.Tensor]
+    row_lengths: Callable[[], torch.Tensor]
+
+
+def queue_value_checks(inputs: ValueInputs, label_style: str, vocab_size: int | None, checks: "DeferredChecks") -> None:
     """Queue the value checks of ids, labels and loss weights on `checks` (read with the lengths).
 
     Screens: one pass over [B, S] or less each, looking at every slot, pads included, so that the
     packed path needs no keep-mask. A pad slot rarely holds a bad value; when one trips a screen,
-    the exact check over the real tokens (`keep()`) runs on the host and raises for a bad real token,
-    else returns (only pad slots tripped it: extra host reads, never a wrong answer).
+    the exact check over the real tokens runs on the host and raises for a bad real token, else
+    returns (only pad slots tripped it: extra host reads, never a wrong answer).
     - ids: the lowest and highest id.
     - labels: any label below 0 other than -100; with `vocab_size`, the highest label.
     - Megatron labels equal to input_ids: no real target other than its own token among all real
@@ -252,25 +267,33 @@ def queue_value_checks(input_ids: torch.Tensor, name: str, keep: Callable[[], to
       (then the exact check counts every real target: it raises for two or more, all copies).
     - loss weights: the lowest and highest value (finite and >= 0, and finite as float32).
     """
-    checks.add(tuple(input_ids.aminmax()),
-               lambda v: v[0] < 0 or (vocab_size is not None and v[1] >= vocab_size),
-               lambda: check_ids(input_ids, keep(), vocab_size, name), screen=True)
-    label_check = lambda: check_label_values(raw_labels, keep(), vocab_size)  # noqa: E731
-    ignored = raw_labels == IGNORE_INDEX
-    checks.add(any_true((raw_labels < 0) ^ ignored), lambda v: v[0] != 0, label_check, screen=True)
+    ids, labels, keep = inputs.input_ids, inputs.raw_labels, inputs.keep
+    checks.add(tuple(ids.aminmax()), lambda v: v[0] < 0 or (vocab_size is not None and v[1] >= vocab_size),
+               lambda: check_ids(ids, keep(), vocab_size, inputs.name), screen=True)
+    label_check = lambda: check_label_values(labels, keep(), vocab_size)  # noqa: E731
+    ignored = labels == IGNORE_INDEX
+    checks.add(any_true((labels < 0) ^ ignored).long(), lambda v: v[0] != 0, label_check, screen=True)
     if vocab_size is not None:
-        checks.add(raw_labels.amax(), lambda v: v[0] >= vocab_size, label_check, screen=True)
+        checks.add(labels.amax(), lambda v: v[0] >= vocab_size, label_check, screen=True)
     if label_style == "megatron":
-        if raw_labels.numel() <= EXACT_COPY_CHECK_SLOTS:  # every real target: a real target not its own token
-            differs = any_true(((raw_labels != input_ids) > ignored) & keep())
-        else:
-            differs = real_target_differs(raw_labels, input_ids, row_lengths())
-        checks.add(differs, lambda v: v[0] == 0, lambda: refuse_hf_labels_as_megatron(raw_labels, input_ids, keep()),
+        checks.add(_real_target_differs(inputs, ignored), lambda v: v[0] == 0,
+                   lambda: refuse_hf_labels_as_megatron(labels, ids, keep()), screen=True)
+    values = inputs.loss_values
+    if values is not None and values.dtype != torch.bool:
+        low, high = values.aminmax()  # NaN makes both comparisons False
+        in_range = (low >= 0) & (high <= _FLOAT32_MAX) if values.is_floating_point() else low >= 0
+        checks.add(in_range.long(), lambda v: v[0] == 0, lambda: check_loss_weights(values.float(), keep()),
                    screen=True)
-    if loss_values is not None and loss_values.dtype != torch.bool:
-        checks.add(tuple(loss_values.aminmax()),
-                   lambda v: not (v[0] >= 0 and v[1] <= _FLOAT32_MAX),
-                   lambda: check_loss_weights(loss_values.float(), keep()), screen=True)
+
+
+def _real_target_differs(inputs: ValueInputs, ignored: torch.Tensor) -> torch.Tensor:
+    """0-dim long, 1 when a real target differs from its own token (every one up to
+    `EXACT_COPY_CHECK_SLOTS` slots, else the last `COPY_WINDOW` of each row)."""
+    labels, ids = inputs.raw_labels, inputs.input_ids
+    if labels.numel() > EXACT_COPY_CHECK_SLOTS:
+        return real_target_differs(labels, ids, inputs.row_lengths()).long()
+    differs = (((labels != ids) > ignored) & inputs.real_slots()).amax()  # & with a 0/1 mask stays 0/1
+    return differs if differs.dtype == torch.int64 else differs.long()
 
 
 class DeferredChecks:
@@ -295,24 +318,27 @@ class DeferredChecks:
 
     def read(self) -> list[list]:
         """The one host sync: every entry's values as host numbers (ints stay ints), after raising
-        the first failed check's error. 1-D values go in one `cat`, 0-dim ones in one `stack`."""
+        the first failed check's error. 1-D values go in one `cat`, 0-dim ones in one `stack`
+        (all on the first entry's device: callers queue values there)."""
         if not self.entries:
             return []
-        device = self.entries[0][0][0].device
-        vectors = [p if p.device == device else p.to(device) for parts, *_ in self.entries for p in parts if p.dim()]
-        scalars = [p if p.device == device else p.to(device) for parts, *_ in self.entries for p in parts if not p.dim()]
-        flat = torch.cat(vectors + ([torch.stack(scalars)] if scalars else [])).tolist()  # the one host sync
-        host, vector_at, scalar_at = [], 0, sum(p.numel() for p in vectors)
+        vectors = [p for parts, *_ in self.entries for p in parts if p.dim()]
+        scalars = [p for parts, *_ in self.entries for p in parts if not p.dim()]
+        flat = torch.cat(vectors + [torch.stack(scalars)] if scalars else vectors).tolist()  # the one host sync
+        floats = any(p.is_floating_point() for p in vectors + scalars)
+        host, vector_at, scalar_at = [], 0, len(flat) - len(scalars)
         for parts, *_ in self.entries:
             chunk = []
             for p in parts:
                 if p.dim():
-                    chunk += flat[vector_at:vector_at + p.numel()]
-                    vector_at += p.numel()
+                    size = p.shape[0]
+                    chunk += flat[vector_at:vector_at + size]
+                    vector_at += size
                 else:
                     chunk.append(flat[scalar_at])
                     scalar_at += 1
-            host.append(chunk if any(p.is_floating_point() for p in parts) else [int(x) for x in chunk])
+            integer = floats and not any(p.is_floating_point() for p in parts)
+            host.append([int(x) for x in chunk] if integer else chunk)
         for chunk, (_, fails, raiser, screen) in zip(host, self.entries):
             if raiser is not None and fails(chunk):
                 raiser()
@@ -499,8 +525,9 @@ def read_rows(batch, *, label_style: str, mrope, media: MediaTokens, extra_keys=
                                    lambda: real_lengths(batch_size=shape[0], row_length=shape[1], attention_mask=mask))
     row_lengths = (lambda: deferred.values[0]) if deferred.values is not None else \
         (lambda: torch.tensor(deferred.lengths, device=input_ids.device))
-    queue_value_checks(input_ids, name, lambda: deferred.keep, row_lengths, raw_labels, loss_values, label_style,
-                       vocab_size, checks)
+    inputs = ValueInputs(input_ids, name, raw_labels, loss_values, lambda: deferred.keep, deferred.real_slots,
+                         row_lengths)
+    queue_value_checks(inputs, label_style, vocab_size, checks)
     queue_position_checks(batch, lambda: deferred.keep, mrope, checks)
     media_entries = queue_media_reads(batch, input_ids, lambda: deferred.keep, media, checks)
     host = checks.read()  # the one host sync
