@@ -11,6 +11,7 @@ Shape legend: B = rows, S = row length.
 from __future__ import annotations
 
 import inspect
+import struct
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -280,10 +281,15 @@ def queue_value_checks(inputs: ValueInputs, label_style: str, vocab_size: int | 
                    lambda: refuse_hf_labels_as_megatron(labels, ids, keep()), screen=True)
     values = inputs.loss_values
     if values is not None and values.dtype != torch.bool:
-        low, high = values.aminmax()  # NaN makes both comparisons False
-        in_range = (low >= 0) & (high <= _FLOAT32_MAX) if values.is_floating_point() else low >= 0
-        checks.add(in_range.long(), lambda v: v[0] == 0, lambda: check_loss_weights(values.float(), keep()),
+        bits = torch.stack(values.aminmax()).double().view(torch.int64)  # read as int64 bits: one dtype to read
+        checks.add(bits, lambda v: not _weights_in_range(v), lambda: check_loss_weights(values.float(), keep()),
                    screen=True)
+
+
+def _weights_in_range(bits: list[int]) -> bool:
+    """Lowest and highest loss weight (float64 bits) are >= 0 and finite as float32 (NaN is not)."""
+    low, high = struct.unpack("<2d", struct.pack("<2q", *bits))
+    return low >= 0 and high <= _FLOAT32_MAX
 
 
 def _real_target_differs(inputs: ValueInputs, ignored: torch.Tensor) -> torch.Tensor:
