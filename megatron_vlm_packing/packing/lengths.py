@@ -212,6 +212,8 @@ def keep_mask_deferred(
         )
     if attention_mask.dim() == 2 and not attention_mask.is_floating_point() and not attention_mask.is_complex():
         values, fails = right_padded_reads(attention_mask)
+        if device is not None and attention_mask.device != torch.device(device):  # read with the ids' values
+            values = tuple(v.to(device) for v in values)
         keep_fn = (lambda: attention_mask) if attention_mask.dtype == torch.bool else (lambda: attention_mask != 0)
         return DeferredKeep(None, values, fails, keep_fn, mask=attention_mask)
     # Rare forms, checked the longer way: a float 0/1 mask, a 4D mask (its diagonal; causal between real tokens).
@@ -223,6 +225,8 @@ def keep_mask_deferred(
         other = any_true((attention_mask != 0) & (attention_mask != 1))
         keep = attention_mask != 0
     values, fails = right_padded_reads(keep)
+    if device is not None and keep.device != torch.device(device):
+        values, other = tuple(v.to(device) for v in values), other.to(device)
     return DeferredKeep(None, values + (other,), lambda host: bool(host[-1]) or fails(host[:-1]), lambda: keep)
 
 
