@@ -3,7 +3,8 @@
 `run_bridge_pp_parity(rank, world_size, cases)` is a `testing.run_distributed` target. A case is
 (family, tp, pp, sp[, options]) with family "qwen3_vl", "qwen3_vl_moe", "qwen25_vl" or "qwen3_omni"
 and options "cp2" (context parallel 2 too), "variable" (real packed lengths, `variable_seq_lengths`),
-"control" (a deliberate mistake the comparison must catch), "refused" (what the adapter says).
+"control" (a deliberate mistake the comparison must catch), "tied" (tied word embeddings, in Megatron's
+DDP with `finalize_model_grads`), "refused" (what the adapter says).
 
 - Truth: the TP = PP = 1 model of the family (Bridge's own, built by its provider) running every
   sample alone, dense and unpadded, on Bridge's own path (`bridge.truth`); the samples are shared
@@ -38,10 +39,10 @@ MICRO_BATCHES = 3
 SAMPLES_PER_MICRO_BATCH = 2
 
 
-def tiny_config(family: str, *, tp: int = 1, cp: int = 1, pp: int = 1, sp: bool = False):
+def tiny_config(family: str, *, tp: int = 1, cp: int = 1, pp: int = 1, sp: bool = False, tied: bool = False):
     """The tiny config of `family` with PP_LAYERS language layers, at the given layout."""
     layout = dict(num_layers=PP_LAYERS, tensor_parallel=tp, context_parallel=cp, pipeline_parallel=pp,
-                  sequence_parallel=sp)
+                  sequence_parallel=sp, tie_embeddings=tied)
     if family == "qwen3_omni":
         from megatron_vlm_packing.bridge.build_omni import TinyOmniConfig
 
@@ -69,14 +70,14 @@ def fixed_length(batches: list[dict], cfg, multiple: int = 16) -> int:
     return -(-longest // multiple) * multiple
 
 
-def truth(family: str, samples: list[dict]):
+def truth(family: str, samples: list[dict], *, tied: bool = False):
     """(loss sum [] float64, token count, grads by name, weights by name) of every sample alone on the
     TP = PP = 1 model; samples shared out over the ranks, the sums all-reduced."""
     from megatron_vlm_packing.bridge.truth import alone_losses, build_family
     from megatron_vlm_packing.testing.distributed import initialize_parallel
 
     initialize_parallel(seed=SEED)
-    model = build_family(family, tiny_config(family), seed=SEED)
+    model = build_family(family, tiny_config(family, tied=tied), seed=SEED)
     state = {n: p.detach().clone() for n, p in model.named_parameters()}
     total, tokens = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
     for sample in samples[dist.get_rank()::dist.get_world_size()]:
@@ -90,6 +91,10 @@ def truth(family: str, samples: list[dict]):
         dist.all_reduce(grads[name])
     both = torch.stack([total, tokens])
     dist.all_reduce(both)
+    if tied:  # a later stage's output layer holds its own copy of the shared word embeddings
+        for name in [n for n in state if n.endswith("embedding.word_embeddings.weight")]:
+            alias = name.replace("embedding.word_embeddings.weight", "output_layer.weight")
+            state[alias], grads[alias] = state[name], grads[name]
     return both[0], int(both[1]), grads, state
 
 
@@ -108,6 +113,16 @@ def one_document_on_later_stages(micro_batch):
     one = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
                           cu_seqlens_kv_padded=cu, max_seqlen_q=total, max_seqlen_kv=total)
     return replace(micro_batch, packed_seq_params=one)
+
+
+def with_megatron_ddp(model):
+    """`model` in Megatron's DistributedDataParallel, the schedule ending with `finalize_model_grads`
+    (the tied word-embedding grads summed over the first and last stages, DP reductions, / tokens)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import finalize_model_grads
+
+    model.config.finalize_model_grads_func = finalize_model_grads
+    return DistributedDataParallel(config=model.config, ddp_config=DistributedDataParallelConfig(), module=model)
 
 
 def packed_through_schedule(model, batches: list[dict], pad_to: int | None, transform=None):
@@ -160,9 +175,11 @@ def _compare(loss_tokens: torch.Tensor, reference, grads: dict, towers: tuple[st
 
 
 def pp_case(case: tuple, samples: list[dict], reference) -> dict:
-    """One case: (family, tp, pp, sp[, "cp2"][, "variable"][, "control"]). "cp2": context parallel 2 as
-    well; "variable": real packed lengths, p2p shapes exchanged per micro-batch (`variable_seq_lengths`)
-    instead of a fixed `pad_to`; "control": `one_document_on_later_stages` (the comparison must fail)."""
+    """One case: (family, tp, pp, sp[, "cp2"][, "variable"][, "control"][, "tied"]). "cp2": context
+    parallel 2 as well; "variable": real packed lengths, p2p shapes exchanged per micro-batch
+    (`variable_seq_lengths`) instead of a fixed `pad_to`; "control": `one_document_on_later_stages` (the
+    comparison must fail); "tied": tied word embeddings, trained in Megatron's DDP with
+    `finalize_model_grads` (the gradients read from `main_grad`, times the token count)."""
     import time
 
     start = time.perf_counter()
@@ -173,18 +190,22 @@ def pp_case(case: tuple, samples: list[dict], reference) -> dict:
     from megatron_vlm_packing.testing.parity import full_gradients, load_full_state
 
     family, tp, pp, sp = case[:4]
-    cp, variable = (2 if "cp2" in case[4:] else 1), "variable" in case[4:]
+    cp, variable, tied = (2 if "cp2" in case[4:] else 1), "variable" in case[4:], "tied" in case[4:]
     initialize_parallel(tp=tp, cp=cp, pp=pp, seed=SEED)
-    cfg = tiny_config(family, tp=tp, cp=cp, pp=pp, sp=sp)
+    cfg = tiny_config(family, tp=tp, cp=cp, pp=pp, sp=sp, tied=tied)
     model = build_family(family, cfg, seed=SEED + 1)  # other weights: load_full_state must set them all
     load_full_state(model, reference[3], tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp)
     model.config.variable_seq_lengths = variable
     batches = micro_batches(family, samples)
     transform = one_document_on_later_stages if "control" in case[4:] else None
-    loss_tokens = packed_through_schedule(model, batches, None if variable else fixed_length(batches, cfg), transform)
+    loss_tokens = packed_through_schedule(with_megatron_ddp(model) if tied else model, batches,
+                                          None if variable else fixed_length(batches, cfg), transform)
     cp_group = ps.get_context_parallel_group()
     dist.all_reduce(loss_tokens, group=cp_group)  # each CP rank holds its tokens' part
-    grads = full_gradients(model, tp_group=ps.get_tensor_model_parallel_group(), cp_group=cp_group)
+    grads = full_gradients(model, tp_group=ps.get_tensor_model_parallel_group(), cp_group=cp_group,
+                           reduced_by_megatron=tied)
+    if tied:  # finalize_model_grads divided by the token count (over DP too: every DP rank ran the same data)
+        grads = {name: grad * reference[1] for name, grad in grads.items()}
     result = _compare(loss_tokens, reference, grads, TOWERS[family])
     result.update(case=case, stage=f"{type(model).__name__} x {pp} stages", micro_batches=len(batches),
                   seconds=round(time.perf_counter() - start, 1))
@@ -235,11 +256,12 @@ def run_bridge_pp_parity(rank: int, world_size: int, cases: list[tuple]) -> list
                 results.append(refusal(case))
                 continue
             samples = family_samples(family, tiny_config(family), MICRO_BATCHES * SAMPLES_PER_MICRO_BATCH, seed=SEED)
-            if family not in truths:
+            key = (family, "tied" in case[4:])
+            if key not in truths:
                 start = time.perf_counter()
-                truths[family] = truth(family, samples)
+                truths[key] = truth(family, samples, tied=key[1])
                 seconds[family] = round(time.perf_counter() - start, 1)
-            results.append(pp_case(case, samples, truths[family]))
+            results.append(pp_case(case, samples, truths[key]))
     finally:
         undo_bridge_qwen3_omni_packed()
         undo_bridge_patches()
@@ -253,7 +275,8 @@ ALL_CASES = ([(family, tp, 2, tp > 1) for family in FAMILIES for tp in (1, 2)]
              + [(family, 1, 2, False, "cp2") for family in FAMILIES]
              + [("qwen3_vl", 1, 2, False, "variable"), ("qwen3_vl_moe", 1, 2, False, "variable"),
                 ("qwen3_omni", 2, 2, True, "variable"),
-                ("qwen3_vl", 1, 2, False, "control")])
+                ("qwen3_vl", 1, 2, False, "control")]
+             + [(family, 1, 2, False, "tied") for family in ("qwen3_vl", "qwen25_vl", "qwen3_omni")])
 
 
 def pp_parity_table(results: list[dict]) -> str:
@@ -266,6 +289,7 @@ def pp_parity_table(results: list[dict]) -> str:
         layout = f"PP={pp}" + (f" x TP={tp}" if tp > 1 else "") + (" x CP=2" if "cp2" in extras else "")
         layout += (" + SP" if sp else "") + (", real lengths (variable_seq_lengths)" if "variable" in extras else "")
         layout += ", control: later stages ignore the boundaries" if "control" in extras else ""
+        layout += ", tied embeddings (DDP + finalize_model_grads)" if "tied" in extras else ""
         rows.append(f"| {family} | {layout} | {r['micro_batches']} | {r['abs_dloss']:.2e} | "
                     f"{r['max_rel_grad_err']:.2e} | {r['max_rel_tower_grad_err']:.2e} | {r['params']} |")
     return "\n".join(rows)

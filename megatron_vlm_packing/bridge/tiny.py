@@ -42,6 +42,8 @@ class TinyModelConfig:
             asserts they all sit on the first pipeline stage: num_layers / pipeline_parallel >= their count).
         tensor_parallel, context_parallel, pipeline_parallel, sequence_parallel: must match
             Megatron's parallel state when building.
+        tie_embeddings: the output layer shares the word embeddings (small Qwen-VL checkpoints do;
+            under PP the last stage holds a copy that Megatron's `finalize_model_grads` keeps in sync).
         attention_backend: "reference" (exact, CPU, CP) or "torch" (GPU varlen).
     """
 
@@ -63,6 +65,7 @@ class TinyModelConfig:
     context_parallel: int = 1
     pipeline_parallel: int = 1
     sequence_parallel: bool = False
+    tie_embeddings: bool = False
     attention_backend: str = "reference"
 
     def __post_init__(self) -> None:
@@ -133,7 +136,7 @@ def language_fields(cfg: TinyModelConfig) -> dict:
         normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False, qk_layernorm=True,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        cross_entropy_loss_fusion=False, calculate_per_token_loss=True, share_embeddings_and_output_weights=False,
+        cross_entropy_loss_fusion=False, calculate_per_token_loss=True, share_embeddings_and_output_weights=cfg.tie_embeddings,
         make_vocab_size_divisible_by=128, **cfg.token_ids,
     )
 

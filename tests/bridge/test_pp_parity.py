@@ -2,7 +2,8 @@
 build them per pipeline stage, trained packed through the shipped make_forward_step and
 Megatron-Core's pipeline schedule (PP=2, 3 micro-batches in 1F1B): loss and every parameter gradient
 on every stage (vision and audio towers included) equal each sample alone on the TP = PP = 1 model,
-with a fixed packed length (pad_to) and at real lengths (variable_seq_lengths); a control where later
+with a fixed packed length (pad_to) and at real lengths (variable_seq_lengths), with tied word
+embeddings through Megatron's DDP and finalize_model_grads; a control where later
 stages ignore the boundaries fails the comparison; Qwen3-Omni with fewer first-stage layers than
 deepstack levels is a ValueError on the first stage. One 4-process launch."""
 
@@ -12,11 +13,12 @@ from megatron_vlm_packing.testing.distributed import run_distributed
 
 pytestmark = pytest.mark.bridge
 
-PARITY = [  # one case per family: 4 truths, 6 packed runs in the launch
+PARITY = [  # one case per family and a tied-embedding one: 5 truths, 7 packed runs in the launch
     ("qwen3_vl", 2, 2, True),
     ("qwen3_vl_moe", 1, 2, False, "variable"),
     ("qwen25_vl", 1, 2, False, "cp2"),
     ("qwen3_omni", 2, 2, True),
+    ("qwen25_vl", 1, 2, False, "tied"),  # tied word embeddings: DDP + finalize_model_grads sum both stages
 ]
 CONTROL = ("qwen3_vl", 1, 2, False, "control")
 REFUSED = ("qwen3_omni", 1, 2, False, "refused")
