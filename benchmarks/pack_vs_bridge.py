@@ -13,10 +13,11 @@ row is padded to the CP multiple), and the boundary tensors. It is written here,
 the benchmark runs without Bridge and Transformer Engine.
 
 The third column, "packing core", times this project's packing pieces alone (mask check, plan,
-indices, slices copied, positions, padding mask, PackedSeqParams) without `pack_batch`'s checks of
-every [B, S] value (ids in range, labels -100 or in range, Hugging Face labels given as Megatron
-ones, loss weights finite): what `pack_batch` would cost with those checks made on the packed
-tokens instead.
+indices, slices copied, positions, padding mask, PackedSeqParams) without `pack_batch`'s value
+checks (ids in range, labels -100 or in range, Hugging Face labels given as Megatron ones, loss
+weights finite and >= 0) and its key / media / option handling: the floor of what `pack_batch`
+costs. `pack_batch` makes those checks as one-pass screens over the [B, S] rows, read back with the
+real lengths in its one host sync, and builds labels and loss weights over the packed tokens only.
 
 Both packers get the same batch (Megatron-style: input_ids, labels already aligned, a float
 loss_mask, a 0/1 attention_mask, 2D position_ids) and produce the same things: packed ids, labels,

@@ -108,7 +108,8 @@ def qwen3_vl_te_free_swaps(core_attention: type) -> list[tuple[str, dict[str, An
 
 def build_with_provider(provider, *, swaps: list[tuple[str, dict[str, Any]]] = (), pre_process=None,
                         post_process=None, vp_stage=None, seed: int | None = None) -> torch.nn.Module:
-    """`provider.provide(...)` with Megatron's process groups, `finalize()`, and TE names swapped.
+    """`provider.provide(...)` with Megatron's process groups, `finalize()`, and TE names swapped; the
+    model's `model_type` set as Bridge's `get_model` sets it (Megatron's pipeline schedules read it).
 
     Args:
         provider: a Bridge model provider (dataclass), fully configured.
@@ -136,4 +137,8 @@ def build_with_provider(provider, *, swaps: list[tuple[str, dict[str, Any]]] = (
         for module_name, names in swaps:
             stack.enter_context(swapped_names(import_bridge_module(module_name), names))
         provider.finalize()
-        return provider.provide(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+        model = provider.provide(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+    from megatron.core.enums import ModelType
+
+    model.model_type = ModelType.encoder_or_decoder  # what Bridge's get_model sets (Megatron's schedules read it)
+    return model

@@ -29,6 +29,7 @@ import torch
 from megatron_vlm_packing.bridge.build import build_with_provider, local_gpt_layer_spec, packed_core_attention
 from megatron_vlm_packing.bridge.imports import import_bridge_module
 from megatron_vlm_packing.bridge.samples import collate_qwen_vl
+from megatron_vlm_packing.bridge.tiny import TinyModelConfig, language_fields
 
 QWEN3_OMNI_PROVIDER = "megatron.bridge.models.qwen_omni.qwen3_omni_provider"
 QWEN3_OMNI_THINKER = "megatron.bridge.models.qwen_omni.modeling_qwen3_omni.thinker_model"
@@ -36,51 +37,24 @@ GRIDS = (2, 4)  # image / video h and w in patches (multiples of the 2x2 merge)
 
 
 @dataclass(frozen=True, kw_only=True)
-class TinyOmniConfig:
-    """Shape and parallel layout of a tiny Qwen3-Omni thinker.
+class TinyOmniConfig(TinyModelConfig):
+    """A tiny Qwen3-Omni thinker: `bridge.tiny.TinyModelConfig` (language model, vision encoder,
+    parallel layout) plus the audio encoder and the temporal scale.
 
     Attributes:
-        num_layers, hidden_size, num_attention_heads, num_query_groups, ffn_hidden_size: the
-            language model (kv_channels = hidden / heads; mrope_section sums to kv_channels / 2).
-        vocab_size: placeholder and wrapper ids are vocab_size - 1 .. vocab_size - 9.
-        vision_depth, vision_hidden, vision_heads, patch_size: the vision encoder.
-        deepstack_visual_indexes: vision layers whose features also enter LM layers 0, 1, ...
         audio_layers, audio_d_model, audio_heads, num_mel_bins: the audio encoder (its window
             n_window stays Hugging Face's 50: 100 frames make 13 audio tokens).
+        position_id_per_seconds: temporal positions per second of video or audio.
         seconds_per_grid: seconds per video temporal grid step (fractional -> float t positions).
-        tensor_parallel, context_parallel, sequence_parallel: must match Megatron's parallel state.
-        attention_backend: "reference" (exact, CPU, CP) or "torch" (GPU varlen).
+    Placeholder and wrapper ids are vocab_size - 1 .. vocab_size - 9.
     """
 
-    num_layers: int = 2
-    hidden_size: int = 64
-    num_attention_heads: int = 4
-    num_query_groups: int = 2
-    ffn_hidden_size: int = 96
-    vocab_size: int = 256
-    mrope_section: tuple[int, int, int] = (2, 3, 3)
-    vision_depth: int = 2
-    vision_hidden: int = 32
-    vision_heads: int = 2
-    patch_size: int = 4
-    temporal_patch_size: int = 2
-    spatial_merge_size: int = 2
-    deepstack_visual_indexes: tuple[int, ...] = (0, 1)
     audio_layers: int = 1
     audio_d_model: int = 32
     audio_heads: int = 2
     num_mel_bins: int = 16
     position_id_per_seconds: int = 25
     seconds_per_grid: float = 0.5
-    tensor_parallel: int = 1
-    context_parallel: int = 1
-    sequence_parallel: bool = False
-    attention_backend: str = "reference"
-
-    def __post_init__(self) -> None:
-        kv_channels = self.hidden_size // self.num_attention_heads
-        if 2 * sum(self.mrope_section) != kv_channels:
-            raise ValueError(f"mrope_section {self.mrope_section} must sum to kv_channels / 2 = {kv_channels // 2}")
 
     @property
     def token_ids(self) -> dict[str, int]:
@@ -88,11 +62,6 @@ class TinyOmniConfig:
         return dict(image_token_id=top - 1, video_token_id=top - 2, audio_token_id=top - 3,
                     vision_start_token_id=top - 4, vision_end_token_id=top - 5, audio_start_token_id=top - 6,
                     audio_end_token_id=top - 7, bos_token_id=top - 8, eos_token_id=top - 9)
-
-    @property
-    def patch_features(self) -> int:
-        """Features per vision patch row: C * temporal_patch * patch * patch."""
-        return 3 * self.temporal_patch_size * self.patch_size ** 2
 
     def mrope_config(self):
         """This model's `rope.MRopeConfig` (family "qwen3_omni", for `pack_batch(mrope=...)`)."""
@@ -133,23 +102,11 @@ def thinker_hf_config(cfg: TinyOmniConfig):
 def tiny_omni_provider(cfg: TinyOmniConfig):
     """Bridge's `Qwen3OmniModelProvider` for `cfg` (not yet built)."""
     module = import_bridge_module(QWEN3_OMNI_PROVIDER)
-    kv_channels = cfg.hidden_size // cfg.num_attention_heads
     return module.Qwen3OmniModelProvider(
-        thinker_config=thinker_hf_config(cfg),
-        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
-        num_query_groups=cfg.num_query_groups, ffn_hidden_size=cfg.ffn_hidden_size, kv_channels=kv_channels,
-        vocab_size=cfg.vocab_size, seq_length=1024, language_max_sequence_length=1024,
-        mrope_section=list(cfg.mrope_section), patch_size=cfg.patch_size,
-        temporal_patch_size=cfg.temporal_patch_size, spatial_merge_size=cfg.spatial_merge_size,
-        position_id_per_seconds=cfg.position_id_per_seconds,
-        tensor_model_parallel_size=cfg.tensor_parallel, context_parallel_size=cfg.context_parallel,
-        sequence_parallel=cfg.sequence_parallel, params_dtype=torch.float32, bf16=False, fp16=False,
-        use_cpu_initialization=True, perform_initialization=True, init_method_std=0.05, hidden_dropout=0.0,
-        attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False,
-        masked_softmax_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
-        persist_layer_norm=False, cross_entropy_loss_fusion=False, calculate_per_token_loss=True,
-        share_embeddings_and_output_weights=False, make_vocab_size_divisible_by=128,
-        moe_permute_fusion=False, moe_grouped_gemm=False, **cfg.token_ids)
+        **language_fields(cfg), thinker_config=thinker_hf_config(cfg), language_max_sequence_length=1024,
+        patch_size=cfg.patch_size, temporal_patch_size=cfg.temporal_patch_size,
+        spatial_merge_size=cfg.spatial_merge_size, position_id_per_seconds=cfg.position_id_per_seconds,
+        moe_permute_fusion=False, moe_grouped_gemm=False)
 
 
 def omni_te_free_swaps(core_attention: type) -> list[tuple[str, dict]]:
@@ -169,13 +126,9 @@ def omni_te_free_swaps(core_attention: type) -> list[tuple[str, dict]]:
 def build_tiny_omni(cfg: TinyOmniConfig, seed: int = 0):
     """Bridge's `Qwen3OmniModel` for `cfg`. With the same seed the weights at any TP are the shards of
     the TP=1 weights (CPU initialization); the vision and audio encoders are replicated."""
-    from megatron.core.enums import ModelType
-
     provider = tiny_omni_provider(cfg)
-    swaps = omni_te_free_swaps(packed_core_attention(cfg.attention_backend))
-    model = build_with_provider(provider, swaps=swaps, seed=seed)
-    model.model_type = ModelType.encoder_or_decoder  # what Bridge's get_model sets (Megatron's schedules read it)
-    return model
+    return build_with_provider(provider, swaps=omni_te_free_swaps(packed_core_attention(cfg.attention_backend)),
+                               seed=seed)
 
 
 def _block(open_id: int, close_id: int, token: int, count: int) -> torch.Tensor:

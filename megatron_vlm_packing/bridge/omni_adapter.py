@@ -6,6 +6,10 @@ selects its CP tokens itself with `cp_partition_index`, the same index `localize
 labels and loss mask. Packed input needs `patches.apply_bridge_qwen3_omni_packed()` on Bridge
 versions whose thinker refuses `packed_seq_params` (0.6.2); dense rows go to Bridge's own code.
 
+Pipeline parallel: the first stage holds the encoders and the embedding, later stages take hidden
+states from the previous one; a first stage with fewer language layers than deepstack levels is a
+ValueError here (Bridge would assert at the first image).
+
 Output: the language model's per-token loss, [1, Tl] packed or [B, L / cp] dense.
 """
 
@@ -54,6 +58,28 @@ def qwen3_omni_mrope(model: nn.Module):
                        mrope_section=tuple(int(x) for x in thinker.config.mrope_section), mrope_interleaved=True)
 
 
+def deepstack_stage_problem(model: nn.Module) -> str | None:
+    """Why this pipeline stage cannot take images, or None.
+
+    Bridge feeds deepstack level i into language layer i and asserts, in `Qwen3VLTransformerBlock.forward`
+    at the first pack with an image or video, that every level's layer sits on the first pipeline stage
+    (its Qwen3-VL checks the same when it is built; its Qwen3-Omni does not).
+    """
+    thinker = getattr(model, "thinker", model)
+    vision = getattr(getattr(thinker, "thinker_transformer_config", None), "vision_config", None)
+    levels = len(getattr(vision, "deepstack_visual_indexes", None) or ())
+    if not levels or not thinker.pre_process or thinker.language_model is None:
+        return None
+    layers = len(thinker.language_model.decoder.layers)
+    if levels <= layers:
+        return None
+    return (f"{type(model).__name__}: {levels} deepstack levels (vision_config.deepstack_visual_indexes) feed "
+            f"language layers 0..{levels - 1}, but the first pipeline stage holds {layers} language layer(s) "
+            f"(num_layers={thinker.config.num_layers}, pipeline_model_parallel_size="
+            f"{thinker.config.pipeline_model_parallel_size}); Bridge's deepstack block needs them all on the first "
+            f"stage: give it >= {levels} layers (num_layers_in_first_pipeline_stage) or fewer pipeline stages")
+
+
 class Qwen3OmniAdapter(ModelAdapter):
     """Bridge's Qwen3-Omni model or thinker: ids and positions full, labels / loss mask CP-local.
 
@@ -66,6 +92,9 @@ class Qwen3OmniAdapter(ModelAdapter):
 
     def __init__(self, model: nn.Module):
         super().__init__(model)
+        problem = deepstack_stage_problem(model)
+        if problem is not None:
+            raise ValueError(problem)
         self.mrope = qwen3_omni_mrope(model)
         audio = getattr(getattr(model, "thinker", model), "audio_model", None)
         # Bridge 0.6.2's dense audio path asks the encoder for `_get_feat_extract_output_lengths`,

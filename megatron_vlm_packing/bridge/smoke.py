@@ -28,13 +28,18 @@ def call_bridge_vlm(model, family: str, batch: dict, *, input_ids, position_ids,
     return out[0] if isinstance(out, tuple) else out
 
 
-def alone_loss_sum(model, family: str, sample: dict) -> torch.Tensor:
-    """Sum of next-token losses of one sample run alone, dense, unpadded."""
+def alone_losses(model, family: str, sample: dict) -> torch.Tensor:
+    """[targets] next-token losses of one sample run alone, dense, unpadded (Bridge's own positions)."""
     batch = collate_qwen_vl([sample])
     targets = torch.cat([batch["labels"][:, 1:], torch.full((1, 1), -100)], dim=1)
     losses = call_bridge_vlm(model, family, batch, input_ids=batch["input_ids"], position_ids=None,
                              labels=targets.clamp_min(0))
-    return (losses * (targets != -100)).sum()
+    return losses[targets != -100]
+
+
+def alone_loss_sum(model, family: str, sample: dict) -> torch.Tensor:
+    """Sum of next-token losses of one sample run alone, dense, unpadded."""
+    return alone_losses(model, family, sample).sum()
 
 
 def _family_smoke(family: str) -> dict:

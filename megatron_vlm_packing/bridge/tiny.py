@@ -1,5 +1,8 @@
 """Tiny Qwen2.5-VL / Qwen3-VL (dense and MoE) models built by Megatron-Bridge's own providers.
 
+`TinyModelConfig` and `language_fields` are what every tiny Bridge model shares (`build_omni`'s
+Qwen3-Omni thinker too); `TinyBridgeConfig` adds the Qwen-VL family.
+
     from megatron_vlm_packing.bridge.tiny import TinyBridgeConfig, build_tiny_bridge_model
     initialize_parallel(tp=2, cp=1)                       # megatron parallel state first
     cfg = TinyBridgeConfig(family="qwen3_vl", tensor_parallel=2, sequence_parallel=True)
@@ -25,23 +28,25 @@ from megatron_vlm_packing.bridge.imports import import_bridge_module
 
 
 @dataclass(frozen=True, kw_only=True)
-class TinyBridgeConfig:
-    """Shape and parallel layout of a tiny Bridge VLM.
+class TinyModelConfig:
+    """What every tiny Bridge model shares: a Qwen3-style language model (RMSNorm, SwiGLU, q/k
+    layernorm, mRoPE), a Qwen-style vision tower and the parallel layout. Subclasses add their family's
+    own fields and `token_ids`.
 
     Attributes:
-        family: "qwen25_vl", "qwen3_vl" or "qwen3_vl_moe".
         num_layers, hidden_size, num_attention_heads, num_query_groups, ffn_hidden_size: the
             language model (kv_channels = hidden_size / heads; mrope_section sums to kv_channels / 2).
-        vocab_size: placeholder ids are vocab_size - 1 .. vocab_size - 6.
+        vocab_size: placeholder ids sit at its top (`token_ids`).
         vision_depth, vision_hidden, vision_heads, patch_size: the vision tower.
-        deepstack_visual_indexes: Qwen3-VL vision layers whose features also enter LM layers 0, 1, ...
-        num_moe_experts, moe_router_topk: the MoE language model ("qwen3_vl_moe").
+        deepstack_visual_indexes: vision layers whose features also enter LM layers 0, 1, ... (Bridge
+            asserts they all sit on the first pipeline stage: num_layers / pipeline_parallel >= their count).
         tensor_parallel, context_parallel, pipeline_parallel, sequence_parallel: must match
             Megatron's parallel state when building.
+        tie_embeddings: the output layer shares the word embeddings (small Qwen-VL checkpoints do;
+            under PP the last stage holds a copy that Megatron's `finalize_model_grads` keeps in sync).
         attention_backend: "reference" (exact, CPU, CP) or "torch" (GPU varlen).
     """
 
-    family: str = "qwen3_vl"
     num_layers: int = 2
     hidden_size: int = 64
     num_attention_heads: int = 4
@@ -56,31 +61,52 @@ class TinyBridgeConfig:
     temporal_patch_size: int = 2
     spatial_merge_size: int = 2
     deepstack_visual_indexes: tuple[int, ...] = (0, 1)
-    num_moe_experts: int = 4
-    moe_router_topk: int = 2
     tensor_parallel: int = 1
     context_parallel: int = 1
     pipeline_parallel: int = 1
     sequence_parallel: bool = False
+    tie_embeddings: bool = False
     attention_backend: str = "reference"
 
     def __post_init__(self) -> None:
-        if self.family not in BRIDGE_FAMILIES:
-            raise ValueError(f"family must be one of {BRIDGE_FAMILIES}, got {self.family!r}")
         kv_channels = self.hidden_size // self.num_attention_heads
         if 2 * sum(self.mrope_section) != kv_channels:
             raise ValueError(f"mrope_section {self.mrope_section} must sum to kv_channels / 2 = {kv_channels // 2}")
 
     @property
     def token_ids(self) -> dict[str, int]:
-        top = self.vocab_size
-        return dict(image_token_id=top - 1, video_token_id=top - 2, vision_start_token_id=top - 3,
-                    vision_end_token_id=top - 4, bos_token_id=top - 5, eos_token_id=top - 6)
+        raise NotImplementedError(f"{type(self).__name__} must define token_ids")
 
     @property
     def patch_features(self) -> int:
         """Features per vision patch row of `pixel_values`: C * temporal_patch * patch * patch."""
         return 3 * self.temporal_patch_size * self.patch_size ** 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class TinyBridgeConfig(TinyModelConfig):
+    """A tiny Qwen2.5-VL / Qwen3-VL (dense or MoE): `TinyModelConfig` plus the family.
+
+    Attributes:
+        family: "qwen25_vl", "qwen3_vl" or "qwen3_vl_moe".
+        num_moe_experts, moe_router_topk: the MoE language model ("qwen3_vl_moe").
+    Placeholder ids are vocab_size - 1 .. vocab_size - 6.
+    """
+
+    family: str = "qwen3_vl"
+    num_moe_experts: int = 4
+    moe_router_topk: int = 2
+
+    def __post_init__(self) -> None:
+        if self.family not in BRIDGE_FAMILIES:
+            raise ValueError(f"family must be one of {BRIDGE_FAMILIES}, got {self.family!r}")
+        super().__post_init__()
+
+    @property
+    def token_ids(self) -> dict[str, int]:
+        top = self.vocab_size
+        return dict(image_token_id=top - 1, video_token_id=top - 2, vision_start_token_id=top - 3,
+                    vision_end_token_id=top - 4, bos_token_id=top - 5, eos_token_id=top - 6)
 
     def mrope_config(self):
         """This model's `rope.MRopeConfig` (for `pack_batch(mrope=...)`)."""
@@ -94,8 +120,9 @@ class TinyBridgeConfig:
                            mrope_interleaved=qwen3, tokens_per_second=2.0)
 
 
-def _language_fields(cfg: TinyBridgeConfig) -> dict:
-    """Provider fields shared by every family: sizes, parallel layout, fp32 / dropout 0 / CPU init."""
+def language_fields(cfg: TinyModelConfig) -> dict:
+    """Provider fields every tiny Bridge model shares (Qwen-VL and Qwen3-Omni): sizes, parallel layout,
+    fp32 / dropout 0 / CPU init, no CUDA-only fusions, `cfg.token_ids`."""
     return dict(
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
         num_query_groups=cfg.num_query_groups, ffn_hidden_size=cfg.ffn_hidden_size,
@@ -109,7 +136,7 @@ def _language_fields(cfg: TinyBridgeConfig) -> dict:
         normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False, qk_layernorm=True,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        cross_entropy_loss_fusion=False, calculate_per_token_loss=True, share_embeddings_and_output_weights=False,
+        cross_entropy_loss_fusion=False, calculate_per_token_loss=True, share_embeddings_and_output_weights=cfg.tie_embeddings,
         make_vocab_size_divisible_by=128, **cfg.token_ids,
     )
 
@@ -125,7 +152,7 @@ def qwen3_vl_provider(cfg: TinyBridgeConfig):
         temporal_patch_size=cfg.temporal_patch_size, spatial_merge_size=cfg.spatial_merge_size,
         out_hidden_size=cfg.hidden_size, num_position_embeddings=64,
         deepstack_visual_indexes=list(cfg.deepstack_visual_indexes))
-    fields = dict(_language_fields(cfg), vision_config=vision, patch_size=cfg.patch_size,
+    fields = dict(language_fields(cfg), vision_config=vision, patch_size=cfg.patch_size,
                   temporal_patch_size=cfg.temporal_patch_size, spatial_merge_size=cfg.spatial_merge_size,
                   language_max_sequence_length=1024, deepstack_visual_indexes=list(cfg.deepstack_visual_indexes))
     if cfg.family == "qwen3_vl_moe":
@@ -150,7 +177,7 @@ def qwen25_vl_provider(cfg: TinyBridgeConfig):
         fullatt_block_indexes=[cfg.vision_depth - 1], tokens_per_second=2)
     vision._attn_implementation = "eager"
     spec = local_gpt_layer_spec(core_attention=packed_core_attention(cfg.attention_backend), qk_layernorm=True)
-    fields = _language_fields(cfg)
+    fields = language_fields(cfg)
     fields["vision_token_id"] = fields.pop("vision_end_token_id") + 0  # Qwen2.5-VL names it vision_token_id
     return module.Qwen25VLModelProvider(**fields, vision_config=vision, transformer_layer_spec=spec)
 

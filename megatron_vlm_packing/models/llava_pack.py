@@ -76,30 +76,41 @@ def _llava_rows(values: list[int], rows: int, tiles, images, device):
 def _read_rows(batch: dict, space: LlavaSpace, label_style: str):
     """The rows, their labels and loss weights, checked, and the expanded-space facts: ONE host sync.
 
-    `pack_batch`'s own checks (mask, ids, labels, loss weights: `packing.rows`) are queued as device
-    flags and read back together with the lengths and `_llava_row_values`.
+    `pack_batch`'s own reading (`packing.rows`: the deferred mask, the value checks of ids, labels
+    and loss weights) queues its numbers on one `DeferredChecks`; `_llava_row_values` joins them and
+    everything is read back together.
 
     Returns:
-        (ids [B, S] long, labels [B, S], weights [B, S] float, row lengths, `_llava_rows`'s tuple).
+        (ids [B, S] long, labels [B, S] next-token targets, weights [B, S] float, row lengths,
+        `_llava_rows`'s tuple).
     """
     from megatron_vlm_packing.packing.lengths import keep_mask_deferred, real_lengths
-    from megatron_vlm_packing.packing.rows import DeferredChecks, check_ids, input_ids_of, labels_and_weights
+    from megatron_vlm_packing.packing.rows import (
+        DeferredChecks, Rows, ValueInputs, checked_labels, checked_loss_values, input_ids_of, queue_value_checks,
+    )
 
     name, ids = input_ids_of(batch)
-    rows, width = ids.shape
+    shape = tuple(ids.shape)
     mask = batch.get("attention_mask")
-    keep, lengths, mask_bad = keep_mask_deferred(batch_size=rows, row_length=width, attention_mask=mask,
-                                                 seq_lens=batch.get("seq_lens"), device=ids.device)
+    deferred = keep_mask_deferred(batch_size=shape[0], row_length=shape[1], attention_mask=mask,
+                                  seq_lens=batch.get("seq_lens"), device=ids.device)
+    raw_labels, loss_values = checked_labels(batch, shape, label_style), checked_loss_values(batch, shape)
     checks = DeferredChecks()
-    if mask_bad is not None:  # raises the detailed mask error (holes, left padding, non-causal 4D)
-        checks.add(mask_bad, lambda: real_lengths(batch_size=rows, row_length=width, attention_mask=mask))
-    checks.add((keep & (ids < 0)).any(), lambda: check_ids(ids, keep, None, name))
-    labels, weights = labels_and_weights(batch, ids, keep, label_style, None, checks)
-    llava, tiles = _llava_row_values(batch, ids, keep, space)
-    read = checks.read(torch.cat([keep.sum(1).long() if lengths is None else llava.new_zeros(0), llava]))  # the sync
-    if lengths is None:
-        lengths, read = read[:rows], read[rows:]
-    return ids, labels, weights, list(lengths), _llava_rows(read, rows, tiles, _images(batch), ids.device)
+    if deferred.values is not None:  # the detailed mask error (holes, left padding, values, non-causal 4D)
+        lengths_entry = checks.add(deferred.values, deferred.fails,
+                                   lambda: real_lengths(batch_size=shape[0], row_length=shape[1], attention_mask=mask))
+    row_lengths = (lambda: deferred.values[0]) if deferred.values is not None else \
+        (lambda: torch.tensor(deferred.lengths, device=ids.device))
+    queue_value_checks(ValueInputs(ids, name, raw_labels, loss_values, lambda: deferred.keep, deferred.real_slots,
+                                   row_lengths), label_style, None, checks)
+    llava, tiles = _llava_row_values(batch, ids, deferred.keep, space)
+    llava_entry = checks.add(llava, lambda v: False, None)
+    host = checks.read()  # the one host sync
+    lengths = deferred.lengths if deferred.values is None else host[lengths_entry][:shape[0]]
+    rows = Rows(input_ids=ids, mask=deferred, lengths=list(lengths), raw_labels=raw_labels, label_style=label_style,
+                loss_values=loss_values, positions=None, vision=None, audio=None)
+    return ids, rows.labels, rows.loss_weights, rows.lengths, _llava_rows(host[llava_entry], shape[0], tiles,
+                                                                            _images(batch), ids.device)
 
 
 def pack_llava_batch(batch: dict, space: LlavaSpace, *, label_style: str = "megatron", pad_to: int | None = None,

@@ -7,16 +7,22 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_vlm_packing.packing.media import MediaTokens
 from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch
-from megatron_vlm_packing.packing.pack import pack_positions, pack_rows, segment_positions
+from megatron_vlm_packing.packing.pack import pack_next_token_labels, pack_positions, pack_rows, segment_positions
 from megatron_vlm_packing.packing.plan import PackIndices, PackMultiples, PackPlan, make_pack_plan, plan_indices
-from megatron_vlm_packing.packing.rows import IGNORE_INDEX, check_pad_token_id, read_rows, shift_labels_within_rows  # noqa: F401
+from megatron_vlm_packing.packing.rows import (  # noqa: F401
+    IGNORE_INDEX, Rows, check_pad_token_id, loss_weights_of, read_rows, shift_labels_within_rows,
+)
 
 # Kept for callers of the first `PackedBatch`: the one typed micro-batch now.
 PackedBatch = MicroBatch
+
+
+_HAS_PAD_BETWEEN_SEQS = "pad_between_seqs" in {f.name for f in dataclasses.fields(PackedSeqParams)}
 
 
 def make_packed_seq_params(plan: PackPlan, indices: PackIndices) -> PackedSeqParams:
@@ -34,9 +40,30 @@ def make_packed_seq_params(plan: PackPlan, indices: PackIndices) -> PackedSeqPar
         max_seqlen_q=plan.max_seqlen,
         max_seqlen_kv=plan.max_seqlen,
     )
-    if "pad_between_seqs" in {f.name for f in dataclasses.fields(PackedSeqParams)}:
+    if _HAS_PAD_BETWEEN_SEQS:
         kwargs["pad_between_seqs"] = plan.real_lengths != plan.physical_lengths
     return PackedSeqParams(**kwargs)
+
+
+def padding_mask_of(indices: PackIndices) -> torch.Tensor:
+    """[1, T] bool, True at pad slots (all False, in one op, when the plan has none)."""
+    if not indices.has_pad_slots:
+        return torch.zeros((1, indices.plan.total), dtype=torch.bool, device=indices.device)
+    return ~indices.is_real.unsqueeze(0)
+
+
+def pack_labels_and_weights(rows: Rows, indices: PackIndices) -> tuple[torch.Tensor, torch.Tensor]:
+    """[1, T] next-token labels and float loss weights, built over the packed tokens only.
+
+    Hugging Face labels shift inside each document (`pack_next_token_labels`); Megatron labels are
+    packed as they are. The same values as packing `rows.labels` / `rows.loss_weights`.
+    """
+    if rows.label_style == "hf":
+        labels = pack_next_token_labels(rows.raw_labels, indices, ignore_index=IGNORE_INDEX)
+    else:
+        labels = pack_rows(rows.raw_labels, indices, pad_value=IGNORE_INDEX)
+    values = None if rows.loss_values is None else pack_rows(rows.loss_values, indices)
+    return labels, loss_weights_of(labels, values)
 
 
 def pack_batch(
@@ -110,12 +137,13 @@ def pack_batch(
     plan = make_pack_plan(rows.lengths, row_capacity=row_length, multiples=multiples, pad_to=pad_to)
     indices = plan_indices(plan, rows.input_ids.device)
     positions = segment_positions(indices) if rows.positions is None else pack_positions(rows.positions, indices)
+    labels, loss_mask = pack_labels_and_weights(rows, indices)
     return MicroBatch(
         input_ids=pack_rows(rows.input_ids, indices, pad_value=pad_token_id),
-        labels=pack_rows(rows.labels, indices, pad_value=IGNORE_INDEX),
-        loss_mask=pack_rows(rows.loss_weights, indices),
+        labels=labels,
+        loss_mask=loss_mask,
         position_ids=positions,
-        padding_mask=~indices.is_real.unsqueeze(0),
+        padding_mask=padding_mask_of(indices),
         packed_seq_params=make_packed_seq_params(plan, indices),
         rope_cu_seqlens=indices.cu_seqlens,
         stats=BatchStats(real_tokens=plan.num_real_tokens, physical_tokens=plan.total,

@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
-from megatron_vlm_packing.packing.plan import PackIndices, PackMultiples
+from megatron_vlm_packing.packing.plan import PackIndices, PackMultiples, apply_once
 
 
 class LoaderMicroBatch(MicroBatch):
@@ -95,13 +95,7 @@ def map_tensors(micro_batch: MicroBatch, fn: Callable[[torch.Tensor], torch.Tens
     """A copy of `micro_batch` with `fn` applied to every tensor it holds, once per tensor object
     (the boundaries shared by `packed_seq_params`, `rope_cu_seqlens` and `indices` stay shared)."""
     memo: dict[int, torch.Tensor] = {}
-
-    def once(value):
-        if not isinstance(value, torch.Tensor):
-            return value
-        if id(value) not in memo:
-            memo[id(value)] = fn(value)
-        return memo[id(value)]
+    once = apply_once(fn, memo)
 
     def fields(obj):
         if obj is None:

@@ -8,6 +8,9 @@ Shape legend: B = rows, S = row length (padded).
 
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import torch
 
 
@@ -39,11 +42,6 @@ def lengths_from_keep_mask(keep: torch.Tensor, *, field: str = "attention_mask")
 
     One host sync.
     """
-    return _read_keep_mask(keep, field, None)[0]
-
-
-def _read_keep_mask(keep: torch.Tensor, field: str, flags: torch.Tensor | None) -> tuple[list[int], list]:
-    """(lengths, host values of `flags`): `flags` ([K] on the mask's device) ride the same host sync."""
     if keep.dim() != 2:
         raise ValueError(f"{field} must be [B, S], got shape {tuple(keep.shape)}")
     if keep.is_floating_point() or keep.is_complex():  # rare: 0.0/1.0 masks; 0.5 is not binary
@@ -56,10 +54,8 @@ def _read_keep_mask(keep: torch.Tensor, field: str, flags: torch.Tensor | None) 
     # Three reductions, no [B, S] temporaries: a row of 0/1 values with n ones is 1...1 0...0
     # exactly when n == S or its first 0 (argmin: the first minimum) is at position n.
     # The single host sync: lengths, first zeros and the value range come back together.
-    extra = [] if flags is None else [flags.to(device=values.device, dtype=torch.long)]
-    host = torch.cat([values.sum(dim=1), values.argmin(dim=1), low_high, *extra]).tolist()
+    host = torch.cat([values.sum(dim=1), values.argmin(dim=1), low_high]).tolist()
     batch, row_length = keep.shape
-    flag_values, host = host[len(host) - (0 if flags is None else flags.numel()):], host[:2 * batch + 2]
     row_lengths, first_zero = host[:batch], host[batch:2 * batch]
     bad_rows = [b for b in range(batch) if row_lengths[b] != row_length and first_zero[b] != row_lengths[b]]
     if host[-2] < 0 or host[-1] > 1:
@@ -71,7 +67,7 @@ def _read_keep_mask(keep: torch.Tensor, field: str, flags: torch.Tensor | None) 
             f"{field} rows must be right-padded and contiguous (1...1 0...0); {len(bad_rows)} "
             f"bad row(s) {bad_rows[:8]}; row {b}: {_describe_row((keep[b] != 0).cpu())}"
         )
-    return row_lengths, flag_values
+    return row_lengths
 
 
 def keep_mask_from_4d(mask: torch.Tensor) -> torch.Tensor:
@@ -133,6 +129,56 @@ def _seq_lens_list(seq_lens) -> list:
     return [int(n) for n in values]
 
 
+def any_true(flags: torch.Tensor) -> torch.Tensor:
+    """0-dim: 1 when any element of a bool tensor is True (a uint8 max, which CPUs vectorise; no host read)."""
+    if flags.numel() == 0:
+        return torch.zeros((), dtype=torch.uint8, device=flags.device)
+    return flags.view(torch.uint8).amax()
+
+
+class DeferredKeep:
+    """Real lengths of right-padded rows whose mask is checked and read later, with other values, in one sync.
+
+    Attributes:
+        lengths: B host ints when they were host data (`seq_lens`, full rows), else None.
+        values: device tensors to read when `lengths` is None, the [B] lengths first (see `fails`).
+        fails: host values -> True when the mask is invalid (`real_lengths` then raises the details).
+        keep: [B, S] bool, True at real tokens (exact once the mask has passed), built on first use:
+            the packed path needs none.
+    """
+
+    def __init__(self, lengths, values, fails, keep_fn, mask: torch.Tensor | None = None) -> None:
+        self.lengths, self.values, self.fails, self._keep_fn, self._mask = lengths, values, fails, keep_fn, mask
+
+    @functools.cached_property
+    def keep(self) -> torch.Tensor:
+        return self._keep_fn()
+
+    def real_slots(self) -> torch.Tensor:
+        """[B, S] 1 at real tokens, 0 at pad slots: a 2D integer or bool mask as given (no copy), else `keep`."""
+        return self._mask if self._mask is not None else self.keep
+
+
+def right_padded_reads(mask: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], Callable[[list], bool]]:
+    """3 x [B] device numbers of a [B, S] integer or bool mask (row sums, row minima, first minimum of
+    each row) and the host test that fails unless every row is 1...1 0...0. Two reductions, no
+    [B, S] temporaries.
+
+    Why it is exact: with row minimum m >= 0 and first minimum at z, the z values before z are >= 1.
+    If m == 0 the row sum n is >= z, with equality exactly when those are all 1 and all after are 0;
+    if m >= 1 every value is >= 1 and n == S exactly when all are 1.
+    """
+    values = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+    minima, first_minimum = values.min(dim=1)
+    batch, row_length = mask.shape
+
+    def fails(host: list) -> bool:
+        sums, mins, firsts = host[:batch], host[batch:2 * batch], host[2 * batch:]
+        return any(m < 0 or n != (firsts[b] if m == 0 else row_length) for b, (n, m) in enumerate(zip(sums, mins)))
+
+    return (values.sum(dim=1), minima, first_minimum), fails
+
+
 def keep_mask_deferred(
     *,
     batch_size: int,
@@ -140,32 +186,22 @@ def keep_mask_deferred(
     attention_mask: torch.Tensor | None = None,
     seq_lens=None,
     device=None,
-) -> tuple[torch.Tensor, list[int] | None, torch.Tensor | None]:
-    """The [B, S] keep-mask of the rows without reading anything back to the host.
+) -> DeferredKeep:
+    """The rows' real lengths and keep-mask without reading anything back to the host.
 
-    Returns:
-        (keep [B, S] bool, lengths as host ints when they were host data (seq_lens, full rows) else
-        None, bad: a 0-dim bool device tensor that is True when the mask is invalid, or None).
-        When `bad` reads True, `real_lengths` with the same arguments raises the detailed error.
-        Shape and `seq_lens` errors are raised at once (they need no device data).
+    Shape and `seq_lens` errors are raised at once (they need no device data); the mask's own
+    validity (0/1 values, right padding, a causal 4D mask) rides the caller's one host read, and
+    when it fails, `real_lengths` with the same arguments raises the detailed error.
     """
     if attention_mask is not None and seq_lens is not None:
         raise ValueError("give either attention_mask or seq_lens, not both")
-    arange = torch.arange(row_length, device=device)
     if attention_mask is None:
         lengths = real_lengths(batch_size=batch_size, row_length=row_length, seq_lens=seq_lens)
-        keep = arange[None] < torch.tensor(lengths, device=device)[:, None]
-        return keep, lengths, None
+        return DeferredKeep(lengths, None, None, lambda: keep_from_lengths(lengths, row_length, device))
     if attention_mask.dim() == 4:
         keep = keep_mask_from_4d(attention_mask)
-        size = attention_mask.shape[-1]
-        causal = torch.ones(size, size, dtype=torch.bool, device=attention_mask.device).tril()
-        not_causal = (keep[:, :, None] & keep[:, None, :] & (~attention_mask[:, 0] != causal)).any()
-        not_binary = torch.zeros((), dtype=torch.bool, device=keep.device)
     elif attention_mask.dim() == 2:
-        keep, not_causal = attention_mask, torch.zeros((), dtype=torch.bool, device=attention_mask.device)
-        not_binary = ((keep != 0) & (keep != 1)).any() if keep.dtype != torch.bool else not_causal
-        keep = keep != 0
+        keep = attention_mask
     else:
         raise ValueError(
             f"attention_mask must be [B, S] or [B, 1, S, S], got shape {tuple(attention_mask.shape)}"
@@ -174,9 +210,29 @@ def keep_mask_deferred(
         raise ValueError(
             f"attention_mask covers {tuple(keep.shape)} tokens but input_ids is {(batch_size, row_length)}"
         )
-    expected = arange.to(keep.device)[None] < keep.sum(dim=1, keepdim=True)
-    bad = (keep != expected).any() | not_binary | not_causal
-    return expected, None, bad
+    if attention_mask.dim() == 2 and not attention_mask.is_floating_point() and not attention_mask.is_complex():
+        values, fails = right_padded_reads(attention_mask)
+        if device is not None and attention_mask.device != torch.device(device):  # read with the ids' values
+            values = tuple(v.to(device) for v in values)
+        keep_fn = (lambda: attention_mask) if attention_mask.dtype == torch.bool else (lambda: attention_mask != 0)
+        return DeferredKeep(None, values, fails, keep_fn, mask=attention_mask)
+    # Rare forms, checked the longer way: a float 0/1 mask, a 4D mask (its diagonal; causal between real tokens).
+    if attention_mask.dim() == 4:
+        size = attention_mask.shape[-1]
+        causal = torch.ones(size, size, dtype=torch.bool, device=attention_mask.device).tril()
+        other = any_true(keep[:, :, None] & keep[:, None, :] & (~attention_mask[:, 0] != causal))
+    else:
+        other = any_true((attention_mask != 0) & (attention_mask != 1))
+        keep = attention_mask != 0
+    values, fails = right_padded_reads(keep)
+    if device is not None and keep.device != torch.device(device):
+        values, other = tuple(v.to(device) for v in values), other.to(device)
+    return DeferredKeep(None, values + (other,), lambda host: bool(host[-1]) or fails(host[:-1]), lambda: keep)
+
+
+def keep_from_lengths(lengths: list[int], row_length: int, device=None) -> torch.Tensor:
+    """[B, S] bool, True at the first lengths[b] slots of row b."""
+    return torch.arange(row_length, device=device)[None] < torch.tensor(lengths, device=device)[:, None]
 
 
 def real_lengths(
@@ -186,19 +242,6 @@ def real_lengths(
     attention_mask: torch.Tensor | None = None,
     seq_lens: torch.Tensor | list[int] | None = None,
 ) -> list[int]:
-    """Real length of every row (see `real_lengths_and_flags`, which this is without flags)."""
-    return real_lengths_and_flags(batch_size=batch_size, row_length=row_length, attention_mask=attention_mask,
-                                  seq_lens=seq_lens)[0]
-
-
-def real_lengths_and_flags(
-    *,
-    batch_size: int,
-    row_length: int,
-    attention_mask: torch.Tensor | None = None,
-    seq_lens: torch.Tensor | list[int] | None = None,
-    flags: torch.Tensor | None = None,
-) -> tuple[list[int], list]:
     """Real length of every row from exactly one source: `seq_lens`, a 2D or 4D mask, or neither.
 
     Args:
@@ -207,9 +250,7 @@ def real_lengths_and_flags(
         seq_lens: [B] ints, 0 <= len <= S.
 
     Returns:
-        (B Python ints, the host values of `flags`). With neither source every row is full length
-        (S). `flags` ([K] numbers on any device, e.g. value checks computed before the lengths are
-        known) are read back in the same host sync as a 2D mask's lengths.
+        B Python ints. With neither source every row is full length (S).
 
     Raises:
         ValueError: both sources given, a shape that disagrees with `input_ids`, lengths out of
@@ -227,9 +268,9 @@ def real_lengths_and_flags(
                 f"seq_lens must lie in [0, {row_length}] (the row length of input_ids); "
                 f"out of range (row, length): {out_of_range[:8]}"
             )
-        return [int(n) for n in lengths], _read_flags(flags)
+        return [int(n) for n in lengths]
     if attention_mask is None:
-        return [row_length] * batch_size, _read_flags(flags)
+        return [row_length] * batch_size
     if attention_mask.dim() == 4:
         keep = keep_mask_from_4d(attention_mask)
         check_4d_is_causal(attention_mask, keep)
@@ -244,8 +285,4 @@ def real_lengths_and_flags(
             f"attention_mask covers {tuple(keep.shape)} tokens but input_ids is "
             f"{(batch_size, row_length)}"
         )
-    return _read_keep_mask(keep, "attention_mask", flags)
-
-
-def _read_flags(flags: torch.Tensor | None) -> list:
-    return [] if flags is None else flags.tolist()
+    return lengths_from_keep_mask(keep)

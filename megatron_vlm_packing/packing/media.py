@@ -21,6 +21,7 @@ bins, L = frames.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -85,18 +86,19 @@ class MediaTokens:
         return cls(**values, require_counts=bool(require_counts))
 
 
-def _long_grid(batch: dict, name: str) -> torch.Tensor | None:
-    grid = batch.get(name)
+def _grid_rows(batch: dict, name: str, host: "MediaHost") -> tuple[torch.Tensor | None, list[list[int]]]:
+    """(the [N, 3] grid or None, its rows as host ints read in the one sync); entries must be >= 1."""
+    from megatron_vlm_packing.rope.index import check_grid_shape  # the one type/shape check of a grid
+
+    grid = check_grid_shape(batch.get(name), name)
     if grid is None:
-        return None
-    if not isinstance(grid, torch.Tensor):
-        raise ValueError(f"{name} must be a [N, 3] integer tensor, got {type(grid).__name__}")
-    if grid.dim() != 2 or grid.shape[1] != 3 or grid.is_floating_point() or grid.dtype == torch.bool:
-        raise ValueError(f"{name} must be a [N, 3] integer tensor, got shape {tuple(grid.shape)} {grid.dtype}")
-    if grid.numel() and bool((grid < 1).any()):
-        bad = int(torch.nonzero((grid < 1).any(dim=1))[0])
-        raise ValueError(f"{name} row {bad} is {grid[bad].tolist()}: every grid entry must be >= 1")
-    return grid
+        return None, []
+    flat = host.values.get(name, [])
+    rows = [flat[i:i + 3] for i in range(0, len(flat), 3)]
+    bad = next((i for i, row in enumerate(rows) if min(row) < 1), None)
+    if bad is not None:
+        raise ValueError(f"{name} row {bad} is {rows[bad]}: every grid entry must be >= 1")
+    return grid, rows
 
 
 def _tensor(batch: dict, name: str, dims: tuple[int, ...], what: str) -> torch.Tensor | None:
@@ -109,9 +111,8 @@ def _tensor(batch: dict, name: str, dims: tuple[int, ...], what: str) -> torch.T
     return value
 
 
-def grid_tokens(grid: torch.Tensor, merge: int, name: str) -> list[int]:
-    """Placeholder tokens of every grid row: t * h * w / merge**2 (h and w must divide by merge)."""
-    rows = grid.tolist()
+def grid_tokens(rows: list[list[int]], merge: int, name: str) -> list[int]:
+    """Placeholder tokens of every grid row (host ints): t * h * w / merge**2 (h and w must divide by merge)."""
     for i, (t, h, w) in enumerate(rows):
         if h % merge or w % merge:
             raise ValueError(f"{name} row {i} is {[t, h, w]}: h and w must be multiples of spatial_merge_size={merge}")
@@ -155,9 +156,56 @@ def items_per_row(row_tokens: list[int] | None, item_tokens: list[int], *, kind:
     return tuple(counts)
 
 
-def _row_counts(input_ids: torch.Tensor, keep: torch.Tensor, token_id: int | None, kind: str,
-                field: str, require: bool) -> list[int] | None:
-    """Placeholder tokens per row; None only when the id is not known and counts are not required.
+@dataclass(frozen=True)
+class MediaHost:
+    """The media values read back in the rows' one host sync (`queue_media_reads`), by name: per-row
+    placeholder counts ("image", "video", "audio"), grid entries (flattened), seconds per grid,
+    and "audio_frames" (clip frame counts, minima and first minima of the feature mask)."""
+
+    values: dict
+
+
+_PLACEHOLDERS = (("image", "pixel_values", "image_token_id"), ("video", "pixel_values_videos", "video_token_id"),
+                 ("audio", "input_features", "audio_token_id"))
+
+
+def queue_media_reads(batch: dict, input_ids: torch.Tensor, keep, tokens: MediaTokens, checks) -> dict:
+    """Queue on `checks` (a `rows.DeferredChecks`) the device values the media need, so that they ride
+    the rows' one host read: placeholder tokens per row of each kind present whose id is known
+    (`keep()`: the [B, S] keep-mask), grid entries, seconds per grid, and the audio frame lengths
+    (feature mask checked right-padded; its detailed error raised when not). Returns name -> entry.
+    """
+    from megatron_vlm_packing.packing.lengths import lengths_from_keep_mask, right_padded_reads
+
+    entries = {}
+    for kind, key, id_name in _PLACEHOLDERS:
+        items, token_id = batch.get(key), getattr(tokens, id_name)
+        if isinstance(items, torch.Tensor) and items.dim() and items.shape[0] and token_id is not None:
+            entries[kind] = checks.add(((input_ids == token_id) & keep()).sum(dim=1), _never, None)
+    for name in ("image_grid_thw", "video_grid_thw"):
+        grid = batch.get(name)
+        if isinstance(grid, torch.Tensor) and grid.dim() == 2 and grid.numel() and not grid.is_floating_point():
+            entries[name] = checks.add(grid.to(input_ids.device, torch.long).reshape(-1), _never, None)
+    seconds = batch.get("second_per_grid_ts")
+    if isinstance(seconds, torch.Tensor) and seconds.numel() and not seconds.is_complex():
+        entries["second_per_grid_ts"] = checks.add(seconds.to(input_ids.device, torch.float64).reshape(-1), _never,
+                                                   None)
+    mask = batch.get("feature_attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.numel() and not mask.is_floating_point() \
+            and not mask.is_complex():
+        values, fails = right_padded_reads(mask.to(input_ids.device))
+        entries["audio_frames"] = checks.add(
+            values, fails, lambda: lengths_from_keep_mask(mask, field="feature_attention_mask"))
+    return entries
+
+
+def _never(values: list) -> bool:
+    return False
+
+
+def _row_counts(host: MediaHost, token_id: int | None, kind: str, field: str, require: bool) -> list[int] | None:
+    """Placeholder tokens per row (read in the one sync); None only when the id is not known and
+    counts are not required.
 
     Raises:
         ValueError: media present, no placeholder id known and `require` (the default).
@@ -168,22 +216,22 @@ def _row_counts(input_ids: torch.Tensor, keep: torch.Tensor, token_id: int | Non
                              f"sample: pass {kind}_token_id= (or mrope=MRopeConfig(...)), or "
                              f"require_media_counts=False when a model adapter checks the media itself")
         return None
-    return ((input_ids == token_id) & keep).sum(dim=1).tolist()
+    return host.values[kind]
 
 
-def vision_inputs(batch: dict, input_ids: torch.Tensor, keep: torch.Tensor, tokens: MediaTokens, *,
+def vision_inputs(batch: dict, host: MediaHost, tokens: MediaTokens, *,
                   grids_for_rope: bool = False) -> VisionInputs | None:
     """The batch's images and videos with per-row counts; None when it has neither.
 
     Args:
-        batch: the collated batch. input_ids: [B, S]; keep: [B, S] bool, True at real tokens.
+        batch: the collated batch. host: its media values, read with the rows (`queue_media_reads`).
         grids_for_rope: an mRoPE index reads the grids (`mrope=`): grids without pixels are then
             position inputs only (a text model with mRoPE), checked block by block by the index.
     """
     pixels = _tensor(batch, "pixel_values", (2, 4), "[P, C] patches or [I, C, H, W] images")
-    image_grid = _long_grid(batch, "image_grid_thw")
+    image_grid, image_rows = _grid_rows(batch, "image_grid_thw", host)
     videos = _tensor(batch, "pixel_values_videos", (2,), "[Pv, C] patches")
-    video_grid = _long_grid(batch, "video_grid_thw")
+    video_grid, video_rows = _grid_rows(batch, "video_grid_thw", host)
     seconds = _tensor(batch, "second_per_grid_ts", (1,), "a [V] float tensor")
     if pixels is None and image_grid is not None and image_grid.shape[0] and not grids_for_rope:
         raise ValueError(f"image_grid_thw has {image_grid.shape[0]} rows but the batch has no pixel_values "
@@ -201,16 +249,16 @@ def vision_inputs(batch: dict, input_ids: torch.Tensor, keep: torch.Tensor, toke
         return None
     images_per_row = videos_per_row = None
     if pixels is not None:
-        images_per_row = _image_counts(pixels, image_grid, input_ids, keep, tokens)
+        images_per_row = _image_counts(pixels, image_grid, image_rows, host, tokens)
     if videos is not None:
-        videos_per_row = _video_counts(videos, video_grid, seconds, input_ids, keep, tokens)
+        videos_per_row = _video_counts(videos, video_grid, video_rows, seconds, host, tokens)
     return VisionInputs(pixel_values=pixels, image_grid_thw=image_grid, images_per_sample=images_per_row,
                         pixel_values_videos=videos, video_grid_thw=video_grid if videos is not None else None,
                         second_per_grid_ts=seconds, videos_per_sample=videos_per_row)
 
 
-def _image_counts(pixels, grid, input_ids, keep, tokens: MediaTokens) -> tuple[int, ...]:
-    rows = _row_counts(input_ids, keep, tokens.image_token_id, "image", "pixel_values", tokens.require_counts)
+def _image_counts(pixels, grid, grid_rows, host: MediaHost, tokens: MediaTokens) -> tuple[int, ...]:
+    rows = _row_counts(host, tokens.image_token_id, "image", "pixel_values", tokens.require_counts)
     if pixels.dim() == 4:
         if grid is not None:
             raise ValueError(f"pixel_values is [I, C, H, W] = {tuple(pixels.shape)} (whole images) but "
@@ -219,31 +267,32 @@ def _image_counts(pixels, grid, input_ids, keep, tokens: MediaTokens) -> tuple[i
     if grid is None:
         raise ValueError(f"pixel_values is [P, C] = {tuple(pixels.shape)} patches but the batch has no "
                          f"image_grid_thw to say which patches form which image")
-    patches = int(grid.prod(dim=1).sum())
+    patches = sum(t * h * w for t, h, w in grid_rows)
     if patches != pixels.shape[0]:
         raise ValueError(f"image_grid_thw covers {patches} patches but pixel_values has {pixels.shape[0]}")
-    return items_per_row(rows, grid_tokens(grid, tokens.spatial_merge_size, "image_grid_thw"),
+    return items_per_row(rows, grid_tokens(grid_rows, tokens.spatial_merge_size, "image_grid_thw"),
                          kind="image", field="image_grid_thw")
 
 
-def _video_counts(videos, grid, seconds, input_ids, keep, tokens: MediaTokens) -> tuple[int, ...]:
-    rows = _row_counts(input_ids, keep, tokens.video_token_id, "video", "pixel_values_videos", tokens.require_counts)
+def _video_counts(videos, grid, grid_rows, seconds, host: MediaHost, tokens: MediaTokens) -> tuple[int, ...]:
+    rows = _row_counts(host, tokens.video_token_id, "video", "pixel_values_videos", tokens.require_counts)
     if grid is None:
         raise ValueError(f"pixel_values_videos is {tuple(videos.shape)} patches but the batch has no video_grid_thw")
-    patches = int(grid.prod(dim=1).sum())
+    patches = sum(t * h * w for t, h, w in grid_rows)
     if patches != videos.shape[0]:
         raise ValueError(f"video_grid_thw covers {patches} patches but pixel_values_videos has {videos.shape[0]}")
     if seconds is not None:
         if seconds.numel() != grid.shape[0]:
             raise ValueError(f"second_per_grid_ts has {seconds.numel()} entries but video_grid_thw has "
                              f"{grid.shape[0]} videos")
-        if not bool(torch.isfinite(seconds.float()).all()) or bool((seconds < 0).any()):
-            raise ValueError(f"second_per_grid_ts must be finite and >= 0, got {seconds.tolist()}")
-    return items_per_row(rows, grid_tokens(grid, tokens.spatial_merge_size, "video_grid_thw"),
+        values = host.values.get("second_per_grid_ts", [])
+        if not all(math.isfinite(x) and x >= 0 for x in values):
+            raise ValueError(f"second_per_grid_ts must be finite and >= 0, got {values}")
+    return items_per_row(rows, grid_tokens(grid_rows, tokens.spatial_merge_size, "video_grid_thw"),
                          kind="video", field="video_grid_thw")
 
 
-def audio_inputs(batch: dict, input_ids: torch.Tensor, keep: torch.Tensor, tokens: MediaTokens) -> AudioInputs | None:
+def audio_inputs(batch: dict, host: MediaHost, tokens: MediaTokens) -> AudioInputs | None:
     """The batch's audio clips with real frame counts and per-row counts; None without audio."""
     features = _tensor(batch, "input_features", (3,), "[A, F, L] mel features")
     mask = _tensor(batch, "feature_attention_mask", (2,), "an [A, L] 0/1 mask")
@@ -260,11 +309,12 @@ def audio_inputs(batch: dict, input_ids: torch.Tensor, keep: torch.Tensor, token
     from megatron_vlm_packing.packing.lengths import lengths_from_keep_mask
     from megatron_vlm_packing.rope.omni import audio_output_length
 
-    frames = lengths_from_keep_mask(mask, field="feature_attention_mask")
+    read = host.values.get("audio_frames")  # None for a float mask: read on its own (rare)
+    frames = read[:mask.shape[0]] if read is not None else lengths_from_keep_mask(mask, field="feature_attention_mask")
     if min(frames) < 1:
         raise ValueError(f"feature_attention_mask gives clip {frames.index(min(frames))} no real frames")
-    clip_tokens = audio_output_length(torch.tensor(frames), tokens.audio_n_window).tolist()
-    rows = _row_counts(input_ids, keep, tokens.audio_token_id, "audio", "input_features", tokens.require_counts)
+    clip_tokens = [audio_output_length(n, tokens.audio_n_window) for n in frames]  # host ints
+    rows = _row_counts(host, tokens.audio_token_id, "audio", "input_features", tokens.require_counts)
     per_row = items_per_row(rows, clip_tokens, kind="audio", field="feature_attention_mask")
     return AudioInputs(input_features=features, feature_attention_mask=mask, audio_lengths=tuple(frames),
                        audios_per_sample=per_row)

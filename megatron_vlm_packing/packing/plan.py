@@ -255,8 +255,12 @@ class PackIndices:
             cu_real.append(cu_real[-1] + real)
             cu_phys.append(cu_phys[-1] + phys)
         self.cu_real_host, self.cu_padded_host = tuple(cu_real), tuple(cu_phys)
-        both = _to_device(torch.tensor([cu_real, cu_phys], dtype=torch.int32), device)  # one small copy
-        self.cu_seqlens, self.cu_seqlens_padded = both[0], both[1]
+        if device.type == "cpu":  # two small tensors, no indexing
+            self.cu_seqlens = torch.tensor(cu_real, dtype=torch.int32)
+            self.cu_seqlens_padded = torch.tensor(cu_phys, dtype=torch.int32)
+        else:
+            both = _to_device(torch.tensor([cu_real, cu_phys], dtype=torch.int32), device)  # one small copy
+            self.cu_seqlens, self.cu_seqlens_padded = both[0], both[1]
 
     def cp_index(self, cp_size: int, cp_rank: int) -> torch.Tensor:
         """[T/cp] long: the slots CP rank `cp_rank` keeps (`parallel.cp.cp_partition_index`), built
@@ -277,15 +281,7 @@ class PackIndices:
         `memo` (id -> result) keeps tensors shared with other holders (a micro-batch's
         `packed_seq_params` holds the same boundaries) shared in the copy.
         """
-        memo = {} if memo is None else memo
-
-        def once(value):
-            if not isinstance(value, torch.Tensor):
-                return value
-            if id(value) not in memo:
-                memo[id(value)] = fn(value)
-            return memo[id(value)]
-
+        once = apply_once(fn, memo)
         copy = object.__new__(PackIndices)
         for name, value in self.__dict__.items():
             copy.__dict__[name] = {k: once(v) for k, v in value.items()} if name == "_cp_indices" else once(value)
@@ -340,6 +336,21 @@ class PackIndices:
         values = _to_device(torch.tensor(list(per_document), dtype=torch.long), self.device)
         lengths = _to_device(torch.tensor(self.plan.physical_lengths, dtype=torch.long), self.device)
         return torch.repeat_interleave(values, lengths, output_size=self.plan.total)
+
+
+def apply_once(fn, memo: dict | None = None):
+    """value -> `fn(value)` for a tensor, computed once per tensor object (`memo`: id -> result, shared
+    by callers that must keep shared tensors shared); anything else is returned as it is."""
+    memo = {} if memo is None else memo
+
+    def once(value):
+        if not isinstance(value, torch.Tensor):
+            return value
+        if id(value) not in memo:
+            memo[id(value)] = fn(value)
+        return memo[id(value)]
+
+    return once
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -11,14 +11,17 @@ Shape legend: B = rows, S = row length.
 from __future__ import annotations
 
 import inspect
+import struct
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 import torch
 
 from megatron_vlm_packing.packing.documents import DOCUMENT_KEY, split_documents
-from megatron_vlm_packing.packing.lengths import keep_mask_deferred, real_lengths
-from megatron_vlm_packing.packing.media import AUDIO_KEYS, VISION_KEYS, MediaTokens, audio_inputs, vision_inputs
+from megatron_vlm_packing.packing.lengths import DeferredKeep, any_true, keep_mask_deferred, real_lengths
+from megatron_vlm_packing.packing.media import (
+    AUDIO_KEYS, VISION_KEYS, MediaHost, MediaTokens, audio_inputs, queue_media_reads, vision_inputs,
+)
 from megatron_vlm_packing.packing.micro_batch import AudioInputs, VisionInputs
 
 IGNORE_INDEX = -100
@@ -35,29 +38,61 @@ class Rows:
 
     Attributes:
         input_ids: [B, S] long.
-        keep: [B, S] bool, True at real tokens.
+        mask: the checked mask; `keep` ([B, S] bool, True at real tokens) is built from it on first use.
         lengths: B real lengths (host ints).
-        labels: [B, S] long next-token targets (HF labels already shifted inside each row), -100
-            where there is none (pads included).
-        loss_weights: [B, S] float, the loss weight of each target (0 where there is none).
+        raw_labels: [B, S] long labels as given (checked on real tokens; "hf": unshifted).
+        label_style: "megatron" (raw_labels are next-token targets) or "hf".
+        loss_values: [B, S] per-token loss weights as given (checked finite and >= 0 on real
+            tokens), or None (weight 1 on every target).
         positions: [3, B, S] mRoPE positions of each row alone, or None (1D, restarting per document).
         vision, audio: typed media inputs with per-row counts, or None.
         extras: declared per-token tensors, [B, S, ...].
         row_tokens: slots of the collated rows (B*S of the batch as given).
         document_rows: with `document_lengths`, the source row of each row here (one per document).
+
+    `labels` and `loss_weights` build the [B, S] targets and weights of the rows (`pad_batch`);
+    `pack_batch` builds them over the packed tokens only (`pack.pack_labels_and_weights`).
     """
 
     input_ids: torch.Tensor
-    keep: torch.Tensor
+    mask: DeferredKeep
     lengths: list[int]
-    labels: torch.Tensor
-    loss_weights: torch.Tensor
+    raw_labels: torch.Tensor
+    label_style: str
+    loss_values: torch.Tensor | None
     positions: torch.Tensor | None
     vision: VisionInputs | None
     audio: AudioInputs | None
     extras: Mapping[str, torch.Tensor] = field(default_factory=dict)
     row_tokens: int = 0
     document_rows: list[int] | None = None
+
+    @property
+    def keep(self) -> torch.Tensor:
+        return self.mask.keep
+
+    @property
+    def labels(self) -> torch.Tensor:
+        """[B, S] long next-token targets (HF labels shifted inside each row), -100 where there is none."""
+        if self.label_style == "hf":
+            return shift_labels_within_rows(self.raw_labels, self.keep)
+        return torch.where(self.keep, self.raw_labels, IGNORE_INDEX)
+
+    @property
+    def loss_weights(self) -> torch.Tensor:
+        """[B, S] float loss weight of each target (0 where there is none)."""
+        return loss_weights_of(self.labels, self.loss_values)
+
+
+def loss_weights_of(labels: torch.Tensor, loss_values: torch.Tensor | None) -> torch.Tensor:
+    """Float weight of each target: 1 (or its `loss_mask` value) where a label is set, else 0. Any shape.
+
+    (value * True / value * False computes value * 1.0 / value * 0.0 in float32: the same bits as
+    multiplying by the float target mask, one op fewer.)"""
+    is_target = labels != IGNORE_INDEX
+    if loss_values is None:
+        return is_target.float()
+    return (loss_values if loss_values.dtype == torch.float32 else loss_values.float()).mul(is_target)
 
 
 def check_keys(batch, *, extra_keys, mrope) -> None:
@@ -94,7 +129,7 @@ def input_ids_of(batch: Mapping) -> tuple[str, torch.Tensor]:
         raise ValueError(f"{keys[0]} must hold integer token ids, got dtype {ids.dtype}")
     if ids.shape[0] == 0 or ids.shape[1] == 0:
         raise ValueError(f"{keys[0]} is empty: shape {tuple(ids.shape)}")
-    return keys[0], ids.long()
+    return keys[0], ids if ids.dtype == torch.int64 else ids.long()
 
 
 def row_tensor(batch: Mapping, name: str, shape: tuple[int, int]) -> torch.Tensor | None:
@@ -162,14 +197,8 @@ def check_loss_weights(values: torch.Tensor, keep: torch.Tensor) -> None:
                          f"and >= 0")
 
 
-def labels_and_weights(batch: Mapping, input_ids: torch.Tensor, keep: torch.Tensor, label_style: str,
-                       vocab_size: int | None, checks: "DeferredChecks") -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, S] next-token labels and float loss weights (a float `loss_mask` keeps its values).
-
-    Value checks (label range, HF labels given as Megatron labels, loss weights) are queued on
-    `checks`: computed on the device, read back with the lengths in one host sync.
-    """
-    shape = tuple(keep.shape)
+def checked_labels(batch: Mapping, shape: tuple[int, int], label_style: str) -> torch.Tensor:
+    """[B, S] long labels as given (Megatron next-token targets or HF unshifted labels), type-checked."""
     labels = row_tensor(batch, "labels", shape)
     if labels is None:
         raise ValueError("the batch has no 'labels': pack_batch/pad_batch build training micro-batches")
@@ -177,57 +206,151 @@ def labels_and_weights(batch: Mapping, input_ids: torch.Tensor, keep: torch.Tens
         raise ValueError(f"labels must hold integer token ids (-100 = ignore), got dtype {labels.dtype}")
     if label_style not in ("hf", "megatron"):
         raise ValueError(f"label_style must be 'megatron' or 'hf', got {label_style!r}")
-    raw = labels.long()
-    out_of_range = (raw != IGNORE_INDEX) & (raw < 0)
-    if vocab_size is not None:
-        out_of_range = out_of_range | (raw >= vocab_size)
-    checks.add((keep & out_of_range).any(), lambda: check_label_values(raw, keep, vocab_size))
-    if label_style == "hf":
-        labels = shift_labels_within_rows(raw, keep)
-    else:
-        labels = torch.where(keep, raw, IGNORE_INDEX)
-        target = keep & (labels != IGNORE_INDEX)
-        copies = (target.sum() >= 2) & ((labels == input_ids) | ~target).all()
-        checks.add(copies, lambda: refuse_hf_labels_as_megatron(labels, input_ids, keep))
-    weights = (labels != IGNORE_INDEX).float()
+    return labels if labels.dtype == torch.int64 else labels.long()
+
+
+def checked_loss_values(batch: Mapping, shape: tuple[int, int]) -> torch.Tensor | None:
     loss_mask = row_tensor(batch, "loss_mask", shape)
-    if loss_mask is not None:
-        if loss_mask.is_complex():
-            raise ValueError(f"loss_mask must be real weights, got dtype {loss_mask.dtype}")
-        values = loss_mask.float()
-        checks.add((keep & ~(torch.isfinite(values) & (values >= 0))).any(), lambda: check_loss_weights(values, keep))
-        weights = weights * values
-    return labels, weights
+    if loss_mask is not None and loss_mask.is_complex():
+        raise ValueError(f"loss_mask must be real weights, got dtype {loss_mask.dtype}")
+    return loss_mask
+
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+# Tokens at the end of each row where a real target that differs from its token is looked for.
+COPY_WINDOW = 64
+# Up to this many [B, S] slots the copy check compares every real target (fewer ops than the window).
+EXACT_COPY_CHECK_SLOTS = 1 << 14
+
+
+def real_target_differs(raw_labels: torch.Tensor, input_ids: torch.Tensor, row_lengths: torch.Tensor) -> torch.Tensor:
+    """0-dim uint8: 1 when one of the last `COPY_WINDOW` real tokens of some row has a label that is
+    neither -100 nor its own token (so the labels are not Hugging Face labels given as Megatron ones).
+
+    Args:
+        raw_labels, input_ids: [B, S] long. row_lengths: [B] real lengths on the device (not yet
+            checked: out-of-range values are clamped; the mask check raises before this is used).
+    """
+    window = min(COPY_WINDOW, raw_labels.shape[1])
+    slots = row_lengths[:, None] - torch.arange(1, window + 1, device=raw_labels.device)  # [B, W], last first
+    real = slots >= 0
+    slots = slots.clamp(0, raw_labels.shape[1] - 1)
+    labels, tokens = raw_labels.gather(1, slots), input_ids.gather(1, slots)
+    return any_true((labels != tokens) & (labels != IGNORE_INDEX) & real)
+
+
+@dataclass(frozen=True)
+class ValueInputs:
+    """What the value checks read. input_ids, raw_labels: [B, S] long; loss_values: [B, S] or None.
+    keep(): [B, S] bool keep-mask; real_slots(): [B, S] 1 at real tokens, 0 elsewhere (the 0/1 mask
+    as given, or keep()); row_lengths(): [B] real lengths on the device. Each built on call only."""
+
+    input_ids: torch.Tensor
+    name: str
+    raw_labels: torch.Tensor
+    loss_values: torch.Tensor | None
+    keep: Callable[[], torch.Tensor]
+    real_slots: Callable[[], torch.Tensor]
+    row_lengths: Callable[[], torch.Tensor]
+
+
+def queue_value_checks(inputs: ValueInputs, label_style: str, vocab_size: int | None, checks: "DeferredChecks") -> None:
+    """Queue the value checks of ids, labels and loss weights on `checks` (read with the lengths).
+
+    Screens: one pass over [B, S] or less each, looking at every slot, pads included, so that the
+    packed path needs no keep-mask. A pad slot rarely holds a bad value; when one trips a screen,
+    the exact check over the real tokens runs on the host and raises for a bad real token, else
+    returns (only pad slots tripped it: extra host reads, never a wrong answer).
+    - ids: the lowest and highest id.
+    - labels: any label below 0 other than -100; with `vocab_size`, the highest label.
+    - Megatron labels equal to input_ids: no real target other than its own token among all real
+      tokens (up to `EXACT_COPY_CHECK_SLOTS` slots) or among the last `COPY_WINDOW` of each row
+      (then the exact check counts every real target: it raises for two or more, all copies).
+    - loss weights: the lowest and highest value (finite and >= 0, and finite as float32).
+    """
+    ids, labels, keep = inputs.input_ids, inputs.raw_labels, inputs.keep
+    checks.add(tuple(ids.aminmax()), lambda v: v[0] < 0 or (vocab_size is not None and v[1] >= vocab_size),
+               lambda: check_ids(ids, keep(), vocab_size, inputs.name), screen=True)
+    label_check = lambda: check_label_values(labels, keep(), vocab_size)  # noqa: E731
+    ignored = labels == IGNORE_INDEX
+    checks.add(any_true((labels < 0) ^ ignored).long(), lambda v: v[0] != 0, label_check, screen=True)
+    if vocab_size is not None:
+        checks.add(labels.amax(), lambda v: v[0] >= vocab_size, label_check, screen=True)
+    if label_style == "megatron":
+        checks.add(_real_target_differs(inputs, ignored), lambda v: v[0] == 0,
+                   lambda: refuse_hf_labels_as_megatron(labels, ids, keep()), screen=True)
+    values = inputs.loss_values
+    if values is not None and values.dtype != torch.bool:
+        bits = torch.stack(values.aminmax()).double().view(torch.int64)  # read as int64 bits: one dtype to read
+        checks.add(bits, lambda v: not _weights_in_range(v), lambda: check_loss_weights(values.float(), keep()),
+                   screen=True)
+
+
+def _weights_in_range(bits: list[int]) -> bool:
+    """Lowest and highest loss weight (float64 bits) are >= 0 and finite as float32 (NaN is not)."""
+    low, high = struct.unpack("<2d", struct.pack("<2q", *bits))
+    return low >= 0 and high <= _FLOAT32_MAX
+
+
+def _real_target_differs(inputs: ValueInputs, ignored: torch.Tensor) -> torch.Tensor:
+    """0-dim long, 1 when a real target differs from its own token (every one up to
+    `EXACT_COPY_CHECK_SLOTS` slots, else the last `COPY_WINDOW` of each row)."""
+    labels, ids = inputs.raw_labels, inputs.input_ids
+    if labels.numel() > EXACT_COPY_CHECK_SLOTS:
+        return real_target_differs(labels, ids, inputs.row_lengths()).long()
+    differs = (((labels != ids) > ignored) & inputs.real_slots()).amax()  # & with a 0/1 mask stays 0/1
+    return differs if differs.dtype == torch.int64 else differs.long()
 
 
 class DeferredChecks:
-    """Validity flags computed on the device and read back in one host sync (with the lengths).
+    """Numbers computed on the device and read back in one host sync (with the lengths).
 
-    Each flag comes with a function that, when the flag reads True, recomputes the details on the
-    host and raises the ValueError naming the field and numbers. The clean path costs one sync.
+    Each entry holds device values, a host test of them, and a function that recomputes the
+    details and raises the ValueError naming the field and numbers. An exact check's function must
+    raise when its test fails; a screen's (a coarse test that pad slots may trip) raises only for a
+    bad real token and otherwise returns. The clean path costs one sync.
     """
 
     def __init__(self) -> None:
-        self.flags: list[torch.Tensor] = []
-        self.raisers: list = []
+        self.entries: list[tuple[tuple[torch.Tensor, ...], Callable, Callable | None, bool]] = []
 
-    def add(self, flag: torch.Tensor, raiser) -> None:
-        self.flags.append(flag.reshape(1).long())
-        self.raisers.append(raiser)
+    def add(self, values, fails: Callable[[list], bool], raiser: Callable | None, *, screen: bool = False) -> int:
+        """Queue `values`: a 1-D tensor, a 0-dim one, or a tuple of 0-dim ones (e.g. `aminmax()`'s);
+        `fails(their host values as a flat list)`. Returns the entry's index for `read()`'s result."""
+        parts = values if isinstance(values, tuple) else (values,)
+        parts = tuple(p.double() if p.is_floating_point() else p for p in parts)  # floats read as float64
+        self.entries.append((parts, fails, raiser, screen))
+        return len(self.entries) - 1
 
-    def read(self, lengths: torch.Tensor | None) -> list[int] | None:
-        """Raise the first failed check's error; return `lengths` ([B] device ints) as host ints."""
-        parts = ([lengths.long()] if lengths is not None else []) + self.flags
-        if not parts:
-            return None
-        device = parts[0].device
-        values = torch.cat([p.to(device) for p in parts]).tolist()  # the one host sync
-        count = 0 if lengths is None else lengths.numel()
-        for bad, raiser in zip(values[count:], self.raisers):
-            if bad:
+    def read(self) -> list[list]:
+        """The one host sync: every entry's values as host numbers (ints stay ints), after raising
+        the first failed check's error. 1-D values go in one `cat`, 0-dim ones in one `stack`
+        (all on the first entry's device: callers queue values there)."""
+        if not self.entries:
+            return []
+        vectors = [p for parts, *_ in self.entries for p in parts if p.dim()]
+        scalars = [p for parts, *_ in self.entries for p in parts if not p.dim()]
+        flat = torch.cat(vectors + [torch.stack(scalars)] if scalars else vectors).tolist()  # the one host sync
+        floats = any(p.is_floating_point() for p in vectors + scalars)
+        host, vector_at, scalar_at = [], 0, len(flat) - len(scalars)
+        for parts, *_ in self.entries:
+            chunk = []
+            for p in parts:
+                if p.dim():
+                    size = p.shape[0]
+                    chunk += flat[vector_at:vector_at + size]
+                    vector_at += size
+                else:
+                    chunk.append(flat[scalar_at])
+                    scalar_at += 1
+            integer = floats and not any(p.is_floating_point() for p in parts)
+            host.append([int(x) for x in chunk] if integer else chunk)
+        for chunk, (_, fails, raiser, screen) in zip(host, self.entries):
+            if raiser is not None and fails(chunk):
                 raiser()
-                raise AssertionError("a failed check did not raise its ValueError")  # a bug here, not in the input
-        return values[:count] if lengths is not None else None
+                if not screen:
+                    raise AssertionError("a failed check did not raise its ValueError")  # a bug here, not in the input
+        return host
 
 
 def refuse_unread_rope_inputs(batch: Mapping, accepted: set, audio, *, name: str) -> None:
@@ -322,7 +445,7 @@ def check_1d_positions(given: torch.Tensor, keep: torch.Tensor) -> None:
                          f"are computed from the real lengths (restarting per document)")
 
 
-def queue_position_checks(batch: Mapping, keep: torch.Tensor, mrope, checks: DeferredChecks) -> None:
+def queue_position_checks(batch: Mapping, keep: Callable[[], torch.Tensor], mrope, checks: DeferredChecks) -> None:
     """Refuse [3, B, S] positions beside mrope= now; queue the check of [B, S] positions."""
     given = batch.get("position_ids")
     if given is None:
@@ -330,17 +453,18 @@ def queue_position_checks(batch: Mapping, keep: torch.Tensor, mrope, checks: Def
     if mrope is not None and given.dim() == 3:
         raise ValueError("the batch has [3, B, S] position_ids and mrope= was given: pass one of them")
     if given.dim() == 2:
-        expected = torch.arange(keep.shape[1], device=keep.device).expand_as(keep)
-        checks.add((keep & (given != expected)).any(), lambda: check_1d_positions(given, keep))
+        real = keep()
+        expected = torch.arange(real.shape[1], device=real.device).expand_as(real)
+        checks.add(any_true(real & (given != expected)), lambda v: v[0] != 0, lambda: check_1d_positions(given, real))
 
 
-def batch_positions(batch: Mapping, input_ids: torch.Tensor, keep: torch.Tensor, mrope, audio) -> torch.Tensor | None:
+def batch_positions(batch: Mapping, input_ids: torch.Tensor, mask: DeferredKeep, mrope, audio) -> torch.Tensor | None:
     """[3, B, S] mRoPE positions (computed, or given in the batch), or None for 1D positions.
 
     Run after `queue_position_checks` and the checks' read."""
     given = batch.get("position_ids")
     if mrope is not None:
-        return rope_positions(batch, input_ids, keep, mrope, audio)
+        return rope_positions(batch, input_ids, mask.keep, mrope, audio)
     if given is not None and given.dim() == 3:
         return given
     return None  # 1D positions: each document restarts at 0
@@ -397,20 +521,28 @@ def read_rows(batch, *, label_style: str, mrope, media: MediaTokens, extra_keys=
         input_ids = batch[name].long()
     shape = tuple(input_ids.shape)
     mask, seq_lens = batch.get("attention_mask"), batch.get("seq_lens")
-    keep, lengths, mask_bad = keep_mask_deferred(batch_size=shape[0], row_length=shape[1], attention_mask=mask,
-                                                 seq_lens=seq_lens, device=input_ids.device)
+    deferred = keep_mask_deferred(batch_size=shape[0], row_length=shape[1], attention_mask=mask, seq_lens=seq_lens,
+                                  device=input_ids.device)
+    raw_labels = checked_labels(batch, shape, label_style)
+    loss_values = checked_loss_values(batch, shape)
     checks = DeferredChecks()
-    if mask_bad is not None:  # raises the detailed mask error (holes, left padding, non-causal 4D)
-        checks.add(mask_bad, lambda: real_lengths(batch_size=shape[0], row_length=shape[1], attention_mask=mask))
-    bad_ids = (input_ids < 0) if vocab_size is None else ((input_ids < 0) | (input_ids >= vocab_size))
-    checks.add((keep & bad_ids).any(), lambda: check_ids(input_ids, keep, vocab_size, name))
-    labels, weights = labels_and_weights(batch, input_ids, keep, label_style, vocab_size, checks)
-    queue_position_checks(batch, keep, mrope, checks)
-    read = checks.read(keep.sum(dim=1) if lengths is None else None)  # the one host sync
-    lengths = read if lengths is None else lengths
-    vision = vision_inputs(batch, input_ids, keep, media, grids_for_rope=mrope is not None)
-    audio = audio_inputs(batch, input_ids, keep, media)
-    return Rows(input_ids=input_ids, keep=keep, lengths=lengths, labels=labels, loss_weights=weights,
-                positions=batch_positions(batch, input_ids, keep, mrope, audio), vision=vision, audio=audio,
-                extras=_extras(batch, extra_keys, shape), row_tokens=source_shape[0] * source_shape[1],
-                document_rows=document_rows)
+    if deferred.values is not None:  # the detailed mask error (holes, left padding, values, non-causal 4D)
+        lengths_entry = checks.add(deferred.values, deferred.fails,
+                                   lambda: real_lengths(batch_size=shape[0], row_length=shape[1], attention_mask=mask))
+    row_lengths = (lambda: deferred.values[0]) if deferred.values is not None else \
+        (lambda: torch.tensor(deferred.lengths, device=input_ids.device))
+    inputs = ValueInputs(input_ids, name, raw_labels, loss_values, lambda: deferred.keep, deferred.real_slots,
+                         row_lengths)
+    queue_value_checks(inputs, label_style, vocab_size, checks)
+    queue_position_checks(batch, lambda: deferred.keep, mrope, checks)
+    media_entries = queue_media_reads(batch, input_ids, lambda: deferred.keep, media, checks)
+    host = checks.read()  # the one host sync
+    lengths = deferred.lengths if deferred.values is None else host[lengths_entry][:shape[0]]
+    media_host = MediaHost({name: host[entry] for name, entry in media_entries.items()})
+    vision = vision_inputs(batch, media_host, media, grids_for_rope=mrope is not None)
+    audio = audio_inputs(batch, media_host, media)
+    positions = batch_positions(batch, input_ids, deferred, mrope, audio)
+    return Rows(input_ids=input_ids, mask=deferred, lengths=lengths, raw_labels=raw_labels, label_style=label_style,
+                loss_values=loss_values, positions=positions,
+                vision=vision, audio=audio, extras=_extras(batch, extra_keys, shape),
+                row_tokens=source_shape[0] * source_shape[1], document_rows=document_rows)

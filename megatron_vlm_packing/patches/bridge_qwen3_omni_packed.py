@@ -25,6 +25,10 @@ packed path and leaves every dense call to Bridge's own code:
   placeholders must equal the encoder's output length (Bridge's own dense path trims per row and
   cannot take two clips in a row).
 - Labels and loss mask are this CP rank's (`packing.localize`); ids and positions full length.
+- Pipeline stages: the first holds the embedding and the encoders and places the features; a later
+  stage (Bridge built it with `pre_process=False`) takes its hidden states from the previous stage
+  (`set_input_tensor`), so it only needs the boundaries and this rank's positions. Bridge's deepstack
+  block asserts that every deepstack level feeds a layer of the first stage.
 
 Feature check: the original forward is run on an empty object with `packed_seq_params`; the defect
 raises NotImplementedError mentioning "packed" before touching the model. Delete this patch once
@@ -133,9 +137,6 @@ def packed_thinker_forward(thinker, *, input_ids, position_ids, packed_seq_param
                                           ("attention_mask", attention_mask)) if v is not None]
         raise ValueError(f"packed Qwen3-Omni thinker cannot take {named}: boundaries come from packed_seq_params, "
                          f"media from {list(_MEDIA_KEYS)}")
-    if not thinker.pre_process:
-        raise ValueError("packed Qwen3-Omni runs on the first pipeline stage only (Bridge's deepstack block "
-                         "supports no pipeline parallelism)")
     pg = thinker.pg_collection
     cp_size, cp_rank = pg.cp.size(), pg.cp.rank()
     _check_packed_layout(input_ids, position_ids, packed_seq_params, labels, cp_size)
@@ -144,8 +145,10 @@ def packed_thinker_forward(thinker, *, input_ids, position_ids, packed_seq_param
         from megatron_vlm_packing.parallel.cp import cp_partition_index
 
         index = cp_partition_index(packed_seq_params.cu_seqlens_q_padded, cp_size, cp_rank)  # [Tl]
-    embeddings, deepstack = merged_embeddings(thinker, input_ids, **media)  # [T, 1, H], list of [T, 1, H]
-    embeddings, deepstack = (_local_tokens(x, index, thinker) for x in (embeddings, deepstack))
+    embeddings = deepstack = None  # later pipeline stages: hidden states from the previous stage
+    if thinker.pre_process:  # the first stage holds the embedding and the encoders
+        embeddings, deepstack = merged_embeddings(thinker, input_ids, **media)  # [T, 1, H], list of [T, 1, H]
+        embeddings, deepstack = (_local_tokens(x, index, thinker) for x in (embeddings, deepstack))
     positions = position_ids if index is None else position_ids.index_select(-1, index)  # [3, 1, Tl]
     visual_pos_masks = deepstack_embeds = None
     if deepstack:  # all-True mask: the dense features are zero outside vision tokens

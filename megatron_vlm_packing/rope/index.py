@@ -36,14 +36,22 @@ def token_types(input_ids: torch.Tensor, config: MRopeConfig) -> torch.Tensor:
     return (input_ids == config.image_token_id).int() + 2 * (input_ids == config.video_token_id).int()
 
 
-def check_grid(grid, name: str, merge: int) -> torch.Tensor | None:
-    """A [N, 3] integer grid with every entry >= 1 and h, w multiples of `merge`, or ValueError naming it."""
+def check_grid_shape(grid, name: str) -> torch.Tensor | None:
+    """`grid` when it is a [N, 3] integer tensor (None stays None), else ValueError naming it. Reads no values."""
     if grid is None:
         return None
     if not isinstance(grid, torch.Tensor):
         raise ValueError(f"{name} must be a [N, 3] integer tensor, got {type(grid).__name__}")
-    if grid.dim() != 2 or grid.shape[1] != 3 or grid.is_floating_point() or grid.dtype == torch.bool:
+    if grid.dim() != 2 or grid.shape[1] != 3 or grid.is_floating_point() or grid.is_complex() \
+            or grid.dtype == torch.bool:
         raise ValueError(f"{name} must be a [N, 3] integer tensor, got shape {tuple(grid.shape)} {grid.dtype}")
+    return grid
+
+
+def check_grid(grid, name: str, merge: int) -> torch.Tensor | None:
+    """A [N, 3] integer grid with every entry >= 1 and h, w multiples of `merge`, or ValueError naming it."""
+    if check_grid_shape(grid, name) is None:
+        return None
     bad = (grid < 1).any(dim=1) | (grid[:, 1:] % merge != 0).any(dim=1)
     if bool(bad.any()):
         row = int(torch.nonzero(bad)[0])

@@ -86,3 +86,28 @@ def test_bridge_patches_detect_apply_once_and_undo():
     finally:
         undo_bridge_patches()
     assert (model.split_deepstack_embs, utils.get_thd_cp_partition_indices, qwen25.forward) == originals
+
+
+@pytest.mark.bridge
+def test_tiny_qwen_vl_and_omni_share_one_base_config_and_language_fields():
+    """Qwen-VL and Qwen3-Omni tiny models state only what differs: the same base fields reach both
+    providers with the same values (sizes, layout, fp32 / CPU init, no CUDA-only fusions)."""
+    import dataclasses
+
+    from megatron_vlm_packing.bridge.build_omni import TinyOmniConfig, tiny_omni_provider
+    from megatron_vlm_packing.bridge.tiny import TinyBridgeConfig, TinyModelConfig, language_fields, tiny_bridge_provider
+
+    base = {f.name for f in dataclasses.fields(TinyModelConfig)}
+    own = {cls: {f.name for f in dataclasses.fields(cls)} - base for cls in (TinyBridgeConfig, TinyOmniConfig)}
+    assert own[TinyBridgeConfig] == {"family", "num_moe_experts", "moe_router_topk"}
+    assert not own[TinyBridgeConfig] & own[TinyOmniConfig] and "pipeline_parallel" in base
+    layout = dict(num_layers=4, tensor_parallel=2, pipeline_parallel=2, sequence_parallel=True)
+    vl, omni = TinyBridgeConfig(family="qwen3_vl", **layout), TinyOmniConfig(**layout)
+    vl_provider, omni_provider = tiny_bridge_provider(vl), tiny_omni_provider(omni)
+    shared = (set(language_fields(vl)) & set(language_fields(omni))) - set(vl.token_ids)  # ids: per family
+    assert {"num_layers", "pipeline_model_parallel_size", "pipeline_dtype", "use_cpu_initialization"} <= shared
+    for name in shared:
+        assert getattr(vl_provider, name) == getattr(omni_provider, name), name
+    assert omni_provider.pipeline_model_parallel_size == 2 and omni_provider.pipeline_dtype == torch.float32
+    with pytest.raises(ValueError, match="mrope_section"):
+        TinyOmniConfig(mrope_section=(1, 1, 1))

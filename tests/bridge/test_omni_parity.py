@@ -36,59 +36,24 @@ def _samples():
     return omni_samples(_cfg(), NUM_SAMPLES, seed=SEED)
 
 
-def _positions(batch, cfg):
-    """[3, B, S] float positions of each row alone (transformers' rule)."""
-    from megatron_vlm_packing.rope import get_rope_index
-
-    return get_rope_index(batch["input_ids"], cfg.mrope_config(), attention_mask=batch["attention_mask"],
-                          image_grid_thw=batch.get("image_grid_thw"), video_grid_thw=batch.get("video_grid_thw"),
-                          second_per_grid_ts=batch.get("second_per_grid_ts"),
-                          audio_seqlens=batch.get("audio_seqlens")).position_ids
-
-
-def _media(batch):
-    keys = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "input_features",
-            "feature_attention_mask")
-    out = {k: batch[k] for k in keys if k in batch}
-    if "second_per_grid_ts" in batch:
-        out["video_second_per_grid"] = batch["second_per_grid_ts"]
-    return out
-
-
-def _dense_audio_shim(encoder) -> None:
-    """Bridge 0.6.2's dense audio path calls `audio_model._get_feat_extract_output_lengths`, which the
-    installed transformers' encoder no longer has (AttributeError). Test-only, on this instance: the
-    (feature, output) lengths by transformers' own rule, so the truth stays Bridge's dense code."""
-    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat_extract_output_lengths
-
-    if not hasattr(encoder, "_get_feat_extract_output_lengths"):
-        encoder.__dict__["_get_feat_extract_output_lengths"] = lambda lengths: (
-            lengths, _get_feat_extract_output_lengths(lengths, encoder.n_window))
-
-
 def reference(samples):
     """Bridge's dense path, one sample at a time: per-token losses at targets, grads, weights.
 
     The samples are shared out over the launch's ranks (each a TP=CP=1 replica with the same weights)
     and the per-sample gradients summed, so the truth costs one process's share, not all of it."""
-    from megatron_vlm_packing.bridge.build_omni import build_tiny_omni, collate_omni
-    from megatron_vlm_packing.packing import shift_labels_within_rows
+    from megatron_vlm_packing.bridge.truth import alone_losses, build_family
     from megatron_vlm_packing.testing.distributed import initialize_parallel
 
     initialize_parallel(seed=SEED)
     cfg = _cfg()
-    model = build_tiny_omni(cfg, seed=SEED)
-    _dense_audio_shim(model.thinker.audio_model)
+    model = build_family("qwen3_omni", cfg, seed=SEED)  # with bridge.truth.dense_audio_shim
     state = {n: p.detach().clone() for n, p in model.named_parameters()}
     rank, world = dist.get_rank(), dist.get_world_size()
     losses = {}
     for i in range(rank, len(samples), world):
-        batch = collate_omni([samples[i]])
-        labels = shift_labels_within_rows(batch["labels"], batch["attention_mask"].bool())
-        out = model(input_ids=batch["input_ids"], position_ids=_positions(batch, cfg), labels=labels,
-                    loss_mask=(labels != -100).float(), **_media(batch))
-        losses[i] = out[labels != -100].detach()
-        out[labels != -100].sum().backward()
+        out = alone_losses(model, "qwen3_omni", samples[i], cfg)  # Bridge's dense path, [targets]
+        losses[i] = out.detach()
+        out.sum().backward()
     grads = {}
     for name, param in model.named_parameters():
         grads[name] = param.grad.detach().clone() if param.grad is not None else torch.zeros_like(param)

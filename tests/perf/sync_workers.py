@@ -46,7 +46,8 @@ def counted_step(model, step, item, exclude):
     return loss_sum.detach(), syncs
 
 
-def run_sync_budget(rank: int, world_size: int, cp_sizes: list[int], seed: int = 5) -> list[dict]:
+def run_sync_budget(rank: int, world_size: int, cp_sizes: list[int], seed: int = 5) -> dict:
+    """{"text": one row per CP size (a text mRoPE GPTModel), "media": `run_media_sync_budget`'s row}."""
     results = []
     batch = text_batch_with_mrope_positions(seed)
     for cp in cp_sizes:
@@ -70,4 +71,54 @@ def run_sync_budget(rank: int, world_size: int, cp_sizes: list[int], seed: int =
         row["loss_diff"] = abs(row["in_step"]["loss"] - row["loader"]["loss"])
         row["grad_diff"] = (row["in_step"].pop("grad") - row["loader"].pop("grad")).abs().max().item()
         results.append(row)
-    return results
+    return {"text": results, "media": run_media_sync_budget(rank, world_size)}
+
+
+MEDIA_DATA = SyntheticVLMConfig(max_text=10, max_images=2, grid_choices=(2, 4), max_videos=1, max_audios=1)
+MEDIA_ROPE = MRopeConfig(family="qwen2_vl", image_token_id=MEDIA_DATA.image_token_id,
+                         video_token_id=MEDIA_DATA.video_token_id, vision_start_token_id=MEDIA_DATA.vision_start_id,
+                         mrope_section=(1, 1, 2))
+
+
+def media_batch_with_mrope_positions(seed: int) -> dict:
+    """Images, a video and audio clips with [3, B, S] positions from the data's own `get_rope_index`."""
+    batch = collate(synthetic_samples(4, seed=seed, cfg=MEDIA_DATA))
+    assert {"pixel_values", "pixel_values_videos", "input_features"} <= set(batch), sorted(batch)
+    positions = get_rope_index(batch["input_ids"], MEDIA_ROPE, image_grid_thw=batch["image_grid_thw"],
+                               video_grid_thw=batch["video_grid_thw"],
+                               attention_mask=batch["attention_mask"]).position_ids
+    return {**batch, "position_ids": positions}
+
+
+def run_media_sync_budget(rank: int, world_size: int, seed: int = 11) -> dict:
+    """Host syncs of an mRoPE vision + audio model's packed forward + backward through the step, packed
+    in the step and by the loader's collator: the difference is what packing in the step costs."""
+    from megatron_vlm_packing.models.audio import TinyAudioTower
+    from megatron_vlm_packing.models.packed_vlm import PackedVLM
+    from megatron_vlm_packing.models.vision import TinyVisionTower
+
+    initialize_parallel(cp=1, seed=seed)
+    torch.manual_seed(seed)
+    lm = build_tiny_gpt(replace(LM, vocab_size=MEDIA_DATA.vocab_size), scatter_embedding_sequence_parallel=False)
+    vision = TinyVisionTower(patch_features=MEDIA_DATA.patch_features, width=16, out_hidden=LM.hidden_size, heads=2)
+    audio = TinyAudioTower(mel_bins=MEDIA_DATA.mel_bins, width=16, out_hidden=LM.hidden_size)
+    ids = dict(image_token_id=MEDIA_DATA.image_token_id, video_token_id=MEDIA_DATA.video_token_id,
+               audio_token_id=MEDIA_DATA.audio_token_id)
+    model = PackedVLM(lm, vision, audio=audio, mrope=MEDIA_ROPE, **ids)
+    batch = media_batch_with_mrope_positions(seed)
+    step = make_forward_step(label_style="hf")
+    core = [layer.self_attention.core_attention for layer in lm.decoder.layers]
+    row = {}
+    loader_packed = PackingCollator(label_style="hf", pack_options=ids)(batch)
+    for name, item in (("in_step", batch), ("loader", loader_packed)):
+        counted_step(model, step, item, core)  # warm-up
+        model.zero_grad(set_to_none=True)
+        loss, syncs = counted_step(model, step, item, core)
+        row[name] = dict(syncs=syncs.total, report=syncs.report(), loss=loss.item(),
+                         packing=sum(1 for e in syncs.events if "/packing/" in e.where))
+    with count_host_syncs() as packing_alone:
+        packed = pack_batch(batch, label_style="hf", **ids)
+    row["pack_batch"] = dict(syncs=packing_alone.total, report=packing_alone.report(),
+                             counts=(packed.vision.images_per_sample, packed.vision.videos_per_sample,
+                                     packed.audio.audios_per_sample))
+    return row
