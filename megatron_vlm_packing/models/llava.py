@@ -337,12 +337,24 @@ class LLaVAAdapter(ModelAdapter):
     def forward(self, model, micro_batch: MicroBatch):
         images, tiles = self.image_inputs(micro_batch)
         params, plan = micro_batch.packed_seq_params, planned(micro_batch)
+        if params is not None:
+            _refuse_unexpanded_boundaries()
         if plan is not None:  # the patch expands them from the plan's host ints, else from the ids
             params = planned_packed_seq_params(plan, params)
         output, loss_mask = model(images, micro_batch.input_ids, micro_batch.position_ids, None,
                                   labels=micro_batch.labels, loss_mask=micro_batch.loss_mask,
                                   num_image_tiles=tiles, packed_seq_params=params)
         return output if loss_mask is None else (output, loss_mask)
+
+
+def _refuse_unexpanded_boundaries() -> None:
+    from megatron_vlm_packing.patches.llava_boundaries import packed_boundaries_expanded
+
+    if not packed_boundaries_expanded():
+        raise ValueError("LLaVAModel would pass the packed boundaries to attention in collapsed space (one slot per "
+                         "image token) while it expands every image: documents would bleed into each other; call "
+                         "megatron_vlm_packing.patches.apply_llava_packed_boundaries() (or patches.apply_all()) "
+                         "before the first forward")
 
 
 def planned(micro_batch: MicroBatch) -> LlavaPackPlan | None:
