@@ -20,14 +20,15 @@ Shape legend: B = rows, S = row length, T = collapsed packed slots, N = document
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, replace
 
 import torch
-from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_vlm_packing.models.adapter import ModelAdapter
+from megatron_vlm_packing.models.llava_plan import (  # noqa: F401 (LlavaRows, expanded_packed_seq_params: re-exported)
+    LlavaPackPlan, LlavaRows, PlannedPackedSeqParams, expanded_packed_seq_params, planned_packed_seq_params,
+)
 from megatron_vlm_packing.packing.localize import LocalizeNeeds
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
 from megatron_vlm_packing.packing.plan import PackMultiples, PackPlan, round_up
@@ -245,77 +246,6 @@ def llava_pack_plan(row_lengths: list[int], *, row_capacity: int, row_expansion:
                     physical_lengths=tuple(physical), multiples=PackMultiples())
 
 
-@dataclass(frozen=True)
-class LlavaPackPlan(PackPlan):
-    """A `llava_pack_plan` with what LLaVA does to each document, all host ints (read once, when packing).
-
-    With it the adapter checks tiles and leaks, and the boundary patch expands the boundaries
-    (`expanded_packed_seq_params`), without reading any tensor back: no host sync after packing.
-
-    Attributes:
-        space: the `LlavaSpace` the plan was made for (its total multiple includes FP8's).
-        tiles: I tiles of every image, in token order.
-        images_per_document: N images of each document.
-        expansion: N extra embeddings of each document's images (the expanded physical and real
-            lengths are the collapsed ones plus these).
-        opens_with_image: N, whether each document's first token is an image.
-    """
-
-    space: LlavaSpace
-    tiles: tuple[int, ...]
-    images_per_document: tuple[int, ...]
-    expansion: tuple[int, ...]
-    opens_with_image: tuple[bool, ...]
-
-    @property
-    def expanded_physical(self) -> tuple[int, ...]:
-        return tuple(p + e for p, e in zip(self.physical_lengths, self.expansion))
-
-    @property
-    def expanded_real(self) -> tuple[int, ...]:
-        return tuple(r + e for r, e in zip(self.real_lengths, self.expansion))
-
-    def leaking_documents(self) -> list[int]:
-        """`leaking_documents` from the plan: documents opening with an image after a document with no pad."""
-        return [i for i in range(1, self.num_segments) if self.opens_with_image[i]
-                and self.physical_lengths[i - 1] == self.real_lengths[i - 1]]
-
-
-@dataclass
-class PlannedPackedSeqParams(PackedSeqParams):
-    """Collapsed-space `PackedSeqParams` with the `LlavaPackPlan` they came from (what `LLaVAAdapter`
-    passes): `patches.llava_boundaries` expands them from the plan's host ints, with no host sync,
-    instead of reading the image tokens back (`remap_packed_seq_params`)."""
-
-    llava_plan: LlavaPackPlan | None = None
-
-
-def planned_packed_seq_params(plan: LlavaPackPlan, collapsed: PackedSeqParams) -> PlannedPackedSeqParams:
-    fields = {f.name: getattr(collapsed, f.name) for f in dataclasses.fields(PackedSeqParams) if f.init}
-    return PlannedPackedSeqParams(**fields, llava_plan=plan)
-
-
-def expanded_packed_seq_params(plan: LlavaPackPlan, collapsed: PackedSeqParams) -> PackedSeqParams:
-    """The expanded boundaries of `plan`'s pack, from host ints (one small non-blocking copy, no sync).
-
-    Equal to `remap_packed_seq_params(collapsed, ...)` for the plan's micro-batch; every field other
-    than the boundaries and `max_seqlen_*` is `collapsed`'s.
-    """
-    from megatron_vlm_packing.packing.plan import _to_device
-
-    real, physical = [0], [0]
-    for r, p in zip(plan.expanded_real, plan.expanded_physical):
-        real.append(real[-1] + r)
-        physical.append(physical[-1] + p)
-    cu = collapsed.cu_seqlens_q
-    both = _to_device(torch.tensor([real, physical], dtype=cu.dtype), cu.device)  # [2, N+1]
-    fields = {f.name: getattr(collapsed, f.name) for f in dataclasses.fields(PackedSeqParams) if f.init}
-    longest = max(plan.expanded_physical)
-    fields.update(cu_seqlens_q=both[0], cu_seqlens_kv=both[0], cu_seqlens_q_padded=both[1],
-                  cu_seqlens_kv_padded=both[1], max_seqlen_q=longest, max_seqlen_kv=longest)
-    return PackedSeqParams(**fields)
-
-
 class LLaVAAdapter(ModelAdapter):
     """Megatron-Core `LLaVAModel`: images ([tiles, C, H, W] pixels) with `num_image_tiles`.
 
@@ -334,16 +264,17 @@ class LLaVAAdapter(ModelAdapter):
         self.space = LlavaSpace.of(model)
 
     def image_inputs(self, micro_batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(images [tiles, C, H, W] (empty when none), num_image_tiles [I] int), counts checked:
-        from a `LlavaPackPlan`'s host ints and the tensors' shapes (no sync), else read from the ids."""
-        ids, plan = micro_batch.input_ids, planned(micro_batch)
-        n_images = len(plan.tiles) if plan is not None else int((ids == self.space.image_token_index).sum())
+        """(images [tiles, C, H, W] (empty when none), num_image_tiles [I] int), counts checked: from
+        the host ints of a `LlavaPackPlan` / `LlavaRows` and the tensors' shapes (no sync), else read
+        from the ids."""
+        ids, known = micro_batch.input_ids, known_tiles(micro_batch)
+        n_images = len(known) if known is not None else int((ids == self.space.image_token_index).sum())
         vision = micro_batch.vision
         images = vision.pixel_values if vision is not None and vision.has_images else None
         tiles = default_image_tiles(vision.num_image_tiles if vision is not None else None, n_images, ids.device)
         if tiles.numel() != n_images:
             raise ValueError(f"{n_images} image tokens in input_ids but {tiles.numel()} entries in num_image_tiles")
-        tile_count = sum(plan.tiles) if plan is not None else int(tiles.sum())
+        tile_count = sum(known) if known is not None else int(tiles.sum())
         given = 0 if images is None else images.shape[0]
         if given != tile_count:
             raise ValueError(f"num_image_tiles sums to {tile_count} tiles but the images hold {given}")
@@ -358,16 +289,13 @@ class LLaVAAdapter(ModelAdapter):
 
     def build_micro_batch(self, batch: dict, layout, options) -> MicroBatch:
         """The step's micro-batch: `pack_llava_batch` in this model's expanded space (`options.pad_to`
-        is an expanded length); FP8's total multiple joins LLaVA's shard factor.
-
-        Raises:
-            ValueError: `pack=False` (right-padded rows go to LLaVAModel directly, not through the step).
-        """
-        from megatron_vlm_packing.models.llava_pack import pack_llava_batch
+        is an expanded length; FP8's total multiple joins LLaVA's shard factor), or with `pack=False`
+        `pad_llava_batch`: LLaVA's own batched path (`options.seq_length` is a collapsed row length)."""
+        from megatron_vlm_packing.models.llava_pack import pack_llava_batch, pad_llava_batch
 
         if not options.pack:
-            raise ValueError("LLaVAModel runs through make_forward_step packed (pack=True); right-padded rows "
-                             "are LLaVA's own batched path: call the model directly")
+            return pad_llava_batch(batch, self.space_for(layout, options), label_style=options.label_style,
+                                   seq_length=options.seq_length)
         return pack_llava_batch(batch, self.space_for(layout, options), label_style=options.label_style,
                                 pad_to=options.pad_to)
 
@@ -409,6 +337,8 @@ class LLaVAAdapter(ModelAdapter):
     def forward(self, model, micro_batch: MicroBatch):
         images, tiles = self.image_inputs(micro_batch)
         params, plan = micro_batch.packed_seq_params, planned(micro_batch)
+        if params is not None:
+            _refuse_unexpanded_boundaries()
         if plan is not None:  # the patch expands them from the plan's host ints, else from the ids
             params = planned_packed_seq_params(plan, params)
         output, loss_mask = model(images, micro_batch.input_ids, micro_batch.position_ids, None,
@@ -417,12 +347,32 @@ class LLaVAAdapter(ModelAdapter):
         return output if loss_mask is None else (output, loss_mask)
 
 
+def _refuse_unexpanded_boundaries() -> None:
+    from megatron_vlm_packing.patches.llava_boundaries import packed_boundaries_expanded
+
+    if not packed_boundaries_expanded():
+        raise ValueError("LLaVAModel would pass the packed boundaries to attention in collapsed space (one slot per "
+                         "image token) while it expands every image: documents would bleed into each other; call "
+                         "megatron_vlm_packing.patches.apply_llava_packed_boundaries() (or patches.apply_all()) "
+                         "before the first forward")
+
+
 def planned(micro_batch: MicroBatch) -> LlavaPackPlan | None:
     """The micro-batch's `LlavaPackPlan` when its boundaries are that plan's own (as packed), else None."""
     plan, params, indices = micro_batch.plan, micro_batch.packed_seq_params, micro_batch.indices
     if not isinstance(plan, LlavaPackPlan) or params is None or indices is None:
         return None
     return plan if params.cu_seqlens_q_padded is indices.cu_seqlens_padded else None
+
+
+def known_tiles(micro_batch: MicroBatch) -> tuple[int, ...] | None:
+    """Every image's tiles as host ints, when our packer made the micro-batch (packed or dense)."""
+    plan = planned(micro_batch)
+    if plan is not None:
+        return plan.tiles
+    if isinstance(micro_batch.plan, LlavaRows) and not micro_batch.is_packed:
+        return micro_batch.plan.tiles
+    return None
 
 
 def aligned_space(space: LlavaSpace, *, tp_size: int = 1, cp_size: int = 1, sequence_parallel: bool = False,

@@ -76,30 +76,41 @@ def _llava_rows(values: list[int], rows: int, tiles, images, device):
 def _read_rows(batch: dict, space: LlavaSpace, label_style: str):
     """The rows, their labels and loss weights, checked, and the expanded-space facts: ONE host sync.
 
-    `pack_batch`'s own checks (mask, ids, labels, loss weights: `packing.rows`) are queued as device
-    flags and read back together with the lengths and `_llava_row_values`.
+    `pack_batch`'s own reading (`packing.rows`: the deferred mask, the value checks of ids, labels
+    and loss weights) queues its numbers on one `DeferredChecks`; `_llava_row_values` joins them and
+    everything is read back together.
 
     Returns:
-        (ids [B, S] long, labels [B, S], weights [B, S] float, row lengths, `_llava_rows`'s tuple).
+        (ids [B, S] long, labels [B, S] next-token targets, weights [B, S] float, row lengths,
+        `_llava_rows`'s tuple).
     """
     from megatron_vlm_packing.packing.lengths import keep_mask_deferred, real_lengths
-    from megatron_vlm_packing.packing.rows import DeferredChecks, check_ids, input_ids_of, labels_and_weights
+    from megatron_vlm_packing.packing.rows import (
+        DeferredChecks, Rows, ValueInputs, checked_labels, checked_loss_values, input_ids_of, queue_value_checks,
+    )
 
     name, ids = input_ids_of(batch)
-    rows, width = ids.shape
+    shape = tuple(ids.shape)
     mask = batch.get("attention_mask")
-    keep, lengths, mask_bad = keep_mask_deferred(batch_size=rows, row_length=width, attention_mask=mask,
-                                                 seq_lens=batch.get("seq_lens"), device=ids.device)
+    deferred = keep_mask_deferred(batch_size=shape[0], row_length=shape[1], attention_mask=mask,
+                                  seq_lens=batch.get("seq_lens"), device=ids.device)
+    raw_labels, loss_values = checked_labels(batch, shape, label_style), checked_loss_values(batch, shape)
     checks = DeferredChecks()
-    if mask_bad is not None:  # raises the detailed mask error (holes, left padding, non-causal 4D)
-        checks.add(mask_bad, lambda: real_lengths(batch_size=rows, row_length=width, attention_mask=mask))
-    checks.add((keep & (ids < 0)).any(), lambda: check_ids(ids, keep, None, name))
-    labels, weights = labels_and_weights(batch, ids, keep, label_style, None, checks)
-    llava, tiles = _llava_row_values(batch, ids, keep, space)
-    read = checks.read(torch.cat([keep.sum(1).long() if lengths is None else llava.new_zeros(0), llava]))  # the sync
-    if lengths is None:
-        lengths, read = read[:rows], read[rows:]
-    return ids, labels, weights, list(lengths), _llava_rows(read, rows, tiles, _images(batch), ids.device)
+    if deferred.values is not None:  # the detailed mask error (holes, left padding, values, non-causal 4D)
+        lengths_entry = checks.add(deferred.values, deferred.fails,
+                                   lambda: real_lengths(batch_size=shape[0], row_length=shape[1], attention_mask=mask))
+    row_lengths = (lambda: deferred.values[0]) if deferred.values is not None else \
+        (lambda: torch.tensor(deferred.lengths, device=ids.device))
+    queue_value_checks(ValueInputs(ids, name, raw_labels, loss_values, lambda: deferred.keep, deferred.real_slots,
+                                   row_lengths), label_style, None, checks)
+    llava, tiles = _llava_row_values(batch, ids, deferred.keep, space)
+    llava_entry = checks.add(llava, lambda v: False, None)
+    host = checks.read()  # the one host sync
+    lengths = deferred.lengths if deferred.values is None else host[lengths_entry][:shape[0]]
+    rows = Rows(input_ids=ids, mask=deferred, lengths=list(lengths), raw_labels=raw_labels, label_style=label_style,
+                loss_values=loss_values, positions=None, vision=None, audio=None)
+    return ids, rows.labels, rows.loss_weights, rows.lengths, _llava_rows(host[llava_entry], shape[0], tiles,
+                                                                            _images(batch), ids.device)
 
 
 def pack_llava_batch(batch: dict, space: LlavaSpace, *, label_style: str = "megatron", pad_to: int | None = None,
@@ -149,6 +160,76 @@ def pack_llava_batch(batch: dict, space: LlavaSpace, *, label_style: str = "mega
         position_ids=segment_positions(indices), padding_mask=~indices.is_real[None],
         packed_seq_params=make_packed_seq_params(plan, indices), rope_cu_seqlens=indices.cu_seqlens, stats=stats,
         vision=vision, plan=plan, indices=indices,
+    )
+
+
+def _dense_length(width: int, longest_real: int, most_expansion: int, shard: int, seq_length) -> int:
+    """L, the collapsed row length: `seq_length` (checked), else the batch's width grown so that the
+    expanded rows (L + most_expansion) divide by LLaVA's shard factor (megatron-core 0.16.1's batched
+    SP / CP path asserts it; 0.19 pads them itself, to the same effect)."""
+    if seq_length is None:
+        return width + (-(width + most_expansion)) % shard
+    if isinstance(seq_length, bool) or not isinstance(seq_length, int) or seq_length < longest_real:
+        raise ValueError(f"seq_length={seq_length!r} must be an int >= the longest row's {longest_real} real tokens")
+    if (seq_length + most_expansion) % shard:
+        raise ValueError(f"seq_length={seq_length} expands to {seq_length + most_expansion} tokens per row, not a "
+                         f"multiple of LLaVA's shard factor {shard}: use a seq_length with (seq_length + "
+                         f"{most_expansion}) % {shard} == 0, or leave it None")
+    return seq_length
+
+
+def pad_llava_batch(batch: dict, space: LlavaSpace, *, label_style: str = "megatron", seq_length: int | None = None,
+                    pad_token_id: int = 0) -> MicroBatch:
+    """A dense (right-padded rows) LLaVA micro-batch: LLaVA's own batched path, through the step
+    (`make_forward_step(pack=False)`), to compare with packing. Same reading and checks as
+    `pack_llava_batch` (one host sync); LLaVA expands each row and pads the rows itself.
+
+    Args:
+        batch: as for `pack_llava_batch`.
+        seq_length: collapsed row length (default: the batch's); shorter than a real row is refused.
+
+    Returns:
+        MicroBatch with [B, L] ids (pad slots `pad_token_id`), next-token labels (-100 at pads), loss
+        weights, positions arange(L) per row, padding mask, no `packed_seq_params`, `plan` a
+        `LlavaRows`; `stats` count expanded tokens (real, and the rows LLaVA computes).
+
+    Raises:
+        ValueError: as `pack_llava_batch`, `seq_length` shorter than a row, or a row longer after
+            expansion than LLaVA keeps (it would truncate it silently).
+    """
+    from megatron_vlm_packing.models.llava import LlavaRows
+    from megatron_vlm_packing.packing.plan import _to_device
+    from megatron_vlm_packing.packing.rows import check_pad_token_id
+
+    check_pad_token_id(pad_token_id)
+    if pad_token_id == space.image_token_index:
+        raise ValueError(f"pad_token_id={pad_token_id} is LLaVA's image token: pad slots would become images")
+    ids, labels, weights, row_lengths, llava = _read_rows(batch, space, label_style)
+    tiles, host_tiles, images_per_row, row_expansion, _ = llava
+    rows, width = ids.shape
+    length = _dense_length(width, max(row_lengths), max(row_expansion), space.total_multiple, seq_length)
+    expanded = [n + e for n, e in zip(row_lengths, row_expansion)]
+    longest = length + max(row_expansion)  # what LLaVA pads its expanded rows to
+    if space.max_length is not None and longest > space.max_length:
+        raise ValueError(f"rows expand to {longest} tokens, more than language_max_sequence_length={space.max_length}: "
+                         f"LLaVAModel would truncate them silently; shorten seq_length or split the micro-batch")
+    keep = torch.arange(length, device=ids.device)[None] < _to_device(torch.tensor(row_lengths), ids.device)[:, None]
+
+    def rows_of(x, pad):  # [B, S] -> [B, L], pad slots `pad`
+        x = torch.nn.functional.pad(x, (0, length - width), value=pad) if length > width else x
+        return torch.where(keep, x, torch.as_tensor(pad, dtype=x.dtype, device=x.device))
+
+    images = _images(batch)
+    vision = None
+    if images is not None and images.shape[0] > 0:
+        vision = VisionInputs(pixel_values=images, images_per_sample=tuple(images_per_row), num_image_tiles=tiles)
+    rows_expanded = rows * (space.pipeline_length or longest)
+    return MicroBatch(
+        input_ids=rows_of(ids, pad_token_id), labels=rows_of(labels, IGNORE_INDEX), loss_mask=rows_of(weights, 0.0),
+        position_ids=torch.arange(length, device=ids.device)[None].expand(rows, length), padding_mask=~keep,
+        packed_seq_params=None, rope_cu_seqlens=None, vision=vision,
+        stats=BatchStats(real_tokens=sum(expanded), physical_tokens=rows_expanded, row_tokens=rows_expanded),
+        plan=LlavaRows(tiles=host_tiles, expanded_lengths=tuple(expanded)),
     )
 
 

@@ -49,6 +49,11 @@ def _default_tiles(call: dict, input_ids: torch.Tensor, image_token: int) -> tor
     return torch.ones(count, dtype=torch.int, device=input_ids.device)
 
 
+def packed_boundaries_expanded() -> bool:
+    """Does LLaVAModel.forward hand attention expanded boundaries (upstream's fix, or this patch applied)?"""
+    return "forward" in _ORIGINAL or upstream_remaps_packed_boundaries()
+
+
 def expand_packed_call(model, call: dict) -> None:
     """Rewrite `call` (LLaVAModel.forward's bound arguments) for a THD pack: tiles, expanded boundaries."""
     from megatron_vlm_packing.models.llava import LlavaSpace, leak_message, leaking_documents, remap_packed_seq_params

@@ -5,6 +5,8 @@
   sequence-parallel, packed through `make_forward_step` + `get_forward_backward_func`, against the
   single-process model on the batched micro-batches (both label styles), with a deliberate-mistake
   control (a pack not padded to LLaVA's SP shard factor is refused, on both of the patch's paths);
+- `make_forward_step(pack=False)` (LLaVA's own batched rows through the step, to compare padded with
+  packed) against the same reference, on one process and under TP=2 + SP;
 - host syncs of a packed forward + backward through the step at CP=2 and at TP=2 + SP, counted per
   source (tests/perf/test_llava_sync_budget.py holds the assertions).
 
@@ -14,6 +16,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 from dataclasses import replace
 
@@ -84,10 +87,11 @@ def batched_syncs(model, batch):
     return syncs
 
 
-def sync_row(model, batch, kernel, batched=None) -> dict:
+def sync_row(model, batch, kernel, batched=None, *, padded: bool = False) -> dict:
     """Syncs (by source) in the step packing and with a LlavaPackingCollator micro-batch, and in LLaVA's
     own batched forward: on `model` itself, or `batched` when given (counted on one process for CP:
-    megatron-core 0.16.1 runs batched CP only with megatron.training installed)."""
+    megatron-core 0.16.1 runs batched CP only with megatron.training installed); with `padded`, also
+    through the step with pack=False (the first call builds the adapter: counted after the others)."""
     from megatron_vlm_packing.models.llava import LlavaSpace
     from megatron_vlm_packing.models.llava_pack import LlavaPackingCollator
     from megatron_vlm_packing.train.step import make_forward_step
@@ -103,33 +107,45 @@ def sync_row(model, batch, kernel, batched=None) -> dict:
         loss, grads, syncs = _counted(model, step, item, exclude)
         row[name] = dict(_split(syncs), loss=loss.item(), grads=grads)
     row["batched"] = _split(batched if batched is not None else batched_syncs(model, batch))
+    if padded:  # make_forward_step(pack=False): LLaVA's own rows through the step
+        row["padded"] = _split(_counted(model, make_forward_step(label_style="hf", pack=False), batch, exclude)[2])
     row["loss_diff"] = abs(row["in_step"]["loss"] - row["loader"]["loss"])
     row["grad_diff"] = (row["in_step"].pop("grads") - row["loader"].pop("grads")).abs().max().item()
     return row
 
 
-def packed_tp_run(model, data: list[dict], label_style: str):
-    """Packed logprobs per micro-batch and full (TP-gathered) grads, through the shipped step."""
+def step_run(model, data: list[dict], label_style: str, *, pack: bool = True):
+    """Logprobs per micro-batch, full (TP-gathered) grads, and the loss-mask shape of each model output,
+    through the shipped step, packed or (pack=False) in LLaVA's own batched rows."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megatron_vlm_packing.testing.llava_parity import MAX_LENGTH
     from megatron_vlm_packing.testing.parity import full_gradients
     from megatron_vlm_packing.train.step import make_forward_step
 
     model.zero_grad()
-    outputs, step = [], make_forward_step(label_style=label_style)
+    outputs, step = [], make_forward_step(label_style=label_style, pack=pack)
 
     def forward_step(data_iterator, model):
         out, loss = step(data_iterator, model)
         outputs.append((out[0].detach(), out[1].detach()))
         return out, loss
 
-    from megatron_vlm_packing.testing.llava_parity import MAX_LENGTH
-
     get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(data), model=[model],
                                 num_microbatches=len(data), seq_length=MAX_LENGTH, micro_batch_size=1)
     logps = [-losses[mask.bool()] for losses, mask in outputs]
-    return logps, full_gradients(model, tp_group=ps.get_tensor_model_parallel_group())
+    shapes = [tuple(mask.shape) for _, mask in outputs]
+    return logps, full_gradients(model, tp_group=ps.get_tensor_model_parallel_group()), shapes
+
+
+def compared(refs: tuple, run: tuple) -> dict:
+    """`llava_parity.compare` of a `step_run` against the batched reference, with the output shapes."""
+    from megatron_vlm_packing.testing.llava_parity import compare
+
+    _, ref_logps, ref_grads = refs
+    logps, grads, shapes = run
+    return dict(compare(ref_logps, ref_grads, logps, grads), shapes=shapes)
 
 
 def sp_shard_controls(model, seed: int) -> dict:
@@ -162,9 +178,7 @@ def run_llava_checks(rank: int, world_size: int, seed: int = 11) -> dict:
         apply_llava_packed_boundaries, apply_thd_rotary, undo_llava_packed_boundaries, undo_thd_rotary,
     )
     from megatron_vlm_packing.testing.distributed import initialize_parallel
-    from megatron_vlm_packing.testing.llava_parity import (
-        batches, build_tiny_llava, compare, llava_cp_without_te, reference,
-    )
+    from megatron_vlm_packing.testing.llava_parity import batches, build_tiny_llava, llava_cp_without_te, reference
     from megatron_vlm_packing.testing.parity import load_full_state
 
     result, clock = {"patches": (apply_llava_packed_boundaries(), apply_thd_rotary())}, [time.perf_counter()]
@@ -183,15 +197,19 @@ def run_llava_checks(rank: int, world_size: int, seed: int = 11) -> dict:
         result["params"] = len(state)
         batched = batched_syncs(ref_model, batches("hf", seed)[0])
         lap("reference")
+        for style, ref in refs.items():
+            result[f"pack=False, {style} labels"] = compared(ref, step_run(ref_model, ref[0], style, pack=False))
+        lap("pack=False")
         initialize_parallel(tp=2, seed=seed)
         with llava_cp_without_te():
             model = build_tiny_llava(seed, tp=2, sp=True)
             load_full_state(model, state, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=2)
-            for style, (data, ref_logps, ref_grads) in refs.items():
-                result[f"TP=2+SP, {style} labels"] = compare(ref_logps, ref_grads, *packed_tp_run(model, data, style))
+            for (style, ref), pack in itertools.product(refs.items(), (True, False)):
+                name = f"TP=2+SP, {style} labels" if pack else f"TP=2+SP, pack=False, {style} labels"
+                result[name] = compared(ref, step_run(model, ref[0], style, pack=pack))
             lap("TP=2+SP parity")
             result["TP=2+SP, control: no shard factor"] = sp_shard_controls(model, seed)
-            result["syncs TP=2+SP"] = sync_row(model, batches("hf", seed)[0], kernel)
+            result["syncs TP=2+SP"] = sync_row(model, batches("hf", seed)[0], kernel, padded=True)
         lap("TP=2+SP syncs")
         initialize_parallel(cp=2, seed=seed)
         with llava_cp_without_te():

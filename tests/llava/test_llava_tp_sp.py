@@ -19,6 +19,7 @@ def test_packed_equals_batched_under_tp2_sp(style):
     assert 1.0 <= r["token_mult_prob_error"] <= EXACT and r["tokens_compared"] >= 10, r
     assert r["max_rel_grad_err"] < GRAD, r
     assert r["params_missing"] == [] and r["params_checked"] == result["params"], r
+    assert [rows for rows, _ in r["shapes"]] == [1, 1], r  # one THD pack per micro-batch
 
 
 def test_a_pack_without_the_sp_shard_factor_is_refused():

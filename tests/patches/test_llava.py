@@ -169,5 +169,7 @@ def test_adapter_refuses_leaking_packs_and_keeps_everything_full_under_cp():
     assert {"input_ids", "position_ids", "labels", "loss_mask"} <= local.full_fields
     with pytest.raises(ValueError, match="num_image_tiles sums to 1 tiles but the images hold 2"):
         adapter.check(replace(mb, vision=VisionInputs(pixel_values=torch.zeros(2, 3, 2, 2), images_per_sample=(0, 1))))
-    with pytest.raises(ValueError, match="LLaVAModel runs through make_forward_step packed"):
-        adapter.build_micro_batch(batch, ParallelLayout(), StepOptions(pack=False))
+    dense = adapter.build_micro_batch(batch, ParallelLayout(), StepOptions(pack=False, label_style="megatron"))
+    assert dense.packed_seq_params is None  # LLaVA's own batched rows, grown so 5 + 3 expands to 8 = 2 * 4
+    assert dense.input_ids.tolist() == [[5, 6, 7, 0, 0], [IMG, 8, 9, 0, 0]]
+    adapter.check(dense)

@@ -4,7 +4,7 @@ counted per source (testing/sync_counter.py says what counts; tests/llava/llava_
 - ours (the step, `pack_llava_batch`, the adapter, the boundary patch): 1 when the step packs (the
   lengths, every value check and each row's images / expansion / tiles read back together), 0 when
   `LlavaPackingCollator` packed in the DataLoader (its `LlavaPackPlan` carries the tiles, the leak
-  check and the expanded boundaries as host ints);
+  check and the expanded boundaries as host ints), 1 with pack=False (`pad_llava_batch`'s read);
 - Megatron-Core's own code (LLaVAModel's image expansion, with data-dependent shapes): exactly what
   its own batched forward does, so packing adds nothing there.
 
@@ -27,3 +27,10 @@ def test_packed_llava_step_syncs_once_in_step_and_never_with_loader_packing(layo
     assert batched["ours"] == 0, batched["report"]
     # the loader's micro-batch is the same computation as the step's own packing
     assert row["loss_diff"] < 1e-5 and row["grad_diff"] < 1e-6, row
+
+
+def test_padded_llava_step_syncs_once():
+    """make_forward_step(pack=False): `pad_llava_batch`'s one read; Megatron's own as in its batched forward."""
+    row = launch()["syncs TP=2+SP"]
+    padded, batched = row["padded"], row["batched"]
+    assert padded["ours"] == 1 and padded["upstream"] == batched["upstream"], padded["report"]
