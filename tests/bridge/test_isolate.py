@@ -1,0 +1,86 @@
+"""benchmarks/bridge_qwen3_vl_gpu.py --isolate cannot rot: on the smallest CPU config every hook fires
+as often as the forwards it ran must make it, every stage is compared (every image / video of the vision
+output), the fp32 stages of packed and alone agree within 1e-5 in every setup, and the one-document
+control shows up first in the language model; the bf16 build runs the same path."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_vlm_packing.testing.distributed import run_distributed
+
+pytestmark = pytest.mark.bridge
+
+BENCHMARKS = str(Path(__file__).resolve().parents[2] / "benchmarks")
+ARGS = ["--device", "cpu", "--isolate", "--samples", "3", "--max-text", "24"]
+
+
+def _benchmark():
+    if BENCHMARKS not in sys.path:
+        sys.path.insert(0, BENCHMARKS)
+    import bridge_qwen3_vl_gpu
+
+    return bridge_qwen3_vl_gpu
+
+
+def _isolate(rank, world_size):
+    from megatron_vlm_packing.bridge.samples import qwen_vl_samples
+    from megatron_vlm_packing.bridge.tiny import TinyBridgeConfig
+
+    samples = qwen_vl_samples(TinyBridgeConfig(family="qwen3_vl"), 3, seed=0, max_text=24)
+    counts = {"samples": len(samples), "with_vision": sum(len(s["image_grid_thw"]) + len(s["video_grid_thw"]) > 0
+                                                          for s in samples),
+              "items": sum(len(s["image_grid_thw"]) + len(s["video_grid_thw"]) for s in samples)}
+    runs = {dtype: _benchmark().run(ARGS + ["--dtype", dtype]) for dtype in ("fp32", "bf16")}
+    return counts, runs
+
+
+def expected_hooks(samples: int, with_vision: int, items: int, vision_layers: int, lm_layers: int) -> dict:
+    """Hook calls of the four setups: as is (pack + each alone), alone fed packed vision (each alone),
+    vision per item (pack + each alone, the tower's modules once per image / video), control (pack)."""
+    forwards = 3 + 3 * samples
+    inner = 1 + with_vision + with_vision + 2 * items + 1
+    tower = 3 + 3 * with_vision
+    out = {"lm.rotary": forwards, "lm.decoder_input": forwards, "vision.grid": tower, "vision.embeds": tower,
+           "vision.patch_embed": inner, "vision.merger": inner}
+    out.update({f"lm.layer{i}": forwards for i in range(lm_layers)})
+    out.update({f"vision.layer{i}": inner for i in range(vision_layers)})
+    return out
+
+
+@pytest.fixture(scope="module")
+def isolate_runs():
+    return run_distributed(_isolate, 1, timeout_s=300)
+
+
+def test_isolate_fp32_stages_equal_and_hooks_fired(isolate_runs):
+    counts, runs = isolate_runs
+    result, text, status = runs["fp32"]
+    assert status == 0 and result["dtype"] == str(torch.float32) and "| stage |" in text
+    hooks = {k: v for k, v in result["hooks"].items() if not k.startswith("vision.deepstack")}
+    assert hooks == expected_hooks(counts["samples"], counts["with_vision"], counts["items"], 2, 2)
+    assert all(result["hooks"][f"vision.deepstack{i}"] == hooks["vision.embeds"] for i in range(2))
+    stages = ["positions", "lm.rotary", "lm.rotary cos/sin", "vision.patch_embed", "vision.layer0", "vision.layer1",
+              "vision.merger", "vision.embeds", "vision.deepstack0", "vision.deepstack1", "lm.decoder_input",
+              "lm.layer0", "lm.layer1"]
+    setups = result["setups"]
+    for name in ("as is", "alone fed packed vision", "vision one item at a time"):
+        setup = setups[name]
+        own_tower = ("vision.patch_embed", "vision.layer0", "vision.layer1", "vision.merger")  # replaced when fed
+        expected = [s for s in stages if name != "alone fed packed vision" or s not in own_tower]
+        assert list(setup["stages"]) == expected, (name, list(setup["stages"]))
+        assert all(diff <= 1e-5 for diff, _ in setup["stages"].values()), (name, setup["stages"])
+        assert setup["token_mult_prob_error"] < 1 + 1e-5, (name, setup["token_mult_prob_error"])
+        assert all(n == counts["items"] for _, n in setup["items_bitwise"].values()), setup["items_bitwise"]
+    control = setups["control: pack as one document"]
+    assert control["token_mult_prob_error"] > 1.001 and control["first_difference"].startswith("lm.layer")
+
+
+def test_isolate_bf16_runs_the_same_path(isolate_runs):
+    _, runs = isolate_runs
+    result, text, status = runs["bf16"]
+    assert status == 0 and result["dtype"] == str(torch.bfloat16) and "CPU bf16" in text
+    assert result["hooks"] == runs["fp32"][0]["hooks"]
+    assert result["setups"]["control: pack as one document"]["token_mult_prob_error"] > 1.001
