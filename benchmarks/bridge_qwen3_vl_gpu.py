@@ -58,6 +58,35 @@ def one_document(micro_batch):
 SETUPS = ("as is", "alone fed packed vision", "vision one item at a time", "control: pack as one document")
 
 
+LAYER_DETAIL = ("input_layernorm", "self_attention.linear_qkv", "self_attention.q_layernorm",
+                "self_attention.k_layernorm", "self_attention.core_attention", "self_attention.linear_proj",
+                "pre_mlp_layernorm", "mlp.linear_fc1", "mlp.linear_fc2")
+MERGER_DETAIL = ("patch_norm", "linear_fc1", "linear_fc2")
+
+
+def detail_modules(prefix: str, module, names) -> dict:
+    """{prefix.name: submodule} for the `names` that `module` has (a missing or None one is skipped)."""
+    out = {}
+    for name in names:
+        try:
+            sub = module.get_submodule(name)
+        except AttributeError:
+            continue
+        if sub is not None:
+            out[f"{prefix}.{name}"] = sub
+    return out
+
+
+def layer_modules(prefix: str, layers) -> dict:
+    """{prefix.layerI: layer} with layer 0's sub-modules (LAYER_DETAIL) before it, in call order."""
+    out = {}
+    for i, layer in enumerate(layers):
+        if i == 0:
+            out.update(detail_modules(f"{prefix}.layer0", layer, LAYER_DETAIL))
+        out[f"{prefix}.layer{i}"] = layer
+    return out
+
+
 class Probe:
     """Forward hooks on Bridge's own modules recording, for one forward, each stage's output rows
     (token or patch rows first): the vision tower's patch embedding, layers, merger, output and deepstack
@@ -70,9 +99,9 @@ class Probe:
         vision, lm = model.vision_model, model.language_model
         self.vision, self.records, self.substitute, self.fired = vision, {}, None, {}
         self.row_modules = {"vision.patch_embed": vision.patch_embed,
-                            **{f"vision.layer{i}": m for i, m in enumerate(vision.decoder.layers)},
-                            "vision.merger": vision.merger, "lm.rotary": lm.rotary_pos_emb,
-                            **{f"lm.layer{i}": m for i, m in enumerate(lm.decoder.layers)}}
+                            **layer_modules("vision", vision.decoder.layers),
+                            **detail_modules("vision.merger", vision.merger, MERGER_DETAIL), "vision.merger": vision.merger,
+                            "lm.rotary": lm.rotary_pos_emb, **layer_modules("lm", lm.decoder.layers)}
         self.handles = [m.register_forward_hook(self._rows(name)) for name, m in self.row_modules.items()]
         self.handles.append(vision.register_forward_hook(self._tower, with_kwargs=True))
         self.handles.append(lm.decoder.register_forward_pre_hook(self._decoder_input, with_kwargs=True))
@@ -227,15 +256,11 @@ def run_setups(probe, model, adapter, packed_mb, alone_batches, merge) -> dict:
 
 
 def stage_order(probe) -> list[str]:
-    vision_layers = [k for k in probe.row_modules if k.startswith("vision.layer")]
-    lm_layers = [k for k in probe.row_modules if k.startswith("lm.layer")]
-    deepstack = [f"vision.deepstack{i}" for i in range(len(model_deepstack(probe)))]
-    return ["positions", "lm.rotary", "lm.rotary cos/sin", "vision.patch_embed", *vision_layers, "vision.merger",
-            "vision.embeds", *deepstack, "lm.decoder_input", *lm_layers]
-
-
-def model_deepstack(probe):
-    return probe.vision.decoder.deepstack_merger_list
+    """Stages in the order the model computes them (positions and rotary first)."""
+    tower = [k for k in probe.row_modules if k.startswith("vision.")]
+    lm = [k for k in probe.row_modules if k.startswith("lm.") and k != "lm.rotary"]
+    deepstack = [f"vision.deepstack{i}" for i in range(len(probe.vision.decoder.deepstack_merger_list))]
+    return ["positions", "lm.rotary", "lm.rotary cos/sin", *tower, "vision.embeds", *deepstack, "lm.decoder_input", *lm]
 
 
 def isolate(model, adapter, samples, to_device) -> dict:
@@ -262,8 +287,7 @@ def isolate(model, adapter, samples, to_device) -> dict:
         alone_records = [dict(r, positions=mb.position_ids) for (_, r), mb in zip(alones, alone_batches)]
         stages = compare(packed, spans, alone_records, alone_spans)
         if setup == "alone fed packed vision":  # the alone tower's own work is replaced: not compared
-            stages = {k: v for k, v in stages.items() if k not in ("vision.patch_embed", "vision.merger")
-                      and not k.startswith("vision.layer")}
+            stages = {k: v for k, v in stages.items() if k not in probe.row_modules or not k.startswith("vision.")}
         error = token_mult_prob_error(lp_packed, torch.cat([lp for lp, _ in alones]))
         first = next((k for k in order if k in stages and not stages[k][1]), "none")
         setups[setup] = {"token_mult_prob_error": error, "first_difference": first,
