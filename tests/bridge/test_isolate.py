@@ -72,6 +72,7 @@ def test_isolate_fp32_stages_equal_and_hooks_fired(isolate_runs):
     hooked = [s for s in stages if s not in ("positions", "lm.rotary cos/sin", "vision.deepstack0", "vision.deepstack1")]
     assert set(result["hooks"]) == {*hooked, "vision.grid", "vision.deepstack0", "vision.deepstack1"}
     check_hooks(result["hooks"], counts["samples"], counts["with_vision"], counts["items"])
+    assert result["dropped_stages"] == []
     setups = result["setups"]
     for name in ("as is", "alone fed packed vision", "vision one item at a time"):
         setup = setups[name]
