@@ -1,7 +1,7 @@
 """GPU parity for Megatron-Bridge's Qwen3-VL with Transformer Engine in bf16: packed vs each sample alone.
 
     python benchmarks/bridge_qwen3_vl_gpu.py --out benchmarks/results/bridge_qwen3_vl_gpu.md
-    python benchmarks/bridge_qwen3_vl_gpu.py --isolate --out benchmarks/results/bridge_qwen3_vl_isolate_gpu.md
+    python benchmarks/bridge_qwen3_vl_gpu.py --isolate --out benchmarks/results/bridge_qwen3_vl_isolate_gpu.md  # + .json
     python benchmarks/bridge_qwen3_vl_gpu.py --device cpu --max-text 24    # CPU smoke (TE-free, fp32)
     python benchmarks/bridge_qwen3_vl_gpu.py --device cpu --dtype bf16 --isolate   # CPU bf16 (not the GPU's kernels)
 
@@ -348,7 +348,8 @@ def isolate_markdown(result: dict) -> str:
     setups = result["setups"]
     names = list(setups)
     order = list(dict.fromkeys(k for s in setups.values() for k in s["stages"]))
-    lines = [f"{result['model']} (parameters {result['dtype']}): {result['tokens']} tokens, {result['images']} images, {result['videos']} videos; "
+    counts = f"{result['tokens']} tokens, {result['images']} images, {result['videos']} videos"
+    lines = [f"{result['model']} (parameters {result['dtype']}): {counts}; "
              "packed vs each sample alone, max |diff| per stage (rows) and setup (columns).", "",
              "| stage | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for stage in order:
@@ -488,12 +489,15 @@ def run(argv=None) -> tuple[dict, str, int]:
 def main(argv=None) -> int:
     import torch.distributed as dist
 
-    _, text, status = run(argv)
+    result, text, status = run(argv)
     print(text)
     args = parse(argv)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
+        if args.isolate and args.out.endswith(".md"):  # the raw numbers beside the table
+            with open(args.out[:-3] + ".json", "w") as f:
+                json.dump(result, f, indent=1)
     dist.destroy_process_group()
     return status
 
