@@ -11,8 +11,6 @@ import torch
 
 from megatron_vlm_packing.testing.distributed import run_distributed
 
-pytestmark = pytest.mark.bridge
-
 BENCHMARKS = str(Path(__file__).resolve().parents[2] / "benchmarks")
 ARGS = ["--device", "cpu", "--isolate", "--samples", "3", "--max-text", "24"]
 
@@ -55,6 +53,7 @@ def isolate_runs():
     return run_distributed(_isolate, 1, timeout_s=300)
 
 
+@pytest.mark.bridge
 def test_isolate_fp32_stages_equal_and_hooks_fired(isolate_runs):
     counts, runs = isolate_runs
     result, text, status = runs["fp32"]
@@ -87,9 +86,25 @@ def test_isolate_fp32_stages_equal_and_hooks_fired(isolate_runs):
     assert control["first_difference"] == "lm.layer0.self_attention.core_attention"  # where documents meet
 
 
+@pytest.mark.bridge
 def test_isolate_bf16_runs_the_same_path(isolate_runs):
     _, runs = isolate_runs
     result, text, status = runs["bf16"]
     assert status == 0 and result["dtype"] == str(torch.bfloat16) and "CPU bf16" in text
     assert result["hooks"] == runs["fp32"][0]["hooks"]
     assert result["setups"]["control: pack as one document"]["token_mult_prob_error"] > 1.001
+
+
+def _setups(as_is: float, fed: float) -> dict:
+    return {"as is": {"token_mult_prob_error": as_is, "first_difference": "vision.merger.linear_fc1"},
+            "alone fed packed vision": {"token_mult_prob_error": fed,
+                                        "first_difference": "lm.layer0.self_attention.core_attention"}}
+
+
+def test_verdict_names_the_vision_tower_or_the_language_model():
+    verdict = _benchmark().verdict
+    assert "nothing to isolate" in verdict(_setups(1.0000004, 1.0))
+    assert "vision tower" in verdict(_setups(1.001368, 1.0000004)) and "vision.merger.linear_fc1" in verdict(
+        _setups(1.001368, 1.0))
+    text = verdict(_setups(1.001368, 1.0009))
+    assert "language-model path" in text and "1.000900" in text and "core_attention" in text
