@@ -209,7 +209,6 @@ def compare(packed: dict, packed_spans, alones: list[dict], alone_spans) -> dict
             out[name] = difference(*packed_rows(name, packed, packed_spans, alones, alone_spans))
         else:
             out[name] = difference(rows, torch.cat([alone[name] for alone in alones if name in alone]))
-    out["positions"] = difference(*packed_rows("positions", packed, packed_spans, alones, alone_spans))
     rotary, dtype = packed_rows("lm.rotary", packed, packed_spans, alones, alone_spans), packed["lm.decoder_input"].dtype
     out["lm.rotary cos/sin"] = max(difference(f(rotary[0]).to(dtype), f(rotary[1]).to(dtype)) for f in (torch.cos, torch.sin))
     return out
@@ -247,7 +246,7 @@ def vision_rows(micro_batch, merge: int) -> int:
 
 def fed_packed_vision(probe, model, adapter, packed_records, alone_batches, merge) -> list:
     """Each sample alone, its vision tower's output replaced by the pack's rows for its images / videos."""
-    names = ["vision.embeds"] + sorted(k for k in packed_records if k.startswith("vision.deepstack"))
+    names = ["vision.embeds"] + [k for k in packed_records if k.startswith("vision.deepstack")]  # level order
     start, out = 0, []
     for mb in alone_batches:
         n = vision_rows(mb, merge)
