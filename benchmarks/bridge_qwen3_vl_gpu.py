@@ -16,12 +16,13 @@ done wrong must show). Exit status 1 when the error exceeds --max-error (1.001) 
 does not.
 
 --isolate: where packed and alone first differ. Forward hooks on Bridge's own modules record each
-stage (mRoPE positions, the rotary table and its cos/sin, the vision tower's patch embedding, layers
-(layer 0 per sub-module), merger, output per image / video and deepstack levels, the language model's
-decoder input and layers (layer 0 per sub-module)); packed is compared with the samples alone, token
+stage: mRoPE positions, the rotary table and its cos/sin; the vision tower's patch embedding, layers
+and merger (each per sub-module), its output per image / video and its deepstack levels; the
+language model's decoder input and layers (each per sub-module; the table shows layer 0's and the
+first differing layer's sub-modules, the JSON all). Packed is compared with the samples alone, token
 rows per sample, in four setups: as is; each sample alone fed the pack's vision-tower output (the
 language model with vision held fixed); the vision tower run one image / video at a time in both
-arms; and the one-document control. Every hook must fire once per forward (per tower call for the
+arms; the one-document control. Every hook must fire once per forward (per tower call for the
 vision modules), else it raises. Exit status 0 once the table is written (a diagnosis, not a gate).
 """
 
@@ -89,11 +90,10 @@ def detail_modules(prefix: str, module, names) -> dict:
 
 
 def layer_modules(prefix: str, layers) -> dict:
-    """{prefix.layerI: layer} with layer 0's sub-modules (LAYER_DETAIL) before it, in call order."""
+    """{prefix.layerI: layer}, each after its sub-modules (LAYER_DETAIL), in call order."""
     out = {}
     for i, layer in enumerate(layers):
-        if i == 0:
-            out.update(detail_modules(f"{prefix}.layer0", layer, LAYER_DETAIL))
+        out.update(detail_modules(f"{prefix}.layer{i}", layer, LAYER_DETAIL))
         out[f"{prefix}.layer{i}"] = layer
     return out
 
@@ -342,11 +342,21 @@ def verdict(setups: dict) -> str:
             f"language-model path has it (first difference: {setups['alone fed packed vision']['first_difference']}).")
 
 
+def shown(stage: str, setups: dict) -> bool:
+    """Sub-module rows appear for layer 0 and for a layer where some setup first differs (all are in the
+    JSON); every other row always."""
+    parts = stage.split(".")
+    if len(parts) < 3 or not parts[1].startswith("layer") or parts[1] == "layer0":
+        return True
+    layer = ".".join(parts[:2]) + "."
+    return any(s["first_difference"].startswith(layer) for s in setups.values())
+
+
 def isolate_markdown(result: dict) -> str:
     """The isolate table: stages (rows) x setups (columns), token_mult_prob_error, first difference."""
     setups = result["setups"]
     names = list(setups)
-    order = list(dict.fromkeys(k for s in setups.values() for k in s["stages"]))
+    order = [k for k in dict.fromkeys(k for s in setups.values() for k in s["stages"]) if shown(k, setups)]
     counts = f"{result['tokens']} tokens, {result['images']} images, {result['videos']} videos"
     lines = [f"{result['model']} (parameters {result['dtype']}): {counts}; "
              "packed vs each sample alone, max |diff| per stage (rows) and setup (columns).", "",

@@ -58,16 +58,17 @@ def test_isolate_fp32_stages_equal_and_hooks_fired(isolate_runs):
     counts, runs = isolate_runs
     result, text, status = runs["fp32"]
     assert status == 0 and result["dtype"] == str(torch.float32) and "| stage |" in text
-    stages = ["positions", "lm.rotary", "lm.rotary cos/sin", "vision.patch_embed", "vision.layer0.input_layernorm",
-              "vision.layer0.self_attention.linear_qkv", "vision.layer0.self_attention.core_attention",
-              "vision.layer0.self_attention.linear_proj", "vision.layer0.pre_mlp_layernorm",
-              "vision.layer0.mlp.linear_fc1", "vision.layer0.mlp.linear_fc2", "vision.layer0", "vision.layer1",
+    detail = ["input_layernorm", "self_attention.linear_qkv", "self_attention.q_layernorm",
+              "self_attention.k_layernorm", "self_attention.core_attention", "self_attention.linear_proj",
+              "pre_mlp_layernorm", "mlp.linear_fc1", "mlp.linear_fc2"]
+    vision_detail = [d for d in detail if d not in ("self_attention.q_layernorm", "self_attention.k_layernorm")]
+
+    def layers(prefix, names):
+        return [f"{prefix}.layer{i}{suffix}" for i in range(2) for suffix in [f".{n}" for n in names] + [""]]
+
+    stages = ["positions", "lm.rotary", "lm.rotary cos/sin", "vision.patch_embed", *layers("vision", vision_detail),
               "vision.merger.patch_norm", "vision.merger.linear_fc1", "vision.merger.linear_fc2", "vision.merger",
-              "vision.embeds", "vision.deepstack0", "vision.deepstack1", "lm.decoder_input",
-              "lm.layer0.input_layernorm", "lm.layer0.self_attention.linear_qkv", "lm.layer0.self_attention.q_layernorm",
-              "lm.layer0.self_attention.k_layernorm", "lm.layer0.self_attention.core_attention",
-              "lm.layer0.self_attention.linear_proj", "lm.layer0.pre_mlp_layernorm", "lm.layer0.mlp.linear_fc1",
-              "lm.layer0.mlp.linear_fc2", "lm.layer0", "lm.layer1"]
+              "vision.embeds", "vision.deepstack0", "vision.deepstack1", "lm.decoder_input", *layers("lm", detail)]
     hooked = [s for s in stages if s not in ("positions", "lm.rotary cos/sin", "vision.deepstack0", "vision.deepstack1")]
     assert set(result["hooks"]) == {*hooked, "vision.grid", "vision.deepstack0", "vision.deepstack1"}
     check_hooks(result["hooks"], counts["samples"], counts["with_vision"], counts["items"])
@@ -108,3 +109,11 @@ def test_verdict_names_the_vision_tower_or_the_language_model():
         _setups(1.001368, 1.0))
     text = verdict(_setups(1.001368, 1.0009))
     assert "language-model path" in text and "1.000900" in text and "core_attention" in text
+
+
+def test_table_shows_sub_modules_of_layer_0_and_of_the_first_differing_layer():
+    shown = _benchmark().shown
+    setups = {"as is": {"first_difference": "lm.layer1.mlp.linear_fc1"}}
+    assert shown("lm.layer0.mlp.linear_fc1", setups) and shown("lm.layer1.self_attention.linear_qkv", setups)
+    assert not shown("lm.layer2.mlp.linear_fc1", setups) and not shown("vision.layer1.mlp.linear_fc1", setups)
+    assert shown("lm.layer2", setups) and shown("vision.merger.linear_fc1", setups)
