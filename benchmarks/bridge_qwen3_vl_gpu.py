@@ -123,7 +123,9 @@ class Probe:
 
     def _rows(self, name):
         def hook(module, args, output):
-            self._add(name, output[0] if isinstance(output, tuple) else output)
+            tensor = output[0] if isinstance(output, (tuple, list)) else output
+            if isinstance(tensor, torch.Tensor):  # else not counted: `check` drops or refuses the stage
+                self._add(name, tensor)
         return hook
 
     def _tower(self, module, args, kwargs, output):
