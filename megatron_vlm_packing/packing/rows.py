@@ -95,11 +95,14 @@ def loss_weights_of(labels: torch.Tensor, loss_values: torch.Tensor | None) -> t
     return (loss_values if loss_values.dtype == torch.float32 else loss_values.float()).mul(is_target)
 
 
+_BUILTIN_KEYS = frozenset(SEQUENCE_KEYS) | set(VISION_KEYS) | set(AUDIO_KEYS) | {DOCUMENT_KEY} | set(ROPE_ONLY_KEYS)
+
+
 def check_keys(batch, *, extra_keys, mrope) -> None:
     """The batch is a dict whose every key is understood; ValueError naming the first that is not."""
     if not isinstance(batch, Mapping):
         raise ValueError(f"batch must be a dict of tensors, got {type(batch).__name__}")
-    builtin = set(SEQUENCE_KEYS) | set(VISION_KEYS) | set(AUDIO_KEYS) | {DOCUMENT_KEY} | set(ROPE_ONLY_KEYS)
+    builtin = _BUILTIN_KEYS
     clash = sorted(set(extra_keys) & builtin)
     if clash:
         raise ValueError(f"extra_keys {clash} are batch keys pack_batch/pad_batch already read; declare only other "
