@@ -32,8 +32,8 @@ def pack_rows(rows: torch.Tensor, indices: PackIndices, *, pad_value=0) -> torch
     if rows.dim() < 2 or tuple(rows.shape[:2]) != (len(plan.row_lengths), plan.row_capacity):
         raise ValueError(f"rows must be [B, S, ...] = [{len(plan.row_lengths)}, {plan.row_capacity}, ...] "
                          f"(the plan's), got shape {tuple(rows.shape)}")
-    flat = rows.reshape(rows.shape[0] * rows.shape[1], *rows.shape[2:])  # [B*S, ...]
-    return _cat_documents(flat, indices.row_slices, pad_value).unsqueeze(0)
+    flat = rows.reshape(1, rows.shape[0] * rows.shape[1], *rows.shape[2:])  # [1, B*S, ...]
+    return _cat_documents(flat, indices.row_slices, pad_value)
 
 
 def pack_next_token_labels(labels: torch.Tensor, indices: PackIndices, *, ignore_index: int = -100) -> torch.Tensor:
@@ -47,23 +47,25 @@ def pack_next_token_labels(labels: torch.Tensor, indices: PackIndices, *, ignore
         token of the same sample, else `ignore_index`; so the last token of a sample never learns
         the first token of the next (bug class 8). One copy of each document's labels[1:n].
     """
-    return _cat_documents(labels.reshape(-1), indices.next_token_slices, ignore_index).unsqueeze(0)
+    return _cat_documents(labels.reshape(1, -1), indices.next_token_slices, ignore_index)
 
 
 def _cat_documents(flat: torch.Tensor, slices: DocumentSlices, pad_value) -> torch.Tensor:
-    """[T, ...]: every document's slice of `flat` ([B*S, ...]), each followed by its pad slots."""
-    if flat.shape[0] != slices.flat_length:
-        raise ValueError(f"rows hold {flat.shape[0]} tokens but the plan's rows hold {slices.flat_length}")
-    pieces = flat.split_with_sizes(slices.split_sizes)[1::2]  # views of every document's slice
+    """[1, T, ...]: every document's slice of `flat` ([1, B*S, ...]), each followed by its pad slots.
+
+    Split and concatenated along dim 1, so the result needs no reshape."""
+    if flat.shape[1] != slices.flat_length:
+        raise ValueError(f"rows hold {flat.shape[1]} tokens but the plan's rows hold {slices.flat_length}")
+    pieces = flat.split_with_sizes(slices.split_sizes, dim=1)[1::2]  # views of every document's slice
     if not slices.longest_pad:
-        return torch.cat(pieces)
-    pad = torch.full((slices.longest_pad, *flat.shape[1:]), pad_value, dtype=flat.dtype, device=flat.device)
+        return torch.cat(pieces, dim=1)
+    pad = torch.full((1, slices.longest_pad, *flat.shape[2:]), pad_value, dtype=flat.dtype, device=flat.device)
     interleaved = []
     for piece, pad_length in zip(pieces, slices.pad_lengths):
         interleaved.append(piece)
         if pad_length:
-            interleaved.append(pad[:pad_length])
-    return torch.cat(interleaved)
+            interleaved.append(pad[:, :pad_length])
+    return torch.cat(interleaved, dim=1)
 
 
 def _check_row_geometry(indices: PackIndices, batch_size: int, row_length: int, plan) -> None:

@@ -47,6 +47,14 @@ class PackMultiples:
     def for_parallel(
         cls, *, tp_size: int = 1, cp_size: int = 1, sequence_parallel: bool = False, fp8: bool = False
     ) -> "PackMultiples":
+        """The multiples for a parallel configuration (see `_for_parallel`)."""
+        if type(tp_size) is int and type(cp_size) is int and tp_size == cp_size == 1 and not sequence_parallel \
+                and not fp8 and cls is PackMultiples:
+            return _NO_PARALLELISM  # the common case, built once
+        return cls._for_parallel(tp_size=tp_size, cp_size=cp_size, sequence_parallel=sequence_parallel, fp8=fp8)
+
+    @classmethod
+    def _for_parallel(cls, *, tp_size: int, cp_size: int, sequence_parallel: bool, fp8: bool) -> "PackMultiples":
         """Derive the multiples from the parallel configuration.
 
         - segment = 2*cp (cp > 1): TE's CP splits each document into 2*cp equal chunks.
@@ -62,6 +70,9 @@ class PackMultiples:
         per_rank = cp_size * (tp_size if sequence_parallel else 1)
         total = math.lcm(segment, per_rank * (16 if fp8 else 1))
         return cls(segment=segment, total=total)
+
+
+_NO_PARALLELISM = PackMultiples()
 
 
 @dataclass(frozen=True)

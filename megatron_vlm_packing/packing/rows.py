@@ -11,12 +11,15 @@ Shape legend: B = rows, S = row length.
 from __future__ import annotations
 
 import inspect
-import struct
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 import torch
 
+from megatron_vlm_packing.packing.checks import (  # noqa: F401 (re-exported: callers import them from rows)
+    COPY_WINDOW, EXACT_COPY_CHECK_SLOTS, IGNORE_INDEX, DeferredChecks, ValueInputs, _first_bad, check_ids,
+    check_label_values, check_loss_weights, queue_value_checks, real_target_differs, refuse_hf_labels_as_megatron,
+)
 from megatron_vlm_packing.packing.documents import DOCUMENT_KEY, split_documents
 from megatron_vlm_packing.packing.lengths import DeferredKeep, any_true, keep_mask_deferred, real_lengths
 from megatron_vlm_packing.packing.media import (
@@ -24,7 +27,6 @@ from megatron_vlm_packing.packing.media import (
 )
 from megatron_vlm_packing.packing.micro_batch import AudioInputs, VisionInputs
 
-IGNORE_INDEX = -100
 SEQUENCE_KEYS = ("input_ids", "tokens", "labels", "loss_mask", "attention_mask", "position_ids", "seq_lens")
 # Read only by an mRoPE index (`mrope=`): accepted only when one is given.
 ROPE_ONLY_KEYS = ("mm_token_type_ids", "use_audio_in_video", "audio_seqlens")
@@ -51,7 +53,7 @@ class Rows:
         document_rows: with `document_lengths`, the source row of each row here (one per document).
 
     `labels` and `loss_weights` build the [B, S] targets and weights of the rows (`pad_batch`);
-    `pack_batch` builds them over the packed tokens only (`pack.pack_labels_and_weights`).
+    `pack_batch` builds them over the packed tokens only (`batch.pack_labels_and_weights`).
     """
 
     input_ids: torch.Tensor
@@ -95,11 +97,14 @@ def loss_weights_of(labels: torch.Tensor, loss_values: torch.Tensor | None) -> t
     return (loss_values if loss_values.dtype == torch.float32 else loss_values.float()).mul(is_target)
 
 
+_BUILTIN_KEYS = frozenset(SEQUENCE_KEYS) | set(VISION_KEYS) | set(AUDIO_KEYS) | {DOCUMENT_KEY} | set(ROPE_ONLY_KEYS)
+
+
 def check_keys(batch, *, extra_keys, mrope) -> None:
     """The batch is a dict whose every key is understood; ValueError naming the first that is not."""
     if not isinstance(batch, Mapping):
         raise ValueError(f"batch must be a dict of tensors, got {type(batch).__name__}")
-    builtin = set(SEQUENCE_KEYS) | set(VISION_KEYS) | set(AUDIO_KEYS) | {DOCUMENT_KEY} | set(ROPE_ONLY_KEYS)
+    builtin = _BUILTIN_KEYS
     clash = sorted(set(extra_keys) & builtin)
     if clash:
         raise ValueError(f"extra_keys {clash} are batch keys pack_batch/pad_batch already read; declare only other "
@@ -160,43 +165,6 @@ def shift_labels_within_rows(labels: torch.Tensor, keep: torch.Tensor) -> torch.
     return torch.where(next_is_real, shifted, IGNORE_INDEX)
 
 
-def _first_bad(bad: torch.Tensor) -> tuple[int, int]:
-    """(row, position) of the first True of a [B, S] bool (error path only)."""
-    b, t = torch.nonzero(bad)[0].tolist()
-    return b, t
-
-
-def check_label_values(labels: torch.Tensor, keep: torch.Tensor, vocab_size: int | None) -> None:
-    """Real tokens' labels are -100 or a token id in [0, vocab_size); ValueError naming row and position."""
-    bad = keep & (labels != IGNORE_INDEX) & (labels < 0)
-    if vocab_size is not None:
-        bad = bad | (keep & (labels >= vocab_size))
-    if bool(bad.any()):
-        b, t = _first_bad(bad)
-        allowed = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
-        raise ValueError(f"labels row {b} position {t} is {int(labels[b, t])}: a label must be -100 (ignored) or a "
-                         f"token id {allowed}; {int(bad.sum())} such label(s)")
-
-
-def refuse_hf_labels_as_megatron(labels: torch.Tensor, input_ids: torch.Tensor, keep: torch.Tensor) -> None:
-    """Megatron labels are the next token: labels equal to input_ids on every real target are HF labels."""
-    target = keep & (labels != IGNORE_INDEX)
-    count = int(target.sum())
-    if count >= 2 and bool(((labels == input_ids) | ~target).all()):
-        raise ValueError(f"labels equal input_ids on all {count} real targets: these are Hugging Face (unshifted) "
-                         f"labels; pass label_style=\"hf\" (label_style=\"megatron\" would train the model to copy "
-                         f"the current token)")
-
-
-def check_loss_weights(values: torch.Tensor, keep: torch.Tensor) -> None:
-    """Loss weights of real tokens are finite and >= 0; ValueError naming row and position."""
-    bad = keep & ~(torch.isfinite(values) & (values >= 0))
-    if bool(bad.any()):
-        b, t = _first_bad(bad)
-        raise ValueError(f"loss_mask row {b} position {t} is {float(values[b, t])}: loss weights must be finite "
-                         f"and >= 0")
-
-
 def checked_labels(batch: Mapping, shape: tuple[int, int], label_style: str) -> torch.Tensor:
     """[B, S] long labels as given (Megatron next-token targets or HF unshifted labels), type-checked."""
     labels = row_tensor(batch, "labels", shape)
@@ -214,143 +182,6 @@ def checked_loss_values(batch: Mapping, shape: tuple[int, int]) -> torch.Tensor 
     if loss_mask is not None and loss_mask.is_complex():
         raise ValueError(f"loss_mask must be real weights, got dtype {loss_mask.dtype}")
     return loss_mask
-
-
-_FLOAT32_MAX = torch.finfo(torch.float32).max
-# Tokens at the end of each row where a real target that differs from its token is looked for.
-COPY_WINDOW = 64
-# Up to this many [B, S] slots the copy check compares every real target (fewer ops than the window).
-EXACT_COPY_CHECK_SLOTS = 1 << 14
-
-
-def real_target_differs(raw_labels: torch.Tensor, input_ids: torch.Tensor, row_lengths: torch.Tensor) -> torch.Tensor:
-    """0-dim uint8: 1 when one of the last `COPY_WINDOW` real tokens of some row has a label that is
-    neither -100 nor its own token (so the labels are not Hugging Face labels given as Megatron ones).
-
-    Args:
-        raw_labels, input_ids: [B, S] long. row_lengths: [B] real lengths on the device (not yet
-            checked: out-of-range values are clamped; the mask check raises before this is used).
-    """
-    window = min(COPY_WINDOW, raw_labels.shape[1])
-    slots = row_lengths[:, None] - torch.arange(1, window + 1, device=raw_labels.device)  # [B, W], last first
-    real = slots >= 0
-    slots = slots.clamp(0, raw_labels.shape[1] - 1)
-    labels, tokens = raw_labels.gather(1, slots), input_ids.gather(1, slots)
-    return any_true((labels != tokens) & (labels != IGNORE_INDEX) & real)
-
-
-@dataclass(frozen=True)
-class ValueInputs:
-    """What the value checks read. input_ids, raw_labels: [B, S] long; loss_values: [B, S] or None.
-    keep(): [B, S] bool keep-mask; real_slots(): [B, S] 1 at real tokens, 0 elsewhere (the 0/1 mask
-    as given, or keep()); row_lengths(): [B] real lengths on the device. Each built on call only."""
-
-    input_ids: torch.Tensor
-    name: str
-    raw_labels: torch.Tensor
-    loss_values: torch.Tensor | None
-    keep: Callable[[], torch.Tensor]
-    real_slots: Callable[[], torch.Tensor]
-    row_lengths: Callable[[], torch.Tensor]
-
-
-def queue_value_checks(inputs: ValueInputs, label_style: str, vocab_size: int | None, checks: "DeferredChecks") -> None:
-    """Queue the value checks of ids, labels and loss weights on `checks` (read with the lengths).
-
-    Screens: one pass over [B, S] or less each, looking at every slot, pads included, so that the
-    packed path needs no keep-mask. A pad slot rarely holds a bad value; when one trips a screen,
-    the exact check over the real tokens runs on the host and raises for a bad real token, else
-    returns (only pad slots tripped it: extra host reads, never a wrong answer).
-    - ids: the lowest and highest id.
-    - labels: any label below 0 other than -100; with `vocab_size`, the highest label.
-    - Megatron labels equal to input_ids: no real target other than its own token among all real
-      tokens (up to `EXACT_COPY_CHECK_SLOTS` slots) or among the last `COPY_WINDOW` of each row
-      (then the exact check counts every real target: it raises for two or more, all copies).
-    - loss weights: the lowest and highest value (finite and >= 0, and finite as float32).
-    """
-    ids, labels, keep = inputs.input_ids, inputs.raw_labels, inputs.keep
-    checks.add(tuple(ids.aminmax()), lambda v: v[0] < 0 or (vocab_size is not None and v[1] >= vocab_size),
-               lambda: check_ids(ids, keep(), vocab_size, inputs.name), screen=True)
-    label_check = lambda: check_label_values(labels, keep(), vocab_size)  # noqa: E731
-    ignored = labels == IGNORE_INDEX
-    checks.add(any_true((labels < 0) ^ ignored).long(), lambda v: v[0] != 0, label_check, screen=True)
-    if vocab_size is not None:
-        checks.add(labels.amax(), lambda v: v[0] >= vocab_size, label_check, screen=True)
-    if label_style == "megatron":
-        checks.add(_real_target_differs(inputs, ignored), lambda v: v[0] == 0,
-                   lambda: refuse_hf_labels_as_megatron(labels, ids, keep()), screen=True)
-    values = inputs.loss_values
-    if values is not None and values.dtype != torch.bool:
-        bits = torch.stack(values.aminmax()).double().view(torch.int64)  # read as int64 bits: one dtype to read
-        checks.add(bits, lambda v: not _weights_in_range(v), lambda: check_loss_weights(values.float(), keep()),
-                   screen=True)
-
-
-def _weights_in_range(bits: list[int]) -> bool:
-    """Lowest and highest loss weight (float64 bits) are >= 0 and finite as float32 (NaN is not)."""
-    low, high = struct.unpack("<2d", struct.pack("<2q", *bits))
-    return low >= 0 and high <= _FLOAT32_MAX
-
-
-def _real_target_differs(inputs: ValueInputs, ignored: torch.Tensor) -> torch.Tensor:
-    """0-dim long, 1 when a real target differs from its own token (every one up to
-    `EXACT_COPY_CHECK_SLOTS` slots, else the last `COPY_WINDOW` of each row)."""
-    labels, ids = inputs.raw_labels, inputs.input_ids
-    if labels.numel() > EXACT_COPY_CHECK_SLOTS:
-        return real_target_differs(labels, ids, inputs.row_lengths()).long()
-    differs = (((labels != ids) > ignored) & inputs.real_slots()).amax()  # & with a 0/1 mask stays 0/1
-    return differs if differs.dtype == torch.int64 else differs.long()
-
-
-class DeferredChecks:
-    """Numbers computed on the device and read back in one host sync (with the lengths).
-
-    Each entry holds device values, a host test of them, and a function that recomputes the
-    details and raises the ValueError naming the field and numbers. An exact check's function must
-    raise when its test fails; a screen's (a coarse test that pad slots may trip) raises only for a
-    bad real token and otherwise returns. The clean path costs one sync.
-    """
-
-    def __init__(self) -> None:
-        self.entries: list[tuple[tuple[torch.Tensor, ...], Callable, Callable | None, bool]] = []
-
-    def add(self, values, fails: Callable[[list], bool], raiser: Callable | None, *, screen: bool = False) -> int:
-        """Queue `values`: a 1-D tensor, a 0-dim one, or a tuple of 0-dim ones (e.g. `aminmax()`'s);
-        `fails(their host values as a flat list)`. Returns the entry's index for `read()`'s result."""
-        parts = values if isinstance(values, tuple) else (values,)
-        parts = tuple(p.double() if p.is_floating_point() else p for p in parts)  # floats read as float64
-        self.entries.append((parts, fails, raiser, screen))
-        return len(self.entries) - 1
-
-    def read(self) -> list[list]:
-        """The one host sync: every entry's values as host numbers (ints stay ints), after raising
-        the first failed check's error. 1-D values go in one `cat`, 0-dim ones in one `stack`
-        (all on the first entry's device: callers queue values there)."""
-        if not self.entries:
-            return []
-        vectors = [p for parts, *_ in self.entries for p in parts if p.dim()]
-        scalars = [p for parts, *_ in self.entries for p in parts if not p.dim()]
-        flat = torch.cat(vectors + [torch.stack(scalars)] if scalars else vectors).tolist()  # the one host sync
-        floats = any(p.is_floating_point() for p in vectors + scalars)
-        host, vector_at, scalar_at = [], 0, len(flat) - len(scalars)
-        for parts, *_ in self.entries:
-            chunk = []
-            for p in parts:
-                if p.dim():
-                    size = p.shape[0]
-                    chunk += flat[vector_at:vector_at + size]
-                    vector_at += size
-                else:
-                    chunk.append(flat[scalar_at])
-                    scalar_at += 1
-            integer = floats and not any(p.is_floating_point() for p in parts)
-            host.append([int(x) for x in chunk] if integer else chunk)
-        for chunk, (_, fails, raiser, screen) in zip(host, self.entries):
-            if raiser is not None and fails(chunk):
-                raiser()
-                if not screen:
-                    raise AssertionError("a failed check did not raise its ValueError")  # a bug here, not in the input
-        return host
 
 
 def refuse_unread_rope_inputs(batch: Mapping, accepted: set, audio, *, name: str) -> None:
@@ -474,16 +305,6 @@ def check_pad_token_id(pad_token_id) -> int:
     if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or pad_token_id < 0:
         raise ValueError(f"pad_token_id must be a non-negative int (the id written at pad slots), got {pad_token_id!r}")
     return pad_token_id
-
-
-def check_ids(input_ids: torch.Tensor, keep: torch.Tensor, vocab_size: int | None, name: str) -> None:
-    bad = keep & (input_ids < 0)
-    if vocab_size is not None:
-        bad = bad | (keep & (input_ids >= vocab_size))
-    if bool(bad.any()):
-        b, t = _first_bad(bad)
-        raise ValueError(f"{name} row {b} position {t} is {int(input_ids[b, t])}: token ids must lie in "
-                         f"[0, {vocab_size if vocab_size is not None else 'vocab_size'})")
 
 
 def _extras(batch: Mapping, extra_keys, shape) -> dict:
