@@ -84,31 +84,16 @@ def _read_rows(batch: dict, space: LlavaSpace, label_style: str):
         (ids [B, S] long, labels [B, S] next-token targets, weights [B, S] float, row lengths,
         `_llava_rows`'s tuple).
     """
-    from megatron_vlm_packing.packing.lengths import keep_mask_deferred, real_lengths
-    from megatron_vlm_packing.packing.rows import (
-        DeferredChecks, Rows, ValueInputs, checked_labels, checked_loss_values, input_ids_of, queue_value_checks,
-    )
+    from megatron_vlm_packing.packing.rows import Rows, input_ids_of, queue_row_reads
 
     name, ids = input_ids_of(batch)
     shape = tuple(ids.shape)
-    mask = batch.get("attention_mask")
-    deferred = keep_mask_deferred(batch_size=shape[0], row_length=shape[1], attention_mask=mask,
-                                  seq_lens=batch.get("seq_lens"), device=ids.device)
-    raw_labels, loss_values = checked_labels(batch, shape, label_style), checked_loss_values(batch, shape)
-    checks = DeferredChecks()
-    if deferred.values is not None:  # the detailed mask error (holes, left padding, values, non-causal 4D)
-        lengths_entry = checks.add(deferred.values, deferred.fails,
-                                   lambda: real_lengths(batch_size=shape[0], row_length=shape[1], attention_mask=mask))
-    row_lengths = (lambda: deferred.values[0]) if deferred.values is not None else \
-        (lambda: torch.tensor(deferred.lengths, device=ids.device))
-    queue_value_checks(ValueInputs(ids, name, raw_labels, loss_values, lambda: deferred.keep, deferred.real_slots,
-                                   row_lengths), label_style, None, checks)
-    llava, tiles = _llava_row_values(batch, ids, deferred.keep, space)
-    llava_entry = checks.add(llava, lambda v: False, None)
-    host = checks.read()  # the one host sync
-    lengths = deferred.lengths if deferred.values is None else host[lengths_entry][:shape[0]]
-    rows = Rows(input_ids=ids, mask=deferred, lengths=list(lengths), raw_labels=raw_labels, label_style=label_style,
-                loss_values=loss_values, positions=None, vision=None, audio=None)
+    queued = queue_row_reads(batch, ids, name, label_style, None)
+    llava, tiles = _llava_row_values(batch, ids, queued.mask.keep, space)
+    llava_entry = queued.checks.add(llava, lambda v: False, None)
+    host = queued.checks.read()  # the one host sync
+    rows = Rows(input_ids=ids, mask=queued.mask, lengths=queued.lengths(host), raw_labels=queued.raw_labels,
+                label_style=label_style, loss_values=queued.loss_values, positions=None, vision=None, audio=None)
     return ids, rows.labels, rows.loss_weights, rows.lengths, _llava_rows(host[llava_entry], shape[0], tiles,
                                                                             _images(batch), ids.device)
 

@@ -320,6 +320,51 @@ def _extras(batch: Mapping, extra_keys, shape) -> dict:
     return extras
 
 
+@dataclass(frozen=True)
+class QueuedRows:
+    """A batch's rows with their mask, label, loss-weight and value checks queued on `checks`, not read yet.
+
+    Callers queue their own values on the same `checks` (positions, media, LLaVA's per-row facts),
+    then make the one `checks.read()` and get the real lengths from it with `lengths(host)`.
+    """
+
+    mask: DeferredKeep
+    raw_labels: torch.Tensor
+    loss_values: torch.Tensor | None
+    checks: DeferredChecks
+    lengths_entry: int | None
+    batch_size: int
+
+    def lengths(self, host: list) -> list[int]:
+        """The B real lengths, from the read's `host` values (or known without a read: no mask given)."""
+        if self.lengths_entry is None:
+            return list(self.mask.lengths)
+        return host[self.lengths_entry][:self.batch_size]
+
+
+def queue_row_reads(batch: Mapping, input_ids: torch.Tensor, name: str, label_style: str,
+                    vocab_size: int | None) -> QueuedRows:
+    """Queue the reads every right-padded batch needs: the deferred mask (real lengths and its detailed
+    error), labels and loss weights checked for type and shape, and the value screens of ids, labels
+    and loss weights (`checks.queue_value_checks`). `input_ids` [B, S] long, named `name` in errors."""
+    shape = tuple(input_ids.shape)
+    mask = batch.get("attention_mask")
+    deferred = keep_mask_deferred(batch_size=shape[0], row_length=shape[1], attention_mask=mask,
+                                  seq_lens=batch.get("seq_lens"), device=input_ids.device)
+    raw_labels, loss_values = checked_labels(batch, shape, label_style), checked_loss_values(batch, shape)
+    checks, lengths_entry = DeferredChecks(), None
+    if deferred.values is not None:  # the detailed mask error (holes, left padding, values, non-causal 4D)
+        lengths_entry = checks.add(deferred.values, deferred.fails,
+                                   lambda: real_lengths(batch_size=shape[0], row_length=shape[1], attention_mask=mask))
+    row_lengths = (lambda: deferred.values[0]) if deferred.values is not None else \
+        (lambda: torch.tensor(deferred.lengths, device=input_ids.device))
+    inputs = ValueInputs(input_ids, name, raw_labels, loss_values, lambda: deferred.keep, deferred.real_slots,
+                         row_lengths)
+    queue_value_checks(inputs, label_style, vocab_size, checks)
+    return QueuedRows(mask=deferred, raw_labels=raw_labels, loss_values=loss_values, checks=checks,
+                      lengths_entry=lengths_entry, batch_size=shape[0])
+
+
 def read_rows(batch, *, label_style: str, mrope, media: MediaTokens, extra_keys=(), vocab_size: int | None = None,
               position_layout: str | None = None) -> Rows:
     """Check a collated batch and read it into `Rows` (see the module docstring).
@@ -341,24 +386,12 @@ def read_rows(batch, *, label_style: str, mrope, media: MediaTokens, extra_keys=
         batch, document_rows = split_documents(batch, name, extra_keys)
         input_ids = batch[name].long()
     shape = tuple(input_ids.shape)
-    mask, seq_lens = batch.get("attention_mask"), batch.get("seq_lens")
-    deferred = keep_mask_deferred(batch_size=shape[0], row_length=shape[1], attention_mask=mask, seq_lens=seq_lens,
-                                  device=input_ids.device)
-    raw_labels = checked_labels(batch, shape, label_style)
-    loss_values = checked_loss_values(batch, shape)
-    checks = DeferredChecks()
-    if deferred.values is not None:  # the detailed mask error (holes, left padding, values, non-causal 4D)
-        lengths_entry = checks.add(deferred.values, deferred.fails,
-                                   lambda: real_lengths(batch_size=shape[0], row_length=shape[1], attention_mask=mask))
-    row_lengths = (lambda: deferred.values[0]) if deferred.values is not None else \
-        (lambda: torch.tensor(deferred.lengths, device=input_ids.device))
-    inputs = ValueInputs(input_ids, name, raw_labels, loss_values, lambda: deferred.keep, deferred.real_slots,
-                         row_lengths)
-    queue_value_checks(inputs, label_style, vocab_size, checks)
+    queued = queue_row_reads(batch, input_ids, name, label_style, vocab_size)
+    deferred, raw_labels, loss_values, checks = queued.mask, queued.raw_labels, queued.loss_values, queued.checks
     queue_position_checks(batch, lambda: deferred.keep, mrope, checks)
     media_entries = queue_media_reads(batch, input_ids, lambda: deferred.keep, media, checks)
     host = checks.read()  # the one host sync
-    lengths = deferred.lengths if deferred.values is None else host[lengths_entry][:shape[0]]
+    lengths = queued.lengths(host)
     media_host = MediaHost({name: host[entry] for name, entry in media_entries.items()})
     vision = vision_inputs(batch, media_host, media, grids_for_rope=mrope is not None)
     audio = audio_inputs(batch, media_host, media)
