@@ -217,12 +217,16 @@ def _last_step_groups(tail: list[list[int]], cols: _Columns, config: PlannerConf
     count = config.dp_size * per_rank
     if len(positions) < count:
         return None, per_rank
-    slots = cols.slots[positions]
-    if config.balance:
-        groups = balanced_fit(slots, _fit_costs(positions, cols, config), config.layout.capacity, count)
-    else:
-        groups = best_fit_decreasing(slots, config.layout.capacity)
-    if len(groups) > count:  # the greedy needed more bins (or oversize samples did): more per rank
+    slots, capacity = cols.slots[positions], config.layout.capacity
+    over = np.flatnonzero(slots > capacity)  # oversize="own_bin" (the callers checked): one of the R * m each
+    fits = np.setdiff1d(np.arange(len(positions)), over, assume_unique=True)
+    groups = best_fit_decreasing(slots[fits], capacity)
+    if config.balance and len(groups) <= count - len(over):  # balanced within the bins the oversize ones leave
+        balanced = balanced_fit(slots[fits], _fit_costs(positions[fits], cols, config), capacity,
+                                max(1, count - len(over)))
+        groups = balanced if len(balanced) <= count - len(over) else groups  # else the tighter fit
+    groups = [[int(fits[p]) for p in g] for g in groups] + [[int(p)] for p in over]
+    if len(groups) > count:  # the greedy needed more bins: more per rank
         per_rank = -(-len(groups) // config.dp_size)
         count = config.dp_size * per_rank
     groups = split_to_count(groups, count, slots)
@@ -245,7 +249,9 @@ def _fixed_samples_steps(cols: _Columns, stream: np.ndarray, config: PlannerConf
             return steps, tuple(int(stream[p]) for p in positions)
         config.layout.check_oversize(cols.slots[positions], stream[positions])
         groups = [[int(p) for p in positions]]  # _last_step_groups re-packs them into R * m bins
-        per_rank = -(-int(cols.slots[positions].sum()) // (config.layout.capacity * config.dp_size))
+        slots, capacity = cols.slots[positions], config.layout.capacity
+        min_bins = -(-int(slots[slots <= capacity].sum()) // capacity) + int((slots > capacity).sum())
+        per_rank = -(-min_bins // config.dp_size)  # oversize samples: a bin each, however long
         last, per_rank = _last_step_groups(groups, cols, config, per_rank=max(1, per_rank))
         if last is None and partial:
             return steps, tuple(int(stream[p]) for p in positions)

@@ -193,3 +193,16 @@ def test_a_plan_that_loses_a_sample_raises():
         schedule._checked(plan, np.arange(7))  # sample 6 in no bin
     with pytest.raises(RuntimeError, match="planner bug"):
         schedule._checked(EpochPlan(plan.epoch, plan.steps, (0,)), stream)  # sample 0 twice
+
+
+def test_fixed_samples_oversize_sample_is_one_of_the_steps_bins():
+    # An oversize sample's own bin is one of the R * m bins: it neither inflates the volume bound
+    # (200 slots are not 4 bins of 64) nor makes the balanced fit open a bin beyond them.
+    table = SampleTable.from_samples([SampleMetadata(text_tokens=t) for t in (200, 5, 5, 10, 10, 10)])
+    for balance in (True, False):
+        config = PlannerConfig(layout=BinLayout(capacity=64, oversize="own_bin"), dp_size=2, samples_per_step=3,
+                               shuffle=False, balance=balance)
+        plan = plan_epoch(table, config)
+        assert sorted(sorted(b.samples) for step in plan.steps[:1] for r in step.ranks for b in r) == [[0], [1, 2]]
+        assert sorted(s for b in plan.bins() for s in b.samples) == list(range(6)) and plan.carried == ()
+        assert [len(step.ranks[0]) for step in plan.steps] == [1, 1]
