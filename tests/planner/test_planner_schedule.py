@@ -39,9 +39,9 @@ def _check_plan(plan, table, config, carried_in=()):
                 assert b.physical == layout.capacity or not layout.static_shapes or len(b.samples) == 1
 
 
-def _config(seed, dp, m, cp, static, balance, tail, window, per_step):
+def _config(seed, dp, m, cp, static, balance, tail, window, per_step, cap=128):
     multiples = PackMultiples.for_parallel(cp_size=cp)
-    return PlannerConfig(layout=BinLayout(capacity=multiples.total * 128, multiples=multiples,
+    return PlannerConfig(layout=BinLayout(capacity=multiples.total * cap, multiples=multiples,
                                           static_shapes=static, oversize="own_bin"),
                          dp_size=dp, micro_batches_per_rank=m, balance=balance, tail=tail,
                          window_steps=window, seed=seed,
@@ -90,11 +90,12 @@ def _unsplittable(table, config, epoch, carried_in, step):
 @given(seed=st.integers(0, 1000), n=st.integers(0, 120), dp=st.integers(1, 5), m=st.integers(1, 3),
        cp=st.sampled_from([1, 2]), static=st.booleans(), balance=st.booleans(),
        tail=st.sampled_from(["short_step", "carry"]), window=st.integers(1, 3),
-       per_step=st.sampled_from([None, 0, 7]))
-@example(seed=330, n=116, dp=4, m=1, cp=1, static=False, balance=False, tail="short_step", window=1, per_step=7)
-def test_no_sample_lost_or_duplicated(seed, n, dp, m, cp, static, balance, tail, window, per_step):
+       per_step=st.sampled_from([None, 0, 7]), cap=st.sampled_from([64, 128]))  # 64: oversize samples too
+@example(seed=330, n=116, dp=4, m=1, cp=1, static=False, balance=False, tail="short_step", window=1, per_step=7,
+         cap=128)
+def test_no_sample_lost_or_duplicated(seed, n, dp, m, cp, static, balance, tail, window, per_step, cap):
     table = _random_table(seed, n)
-    config = _config(seed, dp, m, cp, static, balance, tail, window, per_step)
+    config = _config(seed, dp, m, cp, static, balance, tail, window, per_step, cap)
     carried_in = tuple(range(min(n, dp - 1)))
     try:
         plan = plan_epoch(table, config, epoch=1, carried_in=carried_in)
