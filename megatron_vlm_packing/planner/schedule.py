@@ -10,7 +10,10 @@ are grouped into steps by cost and each step's bins split over ranks longest-fir
 
 The end of an epoch: leftover bins (fewer than a step) are split until every rank has the same
 number of micro-batches (a shorter last step). When fewer samples remain than that needs, they
-are carried to the next epoch (`EpochPlan.carried`), never dropped.
+are carried to the next epoch (`EpochPlan.carried`), never dropped. With `samples_per_step`, only
+the epoch's last, shorter step can be carried; a whole step whose samples cannot fill the same
+number of non-empty bins on every rank is a ValueError. Every plan is checked to hold each input
+sample exactly once (bins plus carried) before it is returned.
 
 Shape legend: N = samples, R = data-parallel ranks, M = micro-batches per rank per step.
 """
@@ -95,7 +98,7 @@ class Step:
 
 @dataclass(frozen=True)
 class EpochPlan:
-    """Steps of one epoch, and the samples it hands to the next (fewer than one per rank)."""
+    """Steps of one epoch, and the samples it hands to the next (its last ones, fewer than a step needs)."""
 
     epoch: int
     steps: tuple[Step, ...]
@@ -214,12 +217,16 @@ def _last_step_groups(tail: list[list[int]], cols: _Columns, config: PlannerConf
     count = config.dp_size * per_rank
     if len(positions) < count:
         return None, per_rank
-    slots = cols.slots[positions]
-    if config.balance:
-        groups = balanced_fit(slots, _fit_costs(positions, cols, config), config.layout.capacity, count)
-    else:
-        groups = best_fit_decreasing(slots, config.layout.capacity)
-    if len(groups) > count:  # the greedy needed more bins (or oversize samples did): more per rank
+    slots, capacity = cols.slots[positions], config.layout.capacity
+    over = np.flatnonzero(slots > capacity)  # oversize="own_bin" (the callers checked): one of the R * m each
+    fits = np.setdiff1d(np.arange(len(positions)), over, assume_unique=True)
+    groups = best_fit_decreasing(slots[fits], capacity)
+    if config.balance and len(groups) <= count - len(over):  # balanced within the bins the oversize ones leave
+        balanced = balanced_fit(slots[fits], _fit_costs(positions[fits], cols, config), capacity,
+                                max(1, count - len(over)))
+        groups = balanced if len(balanced) <= count - len(over) else groups  # else the tighter fit
+    groups = [[int(fits[p]) for p in g] for g in groups] + [[int(p)] for p in over]
+    if len(groups) > count:  # the greedy needed more bins: more per rank
         per_rank = -(-len(groups) // config.dp_size)
         count = config.dp_size * per_rank
     groups = split_to_count(groups, count, slots)
@@ -230,21 +237,42 @@ def _last_step_groups(tail: list[list[int]], cols: _Columns, config: PlannerConf
 
 def _fixed_samples_steps(cols: _Columns, stream: np.ndarray, config: PlannerConfig, rng, bar: Progress):
     """Steps of exactly `samples_per_step` samples, micro-batches as needed; the last, shorter one
-    runs (tail="short_step") or is carried (tail="carry", or fewer samples than ranks)."""
+    runs (tail="short_step") or is carried (tail="carry", or fewer samples than its bins need).
+
+    Only the epoch's last, shorter step may be carried: a whole step whose samples cannot fill an
+    equal number of non-empty bins per rank raises (`_unsplittable_step`), never ends the epoch."""
     steps, n = [], config.samples_per_step
     for start in range(0, len(stream), n):
         positions = np.arange(start, min(start + n, len(stream)))
-        if len(positions) < n and config.tail == "carry":
+        partial = len(positions) < n
+        if partial and config.tail == "carry":
             return steps, tuple(int(stream[p]) for p in positions)
         config.layout.check_oversize(cols.slots[positions], stream[positions])
         groups = [[int(p) for p in positions]]  # _last_step_groups re-packs them into R * m bins
-        per_rank = -(-int(cols.slots[positions].sum()) // (config.layout.capacity * config.dp_size))
+        slots, capacity = cols.slots[positions], config.layout.capacity
+        min_bins = -(-int(slots[slots <= capacity].sum()) // capacity) + int((slots > capacity).sum())
+        per_rank = -(-min_bins // config.dp_size)  # oversize samples: a bin each, however long
         last, per_rank = _last_step_groups(groups, cols, config, per_rank=max(1, per_rank))
-        if last is None:
+        if last is None and partial:
             return steps, tuple(int(stream[p]) for p in positions)
+        if last is None:
+            raise _unsplittable_step(len(steps), positions, cols, stream, config, per_rank)
         steps.extend(_steps_from_bins(_make_bins(last, cols, stream, config), config, per_rank, rng))
         bar.update(positions[-1] + 1)
     return steps, ()
+
+
+def _unsplittable_step(index: int, positions: np.ndarray, cols: _Columns, stream: np.ndarray,
+                       config: PlannerConfig, per_rank: int) -> ValueError:
+    """The error for a whole step of `samples_per_step` samples that need more bins than it has samples."""
+    ids = ", ".join(str(int(stream[p])) for p in positions[:8]) + (" ..." if len(positions) > 8 else "")
+    capacity = config.layout.capacity
+    big = int((cols.slots[positions] > capacity // 2).sum())
+    return ValueError(
+        f"samples_per_step={config.samples_per_step}: step {index} (samples {ids}) needs "
+        f"{per_rank} micro-batches on each of dp_size={config.dp_size} ranks ({per_rank * config.dp_size} bins of "
+        f"capacity {capacity}; {big} of its samples take more than half a bin), more bins than it has "
+        f"samples; raise samples_per_step (to at least {per_rank * config.dp_size}) or the capacity")
 
 
 def _tail_steps(groups: list[list[int]], cols: _Columns, stream: np.ndarray, config: PlannerConfig, rng):
@@ -281,7 +309,7 @@ def plan_epoch(table: SampleTable, config: PlannerConfig, *, epoch: int = 0, car
     if config.samples_per_step is not None:
         steps, carried = _fixed_samples_steps(cols, stream, config, rng, bar)
         bar.close()
-        return EpochPlan(epoch, tuple(steps), carried)
+        return _checked(EpochPlan(epoch, tuple(steps), carried), stream)
     steps, pending, start = [], np.zeros(0, np.int64), 0
     while start < len(stream):
         base = int(cum[start - 1]) if start else 0
@@ -293,11 +321,25 @@ def plan_epoch(table: SampleTable, config: PlannerConfig, *, epoch: int = 0, car
         if start >= len(stream):
             last, carried = _tail_steps(groups, cols, stream, config, rng)
             bar.close()
-            return EpochPlan(epoch, tuple(steps + last), carried)
+            return _checked(EpochPlan(epoch, tuple(steps + last), carried), stream)
         kept, pending = _keep_whole_steps(groups, cols.slots, config.bins_per_step, config.layout.capacity)
         if kept:
             steps.extend(_steps_from_bins(_make_bins(kept, cols, stream, config), config,
                                           config.micro_batches_per_rank, rng))
         bar.update(start - len(pending))
     bar.close()
-    return EpochPlan(epoch, tuple(steps), ())
+    return _checked(EpochPlan(epoch, tuple(steps), ()), stream)
+
+
+def _checked(plan: EpochPlan, stream: np.ndarray) -> EpochPlan:
+    """`plan`, after checking that its bins and carried samples hold every sample of `stream` exactly
+    as often as the stream does (an internal invariant: a planner bug raises instead of dropping or
+    repeating samples silently). O(N log N)."""
+    out = np.fromiter((s for b in plan.bins() for s in b.samples), dtype=np.int64)
+    out = np.sort(np.concatenate([out, np.asarray(plan.carried, dtype=np.int64)]))
+    want = np.sort(stream)
+    if len(out) != len(want) or not np.array_equal(out, want):
+        lost = np.setdiff1d(want, out).tolist()
+        raise RuntimeError(f"planner bug: epoch {plan.epoch} plans {len(out)} sample slots for {len(want)} "
+                           f"inputs (e.g. lost {lost[:8]}); please report it with the config and seed")
+    return plan

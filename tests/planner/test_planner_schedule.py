@@ -1,13 +1,16 @@
 """The epoch plan: no sample lost or duplicated, alignment, equal micro-batches per rank, determinism,
 oversize both ways, balancing beats the unbalanced baseline."""
 
+import re
+
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from megatron_vlm_packing.packing import PackMultiples
-from megatron_vlm_packing.planner import BinLayout, PlannerConfig, SampleMetadata, SampleTable, plan_epoch
+from megatron_vlm_packing.planner import BinLayout, EpochPlan, PlannerConfig, SampleMetadata, SampleTable, plan_epoch
+from megatron_vlm_packing.planner import schedule
 from megatron_vlm_packing.planner.synthetic import SyntheticMix, synthetic_table
 
 
@@ -36,21 +39,71 @@ def _check_plan(plan, table, config, carried_in=()):
                 assert b.physical == layout.capacity or not layout.static_shapes or len(b.samples) == 1
 
 
+def _config(seed, dp, m, cp, static, balance, tail, window, per_step, cap=128):
+    multiples = PackMultiples.for_parallel(cp_size=cp)
+    return PlannerConfig(layout=BinLayout(capacity=multiples.total * cap, multiples=multiples,
+                                          static_shapes=static, oversize="own_bin"),
+                         dp_size=dp, micro_batches_per_rank=m, balance=balance, tail=tail,
+                         window_steps=window, seed=seed,
+                         samples_per_step=None if per_step is None else dp + per_step)
+
+
+def _stream(table, config, epoch, carried_in):
+    """The order plan_epoch walks: carried samples, then the seeded permutation of the epoch."""
+    order = np.random.default_rng([config.seed, epoch]).permutation(len(table))
+    return np.concatenate([np.asarray(carried_in, dtype=np.int64), order])
+
+
+def _fits(slots, bins, capacity):
+    """Whether items `slots` (a few) pack into `bins` bins of `capacity`: exhaustive search, largest first."""
+    if bins < 0:
+        return False
+    free = [capacity] * bins
+
+    def place(i):
+        if i == len(slots):
+            return True
+        tried = set()
+        for b in range(bins):
+            if free[b] >= slots[i] and free[b] not in tried:
+                tried.add(free[b])
+                free[b] -= slots[i]
+                if place(i + 1):
+                    return True
+                free[b] += slots[i]
+        return False
+    return place(0)
+
+
+def _unsplittable(table, config, epoch, carried_in, step):
+    """Whether whole step `step` of a samples_per_step plan has no packing into dp * m non-empty bins
+    for any m: not even into the most bins its samples can fill (the largest multiple of dp)."""
+    n, capacity = config.samples_per_step, config.layout.capacity
+    ids = _stream(table, config, epoch, carried_in)[step * n:(step + 1) * n]
+    slots = config.layout.slot_sizes(np.asarray(config.expanded_tokens(table), dtype=np.int64)[ids])
+    over = int((slots > capacity).sum())  # oversize="own_bin": a bin each
+    bins = n // config.dp_size * config.dp_size - over
+    return len(ids) == n and not _fits(sorted(slots[slots <= capacity].tolist(), reverse=True), bins, capacity)
+
+
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 1000), n=st.integers(0, 120), dp=st.integers(1, 5), m=st.integers(1, 3),
        cp=st.sampled_from([1, 2]), static=st.booleans(), balance=st.booleans(),
        tail=st.sampled_from(["short_step", "carry"]), window=st.integers(1, 3),
-       per_step=st.sampled_from([None, 0, 7]))
-def test_no_sample_lost_or_duplicated(seed, n, dp, m, cp, static, balance, tail, window, per_step):
+       per_step=st.sampled_from([None, 0, 7]), cap=st.sampled_from([64, 128]))  # 64: oversize samples too
+@example(seed=330, n=116, dp=4, m=1, cp=1, static=False, balance=False, tail="short_step", window=1, per_step=7,
+         cap=128)
+def test_no_sample_lost_or_duplicated(seed, n, dp, m, cp, static, balance, tail, window, per_step, cap):
     table = _random_table(seed, n)
-    multiples = PackMultiples.for_parallel(cp_size=cp)
-    config = PlannerConfig(layout=BinLayout(capacity=multiples.total * 128, multiples=multiples,
-                                            static_shapes=static, oversize="own_bin"),
-                           dp_size=dp, micro_batches_per_rank=m, balance=balance, tail=tail,
-                           window_steps=window, seed=seed,
-                           samples_per_step=None if per_step is None else dp + per_step)
+    config = _config(seed, dp, m, cp, static, balance, tail, window, per_step, cap)
     carried_in = tuple(range(min(n, dp - 1)))
-    _check_plan(plan_epoch(table, config, epoch=1, carried_in=carried_in), table, config, carried_in)
+    try:
+        plan = plan_epoch(table, config, epoch=1, carried_in=carried_in)
+    except ValueError as err:  # only a whole samples_per_step step that no packing can split over the ranks
+        step = re.search(r"samples_per_step=\d+: step (\d+) ", str(err))
+        assert step and _unsplittable(table, config, 1, carried_in, int(step.group(1))), err
+        return
+    _check_plan(plan, table, config, carried_in)
 
 
 def test_deterministic_for_a_seed():
@@ -102,3 +155,55 @@ def test_fixed_samples_per_step_varies_micro_batches():
     assert max(step.imbalance for step in plan.steps) < 1.02
     with pytest.raises(ValueError, match="samples_per_step"):
         PlannerConfig(layout=BinLayout(capacity=64), dp_size=4, samples_per_step=3)
+
+
+def test_fixed_samples_unsplittable_step_raises_not_ends_the_epoch():
+    # Regression: a whole step that could not be split over the ranks ended the epoch, carrying that
+    # step and silently dropping every later sample (seed=330: 65 of 119 samples in no bin).
+    texts = (10, 10, 10, 40, 40, 40, 10, 10, 10, 10)  # step 1: three samples over half a bin, dp=2
+    table = SampleTable.from_samples([SampleMetadata(text_tokens=t) for t in texts])
+    for tail in ("short_step", "carry"):
+        config = PlannerConfig(layout=BinLayout(capacity=64), dp_size=2, samples_per_step=3, shuffle=False, tail=tail)
+        with pytest.raises(ValueError, match=r"samples_per_step=3: step 1 \(samples 3, 4, 5\) needs 2 micro-batches "
+                                             r"on each of dp_size=2 ranks \(4 bins"):
+            plan_epoch(table, config)
+    table = _random_table(330, 116)
+    config = _config(330, 4, 1, 1, False, False, "short_step", 1, 7)
+    with pytest.raises(ValueError, match=r"samples_per_step=11: step 4 .* \(12 bins of capacity 128; 9 of its"):
+        plan_epoch(table, config, epoch=1, carried_in=(0, 1, 2))
+
+
+def test_fixed_samples_only_the_last_short_step_is_carried():
+    table = SampleTable.from_samples([SampleMetadata(text_tokens=10) for _ in range(7)])
+    for tail, carried in (("short_step", (6,)), ("carry", (6,))):
+        config = PlannerConfig(layout=BinLayout(capacity=64), dp_size=2, samples_per_step=3, shuffle=False, tail=tail)
+        plan = plan_epoch(table, config)
+        assert sorted(s for b in plan.bins() for s in b.samples) == [0, 1, 2, 3, 4, 5] and plan.carried == carried
+    config = PlannerConfig(layout=BinLayout(capacity=64), dp_size=2, samples_per_step=3, shuffle=False)
+    plan = plan_epoch(SampleTable.from_samples([SampleMetadata(text_tokens=10) for _ in range(8)]), config)
+    assert sorted(s for b in plan.bins() for s in b.samples) == list(range(8)) and plan.carried == ()
+    assert [sum(len(b.samples) for r in step.ranks for b in r) for step in plan.steps] == [3, 3, 2]
+
+
+def test_a_plan_that_loses_a_sample_raises():
+    table = SampleTable.from_samples([SampleMetadata(text_tokens=10) for _ in range(6)])
+    plan = plan_epoch(table, PlannerConfig(layout=BinLayout(capacity=64), dp_size=2, shuffle=False))
+    stream = np.arange(6)
+    assert schedule._checked(plan, stream) is plan
+    with pytest.raises(RuntimeError, match=r"plans 6 sample slots for 7 inputs \(e.g. lost \[6\]\)"):
+        schedule._checked(plan, np.arange(7))  # sample 6 in no bin
+    with pytest.raises(RuntimeError, match="planner bug"):
+        schedule._checked(EpochPlan(plan.epoch, plan.steps, (0,)), stream)  # sample 0 twice
+
+
+def test_fixed_samples_oversize_sample_is_one_of_the_steps_bins():
+    # An oversize sample's own bin is one of the R * m bins: it neither inflates the volume bound
+    # (200 slots are not 4 bins of 64) nor makes the balanced fit open a bin beyond them.
+    table = SampleTable.from_samples([SampleMetadata(text_tokens=t) for t in (200, 5, 5, 10, 10, 10)])
+    for balance in (True, False):
+        config = PlannerConfig(layout=BinLayout(capacity=64, oversize="own_bin"), dp_size=2, samples_per_step=3,
+                               shuffle=False, balance=balance)
+        plan = plan_epoch(table, config)
+        assert sorted(sorted(b.samples) for step in plan.steps[:1] for r in step.ranks for b in r) == [[0], [1, 2]]
+        assert sorted(s for b in plan.bins() for s in b.samples) == list(range(6)) and plan.carried == ()
+        assert [len(step.ranks[0]) for step in plan.steps] == [1, 1]
