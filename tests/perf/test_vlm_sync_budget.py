@@ -1,6 +1,7 @@
 """Host syncs of a packed forward + backward of `PackedVLM` (vision tower for images and videos, audio
 tower, mRoPE) through `make_forward_step`: 0 when the DataLoader packed (`PackingCollator`), exactly
-pack_batch's one read when the step packs or pads. The model reads nothing back itself: packing's
+pack_batch's one read when the step packs or pads (positions given in the batch); `get_rope_index`
+makes one read, its checks'. The model reads nothing back itself: packing's
 one read already checked every sample's placeholders against its items, the grids and the audio
 masks, and carries the per-sample counts and clip lengths as host ints (packing/media.py), so the
 towers take host lengths and the embeddings are placed by a scatter of host-known size.
@@ -79,7 +80,28 @@ def run_vlm_sync_budget(rank: int, world_size: int, seed: int = 11) -> dict:
         row[name] = dict(syncs=syncs.total, report=syncs.report(), loss=loss.item(),
                          packing=sum(1 for e in syncs.events if "/packing/" in e.where))
     row["parity"] = _checked_vs_own_checks(model, ids, batch)
+    row["rope"] = _rope_syncs(ids, batch)
     return row
+
+
+def _rope_syncs(ids: dict, batch: dict) -> dict:
+    """Syncs of `get_rope_index` alone and of `pack_batch(mrope=...)` computing the positions itself."""
+    from megatron_vlm_packing.packing import pack_batch
+    from megatron_vlm_packing.rope import get_rope_index
+    from megatron_vlm_packing.testing.sync_counter import count_host_syncs
+    from tests.perf.sync_workers import MEDIA_ROPE
+
+    rope_inputs = {k: batch[k] for k in ("image_grid_thw", "video_grid_thw", "attention_mask")}
+    with count_host_syncs() as alone:
+        positions = get_rope_index(batch["input_ids"], MEDIA_ROPE, **rope_inputs).position_ids
+    unpositioned = {k: v for k, v in batch.items() if k != "position_ids"}
+    with count_host_syncs() as packing:
+        packed = pack_batch(unpositioned, label_style="hf", mrope=MEDIA_ROPE, audio_token_id=ids["audio_token_id"])
+    given = pack_batch(batch, label_style="hf", **ids)  # the same positions, given in the batch
+    return dict(alone=alone.total, alone_report=alone.report(), packing=sorted(e.where.rsplit("/", 1)[-1].split(":")[0]
+                for e in packing.events), packing_report=packing.report(),
+                same=torch.equal(positions, batch["position_ids"]) and torch.equal(packed.position_ids,
+                                                                                   given.position_ids))
 
 
 def test_packed_vlm_with_media_syncs_once_in_step_and_never_with_loader_packing():
@@ -90,3 +112,9 @@ def test_packed_vlm_with_media_syncs_once_in_step_and_never_with_loader_packing(
     assert abs(row["in_step"]["loss"] - row["loader"]["loss"]) < 1e-5, row
     assert abs(row["in_step"]["loss"] - row["padded"]["loss"]) < 1e-3 * abs(row["in_step"]["loss"]), row
     assert row["parity"]["emb_equal"] and row["parity"]["grad_diff"] < 1e-6, row["parity"]
+    # get_rope_index: its value checks (grids, blocks vs grid rows, tokens per block) in one read;
+    # pack_batch(mrope=) computes positions after its own read, so the step then makes two.
+    rope = row["rope"]
+    assert rope["alone"] == 1, rope["alone_report"]
+    assert rope["packing"] == ["checks.py", "index.py"], rope["packing_report"]
+    assert rope["same"]
