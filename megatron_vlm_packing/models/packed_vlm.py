@@ -22,7 +22,7 @@ import inspect
 import torch
 from torch import nn
 
-from megatron_vlm_packing.models.adapter import ModelAdapter
+from megatron_vlm_packing.models.adapter import ModelAdapter, unwrap_model
 from megatron_vlm_packing.models.gpt_adapter import check_position_kind
 from megatron_vlm_packing.models.merge import (check_placeholders_per_sample, merge_vision_embeddings,
                                                place_checked_embeddings, sample_boundaries)
@@ -259,6 +259,15 @@ class PackedVLMAdapter(ModelAdapter):
         super().check(micro_batch)
         check_position_kind(micro_batch, self.rotary, self.model_name)
 
+    def _packing_counts_clips_like(self, model: nn.Module) -> bool:
+        """Packing counted each clip's tokens with the mRoPE config's `audio_n_window` (else its
+        default): trust its check only when the audio tower uses the same window."""
+        from megatron_vlm_packing.packing.media import MediaTokens
+
+        window = getattr(self.mrope, "audio_n_window", None) or MediaTokens.audio_n_window
+        tower = getattr(unwrap_model(model), "audio", None)  # under Megatron's wrappers too
+        return tower is not None and getattr(tower, "n_window", None) == window
+
     def forward(self, model: nn.Module, micro_batch: MicroBatch):
         media = {}
         vision, audio = micro_batch.vision, micro_batch.audio
@@ -274,7 +283,8 @@ class PackedVLMAdapter(ModelAdapter):
         # Packing fills the per-sample counts only after checking every sample's placeholders against
         # its items (packing/media.py, in its one read): the model then needs no read of its own.
         counts = [media[k] for k in ("images_per_sample", "videos_per_sample", "audios_per_sample") if k in media]
-        media["media_checked"] = bool(counts) and all(c is not None for c in counts)
+        media["media_checked"] = bool(counts) and all(c is not None for c in counts) \
+            and (audio is None or self._packing_counts_clips_like(model))
         return model(micro_batch.input_ids, micro_batch.position_ids, micro_batch.labels,
                      packed_seq_params=micro_batch.packed_seq_params, cp_index=micro_batch.cp_index,
                      padding_mask=micro_batch.padding_mask, **media)
