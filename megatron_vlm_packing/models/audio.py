@@ -52,8 +52,12 @@ class TinyAudioTower(nn.Module):
         self.frame_embed = nn.Sequential(nn.Linear(mel_bins, width), nn.GELU(), nn.Linear(width, width))
         self.projector = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, out_hidden))
 
-    def forward(self, input_features: torch.Tensor, feature_attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_features: torch.Tensor, feature_attention_mask: torch.Tensor, *,
+                audio_lengths: tuple[int, ...] | None = None) -> torch.Tensor:
         """input_features: [A, F, L]; feature_attention_mask: [A, L] -> [M, H] audio embeddings in clip order.
+
+        `audio_lengths`: A host ints, real frames per clip, as packing's one read found them (mask
+        checked right-padded there); given, the tower reads nothing back (no host sync).
 
         Raises:
             ValueError: features and mask disagree in clips or frames, or the mask is not right-padded.
@@ -62,8 +66,11 @@ class TinyAudioTower(nn.Module):
                 or input_features.shape[2] != feature_attention_mask.shape[-1]:
             raise ValueError(f"input_features {tuple(input_features.shape)} must be [A, F, L] matching "
                              f"feature_attention_mask {tuple(feature_attention_mask.shape)} [A, L]")
-        lengths = audio_lengths_from_mask(feature_attention_mask)
-        counts = audio_output_length(torch.tensor(lengths), self.n_window).tolist()
+        if audio_lengths is not None and len(audio_lengths) != input_features.shape[0]:
+            raise ValueError(f"audio_lengths has {len(audio_lengths)} entries but input_features has "
+                             f"{input_features.shape[0]} clips")
+        lengths = list(audio_lengths) if audio_lengths is not None else audio_lengths_from_mask(feature_attention_mask)
+        counts = [int(audio_output_length(n, self.n_window)) for n in lengths]  # host ints
         dtype = self.frame_embed[0].weight.dtype
         out = []
         for clip, (frames, tokens) in enumerate(zip(lengths, counts)):

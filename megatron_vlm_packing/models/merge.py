@@ -34,6 +34,34 @@ def merge_vision_embeddings(
     return text_embeddings.index_copy(0, positions, rows)
 
 
+def placeholder_positions(input_ids: torch.Tensor, token_id: int, count: int) -> torch.Tensor:
+    """[count] long flat positions of the `token_id` placeholders, in order, with no host sync.
+
+    The count comes from the host (packing's one read checked it against each sample's items), so
+    the positions are built on the device: a running count numbers the placeholders, and a scatter
+    of size `count + 1` writes each position to its number (slot `count` takes every other token).
+
+    Args:
+        input_ids: any shape with L elements, the full token ids.
+        count: placeholders in `input_ids` (host int, already checked).
+    """
+    flat = input_ids.reshape(-1)
+    is_placeholder = flat == token_id
+    number = torch.cumsum(is_placeholder, dim=0) - 1  # [L]: k for the k-th placeholder
+    slot = torch.where(is_placeholder & (number < count), number, torch.full_like(number, count))
+    out = torch.zeros(count + 1, dtype=torch.long, device=flat.device)
+    return out.scatter_(0, slot, torch.arange(flat.numel(), device=flat.device))[:count]
+
+
+def place_checked_embeddings(text_embeddings: torch.Tensor, input_ids: torch.Tensor,
+                             vision_embeddings: torch.Tensor, *, token_id: int) -> torch.Tensor:
+    """`merge_vision_embeddings` for counts already checked on the host (packing's one read): same
+    result, no host sync. Shapes as in `merge_vision_embeddings`."""
+    positions = placeholder_positions(input_ids, token_id, vision_embeddings.shape[0])
+    rows = vision_embeddings.to(text_embeddings.dtype).reshape(-1, *text_embeddings.shape[1:])
+    return text_embeddings.index_copy(0, positions, rows)
+
+
 def sample_boundaries(input_ids: torch.Tensor, packed_seq_params=None) -> torch.Tensor:
     """[N+1] long flat offsets where samples start: packed documents ([1, T] with THD boundaries)
     or dense rows ([B, S]: 0, S, 2S, ...)."""

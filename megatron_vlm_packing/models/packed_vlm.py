@@ -22,15 +22,21 @@ import inspect
 import torch
 from torch import nn
 
-from megatron_vlm_packing.models.adapter import ModelAdapter
+from megatron_vlm_packing.models.adapter import ModelAdapter, unwrap_model
 from megatron_vlm_packing.models.gpt_adapter import check_position_kind
-from megatron_vlm_packing.models.merge import check_placeholders_per_sample, merge_vision_embeddings, sample_boundaries
+from megatron_vlm_packing.models.merge import (check_placeholders_per_sample, merge_vision_embeddings,
+                                               place_checked_embeddings, sample_boundaries)
 from megatron_vlm_packing.packing.localize import LocalizeNeeds
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
 
 
 def _tokens_per_grid(grid_thw: torch.Tensor, merge: int) -> list[int]:
     return (grid_thw.prod(dim=1) // (merge * merge)).tolist()
+
+
+def _takes(module: nn.Module, keyword: str) -> bool:
+    """Does `module.forward` accept `keyword` (our towers do; a user's tower may not)?"""
+    return keyword in inspect.signature(type(module).forward).parameters
 
 
 class PackedVLM(nn.Module):
@@ -99,12 +105,27 @@ class PackedVLM(nn.Module):
         self.language_model.set_input_tensor(input_tensor)
 
     def _merge(self, flat, input_ids, bounds, *, token_id, embeddings, tokens_per_item, per_sample, field):
-        """Check each sample's placeholders against its items, then place the item embeddings."""
+        """Check each sample's placeholders against its items, then place the item embeddings.
+
+        `bounds` None: packing's one read already checked them (`media_checked`); place without a sync.
+        """
         if token_id is None:
             raise ValueError(f"the micro-batch has {field} inputs but this PackedVLM has no {field}_token_id")
-        check_placeholders_per_sample(input_ids, bounds, tokens_per_item, token_id=token_id, field=field,
+        if bounds is None:
+            return place_checked_embeddings(flat, input_ids, embeddings, token_id=token_id)
+        check_placeholders_per_sample(input_ids, bounds, tokens_per_item(), token_id=token_id, field=field,
                                       items_per_sample=per_sample)
         return merge_vision_embeddings(flat, input_ids, embeddings, token_id=token_id, field=field)
+
+    def _vision_embeddings(self, pixels, grid, checked: bool):
+        if checked and _takes(self.vision, "inputs_checked"):
+            return self.vision(pixels, grid, inputs_checked=True)
+        return self.vision(pixels, grid)
+
+    def _audio_embeddings(self, features, mask, audio_lengths):
+        if audio_lengths is not None and _takes(self.audio, "audio_lengths"):
+            return self.audio(features, mask, audio_lengths=tuple(audio_lengths))
+        return self.audio(features, mask)
 
     def _refuse_orphan_placeholders(self, input_ids, present: dict) -> None:
         for field, token_id in (("image", self.image_token_id), ("video", self.video_token_id),
@@ -114,8 +135,15 @@ class PackedVLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor, *, pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
               video_grid_thw=None, input_features=None, feature_attention_mask=None, packed_seq_params=None,
-              images_per_sample=None, videos_per_sample=None, audios_per_sample=None) -> torch.Tensor:
-        """Full-sequence embeddings with image / video / audio rows merged: [S, B, H] (packed: [T, 1, H])."""
+              images_per_sample=None, videos_per_sample=None, audios_per_sample=None, audio_lengths=None,
+              media_checked: bool = False) -> torch.Tensor:
+        """Full-sequence embeddings with image / video / audio rows merged: [S, B, H] (packed: [T, 1, H]).
+
+        `media_checked`: packing's one read already checked every sample's placeholders against its
+        items, the grids against the patches and the audio masks (packing/media.py; the adapter sets
+        it when the micro-batch carries those per-sample counts), so no host sync is made here.
+        `audio_lengths`: A host ints, real frames per clip (the tower then reads no mask back).
+        """
         emb = self.language_model.embedding(input_ids=input_ids, position_ids=None)  # [S, B, H]
         present = dict(image=pixel_values is not None, video=pixel_values_videos is not None,
                        audio=input_features is not None)
@@ -132,23 +160,27 @@ class PackedVLM(nn.Module):
                 raise ValueError(f"{pixels.shape[0]} patches given without {field}: the tower cannot split them")
         if present["audio"] and feature_attention_mask is None:
             raise ValueError("input_features given without feature_attention_mask: audio lengths are unknown")
-        bounds = sample_boundaries(input_ids, packed_seq_params)
+        bounds = None if media_checked else sample_boundaries(input_ids, packed_seq_params)
         flat = emb.transpose(0, 1).reshape(-1, emb.shape[-1])  # [B*S, H], row-major like input_ids
         merge = self.spatial_merge_size
         if present["image"]:
             flat = self._merge(flat, input_ids, bounds, token_id=self.image_token_id, field="image",
-                               embeddings=self.vision(pixel_values, image_grid_thw),
-                               tokens_per_item=_tokens_per_grid(image_grid_thw, merge), per_sample=images_per_sample)
+                               embeddings=self._vision_embeddings(pixel_values, image_grid_thw, media_checked),
+                               tokens_per_item=lambda: _tokens_per_grid(image_grid_thw, merge),
+                               per_sample=images_per_sample)
         if present["video"]:
             flat = self._merge(flat, input_ids, bounds, token_id=self.video_token_id, field="video",
-                               embeddings=self.vision(pixel_values_videos, video_grid_thw),
-                               tokens_per_item=_tokens_per_grid(video_grid_thw, merge), per_sample=videos_per_sample)
+                               embeddings=self._vision_embeddings(pixel_values_videos, video_grid_thw, media_checked),
+                               tokens_per_item=lambda: _tokens_per_grid(video_grid_thw, merge),
+                               per_sample=videos_per_sample)
         if present["audio"]:
             from megatron_vlm_packing.models.audio import audio_tokens_per_clip
 
             flat = self._merge(flat, input_ids, bounds, token_id=self.audio_token_id, field="audio",
-                               embeddings=self.audio(input_features, feature_attention_mask),
-                               tokens_per_item=audio_tokens_per_clip(feature_attention_mask, self.audio.n_window),
+                               embeddings=self._audio_embeddings(input_features, feature_attention_mask,
+                                                                 audio_lengths),
+                               tokens_per_item=lambda: audio_tokens_per_clip(feature_attention_mask,
+                                                                             self.audio.n_window),
                                per_sample=audios_per_sample)
         return flat.reshape(emb.shape[1], emb.shape[0], -1).transpose(0, 1)
 
@@ -227,6 +259,15 @@ class PackedVLMAdapter(ModelAdapter):
         super().check(micro_batch)
         check_position_kind(micro_batch, self.rotary, self.model_name)
 
+    def _packing_counts_clips_like(self, model: nn.Module) -> bool:
+        """Packing counted each clip's tokens with the mRoPE config's `audio_n_window` (else its
+        default): trust its check only when the audio tower uses the same window."""
+        from megatron_vlm_packing.packing.media import MediaTokens
+
+        window = getattr(self.mrope, "audio_n_window", None) or MediaTokens.audio_n_window
+        tower = getattr(unwrap_model(model), "audio", None)  # under Megatron's wrappers too
+        return tower is not None and getattr(tower, "n_window", None) == window
+
     def forward(self, model: nn.Module, micro_batch: MicroBatch):
         media = {}
         vision, audio = micro_batch.vision, micro_batch.audio
@@ -238,7 +279,12 @@ class PackedVLMAdapter(ModelAdapter):
                          videos_per_sample=vision.videos_per_sample)
         if audio is not None:
             media.update(input_features=audio.input_features, feature_attention_mask=audio.feature_attention_mask,
-                         audios_per_sample=audio.audios_per_sample)
+                         audios_per_sample=audio.audios_per_sample, audio_lengths=audio.audio_lengths)
+        # Packing fills the per-sample counts only after checking every sample's placeholders against
+        # its items (packing/media.py, in its one read): the model then needs no read of its own.
+        counts = [media[k] for k in ("images_per_sample", "videos_per_sample", "audios_per_sample") if k in media]
+        media["media_checked"] = bool(counts) and all(c is not None for c in counts) \
+            and (audio is None or self._packing_counts_clips_like(model))
         return model(micro_batch.input_ids, micro_batch.position_ids, micro_batch.labels,
                      packed_seq_params=micro_batch.packed_seq_params, cp_index=micro_batch.cp_index,
                      padding_mask=micro_batch.padding_mask, **media)

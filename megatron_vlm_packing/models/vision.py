@@ -22,10 +22,13 @@ def tokens_per_image(image_grid_thw: torch.Tensor) -> list[int]:
     return (image_grid_thw.prod(dim=1) // (MERGE * MERGE)).tolist()
 
 
-def image_block_mask(image_grid_thw: torch.Tensor, device=None) -> torch.Tensor:
-    """[P, P] bool, True where two patches belong to the same image."""
+def image_block_mask(image_grid_thw: torch.Tensor, device=None, patches: int | None = None) -> torch.Tensor:
+    """[P, P] bool, True where two patches belong to the same image.
+
+    `patches` (P, a host int known to match the grids) saves the host sync that reads the total.
+    """
     counts = image_grid_thw.prod(dim=1).to(device)
-    image_of_patch = torch.repeat_interleave(torch.arange(len(counts), device=device), counts)
+    image_of_patch = torch.repeat_interleave(torch.arange(len(counts), device=device), counts, output_size=patches)
     return image_of_patch[:, None] == image_of_patch[None, :]
 
 
@@ -53,19 +56,25 @@ class TinyVisionTower(nn.Module):
         self.merger = nn.Sequential(nn.LayerNorm(MERGE * MERGE * width), nn.Linear(MERGE * MERGE * width, width),
                                     nn.GELU(), nn.Linear(width, out_hidden))
 
-    def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+    def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor, *,
+                inputs_checked: bool = False) -> torch.Tensor:
         """pixel_values: [P, F]; image_grid_thw: [I, 3] long -> [M, H] merged image embeddings.
+
+        `inputs_checked`: packing's one read already checked the grids against the patches and the
+        2x2 merge (packing/media.py), so the tower reads nothing back (no host sync).
 
         Raises:
             ValueError: patch count disagrees with the grids, or a grid not divisible by 2x2.
         """
-        patches = int(image_grid_thw.prod(dim=1).sum())
-        if pixel_values.shape[0] != patches:
-            raise ValueError(f"pixel_values has {pixel_values.shape[0]} patches but image_grid_thw "
-                             f"describes {patches}")
-        if bool((image_grid_thw[:, 1:] % MERGE != 0).any()):
-            raise ValueError(f"image_grid_thw h and w must be multiples of {MERGE}, got {image_grid_thw.tolist()}")
-        same_image = image_block_mask(image_grid_thw, pixel_values.device)
+        if not inputs_checked:
+            patches = int(image_grid_thw.prod(dim=1).sum())
+            if pixel_values.shape[0] != patches:
+                raise ValueError(f"pixel_values has {pixel_values.shape[0]} patches but image_grid_thw "
+                                 f"describes {patches}")
+            if bool((image_grid_thw[:, 1:] % MERGE != 0).any()):
+                raise ValueError(f"image_grid_thw h and w must be multiples of {MERGE}, "
+                                 f"got {image_grid_thw.tolist()}")
+        same_image = image_block_mask(image_grid_thw, pixel_values.device, patches=pixel_values.shape[0])
         # Under bf16 training (Megatron's Float16Module) the weights are bf16 but pixel_values come
         # from the data loader in float32: compute in the tower's own dtype, as transformers does.
         x = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype))

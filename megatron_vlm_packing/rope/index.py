@@ -60,14 +60,21 @@ def check_grid(grid, name: str, merge: int) -> torch.Tensor | None:
     return grid
 
 
+def _seconds_bad(seconds) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(seconds as float64 [V], [V] bool: NaN, infinite or negative), or None without seconds. Reads nothing."""
+    if seconds is None:
+        return None
+    values = torch.as_tensor(seconds if not isinstance(seconds, (list, tuple)) or not seconds
+                             or not torch.is_tensor(seconds[0]) else torch.stack([torch.as_tensor(x) for x in seconds]))
+    values = values.reshape(-1).double()
+    return values, ~torch.isfinite(values) | (values < 0)
+
+
 def check_seconds(seconds, name: str = "second_per_grid_ts") -> None:
     """Seconds per temporal grid step must be finite and >= 0 (NaN would give garbage positions)."""
     if seconds is None:
         return
-    values = torch.as_tensor(seconds if not isinstance(seconds, (list, tuple)) or not seconds
-                             or not torch.is_tensor(seconds[0]) else torch.stack([torch.as_tensor(x) for x in seconds]))
-    values = values.reshape(-1).double()
-    bad = ~torch.isfinite(values) | (values < 0)
+    values, bad = _seconds_bad(seconds)
     if bool(bad.any()):
         i = int(torch.nonzero(bad)[0])
         raise ValueError(f"{name} entry {i} is {float(values[i])}: seconds per grid step must be finite and >= 0")
@@ -76,6 +83,14 @@ def check_seconds(seconds, name: str = "second_per_grid_ts") -> None:
 def check_rope_inputs(input_ids, config: MRopeConfig, image_grid_thw, video_grid_thw, attention_mask,
                       second_per_grid_ts) -> None:
     """ValueError naming the field for inputs the index cannot take (before any arithmetic)."""
+    check_rope_types(input_ids, config, image_grid_thw, video_grid_thw, attention_mask)
+    check_grid(image_grid_thw, "image_grid_thw", config.spatial_merge_size)
+    check_grid(video_grid_thw, "video_grid_thw", config.spatial_merge_size)
+    check_seconds(second_per_grid_ts)
+
+
+def check_rope_types(input_ids, config: MRopeConfig, image_grid_thw, video_grid_thw, attention_mask) -> None:
+    """The checks of `check_rope_inputs` that read no tensor values (types and shapes)."""
     if not isinstance(config, MRopeConfig):
         raise ValueError(f"config must be an MRopeConfig, got {type(config).__name__}")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point() \
@@ -87,23 +102,24 @@ def check_rope_inputs(input_ids, config: MRopeConfig, image_grid_thw, video_grid
                                        or tuple(attention_mask.shape) != tuple(input_ids.shape)):
         raise ValueError(f"attention_mask must be [B, S] = {tuple(input_ids.shape)} like input_ids, got "
                          f"{tuple(getattr(attention_mask, 'shape', ())) or type(attention_mask).__name__}")
-    check_grid(image_grid_thw, "image_grid_thw", config.spatial_merge_size)
-    check_grid(video_grid_thw, "video_grid_thw", config.spatial_merge_size)
-    check_seconds(second_per_grid_ts)
+    check_grid_shape(image_grid_thw, "image_grid_thw")
+    check_grid_shape(video_grid_thw, "video_grid_thw")
 
 
-def _grid_per_run(run_type, image_grid_thw, video_grid_thw, device):
-    """[K, 3] grid of every run in order (zeros for text), checking the counts."""
+def _grid_per_run(run_type, image_grid_thw, video_grid_thw, device) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """([K, 3] grid of every run in order (zeros for text and for blocks beyond the grid's rows),
+    [image blocks, video blocks] as 0-dim device counts for the caller's one read). Reads nothing:
+    the k-th block of a kind takes row k of its grid through a running count."""
     grids = torch.zeros(run_type.numel(), 3, dtype=torch.long, device=device)
-    for kind, name, grid in ((1, "image", image_grid_thw), (2, "video", video_grid_thw)):
+    counts = []
+    for kind, grid in ((1, image_grid_thw), (2, video_grid_thw)):
         runs = run_type == kind
-        n_runs = int(runs.sum())
-        n_grids = 0 if grid is None else grid.shape[0]
-        if n_runs != n_grids:
-            raise ValueError(f"{n_runs} {name} placeholder blocks in input_ids but {n_grids} rows in {name}_grid_thw")
-        if n_runs:
-            grids[runs] = grid.to(device=device, dtype=torch.long)
-    return grids
+        counts.append(runs.sum())
+        if grid is not None and grid.shape[0]:
+            table = torch.cat([grid.to(device=device, dtype=torch.long), grids.new_zeros(1, 3)])  # row n: none
+            ordinal = (torch.cumsum(runs, 0) - 1).clamp(0, grid.shape[0])
+            grids = torch.where(runs[:, None], table.index_select(0, ordinal), grids)
+    return grids, counts
 
 
 def _video_intervals(second_per_grid_ts, tokens_per_second: float, n_videos: int, device) -> torch.Tensor:
@@ -131,16 +147,16 @@ def _video_intervals(second_per_grid_ts, tokens_per_second: float, n_videos: int
     return seconds.to(device)
 
 
-def _interval_per_run(run_type, config, second_per_grid_ts, device) -> torch.Tensor | None:
+def _interval_per_run(run_type, config, second_per_grid_ts, n_videos: int, device) -> torch.Tensor | None:
     """[K] temporal step of each run (1 except Qwen2.5-VL videos), in transformers' arithmetic dtype;
-    None when every step is 1 (the t position is then just the frame index)."""
+    None when every step is 1 (the t position is then just the frame index). `n_videos`: video
+    blocks (host int, already read)."""
     videos = run_type == 2
-    if config.family != "qwen2_5_vl" or not bool(videos.any()):
+    if config.family != "qwen2_5_vl" or not n_videos:
         return None
-    steps = _video_intervals(second_per_grid_ts, config.tokens_per_second, int(videos.sum()), device)
-    interval = torch.ones(run_type.numel(), dtype=steps.dtype, device=device)
-    interval[videos] = steps
-    return interval
+    steps = _video_intervals(second_per_grid_ts, config.tokens_per_second, n_videos, device)
+    ordinal = (torch.cumsum(videos, 0) - 1).clamp(0, n_videos - 1)
+    return torch.where(videos, steps.index_select(0, ordinal), torch.ones((), dtype=steps.dtype, device=device))
 
 
 def _scaled_frames(frames: torch.Tensor, interval: torch.Tensor | None) -> torch.Tensor:
@@ -148,6 +164,63 @@ def _scaled_frames(frames: torch.Tensor, interval: torch.Tensor | None) -> torch
     if interval is None:
         return frames
     return (frames.to(interval.dtype) * interval).to(frames.dtype)
+
+
+def _runs(keep: torch.Tensor, types: torch.Tensor, batch: int, seq: int):
+    """Real tokens and their runs, padded to N = B*S so that no size is read back.
+
+    Returns (flat [N] flat index of each real token then N for fills, kind [N] (-1 for fills),
+    run_of_token [N], run_first [N], run_len [N], run_type [N], run_row [N]): entries past the K
+    runs are empty text runs of the virtual row B; the fills form one run of kind -1 in row B.
+    """
+    n = batch * seq
+    flat = torch.nonzero_static(keep.reshape(-1), size=n, fill_value=n).flatten()  # [N], row-major
+    real = flat < n
+    at = flat.clamp(max=max(n - 1, 0))
+    rows = torch.where(real, torch.div(at, seq, rounding_mode="floor"), batch)
+    kind = torch.where(real, types.reshape(-1).index_select(0, at).long(), -1)
+    # Runs: consecutive real tokens of one row with one type (transformers' itertools.groupby).
+    starts_run = torch.ones_like(kind, dtype=torch.bool)
+    starts_run[1:] = (kind[1:] != kind[:-1]) | (rows[1:] != rows[:-1])
+    run_of_token = torch.cumsum(starts_run, 0) - 1  # [N]
+    run_first = torch.nonzero_static(starts_run, size=n, fill_value=n).flatten()  # [N]: K starts, then N
+    run_len = torch.diff(run_first, append=run_first.new_full((1,), n))
+    used = run_first < n
+    first = run_first.clamp(max=max(n - 1, 0))
+    run_type = torch.where(used, kind.index_select(0, first), 0)
+    run_row = torch.where(used, rows.index_select(0, first), batch)
+    return flat, kind, run_of_token, run_first, run_len, run_type, run_row
+
+
+def _read_checks(config, image_grid_thw, video_grid_thw, seconds, block_counts, wrong_block, details) -> int:
+    """The index's value checks in one host read, raised in their documented order: grid entries,
+    seconds, blocks vs grid rows, tokens per block vs grid. Returns the video blocks (host int)."""
+    device = wrong_block.device
+    merge = config.spatial_merge_size
+    flags = []
+    for grid in (image_grid_thw, video_grid_thw):
+        bad = None if grid is None or not grid.numel() else \
+            ((grid < 1).any(dim=1) | (grid[:, 1:] % merge != 0).any(dim=1)).any()
+        flags.append(bad if bad is not None else torch.zeros((), dtype=torch.bool))
+    seconds_bad = _seconds_bad(seconds)
+    flags.append(seconds_bad[1].any() if seconds_bad is not None else torch.zeros((), dtype=torch.bool))
+    values = [f.to(device=device, dtype=torch.long) for f in flags] + list(block_counts) + [wrong_block.any().long()]
+    host = torch.stack(values).tolist()  # the one host sync
+    if host[0] or host[1]:
+        check_grid(image_grid_thw, "image_grid_thw", merge)
+        check_grid(video_grid_thw, "video_grid_thw", merge)
+    if host[2]:
+        check_seconds(seconds)
+    for name, count, grid in (("image", host[3], image_grid_thw), ("video", host[4], video_grid_thw)):
+        n_grids = 0 if grid is None else grid.shape[0]
+        if count != n_grids:
+            raise ValueError(f"{count} {name} placeholder blocks in input_ids but {n_grids} rows in {name}_grid_thw")
+    if host[5]:
+        run_row, run_len, grid, expected = details
+        k = int(torch.nonzero(wrong_block)[0])
+        raise ValueError(f"vision block {k} (row {int(run_row[k])}) has {int(run_len[k])} placeholder tokens but its "
+                         f"grid {grid[k].tolist()} with merge {merge} needs {int(expected[k])}")
+    return host[4]
 
 
 def get_rope_index(
@@ -184,8 +257,9 @@ def get_rope_index(
 
     Qwen3-Omni follows its own rule (rope/omni.py) and returns float positions, as its reference does.
     """
-    check_rope_inputs(input_ids, config, image_grid_thw, video_grid_thw, attention_mask, second_per_grid_ts)
+    check_rope_types(input_ids, config, image_grid_thw, video_grid_thw, attention_mask)
     if config.family == "qwen3_omni":
+        check_rope_inputs(input_ids, config, image_grid_thw, video_grid_thw, attention_mask, second_per_grid_ts)
         from megatron_vlm_packing.rope.omni import omni_rope_index
 
         return RopeIndex(*omni_rope_index(
@@ -197,28 +271,19 @@ def get_rope_index(
     types = mm_token_type_ids if mm_token_type_ids is not None else token_types(input_ids, config)
     keep = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
     if config.family == "qwen3_vl" and video_grid_thw is not None:  # one block per frame
+        check_grid(image_grid_thw, "image_grid_thw", config.spatial_merge_size)  # the frame counts are read:
+        check_grid(video_grid_thw, "video_grid_thw", config.spatial_merge_size)  # grids first, in order
         video_grid_thw = torch.repeat_interleave(video_grid_thw, video_grid_thw[:, 0], dim=0)
         video_grid_thw = torch.cat([torch.ones_like(video_grid_thw[:, :1]), video_grid_thw[:, 1:]], dim=1)
-    flat = torch.nonzero(keep.reshape(-1)).flatten()  # [R], row-major: each row's real tokens in order
-    rows = torch.div(flat, seq, rounding_mode="floor")
-    kind = types.reshape(-1).index_select(0, flat).long()
-    # Runs: consecutive real tokens of one row with one type (transformers' itertools.groupby).
-    starts_run = torch.ones_like(kind, dtype=torch.bool)
-    starts_run[1:] = (kind[1:] != kind[:-1]) | (rows[1:] != rows[:-1])
-    run_of_token = torch.cumsum(starts_run, 0) - 1  # [R]
-    run_first = torch.nonzero(starts_run).flatten()  # [K]
-    run_len = torch.diff(run_first, append=torch.tensor([kind.numel()], device=device))
-    run_type, run_row = kind[run_first], rows[run_first]
-    grid = _grid_per_run(run_type, image_grid_thw, video_grid_thw, device)
+    flat, kind, run_of_token, run_first, run_len, run_type, run_row = _runs(keep, types, batch, seq)
+    grid, block_counts = _grid_per_run(run_type, image_grid_thw, video_grid_thw, device)
     merge = config.spatial_merge_size
     gt, gh, gw = grid[:, 0], grid[:, 1] // merge, grid[:, 2] // merge
     vision = run_type > 0
     expected = torch.where(vision, gt * gh * gw, run_len)
-    if bool((expected != run_len).any()):
-        k = int(torch.nonzero(expected != run_len)[0])
-        raise ValueError(f"vision block {k} (row {int(run_row[k])}) has {int(run_len[k])} placeholder tokens but its "
-                         f"grid {grid[k].tolist()} with merge {merge} needs {int(expected[k])}")
-    interval = _interval_per_run(run_type, config, second_per_grid_ts, device)
+    n_videos = _read_checks(config, image_grid_thw, video_grid_thw, second_per_grid_ts, block_counts,
+                            expected != run_len, (run_row, run_len, grid, expected))
+    interval = _interval_per_run(run_type, config, second_per_grid_ts, n_videos, device)
     if config.text_offset == "max_hw":
         advance = torch.where(vision, torch.maximum(gh, gw), run_len)
     else:
@@ -233,7 +298,7 @@ def get_rope_index(
     # Token positions from their run: one gather of a [K, 5] int32 per-run table (int32 halves the
     # memory traffic of the per-token arithmetic; positions fit easily).
     table = torch.stack([run_first, run_start, (gh * gw).clamp_min(1), gw.clamp_min(1), vision.long()], dim=1)
-    per_token = table.to(torch.int32).index_select(0, run_of_token)  # [R, 5]
+    per_token = table.to(torch.int32).index_select(0, run_of_token)  # [N, 5]
     first, start, hw, w, is_vision = per_token.unbind(1)
     k = torch.arange(kind.numel(), device=device, dtype=torch.int32) - first  # offset in run
     frame = torch.div(k, hw, rounding_mode="floor")
@@ -244,13 +309,13 @@ def get_rope_index(
     text_pos = k + start
     positions = torch.stack([torch.where(vis, t_pos, text_pos), torch.where(vis, row_in_frame + start, text_pos),
                              torch.where(vis, in_frame - row_in_frame * w + start, text_pos)])  # [3, R]
-    out = torch.zeros(3, batch * seq, dtype=input_ids.dtype, device=device)
+    out = torch.zeros(3, batch * seq + 1, dtype=input_ids.dtype, device=device)  # column B*S: the fill slots
     out.index_copy_(1, flat, positions.to(input_ids.dtype))
-    out = out.view(3, batch, seq)
+    out = out[:, :batch * seq].reshape(3, batch, seq)
     # Each row's largest position, from its runs (K values, not R): a run ends at start + its span.
     t_last = _scaled_frames((gt - 1).clamp_min(0), interval)
     run_max = run_start + torch.where(vision, torch.maximum(t_last, torch.maximum(gh, gw) - 1), run_len - 1)
-    row_max = torch.zeros(batch, dtype=torch.long, device=device).scatter_reduce(
-        0, run_row, run_max, "amax", include_self=False)
+    row_max = torch.zeros(batch + 1, dtype=torch.long, device=device).scatter_reduce(
+        0, run_row, run_max, "amax", include_self=False)[:batch]  # row B: fill slots and unused runs
     deltas = (row_max + 1 - keep.sum(1)).unsqueeze(1)
     return RopeIndex(out, deltas)
