@@ -377,6 +377,27 @@ def cp_plain_pack_refusal(model, seed: int) -> str:
     return ""
 
 
+def lap_timer(result: dict):
+    """`lap(name)`: seconds since the previous lap (or this call) into result["seconds"][name]."""
+    clock = [time.perf_counter()]
+
+    def lap(name: str) -> None:
+        clock.append(time.perf_counter())
+        result.setdefault("seconds", {})[name] = round(clock[-1] - clock[-2], 2)
+
+    return lap
+
+
+def reference_setup(seed: int):
+    """One process: (the tiny LLaVA, its parameters cloned by name, {label style: (batches, *reference)})."""
+    initialize_parallel(seed=seed)
+    ref_model = build_tiny_llava(seed)
+    state = {n: p.detach().clone() for n, p in ref_model.named_parameters()}
+    refs = {style: (batches(style, seed), *reference(ref_model, batches(style, seed), style))
+            for style in ("megatron", "hf")}
+    return ref_model, state, refs
+
+
 def run_llava_parity(rank: int, world_size: int, seed: int = 11) -> dict:
     """Every check in one launch of 2 processes; what rank 0 saw (reductions make it global)."""
     from megatron.core import parallel_state as ps
@@ -384,19 +405,10 @@ def run_llava_parity(rank: int, world_size: int, seed: int = 11) -> dict:
     from megatron_vlm_packing.patches import llava_boundaries
 
     result = {"patch_active": llava_boundaries.apply_llava_packed_boundaries()}
-    clock = [time.perf_counter()]
-
-    def lap(name):
-        clock.append(time.perf_counter())
-        result.setdefault("seconds", {})[name] = round(clock[-1] - clock[-2], 2)
-
+    lap = lap_timer(result)
     try:
-        initialize_parallel(seed=seed)
-        ref_model = build_tiny_llava(seed)
-        state = {n: p.detach().clone() for n, p in ref_model.named_parameters()}
+        ref_model, state, refs = reference_setup(seed)
         result.update(img_seq_len=int(ref_model.img_seq_len), params=len(state))
-        refs = {style: (batches(style, seed), *reference(ref_model, batches(style, seed), style))
-                for style in ("megatron", "hf")}
         result["tiles"] = batches("megatron", seed)[0]["num_image_tiles"].tolist()
         lap("reference")
         with torch.no_grad():

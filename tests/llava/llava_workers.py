@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import time
 from dataclasses import replace
 
 import torch
@@ -178,22 +177,16 @@ def run_llava_checks(rank: int, world_size: int, seed: int = 11) -> dict:
         apply_llava_packed_boundaries, apply_thd_rotary, undo_llava_packed_boundaries, undo_thd_rotary,
     )
     from megatron_vlm_packing.testing.distributed import initialize_parallel
-    from megatron_vlm_packing.testing.llava_parity import batches, build_tiny_llava, llava_cp_without_te, reference
+    from megatron_vlm_packing.testing.llava_parity import (
+        batches, build_tiny_llava, lap_timer, llava_cp_without_te, reference_setup,
+    )
     from megatron_vlm_packing.testing.parity import load_full_state
 
-    result, clock = {"patches": (apply_llava_packed_boundaries(), apply_thd_rotary())}, [time.perf_counter()]
+    result = {"patches": (apply_llava_packed_boundaries(), apply_thd_rotary())}
+    lap = lap_timer(result)
     kernel = _PartitionKernel()
-
-    def lap(name):
-        clock.append(time.perf_counter())
-        result.setdefault("seconds", {})[name] = round(clock[-1] - clock[-2], 2)
-
     try:
-        initialize_parallel(seed=seed)
-        ref_model = build_tiny_llava(seed)
-        state = {n: p.detach().clone() for n, p in ref_model.named_parameters()}
-        refs = {style: (batches(style, seed), *reference(ref_model, batches(style, seed), style))
-                for style in ("megatron", "hf")}
+        ref_model, state, refs = reference_setup(seed)
         result["params"] = len(state)
         batched = batched_syncs(ref_model, batches("hf", seed)[0])
         lap("reference")
