@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from megatron_vlm_packing.bridge.tiny import TinyBridgeConfig
+from megatron_vlm_packing.packing.dense import right_pad_samples
 
 GRIDS = (2, 4)  # h and w in patches (multiples of the 2x2 merge)
 
@@ -85,12 +86,7 @@ def collate_qwen_vl(samples: list[dict], *, pad_token_id: int = 0) -> dict:
     Keys with no image (or no video) in any sample are left out, as a processor would.
     """
     longest = max(len(s["input_ids"]) for s in samples)
-    ids = torch.full((len(samples), longest), pad_token_id, dtype=torch.long)
-    labels = torch.full((len(samples), longest), -100, dtype=torch.long)
-    mask = torch.zeros(len(samples), longest, dtype=torch.long)
-    for i, s in enumerate(samples):
-        n = len(s["input_ids"])
-        ids[i, :n], labels[i, :n], mask[i, :n] = s["input_ids"], s["labels"], 1
+    ids, labels, mask = right_pad_samples(samples, longest, pad_token_id)
     batch = {"input_ids": ids, "labels": labels, "attention_mask": mask}
     for pixels, grid in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")):
         grids = torch.cat([s[grid] for s in samples])

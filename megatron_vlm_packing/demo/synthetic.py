@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_vlm_packing.models.vision import MERGE
+from megatron_vlm_packing.packing.dense import right_pad_samples
 
 
 @dataclass(frozen=True)
@@ -156,12 +157,7 @@ def collate(samples: list[dict], *, pad_token_id: int = 0, row_length: int | Non
     row_length = row_length or longest
     if longest > row_length:
         raise ValueError(f"a sample has {longest} tokens but row_length is {row_length}")
-    ids = torch.full((len(samples), row_length), pad_token_id, dtype=torch.long)
-    labels = torch.full((len(samples), row_length), -100, dtype=torch.long)
-    mask = torch.zeros(len(samples), row_length, dtype=torch.long)
-    for i, s in enumerate(samples):
-        n = len(s["input_ids"])
-        ids[i, :n], labels[i, :n], mask[i, :n] = s["input_ids"], s["labels"], 1
+    ids, labels, mask = right_pad_samples(samples, row_length, pad_token_id)
     batch = {
         "input_ids": ids, "labels": labels, "attention_mask": mask,
         "pixel_values": torch.cat([s["pixel_values"] for s in samples]),

@@ -85,3 +85,19 @@ def dense_packed_seq_params(batch_size: int, seq_length: int, *, device=None) ->
         qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
         cu_seqlens_kv_padded=cu, max_seqlen_q=seq_length, max_seqlen_kv=seq_length,
     )
+
+
+def right_pad_samples(samples, row_length: int, pad_token_id: int = 0):
+    """Samples' `input_ids` / `labels` (1D each) as right-padded rows.
+
+    Returns:
+        (ids [B, L] long, pad_token_id at pads; labels [B, L] long, -100 at pads; attention mask [B, L]
+        long, 1 at real tokens). The caller checks every sample fits in `row_length` = L.
+    """
+    ids = torch.full((len(samples), row_length), pad_token_id, dtype=torch.long)
+    labels = torch.full((len(samples), row_length), -100, dtype=torch.long)
+    mask = torch.zeros(len(samples), row_length, dtype=torch.long)
+    for i, s in enumerate(samples):
+        n = len(s["input_ids"])
+        ids[i, :n], labels[i, :n], mask[i, :n] = s["input_ids"], s["labels"], 1
+    return ids, labels, mask
