@@ -1,9 +1,10 @@
 """Process groups and a multi-process launcher for Megatron-Core tests on CPU (gloo).
 
-`run_distributed(fn, world_size, *args)` spawns `world_size` processes; each initialises a gloo
+`run_distributed(fn, world_size, *args)` starts `world_size` processes; each initialises a gloo
 process group, applies the CPU shims, and calls `fn(rank, world_size, *args)`. A failure in any
 rank fails the caller with that rank's traceback. What rank 0 returns comes back to the caller.
-Start-up costs a few seconds per launch (importing Megatron-Core), so batch cases into one launch.
+Processes are forked from one fork server that imports Megatron-Core once (about 10 s of CPU,
+paid by the first launch); a launch then costs well under a second, so launches stay cheap.
 """
 
 from __future__ import annotations
@@ -124,10 +125,21 @@ def _rank_failures(tmp: str, world_size: int) -> str:
     return "\n".join(message for _, message in sorted(failures))
 
 
+# Imported once by the fork server, which every later process is forked from: importing
+# Megatron-Core costs about 10 s of CPU per process on a CI core, more than most launches then run.
+_PRELOAD = ("megatron_vlm_packing.runtime.launcher", "megatron_vlm_packing.runtime.cpu_shims", "megatron.core",
+            "megatron.core.models.gpt", "megatron.core.pipeline_parallel", "transformers")
+
+
 def _launch(fn, world_size, args, tmp, timeout_s):
+    # "forkserver": each process is forked from one server that started clean (no threads, no
+    # process group) and imported `_PRELOAD` once; like "spawn", nothing of this process is
+    # inherited but its environment at the server's start (made here, with CUDA hidden). A module
+    # that fails to import is skipped by the server and imported by the worker that needs it.
+    mp.set_forkserver_preload(list(_PRELOAD))
     with _cuda_hidden():
         context = mp.start_processes(_worker, args=(world_size, free_port(), fn, args, tmp),
-                                     nprocs=world_size, join=False, start_method="spawn")
+                                     nprocs=world_size, join=False, start_method="forkserver")
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
