@@ -152,7 +152,10 @@ def segment_positions(indices: PackIndices) -> torch.Tensor:
         position_ids: [1, T] long; pad slots keep counting after their document's real tokens,
         so no pad slot ever looks like the start of a document.
     """
-    return indices.offset_in_segment.unsqueeze(0)
+    offsets = indices.offset_in_segment
+    if offsets.is_cpu:  # a numpy view: a fraction of torch's fixed cost per call
+        return torch.from_numpy(offsets.numpy()[None])
+    return offsets.unsqueeze(0)
 
 
 def pack_positions(positions: torch.Tensor, indices: PackIndices) -> torch.Tensor:
