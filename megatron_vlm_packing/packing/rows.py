@@ -291,18 +291,18 @@ def queue_position_checks(batch: Mapping, keep: Callable[[], torch.Tensor], mrop
 
 def queue_rope_positions(batch: Mapping, input_ids: torch.Tensor, keep: Callable[[], torch.Tensor], mrope,
                          checks: DeferredChecks):
-    """With an `MRopeConfig` (not Qwen3-Omni, not a callable), queue the index's reads on `checks`
+    """With an `MRopeConfig` (not a callable), queue the index's reads on `checks`
     (`rope.index.queue_rope_index`), so the positions need no read of their own; else None.
     Inputs whose types the index refuses queue nothing: `rope_positions` raises their error after
     the read, where it always has."""
     from megatron_vlm_packing.rope import MRopeConfig
 
-    if not isinstance(mrope, MRopeConfig) or mrope.family == "qwen3_omni":
+    if not isinstance(mrope, MRopeConfig):
         return None
     from megatron_vlm_packing.rope.index import check_rope_types, queue_rope_index
 
-    kwargs = {k: batch[k] for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts", "mm_token_type_ids")
-              if batch.get(k) is not None}
+    kwargs = {k: batch[k] for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts", "mm_token_type_ids",
+                                    "audio_seqlens") if batch.get(k) is not None}
     types = kwargs.get("mm_token_type_ids")
     if types is not None and (not isinstance(types, torch.Tensor) or types.shape != input_ids.shape):
         return None
@@ -323,7 +323,8 @@ def batch_positions(batch: Mapping, input_ids: torch.Tensor, mask: DeferredKeep,
     if rope is not None:
         from megatron_vlm_packing.rope.index import finish_rope_index
 
-        return finish_rope_index(rope, host[rope.entry]).position_ids
+        lengths = audio.audio_lengths if audio is not None and batch.get("audio_seqlens") is None else None
+        return finish_rope_index(rope, host, audio_seqlens=lengths).position_ids
     if mrope is not None:
         return rope_positions(batch, input_ids, mask.keep, mrope, audio)
     if given is not None and given.dim() == 3:

@@ -81,17 +81,8 @@ def check_seconds(seconds, name: str = "second_per_grid_ts") -> None:
         raise ValueError(f"{name} entry {i} is {float(values[i])}: seconds per grid step must be finite and >= 0")
 
 
-def check_rope_inputs(input_ids, config: MRopeConfig, image_grid_thw, video_grid_thw, attention_mask,
-                      second_per_grid_ts) -> None:
-    """ValueError naming the field for inputs the index cannot take (before any arithmetic)."""
-    check_rope_types(input_ids, config, image_grid_thw, video_grid_thw, attention_mask)
-    check_grid(image_grid_thw, "image_grid_thw", config.spatial_merge_size)
-    check_grid(video_grid_thw, "video_grid_thw", config.spatial_merge_size)
-    check_seconds(second_per_grid_ts)
-
-
 def check_rope_types(input_ids, config: MRopeConfig, image_grid_thw, video_grid_thw, attention_mask) -> None:
-    """The checks of `check_rope_inputs` that read no tensor values (types and shapes)."""
+    """The index's checks that read no tensor values (types and shapes); the value checks ride its one read."""
     if not isinstance(config, MRopeConfig):
         raise ValueError(f"config must be an MRopeConfig, got {type(config).__name__}")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point() \
@@ -234,11 +225,17 @@ def _any_bad_grid(grid, merge: int, device) -> torch.Tensor:
 
 
 def queue_rope_index(input_ids, config: MRopeConfig, checks, *, image_grid_thw=None, video_grid_thw=None,
-                     attention_mask=None, second_per_grid_ts=None, mm_token_type_ids=None) -> QueuedRopeIndex:
+                     attention_mask=None, second_per_grid_ts=None, mm_token_type_ids=None, audio_seqlens=None):
     """Queue on `checks` (a `packing.checks.DeferredChecks`, or anything with its `add`) the values the
-    index must read: its value checks and the video block count. Reads nothing and raises nothing
-    for bad values (`finish_rope_index` does, from the read). Not for Qwen3-Omni; the caller has run
-    `check_rope_types`. Arguments: those of `get_rope_index`."""
+    index must read: its value checks and the video block count (Qwen3-Omni: `omni.queue_omni_index`).
+    Reads nothing and raises nothing for bad values (`finish_rope_index` does, from the read). The
+    caller has run `check_rope_types`. Arguments: those of `get_rope_index`."""
+    if config.family == "qwen3_omni":
+        from megatron_vlm_packing.rope.omni import queue_omni_index
+
+        return queue_omni_index(input_ids, config, checks, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
+                                attention_mask=attention_mask, audio_seqlens=audio_seqlens,
+                                second_per_grids=second_per_grid_ts)
     device = input_ids.device
     batch, seq = input_ids.shape
     merge = config.spatial_merge_size
@@ -285,11 +282,16 @@ def _raise_failed_checks(queued: QueuedRopeIndex, host: list) -> None:
                          f"grid {grid[k].tolist()} with merge {merge} needs {int(expected[k])}")
 
 
-def finish_rope_index(queued: QueuedRopeIndex, host: list) -> RopeIndex:
-    """`get_rope_index`'s result from `queue_rope_index`'s state and the read's values for its entry
-    (`host`: the entry's list). Raises the index's ValueErrors; reads nothing more on the clean path."""
-    _raise_failed_checks(queued, host)
-    return _positions(queued, n_videos=host[4])
+def finish_rope_index(queued, host: list, *, audio_seqlens=None) -> RopeIndex:
+    """`get_rope_index`'s result from `queue_rope_index`'s state and the caller's read (`host`: what
+    `checks.read()` returned). Raises the index's ValueErrors; reads nothing more on the clean path.
+    `audio_seqlens` (Qwen3-Omni): host raw audio lengths known only after the read."""
+    if not isinstance(queued, QueuedRopeIndex):
+        from megatron_vlm_packing.rope.omni import finish_omni_index
+
+        return RopeIndex(*finish_omni_index(queued, host, audio_seqlens=audio_seqlens))
+    _raise_failed_checks(queued, host[queued.entry])
+    return _positions(queued, n_videos=host[queued.entry][4])
 
 
 def _positions(queued: QueuedRopeIndex, n_videos: int) -> RopeIndex:
@@ -361,7 +363,8 @@ def get_rope_index(
         second_per_grid_ts: [V] seconds per temporal grid step (Qwen2.5-VL videos): a tensor (any float
             dtype; the t positions are truncated in that dtype, like transformers) or a list of numbers.
         mm_token_type_ids: [B, S] 0/1/2; derived from the placeholder ids when None.
-        use_audio_in_video, audio_seqlens: Qwen3-Omni audio inputs (raw audio feature lengths).
+        use_audio_in_video, audio_seqlens: Qwen3-Omni audio inputs (raw audio feature lengths; an
+            audio-in-video block is told by its tokens, as in the reference's positions).
 
     Returns:
         RopeIndex(position_ids [3, B, S] long, deltas [B, 1] long).
@@ -374,18 +377,10 @@ def get_rope_index(
     Qwen3-Omni follows its own rule (rope/omni.py) and returns float positions, as its reference does.
     """
     check_rope_types(input_ids, config, image_grid_thw, video_grid_thw, attention_mask)
-    if config.family == "qwen3_omni":
-        check_rope_inputs(input_ids, config, image_grid_thw, video_grid_thw, attention_mask, second_per_grid_ts)
-        from megatron_vlm_packing.rope.omni import omni_rope_index
-
-        return RopeIndex(*omni_rope_index(
-            input_ids, config, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
-            attention_mask=attention_mask, use_audio_in_video=use_audio_in_video, audio_seqlens=audio_seqlens,
-            second_per_grids=second_per_grid_ts))
     from megatron_vlm_packing.packing.checks import DeferredChecks
 
     checks = DeferredChecks()
     queued = queue_rope_index(input_ids, config, checks, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
                               attention_mask=attention_mask, second_per_grid_ts=second_per_grid_ts,
-                              mm_token_type_ids=mm_token_type_ids)
-    return finish_rope_index(queued, checks.read()[queued.entry])  # the one host sync
+                              mm_token_type_ids=mm_token_type_ids, audio_seqlens=audio_seqlens)
+    return finish_rope_index(queued, checks.read())  # the one host sync

@@ -60,3 +60,30 @@ def test_pack_batch_raises_the_index_errors_after_the_rows_errors():
     holes[0, 1] = 0
     with pytest.raises(ValueError, match="attention_mask"):
         pack_batch({**fewer, "attention_mask": holes}, label_style="hf", mrope=cfg)
+
+
+def test_omni_positions_ride_packings_read_with_audio_lengths_from_either_input():
+    """Qwen3-Omni: `audio_seqlens` given, or the clip lengths packing reads from `feature_attention_mask`."""
+    from tests.rope.test_omni import random_rows as omni_rows, thinker
+
+    config, _ = thinker()
+    cfg = MRopeConfig.from_hf_config(config)
+    ids, mask, images, videos, seconds, audios = omni_rows(config, 3, 1, True)
+    frames = int(audios.max())
+    batch = {"input_ids": ids, "labels": ids, "attention_mask": mask, "image_grid_thw": images,
+             "video_grid_thw": videos, "second_per_grid_ts": seconds, "use_audio_in_video": True,
+             "pixel_values": torch.zeros(int(images.prod(1).sum()), 2),
+             "pixel_values_videos": torch.zeros(int(videos.prod(1).sum()), 2)}
+    with count_host_syncs() as alone:
+        positions = get_rope_index(ids, cfg, image_grid_thw=images, video_grid_thw=videos, attention_mask=mask,
+                                   audio_seqlens=audios, second_per_grid_ts=seconds).position_ids
+    assert alone.total == 1, alone.report()  # was 39: per row, block and grid entry
+    given = pack_batch({"input_ids": ids, "labels": ids, "attention_mask": mask, "position_ids": positions},
+                       label_style="hf", position_layout="3BS").position_ids
+    features = dict(input_features=torch.zeros(len(audios), 2, frames),
+                    feature_attention_mask=(torch.arange(frames)[None] < audios[:, None]).long())
+    for audio in (dict(audio_seqlens=audios), features):
+        with count_host_syncs() as packing:
+            packed = pack_batch(batch | audio, label_style="hf", mrope=cfg)
+        assert packing.total == 1 and "checks.py" in packing.events[0].where, packing.report()
+        assert torch.equal(packed.position_ids, given)
