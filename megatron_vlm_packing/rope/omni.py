@@ -71,6 +71,10 @@ def _check_block(tokens: list[int], begin: int, length: int, ids: set, *, row: i
     Raises:
         ValueError: the block is shorter or longer than its grid / audio length says (naming both).
     """
+    block = tokens[begin:begin + length]  # counted at C speed; the run is walked only to name an error
+    if len(block) == length and sum(block.count(i) for i in ids) == length \
+            and (begin + length == len(tokens) or tokens[begin + length] not in ids):
+        return
     run = begin
     while run < len(tokens) and tokens[run] in ids:
         run += 1
@@ -79,17 +83,34 @@ def _check_block(tokens: list[int], begin: int, length: int, ids: set, *, row: i
                          f"its grid / audio length needs {length}")
 
 
+def _openers(tokens: list[int], ids: set) -> list[int]:
+    """Sorted indices of the tokens in `ids` (`list.index` scans: one Python step per opener, not per token)."""
+    found = []
+    for token in ids - {None}:
+        at = -1
+        while True:
+            try:
+                at = tokens.index(token, at + 1)
+            except ValueError:
+                break
+            found.append(at)
+    return sorted(found)
+
+
 @dataclass(frozen=True)
 class QueuedOmniIndex:
     """The Qwen3-Omni index's inputs and the entries of its values on the caller's checks (`queue_omni_index`):
-    "flags" (grid entries bad: image, video; seconds bad), and with grids "ids" and "keep" ([B*S]
-    each), "image_grid_thw" / "video_grid_thw" (flat), "seconds" (float64), "audio_seqlens"."""
+    "flags" (grid entries bad: image, video; seconds bad), and with grids "ids" ([N = B*S]: the kept
+    ids, row by row, then fills), "lengths" ([B] kept tokens per row), "image_grid_thw" /
+    "video_grid_thw" (flat), "seconds" (float64), "audio_seqlens". `slots`: [N] flat slot of each
+    kept token, then N (None without grids)."""
 
     config: MRopeConfig
     input_ids: torch.Tensor
     keep: torch.Tensor
     inputs: dict
     entries: dict
+    slots: torch.Tensor | None = None
 
 
 def _flat(value, dtype) -> torch.Tensor | None:
@@ -110,17 +131,20 @@ def queue_omni_index(input_ids, config: MRopeConfig, checks, *, image_grid_thw=N
     flags = (_any_bad_grid(image_grid_thw, merge, device), _any_bad_grid(video_grid_thw, merge, device),
              seconds[1].any().to(device=device, dtype=torch.long) if seconds is not None
              else torch.zeros((), dtype=torch.long, device=device))
-    entries = {"flags": checks.add(flags, lambda host: False, None)}
+    entries, slots = {"flags": checks.add(flags, lambda host: False, None)}, None
     if image_grid_thw is not None or video_grid_thw is not None:
-        values = {"ids": input_ids.reshape(-1), "keep": keep.reshape(-1).long(),
-                  "image_grid_thw": _flat(image_grid_thw, torch.long), "video_grid_thw": _flat(video_grid_thw, torch.long),
+        n = input_ids.numel()
+        slots = torch.nonzero_static(keep.reshape(-1), size=n, fill_value=n).flatten()  # row-major
+        values = {"ids": input_ids.reshape(-1).index_select(0, slots.clamp(max=n - 1)), "lengths": keep.sum(1),
+                  "image_grid_thw": _flat(image_grid_thw, torch.long),
+                  "video_grid_thw": _flat(video_grid_thw, torch.long),
                   "seconds": _flat(seconds[0], torch.float64) if seconds is not None else None,
                   "audio_seqlens": _flat(audio_seqlens, torch.long)}
         entries |= {name: checks.add(v.to(device), lambda host: False, None) for name, v in values.items()
                     if v is not None}
     inputs = dict(image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw, audio_seqlens=audio_seqlens,
                   second_per_grids=second_per_grids)
-    return QueuedOmniIndex(config, input_ids, keep, inputs, entries)
+    return QueuedOmniIndex(config, input_ids, keep, inputs, entries, slots)
 
 
 def _host_inputs(queued: QueuedOmniIndex, host: list, audio_seqlens) -> dict:
@@ -159,19 +183,21 @@ def finish_omni_index(queued: QueuedOmniIndex, host: list, *, audio_seqlens=None
         positions = positions.masked_fill(~keep, 1).unsqueeze(0).expand(3, -1, -1)
         deltas = positions.max(0)[0].max(-1, keepdim=True)[0] + 1 - keep.sum(-1, keepdim=True)
         return positions, deltas
-    batch, seq = input_ids.shape
-    ids, kept, inputs = host[queued.entries["ids"]], host[queued.entries["keep"]], _host_inputs(queued, host, audio_seqlens)
-    out, deltas, used = torch.zeros(3, batch, seq, dtype=torch.float), [], [0, 0, 0]
-    for row in range(batch):
-        slots = [i for i in range(seq) if kept[row * seq + i]]
-        positions = _row_positions([ids[row * seq + i] for i in slots], config, inputs, used, row)
-        out[:, row, torch.tensor(slots, dtype=torch.long)] = positions
-        deltas.append(positions.max() + 1 - len(slots))
+    ids, inputs = host[queued.entries["ids"]], _host_inputs(queued, host, audio_seqlens)
+    pieces, deltas, used, first = [], [], [0, 0, 0], 0
+    for row, length in enumerate(host[queued.entries["lengths"]]):
+        positions = _row_positions(ids[first:first + length], config, inputs, used, row)
+        pieces.append(positions)
+        deltas.append(positions.max() + 1 - length)
+        first += length
     for name, count in zip(("image_grid_thw", "video_grid_thw", "audio_seqlens"), used):
         given = inputs[name]
         if given is not None and count != len(given):
             raise ValueError(f"{count} blocks in input_ids use {name}, which has {len(given)} entries")
-    return out.to(input_ids.device), torch.stack(deltas).to(input_ids.device).unsqueeze(1)
+    n, device = input_ids.numel(), input_ids.device
+    pieces.append(torch.zeros(3, n - first))  # the fill slots (all go to column N)
+    out = torch.zeros(3, n + 1, device=device).index_copy_(1, queued.slots, torch.cat(pieces, dim=1).to(device))
+    return out[:, :n].reshape(3, *input_ids.shape), torch.stack(deltas).to(device).unsqueeze(1)
 
 
 def _row_positions(tokens: list[int], config: MRopeConfig, inputs: dict, used: list[int], row: int) -> torch.Tensor:
@@ -179,7 +205,7 @@ def _row_positions(tokens: list[int], config: MRopeConfig, inputs: dict, used: l
     and audio entries taken so far (updated in place)."""
     merge, pps = config.spatial_merge_size, config.position_id_per_seconds
     # Every block opens with a vision-start or audio-start token.
-    opens = [i for i, token in enumerate(tokens) if token in (config.vision_start_token_id, config.audio_start_token_id)]
+    opens = _openers(tokens, {config.vision_start_token_id, config.audio_start_token_id})
     pieces, cursor = [], 0
     next_start = lambda: pieces[-1].max() + 1 if pieces else 0  # noqa: E731
     for at in opens:
@@ -193,7 +219,8 @@ def _row_positions(tokens: list[int], config: MRopeConfig, inputs: dict, used: l
         pieces.append(_text(wrap, next_start()))
         start = next_start()  # right after the opening tokens
         if tokens[at] == config.audio_start_token_id:
-            length = audio_output_length(int(_take(inputs["audio_seqlens"], used[2], "audio_seqlens")), config.audio_n_window)
+            length = audio_output_length(int(_take(inputs["audio_seqlens"], used[2], "audio_seqlens")),
+                                         config.audio_n_window)
             _check_block(tokens, at + wrap, length, {config.audio_token_id}, row=row, what="audio")
             pieces.append(_text(length, start))
             cursor, used[2] = at + wrap + length + wrap, used[2] + 1

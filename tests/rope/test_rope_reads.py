@@ -48,8 +48,9 @@ def test_pack_batch_raises_the_index_errors_after_the_rows_errors():
     frames = int(batch["video_grid_thw"][:, 0].sum())
     blocks = int(((batch["input_ids"] == VIDEO) & (torch.roll(batch["input_ids"], 1, 1) != VIDEO)).sum())
     message = f"{blocks} video placeholder blocks in input_ids but {frames - int(batch['video_grid_thw'][-1, 0])} rows"
+    rope_fewer = {**rope, "video_grid_thw": fewer["video_grid_thw"]}
     for call in (lambda: pack_batch(fewer, label_style="hf", mrope=cfg),
-                 lambda: get_rope_index(fewer["input_ids"], cfg, **{**rope, "video_grid_thw": fewer["video_grid_thw"]})):
+                 lambda: get_rope_index(fewer["input_ids"], cfg, **rope_fewer)):
         with count_host_syncs() as syncs, pytest.raises(ValueError, match=message):
             call()
         assert syncs.total == 1, syncs.report()
