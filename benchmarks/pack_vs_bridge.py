@@ -12,12 +12,16 @@ then a Python loop copying each row's slices into them (and an `arange` of pad p
 row is padded to the CP multiple), and the boundary tensors. It is written here, not imported, so
 the benchmark runs without Bridge and Transformer Engine.
 
-The third column, "packing core", times this project's packing pieces alone (mask check, plan,
-indices, slices copied, positions, padding mask, PackedSeqParams) without `pack_batch`'s value
-checks (ids in range, labels -100 or in range, Hugging Face labels given as Megatron ones, loss
-weights finite and >= 0) and its key / media / option handling: the floor of what `pack_batch`
-costs. `pack_batch` makes those checks as one-pass screens over the [B, S] rows, read back with the
-real lengths in its one host sync, and builds labels and loss weights over the packed tokens only.
+Ours is timed twice. "pack_batch (loader)" is `pack_batch(host_reads=True)`, what `PackingCollator`
+runs in a DataLoader worker, the same place Bridge's collate-time packer runs: the batch is on the
+host, so the real lengths are read first and the value checks (ids in range, labels -100 or in
+range, Hugging Face labels given as Megatron ones, loss weights finite and >= 0) run after packing,
+over the packed tokens, with numpy for the small ops. "pack_batch (step path)" is the path the step
+takes with a batch on an accelerator (`host_reads=False`): one host read, so the checks are screens
+over all B*S slots riding it; timed here on the CPU it shows the cost of those screens, not a GPU's.
+"packing core" times this project's packing pieces alone (mask check, plan, indices, slices copied,
+positions, padding mask, PackedSeqParams) with no value check and none of `pack_batch`'s key /
+media / option handling.
 
 Both packers get the same batch (Megatron-style: input_ids, labels already aligned, a float
 loss_mask, a 0/1 attention_mask, 2D position_ids) and produce the same things: packed ids, labels,
@@ -25,7 +29,7 @@ loss mask, positions restarting per sample, and both boundary sets; ours also bu
 mask and `PackedSeqParams`. Real lengths are lognormal (median S/4, sigma 0.8, clipped to [16, S]).
 Times are this thread's CPU time (`time.thread_time`): with one thread and no waiting, that is the
 wall time of an idle machine, and it stays honest on a shared machine where other processes take
-the cores. Calls alternate (bridge, ours, bridge, ours, ...) so that cache and frequency effects hit
+the cores. Calls alternate (bridge, loader, step path, core, bridge, ...) so that cache and frequency effects hit
 both alike; the table gives the median of each and the median of the per-pair ratios.
 """
 
@@ -110,11 +114,13 @@ def bridge_row_loop(batch: dict, *, pad_to_multiple_of: int = 1, pad_token_id: i
     return out
 
 
-def ours(batch: dict, *, cp_size: int = 1):
+def ours(batch: dict, *, cp_size: int = 1, host_reads: bool = True):
+    """`pack_batch` as the loader runs it (`host_reads=True`, what `PackingCollator` passes), or as the
+    step runs it on an accelerator (`host_reads=False`: the one-read path, timed here on the CPU)."""
     from megatron_vlm_packing import pack_batch
 
     return pack_batch({k: v for k, v in batch.items() if k != "position_ids"}, cp_size=cp_size,
-                      label_style="megatron")
+                      label_style="megatron", host_reads=host_reads)
 
 
 def packing_core(batch: dict, *, cp_size: int = 1):
@@ -136,33 +142,35 @@ def packing_core(batch: dict, *, cp_size: int = 1):
 
 
 def check_same(batch: dict, cp_size: int) -> None:
-    """Both packers agree on every real token and on the boundaries (what is being compared)."""
-    theirs, mine = bridge_row_loop(batch, pad_to_multiple_of=2 * cp_size if cp_size > 1 else 1), ours(batch, cp_size=cp_size)
-    real = ~mine.padding_mask[0]
-    for key, value in (("input_ids", mine.input_ids), ("labels", mine.labels), ("position_ids", mine.position_ids)):
-        if not torch.equal(theirs[key][0][real], value[0][real]):
-            raise AssertionError(f"{key} differs between the packers")
-    if not torch.equal(theirs["cu_seqlens_q"], mine.packed_seq_params.cu_seqlens_q):
-        raise AssertionError("cu_seqlens differ between the packers")
+    """Both packers, and both paths of ours, agree on every real token and on the boundaries."""
+    theirs = bridge_row_loop(batch, pad_to_multiple_of=2 * cp_size if cp_size > 1 else 1)
+    for host_reads in (True, False):
+        mine = ours(batch, cp_size=cp_size, host_reads=host_reads)
+        real = ~mine.padding_mask[0]
+        for key, value in (("input_ids", mine.input_ids), ("labels", mine.labels), ("position_ids", mine.position_ids)):
+            if not torch.equal(theirs[key][0][real], value[0][real]):
+                raise AssertionError(f"{key} differs between the packers (host_reads={host_reads})")
+        if not torch.equal(theirs["cu_seqlens_q"], mine.packed_seq_params.cu_seqlens_q):
+            raise AssertionError(f"cu_seqlens differ between the packers (host_reads={host_reads})")
 
 
-def side_by_side(batch: dict, cp_size: int, repeats: int) -> tuple[float, ...]:
-    """(bridge ms, pack_batch ms, core ms, bridge/pack_batch, bridge/core): medians over
-    alternating calls after one warm-up of each."""
+def side_by_side(batch: dict, cp_size: int, repeats: int) -> tuple[list[float], list[float]]:
+    """Medians over alternating calls after one warm-up of each: ([bridge, loader, step, core] ms,
+    [bridge/loader, bridge/step, bridge/core])."""
     multiple = 2 * cp_size if cp_size > 1 else 1
     calls = (lambda: bridge_row_loop(batch, pad_to_multiple_of=multiple), lambda: ours(batch, cp_size=cp_size),
-             lambda: packing_core(batch, cp_size=cp_size))
+             lambda: ours(batch, cp_size=cp_size, host_reads=False), lambda: packing_core(batch, cp_size=cp_size))
     for call in calls:
         call()
-    samples = [[], [], []]
+    samples = [[] for _ in calls]
     for _ in range(repeats):
         for call, timings in zip(calls, samples):
             start = time.thread_time()
             call()
             timings.append((time.thread_time() - start) * 1e3)
-    bridge, full, core = samples
-    return (statistics.median(bridge), statistics.median(full), statistics.median(core),
-            statistics.median(b / o for b, o in zip(bridge, full)), statistics.median(b / o for b, o in zip(bridge, core)))
+    bridge = samples[0]
+    return ([statistics.median(t) for t in samples],
+            [statistics.median(b / o for b, o in zip(bridge, t)) for t in samples[1:]])
 
 
 def main() -> None:
@@ -175,16 +183,17 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     lines = [f"cp={args.cp}, torch {torch.__version__}, 1 thread",
-             "| B x S | real tokens | bridge row loop ms | pack_batch ms | packing core ms | pack_batch speedup "
-             "| core speedup |", "|---|---|---|---|---|---|---|"]
+             "| B x S | real tokens | bridge row loop ms | pack_batch (loader) ms | pack_batch (step path) ms "
+             "| packing core ms | loader speedup | step path speedup | core speedup |",
+             "|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
     for b in args.batches:
         for s in args.seqs:
             batch = make_batch(b, s)
             check_same(batch, args.cp)
-            bridge_ms, full_ms, core_ms, full_ratio, core_ratio = side_by_side(batch, args.cp, args.repeats)
-            line = (f"| {b} x {s} | {int(batch['attention_mask'].sum())} | {bridge_ms:.3f} | {full_ms:.3f} "
-                    f"| {core_ms:.3f} | {full_ratio:.2f}x | {core_ratio:.2f}x |")
+            times, ratios = side_by_side(batch, args.cp, args.repeats)
+            line = (f"| {b} x {s} | {int(batch['attention_mask'].sum())} | "
+                    + " | ".join(f"{t:.3f}" for t in times) + " | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
             lines.append(line)
             print(line, flush=True)
     if args.out:

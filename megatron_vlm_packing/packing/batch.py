@@ -10,6 +10,7 @@ import dataclasses
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from megatron_vlm_packing.packing.checks import ValueInputs, check_packed_values
 from megatron_vlm_packing.packing.media import MediaTokens
 from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch
 from megatron_vlm_packing.packing.pack import pack_next_token_labels, pack_positions, pack_rows, segment_positions
@@ -52,17 +53,30 @@ def padding_mask_of(indices: PackIndices) -> torch.Tensor:
     return ~indices.is_real.unsqueeze(0)
 
 
-def pack_labels_and_weights(rows: Rows, indices: PackIndices) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_labels_and_weights(rows: Rows, indices: PackIndices, *,
+                            packed_ids: torch.Tensor | None = None,
+                            vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """[1, T] next-token labels and float loss weights, built over the packed tokens only.
 
     Hugging Face labels shift inside each document (`pack_next_token_labels`); Megatron labels are
     packed as they are. The same values as packing `rows.labels` / `rows.loss_weights`.
+
+    Rows read without their value checks (`rows.values_checked` False: `pack_batch(host_reads=True)`)
+    are checked here, over the packed ids (`packed_ids`, [1, T]), labels and loss weights.
     """
     if rows.label_style == "hf":
         labels = pack_next_token_labels(rows.raw_labels, indices, ignore_index=IGNORE_INDEX)
     else:
         labels = pack_rows(rows.raw_labels, indices, pad_value=IGNORE_INDEX)
     values = None if rows.loss_values is None else pack_rows(rows.loss_values, indices)
+    if not rows.values_checked:
+        if packed_ids is None:
+            raise ValueError("rows read without value checks need packed_ids= to be checked over the packed tokens")
+        first_labels = rows.raw_labels[list(indices.plan.segment_rows), 0] if rows.label_style == "hf" else None
+        inputs = ValueInputs(rows.input_ids, rows.ids_key, rows.raw_labels, rows.loss_values, lambda: rows.keep,
+                             rows.mask.real_slots, lambda: torch.tensor(rows.lengths))
+        check_packed_values(inputs, rows.label_style, vocab_size, ids=packed_ids, targets=labels,
+                            first_labels=first_labels, loss_values=values)
     return labels, loss_weights_of(labels, values)
 
 
@@ -85,6 +99,7 @@ def pack_batch(
     vocab_size: int | None = None,
     position_layout: str | None = None,
     require_media_counts: bool = True,
+    host_reads: bool = False,
 ) -> MicroBatch:
     """Pack a right-padded micro-batch into one THD sequence at real lengths.
 
@@ -116,6 +131,11 @@ def pack_batch(
             may also be -100); negative ids / labels other than -100 always are.
         position_layout: "3BS" or "B3S" for 3D `position_ids` in the batch; needed only when B == 3
             makes the shape ambiguous.
+        host_reads: the batch is on the CPU, where reading a value back costs no sync (a DataLoader
+            worker: `PackingCollator` sets it). The real lengths are then read first and the value
+            checks of ids, labels and loss weights run after packing, over the T packed tokens
+            (`checks.check_packed_values`), instead of riding the one read as screens over all B*S
+            slots; the same errors for the same bad tokens. A batch on an accelerator is a ValueError.
 
     Pre-packed rows: `document_lengths` ([B, D] ints, see `packing.documents`) makes every document
     of every row its own THD segment (positions restart, HF labels shift inside each document,
@@ -128,8 +148,10 @@ def pack_batch(
                                 audio_token_id=audio_token_id, spatial_merge_size=spatial_merge_size,
                                 require_counts=require_media_counts)
     check_pad_token_id(pad_token_id)
+    if host_reads:
+        _check_on_host(batch)
     rows = read_rows(batch, label_style=label_style, mrope=mrope, media=media, extra_keys=tuple(extra_keys),
-                     vocab_size=vocab_size, position_layout=position_layout)
+                     vocab_size=vocab_size, position_layout=position_layout, on_host=host_reads)
     batch_size, row_length = rows.input_ids.shape
     multiples = PackMultiples.for_parallel(
         tp_size=tp_size, cp_size=cp_size, sequence_parallel=sequence_parallel, fp8=fp8
@@ -137,9 +159,10 @@ def pack_batch(
     plan = make_pack_plan(rows.lengths, row_capacity=row_length, multiples=multiples, pad_to=pad_to)
     indices = plan_indices(plan, rows.input_ids.device)
     positions = segment_positions(indices) if rows.positions is None else pack_positions(rows.positions, indices)
-    labels, loss_mask = pack_labels_and_weights(rows, indices)
+    input_ids = pack_rows(rows.input_ids, indices, pad_value=pad_token_id)
+    labels, loss_mask = pack_labels_and_weights(rows, indices, packed_ids=input_ids, vocab_size=vocab_size)
     return MicroBatch(
-        input_ids=pack_rows(rows.input_ids, indices, pad_value=pad_token_id),
+        input_ids=input_ids,
         labels=labels,
         loss_mask=loss_mask,
         position_ids=positions,
@@ -154,3 +177,13 @@ def pack_batch(
         plan=plan,
         indices=indices,
     )
+
+
+def _check_on_host(batch: dict) -> None:
+    """host_reads=True packs on the CPU: a tensor elsewhere would make every read a host sync."""
+    if not isinstance(batch, dict):
+        return  # read_rows names what the batch is
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+            raise ValueError(f"host_reads=True packs a batch on the CPU (a DataLoader worker), but {key!r} is on "
+                             f"{value.device}: leave host_reads False for a batch on an accelerator")

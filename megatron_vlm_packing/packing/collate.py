@@ -4,7 +4,8 @@
 the worker, reads the real lengths, plans, packs tokens / labels / loss weights / positions (mRoPE
 per sample included), builds the padding mask, `PackedSeqParams` and every CP rank's partition
 index, and returns one typed `MicroBatch` (a `LoaderMicroBatch`, which DataLoader's
-`pin_memory=True` pins). `make_forward_step` takes such a micro-batch from the iterator as it is:
+`pin_memory=True` pins). `pack_batch(host_reads=True)` reads the lengths first and checks ids, labels and loss weights over the
+packed tokens (a read costs no sync on the host). `make_forward_step` takes such a micro-batch from the iterator as it is:
 `to_device` moves its tensors with `non_blocking=True`, and nothing on the step's path reads a
 value back to the host (checked by `testing.sync_counter`: 0 syncs for a packed forward + backward).
 
@@ -78,7 +79,7 @@ class PackingCollator:
         packed = pack_batch(on_host, tp_size=self.tp_size, cp_size=self.cp_size,
                             sequence_parallel=self.sequence_parallel, fp8=self.fp8, pad_to=self.pad_to,
                             label_style=self.label_style, mrope=self.mrope, pad_token_id=self.pad_token_id,
-                            extra_keys=self.extra_keys, **self.pack_options)
+                            extra_keys=self.extra_keys, **{"host_reads": True, **self.pack_options})
         prepare_indices(packed.indices, self.cp_size)
         return LoaderMicroBatch(**{f.name: getattr(packed, f.name) for f in dataclasses.fields(MicroBatch)})
 

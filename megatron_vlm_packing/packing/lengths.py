@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
+import numpy as np
 import torch
 
 
@@ -170,13 +171,39 @@ def right_padded_reads(mask: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], Ca
     """
     values = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
     minima, first_minimum = values.min(dim=1)
-    batch, row_length = mask.shape
+    return (values.sum(dim=1), minima, first_minimum), _right_padded_test(*mask.shape)
+
+
+def _right_padded_test(batch: int, row_length: int) -> Callable[[list], bool]:
+    """The host test of `right_padded_reads`' numbers (see there): True when some row is not 1...1 0...0."""
 
     def fails(host: list) -> bool:
         sums, mins, firsts = host[:batch], host[batch:2 * batch], host[2 * batch:]
         return any(m < 0 or n != (firsts[b] if m == 0 else row_length) for b, (n, m) in enumerate(zip(sums, mins)))
 
-    return (values.sum(dim=1), minima, first_minimum), fails
+    return fails
+
+
+# Up to this many slots numpy reads a mask on the host faster (its fixed cost per call is about a
+# tenth of torch's); above it torch's fused min-with-index over long rows wins (measured on one core).
+_NUMPY_MASK_SLOTS = 1 << 16
+
+
+def right_padded_lengths_on_host(mask: torch.Tensor) -> list[int]:
+    """B real lengths of a [B, S] integer or bool mask on the CPU, read and checked now (no sync to save).
+
+    `right_padded_reads`' numbers and test, read with numpy up to `_NUMPY_MASK_SLOTS` slots;
+    `lengths_from_keep_mask` raises the detailed error of a bad mask."""
+    if mask.numel() <= _NUMPY_MASK_SLOTS:
+        rows = mask.numpy()
+        rows = rows.view(np.uint8) if rows.dtype == np.bool_ else rows
+        host = rows.sum(axis=1).tolist() + rows.min(axis=1).tolist() + rows.argmin(axis=1).tolist()
+    else:
+        host = [x for v in right_padded_reads(mask)[0] for x in v.tolist()]
+    if _right_padded_test(*mask.shape)(host):
+        lengths_from_keep_mask(mask)  # raises
+        raise AssertionError("a mask failing the right-padding test passed lengths_from_keep_mask")
+    return host[:mask.shape[0]]
 
 
 def keep_mask_deferred(
@@ -186,12 +213,16 @@ def keep_mask_deferred(
     attention_mask: torch.Tensor | None = None,
     seq_lens=None,
     device=None,
+    on_host: bool = False,
 ) -> DeferredKeep:
     """The rows' real lengths and keep-mask without reading anything back to the host.
 
     Shape and `seq_lens` errors are raised at once (they need no device data); the mask's own
     validity (0/1 values, right padding, a causal 4D mask) rides the caller's one host read, and
     when it fails, `real_lengths` with the same arguments raises the detailed error.
+
+    `on_host=True` (a 2D integer or bool mask on the CPU, where a read costs no sync): the lengths
+    are read and checked now, and `lengths` holds them.
     """
     if attention_mask is not None and seq_lens is not None:
         raise ValueError("give either attention_mask or seq_lens, not both")
@@ -211,10 +242,12 @@ def keep_mask_deferred(
             f"attention_mask covers {tuple(keep.shape)} tokens but input_ids is {(batch_size, row_length)}"
         )
     if attention_mask.dim() == 2 and not attention_mask.is_floating_point() and not attention_mask.is_complex():
+        keep_fn = (lambda: attention_mask) if attention_mask.dtype == torch.bool else (lambda: attention_mask != 0)
+        if on_host and attention_mask.is_cpu:
+            return DeferredKeep(right_padded_lengths_on_host(attention_mask), None, None, keep_fn, mask=attention_mask)
         values, fails = right_padded_reads(attention_mask)
         if device is not None and attention_mask.device != torch.device(device):  # read with the ids' values
             values = tuple(v.to(device) for v in values)
-        keep_fn = (lambda: attention_mask) if attention_mask.dtype == torch.bool else (lambda: attention_mask != 0)
         return DeferredKeep(None, values, fails, keep_fn, mask=attention_mask)
     # Rare forms, checked the longer way: a float 0/1 mask, a 4D mask (its diagonal; causal between real tokens).
     if attention_mask.dim() == 4:

@@ -14,6 +14,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
+import numpy as np
 import torch
 
 from megatron_vlm_packing.packing.checks import (  # noqa: F401 (re-exported: callers import them from rows)
@@ -26,6 +27,7 @@ from megatron_vlm_packing.packing.media import (
     AUDIO_KEYS, VISION_KEYS, MediaHost, MediaTokens, audio_inputs, queue_media_reads, vision_inputs,
 )
 from megatron_vlm_packing.packing.micro_batch import AudioInputs, VisionInputs
+from megatron_vlm_packing.packing.pack import on_host_without_grad
 
 SEQUENCE_KEYS = ("input_ids", "tokens", "labels", "loss_mask", "attention_mask", "position_ids", "seq_lens")
 # Read only by an mRoPE index (`mrope=`): accepted only when one is given.
@@ -51,6 +53,9 @@ class Rows:
         extras: declared per-token tensors, [B, S, ...].
         row_tokens: slots of the collated rows (B*S of the batch as given).
         document_rows: with `document_lengths`, the source row of each row here (one per document).
+        ids_key: the batch key the ids came from ("input_ids" or "tokens"), named in errors.
+        values_checked: False when the value checks of ids, labels and loss weights are left to the
+            caller (`pack_batch(host_reads=True)` makes them over the packed tokens).
 
     `labels` and `loss_weights` build the [B, S] targets and weights of the rows (`pad_batch`);
     `pack_batch` builds them over the packed tokens only (`batch.pack_labels_and_weights`).
@@ -68,6 +73,8 @@ class Rows:
     extras: Mapping[str, torch.Tensor] = field(default_factory=dict)
     row_tokens: int = 0
     document_rows: list[int] | None = None
+    ids_key: str = "input_ids"
+    values_checked: bool = True
 
     @property
     def keep(self) -> torch.Tensor:
@@ -91,6 +98,11 @@ def loss_weights_of(labels: torch.Tensor, loss_values: torch.Tensor | None) -> t
 
     (value * True / value * False computes value * 1.0 / value * 0.0 in float32: the same bits as
     multiplying by the float target mask, one op fewer.)"""
+    if on_host_without_grad(labels) and (loss_values is None or on_host_without_grad(loss_values)):
+        is_target = labels.numpy() != IGNORE_INDEX  # numpy: two small ops at a fraction of torch's fixed cost
+        if loss_values is None:
+            return torch.from_numpy(is_target.astype(np.float32))
+        return torch.from_numpy(np.multiply(loss_values.numpy(), is_target, dtype=np.float32))
     is_target = labels != IGNORE_INDEX
     if loss_values is None:
         return is_target.float()
@@ -374,14 +386,17 @@ class QueuedRows:
 
 
 def queue_row_reads(batch: Mapping, input_ids: torch.Tensor, name: str, label_style: str,
-                    vocab_size: int | None) -> QueuedRows:
+                    vocab_size: int | None, *, on_host: bool = False) -> QueuedRows:
     """Queue the reads every right-padded batch needs: the deferred mask (real lengths and its detailed
     error), labels and loss weights checked for type and shape, and the value screens of ids, labels
-    and loss weights (`checks.queue_value_checks`). `input_ids` [B, S] long, named `name` in errors."""
+    and loss weights (`checks.queue_value_checks`). `input_ids` [B, S] long, named `name` in errors.
+
+    `on_host=True` (a batch on the CPU, `pack_batch(host_reads=True)`): the lengths are read at once
+    and no value screen is queued: the caller checks the packed values (`checks.check_packed_values`)."""
     shape = tuple(input_ids.shape)
     mask = batch.get("attention_mask")
     deferred = keep_mask_deferred(batch_size=shape[0], row_length=shape[1], attention_mask=mask,
-                                  seq_lens=batch.get("seq_lens"), device=input_ids.device)
+                                  seq_lens=batch.get("seq_lens"), device=input_ids.device, on_host=on_host)
     raw_labels, loss_values = checked_labels(batch, shape, label_style), checked_loss_values(batch, shape)
     checks, lengths_entry = DeferredChecks(), None
     if deferred.values is not None:  # the detailed mask error (holes, left padding, values, non-causal 4D)
@@ -391,14 +406,20 @@ def queue_row_reads(batch: Mapping, input_ids: torch.Tensor, name: str, label_st
         (lambda: torch.tensor(deferred.lengths, device=input_ids.device))
     inputs = ValueInputs(input_ids, name, raw_labels, loss_values, lambda: deferred.keep, deferred.real_slots,
                          row_lengths)
-    queue_value_checks(inputs, label_style, vocab_size, checks)
+    if not on_host:
+        queue_value_checks(inputs, label_style, vocab_size, checks)
     return QueuedRows(mask=deferred, raw_labels=raw_labels, loss_values=loss_values, checks=checks,
                       lengths_entry=lengths_entry, batch_size=shape[0])
 
 
 def read_rows(batch, *, label_style: str, mrope, media: MediaTokens, extra_keys=(), vocab_size: int | None = None,
-              position_layout: str | None = None) -> Rows:
+              position_layout: str | None = None, on_host: bool = False) -> Rows:
     """Check a collated batch and read it into `Rows` (see the module docstring).
+
+    `on_host=True` (a batch on the CPU, where a read costs no sync) reads the lengths at once and
+    leaves the value checks of ids, labels and loss weights to the caller (`Rows.values_checked` is
+    then False): `pack_batch(host_reads=True)` makes them over the packed tokens
+    (`checks.check_packed_values`).
 
     With `document_lengths` in the batch every document becomes a row of its own first
     (`documents.split_documents`); `Rows.document_rows` then names each one's source row.
@@ -417,7 +438,7 @@ def read_rows(batch, *, label_style: str, mrope, media: MediaTokens, extra_keys=
         batch, document_rows = split_documents(batch, name, extra_keys)
         input_ids = batch[name].long()
     shape = tuple(input_ids.shape)
-    queued = queue_row_reads(batch, input_ids, name, label_style, vocab_size)
+    queued = queue_row_reads(batch, input_ids, name, label_style, vocab_size, on_host=on_host)
     deferred, raw_labels, loss_values, checks = queued.mask, queued.raw_labels, queued.loss_values, queued.checks
     queue_position_checks(batch, lambda: deferred.keep, mrope, checks)
     media_entries = queue_media_reads(batch, input_ids, lambda: deferred.keep, media, checks)
@@ -431,4 +452,5 @@ def read_rows(batch, *, label_style: str, mrope, media: MediaTokens, extra_keys=
     return Rows(input_ids=input_ids, mask=deferred, lengths=lengths, raw_labels=raw_labels, label_style=label_style,
                 loss_values=loss_values, positions=positions,
                 vision=vision, audio=audio, extras=_extras(batch, extra_keys, shape),
-                row_tokens=source_shape[0] * source_shape[1], document_rows=document_rows)
+                row_tokens=source_shape[0] * source_shape[1], document_rows=document_rows, ids_key=name,
+                values_checked=not on_host)
