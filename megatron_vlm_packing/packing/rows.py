@@ -301,11 +301,42 @@ def queue_position_checks(batch: Mapping, keep: Callable[[], torch.Tensor], mrop
         checks.add(any_true(real & (given != expected)), lambda v: v[0] != 0, lambda: check_1d_positions(given, real))
 
 
-def batch_positions(batch: Mapping, input_ids: torch.Tensor, mask: DeferredKeep, mrope, audio) -> torch.Tensor | None:
+def queue_rope_positions(batch: Mapping, input_ids: torch.Tensor, keep: Callable[[], torch.Tensor], mrope,
+                         checks: DeferredChecks):
+    """With an `MRopeConfig` (not a callable), queue the index's reads on `checks`
+    (`rope.index.queue_rope_index`), so the positions need no read of their own; else None.
+    Inputs whose types the index refuses queue nothing: `rope_positions` raises their error after
+    the read, where it always has."""
+    from megatron_vlm_packing.rope import MRopeConfig
+
+    if not isinstance(mrope, MRopeConfig):
+        return None
+    from megatron_vlm_packing.rope.index import check_rope_types, queue_rope_index
+
+    kwargs = {k: batch[k] for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts", "mm_token_type_ids",
+                                    "audio_seqlens") if batch.get(k) is not None}
+    types = kwargs.get("mm_token_type_ids")
+    if types is not None and (not isinstance(types, torch.Tensor) or types.shape != input_ids.shape):
+        return None
+    try:
+        check_rope_types(input_ids, mrope, kwargs.get("image_grid_thw"), kwargs.get("video_grid_thw"), keep())
+    except ValueError:
+        return None
+    return queue_rope_index(input_ids, mrope, checks, attention_mask=keep(), **kwargs)
+
+
+def batch_positions(batch: Mapping, input_ids: torch.Tensor, mask: DeferredKeep, mrope, audio,
+                    rope=None, host: list | None = None) -> torch.Tensor | None:
     """[3, B, S] mRoPE positions (computed, or given in the batch), or None for 1D positions.
 
-    Run after `queue_position_checks` and the checks' read."""
+    Run after `queue_position_checks` and the checks' read (`host`, which carries the values of
+    `rope`, `queue_rope_positions`' result, when not None)."""
     given = batch.get("position_ids")
+    if rope is not None:
+        from megatron_vlm_packing.rope.index import finish_rope_index
+
+        lengths = audio.audio_lengths if audio is not None and batch.get("audio_seqlens") is None else None
+        return finish_rope_index(rope, host, audio_seqlens=lengths).position_ids
     if mrope is not None:
         return rope_positions(batch, input_ids, mask.keep, mrope, audio)
     if given is not None and given.dim() == 3:
@@ -411,12 +442,13 @@ def read_rows(batch, *, label_style: str, mrope, media: MediaTokens, extra_keys=
     deferred, raw_labels, loss_values, checks = queued.mask, queued.raw_labels, queued.loss_values, queued.checks
     queue_position_checks(batch, lambda: deferred.keep, mrope, checks)
     media_entries = queue_media_reads(batch, input_ids, lambda: deferred.keep, media, checks)
+    rope = queue_rope_positions(batch, input_ids, lambda: deferred.keep, mrope, checks)
     host = checks.read()  # the one host sync
     lengths = queued.lengths(host)
     media_host = MediaHost({name: host[entry] for name, entry in media_entries.items()})
     vision = vision_inputs(batch, media_host, media, grids_for_rope=mrope is not None)
     audio = audio_inputs(batch, media_host, media)
-    positions = batch_positions(batch, input_ids, deferred, mrope, audio)
+    positions = batch_positions(batch, input_ids, deferred, mrope, audio, rope, host)
     return Rows(input_ids=input_ids, mask=deferred, lengths=lengths, raw_labels=raw_labels, label_style=label_style,
                 loss_values=loss_values, positions=positions,
                 vision=vision, audio=audio, extras=_extras(batch, extra_keys, shape),

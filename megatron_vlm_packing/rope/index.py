@@ -17,6 +17,7 @@ K = runs (text runs and vision blocks) over the whole batch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -80,17 +81,8 @@ def check_seconds(seconds, name: str = "second_per_grid_ts") -> None:
         raise ValueError(f"{name} entry {i} is {float(values[i])}: seconds per grid step must be finite and >= 0")
 
 
-def check_rope_inputs(input_ids, config: MRopeConfig, image_grid_thw, video_grid_thw, attention_mask,
-                      second_per_grid_ts) -> None:
-    """ValueError naming the field for inputs the index cannot take (before any arithmetic)."""
-    check_rope_types(input_ids, config, image_grid_thw, video_grid_thw, attention_mask)
-    check_grid(image_grid_thw, "image_grid_thw", config.spatial_merge_size)
-    check_grid(video_grid_thw, "video_grid_thw", config.spatial_merge_size)
-    check_seconds(second_per_grid_ts)
-
-
 def check_rope_types(input_ids, config: MRopeConfig, image_grid_thw, video_grid_thw, attention_mask) -> None:
-    """The checks of `check_rope_inputs` that read no tensor values (types and shapes)."""
+    """The index's checks that read no tensor values (types and shapes); the value checks ride its one read."""
     if not isinstance(config, MRopeConfig):
         raise ValueError(f"config must be an MRopeConfig, got {type(config).__name__}")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point() \
@@ -106,19 +98,26 @@ def check_rope_types(input_ids, config: MRopeConfig, image_grid_thw, video_grid_
     check_grid_shape(video_grid_thw, "video_grid_thw")
 
 
-def _grid_per_run(run_type, image_grid_thw, video_grid_thw, device) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _grid_per_run(run_type, image_grid_thw, video_grid_thw, device, *, video_frames: bool = False
+                  ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """([K, 3] grid of every run in order (zeros for text and for blocks beyond the grid's rows),
     [image blocks, video blocks] as 0-dim device counts for the caller's one read). Reads nothing:
-    the k-th block of a kind takes row k of its grid through a running count."""
+    the k-th block of a kind takes row k of its grid through a running count. `video_frames`
+    (Qwen3-VL): every video block is one frame, so block k takes grid row (1, h, w) of the video
+    whose cumulative frame count first exceeds k (`searchsorted`, no host-sized repeat)."""
     grids = torch.zeros(run_type.numel(), 3, dtype=torch.long, device=device)
     counts = []
     for kind, grid in ((1, image_grid_thw), (2, video_grid_thw)):
         runs = run_type == kind
         counts.append(runs.sum())
         if grid is not None and grid.shape[0]:
-            table = torch.cat([grid.to(device=device, dtype=torch.long), grids.new_zeros(1, 3)])  # row n: none
-            ordinal = (torch.cumsum(runs, 0) - 1).clamp(0, grid.shape[0])
-            grids = torch.where(runs[:, None], table.index_select(0, ordinal), grids)
+            grid = grid.to(device=device, dtype=torch.long)
+            ordinal = torch.cumsum(runs, 0) - 1
+            if kind == 2 and video_frames:
+                ordinal = torch.searchsorted(torch.cumsum(grid[:, 0], 0), ordinal, right=True)
+                grid = torch.cat([torch.ones_like(grid[:, :1]), grid[:, 1:]], dim=1)
+            table = torch.cat([grid, grids.new_zeros(1, 3)])  # row n: none
+            grids = torch.where(runs[:, None], table.index_select(0, ordinal.clamp(0, grid.shape[0])), grids)
     return grids, counts
 
 
@@ -192,97 +191,118 @@ def _runs(keep: torch.Tensor, types: torch.Tensor, batch: int, seq: int):
     return flat, kind, run_of_token, run_first, run_len, run_type, run_row
 
 
-def _read_checks(config, image_grid_thw, video_grid_thw, seconds, block_counts, wrong_block, details) -> int:
-    """The index's value checks in one host read, raised in their documented order: grid entries,
-    seconds, blocks vs grid rows, tokens per block vs grid. Returns the video blocks (host int)."""
-    device = wrong_block.device
-    merge = config.spatial_merge_size
-    flags = []
-    for grid in (image_grid_thw, video_grid_thw):
-        bad = None if grid is None or not grid.numel() else \
-            ((grid < 1).any(dim=1) | (grid[:, 1:] % merge != 0).any(dim=1)).any()
-        flags.append(bad if bad is not None else torch.zeros((), dtype=torch.bool))
-    seconds_bad = _seconds_bad(seconds)
-    flags.append(seconds_bad[1].any() if seconds_bad is not None else torch.zeros((), dtype=torch.bool))
-    values = [f.to(device=device, dtype=torch.long) for f in flags] + list(block_counts) + [wrong_block.any().long()]
-    host = torch.stack(values).tolist()  # the one host sync
-    if host[0] or host[1]:
-        check_grid(image_grid_thw, "image_grid_thw", merge)
-        check_grid(video_grid_thw, "video_grid_thw", merge)
-    if host[2]:
-        check_seconds(seconds)
-    for name, count, grid in (("image", host[3], image_grid_thw), ("video", host[4], video_grid_thw)):
-        n_grids = 0 if grid is None else grid.shape[0]
-        if count != n_grids:
-            raise ValueError(f"{count} {name} placeholder blocks in input_ids but {n_grids} rows in {name}_grid_thw")
-    if host[5]:
-        run_row, run_len, grid, expected = details
-        k = int(torch.nonzero(wrong_block)[0])
-        raise ValueError(f"vision block {k} (row {int(run_row[k])}) has {int(run_len[k])} placeholder tokens but its "
-                         f"grid {grid[k].tolist()} with merge {merge} needs {int(expected[k])}")
-    return host[4]
+@dataclass(frozen=True)
+class QueuedRopeIndex:
+    """The part of `get_rope_index` computed before its one read (`queue_rope_index`), finished by
+    `finish_rope_index` with that read's values. Shapes: B, S of the ids; K = N = B*S runs (padded).
 
-
-def get_rope_index(
-    input_ids: torch.Tensor,
-    config: MRopeConfig,
-    *,
-    image_grid_thw: torch.Tensor | None = None,
-    video_grid_thw: torch.Tensor | None = None,
-    attention_mask: torch.Tensor | None = None,
-    second_per_grid_ts: torch.Tensor | None = None,
-    mm_token_type_ids: torch.Tensor | None = None,
-    use_audio_in_video: bool = False,
-    audio_seqlens: torch.Tensor | None = None,
-) -> RopeIndex:
-    """3D rotary positions identical to the Hugging Face model of `config.family`.
-
-    Args:
-        input_ids: [B, S] long.
-        config: `MRopeConfig` of the family.
-        image_grid_thw / video_grid_thw: [I, 3] / [V, 3] long, patch grids in token order.
-        attention_mask: [B, S], 1 = real token (any pattern; HF semantics).
-        second_per_grid_ts: [V] seconds per temporal grid step (Qwen2.5-VL videos): a tensor (any float
-            dtype; the t positions are truncated in that dtype, like transformers) or a list of numbers.
-        mm_token_type_ids: [B, S] 0/1/2; derived from the placeholder ids when None.
-        use_audio_in_video, audio_seqlens: Qwen3-Omni audio inputs (raw audio feature lengths).
-
-    Returns:
-        RopeIndex(position_ids [3, B, S] long, deltas [B, 1] long).
-
-    Raises:
-        ValueError: placeholder blocks vs grid rows, or tokens per block vs grid, disagree; a grid
-        entry < 1 (or h, w not multiples of the merge size); seconds NaN, infinite or negative;
-        non-integer ids or grids.
-
-    Qwen3-Omni follows its own rule (rope/omni.py) and returns float positions, as its reference does.
+    Attributes:
+        config, input_ids ([B, S]), keep ([B, S] bool), image_grid_thw, video_grid_thw (as given),
+            second_per_grid_ts: the index's inputs.
+        runs: `_runs`' tensors (flat, kind, run_of_token, run_first, run_len, run_type, run_row).
+        grid: [K, 3] grid of each run; expected: [K] tokens each run's grid needs.
+        entry: the index of the queued values on the caller's checks: grid entries bad (image,
+            video), seconds bad, image blocks, video blocks, video grid rows, a block of wrong size.
     """
-    check_rope_types(input_ids, config, image_grid_thw, video_grid_thw, attention_mask)
-    if config.family == "qwen3_omni":
-        check_rope_inputs(input_ids, config, image_grid_thw, video_grid_thw, attention_mask, second_per_grid_ts)
-        from megatron_vlm_packing.rope.omni import omni_rope_index
 
-        return RopeIndex(*omni_rope_index(
-            input_ids, config, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
-            attention_mask=attention_mask, use_audio_in_video=use_audio_in_video, audio_seqlens=audio_seqlens,
-            second_per_grids=second_per_grid_ts))
+    config: MRopeConfig
+    input_ids: torch.Tensor
+    keep: torch.Tensor
+    image_grid_thw: torch.Tensor | None
+    video_grid_thw: torch.Tensor | None
+    second_per_grid_ts: object
+    runs: tuple
+    grid: torch.Tensor
+    expected: torch.Tensor
+    entry: int
+
+
+def _any_bad_grid(grid, merge: int, device) -> torch.Tensor:
+    """0-dim long on `device`: 1 when an entry of the [N, 3] grid is < 1 or h, w not multiples of `merge`."""
+    if grid is None or not grid.numel():
+        return torch.zeros((), dtype=torch.long, device=device)
+    return ((grid < 1).any(dim=1) | (grid[:, 1:] % merge != 0).any(dim=1)).any().to(device=device, dtype=torch.long)
+
+
+def queue_rope_index(input_ids, config: MRopeConfig, checks, *, image_grid_thw=None, video_grid_thw=None,
+                     attention_mask=None, second_per_grid_ts=None, mm_token_type_ids=None, audio_seqlens=None):
+    """Queue on `checks` (a `packing.checks.DeferredChecks`, or anything with its `add`) the values the
+    index must read: its value checks and the video block count (Qwen3-Omni: `omni.queue_omni_index`).
+    Reads nothing and raises nothing for bad values (`finish_rope_index` does, from the read). The
+    caller has run `check_rope_types`. Arguments: those of `get_rope_index`."""
+    if config.family == "qwen3_omni":
+        from megatron_vlm_packing.rope.omni import queue_omni_index
+
+        return queue_omni_index(input_ids, config, checks, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
+                                attention_mask=attention_mask, audio_seqlens=audio_seqlens,
+                                second_per_grids=second_per_grid_ts)
     device = input_ids.device
     batch, seq = input_ids.shape
+    merge = config.spatial_merge_size
     types = mm_token_type_ids if mm_token_type_ids is not None else token_types(input_ids, config)
     keep = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
-    if config.family == "qwen3_vl" and video_grid_thw is not None:  # one block per frame
-        check_grid(image_grid_thw, "image_grid_thw", config.spatial_merge_size)  # the frame counts are read:
-        check_grid(video_grid_thw, "video_grid_thw", config.spatial_merge_size)  # grids first, in order
-        video_grid_thw = torch.repeat_interleave(video_grid_thw, video_grid_thw[:, 0], dim=0)
-        video_grid_thw = torch.cat([torch.ones_like(video_grid_thw[:, :1]), video_grid_thw[:, 1:]], dim=1)
-    flat, kind, run_of_token, run_first, run_len, run_type, run_row = _runs(keep, types, batch, seq)
-    grid, block_counts = _grid_per_run(run_type, image_grid_thw, video_grid_thw, device)
-    merge = config.spatial_merge_size
+    runs = _runs(keep, types, batch, seq)
+    run_len, run_type = runs[4], runs[5]
+    per_frame = config.family == "qwen3_vl" and video_grid_thw is not None  # one block per frame
+    grid, (images, videos) = _grid_per_run(run_type, image_grid_thw, video_grid_thw, device, video_frames=per_frame)
+    expected = torch.where(run_type > 0, grid[:, 0] * (grid[:, 1] // merge) * (grid[:, 2] // merge), run_len)
+    video_rows = torch.full((), 0 if video_grid_thw is None else video_grid_thw.shape[0], dtype=torch.long,
+                            device=device)
+    if per_frame and video_grid_thw.shape[0]:
+        video_rows = video_grid_thw[:, 0].sum().to(device=device, dtype=torch.long)
+    seconds_bad = _seconds_bad(second_per_grid_ts)
+    values = (_any_bad_grid(image_grid_thw, merge, device), _any_bad_grid(video_grid_thw, merge, device),
+              seconds_bad[1].any().to(device=device, dtype=torch.long) if seconds_bad is not None
+              else torch.zeros((), dtype=torch.long, device=device),
+              images, videos, video_rows, (expected != run_len).any().long())
+    entry = checks.add(values, lambda host: False, None)  # raised in order by finish_rope_index
+    return QueuedRopeIndex(config, input_ids, keep, image_grid_thw, video_grid_thw, second_per_grid_ts, runs, grid,
+                           expected, entry)
+
+
+def _raise_failed_checks(queued: QueuedRopeIndex, host: list) -> None:
+    """The index's value checks from the read's `host` values, raised in their documented order: grid
+    entries, seconds, blocks vs grid rows, tokens per block vs grid (details recomputed on this error path)."""
+    merge = queued.config.spatial_merge_size
+    image_bad, video_bad, seconds_bad, images, videos, video_rows, wrong = host
+    if image_bad or video_bad:
+        check_grid(queued.image_grid_thw, "image_grid_thw", merge)
+        check_grid(queued.video_grid_thw, "video_grid_thw", merge)
+    if seconds_bad:
+        check_seconds(queued.second_per_grid_ts)
+    image_rows = 0 if queued.image_grid_thw is None else queued.image_grid_thw.shape[0]
+    for name, count, n_grids in (("image", images, image_rows), ("video", videos, video_rows)):
+        if count != n_grids:
+            raise ValueError(f"{count} {name} placeholder blocks in input_ids but {n_grids} rows in {name}_grid_thw")
+    if wrong:
+        run_row, run_len = queued.runs[6], queued.runs[4]
+        grid, expected = queued.grid, queued.expected
+        k = int(torch.nonzero(expected != run_len)[0])
+        raise ValueError(f"vision block {k} (row {int(run_row[k])}) has {int(run_len[k])} placeholder tokens but its "
+                         f"grid {grid[k].tolist()} with merge {merge} needs {int(expected[k])}")
+
+
+def finish_rope_index(queued, host: list, *, audio_seqlens=None) -> RopeIndex:
+    """`get_rope_index`'s result from `queue_rope_index`'s state and the caller's read (`host`: what
+    `checks.read()` returned). Raises the index's ValueErrors; reads nothing more on the clean path.
+    `audio_seqlens` (Qwen3-Omni): host raw audio lengths known only after the read."""
+    if not isinstance(queued, QueuedRopeIndex):
+        from megatron_vlm_packing.rope.omni import finish_omni_index
+
+        return RopeIndex(*finish_omni_index(queued, host, audio_seqlens=audio_seqlens))
+    _raise_failed_checks(queued, host[queued.entry])
+    return _positions(queued, n_videos=host[queued.entry][4])
+
+
+def _positions(queued: QueuedRopeIndex, n_videos: int) -> RopeIndex:
+    """The positions and deltas of checked inputs (`n_videos`: video blocks, a host int)."""
+    config, input_ids, keep = queued.config, queued.input_ids, queued.keep
+    device, merge = input_ids.device, config.spatial_merge_size
+    batch, seq = input_ids.shape
+    flat, kind, run_of_token, run_first, run_len, run_type, run_row = queued.runs
+    grid, second_per_grid_ts = queued.grid, queued.second_per_grid_ts
     gt, gh, gw = grid[:, 0], grid[:, 1] // merge, grid[:, 2] // merge
     vision = run_type > 0
-    expected = torch.where(vision, gt * gh * gw, run_len)
-    n_videos = _read_checks(config, image_grid_thw, video_grid_thw, second_per_grid_ts, block_counts,
-                            expected != run_len, (run_row, run_len, grid, expected))
     interval = _interval_per_run(run_type, config, second_per_grid_ts, n_videos, device)
     if config.text_offset == "max_hw":
         advance = torch.where(vision, torch.maximum(gh, gw), run_len)
@@ -319,3 +339,48 @@ def get_rope_index(
         0, run_row, run_max, "amax", include_self=False)[:batch]  # row B: fill slots and unused runs
     deltas = (row_max + 1 - keep.sum(1)).unsqueeze(1)
     return RopeIndex(out, deltas)
+
+
+def get_rope_index(
+    input_ids: torch.Tensor,
+    config: MRopeConfig,
+    *,
+    image_grid_thw: torch.Tensor | None = None,
+    video_grid_thw: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    second_per_grid_ts: torch.Tensor | None = None,
+    mm_token_type_ids: torch.Tensor | None = None,
+    use_audio_in_video: bool = False,
+    audio_seqlens: torch.Tensor | None = None,
+) -> RopeIndex:
+    """3D rotary positions identical to the Hugging Face model of `config.family`.
+
+    Args:
+        input_ids: [B, S] long.
+        config: `MRopeConfig` of the family.
+        image_grid_thw / video_grid_thw: [I, 3] / [V, 3] long, patch grids in token order.
+        attention_mask: [B, S], 1 = real token (any pattern; HF semantics).
+        second_per_grid_ts: [V] seconds per temporal grid step (Qwen2.5-VL videos): a tensor (any float
+            dtype; the t positions are truncated in that dtype, like transformers) or a list of numbers.
+        mm_token_type_ids: [B, S] 0/1/2; derived from the placeholder ids when None.
+        use_audio_in_video, audio_seqlens: Qwen3-Omni audio inputs (raw audio feature lengths; an
+            audio-in-video block is told by its tokens, as in the reference's positions).
+
+    Returns:
+        RopeIndex(position_ids [3, B, S] long, deltas [B, 1] long).
+
+    Raises:
+        ValueError: placeholder blocks vs grid rows, or tokens per block vs grid, disagree; a grid
+        entry < 1 (or h, w not multiples of the merge size); seconds NaN, infinite or negative;
+        non-integer ids or grids.
+
+    Qwen3-Omni follows its own rule (rope/omni.py) and returns float positions, as its reference does.
+    """
+    check_rope_types(input_ids, config, image_grid_thw, video_grid_thw, attention_mask)
+    from megatron_vlm_packing.packing.checks import DeferredChecks
+
+    checks = DeferredChecks()
+    queued = queue_rope_index(input_ids, config, checks, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
+                              attention_mask=attention_mask, second_per_grid_ts=second_per_grid_ts,
+                              mm_token_type_ids=mm_token_type_ids, audio_seqlens=audio_seqlens)
+    return finish_rope_index(queued, checks.read())  # the one host sync

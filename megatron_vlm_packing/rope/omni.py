@@ -6,12 +6,16 @@ resume at 1 + the largest position of the previous piece; image t positions step
 `position_id_per_seconds`, video t positions by `second_per_grids * position_id_per_seconds`
 (fractional: positions are float, as in the reference); audio runs are 1D with the audio
 encoder's output length; with `use_audio_in_video` the video and audio positions are merged by
-their t value (video first on ties). The loop is over blocks of a sample, never over tokens.
+their t value (video first on ties). The loop over a sample's blocks runs on the host, on the ids,
+grids, seconds and audio lengths read back once (`queue_omni_index`: queued on the caller's read,
+e.g. packing's; `finish_omni_index` then reads nothing).
 
 Shape legend: B = rows, S = row length, L = one block's tokens.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -39,19 +43,18 @@ def _vision(start, t_index: torch.Tensor, grid_h: int, grid_w: int) -> torch.Ten
 
 
 def _interleave_by_time(video: torch.Tensor, audio: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge two t-sorted position runs, video first on ties. Returns (merged [3, L], last piece).
+    """Merge two t-sorted position runs, video first on ties. Returns (merged [3, L], 0-dim max of the last piece).
 
     The last piece is what the reference appends last: the leftover run of whichever source was
-    not exhausted by the merge, whose maximum decides where the next text starts.
+    not exhausted by the merge, whose maximum decides where the next text starts. Reads nothing.
     """
     merged_from_video = torch.cat([torch.ones(video.shape[1], dtype=torch.bool), torch.zeros(audio.shape[1], dtype=torch.bool)])
     both = torch.cat([video, audio], dim=1)
     order = torch.sort(both[0], stable=True).indices  # video precedes audio on equal t
     merged, source = both[:, order], merged_from_video[order]
-    tail_source = source[-1]
-    other = torch.nonzero(source != tail_source).flatten()
-    tail_start = int(other[-1]) + 1 if other.numel() else 0
-    return merged, merged[:, tail_start:]
+    after = torch.arange(1, source.numel() + 1)
+    tail_start = torch.where(source != source[-1], after, 0).max()  # 0 when one source fills the merge
+    return merged, merged.masked_fill((after <= tail_start)[None], float("-inf")).max()
 
 
 def _take(values, index: int, name: str):
@@ -68,6 +71,10 @@ def _check_block(tokens: list[int], begin: int, length: int, ids: set, *, row: i
     Raises:
         ValueError: the block is shorter or longer than its grid / audio length says (naming both).
     """
+    block = tokens[begin:begin + length]  # counted at C speed; the run is walked only to name an error
+    if len(block) == length and sum(block.count(i) for i in ids) == length \
+            and (begin + length == len(tokens) or tokens[begin + length] not in ids):
+        return
     run = begin
     while run < len(tokens) and tokens[run] in ids:
         run += 1
@@ -76,80 +83,170 @@ def _check_block(tokens: list[int], begin: int, length: int, ids: set, *, row: i
                          f"its grid / audio length needs {length}")
 
 
-def omni_rope_index(input_ids, config: MRopeConfig, *, image_grid_thw=None, video_grid_thw=None,
-                    attention_mask=None, use_audio_in_video: bool = False, audio_seqlens=None,
-                    second_per_grids=None):
-    """[3, B, S] float positions and [B, 1] deltas, as Qwen3-Omni's reference computes them."""
-    from megatron_vlm_packing.rope.index import check_seconds
+def _openers(tokens: list[int], ids: set) -> list[int]:
+    """Sorted indices of the tokens in `ids` (`list.index` scans: one Python step per opener, not per token)."""
+    found = []
+    for token in ids - {None}:
+        at = -1
+        while True:
+            try:
+                at = tokens.index(token, at + 1)
+            except ValueError:
+                break
+            found.append(at)
+    return sorted(found)
 
-    check_seconds(second_per_grids)
-    batch, seq = input_ids.shape
-    mask = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
-    if image_grid_thw is None and video_grid_thw is None:
-        positions = mask.float().cumsum(-1) - 1
-        positions = positions.masked_fill(~mask, 1).unsqueeze(0).expand(3, -1, -1)
-        deltas = positions.max(0)[0].max(-1, keepdim=True)[0] + 1 - mask.sum(-1, keepdim=True)
+
+@dataclass(frozen=True)
+class QueuedOmniIndex:
+    """The Qwen3-Omni index's inputs and the entries of its values on the caller's checks (`queue_omni_index`):
+    "flags" (grid entries bad: image, video; seconds bad), and with grids "ids" ([N = B*S]: the kept
+    ids, row by row, then fills), "lengths" ([B] kept tokens per row), "image_grid_thw" /
+    "video_grid_thw" (flat), "seconds" (float64), "audio_seqlens". `slots`: [N] flat slot of each
+    kept token, then N (None without grids)."""
+
+    config: MRopeConfig
+    input_ids: torch.Tensor
+    keep: torch.Tensor
+    inputs: dict
+    entries: dict
+    slots: torch.Tensor | None = None
+
+
+def _flat(value, dtype) -> torch.Tensor | None:
+    """A tensor's values as a 1-D tensor of `dtype` (None for None, a list, or no values)."""
+    return value.reshape(-1).to(dtype) if isinstance(value, torch.Tensor) and value.numel() else None
+
+
+def queue_omni_index(input_ids, config: MRopeConfig, checks, *, image_grid_thw=None, video_grid_thw=None,
+                     attention_mask=None, audio_seqlens=None, second_per_grids=None) -> QueuedOmniIndex:
+    """Queue on `checks` (a `packing.checks.DeferredChecks`) what the Qwen3-Omni index reads: its value
+    checks and, with grids, the kept ids and every grid, seconds and audio length (the block loop runs
+    on the host). Reads and raises nothing; `finish_omni_index` does. Types checked by the caller."""
+    from megatron_vlm_packing.rope.index import _any_bad_grid, _seconds_bad
+
+    device, merge = input_ids.device, config.spatial_merge_size
+    keep = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
+    seconds = _seconds_bad(second_per_grids)
+    flags = (_any_bad_grid(image_grid_thw, merge, device), _any_bad_grid(video_grid_thw, merge, device),
+             seconds[1].any().to(device=device, dtype=torch.long) if seconds is not None
+             else torch.zeros((), dtype=torch.long, device=device))
+    entries, slots = {"flags": checks.add(flags, lambda host: False, None)}, None
+    if image_grid_thw is not None or video_grid_thw is not None:
+        n = input_ids.numel()
+        slots = torch.nonzero_static(keep.reshape(-1), size=n, fill_value=n).flatten()  # row-major
+        values = {"ids": input_ids.reshape(-1).index_select(0, slots.clamp(max=n - 1)), "lengths": keep.sum(1),
+                  "image_grid_thw": _flat(image_grid_thw, torch.long),
+                  "video_grid_thw": _flat(video_grid_thw, torch.long),
+                  "seconds": _flat(seconds[0], torch.float64) if seconds is not None else None,
+                  "audio_seqlens": _flat(audio_seqlens, torch.long)}
+        entries |= {name: checks.add(v.to(device), lambda host: False, None) for name, v in values.items()
+                    if v is not None}
+    inputs = dict(image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw, audio_seqlens=audio_seqlens,
+                  second_per_grids=second_per_grids)
+    return QueuedOmniIndex(config, input_ids, keep, inputs, entries, slots)
+
+
+def _host_inputs(queued: QueuedOmniIndex, host: list, audio_seqlens) -> dict:
+    """Grids as [t, h, w] rows, seconds and audio lengths as host numbers (None where not given)."""
+    out = {}
+    for name in ("image_grid_thw", "video_grid_thw"):
+        given = queued.inputs[name]
+        rows = host[queued.entries[name]] if name in queued.entries else []
+        out[name] = None if given is None else [rows[i:i + 3] for i in range(0, len(rows), 3)]
+    seconds, audio = queued.inputs["second_per_grids"], queued.inputs["audio_seqlens"]
+    out["seconds"] = None if seconds is None else host[queued.entries["seconds"]] if "seconds" in queued.entries else []
+    if audio_seqlens is not None:
+        audio = list(audio_seqlens)
+    elif isinstance(audio, torch.Tensor):
+        audio = host[queued.entries["audio_seqlens"]] if "audio_seqlens" in queued.entries else []
+    out["audio_seqlens"] = audio
+    return out
+
+
+def finish_omni_index(queued: QueuedOmniIndex, host: list, *, audio_seqlens=None):
+    """[3, B, S] float positions and [B, 1] deltas from the read's `host` values (the caller's whole
+    read), as Qwen3-Omni's reference computes them; raises the index's ValueErrors in their order
+    (grid entries, seconds, then block by block). `audio_seqlens`: host raw audio lengths given
+    after the read (they then replace the queued ones). Reads nothing."""
+    from megatron_vlm_packing.rope.index import check_grid, check_seconds
+
+    config, input_ids, keep = queued.config, queued.input_ids, queued.keep
+    image_bad, video_bad, seconds_bad = host[queued.entries["flags"]]
+    if image_bad or video_bad:
+        check_grid(queued.inputs["image_grid_thw"], "image_grid_thw", config.spatial_merge_size)
+        check_grid(queued.inputs["video_grid_thw"], "video_grid_thw", config.spatial_merge_size)
+    if seconds_bad:
+        check_seconds(queued.inputs["second_per_grids"])
+    if "ids" not in queued.entries:  # no grids: text positions over the kept tokens
+        positions = keep.float().cumsum(-1) - 1
+        positions = positions.masked_fill(~keep, 1).unsqueeze(0).expand(3, -1, -1)
+        deltas = positions.max(0)[0].max(-1, keepdim=True)[0] + 1 - keep.sum(-1, keepdim=True)
         return positions, deltas
+    ids, inputs = host[queued.entries["ids"]], _host_inputs(queued, host, audio_seqlens)
+    pieces, deltas, used, first = [], [], [0, 0, 0], 0
+    for row, length in enumerate(host[queued.entries["lengths"]]):
+        positions = _row_positions(ids[first:first + length], config, inputs, used, row)
+        pieces.append(positions)
+        deltas.append(positions.max() + 1 - length)
+        first += length
+    for name, count in zip(("image_grid_thw", "video_grid_thw", "audio_seqlens"), used):
+        given = inputs[name]
+        if given is not None and count != len(given):
+            raise ValueError(f"{count} blocks in input_ids use {name}, which has {len(given)} entries")
+    n, device = input_ids.numel(), input_ids.device
+    pieces.append(torch.zeros(3, n - first))  # the fill slots (all go to column N)
+    out = torch.zeros(3, n + 1, device=device).index_copy_(1, queued.slots, torch.cat(pieces, dim=1).to(device))
+    return out[:, :n].reshape(3, *input_ids.shape), torch.stack(deltas).to(device).unsqueeze(1)
+
+
+def _row_positions(tokens: list[int], config: MRopeConfig, inputs: dict, used: list[int], row: int) -> torch.Tensor:
+    """[3, L] float positions of one row's kept tokens (host ids); `used` counts the images, videos
+    and audio entries taken so far (updated in place)."""
     merge, pps = config.spatial_merge_size, config.position_id_per_seconds
-    out = torch.zeros(3, batch, seq, dtype=torch.float, device=input_ids.device)
-    deltas = []
-    image_i = video_i = audio_i = 0
-    for row in range(batch):
-        row_ids = input_ids[row][mask[row]]
-        tokens = row_ids.tolist()
-        # Every block opens with a vision-start or audio-start token: find them once, with a tensor op.
-        opens = torch.nonzero((row_ids == config.vision_start_token_id)
-                              | (row_ids == config.audio_start_token_id)).flatten().tolist()
-        pieces, cursor = [], 0
-        next_start = lambda: pieces[-1].max() + 1 if pieces else 0  # noqa: E731
-        for at in opens:
-            if at < cursor:  # the audio-start inside an audio-in-video block, already consumed
+    # Every block opens with a vision-start or audio-start token.
+    opens = _openers(tokens, {config.vision_start_token_id, config.audio_start_token_id})
+    pieces, cursor = [], 0
+    next_start = lambda: pieces[-1].max() + 1 if pieces else 0  # noqa: E731
+    for at in opens:
+        if at < cursor:  # the audio-start inside an audio-in-video block, already consumed
+            continue
+        if at > cursor:
+            pieces.append(_text(at - cursor, next_start()))
+        audio_in_video = tokens[at] == config.vision_start_token_id and at + 1 < len(tokens) \
+            and tokens[at + 1] == config.audio_start_token_id
+        wrap = 2 if audio_in_video else 1
+        pieces.append(_text(wrap, next_start()))
+        start = next_start()  # right after the opening tokens
+        if tokens[at] == config.audio_start_token_id:
+            length = audio_output_length(int(_take(inputs["audio_seqlens"], used[2], "audio_seqlens")),
+                                         config.audio_n_window)
+            _check_block(tokens, at + wrap, length, {config.audio_token_id}, row=row, what="audio")
+            pieces.append(_text(length, start))
+            cursor, used[2] = at + wrap + length + wrap, used[2] + 1
+        elif not audio_in_video and tokens[at + 1] == config.image_token_id:
+            t, h, w = _take(inputs["image_grid_thw"], used[0], "image_grid_thw")
+            _check_block(tokens, at + wrap, t * h * w // merge ** 2, {config.image_token_id}, row=row, what="image")
+            pieces.append(_vision(start, torch.arange(t) * 1 * pps, h // merge, w // merge))
+            cursor, used[0] = at + wrap + t * h * w // merge ** 2 + wrap, used[0] + 1
+        else:
+            t, h, w = _take(inputs["video_grid_thw"], used[1], "video_grid_thw")
+            seconds = torch.tensor(_take(inputs["seconds"], used[1], "second_per_grid_ts"), dtype=torch.float64)
+            video = _vision(start, torch.arange(t) * seconds.float() * pps, h // merge, w // merge)
+            tokens_in = t * h * w // merge ** 2
+            if audio_in_video:
+                length = audio_output_length(int(_take(inputs["audio_seqlens"], used[2], "audio_seqlens")),
+                                             config.audio_n_window)
+                _check_block(tokens, at + wrap, length + tokens_in, {config.video_token_id, config.audio_token_id},
+                             row=row, what="video with audio")
+                merged, last_max = _interleave_by_time(video, _text(length, start))
+                pieces += [merged, _text(wrap, last_max + 1)]
+                cursor, used[1], used[2] = at + wrap + length + tokens_in + wrap, used[1] + 1, used[2] + 1
                 continue
-            if at > cursor:
-                pieces.append(_text(at - cursor, next_start()))
-            audio_in_video = tokens[at] == config.vision_start_token_id and at + 1 < len(tokens) \
-                and tokens[at + 1] == config.audio_start_token_id
-            wrap = 2 if audio_in_video else 1
-            pieces.append(_text(wrap, next_start()))
-            start = next_start()  # right after the opening tokens
-            if tokens[at] == config.audio_start_token_id:
-                length = int(audio_output_length(torch.as_tensor(_take(audio_seqlens, audio_i, "audio_seqlens")), config.audio_n_window))
-                _check_block(tokens, at + wrap, length, {config.audio_token_id}, row=row, what="audio")
-                pieces.append(_text(length, start))
-                cursor, audio_i = at + wrap + length + wrap, audio_i + 1
-            elif not audio_in_video and tokens[at + 1] == config.image_token_id:
-                t, h, w = (int(x) for x in _take(image_grid_thw, image_i, "image_grid_thw"))
-                _check_block(tokens, at + wrap, t * h * w // merge ** 2, {config.image_token_id}, row=row, what="image")
-                pieces.append(_vision(start, torch.arange(t) * 1 * pps, h // merge, w // merge))
-                cursor, image_i = at + wrap + t * h * w // merge ** 2 + wrap, image_i + 1
-            else:
-                t, h, w = (int(x) for x in _take(video_grid_thw, video_i, "video_grid_thw"))
-                t_index = torch.arange(t) * _take(second_per_grids, video_i, "second_per_grid_ts").cpu().float() * pps
-                video = _vision(start, t_index, h // merge, w // merge)
-                if audio_in_video:
-                    length = int(audio_output_length(torch.as_tensor(_take(audio_seqlens, audio_i, "audio_seqlens")), config.audio_n_window))
-                    _check_block(tokens, at + wrap, length + t * h * w // merge ** 2,
-                                 {config.video_token_id, config.audio_token_id}, row=row, what="video with audio")
-                    merged, tail = _interleave_by_time(video, _text(length, start))
-                    pieces.append(merged)
-                    last = tail
-                    cursor, audio_i = at + wrap + length + t * h * w // merge ** 2 + wrap, audio_i + 1
-                else:
-                    _check_block(tokens, at + wrap, t * h * w // merge ** 2, {config.video_token_id}, row=row, what="video")
-                    pieces.append(video)
-                    cursor = at + wrap + t * h * w // merge ** 2 + wrap
-                video_i += 1
-                if audio_in_video:
-                    pieces.append(_text(wrap, last.max() + 1))
-                    continue
-            pieces.append(_text(wrap, next_start()))
-        if cursor < len(tokens):
-            pieces.append(_text(len(tokens) - cursor, next_start()))
-        positions = torch.cat(pieces, dim=1)
-        out[:, row, mask[row]] = positions.to(out.device)
-        deltas.append(positions.max() + 1 - len(tokens))
-    for name, used, given in (("image_grid_thw", image_i, image_grid_thw), ("video_grid_thw", video_i, video_grid_thw),
-                              ("audio_seqlens", audio_i, audio_seqlens)):
-        if given is not None and used != len(given):
-            raise ValueError(f"{used} blocks in input_ids use {name}, which has {len(given)} entries")
-    return out, torch.tensor(deltas, device=input_ids.device).unsqueeze(1)
+            _check_block(tokens, at + wrap, tokens_in, {config.video_token_id}, row=row, what="video")
+            pieces.append(video)
+            cursor, used[1] = at + wrap + tokens_in + wrap, used[1] + 1
+        pieces.append(_text(wrap, next_start()))
+    if cursor < len(tokens):
+        pieces.append(_text(len(tokens) - cursor, next_start()))
+    return torch.cat(pieces, dim=1)

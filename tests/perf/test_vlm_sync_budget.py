@@ -1,7 +1,8 @@
 """Host syncs of a packed forward + backward of `PackedVLM` (vision tower for images and videos, audio
 tower, mRoPE) through `make_forward_step`: 0 when the DataLoader packed (`PackingCollator`), exactly
-pack_batch's one read when the step packs or pads (positions given in the batch); `get_rope_index`
-makes one read, its checks'. The model reads nothing back itself: packing's
+pack_batch's one read when the step packs or pads, with positions given in the batch or computed
+in the step from the model's `MRopeConfig` (the index's checks ride that read); `get_rope_index`
+alone makes one read, its checks'. The model reads nothing back itself: packing's
 one read already checked every sample's placeholders against its items, the grids and the audio
 masks, and carries the per-sample counts and clip lengths as host ints (packing/media.py), so the
 towers take host lengths and the embeddings are placed by a scatter of host-known size.
@@ -69,7 +70,9 @@ def run_vlm_sync_budget(rank: int, world_size: int, seed: int = 11) -> dict:
 
     model, ids, batch = _build(seed)
     core = [layer.self_attention.core_attention for layer in model.language_model.decoder.layers]
+    unpositioned = {k: v for k, v in batch.items() if k != "position_ids"}  # the step computes them (model's mrope)
     cases = (("in_step", make_forward_step(label_style="hf"), batch),
+             ("in_step_mrope", make_forward_step(label_style="hf"), unpositioned),
              ("loader", make_forward_step(label_style="hf"), PackingCollator(label_style="hf", pack_options=ids)(batch)),
              ("padded", make_forward_step(pack=False, label_style="hf"), batch))
     row = {}
@@ -108,13 +111,17 @@ def test_packed_vlm_with_media_syncs_once_in_step_and_never_with_loader_packing(
     row = run_distributed(run_vlm_sync_budget, 1, timeout_s=600)
     assert row["loader"]["syncs"] == 0, row["loader"]["report"]
     assert row["in_step"]["syncs"] == 1 and row["in_step"]["packing"] == 1, row["in_step"]["report"]
+    # positions computed in the step from PackedVLM's MRopeConfig: still the one read, same loss
+    computed = row["in_step_mrope"]
+    assert computed["syncs"] == 1 and computed["packing"] == 1, computed["report"]
+    assert computed["loss"] == row["in_step"]["loss"], row
     assert row["padded"]["syncs"] == 1 and row["padded"]["packing"] == 1, row["padded"]["report"]  # pad_batch's read
     assert abs(row["in_step"]["loss"] - row["loader"]["loss"]) < 1e-5, row
     assert abs(row["in_step"]["loss"] - row["padded"]["loss"]) < 1e-3 * abs(row["in_step"]["loss"]), row
     assert row["parity"]["emb_equal"] and row["parity"]["grad_diff"] < 1e-6, row["parity"]
     # get_rope_index: its value checks (grids, blocks vs grid rows, tokens per block) in one read;
-    # pack_batch(mrope=) computes positions after its own read, so the step then makes two.
+    # pack_batch(mrope=MRopeConfig) queues them on its own read: one read in all (two before).
     rope = row["rope"]
     assert rope["alone"] == 1, rope["alone_report"]
-    assert rope["packing"] == ["checks.py", "index.py"], rope["packing_report"]
+    assert rope["packing"] == ["checks.py"], rope["packing_report"]
     assert rope["same"]
