@@ -1,0 +1,167 @@
+"""Positions of a collated batch: `position_ids` given in it (checked, [B, 3, S] transposed) or mRoPE
+positions of each row alone, from an `MRopeConfig` (its index's reads queued on the rows' one read)
+or a user callable. `rows.read_rows` calls these around its one host read.
+
+Shape legend: B = rows, S = row length.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable, Mapping
+
+import torch
+
+from megatron_vlm_packing.packing.checks import DeferredChecks, _first_bad
+from megatron_vlm_packing.packing.lengths import DeferredKeep, any_true
+
+_ROPE_INPUT_KEYS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts", "mm_token_type_ids",
+                    "audio_seqlens", "feature_attention_mask", "use_audio_in_video")
+
+
+def refuse_unread_rope_inputs(batch: Mapping, accepted: set, audio, *, name: str) -> None:
+    """A position callable must read every grid the batch carries, else those tokens get text positions.
+
+    Raises:
+        ValueError: naming the callable and each input it does not take.
+    """
+    unread = [k for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+              if batch.get(k) is not None and k not in accepted]
+    if audio is not None and not {"audio_seqlens", "feature_attention_mask"} & accepted:
+        unread.append("audio_seqlens / feature_attention_mask")
+    if unread:
+        raise ValueError(f"the batch carries {unread} but the mrope callable {name} takes none of them by name: "
+                         f"its positions would treat those tokens as text; accept them (or **kwargs)")
+
+
+def rope_positions(batch: Mapping, input_ids: torch.Tensor, keep: torch.Tensor, mrope, audio) -> torch.Tensor:
+    """[3, B, S] positions of each row alone, from an `MRopeConfig` or a callable."""
+    if callable(mrope):
+        fn: Callable = mrope
+        params = inspect.signature(mrope).parameters
+        accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        accepted = set(_ROPE_INPUT_KEYS) | {"attention_mask"} if accepts_any else set(params)
+    else:
+        from megatron_vlm_packing.rope import MRopeConfig, get_rope_index  # imported only when used
+
+        if not isinstance(mrope, MRopeConfig):
+            raise ValueError(f"mrope must be an MRopeConfig or a callable, got {type(mrope).__name__}")
+        fn = lambda ids, **kw: get_rope_index(ids, mrope, **kw)  # noqa: E731
+        accepted = set(inspect.signature(get_rope_index).parameters)
+    kwargs = {k: batch[k] for k in _ROPE_INPUT_KEYS if batch.get(k) is not None and k in accepted}
+    if callable(mrope):
+        refuse_unread_rope_inputs(batch, accepted, audio, name=getattr(mrope, "__name__", type(mrope).__name__))
+    if audio is not None and "audio_seqlens" in accepted and "audio_seqlens" not in kwargs:
+        kwargs["audio_seqlens"] = torch.tensor(audio.audio_lengths)
+    result = fn(input_ids, attention_mask=keep.long(), **kwargs)
+    positions = result[0] if isinstance(result, tuple) else result
+    if not isinstance(positions, torch.Tensor) or positions.dim() != 3 or positions.shape[0] != 3 \
+            or tuple(positions.shape[1:]) != tuple(input_ids.shape):
+        raise ValueError(f"mrope positions must be [3, B, S] = [3, {input_ids.shape[0]}, {input_ids.shape[1]}], "
+                         f"got {tuple(getattr(positions, 'shape', ()))}")
+    return positions
+
+
+def normalize_positions(batch: Mapping, shape: tuple[int, int], position_layout: str | None) -> dict:
+    """The batch with `position_ids` as [B, S] or [3, B, S] (a [B, 3, S] tensor is transposed).
+
+    A 3D tensor is read as [3, B, S] or [B, 3, S] from its shape; when B == 3 both read the same
+    shape and `position_layout` ("3BS" or "B3S") must say which.
+    """
+    given = batch.get("position_ids")
+    if given is None:
+        return dict(batch)
+    if not isinstance(given, torch.Tensor):
+        raise ValueError(f"position_ids must be a tensor, got {type(given).__name__}")
+    if position_layout not in (None, "3BS", "B3S"):
+        raise ValueError(f"position_layout must be '3BS' or 'B3S', got {position_layout!r}")
+    batch_size, row_length = shape
+    if given.dim() == 2:
+        if tuple(given.shape) != shape:
+            raise ValueError(f"position_ids has shape {tuple(given.shape)} but input_ids is {shape}")
+        return dict(batch)
+    if given.dim() != 3:
+        raise ValueError(f"position_ids must be [B, S] or mRoPE [3, B, S], got shape {tuple(given.shape)}")
+    as_3bs, as_b3s = (3, batch_size, row_length), (batch_size, 3, row_length)
+    layout = position_layout
+    if layout is None:
+        if tuple(given.shape) == as_3bs == as_b3s:
+            raise ValueError(f"position_ids {tuple(given.shape)} is ambiguous with B = 3 rows: [3, B, S] or [B, 3, S]? "
+                             f"pass position_layout='3BS' or 'B3S'")
+        layout = "B3S" if tuple(given.shape) == as_b3s else "3BS"
+    expected = as_3bs if layout == "3BS" else as_b3s
+    if tuple(given.shape) != expected:
+        raise ValueError(f"position_ids has shape {tuple(given.shape)}; mRoPE positions must be "
+                         f"[3, {batch_size}, {row_length}] (or [{batch_size}, 3, {row_length}])")
+    return {**batch, "position_ids": given if layout == "3BS" else given.transpose(0, 1)}
+
+
+def check_1d_positions(given: torch.Tensor, keep: torch.Tensor) -> None:
+    """[B, S] position_ids are recomputed from the lengths: they must be 0..n-1 on each row's real tokens.
+
+    Positions that restart inside a row mean the row holds several documents: that is declared with
+    `document_lengths`, never guessed (and never silently replaced by one arange per row).
+    """
+    expected = torch.arange(keep.shape[1], device=keep.device).expand_as(keep)
+    bad = keep & (given != expected)
+    if bool(bad.any()):
+        b, t = _first_bad(bad)
+        hint = " (it restarts: a row with several documents? give document_lengths)" if int(given[b, t]) == 0 else ""
+        raise ValueError(f"position_ids row {b} position {t} is {int(given[b, t])}, expected {t}{hint}; 1D positions "
+                         f"are computed from the real lengths (restarting per document)")
+
+
+def queue_position_checks(batch: Mapping, keep: Callable[[], torch.Tensor], mrope, checks: DeferredChecks) -> None:
+    """Refuse [3, B, S] positions beside mrope= now; queue the check of [B, S] positions."""
+    given = batch.get("position_ids")
+    if given is None:
+        return
+    if mrope is not None and given.dim() == 3:
+        raise ValueError("the batch has [3, B, S] position_ids and mrope= was given: pass one of them")
+    if given.dim() == 2:
+        real = keep()
+        expected = torch.arange(real.shape[1], device=real.device).expand_as(real)
+        checks.add(any_true(real & (given != expected)), lambda v: v[0] != 0, lambda: check_1d_positions(given, real))
+
+
+def queue_rope_positions(batch: Mapping, input_ids: torch.Tensor, keep: Callable[[], torch.Tensor], mrope,
+                         checks: DeferredChecks):
+    """With an `MRopeConfig` (not a callable), queue the index's reads on `checks`
+    (`rope.index.queue_rope_index`), so the positions need no read of their own; else None.
+    Inputs whose types the index refuses queue nothing: `rope_positions` raises their error after
+    the read, where it always has."""
+    from megatron_vlm_packing.rope import MRopeConfig
+
+    if not isinstance(mrope, MRopeConfig):
+        return None
+    from megatron_vlm_packing.rope.index import check_rope_types, queue_rope_index
+
+    kwargs = {k: batch[k] for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts", "mm_token_type_ids",
+                                    "audio_seqlens") if batch.get(k) is not None}
+    types = kwargs.get("mm_token_type_ids")
+    if types is not None and (not isinstance(types, torch.Tensor) or types.shape != input_ids.shape):
+        return None
+    try:
+        check_rope_types(input_ids, mrope, kwargs.get("image_grid_thw"), kwargs.get("video_grid_thw"), keep())
+    except ValueError:
+        return None
+    return queue_rope_index(input_ids, mrope, checks, attention_mask=keep(), **kwargs)
+
+
+def batch_positions(batch: Mapping, input_ids: torch.Tensor, mask: DeferredKeep, mrope, audio,
+                    rope=None, host: list | None = None) -> torch.Tensor | None:
+    """[3, B, S] mRoPE positions (computed, or given in the batch), or None for 1D positions.
+
+    Run after `queue_position_checks` and the checks' read (`host`, which carries the values of
+    `rope`, `queue_rope_positions`' result, when not None)."""
+    given = batch.get("position_ids")
+    if rope is not None:
+        from megatron_vlm_packing.rope.index import finish_rope_index
+
+        lengths = audio.audio_lengths if audio is not None and batch.get("audio_seqlens") is None else None
+        return finish_rope_index(rope, host, audio_seqlens=lengths).position_ids
+    if mrope is not None:
+        return rope_positions(batch, input_ids, mask.keep, mrope, audio)
+    if given is not None and given.dim() == 3:
+        return given
+    return None  # 1D positions: each document restarts at 0
