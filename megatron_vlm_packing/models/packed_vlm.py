@@ -127,27 +127,34 @@ class PackedVLM(nn.Module):
             return self.audio(features, mask, audio_lengths=tuple(audio_lengths))
         return self.audio(features, mask)
 
-    def _refuse_orphan_placeholders(self, input_ids, present: dict) -> None:
+    def _refuse_orphan_placeholders(self, input_ids, present: dict, checked) -> None:
+        """Placeholders of a kind without inputs are a ValueError (one read per kind), unless packing
+        already checked that kind's placeholders with the same id in its one read (`checked`)."""
         for field, token_id in (("image", self.image_token_id), ("video", self.video_token_id),
                                 ("audio", self.audio_token_id)):
-            if token_id is not None and not present[field] and bool((input_ids == token_id).any()):
+            if token_id is None or present[field] or (field, token_id) in checked:
+                continue
+            if bool((input_ids == token_id).any()):
                 raise ValueError(f"input_ids hold {field} placeholder tokens (id {token_id}) but no {field} inputs were given")
 
     def embed(self, input_ids: torch.Tensor, *, pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
               video_grid_thw=None, input_features=None, feature_attention_mask=None, packed_seq_params=None,
               images_per_sample=None, videos_per_sample=None, audios_per_sample=None, audio_lengths=None,
-              media_checked: bool = False) -> torch.Tensor:
+              media_checked: bool = False, placeholders_checked=()) -> torch.Tensor:
         """Full-sequence embeddings with image / video / audio rows merged: [S, B, H] (packed: [T, 1, H]).
 
         `media_checked`: packing's one read already checked every sample's placeholders against its
         items, the grids against the patches and the audio masks (packing/media.py; the adapter sets
         it when the micro-batch carries those per-sample counts), so no host sync is made here.
         `audio_lengths`: A host ints, real frames per clip (the tower then reads no mask back).
+        `placeholders_checked`: (kind, id) pairs whose placeholders packing checked in its one read
+        (`MicroBatch.placeholders_checked`); a kind without inputs is then not looked at again when
+        the id is this model's (otherwise: one read per such kind).
         """
         emb = self.language_model.embedding(input_ids=input_ids, position_ids=None)  # [S, B, H]
         present = dict(image=pixel_values is not None, video=pixel_values_videos is not None,
                        audio=input_features is not None)
-        self._refuse_orphan_placeholders(input_ids, present)
+        self._refuse_orphan_placeholders(input_ids, present, frozenset(placeholders_checked))
         if not any(present.values()):
             return emb
         if (present["image"] or present["video"]) and self.vision is None:
@@ -281,11 +288,16 @@ class PackedVLMAdapter(ModelAdapter):
             media.update(input_features=audio.input_features, feature_attention_mask=audio.feature_attention_mask,
                          audios_per_sample=audio.audios_per_sample, audio_lengths=audio.audio_lengths)
         # Packing fills the per-sample counts only after checking every sample's placeholders against
-        # its items (packing/media.py, in its one read): the model then needs no read of its own.
-        counts = [media[k] for k in ("images_per_sample", "videos_per_sample", "audios_per_sample") if k in media]
-        media["media_checked"] = bool(counts) and all(c is not None for c in counts) \
+        # its items (packing/media.py, in its one read): the model then needs no read of its own, when
+        # packing counted the placeholder ids this model places (a loader may be configured otherwise).
+        kinds = [(kind, key) for kind, key in (("image", "images_per_sample"), ("video", "videos_per_sample"),
+                                               ("audio", "audios_per_sample")) if key in media]
+        checked = set(micro_batch.placeholders_checked)
+        media["media_checked"] = bool(kinds) and all(media[key] is not None for _, key in kinds) \
+            and all((kind, self.media_token_ids.get(f"{kind}_token_id")) in checked for kind, _ in kinds) \
             and (audio is None or self._packing_counts_clips_like(model))
         return model(micro_batch.input_ids, micro_batch.position_ids, micro_batch.labels,
                      packed_seq_params=micro_batch.packed_seq_params, cp_index=micro_batch.cp_index,
-                     padding_mask=micro_batch.padding_mask, **media)
+                     padding_mask=micro_batch.padding_mask, placeholders_checked=micro_batch.placeholders_checked,
+                     **media)
 

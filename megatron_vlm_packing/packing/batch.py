@@ -12,7 +12,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_vlm_packing.packing.checks import ValueInputs, check_packed_values
-from megatron_vlm_packing.packing.media import MediaTokens
+from megatron_vlm_packing.packing.media import MediaTokens, checked_placeholders
 from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch
 from megatron_vlm_packing.packing.pack import pack_next_token_labels, pack_positions, pack_rows, segment_positions
 from megatron_vlm_packing.packing.plan import PackIndices, PackMultiples, PackPlan, make_pack_plan, plan_indices
@@ -179,6 +179,7 @@ def pack_batch(
         extras={key: pack_rows(value, indices) for key, value in rows.extras.items()},
         plan=plan,
         indices=indices,
+        placeholders_checked=checked_placeholders(batch, media),
     )
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from megatron_vlm_packing.packing.dense import pad_or_truncate_positions, pad_or_truncate_rows
-from megatron_vlm_packing.packing.media import MediaTokens
+from megatron_vlm_packing.packing.media import MediaTokens, checked_placeholders
 from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch
 from megatron_vlm_packing.packing.plan import PackMultiples, round_up
 from megatron_vlm_packing.packing.rows import IGNORE_INDEX, Rows, check_pad_token_id, read_rows
@@ -135,4 +135,5 @@ def pad_batch(
         vision=rows.vision,
         audio=rows.audio,
         extras={key: pad_or_truncate_rows(value, length) for key, value in rows.extras.items()},
+        placeholders_checked=checked_placeholders(batch, media),
     )

@@ -167,21 +167,63 @@ class MediaHost:
 
 _PLACEHOLDERS = (("image", "pixel_values", "image_token_id"), ("video", "pixel_values_videos", "video_token_id"),
                  ("audio", "input_features", "audio_token_id"))
+# Inputs that make a kind's placeholders legitimate without its items: position inputs of an mRoPE
+# text model (grids; audio_seqlens), which the positions' own checks read.
+_POSITION_ONLY = {"image": ("image_grid_thw",), "video": ("video_grid_thw",), "audio": ("audio_seqlens",)}
+
+
+def _given(value) -> bool:
+    """A tensor with at least one item (an empty media list carries nothing)."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] > 0
+
+
+def _position_input(value) -> bool:
+    """A position-only input with entries (a tensor or a list: the positions' checks read it)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() > 0
+    return value is not None and (not hasattr(value, "__len__") or len(value) > 0)
+
+
+def checked_placeholders(batch, tokens: MediaTokens) -> tuple[tuple[str, int], ...]:
+    """(kind, placeholder id) of every kind whose placeholders `queue_media_reads` checks in the one
+    read: a kind with items is counted per row against them, a kind without items or position-only
+    inputs must have no placeholder among the real tokens. Kinds whose id is not known are left out."""
+    checked = []
+    for kind, key, id_name in _PLACEHOLDERS:
+        token_id = getattr(tokens, id_name)
+        if token_id is not None and (_given(batch.get(key))
+                                     or not any(_position_input(batch.get(k)) for k in _POSITION_ONLY[kind])):
+            checked.append((kind, token_id))
+    return tuple(checked)
+
+
+def _queue_orphan_check(input_ids, keep, kind: str, field: str, token_id: int, checks) -> None:
+    """Queue the exact count of `token_id` among the real tokens ([B, S] `keep()`); nonzero raises."""
+    def refuse():
+        per_row = ((input_ids == token_id) & keep()).sum(dim=1).tolist()  # the error path: a read is fine
+        rows = [row for row, count in enumerate(per_row) if count]
+        raise ValueError(f"input_ids hold {sum(per_row)} {kind} placeholder tokens (id {token_id}) in rows {rows} "
+                         f"but the batch has no {field}")
+
+    checks.add(((input_ids == token_id) & keep()).sum(), lambda values: values[0] != 0, refuse)
 
 
 def queue_media_reads(batch: dict, input_ids: torch.Tensor, keep, tokens: MediaTokens, checks) -> dict:
     """Queue on `checks` (a `rows.DeferredChecks`) the device values the media need, so that they ride
     the rows' one host read: placeholder tokens per row of each kind present whose id is known
-    (`keep()`: the [B, S] keep-mask), grid entries, seconds per grid, and the audio frame lengths
+    (`keep()`: the [B, S] keep-mask), the exact count of a known placeholder among the real tokens
+    of each kind absent (`checked_placeholders`; nonzero is a ValueError), grid entries, seconds per grid, and the audio frame lengths
     (feature mask checked right-padded; its detailed error raised when not). Returns name -> entry.
     """
     from megatron_vlm_packing.packing.lengths import lengths_from_keep_mask, right_padded_reads
 
     entries = {}
-    for kind, key, id_name in _PLACEHOLDERS:
-        items, token_id = batch.get(key), getattr(tokens, id_name)
-        if isinstance(items, torch.Tensor) and items.dim() and items.shape[0] and token_id is not None:
+    for kind, token_id in checked_placeholders(batch, tokens):
+        key = next(key for name, key, _ in _PLACEHOLDERS if name == kind)
+        if _given(batch.get(key)):
             entries[kind] = checks.add(((input_ids == token_id) & keep()).sum(dim=1), _never, None)
+        else:
+            _queue_orphan_check(input_ids, keep, kind, key, token_id, checks)
     for name in ("image_grid_thw", "video_grid_thw"):
         grid = batch.get(name)
         if isinstance(grid, torch.Tensor) and grid.dim() == 2 and grid.numel() and not grid.is_floating_point():

@@ -109,6 +109,9 @@ class MicroBatch:
         indices: the device `PackIndices` (packed only).
         cp_index: [T/cp] long, this CP rank's token indices; None before `localize` or at cp = 1.
         full_fields: names of sequence-aligned fields that `localize` left full length.
+        placeholders_checked: (kind, placeholder id) pairs, kind "image" / "video" / "audio", whose
+            placeholders packing checked in its one read (counted against the items, or none among
+            the real tokens when the kind has no items): a model with the same id need not look.
     """
 
     input_ids: torch.Tensor
@@ -126,6 +129,7 @@ class MicroBatch:
     indices: object | None = None
     cp_index: torch.Tensor | None = None
     full_fields: frozenset[str] = frozenset()
+    placeholders_checked: tuple[tuple[str, int], ...] = ()
 
     @property
     def is_packed(self) -> bool:

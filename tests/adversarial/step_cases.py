@@ -332,6 +332,15 @@ def image_tokens_without_pixel_values(m):
 
 
 @case
+def image_tokens_loader_packed_with_another_image_id(m):
+    """The loader counted id 261, not the model's 253: PackedVLM keeps its own check (no silencing)."""
+    from megatron_vlm_packing.packing.collate import PackingCollator
+
+    batch = only(media_batch()) | {"input_ids": media_batch()["input_ids"]}
+    return loss(make_forward_step(), m["vlm"], PackingCollator(pack_options=dict(image_token_id=261))(batch))
+
+
+@case
 def video_grid_one_frame_short(m):
     batch = only(media_batch(), "pixel_values_videos", "video_grid_thw")
     grid = batch["video_grid_thw"].clone()

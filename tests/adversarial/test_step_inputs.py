@@ -50,7 +50,8 @@ EXPECTED = {
     "vlm_mrope_lm_without_config": (ERR, "ValueError", r"pass PackedVLM\(mrope=MRopeConfig"),
     # media placement, per sample
     "image_placeholders_moved_to_another_sample": (ERR, "ValueError", r"row 0 has 1 image placeholder tokens, but the images of image_grid_thw in order give it 2"),
-    "image_tokens_without_pixel_values": (ERR, "ValueError", r"input_ids hold image placeholder tokens \(id 253\) but no image inputs"),
+    "image_tokens_without_pixel_values": (ERR, "ValueError", r"input_ids hold 2 image placeholder tokens \(id 253\) in rows \[3\] but the batch has no pixel_values"),
+    "image_tokens_loader_packed_with_another_image_id": (ERR, "ValueError", r"input_ids hold image placeholder tokens \(id 253\) but no image inputs"),
     "video_grid_one_frame_short": (ERR, "ValueError", r"row 0 has 4 video placeholder tokens, but the videos of video_grid_thw in order give it 2"),
     "audio_mask_with_a_hole": (ERR, "ValueError", r"feature_attention_mask rows must be right-padded .* bad row\(s\) \[0\].* holes at positions \[1\]"),
     "audio_clip_shorter_than_its_placeholders": (ERR, "ValueError", r"row 1 has 2 audio placeholder tokens, but the audios of feature_attention_mask in order give it 5"),

@@ -122,3 +122,46 @@ def run_media_sync_budget(rank: int, world_size: int, seed: int = 11) -> dict:
                              counts=(packed.vision.images_per_sample, packed.vision.videos_per_sample,
                                      packed.audio.audios_per_sample))
     return row
+
+
+def _without_other_placeholders(ids: torch.Tensor) -> torch.Tensor:
+    """Text ids of a config without videos or audio may hit MEDIA_DATA's video / audio placeholder ids
+    (text_vocab grows when those kinds are off): move such text ids below MEDIA_DATA.text_vocab."""
+    collides = (ids > MEDIA_DATA.text_vocab) & (ids < MEDIA_DATA.image_token_id)
+    return torch.where(collides, ids - 100, ids)
+
+
+def media_subset_batch(seed: int, *, images: bool) -> dict:
+    """A text-only (`images=False`: no media keys at all) or images-only batch of MEDIA_DATA's ids,
+    with [3, B, S] positions from the data's own `get_rope_index`: what a mixed dataset's micro-batch
+    without videos or audio looks like to a model that has towers for them."""
+    cfg = replace(MEDIA_DATA, max_images=2 if images else 0, max_videos=0, max_audios=0)
+    batch = collate(synthetic_samples(4, seed=seed, cfg=cfg))
+    batch["input_ids"] = _without_other_placeholders(batch["input_ids"])
+    batch["labels"] = _without_other_placeholders(batch["labels"])
+    if not images:
+        del batch["pixel_values"], batch["image_grid_thw"]
+    else:
+        assert batch["pixel_values"].shape[0], "the seed gives no image: pick another"
+    grid = batch.get("image_grid_thw")
+    positions = get_rope_index(batch["input_ids"], MEDIA_ROPE, image_grid_thw=grid,
+                               attention_mask=batch["attention_mask"]).position_ids
+    return {**batch, "position_ids": positions}
+
+
+def media_subset_syncs(model, ids: dict, core, seed: int) -> dict:
+    """Syncs of a text-only and an images-only micro-batch through a PackedVLM with image, video and
+    audio towers, packed in the step and by the loader's collator: {"text": {...}, "images": {...}}."""
+    rows = {}
+    for kind, images in (("text", False), ("images", True)):
+        batch = media_subset_batch(seed, images=images)
+        loader = PackingCollator(label_style="hf", pack_options=ids)(batch)
+        for name, item in (("in_step", batch), ("loader", loader)):
+            step = make_forward_step(label_style="hf")
+            counted_step(model, step, item, core)  # warm-up
+            model.zero_grad(set_to_none=True)
+            loss, syncs = counted_step(model, step, item, core)
+            rows.setdefault(kind, {})[name] = dict(syncs=syncs.total, report=syncs.report(), loss=loss.item(),
+                                                   packing=sum(1 for e in syncs.events if "/packing/" in e.where))
+        rows[kind]["loss_diff"] = abs(rows[kind]["in_step"]["loss"] - rows[kind]["loader"]["loss"])
+    return rows

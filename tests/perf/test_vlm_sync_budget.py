@@ -5,11 +5,14 @@ in the step from the model's `MRopeConfig` (the index's checks ride that read); 
 alone makes one read, its checks'. The model reads nothing back itself: packing's
 one read already checked every sample's placeholders against its items, the grids and the audio
 masks, and carries the per-sample counts and clip lengths as host ints (packing/media.py), so the
-towers take host lengths and the embeddings are placed by a scatter of host-known size.
+towers take host lengths and the embeddings are placed by a scatter of host-known size. A micro-batch
+without some kinds (text only, images only) costs the same: packing's read also counts the absent
+kinds' placeholders, and the model trusts it (`MicroBatch.placeholders_checked`).
 
 One process launch; a count, not a time (testing/sync_counter.py says what counts).
 """
 
+import pytest
 import torch
 
 from megatron_vlm_packing.testing.distributed import run_distributed
@@ -67,6 +70,7 @@ def run_vlm_sync_budget(rank: int, world_size: int, seed: int = 11) -> dict:
     """Syncs and loss of the step packing, the loader packing and the padded step; `_checked_vs_own_checks`."""
     from megatron_vlm_packing.packing.collate import PackingCollator
     from megatron_vlm_packing.train.step import make_forward_step
+    from tests.perf.sync_workers import media_subset_syncs
 
     model, ids, batch = _build(seed)
     core = [layer.self_attention.core_attention for layer in model.language_model.decoder.layers]
@@ -83,6 +87,7 @@ def run_vlm_sync_budget(rank: int, world_size: int, seed: int = 11) -> dict:
         row[name] = dict(syncs=syncs.total, report=syncs.report(), loss=loss.item(),
                          packing=sum(1 for e in syncs.events if "/packing/" in e.where))
     row["parity"] = _checked_vs_own_checks(model, ids, batch)
+    row["subsets"] = media_subset_syncs(model, ids, core, seed)
     row["rope"] = _rope_syncs(ids, batch)
     return row
 
@@ -107,8 +112,14 @@ def _rope_syncs(ids: dict, batch: dict) -> dict:
                                                                                    given.position_ids))
 
 
-def test_packed_vlm_with_media_syncs_once_in_step_and_never_with_loader_packing():
-    row = run_distributed(run_vlm_sync_budget, 1, timeout_s=600)
+@pytest.fixture(scope="module")
+def vlm_sync_row() -> dict:
+    """The one process launch of this module's cases."""
+    return run_distributed(run_vlm_sync_budget, 1, timeout_s=600)
+
+
+def test_packed_vlm_with_media_syncs_once_in_step_and_never_with_loader_packing(vlm_sync_row):
+    row = vlm_sync_row
     assert row["loader"]["syncs"] == 0, row["loader"]["report"]
     assert row["in_step"]["syncs"] == 1 and row["in_step"]["packing"] == 1, row["in_step"]["report"]
     # positions computed in the step from PackedVLM's MRopeConfig: still the one read, same loss
@@ -125,3 +136,14 @@ def test_packed_vlm_with_media_syncs_once_in_step_and_never_with_loader_packing(
     assert rope["alone"] == 1, rope["alone_report"]
     assert rope["packing"] == ["checks.py"], rope["packing_report"]
     assert rope["same"]
+
+
+def test_packed_vlm_without_some_media_kinds_syncs_once_in_step_and_never_with_loader_packing(vlm_sync_row):
+    # A text-only and an images-only micro-batch through a PackedVLM with image, video and audio
+    # towers: packing counts the absent kinds' placeholders in its one read (exact), and the model,
+    # told so by MicroBatch.placeholders_checked, makes no read per absent kind (before: 4 and 3 in
+    # the step, 3 and 2 loader-packed).
+    for kind, counts in vlm_sync_row["subsets"].items():
+        assert counts["loader"]["syncs"] == 0, (kind, counts["loader"]["report"])
+        assert counts["in_step"]["syncs"] == 1 and counts["in_step"]["packing"] == 1, (kind, counts["in_step"]["report"])
+        assert counts["loss_diff"] < 1e-5, (kind, counts)
