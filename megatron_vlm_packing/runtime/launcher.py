@@ -155,7 +155,8 @@ def _launch(fn, world_size, args, tmp, timeout_s):
 
 
 def run_distributed(fn, world_size: int, *args, timeout_s: float | None = None):
-    """Run `fn(rank, world_size, *args)` in `world_size` spawned CPU processes (gloo).
+    """Run `fn(rank, world_size, *args)` in `world_size` CPU processes (gloo), forked from one fork
+    server: they see the environment of this process's first launch (the server's), not later changes.
 
     Args:
         fn: a module-level (picklable) function.
