@@ -100,7 +100,8 @@ def _worker(rank, world_size, port, fn, args, tmp):
 def _cuda_hidden():
     """Children start with no visible GPU (the CPU shim refuses to run where CUDA is available).
 
-    Set only around the spawn and restored after it: spawned processes copy the environment at start.
+    Set only around the start and restored after it: the fork server (started by the first launch) and
+    so every worker keep the environment it had then.
     """
     saved = os.environ.get("CUDA_VISIBLE_DEVICES")
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
