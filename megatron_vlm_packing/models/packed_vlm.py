@@ -295,6 +295,7 @@ class PackedVLMAdapter(ModelAdapter):
         checked = set(micro_batch.placeholders_checked)
         media["media_checked"] = bool(kinds) and all(media[key] is not None for _, key in kinds) \
             and all((kind, self.media_token_ids.get(f"{kind}_token_id")) in checked for kind, _ in kinds) \
+            and (vision is None or vision.spatial_merge_size == self.media_token_ids.get("spatial_merge_size")) \
             and (audio is None or self._packing_counts_clips_like(model))
         return model(micro_batch.input_ids, micro_batch.position_ids, micro_batch.labels,
                      packed_seq_params=micro_batch.packed_seq_params, cp_index=micro_batch.cp_index,

@@ -296,7 +296,8 @@ def vision_inputs(batch: dict, host: MediaHost, tokens: MediaTokens, *,
         videos_per_row = _video_counts(videos, video_grid, video_rows, seconds, host, tokens)
     return VisionInputs(pixel_values=pixels, image_grid_thw=image_grid, images_per_sample=images_per_row,
                         pixel_values_videos=videos, video_grid_thw=video_grid if videos is not None else None,
-                        second_per_grid_ts=seconds, videos_per_sample=videos_per_row)
+                        second_per_grid_ts=seconds, videos_per_sample=videos_per_row,
+                        spatial_merge_size=tokens.spatial_merge_size)
 
 
 def _image_counts(pixels, grid, grid_rows, host: MediaHost, tokens: MediaTokens) -> tuple[int, ...]:

@@ -33,6 +33,8 @@ class VisionInputs:
         videos_per_sample: B ints.
         num_image_tiles: [I] int, tiles per image (LLaVA style: `pixel_values` then holds sum(tiles)
             tiles, each expanded by the model); None = one tile per image.
+        spatial_merge_size: the merge size packing counted each grid's placeholder tokens with
+            (t * h * w / merge**2) when it checked the per-sample counts; None when it did not.
     """
 
     pixel_values: torch.Tensor | None = None
@@ -43,6 +45,7 @@ class VisionInputs:
     second_per_grid_ts: torch.Tensor | None = None
     videos_per_sample: tuple[int, ...] | None = None
     num_image_tiles: torch.Tensor | None = None
+    spatial_merge_size: int | None = None
 
     @property
     def has_images(self) -> bool:

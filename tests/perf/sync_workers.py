@@ -164,4 +164,11 @@ def media_subset_syncs(model, ids: dict, core, seed: int) -> dict:
             rows.setdefault(kind, {})[name] = dict(syncs=syncs.total, report=syncs.report(), loss=loss.item(),
                                                    packing=sum(1 for e in syncs.events if "/packing/" in e.where))
         rows[kind]["loss_diff"] = abs(rows[kind]["in_step"]["loss"] - rows[kind]["loader"]["loss"])
+        if images:  # as a loader configured with another merge size would record it: the model checks itself
+            other = replace(loader, vision=replace(loader.vision, spatial_merge_size=1))
+            step = make_forward_step(label_style="hf")
+            counted_step(model, step, other, core)  # warm-up
+            model.zero_grad(set_to_none=True)
+            loss, syncs = counted_step(model, step, other, core)
+            rows[kind]["other_merge"] = dict(syncs=syncs.total, loss=loss.item(), report=syncs.report())
     return rows

@@ -147,3 +147,8 @@ def test_packed_vlm_without_some_media_kinds_syncs_once_in_step_and_never_with_l
         assert counts["loader"]["syncs"] == 0, (kind, counts["loader"]["report"])
         assert counts["in_step"]["syncs"] == 1 and counts["in_step"]["packing"] == 1, (kind, counts["in_step"]["report"])
         assert counts["loss_diff"] < 1e-5, (kind, counts)
+    # Counted with another spatial_merge_size than the model's: the model does not trust those counts
+    # and makes its own check (reads), with the same loss.
+    other = vlm_sync_row["subsets"]["images"]["other_merge"]
+    assert other["syncs"] >= 1, other["report"]
+    assert abs(other["loss"] - vlm_sync_row["subsets"]["images"]["loader"]["loss"]) < 1e-5, other
