@@ -326,9 +326,6 @@ class PackIndices:
     def is_real(self) -> torch.Tensor:
         if not self.has_pad_slots:
             return torch.ones(self.plan.total, dtype=torch.bool, device=self.device)
-        if self.device.type == "cpu":
-            return torch.from_numpy(np.concatenate([
-                np.arange(phys) < real for real, phys in zip(self.plan.real_lengths, self.plan.physical_lengths)]))
         return self.offset_in_segment < self._per_slot(self.plan.real_lengths)
 
     @functools.cached_property
