@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron_vlm_packing.packing.checks import ValueInputs, check_packed_values
+from megatron_vlm_packing.packing.checks import check_packed_values
 from megatron_vlm_packing.packing.media import MediaTokens, checked_placeholders
 from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch
 from megatron_vlm_packing.packing.pack import pack_next_token_labels, pack_positions, pack_rows, segment_positions
@@ -64,7 +64,7 @@ def pack_labels_and_weights(rows: Rows, indices: PackIndices, *,
     Hugging Face labels shift inside each document (`pack_next_token_labels`); Megatron labels are
     packed as they are. The same values as packing `rows.labels` / `rows.loss_weights`.
 
-    Rows read without their value checks (`rows.values_checked` False: `pack_batch(host_reads=True)`)
+    Rows read without their value checks (`rows.unchecked_values`: `pack_batch(host_reads=True)`)
     are checked here, over the packed ids (`packed_ids`, [1, T]), labels and loss weights.
     """
     if rows.label_style == "hf":
@@ -72,13 +72,11 @@ def pack_labels_and_weights(rows: Rows, indices: PackIndices, *,
     else:
         labels = pack_rows(rows.raw_labels, indices, pad_value=IGNORE_INDEX)
     values = None if rows.loss_values is None else pack_rows(rows.loss_values, indices)
-    if not rows.values_checked:
+    if rows.unchecked_values is not None:
         if packed_ids is None:
             raise ValueError("rows read without value checks need packed_ids= to be checked over the packed tokens")
         first_labels = rows.raw_labels[list(indices.plan.segment_rows), 0] if rows.label_style == "hf" else None
-        inputs = ValueInputs(rows.input_ids, rows.ids_key, rows.raw_labels, rows.loss_values, lambda: rows.keep,
-                             rows.mask.real_slots, lambda: torch.tensor(rows.lengths))
-        check_packed_values(inputs, rows.label_style, vocab_size, ids=packed_ids, targets=labels,
+        check_packed_values(rows.unchecked_values, rows.label_style, vocab_size, ids=packed_ids, targets=labels,
                             first_labels=first_labels, loss_values=values)
     return labels, loss_weights_of(labels, values)
 
@@ -183,11 +181,17 @@ def pack_batch(
     )
 
 
+def tensor_off_host(batch) -> str | None:
+    """The key of the first tensor of a batch dict that is not on the CPU, else None (also for a
+    batch that is not a dict: read_rows names what it is)."""
+    if not isinstance(batch, dict):
+        return None
+    return next((key for key, value in batch.items() if isinstance(value, torch.Tensor) and not value.is_cpu), None)
+
+
 def _check_on_host(batch: dict) -> None:
     """host_reads=True packs on the CPU: a tensor elsewhere would make every read a host sync."""
-    if not isinstance(batch, dict):
-        return  # read_rows names what the batch is
-    for key, value in batch.items():
-        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
-            raise ValueError(f"host_reads=True packs a batch on the CPU (a DataLoader worker), but {key!r} is on "
-                             f"{value.device}: leave host_reads False for a batch on an accelerator")
+    key = tensor_off_host(batch)
+    if key is not None:
+        raise ValueError(f"host_reads=True packs a batch on the CPU (a DataLoader worker), but {key!r} is on "
+                         f"{batch[key].device}: leave host_reads False for a batch on an accelerator")

@@ -54,9 +54,9 @@ class Rows:
         extras: declared per-token tensors, [B, S, ...].
         row_tokens: slots of the collated rows (B*S of the batch as given).
         document_rows: with `document_lengths`, the source row of each row here (one per document).
-        ids_key: the batch key the ids came from ("input_ids" or "tokens"), named in errors.
-        values_checked: False when the value checks of ids, labels and loss weights are left to the
-            caller (`pack_batch(host_reads=True)` makes them over the packed tokens).
+        unchecked_values: None when the value checks of ids, labels and loss weights were made (on the
+            device path, as screens riding the one read); else what they read (`checks.ValueInputs`),
+            left to the caller: `pack_batch(host_reads=True)` checks them over the packed tokens.
 
     `labels` and `loss_weights` build the [B, S] targets and weights of the rows (`pad_batch`);
     `pack_batch` builds them over the packed tokens only (`batch.pack_labels_and_weights`).
@@ -74,8 +74,7 @@ class Rows:
     extras: Mapping[str, torch.Tensor] = field(default_factory=dict)
     row_tokens: int = 0
     document_rows: list[int] | None = None
-    ids_key: str = "input_ids"
-    values_checked: bool = True
+    unchecked_values: ValueInputs | None = None
 
     @property
     def keep(self) -> torch.Tensor:
@@ -230,6 +229,7 @@ class QueuedRows:
     checks: DeferredChecks
     lengths_entry: int | None
     batch_size: int
+    unchecked_values: ValueInputs | None = None
 
     def lengths(self, host: list) -> list[int]:
         """The B real lengths, from the read's `host` values (or known without a read: no mask given)."""
@@ -245,7 +245,8 @@ def queue_row_reads(batch: Mapping, input_ids: torch.Tensor, name: str, label_st
     and loss weights (`checks.queue_value_checks`). `input_ids` [B, S] long, named `name` in errors.
 
     `on_host=True` (a batch on the CPU, `pack_batch(host_reads=True)`): the lengths are read at once
-    and no value screen is queued: the caller checks the packed values (`checks.check_packed_values`)."""
+    and no value screen is queued: the caller checks the packed values (`checks.check_packed_values`)
+    with `QueuedRows.unchecked_values`."""
     shape = tuple(input_ids.shape)
     mask = batch.get("attention_mask")
     deferred = keep_mask_deferred(batch_size=shape[0], row_length=shape[1], attention_mask=mask,
@@ -262,7 +263,7 @@ def queue_row_reads(batch: Mapping, input_ids: torch.Tensor, name: str, label_st
     if not on_host:
         queue_value_checks(inputs, label_style, vocab_size, checks)
     return QueuedRows(mask=deferred, raw_labels=raw_labels, loss_values=loss_values, checks=checks,
-                      lengths_entry=lengths_entry, batch_size=shape[0])
+                      lengths_entry=lengths_entry, batch_size=shape[0], unchecked_values=inputs if on_host else None)
 
 
 def read_rows(batch, *, label_style: str, mrope, media: MediaTokens, extra_keys=(), vocab_size: int | None = None,
@@ -270,8 +271,8 @@ def read_rows(batch, *, label_style: str, mrope, media: MediaTokens, extra_keys=
     """Check a collated batch and read it into `Rows` (see the module docstring).
 
     `on_host=True` (a batch on the CPU, where a read costs no sync) reads the lengths at once and
-    leaves the value checks of ids, labels and loss weights to the caller (`Rows.values_checked` is
-    then False): `pack_batch(host_reads=True)` makes them over the packed tokens
+    leaves the value checks of ids, labels and loss weights to the caller (`Rows.unchecked_values`
+    holds what they read): `pack_batch(host_reads=True)` makes them over the packed tokens
     (`checks.check_packed_values`).
 
     With `document_lengths` in the batch every document becomes a row of its own first
@@ -305,5 +306,5 @@ def read_rows(batch, *, label_style: str, mrope, media: MediaTokens, extra_keys=
     return Rows(input_ids=input_ids, mask=deferred, lengths=lengths, raw_labels=raw_labels, label_style=label_style,
                 loss_values=loss_values, positions=positions,
                 vision=vision, audio=audio, extras=_extras(batch, extra_keys, shape),
-                row_tokens=source_shape[0] * source_shape[1], document_rows=document_rows, ids_key=name,
-                values_checked=not on_host)
+                row_tokens=source_shape[0] * source_shape[1], document_rows=document_rows,
+                unchecked_values=queued.unchecked_values)

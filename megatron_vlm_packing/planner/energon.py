@@ -20,9 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
-import torch
 
-from megatron_vlm_packing.packing.batch import pack_batch
+from megatron_vlm_packing.packing.batch import pack_batch, tensor_off_host
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
 from megatron_vlm_packing.packing.plan import PackMultiples
 from megatron_vlm_packing.planner.bins import BinLayout, balanced_fit
@@ -83,7 +82,7 @@ class EnergonPackingHooks:
         """One bin -> one packed micro-batch, padded to the capacity (static) or aligned (dynamic)."""
         batch = self.collate(samples)
         pad_to = self._aligned_total(samples) if self.layout.static_shapes else None
-        on_host = all(v.is_cpu for v in batch.values() if isinstance(v, torch.Tensor))  # a loader worker's batch
+        on_host = tensor_off_host(batch) is None  # a loader worker's batch
         return pack_batch(batch, pad_to=pad_to, **{"host_reads": on_host, **self.pack_kwargs})
 
     def _aligned_total(self, samples: list) -> int:
