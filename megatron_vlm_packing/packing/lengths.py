@@ -184,22 +184,19 @@ def _right_padded_test(batch: int, row_length: int) -> Callable[[list], bool]:
     return fails
 
 
-# Up to this many slots numpy reads a mask on the host faster (its fixed cost per call is about a
-# tenth of torch's); above it torch's fused min-with-index over long rows wins (measured on one core).
-_NUMPY_MASK_SLOTS = 1 << 16
-
-
 def right_padded_lengths_on_host(mask: torch.Tensor) -> list[int]:
     """B real lengths of a [B, S] integer or bool mask on the CPU, read and checked now (no sync to save).
 
-    `right_padded_reads`' numbers and test, read with numpy up to `_NUMPY_MASK_SLOTS` slots;
-    `lengths_from_keep_mask` raises the detailed error of a bad mask."""
-    if mask.numel() <= _NUMPY_MASK_SLOTS:
-        rows = mask.numpy()
-        rows = rows.view(np.uint8) if rows.dtype == np.bool_ else rows
-        host = rows.sum(axis=1).tolist() + rows.min(axis=1).tolist() + rows.argmin(axis=1).tolist()
-    else:
-        host = [x for v in right_padded_reads(mask)[0] for x in v.tolist()]
+    `right_padded_reads`' numbers and test, read with numpy in two passes over the mask: the first
+    minimum of each row (`argmin`), its value gathered from there (B reads, not a third pass), and
+    the row sums. Faster than torch's fused min-with-index at every size measured (4 x 2048 to
+    64 x 32768, one core; 2 to 4x for bool masks). `lengths_from_keep_mask` raises the detailed
+    error of a bad mask."""
+    rows = mask.numpy()
+    rows = rows.view(np.uint8) if rows.dtype == np.bool_ else rows
+    firsts = rows.argmin(axis=1)
+    minima = rows[np.arange(rows.shape[0]), firsts]
+    host = rows.sum(axis=1).tolist() + minima.tolist() + firsts.tolist()
     if _right_padded_test(*mask.shape)(host):
         lengths_from_keep_mask(mask)  # raises
         raise AssertionError("a mask failing the right-padding test passed lengths_from_keep_mask")

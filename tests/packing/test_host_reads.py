@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 
 import tests.adversarial.test_packing_inputs as adversarial
 from megatron_vlm_packing.packing import pack_batch
-from megatron_vlm_packing.packing.lengths import _NUMPY_MASK_SLOTS
 
 VOCAB = 60
 FIELDS = ("input_ids", "labels", "loss_mask", "position_ids", "padding_mask")
@@ -122,10 +121,27 @@ def test_every_adversarial_input_is_the_same_error_on_the_host(name, call, messa
         call()
 
 
+@settings(max_examples=80, deadline=None)
+@given(mask=st.lists(st.lists(st.sampled_from([-1, 0, 0, 1, 1, 1, 2]), min_size=6, max_size=6), min_size=1, max_size=4),
+       dtype=st.sampled_from([torch.int64, torch.int32, torch.int8, torch.uint8]))
+def test_any_integer_mask_gives_the_same_lengths_or_error_on_the_host(mask, dtype):
+    """The host reads a mask with numpy (first minimum, its value, row sums): holes, left padding,
+    negative values and values above 1 fail as they do on the device path."""
+    if dtype == torch.uint8:
+        mask = [[max(v, 0) for v in row] for row in mask]
+    ids = torch.arange(1, 1 + 6 * len(mask)).reshape(len(mask), 6)
+    batch = {"input_ids": ids, "labels": ids + 1, "attention_mask": torch.tensor(mask, dtype=dtype)}
+    host, device = both_paths(batch)
+    if isinstance(device, str) or isinstance(host, str):
+        assert host == device
+    else:
+        assert_same(host, device)
+
+
 @pytest.mark.parametrize("mask_form", ["long", "bool"])
-def test_a_mask_above_the_numpy_size_is_read_and_checked_the_same(mask_form):
+def test_a_long_mask_is_read_and_checked_the_same(mask_form):
     lengths = [700, 0, 1200, 33, 2048]
-    row_length = _NUMPY_MASK_SLOTS // 4  # 5 rows: above the size numpy reads
+    row_length = 1 << 14
     batch, _ = batch_of(lengths, row_length, style="hf", loss_dtype=torch.float32, mask_form=mask_form, seed=3)
     host, device = both_paths(batch, label_style="hf", cp_size=2, extra_keys=("side",))
     assert_same(host, device)
