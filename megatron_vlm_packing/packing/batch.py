@@ -11,7 +11,8 @@ import numpy as np
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron_vlm_packing.packing.checks import check_packed_values
+from megatron_vlm_packing.packing.checks import check_packed_values, host_array
+from megatron_vlm_packing.packing.host_tokens import pack_tokens_on_host, packs_on_host
 from megatron_vlm_packing.packing.media import MediaTokens, checked_placeholders
 from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch
 from megatron_vlm_packing.packing.pack import pack_next_token_labels, pack_positions, pack_rows, segment_positions
@@ -64,8 +65,10 @@ def pack_labels_and_weights(rows: Rows, indices: PackIndices, *,
     Hugging Face labels shift inside each document (`pack_next_token_labels`); Megatron labels are
     packed as they are. The same values as packing `rows.labels` / `rows.loss_weights`.
 
-    Rows read without their value checks (`rows.unchecked_values`: `pack_batch(host_reads=True)`)
-    are checked here, over the packed ids (`packed_ids`, [1, T]), labels and loss weights.
+    Rows read without their value checks (`rows.unchecked_values`: `pack_batch(host_reads=True)`
+    with a loss mask numpy cannot pack, bfloat16 or carrying autograd) are checked here, over the
+    packed ids (`packed_ids`, [1, T]), labels and loss weights; `host_tokens.pack_tokens_on_host`
+    packs all other such rows.
     """
     if rows.label_style == "hf":
         labels = pack_next_token_labels(rows.raw_labels, indices, ignore_index=IGNORE_INDEX)
@@ -75,9 +78,12 @@ def pack_labels_and_weights(rows: Rows, indices: PackIndices, *,
     if rows.unchecked_values is not None:
         if packed_ids is None:
             raise ValueError("rows read without value checks need packed_ids= to be checked over the packed tokens")
-        first_labels = rows.raw_labels[list(indices.plan.segment_rows), 0] if rows.label_style == "hf" else None
-        check_packed_values(rows.unchecked_values, rows.label_style, vocab_size, ids=packed_ids, targets=labels,
-                            first_labels=first_labels, loss_values=values)
+        targets = host_array(labels[0])
+        first_labels = host_array(rows.raw_labels[list(indices.plan.segment_rows), 0]) \
+            if rows.label_style == "hf" else None
+        check_packed_values(rows.unchecked_values, rows.label_style, vocab_size, ids=host_array(packed_ids[0]),
+                            targets=targets, is_target=targets != IGNORE_INDEX, first_labels=first_labels,
+                            loss_values=None if values is None else host_array(values[0]))
     return labels, loss_weights_of(labels, values)
 
 
@@ -160,8 +166,12 @@ def pack_batch(
     plan = make_pack_plan(rows.lengths, row_capacity=row_length, multiples=multiples, pad_to=pad_to)
     indices = plan_indices(plan, rows.input_ids.device)
     positions = segment_positions(indices) if rows.positions is None else pack_positions(rows.positions, indices)
-    input_ids = pack_rows(rows.input_ids, indices, pad_value=pad_token_id)
-    labels, loss_mask = pack_labels_and_weights(rows, indices, packed_ids=input_ids, vocab_size=vocab_size)
+    if packs_on_host(rows):
+        input_ids, labels, loss_mask = pack_tokens_on_host(rows, indices, pad_token_id=pad_token_id,
+                                                           vocab_size=vocab_size)
+    else:
+        input_ids = pack_rows(rows.input_ids, indices, pad_value=pad_token_id)
+        labels, loss_mask = pack_labels_and_weights(rows, indices, packed_ids=input_ids, vocab_size=vocab_size)
     return MicroBatch(
         input_ids=input_ids,
         labels=labels,

@@ -139,9 +139,9 @@ def queue_value_checks(inputs: ValueInputs, label_style: str, vocab_size: int | 
                    screen=True)
 
 
-def check_packed_values(inputs: ValueInputs, label_style: str, vocab_size: int | None, *, ids: torch.Tensor,
-                        targets: torch.Tensor, first_labels: torch.Tensor | None,
-                        loss_values: torch.Tensor | None) -> None:
+def check_packed_values(inputs: ValueInputs, label_style: str, vocab_size: int | None, *, ids: np.ndarray,
+                        targets: np.ndarray, is_target: np.ndarray, first_labels: np.ndarray | None,
+                        loss_values: np.ndarray | None) -> None:
     """`queue_value_checks`' checks for a batch on the host, made exactly over the packed tokens.
 
     On the host (a DataLoader worker) reading a value back costs no sync, so the real lengths are
@@ -153,39 +153,36 @@ def check_packed_values(inputs: ValueInputs, label_style: str, vocab_size: int |
 
     Args:
         inputs: the rows the checks name in their errors (`ValueInputs`).
-        ids: [1, T] packed ids. targets: [1, T] packed labels: the Megatron labels as given, or the
-            Hugging Face labels shifted inside each document.
+        ids: [T] packed ids. targets: [T] packed labels: the Megatron labels as given, or the
+            Hugging Face labels shifted inside each document. is_target: [T] bool, targets != -100.
         first_labels: Hugging Face only: [N] the label of every document's first token, which no
             shifted target holds (checked for its value all the same).
-        loss_values: [1, T] the packed `loss_mask` as given (0 at pad slots), or None.
+        loss_values: [T] the packed `loss_mask` as given (0 at pad slots), or None.
     """
     keep = inputs.keep
-    id_values = _host_array(ids)
-    if id_values.min() < 0 or (vocab_size is not None and id_values.max() >= vocab_size):
+    if ids.min() < 0 or (vocab_size is not None and ids.max() >= vocab_size):
         check_ids(inputs.input_ids, keep(), vocab_size, inputs.name)
-    labels = _host_array(targets)
-    ignored = int(np.count_nonzero(labels == IGNORE_INDEX))
-    for part in (labels, None if first_labels is None else _host_array(first_labels)):
-        if part is None or part.size == 0:
-            continue
-        negative = np.count_nonzero(part < 0)
-        if negative and negative != np.count_nonzero(part == IGNORE_INDEX) \
-                or (vocab_size is not None and part.max() >= vocab_size):
+    ignored = targets.size - int(np.count_nonzero(is_target))
+    if np.count_nonzero(targets < 0) != ignored or (vocab_size is not None and targets.max() >= vocab_size):
+        check_label_values(inputs.raw_labels, keep(), vocab_size)
+    if first_labels is not None and first_labels.size:
+        negative = np.count_nonzero(first_labels < 0)
+        if negative and negative != np.count_nonzero(first_labels == IGNORE_INDEX) \
+                or (vocab_size is not None and first_labels.max() >= vocab_size):
             check_label_values(inputs.raw_labels, keep(), vocab_size)
     # Every -100 target differs from its id (ids are >= 0), so no other target differs exactly when
     # the differing slots are the ignored ones.
-    if label_style == "megatron" and np.count_nonzero(labels != id_values) == ignored:
+    if label_style == "megatron" and np.count_nonzero(targets != ids) == ignored:
         refuse_hf_labels_as_megatron(inputs.raw_labels, inputs.input_ids, keep())
-    if loss_values is not None and loss_values.dtype != torch.bool:
-        weights = _host_array(loss_values)
-        with np.errstate(invalid="ignore"):  # a NaN weight is what this looks for, not a warning
-            low, high = float(weights.min()), float(weights.max())
+    if loss_values is not None and loss_values.dtype != np.bool_:
+        low, high = float(loss_values.min()), float(loss_values.max())  # NaN propagates (min / max do not warn)
         if not (low >= 0 and high <= _FLOAT32_MAX):  # NaN fails both
             check_loss_weights(inputs.loss_values.float(), keep())
 
 
-def _host_array(values: torch.Tensor) -> np.ndarray:
-    """A numpy view of a CPU tensor (bfloat16, which numpy lacks, widened to float32)."""
+def host_array(values: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor for `check_packed_values` (detached; bfloat16, which numpy lacks,
+    widened to float32)."""
     if values.dtype == torch.bfloat16:
         values = values.float()
     return (values.detach() if values.requires_grad else values).numpy()

@@ -21,6 +21,7 @@ bins, L = frames.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -69,6 +70,14 @@ class MediaTokens:
         Raises:
             ValueError: a keyword that contradicts the `MRopeConfig`.
         """
+        explicit = (image_token_id, video_token_id, audio_token_id, spatial_merge_size, audio_n_window)
+        if mrope is None and type(require_counts) is bool and all(v is None or type(v) is int for v in explicit):
+            return _resolved(*explicit, require_counts)  # the same keywords every micro-batch: built once
+        return cls._resolve(mrope, *explicit, require_counts)
+
+    @classmethod
+    def _resolve(cls, mrope, image_token_id, video_token_id, audio_token_id, spatial_merge_size, audio_n_window,
+                 require_counts) -> "MediaTokens":
         explicit = dict(image_token_id=image_token_id, video_token_id=video_token_id, audio_token_id=audio_token_id,
                         spatial_merge_size=spatial_merge_size, audio_n_window=audio_n_window)
         from_config = {}
@@ -84,6 +93,13 @@ class MediaTokens:
                 values[name] = int(chosen) if isinstance(chosen, (int, float)) and not isinstance(chosen, bool) \
                     else chosen
         return cls(**values, require_counts=bool(require_counts))
+
+
+@functools.lru_cache(maxsize=64)
+def _resolved(*keywords) -> MediaTokens:
+    """`MediaTokens.resolve` of plain keywords (ints or None) without an mRoPE config, kept: a loader
+    passes the same ones for every micro-batch. A bad value raises here and is not cached."""
+    return MediaTokens._resolve(None, *keywords)
 
 
 def _grid_rows(batch: dict, name: str, host: "MediaHost") -> tuple[torch.Tensor | None, list[list[int]]]:
@@ -188,6 +204,8 @@ def checked_placeholders(batch, tokens: MediaTokens) -> tuple[tuple[str, int], .
     """(kind, placeholder id) of every kind whose placeholders `queue_media_reads` checks in the one
     read: a kind with items is counted per row against them, a kind without items or position-only
     inputs must have no placeholder among the real tokens. Kinds whose id is not known are left out."""
+    if tokens.image_token_id is None and tokens.video_token_id is None and tokens.audio_token_id is None:
+        return ()
     checked = []
     for kind, key, id_name in _PLACEHOLDERS:
         token_id = getattr(tokens, id_name)
@@ -215,10 +233,13 @@ def queue_media_reads(batch: dict, input_ids: torch.Tensor, keep, tokens: MediaT
     of each kind absent (`checked_placeholders`; nonzero is a ValueError), grid entries, seconds per grid, and the audio frame lengths
     (feature mask checked right-padded; its detailed error raised when not). Returns name -> entry.
     """
+    placeholders = checked_placeholders(batch, tokens)
+    if not placeholders and batch.keys().isdisjoint(_READ_KEYS):
+        return {}
     from megatron_vlm_packing.packing.lengths import lengths_from_keep_mask, right_padded_reads
 
     entries = {}
-    for kind, token_id in checked_placeholders(batch, tokens):
+    for kind, token_id in placeholders:
         key = next(key for name, key, _ in _PLACEHOLDERS if name == kind)
         if _given(batch.get(key)):
             entries[kind] = checks.add(((input_ids == token_id) & keep()).sum(dim=1), _never, None)
@@ -239,6 +260,10 @@ def queue_media_reads(batch: dict, input_ids: torch.Tensor, keep, tokens: MediaT
         entries["audio_frames"] = checks.add(
             values, fails, lambda: lengths_from_keep_mask(mask, field="feature_attention_mask"))
     return entries
+
+
+# The batch keys `queue_media_reads` reads values of (besides placeholder counts).
+_READ_KEYS = frozenset({"image_grid_thw", "video_grid_thw", "second_per_grid_ts", "feature_attention_mask"})
 
 
 def _never(values: list) -> bool:
@@ -270,6 +295,8 @@ def vision_inputs(batch: dict, host: MediaHost, tokens: MediaTokens, *,
         grids_for_rope: an mRoPE index reads the grids (`mrope=`): grids without pixels are then
             position inputs only (a text model with mRoPE), checked block by block by the index.
     """
+    if batch.keys().isdisjoint(VISION_KEYS):
+        return None
     pixels = _tensor(batch, "pixel_values", (2, 4), "[P, C] patches or [I, C, H, W] images")
     image_grid, image_rows = _grid_rows(batch, "image_grid_thw", host)
     videos = _tensor(batch, "pixel_values_videos", (2,), "[Pv, C] patches")
@@ -337,6 +364,8 @@ def _video_counts(videos, grid, grid_rows, seconds, host: MediaHost, tokens: Med
 
 def audio_inputs(batch: dict, host: MediaHost, tokens: MediaTokens) -> AudioInputs | None:
     """The batch's audio clips with real frame counts and per-row counts; None without audio."""
+    if batch.keys().isdisjoint(AUDIO_KEYS):
+        return None
     features = _tensor(batch, "input_features", (3,), "[A, F, L] mel features")
     mask = _tensor(batch, "feature_attention_mask", (2,), "an [A, L] 0/1 mask")
     if features is None and mask is None:

@@ -59,7 +59,8 @@ def _cat_documents(rows: torch.Tensor, slices: DocumentSlices, pad_value) -> tor
         raise ValueError(f"rows hold {rows.shape[0] * rows.shape[1]} tokens but the plan's rows hold "
                          f"{slices.flat_length}")
     if on_host_without_grad(rows):
-        return _cat_documents_numpy(rows.numpy().reshape(slices.flat_length, *rows.shape[2:]), slices, pad_value)
+        return torch.from_numpy(cat_documents_host(rows.numpy().reshape(slices.flat_length, *rows.shape[2:]), slices,
+                                                   pad_value)[None])
     flat = rows.reshape(1, slices.flat_length, *rows.shape[2:])  # [1, B*S, ...]
     pieces = flat.split_with_sizes(slices.split_sizes, dim=1)[1::2]  # views of every document's slice
     if not slices.longest_pad:
@@ -83,10 +84,10 @@ _NUMPY_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, tor
                            torch.float16, torch.float32, torch.float64})
 
 
-def _cat_documents_numpy(rows: np.ndarray, slices: DocumentSlices, pad_value) -> torch.Tensor:
-    """`_cat_documents` of a CPU tensor without autograd, viewed as numpy [B*S, ...]: numpy slices and
-    one `np.concatenate` (the same values; a slice costs a fraction of a microsecond there, a torch
-    view several)."""
+def cat_documents_host(rows: np.ndarray, slices: DocumentSlices, pad_value) -> np.ndarray:
+    """`_cat_documents` in numpy: [T, ...] every document's slice of the flattened rows ([B*S, ...]),
+    each followed by its pad slots (the same values; a slice costs numpy a fraction of a
+    microsecond, torch several)."""
     pieces, position = [], 0
     pad = np.full((slices.longest_pad, *rows.shape[1:]), pad_value, dtype=rows.dtype) if slices.longest_pad else None
     sizes = slices.split_sizes
@@ -96,7 +97,7 @@ def _cat_documents_numpy(rows: np.ndarray, slices: DocumentSlices, pad_value) ->
         pieces.append(rows[start:position])
         if pad_length:
             pieces.append(pad[:pad_length])
-    return torch.from_numpy(np.concatenate(pieces)[None])
+    return np.concatenate(pieces)
 
 
 def _check_row_geometry(indices: PackIndices, batch_size: int, row_length: int, plan) -> None:
@@ -152,10 +153,9 @@ def segment_positions(indices: PackIndices) -> torch.Tensor:
         position_ids: [1, T] long; pad slots keep counting after their document's real tokens,
         so no pad slot ever looks like the start of a document.
     """
-    offsets = indices.offset_in_segment
-    if offsets.is_cpu:  # a numpy view: a fraction of torch's fixed cost per call
-        return torch.from_numpy(offsets.numpy()[None])
-    return offsets.unsqueeze(0)
+    if indices.device.type == "cpu":  # one crossing from numpy, not a tensor viewed back and forth
+        return torch.from_numpy(indices.offset_in_segment_host[None])
+    return indices.offset_in_segment.unsqueeze(0)
 
 
 def pack_positions(positions: torch.Tensor, indices: PackIndices) -> torch.Tensor:

@@ -315,10 +315,16 @@ class PackIndices:
         return self.plan.real_lengths != self.plan.physical_lengths
 
     @functools.cached_property
+    def offset_in_segment_host(self) -> np.ndarray:
+        """[T] int64 numpy `offset_in_segment`, for indices on the CPU (a slice costs numpy a fraction of
+        a microsecond, torch several; `pack.segment_positions` views it without a second crossing)."""
+        ramp = np.arange(self.plan.max_seqlen, dtype=np.int64)
+        return np.concatenate([ramp[:n] for n in self.plan.physical_lengths])
+
+    @functools.cached_property
     def offset_in_segment(self) -> torch.Tensor:
-        if self.device.type == "cpu":  # numpy: a slice costs it a fraction of a microsecond, torch several
-            ramp = np.arange(self.plan.max_seqlen, dtype=np.int64)
-            return torch.from_numpy(np.concatenate([ramp[:n] for n in self.plan.physical_lengths]))
+        if self.device.type == "cpu":
+            return torch.from_numpy(self.offset_in_segment_host)
         ramp = torch.arange(self.plan.max_seqlen, device=self.device)
         return torch.cat([ramp[:n] for n in self.plan.physical_lengths])
 

@@ -130,6 +130,8 @@ def queue_rope_positions(batch: Mapping, input_ids: torch.Tensor, keep: Callable
     (`rope.index.queue_rope_index`), so the positions need no read of their own; else None.
     Inputs whose types the index refuses queue nothing: `rope_positions` raises their error after
     the read, where it always has."""
+    if mrope is None:
+        return None
     from megatron_vlm_packing.rope import MRopeConfig
 
     if not isinstance(mrope, MRopeConfig):

@@ -110,12 +110,15 @@ def loss_weights_of(labels: torch.Tensor, loss_values: torch.Tensor | None) -> t
 
 
 _BUILTIN_KEYS = frozenset(SEQUENCE_KEYS) | set(VISION_KEYS) | set(AUDIO_KEYS) | {DOCUMENT_KEY} | set(ROPE_ONLY_KEYS)
+_KNOWN_KEYS = _BUILTIN_KEYS - set(ROPE_ONLY_KEYS)  # keys read without mrope= or extra_keys=
 
 
 def check_keys(batch, *, extra_keys, mrope) -> None:
     """The batch is a dict whose every key is understood; ValueError naming the first that is not."""
-    if not isinstance(batch, Mapping):
+    if not isinstance(batch, dict) and not isinstance(batch, Mapping):
         raise ValueError(f"batch must be a dict of tensors, got {type(batch).__name__}")
+    if not extra_keys and batch.keys() <= _KNOWN_KEYS:  # the common batch: only keys every call takes
+        return
     builtin = _BUILTIN_KEYS
     clash = sorted(set(extra_keys) & builtin)
     if clash:

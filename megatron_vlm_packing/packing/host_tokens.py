@@ -1,0 +1,60 @@
+"""Token ids, labels and loss weights of rows read on the host, packed and checked in numpy.
+
+`pack_batch(host_reads=True)` (a DataLoader worker) packs on the CPU, where every op is small and
+torch's fixed cost per call (several microseconds, and as much again each time a tensor crosses to
+numpy and back) is most of the time for a micro-batch of a few rows. Here each [B, S] input crosses
+to numpy once, the three fields are packed, checked (`checks.check_packed_values`) and weighted in
+numpy, and each [1, T] result crosses back once. Same values as `pack_rows` +
+`batch.pack_labels_and_weights` (tests/packing/test_host_reads.py compares the two paths).
+
+Shape legend: B = rows, S = row length, T = physical packed tokens, N = documents.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from megatron_vlm_packing.packing.checks import IGNORE_INDEX, check_packed_values
+from megatron_vlm_packing.packing.pack import cat_documents_host, on_host_without_grad
+from megatron_vlm_packing.packing.plan import PackIndices
+
+
+def packs_on_host(rows) -> bool:
+    """Rows read on the host (`Rows.unchecked_values` set) whose ids, labels and loss values numpy can
+    view: no autograd, a dtype numpy has (a bfloat16 or grad-carrying loss_mask packs with torch)."""
+    return rows.unchecked_values is not None and on_host_without_grad(rows.input_ids) \
+        and on_host_without_grad(rows.raw_labels) \
+        and (rows.loss_values is None or on_host_without_grad(rows.loss_values))
+
+
+def pack_tokens_on_host(rows, indices: PackIndices, *, pad_token_id: int,
+                        vocab_size: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[1, T] packed ids, next-token labels and float32 loss weights of `rows` (`packs_on_host`),
+    checked over the packed tokens.
+
+    Args:
+        rows: `rows.Rows` read with `on_host=True`: their value checks are made here.
+        indices: of the plan made for these rows.
+        pad_token_id: the id at pad slots (labels hold -100 there, loss weights 0).
+        vocab_size: ids and labels must lie below it when given.
+
+    Raises:
+        ValueError: the device path's error for the first bad id, label or loss weight.
+    """
+    plan = indices.plan
+    flat_length = len(plan.row_lengths) * plan.row_capacity
+    raw_labels = rows.raw_labels.numpy().reshape(flat_length)
+    ids = cat_documents_host(rows.input_ids.numpy().reshape(flat_length), indices.row_slices, pad_token_id)
+    hf = rows.label_style == "hf"
+    labels = cat_documents_host(raw_labels, indices.next_token_slices if hf else indices.row_slices, IGNORE_INDEX)
+    values = None if rows.loss_values is None else \
+        cat_documents_host(rows.loss_values.numpy().reshape(flat_length), indices.row_slices, 0)
+    is_target = labels != IGNORE_INDEX
+    # Hugging Face: no shifted target holds a document's first label, checked all the same.
+    first_labels = raw_labels[[row * plan.row_capacity for row in plan.segment_rows]] if hf else None
+    check_packed_values(rows.unchecked_values, rows.label_style, vocab_size, ids=ids, targets=labels,
+                        is_target=is_target, first_labels=first_labels, loss_values=values)
+    # value * True / value * False in float32: the same bits as the device path's weights.
+    weights = is_target.astype(np.float32) if values is None else np.multiply(values, is_target, dtype=np.float32)
+    return torch.from_numpy(ids[None]), torch.from_numpy(labels[None]), torch.from_numpy(weights[None])
