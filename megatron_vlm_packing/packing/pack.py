@@ -88,13 +88,12 @@ def cat_documents_host(rows: np.ndarray, slices: DocumentSlices, pad_value) -> n
     """`_cat_documents` in numpy: [T, ...] every document's slice of the flattened rows ([B*S, ...]),
     each followed by its pad slots (the same values; a slice costs numpy a fraction of a
     microsecond, torch several)."""
-    pieces, position = [], 0
-    pad = np.full((slices.longest_pad, *rows.shape[1:]), pad_value, dtype=rows.dtype) if slices.longest_pad else None
-    sizes = slices.split_sizes
-    for i, pad_length in enumerate(slices.pad_lengths):
-        start = position + sizes[2 * i]
-        position = start + sizes[2 * i + 1]
-        pieces.append(rows[start:position])
+    if not slices.longest_pad:
+        return np.concatenate([rows[start:stop] for start, stop in slices.spans])
+    pad = np.full((slices.longest_pad, *rows.shape[1:]), pad_value, dtype=rows.dtype)
+    pieces = []
+    for (start, stop), pad_length in zip(slices.spans, slices.pad_lengths):
+        pieces.append(rows[start:stop])
         if pad_length:
             pieces.append(pad[:pad_length])
     return np.concatenate(pieces)

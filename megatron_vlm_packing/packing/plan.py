@@ -116,16 +116,16 @@ class PackPlan:
     def num_segments(self) -> int:
         return len(self.segment_rows)
 
-    @property
+    @functools.cached_property  # the plan is frozen: computed once (several readers per micro-batch)
     def total(self) -> int:
         """T, the physical packed length."""
         return sum(self.physical_lengths)
 
-    @property
+    @functools.cached_property
     def num_real_tokens(self) -> int:
         return sum(self.real_lengths)
 
-    @property
+    @functools.cached_property
     def max_seqlen(self) -> int:
         """Longest physical document: covers every real and padded length (what TE needs)."""
         return max(self.physical_lengths)
@@ -186,7 +186,7 @@ def make_pack_plan(
     if not rows:
         raise ValueError(f"the batch has no real tokens ({len(lengths)} rows, all empty): nothing to pack")
     real = tuple(lengths[b] for b in rows)
-    physical = [round_up(n, multiples.segment) for n in real]
+    physical = [round_up(n, multiples.segment) for n in real] if multiples.segment > 1 else list(real)
     aligned = round_up(sum(physical), multiples.total)
     if pad_to is not None:
         if pad_to % multiples.total:
@@ -215,12 +215,14 @@ class DocumentSlices:
     Attributes:
         split_sizes: 2N+1 ints: gap, document 0, gap, document 1, ..., rest; they cover B*S exactly,
             so the odd pieces of `flat.split_with_sizes(split_sizes)` are the documents' slices.
+        spans: N (start, stop) of each document's slice of the flattened rows (what numpy slices).
         pad_lengths: N ints, pad slots after each document's slice.
         longest_pad: max(pad_lengths).
         flat_length: B*S.
     """
 
     split_sizes: tuple[int, ...]
+    spans: tuple[tuple[int, int], ...]
     pad_lengths: tuple[int, ...]
     longest_pad: int
     flat_length: int
@@ -228,15 +230,17 @@ class DocumentSlices:
     @classmethod
     def of(cls, plan: "PackPlan", *, shift: int = 0) -> "DocumentSlices":
         """Slices [row*S + shift, row*S + real) of every document (shift 1: next-token targets)."""
-        sizes, position, capacity = [], 0, plan.row_capacity
-        for row, real in zip(plan.segment_rows, plan.real_lengths):
-            start = row * capacity + shift
-            sizes += (start - position, real - shift)
-            position = row * capacity + real
+        capacity = plan.row_capacity
+        spans = tuple((row * capacity + shift, row * capacity + real)
+                      for row, real in zip(plan.segment_rows, plan.real_lengths))
+        sizes, position = [], 0
+        for start, stop in spans:
+            sizes += (start - position, stop - start)
+            position = stop
         flat_length = len(plan.row_lengths) * capacity
         sizes.append(flat_length - position)
         pads = tuple(phys - real + shift for real, phys in zip(plan.real_lengths, plan.physical_lengths))
-        return cls(tuple(sizes), pads, max(pads), flat_length)
+        return cls(tuple(sizes), spans, pads, max(pads), flat_length)
 
 
 class PackIndices:
