@@ -16,6 +16,7 @@ from megatron_vlm_packing.packing.host_tokens import pack_tokens_on_host, packs_
 from megatron_vlm_packing.packing.media import MediaTokens, checked_placeholders
 from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch
 from megatron_vlm_packing.packing.pack import pack_next_token_labels, pack_positions, pack_rows, segment_positions
+from megatron_vlm_packing.packing.positions import check_1d_positions_on_host
 from megatron_vlm_packing.packing.plan import PackIndices, PackMultiples, PackPlan, make_pack_plan, plan_indices
 from megatron_vlm_packing.packing.rows import (  # noqa: F401
     IGNORE_INDEX, Rows, check_pad_token_id, loss_weights_of, read_rows, shift_labels_within_rows,
@@ -172,6 +173,8 @@ def pack_batch(
     else:
         input_ids = pack_rows(rows.input_ids, indices, pad_value=pad_token_id)
         labels, loss_mask = pack_labels_and_weights(rows, indices, packed_ids=input_ids, vocab_size=vocab_size)
+    if rows.unchecked_positions is not None:
+        check_1d_positions_on_host(rows.unchecked_positions, indices, lambda: rows.keep)
     return MicroBatch(
         input_ids=input_ids,
         labels=labels,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 from typing import Callable, Mapping
 
+import numpy as np
 import torch
 
 from megatron_vlm_packing.packing.checks import DeferredChecks, _first_bad
@@ -109,6 +110,29 @@ def check_1d_positions(given: torch.Tensor, keep: torch.Tensor) -> None:
         hint = " (it restarts: a row with several documents? give document_lengths)" if int(given[b, t]) == 0 else ""
         raise ValueError(f"position_ids row {b} position {t} is {int(given[b, t])}, expected {t}{hint}; 1D positions "
                          f"are computed from the real lengths (restarting per document)")
+
+
+def check_1d_positions_on_host(given: torch.Tensor, indices, keep: Callable[[], torch.Tensor]) -> None:
+    """`check_1d_positions` for [B, S] position_ids on the CPU (`pack_batch(host_reads=True)`): the
+    documents' real tokens concatenated in numpy and compared with 0..n-1 in one op (the packed
+    offsets themselves when the pack has no pad slots); a mismatch raises `check_1d_positions`'
+    detailed error.
+
+    Args:
+        given: [B, S] position_ids numpy can view. indices: `PackIndices` of the plan of these rows.
+        keep: returns the [B, S] keep-mask (built only for the error).
+    """
+    plan = indices.plan
+    flat = given.numpy().reshape(-1)
+    real = np.concatenate([flat[start:stop] for start, stop in indices.row_slices.spans])
+    if indices.has_pad_slots:
+        ramp = np.arange(max(plan.real_lengths), dtype=np.int64)
+        expected = np.concatenate([ramp[:n] for n in plan.real_lengths])
+    else:
+        expected = indices.offset_in_segment_host  # every slot real: 0..n-1 per document
+    if not np.array_equal(real, expected):
+        check_1d_positions(given, keep())
+        raise AssertionError("positions failing the host test passed check_1d_positions")  # a bug here
 
 
 def queue_position_checks(batch: Mapping, keep: Callable[[], torch.Tensor], mrope, checks: DeferredChecks) -> None:

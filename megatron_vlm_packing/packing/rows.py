@@ -57,6 +57,8 @@ class Rows:
         unchecked_values: None when the value checks of ids, labels and loss weights were made (on the
             device path, as screens riding the one read); else what they read (`checks.ValueInputs`),
             left to the caller: `pack_batch(host_reads=True)` checks them over the packed tokens.
+        unchecked_positions: [B, S] 1D `position_ids` read on the host and not yet checked (they must
+            count 0..n-1 on each row's real tokens; `positions.check_1d_positions_on_host`), else None.
 
     `labels` and `loss_weights` build the [B, S] targets and weights of the rows (`pad_batch`);
     `pack_batch` builds them over the packed tokens only (`batch.pack_labels_and_weights`).
@@ -75,6 +77,7 @@ class Rows:
     row_tokens: int = 0
     document_rows: list[int] | None = None
     unchecked_values: ValueInputs | None = None
+    unchecked_positions: torch.Tensor | None = None
 
     @property
     def keep(self) -> torch.Tensor:
@@ -274,8 +277,8 @@ def read_rows(batch, *, label_style: str, mrope, media: MediaTokens, extra_keys=
     """Check a collated batch and read it into `Rows` (see the module docstring).
 
     `on_host=True` (a batch on the CPU, where a read costs no sync) reads the lengths at once and
-    leaves the value checks of ids, labels and loss weights to the caller (`Rows.unchecked_values`
-    holds what they read): `pack_batch(host_reads=True)` makes them over the packed tokens
+    leaves the value checks of ids, labels and loss weights (`Rows.unchecked_values` holds what they
+    read) and of [B, S] position_ids (`Rows.unchecked_positions`) to the caller: `pack_batch(host_reads=True)` makes them over the packed tokens
     (`checks.check_packed_values`).
 
     With `document_lengths` in the batch every document becomes a row of its own first
@@ -297,7 +300,13 @@ def read_rows(batch, *, label_style: str, mrope, media: MediaTokens, extra_keys=
     shape = tuple(input_ids.shape)
     queued = queue_row_reads(batch, input_ids, name, label_style, vocab_size, on_host=on_host)
     deferred, raw_labels, loss_values, checks = queued.mask, queued.raw_labels, queued.loss_values, queued.checks
-    queue_position_checks(batch, lambda: deferred.keep, mrope, checks)
+    given_positions = batch.get("position_ids")
+    if on_host and isinstance(given_positions, torch.Tensor) and given_positions.dim() == 2 \
+            and on_host_without_grad(given_positions):
+        unchecked_positions = given_positions  # checked over the real tokens with numpy, after the value checks
+    else:
+        unchecked_positions = None
+        queue_position_checks(batch, lambda: deferred.keep, mrope, checks)
     media_entries = queue_media_reads(batch, input_ids, lambda: deferred.keep, media, checks)
     rope = queue_rope_positions(batch, input_ids, lambda: deferred.keep, mrope, checks)
     host = checks.read()  # the one host sync
@@ -310,4 +319,4 @@ def read_rows(batch, *, label_style: str, mrope, media: MediaTokens, extra_keys=
                 loss_values=loss_values, positions=positions,
                 vision=vision, audio=audio, extras=_extras(batch, extra_keys, shape),
                 row_tokens=source_shape[0] * source_shape[1], document_rows=document_rows,
-                unchecked_values=queued.unchecked_values)
+                unchecked_values=queued.unchecked_values, unchecked_positions=unchecked_positions)

@@ -40,7 +40,7 @@ def both_paths(batch: dict, **kwargs):
     return outcomes
 
 
-def batch_of(lengths, row_length, *, style, loss_dtype, mask_form, seed):
+def batch_of(lengths, row_length, *, style, loss_dtype, mask_form, seed, positions=False):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, VOCAB, (len(lengths), row_length + 1), generator=g)
     keep = torch.arange(row_length)[None] < torch.tensor(lengths)[:, None]
@@ -51,6 +51,8 @@ def batch_of(lengths, row_length, *, style, loss_dtype, mask_form, seed):
     labels = torch.where(torch.rand(labels.shape, generator=g) < 0.2, -100, labels)  # some ignored targets
     batch = {"input_ids": torch.where(keep, tokens, 0), "labels": torch.where(keep, labels, -100),
              "side": torch.randn(len(lengths), row_length, 2, generator=g)}
+    if positions:  # Megatron batches carry [B, S] position_ids: checked 0..n-1 on real tokens
+        batch["position_ids"] = torch.arange(row_length).expand(len(lengths), row_length).clone()
     if loss_dtype is not None:
         weights = torch.rand(len(lengths), row_length, generator=g) * 3
         batch["loss_mask"] = torch.where(keep, weights, 0.0).to(loss_dtype)
@@ -69,14 +71,16 @@ BATCHES = dict(
     lengths=st.lists(st.integers(0, 12), min_size=1, max_size=5).filter(any),
     style=st.sampled_from(["megatron", "hf"]), loss_dtype=st.sampled_from(LOSS_DTYPES),
     mask_form=st.sampled_from(MASK_FORMS), cp=st.sampled_from([1, 2, 3]), tp=st.sampled_from([1, 2]),
-    vocab=st.sampled_from([None, VOCAB]), seed=st.integers(0, 2 ** 16),
+    vocab=st.sampled_from([None, VOCAB]), seed=st.integers(0, 2 ** 16), positions=st.booleans(),
 )
 
 
 @settings(max_examples=60, deadline=None)
 @given(**BATCHES)
-def test_clean_batches_pack_the_same_on_the_host(lengths, style, loss_dtype, mask_form, cp, tp, vocab, seed):
-    batch, _ = batch_of(lengths, 12, style=style, loss_dtype=loss_dtype, mask_form=mask_form, seed=seed)
+def test_clean_batches_pack_the_same_on_the_host(lengths, style, loss_dtype, mask_form, cp, tp, vocab, seed,
+                                                 positions):
+    batch, _ = batch_of(lengths, 12, style=style, loss_dtype=loss_dtype, mask_form=mask_form, seed=seed,
+                        positions=positions)
     host, device = both_paths(batch, label_style=style, cp_size=cp, tp_size=tp, sequence_parallel=tp > 1,
                               vocab_size=vocab, extra_keys=("side",))
     if isinstance(device, str):  # e.g. Hugging Face labels given as Megatron ones: the same refusal
@@ -86,17 +90,20 @@ def test_clean_batches_pack_the_same_on_the_host(lengths, style, loss_dtype, mas
 
 
 BAD_VALUES = [("input_ids", -5), ("input_ids", VOCAB), ("input_ids", VOCAB + 40), ("labels", -1), ("labels", -101),
-              ("labels", VOCAB), ("loss_mask", float("nan")), ("loss_mask", -0.5), ("loss_mask", float("inf"))]
+              ("labels", VOCAB), ("loss_mask", float("nan")), ("loss_mask", -0.5), ("loss_mask", float("inf")),
+              ("position_ids", 0), ("position_ids", 7), ("position_ids", -1)]
 
 
 @settings(max_examples=60, deadline=None)
 @given(**BATCHES, bad=st.sampled_from(BAD_VALUES), at_pad=st.booleans(), slot=st.integers(0, 10 ** 6))
 def test_a_bad_value_gives_the_same_error_or_result_on_the_host(lengths, style, loss_dtype, mask_form, cp, tp, vocab,
-                                                                 seed, bad, at_pad, slot):
+                                                                 seed, positions, bad, at_pad, slot):
     key, value = bad
+    positions = positions or key == "position_ids"
     if key == "loss_mask" and (loss_dtype is None or not loss_dtype.is_floating_point):
         loss_dtype = torch.float32  # a NaN, negative or infinite weight needs a float loss_mask
-    batch, keep = batch_of(lengths, 12, style=style, loss_dtype=loss_dtype, mask_form=mask_form, seed=seed)
+    batch, keep = batch_of(lengths, 12, style=style, loss_dtype=loss_dtype, mask_form=mask_form, seed=seed,
+                           positions=positions)
     where = torch.nonzero(~keep if at_pad else keep)
     if not len(where):
         return
