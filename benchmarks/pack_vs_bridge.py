@@ -26,7 +26,8 @@ media / option handling.
 Both packers get the same batch (Megatron-style: input_ids, labels already aligned, a float
 loss_mask, a 0/1 attention_mask, 2D position_ids) and produce the same things: packed ids, labels,
 loss mask, positions restarting per sample, and both boundary sets; ours also builds the padding
-mask and `PackedSeqParams`. Real lengths are lognormal (median S/4, sigma 0.8, clipped to [16, S]).
+mask and `PackedSeqParams`, and checks the given position_ids (0..n-1 on every real token) where
+the row loop packs them as they are. ("packing core" takes no position_ids: it computes them.) Real lengths are lognormal (median S/4, sigma 0.8, clipped to [16, S]).
 Times are this thread's CPU time (`time.thread_time`): with one thread and no waiting, that is the
 wall time of an idle machine, and it stays honest on a shared machine where other processes take
 the cores. Calls alternate (bridge, loader, step path, core, bridge, ...) so that cache and frequency effects hit
@@ -119,8 +120,7 @@ def ours(batch: dict, *, cp_size: int = 1, host_reads: bool = True):
     step runs it on an accelerator (`host_reads=False`: the one-read path, timed here on the CPU)."""
     from megatron_vlm_packing import pack_batch
 
-    return pack_batch({k: v for k, v in batch.items() if k != "position_ids"}, cp_size=cp_size,
-                      label_style="megatron", host_reads=host_reads)
+    return pack_batch(batch, cp_size=cp_size, label_style="megatron", host_reads=host_reads)
 
 
 def packing_core(batch: dict, *, cp_size: int = 1):
