@@ -55,6 +55,11 @@ def pack_tokens_on_host(rows, indices: PackIndices, *, pad_token_id: int,
     first_labels = raw_labels[[row * plan.row_capacity for row in plan.segment_rows]] if hf else None
     check_packed_values(rows.unchecked_values, rows.label_style, vocab_size, ids=ids, targets=labels,
                         is_target=is_target, first_labels=first_labels, loss_values=values)
-    # value * True / value * False in float32: the same bits as the device path's weights.
-    weights = is_target.astype(np.float32) if values is None else np.multiply(values, is_target, dtype=np.float32)
+    # value * True / value * False in float32: the same bits as the device path's weights (written over
+    # the packed float32 values, a fresh copy, instead of a second [T] array).
+    if values is None:
+        weights = is_target.astype(np.float32)
+    else:
+        weights = np.multiply(values, is_target, out=values if values.dtype == np.float32 else None,
+                              dtype=np.float32)
     return torch.from_numpy(ids[None]), torch.from_numpy(labels[None]), torch.from_numpy(weights[None])
