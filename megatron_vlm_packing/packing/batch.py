@@ -174,7 +174,7 @@ def pack_batch(
         input_ids = pack_rows(rows.input_ids, indices, pad_value=pad_token_id)
         labels, loss_mask = pack_labels_and_weights(rows, indices, packed_ids=input_ids, vocab_size=vocab_size)
     if rows.unchecked_positions is not None:
-        check_1d_positions_on_host(rows.unchecked_positions, indices, lambda: rows.keep)
+        check_1d_positions_on_host(rows.unchecked_positions, indices, lambda: rows.keep, rows.unchecked_values.where)
     return MicroBatch(
         input_ids=input_ids,
         labels=labels,

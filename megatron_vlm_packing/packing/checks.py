@@ -22,21 +22,28 @@ from megatron_vlm_packing.packing.lengths import any_true
 IGNORE_INDEX = -100
 
 
+def token_place(row: int, position: int) -> str:
+    """Where a bad token is, in the batch as given: its row and position."""
+    return f"row {row} position {position}"
+
+
 def _first_bad(bad: torch.Tensor) -> tuple[int, int]:
     """(row, position) of the first True of a [B, S] bool (error path only)."""
     b, t = torch.nonzero(bad)[0].tolist()
     return b, t
 
 
-def check_label_values(labels: torch.Tensor, keep: torch.Tensor, vocab_size: int | None) -> None:
-    """Real tokens' labels are -100 or a token id in [0, vocab_size); ValueError naming row and position."""
+def check_label_values(labels: torch.Tensor, keep: torch.Tensor, vocab_size: int | None,
+                       where: Callable[[int, int], str] = token_place) -> None:
+    """Real tokens' labels are -100 or a token id in [0, vocab_size); ValueError naming row and position
+    (`where(row, position)`: in the batch as given)."""
     bad = keep & (labels != IGNORE_INDEX) & (labels < 0)
     if vocab_size is not None:
         bad = bad | (keep & (labels >= vocab_size))
     if bool(bad.any()):
         b, t = _first_bad(bad)
         allowed = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
-        raise ValueError(f"labels row {b} position {t} is {int(labels[b, t])}: a label must be -100 (ignored) or a "
+        raise ValueError(f"labels {where(b, t)} is {int(labels[b, t])}: a label must be -100 (ignored) or a "
                          f"token id {allowed}; {int(bad.sum())} such label(s)")
 
 
@@ -50,22 +57,24 @@ def refuse_hf_labels_as_megatron(labels: torch.Tensor, input_ids: torch.Tensor, 
                          f"the current token)")
 
 
-def check_loss_weights(values: torch.Tensor, keep: torch.Tensor) -> None:
+def check_loss_weights(values: torch.Tensor, keep: torch.Tensor,
+                       where: Callable[[int, int], str] = token_place) -> None:
     """Loss weights of real tokens are finite and >= 0; ValueError naming row and position."""
     bad = keep & ~(torch.isfinite(values) & (values >= 0))
     if bool(bad.any()):
         b, t = _first_bad(bad)
-        raise ValueError(f"loss_mask row {b} position {t} is {float(values[b, t])}: loss weights must be finite "
+        raise ValueError(f"loss_mask {where(b, t)} is {float(values[b, t])}: loss weights must be finite "
                          f"and >= 0")
 
 
-def check_ids(input_ids: torch.Tensor, keep: torch.Tensor, vocab_size: int | None, name: str) -> None:
+def check_ids(input_ids: torch.Tensor, keep: torch.Tensor, vocab_size: int | None, name: str,
+              where: Callable[[int, int], str] = token_place) -> None:
     bad = keep & (input_ids < 0)
     if vocab_size is not None:
         bad = bad | (keep & (input_ids >= vocab_size))
     if bool(bad.any()):
         b, t = _first_bad(bad)
-        raise ValueError(f"{name} row {b} position {t} is {int(input_ids[b, t])}: token ids must lie in "
+        raise ValueError(f"{name} {where(b, t)} is {int(input_ids[b, t])}: token ids must lie in "
                          f"[0, {vocab_size if vocab_size is not None else 'vocab_size'})")
 
 
@@ -96,7 +105,9 @@ def real_target_differs(raw_labels: torch.Tensor, input_ids: torch.Tensor, row_l
 class ValueInputs:
     """What the value checks read. input_ids, raw_labels: [B, S] long; loss_values: [B, S] or None.
     keep(): [B, S] bool keep-mask; real_slots(): [B, S] 1 at real tokens, 0 elsewhere (the 0/1 mask
-    as given, or keep()); row_lengths(): [B] real lengths on the device. Each built on call only."""
+    as given, or keep()); row_lengths(): [B] real lengths on the device. Each built on call only.
+    where(row, position): how an error names a token of these rows in the batch as given (rows split
+    from pre-packed documents name their source row, `documents.DocumentPlaces`)."""
 
     input_ids: torch.Tensor
     name: str
@@ -105,6 +116,7 @@ class ValueInputs:
     keep: Callable[[], torch.Tensor]
     real_slots: Callable[[], torch.Tensor]
     row_lengths: Callable[[], torch.Tensor]
+    where: Callable[[int, int], str] = token_place
 
 
 def queue_value_checks(inputs: ValueInputs, label_style: str, vocab_size: int | None, checks: "DeferredChecks") -> None:
@@ -123,8 +135,8 @@ def queue_value_checks(inputs: ValueInputs, label_style: str, vocab_size: int | 
     """
     ids, labels, keep = inputs.input_ids, inputs.raw_labels, inputs.keep
     checks.add(tuple(ids.aminmax()), lambda v: v[0] < 0 or (vocab_size is not None and v[1] >= vocab_size),
-               lambda: check_ids(ids, keep(), vocab_size, inputs.name), screen=True)
-    label_check = lambda: check_label_values(labels, keep(), vocab_size)  # noqa: E731
+               lambda: check_ids(ids, keep(), vocab_size, inputs.name, inputs.where), screen=True)
+    label_check = lambda: check_label_values(labels, keep(), vocab_size, inputs.where)  # noqa: E731
     ignored = labels == IGNORE_INDEX
     checks.add(any_true((labels < 0) ^ ignored).long(), lambda v: v[0] != 0, label_check, screen=True)
     if vocab_size is not None:
@@ -135,7 +147,7 @@ def queue_value_checks(inputs: ValueInputs, label_style: str, vocab_size: int | 
     values = inputs.loss_values
     if values is not None and values.dtype != torch.bool:
         bits = torch.stack(values.aminmax()).double().view(torch.int64)  # read as int64 bits: one dtype to read
-        checks.add(bits, lambda v: not _weights_in_range(v), lambda: check_loss_weights(values.float(), keep()),
+        checks.add(bits, lambda v: not _weights_in_range(v), lambda: check_loss_weights(values.float(), keep(), inputs.where),
                    screen=True)
 
 
@@ -161,15 +173,15 @@ def check_packed_values(inputs: ValueInputs, label_style: str, vocab_size: int |
     """
     keep = inputs.keep
     if ids.min() < 0 or (vocab_size is not None and ids.max() >= vocab_size):
-        check_ids(inputs.input_ids, keep(), vocab_size, inputs.name)
+        check_ids(inputs.input_ids, keep(), vocab_size, inputs.name, inputs.where)
     ignored = targets.size - int(np.count_nonzero(is_target))
     if np.count_nonzero(targets < 0) != ignored or (vocab_size is not None and targets.max() >= vocab_size):
-        check_label_values(inputs.raw_labels, keep(), vocab_size)
+        check_label_values(inputs.raw_labels, keep(), vocab_size, inputs.where)
     if first_labels is not None and first_labels.size:
         negative = np.count_nonzero(first_labels < 0)
         if negative and negative != np.count_nonzero(first_labels == IGNORE_INDEX) \
                 or (vocab_size is not None and first_labels.max() >= vocab_size):
-            check_label_values(inputs.raw_labels, keep(), vocab_size)
+            check_label_values(inputs.raw_labels, keep(), vocab_size, inputs.where)
     # Every -100 target differs from its id (ids are >= 0), so no other target differs exactly when
     # the differing slots are the ignored ones.
     if label_style == "megatron" and np.count_nonzero(targets != ids) == ignored:
@@ -177,7 +189,7 @@ def check_packed_values(inputs: ValueInputs, label_style: str, vocab_size: int |
     if loss_values is not None and loss_values.dtype != np.bool_:
         low, high = float(loss_values.min()), float(loss_values.max())  # NaN propagates (min / max do not warn)
         if not (low >= 0 and high <= _FLOAT32_MAX):  # NaN fails both
-            check_loss_weights(inputs.loss_values.float(), keep())
+            check_loss_weights(inputs.loss_values.float(), keep(), inputs.where)
 
 
 def host_array(values: torch.Tensor) -> np.ndarray:

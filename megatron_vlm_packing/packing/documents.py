@@ -15,6 +15,8 @@ Shape legend: B = rows, S = row length, D = most documents in a row, N = documen
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from typing import Mapping
 
 import torch
@@ -83,11 +85,47 @@ def _gather_rows(x: torch.Tensor, index: torch.Tensor, valid: torch.Tensor, fill
     return torch.where(keep, out, torch.as_tensor(fill, dtype=x.dtype, device=x.device))
 
 
-def split_documents(batch: Mapping, input_ids_key: str, extra_keys=()) -> tuple[dict, list[int]]:
+@dataclass(frozen=True)
+class DocumentPlaces:
+    """Where each row split from pre-packed documents came from, so that errors name a token where the
+    user's batch has it.
+
+    Attributes:
+        rows: N source rows, one per document, in order.
+        starts: N positions in its source row where each document starts.
+        ordinals: N, each document's index among its row's documents.
+    """
+
+    rows: tuple[int, ...]
+    starts: tuple[int, ...]
+    ordinals: tuple[int, ...]
+
+    @classmethod
+    def of(cls, table: list[list[int]]) -> "DocumentPlaces":
+        """The places of a `document_table` (per-row document lengths, host ints)."""
+        rows, starts, ordinals = [], [], []
+        for row, lengths in enumerate(table):
+            start = 0
+            for ordinal, length in enumerate(lengths):
+                rows.append(row)
+                starts.append(start)
+                ordinals.append(ordinal)
+                start += length
+        return cls(tuple(rows), tuple(starts), tuple(ordinals))
+
+    def where(self, document: int, position: int) -> str:
+        """A token of split row `document` at `position` in the batch as given (`checks.token_place`)."""
+        row, start = self.rows[document], self.starts[document]
+        return (f"row {row} position {start + position} (document {self.ordinals[document]} of row {row}, "
+                f"its position {position})")
+
+
+def split_documents(batch: Mapping, input_ids_key: str, extra_keys=()) -> tuple[dict, DocumentPlaces]:
     """One row per document (see the module docstring).
 
     Returns:
-        (new batch with [N, S] sequence tensors and `seq_lens` = document lengths, N source rows).
+        (new batch with [N, S] sequence tensors and `seq_lens` = document lengths, where each
+        document came from).
 
     Raises:
         ValueError: a bad `document_lengths` (see `document_table`), or a 4D attention mask (give
@@ -114,5 +152,4 @@ def split_documents(batch: Mapping, input_ids_key: str, extra_keys=()) -> tuple[
     elif isinstance(positions, torch.Tensor) and positions.dim() == 3 and positions.shape[0] == 3 \
             and tuple(positions.shape[1:]) == tuple(ids.shape):
         out["position_ids"] = torch.stack([_gather_rows(p, index, valid, 0) for p in positions])
-    rows_of_documents = [b for b, row in enumerate(table) for _ in row]
-    return out, rows_of_documents
+    return out, DocumentPlaces.of(table)

@@ -13,7 +13,7 @@ from typing import Callable, Mapping
 import numpy as np
 import torch
 
-from megatron_vlm_packing.packing.checks import DeferredChecks, _first_bad
+from megatron_vlm_packing.packing.checks import DeferredChecks, _first_bad, token_place
 from megatron_vlm_packing.packing.lengths import DeferredKeep, any_true
 
 _ROPE_INPUT_KEYS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts", "mm_token_type_ids",
@@ -97,7 +97,7 @@ def normalize_positions(batch: Mapping, shape: tuple[int, int], position_layout:
     return {**batch, "position_ids": given if layout == "3BS" else given.transpose(0, 1)}
 
 
-def check_1d_positions(given: torch.Tensor, keep: torch.Tensor) -> None:
+def check_1d_positions(given: torch.Tensor, keep: torch.Tensor, where: Callable[[int, int], str] = token_place) -> None:
     """[B, S] position_ids are recomputed from the lengths: they must be 0..n-1 on each row's real tokens.
 
     Positions that restart inside a row mean the row holds several documents: that is declared with
@@ -107,12 +107,14 @@ def check_1d_positions(given: torch.Tensor, keep: torch.Tensor) -> None:
     bad = keep & (given != expected)
     if bool(bad.any()):
         b, t = _first_bad(bad)
-        hint = " (it restarts: a row with several documents? give document_lengths)" if int(given[b, t]) == 0 else ""
-        raise ValueError(f"position_ids row {b} position {t} is {int(given[b, t])}, expected {t}{hint}; 1D positions "
+        value = given[b, t].item()  # as given: 0.5 is not shown as 0
+        hint = " (it restarts: a row with several documents? give document_lengths)" if value == 0 else ""
+        raise ValueError(f"position_ids {where(b, t)} is {value}, expected {t}{hint}; 1D positions "
                          f"are computed from the real lengths (restarting per document)")
 
 
-def check_1d_positions_on_host(given: torch.Tensor, indices, keep: Callable[[], torch.Tensor]) -> None:
+def check_1d_positions_on_host(given: torch.Tensor, indices, keep: Callable[[], torch.Tensor],
+                               where: Callable[[int, int], str] = token_place) -> None:
     """`check_1d_positions` for [B, S] position_ids on the CPU (`pack_batch(host_reads=True)`): the
     documents' real tokens concatenated in numpy and compared with 0..n-1 in one op (the packed
     offsets themselves when the pack has no pad slots); a mismatch raises `check_1d_positions`'
@@ -121,6 +123,7 @@ def check_1d_positions_on_host(given: torch.Tensor, indices, keep: Callable[[], 
     Args:
         given: [B, S] position_ids numpy can view. indices: `PackIndices` of the plan of these rows.
         keep: returns the [B, S] keep-mask (built only for the error).
+        where: names a bad token in the batch as given (`checks.ValueInputs.where`).
     """
     plan = indices.plan
     flat = given.numpy().reshape(-1)
@@ -131,11 +134,12 @@ def check_1d_positions_on_host(given: torch.Tensor, indices, keep: Callable[[], 
     else:
         expected = indices.offset_in_segment_host  # every slot real: 0..n-1 per document
     if not np.array_equal(real, expected):
-        check_1d_positions(given, keep())
+        check_1d_positions(given, keep(), where)
         raise AssertionError("positions failing the host test passed check_1d_positions")  # a bug here
 
 
-def queue_position_checks(batch: Mapping, keep: Callable[[], torch.Tensor], mrope, checks: DeferredChecks) -> None:
+def queue_position_checks(batch: Mapping, keep: Callable[[], torch.Tensor], mrope, checks: DeferredChecks,
+                          where: Callable[[int, int], str] = token_place) -> None:
     """Refuse [3, B, S] positions beside mrope= now; queue the check of [B, S] positions."""
     given = batch.get("position_ids")
     if given is None:
@@ -145,7 +149,8 @@ def queue_position_checks(batch: Mapping, keep: Callable[[], torch.Tensor], mrop
     if given.dim() == 2:
         real = keep()
         expected = torch.arange(real.shape[1], device=real.device).expand_as(real)
-        checks.add(any_true(real & (given != expected)), lambda v: v[0] != 0, lambda: check_1d_positions(given, real))
+        checks.add(any_true(real & (given != expected)), lambda v: v[0] != 0,
+                   lambda: check_1d_positions(given, real, where))
 
 
 def queue_rope_positions(batch: Mapping, input_ids: torch.Tensor, keep: Callable[[], torch.Tensor], mrope,

@@ -11,7 +11,7 @@ Shape legend: B = rows, S = row length.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 import torch
@@ -19,6 +19,7 @@ import torch
 from megatron_vlm_packing.packing.checks import (  # noqa: F401 (re-exported: callers import them from rows)
     COPY_WINDOW, EXACT_COPY_CHECK_SLOTS, IGNORE_INDEX, DeferredChecks, ValueInputs, _first_bad, check_ids,
     check_label_values, check_loss_weights, queue_value_checks, real_target_differs, refuse_hf_labels_as_megatron,
+    token_place,
 )
 from megatron_vlm_packing.packing.documents import DOCUMENT_KEY, split_documents
 from megatron_vlm_packing.packing.lengths import DeferredKeep, keep_mask_deferred, real_lengths
@@ -245,7 +246,8 @@ class QueuedRows:
 
 
 def queue_row_reads(batch: Mapping, input_ids: torch.Tensor, name: str, label_style: str,
-                    vocab_size: int | None, *, on_host: bool = False) -> QueuedRows:
+                    vocab_size: int | None, *, on_host: bool = False,
+                    where: Callable[[int, int], str] = token_place) -> QueuedRows:
     """Queue the reads every right-padded batch needs: the deferred mask (real lengths and its detailed
     error), labels and loss weights checked for type and shape, and the value screens of ids, labels
     and loss weights (`checks.queue_value_checks`). `input_ids` [B, S] long, named `name` in errors.
@@ -265,7 +267,7 @@ def queue_row_reads(batch: Mapping, input_ids: torch.Tensor, name: str, label_st
     row_lengths = (lambda: deferred.values[0]) if deferred.values is not None else \
         (lambda: torch.tensor(deferred.lengths, device=input_ids.device))
     inputs = ValueInputs(input_ids, name, raw_labels, loss_values, lambda: deferred.keep, deferred.real_slots,
-                         row_lengths)
+                         row_lengths, where)
     if not on_host:
         queue_value_checks(inputs, label_style, vocab_size, checks)
     return QueuedRows(mask=deferred, raw_labels=raw_labels, loss_values=loss_values, checks=checks,
@@ -278,8 +280,9 @@ def read_rows(batch, *, label_style: str, mrope, media: MediaTokens, extra_keys=
 
     `on_host=True` (a batch on the CPU, where a read costs no sync) reads the lengths at once and
     leaves the value checks of ids, labels and loss weights (`Rows.unchecked_values` holds what they
-    read) and of [B, S] position_ids (`Rows.unchecked_positions`) to the caller: `pack_batch(host_reads=True)` makes them over the packed tokens
-    (`checks.check_packed_values`).
+    read) and of [B, S] position_ids (`Rows.unchecked_positions`) to the caller:
+    `pack_batch(host_reads=True)` makes them over the packed tokens (`checks.check_packed_values`,
+    `positions.check_1d_positions_on_host`).
 
     With `document_lengths` in the batch every document becomes a row of its own first
     (`documents.split_documents`); `Rows.document_rows` then names each one's source row.
@@ -293,12 +296,13 @@ def read_rows(batch, *, label_style: str, mrope, media: MediaTokens, extra_keys=
         row_tensor(batch, key, source_shape)
     _extras(batch, extra_keys, source_shape)
     batch = normalize_positions(batch, source_shape, position_layout)
-    document_rows = None
+    document_rows, where = None, token_place
     if batch.get(DOCUMENT_KEY) is not None:
-        batch, document_rows = split_documents(batch, name, extra_keys)
+        batch, places = split_documents(batch, name, extra_keys)
+        document_rows, where = list(places.rows), places.where
         input_ids = batch[name].long()
     shape = tuple(input_ids.shape)
-    queued = queue_row_reads(batch, input_ids, name, label_style, vocab_size, on_host=on_host)
+    queued = queue_row_reads(batch, input_ids, name, label_style, vocab_size, on_host=on_host, where=where)
     deferred, raw_labels, loss_values, checks = queued.mask, queued.raw_labels, queued.loss_values, queued.checks
     given_positions = batch.get("position_ids")
     if on_host and isinstance(given_positions, torch.Tensor) and given_positions.dim() == 2 \
@@ -306,7 +310,7 @@ def read_rows(batch, *, label_style: str, mrope, media: MediaTokens, extra_keys=
         unchecked_positions = given_positions  # checked over the real tokens with numpy, after the value checks
     else:
         unchecked_positions = None
-        queue_position_checks(batch, lambda: deferred.keep, mrope, checks)
+        queue_position_checks(batch, lambda: deferred.keep, mrope, checks, where)
     media_entries = queue_media_reads(batch, input_ids, lambda: deferred.keep, media, checks)
     rope = queue_rope_positions(batch, input_ids, lambda: deferred.keep, mrope, checks)
     host = checks.read()  # the one host sync

@@ -195,6 +195,25 @@ ERRORS = [
     ("document_lengths_float", lambda: pack_batch(with_(hf_batch(), document_lengths=torch.tensor([[1.5, 1.5], [2.0, 0]])),
                                                   label_style="hf"),
      r"document_lengths must be a \[B, D\] integer tensor \(or B lists of ints\), got shape \(2, 2\) torch\.float32"),
+    # an error inside a pre-packed document names the token where the batch has it, not in the split rows
+    ("document_bad_label_named_in_its_source_row", lambda: pack_batch(
+        with_(hf_batch(((1, 2, 3), (4, 5))), labels=torch.tensor([[1, 2, -7, -100], [4, 5, -100, -100]]),
+              document_lengths=[[1, 2], [2]]), label_style="hf"),
+     r"labels row 0 position 2 \(document 1 of row 0, its position 1\) is -7"),
+    ("document_bad_id_named_in_its_source_row", lambda: pack_batch(
+        with_(hf_batch(((1, 2, 3), (4, 5, 6))), document_lengths=[[3], [1, 2]]), label_style="hf", vocab_size=6),
+     r"input_ids row 1 position 2 \(document 1 of row 1, its position 1\) is 6: token ids must lie in \[0, 6\)"),
+    ("document_bad_position_named_in_its_source_row", lambda: pack_batch(
+        with_(hf_batch(((1, 2, 3, 4),)), position_ids=torch.tensor([[0, 1, 0, 2]]), document_lengths=[[2, 2]]),
+        label_style="hf"),
+     r"position_ids row 0 position 3 \(document 1 of row 0, its position 1\) is 2, expected 1"),
+    ("document_bad_loss_weight_named_in_its_source_row", lambda: pack_batch(
+        with_(hf_batch(((1, 2, 3), (4, 5))), loss_mask=torch.tensor([[1.0, 1.0, float("nan"), 0.0], [1, 1, 0, 0]]),
+              document_lengths=[[2, 1], [2]]), label_style="hf"),
+     r"loss_mask row 0 position 2 \(document 1 of row 0, its position 0\) is nan"),
+    ("fractional_position_shown_as_given", lambda: pack_batch(
+        with_(hf_batch(), position_ids=torch.tensor([[0.0, 1.5, 2.0, 3.0], [0.0, 1.0, 2.0, 3.0]])), label_style="hf"),
+     r"position_ids row 0 position 1 is 1.5, expected 1;"),
     ("dense_rows_with_several_documents", lambda: pad_batch(with_(hf_batch(((1, 2, 3), (4, 5))), document_lengths=[[1, 2], [2]]),
                                                             label_style="hf"),
      r"document_lengths gives row 0 2 documents: dense rows attend causally across the whole row"),
