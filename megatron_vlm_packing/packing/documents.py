@@ -113,6 +113,10 @@ class DocumentPlaces:
                 start += length
         return cls(tuple(rows), tuple(starts), tuple(ordinals))
 
+    def row_name(self, document: int) -> str:
+        """Split row `document` named in the batch as given (`media.row_label`)."""
+        return f"row {self.rows[document]} document {self.ordinals[document]}"
+
     def where(self, document: int, position: int) -> str:
         """A token of split row `document` at `position` in the batch as given (`checks.token_place`)."""
         row, start = self.rows[document], self.starts[document]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -135,14 +136,21 @@ def grid_tokens(rows: list[list[int]], merge: int, name: str) -> list[int]:
     return [t * h * w // merge ** 2 for t, h, w in rows]
 
 
+def row_label(row: int) -> str:
+    """How an error names a row of the batch as given (`documents.DocumentPlaces.row_name` names a
+    document split from a pre-packed row)."""
+    return f"row {row}"
+
+
 def items_per_row(row_tokens: list[int] | None, item_tokens: list[int], *, kind: str,
-                  field: str) -> tuple[int, ...] | None:
+                  field: str, row_name: Callable[[int], str] = row_label) -> tuple[int, ...] | None:
     """How many items (in order) each row's placeholder tokens hold.
 
     Args:
         row_tokens: B placeholder-token counts (real tokens of each row).
         item_tokens: N placeholder tokens of each item, in token order across rows.
         kind: "image", "video" or "audio" (for the message); field: the batch key of the items.
+        row_name: names a row in the message.
 
     Raises:
         ValueError: a row whose placeholders do not end on an item boundary, or items left over.
@@ -161,7 +169,7 @@ def items_per_row(row_tokens: list[int] | None, item_tokens: list[int], *, kind:
         if have != need:
             used = item_tokens[first:item]
             raise ValueError(
-                f"row {row} has {need} {kind} placeholder tokens, but the {kind}s of {field} in order give it "
+                f"{row_name(row)} has {need} {kind} placeholder tokens, but the {kind}s of {field} in order give it "
                 f"{have} ({len(used)} {kind}(s) {first}..{item - 1} with {used} tokens; {len(item_tokens)} in "
                 f"all): a placeholder was moved to another sample, or a grid does not match its block"
             )
@@ -176,9 +184,11 @@ def items_per_row(row_tokens: list[int] | None, item_tokens: list[int], *, kind:
 class MediaHost:
     """The media values read back in the rows' one host sync (`queue_media_reads`), by name: per-row
     placeholder counts ("image", "video", "audio"), grid entries (flattened), seconds per grid,
-    and "audio_frames" (clip frame counts, minima and first minima of the feature mask)."""
+    and "audio_frames" (clip frame counts, minima and first minima of the feature mask). `row_name`
+    names a row in errors (a document of a pre-packed row, `documents.DocumentPlaces.row_name`)."""
 
     values: dict
+    row_name: Callable[[int], str] = row_label
 
 
 _PLACEHOLDERS = (("image", "pixel_values", "image_token_id"), ("video", "pixel_values_videos", "video_token_id"),
@@ -215,18 +225,21 @@ def checked_placeholders(batch, tokens: MediaTokens) -> tuple[tuple[str, int], .
     return tuple(checked)
 
 
-def _queue_orphan_check(input_ids, keep, kind: str, field: str, token_id: int, checks) -> None:
+def _queue_orphan_check(input_ids, keep, kind: str, field: str, token_id: int, checks,
+                        row_name: Callable[[int], str]) -> None:
     """Queue the exact count of `token_id` among the real tokens ([B, S] `keep()`); nonzero raises."""
     def refuse():
         per_row = ((input_ids == token_id) & keep()).sum(dim=1).tolist()  # the error path: a read is fine
         rows = [row for row, count in enumerate(per_row) if count]
-        raise ValueError(f"input_ids hold {sum(per_row)} {kind} placeholder tokens (id {token_id}) in rows {rows} "
+        where = f"rows {rows}" if row_name is row_label else ", ".join(row_name(row) for row in rows)
+        raise ValueError(f"input_ids hold {sum(per_row)} {kind} placeholder tokens (id {token_id}) in {where} "
                          f"but the batch has no {field}")
 
     checks.add(((input_ids == token_id) & keep()).sum(), lambda values: values[0] != 0, refuse)
 
 
-def queue_media_reads(batch: dict, input_ids: torch.Tensor, keep, tokens: MediaTokens, checks) -> dict:
+def queue_media_reads(batch: dict, input_ids: torch.Tensor, keep, tokens: MediaTokens, checks,
+                      row_name: Callable[[int], str] = row_label) -> dict:
     """Queue on `checks` (a `rows.DeferredChecks`) the device values the media need, so that they ride
     the rows' one host read: placeholder tokens per row of each kind present whose id is known
     (`keep()`: the [B, S] keep-mask), the exact count of a known placeholder among the real tokens
@@ -244,7 +257,7 @@ def queue_media_reads(batch: dict, input_ids: torch.Tensor, keep, tokens: MediaT
         if _given(batch.get(key)):
             entries[kind] = checks.add(((input_ids == token_id) & keep()).sum(dim=1), _never, None)
         else:
-            _queue_orphan_check(input_ids, keep, kind, key, token_id, checks)
+            _queue_orphan_check(input_ids, keep, kind, key, token_id, checks, row_name)
     for name in ("image_grid_thw", "video_grid_thw"):
         grid = batch.get(name)
         if isinstance(grid, torch.Tensor) and grid.dim() == 2 and grid.numel() and not grid.is_floating_point():
@@ -333,7 +346,7 @@ def _image_counts(pixels, grid, grid_rows, host: MediaHost, tokens: MediaTokens)
         if grid is not None:
             raise ValueError(f"pixel_values is [I, C, H, W] = {tuple(pixels.shape)} (whole images) but "
                              f"image_grid_thw is given: grids go with [P, C] patches")
-        return items_per_row(rows, [1] * pixels.shape[0], kind="image", field="pixel_values")
+        return items_per_row(rows, [1] * pixels.shape[0], kind="image", field="pixel_values", row_name=host.row_name)
     if grid is None:
         raise ValueError(f"pixel_values is [P, C] = {tuple(pixels.shape)} patches but the batch has no "
                          f"image_grid_thw to say which patches form which image")
@@ -341,7 +354,7 @@ def _image_counts(pixels, grid, grid_rows, host: MediaHost, tokens: MediaTokens)
     if patches != pixels.shape[0]:
         raise ValueError(f"image_grid_thw covers {patches} patches but pixel_values has {pixels.shape[0]}")
     return items_per_row(rows, grid_tokens(grid_rows, tokens.spatial_merge_size, "image_grid_thw"),
-                         kind="image", field="image_grid_thw")
+                         kind="image", field="image_grid_thw", row_name=host.row_name)
 
 
 def _video_counts(videos, grid, grid_rows, seconds, host: MediaHost, tokens: MediaTokens) -> tuple[int, ...]:
@@ -359,7 +372,7 @@ def _video_counts(videos, grid, grid_rows, seconds, host: MediaHost, tokens: Med
         if not all(math.isfinite(x) and x >= 0 for x in values):
             raise ValueError(f"second_per_grid_ts must be finite and >= 0, got {values}")
     return items_per_row(rows, grid_tokens(grid_rows, tokens.spatial_merge_size, "video_grid_thw"),
-                         kind="video", field="video_grid_thw")
+                         kind="video", field="video_grid_thw", row_name=host.row_name)
 
 
 def audio_inputs(batch: dict, host: MediaHost, tokens: MediaTokens) -> AudioInputs | None:
@@ -387,6 +400,6 @@ def audio_inputs(batch: dict, host: MediaHost, tokens: MediaTokens) -> AudioInpu
         raise ValueError(f"feature_attention_mask gives clip {frames.index(min(frames))} no real frames")
     clip_tokens = [audio_output_length(n, tokens.audio_n_window) for n in frames]  # host ints
     rows = _row_counts(host, tokens.audio_token_id, "audio", "input_features", tokens.require_counts)
-    per_row = items_per_row(rows, clip_tokens, kind="audio", field="feature_attention_mask")
+    per_row = items_per_row(rows, clip_tokens, kind="audio", field="feature_attention_mask", row_name=host.row_name)
     return AudioInputs(input_features=features, feature_attention_mask=mask, audio_lengths=tuple(frames),
                        audios_per_sample=per_row)

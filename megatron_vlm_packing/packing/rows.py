@@ -24,7 +24,7 @@ from megatron_vlm_packing.packing.checks import (  # noqa: F401 (re-exported: ca
 from megatron_vlm_packing.packing.documents import DOCUMENT_KEY, split_documents
 from megatron_vlm_packing.packing.lengths import DeferredKeep, keep_mask_deferred, real_lengths
 from megatron_vlm_packing.packing.media import (
-    AUDIO_KEYS, VISION_KEYS, MediaHost, MediaTokens, audio_inputs, queue_media_reads, vision_inputs,
+    AUDIO_KEYS, VISION_KEYS, MediaHost, MediaTokens, audio_inputs, queue_media_reads, row_label, vision_inputs,
 )
 from megatron_vlm_packing.packing.micro_batch import AudioInputs, VisionInputs
 from megatron_vlm_packing.packing.positions import (  # noqa: F401 (re-exported: callers import them from rows)
@@ -296,10 +296,10 @@ def read_rows(batch, *, label_style: str, mrope, media: MediaTokens, extra_keys=
         row_tensor(batch, key, source_shape)
     _extras(batch, extra_keys, source_shape)
     batch = normalize_positions(batch, source_shape, position_layout)
-    document_rows, where = None, token_place
+    document_rows, where, row_name = None, token_place, row_label
     if batch.get(DOCUMENT_KEY) is not None:
         batch, places = split_documents(batch, name, extra_keys)
-        document_rows, where = list(places.rows), places.where
+        document_rows, where, row_name = list(places.rows), places.where, places.row_name
         input_ids = batch[name].long()
     shape = tuple(input_ids.shape)
     queued = queue_row_reads(batch, input_ids, name, label_style, vocab_size, on_host=on_host, where=where)
@@ -311,11 +311,11 @@ def read_rows(batch, *, label_style: str, mrope, media: MediaTokens, extra_keys=
     else:
         unchecked_positions = None
         queue_position_checks(batch, lambda: deferred.keep, mrope, checks, where)
-    media_entries = queue_media_reads(batch, input_ids, lambda: deferred.keep, media, checks)
+    media_entries = queue_media_reads(batch, input_ids, lambda: deferred.keep, media, checks, row_name)
     rope = queue_rope_positions(batch, input_ids, lambda: deferred.keep, mrope, checks)
     host = checks.read()  # the one host sync
     lengths = queued.lengths(host)
-    media_host = MediaHost({name: host[entry] for name, entry in media_entries.items()})
+    media_host = MediaHost({name: host[entry] for name, entry in media_entries.items()}, row_name)
     vision = vision_inputs(batch, media_host, media, grids_for_rope=mrope is not None)
     audio = audio_inputs(batch, media_host, media)
     positions = batch_positions(batch, input_ids, deferred, mrope, audio, rope, host)

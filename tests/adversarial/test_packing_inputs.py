@@ -211,6 +211,14 @@ ERRORS = [
         with_(hf_batch(((1, 2, 3), (4, 5))), loss_mask=torch.tensor([[1.0, 1.0, float("nan"), 0.0], [1, 1, 0, 0]]),
               document_lengths=[[2, 1], [2]]), label_style="hf"),
      r"loss_mask row 0 position 2 \(document 1 of row 0, its position 0\) is nan"),
+    ("document_image_placeholder_moved_named_in_its_source_row", lambda: pack_batch(
+        with_(image_batch(((1, 2, IMG, IMG, IMG, 3), (IMG, 4)), [[1, 2, 4], [1, 2, 4]]), document_lengths=[[2, 4], [2]]),
+        label_style="hf", image_token_id=IMG),
+     r"row 0 document 1 has 3 image placeholder tokens, but the images of image_grid_thw in order give it 4"),
+    ("document_orphan_placeholder_named_in_its_source_row", lambda: pack_batch(
+        with_(hf_batch(((1, 2, 3, IMG), (4, 5))), document_lengths=[[2, 2], [2]]), label_style="hf",
+        image_token_id=IMG),
+     r"input_ids hold 1 image placeholder tokens \(id 9\) in row 0 document 1 but the batch has no pixel_values"),
     ("fractional_position_shown_as_given", lambda: pack_batch(
         with_(hf_batch(), position_ids=torch.tensor([[0.0, 1.5, 2.0, 3.0], [0.0, 1.0, 2.0, 3.0]])), label_style="hf"),
      r"position_ids row 0 position 1 is 1.5, expected 1;"),
