@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import copy
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 

@@ -16,7 +16,6 @@ Shape legend: T = packed physical tokens, Tl = T / cp.
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist

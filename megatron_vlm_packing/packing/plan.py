@@ -291,6 +291,13 @@ class PackIndices:
                                                          device=self.device)
         return cache[key]
 
+    # Host arrays rebuilt from the plan on demand: a DataLoader worker's pickle would copy them by value
+    # next to the tensors sharing their memory, and a copy moved to a device has no use for them.
+    _HOST_CACHES = frozenset({"offset_in_segment_host"})
+
+    def __getstate__(self) -> dict:
+        return {name: value for name, value in self.__dict__.items() if name not in self._HOST_CACHES}
+
     def map_tensors(self, fn, memo: dict | None = None) -> "PackIndices":
         """A copy with `fn` applied to every tensor built so far (e.g. to move them to a device).
 
@@ -299,7 +306,7 @@ class PackIndices:
         """
         once = apply_once(fn, memo)
         copy = object.__new__(PackIndices)
-        for name, value in self.__dict__.items():
+        for name, value in self.__getstate__().items():
             copy.__dict__[name] = {k: once(v) for k, v in value.items()} if name == "_cp_indices" else once(value)
         copy.device = copy.cu_seqlens.device
         return copy

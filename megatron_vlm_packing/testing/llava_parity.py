@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
-from functools import partial
 
 import torch
 import torch.distributed as dist

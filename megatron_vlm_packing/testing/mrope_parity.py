@@ -94,8 +94,6 @@ def run_mrope_parity(rank: int, world_size: int, cp_sizes: list[int], seed: int 
         alone = alone_losses(reference, batch)
     results = []
     for cp in cp_sizes:
-        from megatron.core import parallel_state as ps
-
         initialize_parallel(cp=cp, seed=seed)
         row = dict(cp=cp, image_tokens=int((batch["input_ids"] == ROPE.image_token_id).sum()))
         for ours in (True, False):

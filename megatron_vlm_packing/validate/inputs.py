@@ -10,7 +10,7 @@ Shape legend: T = physical packed slots, N = documents, B = source rows, S = sou
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
 

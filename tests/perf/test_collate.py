@@ -43,6 +43,25 @@ def test_moving_keeps_the_boundaries_shared_and_the_type():
     assert torch.equal(moved.indices.cp_index(2, 1), packed.indices.cp_index(2, 1))
 
 
+def test_host_arrays_of_the_indices_stay_in_the_worker():
+    """numpy caches of `PackIndices` (rebuilt from the plan) are not pickled by value next to the tensors
+    that share their memory, nor carried to a device; a copy rebuilds them equal."""
+    import pickle
+
+    import numpy as np
+
+    samples = collate(synthetic_samples(4, seed=5, cfg=DATA))
+    text_only = {k: samples[k] for k in ("input_ids", "labels", "attention_mask")}
+    packed = PackingCollator()(text_only)  # 1D positions: viewed from the host offsets
+    assert any(isinstance(v, np.ndarray) for v in packed.indices.__dict__.values())
+    state = packed.indices.__getstate__()
+    assert not any(isinstance(v, np.ndarray) for v in state.values())
+    copy = pickle.loads(pickle.dumps(packed.indices))
+    assert np.array_equal(copy.offset_in_segment_host, packed.indices.offset_in_segment_host)
+    moved = micro_batch_to(packed, torch.device("cpu"))
+    assert not any(isinstance(v, np.ndarray) for v in moved.indices.__dict__.values())
+
+
 def test_a_micro_batch_packed_for_another_layout_is_refused():
     packed = PackingCollator(cp_size=2, pack_options=dict(image_token_id=DATA.image_token_id))(
         collate(synthetic_samples(3, seed=4, cfg=DATA)))

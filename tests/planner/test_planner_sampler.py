@@ -1,6 +1,5 @@
 """The batch sampler in a real DataLoader, resume mid-epoch, and the Energon hooks on plain objects."""
 
-import numpy as np
 import pytest
 import torch
 
