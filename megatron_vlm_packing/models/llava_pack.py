@@ -16,6 +16,7 @@ import dataclasses
 from typing import Callable
 
 import torch
+from torch.utils.data import get_worker_info
 
 from megatron_vlm_packing.models.llava import LlavaPackPlan, LlavaSpace, image_expansion, llava_pack_plan
 from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch, VisionInputs
@@ -246,7 +247,7 @@ class LlavaPackingCollator:
 
     def __call__(self, samples):
         from megatron_vlm_packing.models.llava import aligned_space
-        from megatron_vlm_packing.packing.collate import LoaderMicroBatch, prepare_indices
+        from megatron_vlm_packing.packing.collate import LoaderMicroBatch, in_one_storage, prepare_indices
 
         batch = self.collate(samples) if self.collate is not None else samples
         if not isinstance(batch, dict):
@@ -256,4 +257,5 @@ class LlavaPackingCollator:
         packed = pack_llava_batch(on_host, aligned_space(self.space, fp8=self.fp8), label_style=self.label_style,
                                   pad_to=self.pad_to, pad_token_id=self.pad_token_id)
         prepare_indices(packed.indices, 1)  # LLaVA selects its CP tokens itself, in expanded space
+        packed = in_one_storage(packed, shared=get_worker_info() is not None)
         return LoaderMicroBatch(**{f.name: getattr(packed, f.name) for f in dataclasses.fields(MicroBatch)})

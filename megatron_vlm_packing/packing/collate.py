@@ -23,7 +23,9 @@ import dataclasses
 from typing import Callable
 
 import torch
+from torch.utils.data import get_worker_info
 
+from megatron_vlm_packing.packing.arena import buffer_of, byte_offset, into_one_storage, view_at
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
 from megatron_vlm_packing.packing.plan import PackIndices, PackMultiples, apply_once
 
@@ -81,6 +83,7 @@ class PackingCollator:
                             label_style=self.label_style, mrope=self.mrope, pad_token_id=self.pad_token_id,
                             extra_keys=self.extra_keys, **{"host_reads": True, **self.pack_options})
         prepare_indices(packed.indices, self.cp_size)
+        packed = in_one_storage(packed, shared=get_worker_info() is not None)
         return LoaderMicroBatch(**{f.name: getattr(packed, f.name) for f in dataclasses.fields(MicroBatch)})
 
 
@@ -92,9 +95,35 @@ def prepare_indices(indices: PackIndices, cp_size: int) -> None:
             indices.cp_index(cp_size, rank)
 
 
+def tensors_of(micro_batch: MicroBatch) -> list[torch.Tensor]:
+    """Every tensor `micro_batch` holds, each once (fields, boundaries, media, extras, cached indices)."""
+    found: dict[int, torch.Tensor] = {}
+    _map_each(micro_batch, lambda t: found.setdefault(id(t), t))
+    return list(found.values())
+
+
+def in_one_storage(micro_batch: MicroBatch, *, shared: bool = False) -> MicroBatch:
+    """`micro_batch` with every tensor copied into one buffer (`arena.into_one_storage`: one storage
+    to send from a worker, pin and move; `shared` allocates it in shared memory)."""
+    copies = into_one_storage(tensors_of(micro_batch), shared=shared)
+    return _map_each(micro_batch, lambda t: copies[id(t)])
+
+
 def map_tensors(micro_batch: MicroBatch, fn: Callable[[torch.Tensor], torch.Tensor]) -> MicroBatch:
-    """A copy of `micro_batch` with `fn` applied to every tensor it holds, once per tensor object
-    (the boundaries shared by `packed_seq_params`, `rope_cu_seqlens` and `indices` stay shared)."""
+    """A copy of `micro_batch` with `fn` (a move: pin, copy to a device; same shape and dtype) applied
+    to every tensor it holds, once per tensor object (the boundaries shared by `packed_seq_params`,
+    `rope_cu_seqlens` and `indices` stay shared). A micro-batch whose tensors are views of one buffer
+    (`in_one_storage`) has `fn` applied to the buffer, once, and its views rebuilt there."""
+    tensors = tensors_of(micro_batch)
+    buffer = buffer_of(tensors)
+    if buffer is not None:
+        moved = fn(buffer)
+        return _map_each(micro_batch, lambda t: view_at(moved, byte_offset(t), t))
+    return _map_each(micro_batch, fn)
+
+
+def _map_each(micro_batch: MicroBatch, fn: Callable[[torch.Tensor], torch.Tensor]) -> MicroBatch:
+    """`map_tensors` tensor by tensor."""
     memo: dict[int, torch.Tensor] = {}
     once = apply_once(fn, memo)
 

@@ -52,7 +52,7 @@ def test_host_arrays_of_the_indices_stay_in_the_worker():
 
     samples = collate(synthetic_samples(4, seed=5, cfg=DATA))
     text_only = {k: samples[k] for k in ("input_ids", "labels", "attention_mask")}
-    packed = PackingCollator()(text_only)  # 1D positions: viewed from the host offsets
+    packed = pack_batch(text_only, label_style="hf", host_reads=True)  # 1D positions: viewed from the host offsets
     assert any(isinstance(v, np.ndarray) for v in packed.indices.__dict__.values())
     state = packed.indices.__getstate__()
     assert not any(isinstance(v, np.ndarray) for v in state.values())
@@ -60,6 +60,33 @@ def test_host_arrays_of_the_indices_stay_in_the_worker():
     assert np.array_equal(copy.offset_in_segment_host, packed.indices.offset_in_segment_host)
     moved = micro_batch_to(packed, torch.device("cpu"))
     assert not any(isinstance(v, np.ndarray) for v in moved.indices.__dict__.values())
+
+
+@pytest.mark.parametrize("cp_size", [1, 2])
+def test_a_loader_micro_batch_is_one_storage_moved_once(cp_size):
+    """A worker sends one storage, not one per tensor (each costs a shared-memory file); pinning and the
+    move to the device copy that one buffer once, and every tensor keeps its values."""
+    from megatron_vlm_packing.packing.arena import buffer_of
+    from megatron_vlm_packing.packing.collate import map_tensors, tensors_of
+
+    batch = collate(synthetic_samples(4, seed=6, cfg=DATA))
+    packed = PackingCollator(cp_size=cp_size, mrope=ROPE)(batch)
+    expected = pack_batch(batch, cp_size=cp_size, label_style="hf", mrope=ROPE)
+    tensors = tensors_of(packed)
+    assert len(tensors) > 8 and buffer_of(tensors) is not None
+    for name in ("input_ids", "labels", "loss_mask", "position_ids", "padding_mask"):
+        assert torch.equal(getattr(packed, name), getattr(expected, name)) and \
+            getattr(packed, name).dtype == getattr(expected, name).dtype, name
+    assert torch.equal(packed.vision.pixel_values, expected.vision.pixel_values)
+    moves = []
+    moved = map_tensors(packed, lambda t: moves.append(t) or t.clone())
+    assert len(moves) == 1 and moves[0].dtype == torch.uint8  # the buffer, once
+    assert buffer_of(tensors_of(moved)) is not None
+    for name in ("input_ids", "labels", "position_ids", "padding_mask"):
+        assert torch.equal(getattr(moved, name), getattr(packed, name)), name
+    assert moved.packed_seq_params.cu_seqlens_q is moved.indices.cu_seqlens
+    if cp_size > 1:
+        assert torch.equal(moved.indices.cp_index(2, 1), expected.indices.cp_index(2, 1))
 
 
 def test_a_micro_batch_packed_for_another_layout_is_refused():
