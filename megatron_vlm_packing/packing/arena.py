@@ -41,15 +41,22 @@ def into_one_storage(tensors: list[torch.Tensor], *, shared: bool = False) -> di
                              f"(requires_grad={tensor.requires_grad})")
         offsets.append(total)
         total += -(-_nbytes(tensor) // ALIGN) * ALIGN
-    buffer = torch.empty(total, dtype=torch.uint8)
-    if shared:
-        buffer.share_memory_()
+    buffer = _shared_bytes(total) if shared else torch.empty(total, dtype=torch.uint8)
     copies = {}
     for tensor, offset in zip(tensors, offsets):
         copy = view_at(buffer, offset, tensor)
         copy.copy_(tensor)
         copies[id(tensor)] = copy
     return copies
+
+
+def _shared_bytes(size: int) -> torch.Tensor:
+    """[size] uint8 allocated in shared memory at once (`share_memory_()` on a new tensor would fault in
+    and copy a private buffer first: two extra passes over the micro-batch's bytes)."""
+    new_shared = getattr(torch.UntypedStorage, "_new_shared", None)
+    if new_shared is None:  # a torch without it: the slower way
+        return torch.empty(size, dtype=torch.uint8).share_memory_()
+    return torch.empty(0, dtype=torch.uint8).set_(new_shared(size))
 
 
 def view_at(buffer: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
