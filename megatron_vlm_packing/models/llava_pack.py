@@ -16,7 +16,6 @@ import dataclasses
 from typing import Callable
 
 import torch
-from torch.utils.data import get_worker_info
 
 from megatron_vlm_packing.models.llava import LlavaPackPlan, LlavaSpace, image_expansion, llava_pack_plan
 from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch, VisionInputs
@@ -257,5 +256,5 @@ class LlavaPackingCollator:
         packed = pack_llava_batch(on_host, aligned_space(self.space, fp8=self.fp8), label_style=self.label_style,
                                   pad_to=self.pad_to, pad_token_id=self.pad_token_id)
         prepare_indices(packed.indices, 1)  # LLaVA selects its CP tokens itself, in expanded space
-        packed = in_one_storage(packed, shared=get_worker_info() is not None)
+        packed = in_one_storage(packed)
         return LoaderMicroBatch(**{f.name: getattr(packed, f.name) for f in dataclasses.fields(MicroBatch)})

@@ -4,7 +4,8 @@
 the worker, reads the real lengths, plans, packs tokens / labels / loss weights / positions (mRoPE
 per sample included), builds the padding mask, `PackedSeqParams` and every CP rank's partition
 index, and returns one typed `MicroBatch` (a `LoaderMicroBatch`, which DataLoader's
-`pin_memory=True` pins). `pack_batch(host_reads=True)` reads the lengths first and checks ids, labels and loss weights over the
+`pin_memory=True` pins) whose tensors are views of one buffer (`packing.arena`): the worker sends
+one storage, not one per tensor, and pinning and the move to the device copy it once. `pack_batch(host_reads=True)` reads the lengths first and checks ids, labels and loss weights over the
 packed tokens (a read costs no sync on the host). `make_forward_step` takes such a micro-batch from the iterator as it is:
 `to_device` moves its tensors with `non_blocking=True`, and nothing on the step's path reads a
 value back to the host (checked by `testing.sync_counter`: 0 syncs for a packed forward + backward).
@@ -23,7 +24,6 @@ import dataclasses
 from typing import Callable
 
 import torch
-from torch.utils.data import get_worker_info
 
 from megatron_vlm_packing.packing.arena import buffer_of, byte_offset, into_one_storage, view_at
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
@@ -83,7 +83,7 @@ class PackingCollator:
                             label_style=self.label_style, mrope=self.mrope, pad_token_id=self.pad_token_id,
                             extra_keys=self.extra_keys, **{"host_reads": True, **self.pack_options})
         prepare_indices(packed.indices, self.cp_size)
-        packed = in_one_storage(packed, shared=get_worker_info() is not None)
+        packed = in_one_storage(packed)
         return LoaderMicroBatch(**{f.name: getattr(packed, f.name) for f in dataclasses.fields(MicroBatch)})
 
 
@@ -102,10 +102,10 @@ def tensors_of(micro_batch: MicroBatch) -> list[torch.Tensor]:
     return list(found.values())
 
 
-def in_one_storage(micro_batch: MicroBatch, *, shared: bool = False) -> MicroBatch:
+def in_one_storage(micro_batch: MicroBatch) -> MicroBatch:
     """`micro_batch` with every tensor copied into one buffer (`arena.into_one_storage`: one storage
-    to send from a worker, pin and move; `shared` allocates it in shared memory)."""
-    copies = into_one_storage(tensors_of(micro_batch), shared=shared)
+    to send from a worker, pin and move)."""
+    copies = into_one_storage(tensors_of(micro_batch))
     return _map_each(micro_batch, lambda t: copies[id(t)])
 
 

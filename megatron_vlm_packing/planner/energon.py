@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
-from torch.utils.data import get_worker_info
 
 from megatron_vlm_packing.packing.batch import pack_batch, tensor_off_host
 from megatron_vlm_packing.packing.collate import in_one_storage
@@ -87,7 +86,7 @@ class EnergonPackingHooks:
         on_host = tensor_off_host(batch) is None  # a loader worker's batch
         packed = pack_batch(batch, pad_to=pad_to, **{"host_reads": on_host, **self.pack_kwargs})
         # One storage to send from the worker and move to the device (`packing.arena`).
-        return in_one_storage(packed, shared=get_worker_info() is not None) if on_host else packed
+        return in_one_storage(packed) if on_host else packed
 
     def _aligned_total(self, samples: list) -> int:
         """Physical tokens of a bin (an oversize sample's own bin is longer than the capacity)."""

@@ -101,3 +101,26 @@ def test_a_micro_batch_packed_for_another_layout_is_refused():
 def test_the_collator_needs_a_batch_dict():
     with pytest.raises(ValueError, match="give collate="):
         PackingCollator()(synthetic_samples(2, seed=1, cfg=DATA))
+
+
+def test_one_storage_keeps_every_dtype_shape_and_value_at_aligned_offsets():
+    from megatron_vlm_packing.packing.arena import ALIGN, buffer_of, byte_offset, into_one_storage
+
+    tensors = [torch.tensor([True, False, True]), torch.arange(5, dtype=torch.int64).view(1, 5),
+               torch.randn(3, 2, dtype=torch.bfloat16), torch.tensor(7, dtype=torch.int32),
+               torch.empty(0, 4), torch.randn(2, 3).t()]  # the last one is not contiguous
+    copies = into_one_storage(tensors)
+    copied = [copies[id(t)] for t in tensors]
+    assert buffer_of(copied) is not None
+    for original, copy in zip(tensors, copied):
+        assert copy.dtype == original.dtype and copy.shape == original.shape and torch.equal(copy, original)
+        assert copy.is_contiguous() and byte_offset(copy) % ALIGN == 0
+    tensors[1][0, 0] = 99
+    assert copies[id(tensors[1])][0, 0] == 0  # copies, not views of the inputs
+
+
+def test_one_storage_refuses_autograd_tensors():
+    from megatron_vlm_packing.packing.arena import into_one_storage
+
+    with pytest.raises(ValueError, match="requires_grad=True"):
+        into_one_storage([torch.zeros(2, requires_grad=True)])
