@@ -57,7 +57,10 @@ def into_one_storage(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
 
 def view_at(buffer: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
     """The contiguous tensor of `like`'s shape and dtype at byte `offset` of the uint8 `buffer`."""
-    return buffer[offset:offset + _nbytes(like)].view(like.dtype).view(like.shape)
+    # One call, not a slice and two views: a third of the cost, paid per tensor on both sides of a worker.
+    start = buffer.storage_offset() + offset
+    return torch.empty(0, dtype=like.dtype, device=buffer.device).set_(
+        buffer.untyped_storage(), start // like.element_size(), like.shape)
 
 
 def buffer_of(tensors: list[torch.Tensor]) -> torch.Tensor | None:

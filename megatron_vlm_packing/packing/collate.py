@@ -26,8 +26,8 @@ from typing import Callable
 import torch
 
 from megatron_vlm_packing.packing.arena import buffer_of, byte_offset, into_one_storage, view_at
-from megatron_vlm_packing.packing.micro_batch import MicroBatch
-from megatron_vlm_packing.packing.plan import PackIndices, PackMultiples, apply_once
+from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch
+from megatron_vlm_packing.packing.plan import PackIndices, PackMultiples, PackPlan, apply_once
 
 
 class LoaderMicroBatch(MicroBatch):
@@ -83,8 +83,7 @@ class PackingCollator:
                             label_style=self.label_style, mrope=self.mrope, pad_token_id=self.pad_token_id,
                             extra_keys=self.extra_keys, **{"host_reads": True, **self.pack_options})
         prepare_indices(packed.indices, self.cp_size)
-        packed = in_one_storage(packed)
-        return LoaderMicroBatch(**{f.name: getattr(packed, f.name) for f in dataclasses.fields(MicroBatch)})
+        return in_one_storage(LoaderMicroBatch(**{f.name: getattr(packed, f.name) for f in dataclasses.fields(MicroBatch)}))
 
 
 def prepare_indices(indices: PackIndices, cp_size: int) -> None:
@@ -95,10 +94,29 @@ def prepare_indices(indices: PackIndices, cp_size: int) -> None:
             indices.cp_index(cp_size, rank)
 
 
+# Values that hold no tensor (the micro-batch's flags, sizes and names).
+_LEAVES = frozenset({type(None), bool, int, float, str, tuple, frozenset, torch.device, torch.dtype})
+
+
 def tensors_of(micro_batch: MicroBatch) -> list[torch.Tensor]:
     """Every tensor `micro_batch` holds, each once (fields, boundaries, media, extras, cached indices)."""
     found: dict[int, torch.Tensor] = {}
-    _map_each(micro_batch, lambda t: found.setdefault(id(t), t))
+
+    def walk(value) -> None:
+        if type(value) in _LEAVES:
+            return
+        if isinstance(value, torch.Tensor):
+            found.setdefault(id(value), value)
+        elif isinstance(value, dict):
+            for item in value.values():
+                walk(item)
+        elif isinstance(value, PackIndices):
+            walk(value.__getstate__())
+        elif dataclasses.is_dataclass(value) and not isinstance(value, (PackPlan, BatchStats)):  # no tensors
+            for name in value.__dataclass_fields__:
+                walk(getattr(value, name))
+
+    walk(micro_batch)  # reads, rebuilds nothing: a third of `_map_each`'s cost
     return list(found.values())
 
 

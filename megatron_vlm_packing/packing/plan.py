@@ -381,9 +381,11 @@ def apply_once(fn, memo: dict | None = None):
     def once(value):
         if not isinstance(value, torch.Tensor):
             return value
-        if id(value) not in memo:
-            memo[id(value)] = fn(value)
-        return memo[id(value)]
+        key = id(value)
+        result = memo.get(key)
+        if result is None:
+            result = memo[key] = fn(value)
+        return result
 
     return once
 

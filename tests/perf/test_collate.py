@@ -124,3 +124,20 @@ def test_one_storage_refuses_autograd_tensors():
 
     with pytest.raises(ValueError, match="requires_grad=True"):
         into_one_storage([torch.zeros(2, requires_grad=True)])
+
+
+def test_tensors_of_finds_every_tensor_a_move_touches():
+    """`tensors_of` walks the micro-batch without rebuilding it; what it finds must be exactly what
+    `map_tensors` moves tensor by tensor (media, extras, boundaries and every CP index included), or an
+    arena micro-batch would keep a tensor outside its one storage."""
+    from megatron_vlm_packing.packing.collate import _map_each, tensors_of
+
+    batch = collate(synthetic_samples(4, seed=3, cfg=DATA))
+    batch["token_type"] = torch.ones_like(batch["input_ids"])
+    packed = pack_batch(batch, cp_size=2, label_style="hf", mrope=ROPE, extra_keys=("token_type",))
+    packed.indices.cp_index(2, 0), packed.indices.cp_index(2, 1)
+    packed.indices.is_real  # noqa: B018 (cached)
+    moved: dict[int, torch.Tensor] = {}
+    _map_each(packed, lambda t: moved.setdefault(id(t), t))
+    found = tensors_of(packed)
+    assert {id(t) for t in found} == set(moved) and len(found) == len(moved) > 10
