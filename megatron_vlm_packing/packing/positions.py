@@ -154,9 +154,10 @@ def queue_position_checks(batch: Mapping, keep: Callable[[], torch.Tensor], mrop
 
 
 def queue_rope_positions(batch: Mapping, input_ids: torch.Tensor, keep: Callable[[], torch.Tensor], mrope,
-                         checks: DeferredChecks):
+                         checks: DeferredChecks, where: Callable[[int, int], str] = token_place):
     """With an `MRopeConfig` (not a callable), queue the index's reads on `checks`
-    (`rope.index.queue_rope_index`), so the positions need no read of their own; else None.
+    (`rope.index.queue_rope_index`), so the positions need no read of their own; else None. `where`
+    names a token in the index's errors (a document of a pre-packed row: `DocumentPlaces.where`).
     Inputs whose types the index refuses queue nothing: `rope_positions` raises their error after
     the read, where it always has."""
     if mrope is None:
@@ -176,7 +177,7 @@ def queue_rope_positions(batch: Mapping, input_ids: torch.Tensor, keep: Callable
         check_rope_types(input_ids, mrope, kwargs.get("image_grid_thw"), kwargs.get("video_grid_thw"), keep())
     except ValueError:
         return None
-    return queue_rope_index(input_ids, mrope, checks, attention_mask=keep(), **kwargs)
+    return queue_rope_index(input_ids, mrope, checks, attention_mask=keep(), where=where, **kwargs)
 
 
 def batch_positions(batch: Mapping, input_ids: torch.Tensor, mask: DeferredKeep, mrope, audio,

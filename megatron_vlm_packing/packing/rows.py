@@ -312,7 +312,7 @@ def read_rows(batch, *, label_style: str, mrope, media: MediaTokens, extra_keys=
         unchecked_positions = None
         queue_position_checks(batch, lambda: deferred.keep, mrope, checks, where)
     media_entries = queue_media_reads(batch, input_ids, lambda: deferred.keep, media, checks, row_name)
-    rope = queue_rope_positions(batch, input_ids, lambda: deferred.keep, mrope, checks)
+    rope = queue_rope_positions(batch, input_ids, lambda: deferred.keep, mrope, checks, where)
     host = checks.read()  # the one host sync
     lengths = queued.lengths(host)
     media_host = MediaHost({name: host[entry] for name, entry in media_entries.items()}, row_name)

@@ -18,7 +18,7 @@ K = runs (text runs and vision blocks) over the whole batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -203,6 +203,8 @@ class QueuedRopeIndex:
         grid: [K, 3] grid of each run; expected: [K] tokens each run's grid needs.
         entry: the index of the queued values on the caller's checks: grid entries bad (image,
             video), seconds bad, image blocks, video blocks, video grid rows, a block of wrong size.
+        where: (row, position) -> how an error names that token (None: `packing.checks.token_place`;
+            a pre-packed batch names the document of the row as given).
     """
 
     config: MRopeConfig
@@ -215,6 +217,7 @@ class QueuedRopeIndex:
     grid: torch.Tensor
     expected: torch.Tensor
     entry: int
+    where: Callable[[int, int], str] | None = None
 
 
 def _any_bad_grid(grid, merge: int, device) -> torch.Tensor:
@@ -225,17 +228,19 @@ def _any_bad_grid(grid, merge: int, device) -> torch.Tensor:
 
 
 def queue_rope_index(input_ids, config: MRopeConfig, checks, *, image_grid_thw=None, video_grid_thw=None,
-                     attention_mask=None, second_per_grid_ts=None, mm_token_type_ids=None, audio_seqlens=None):
+                     attention_mask=None, second_per_grid_ts=None, mm_token_type_ids=None, audio_seqlens=None,
+                     where: Callable[[int, int], str] | None = None):
     """Queue on `checks` (a `packing.checks.DeferredChecks`, or anything with its `add`) the values the
     index must read: its value checks and the video block count (Qwen3-Omni: `omni.queue_omni_index`).
     Reads nothing and raises nothing for bad values (`finish_rope_index` does, from the read). The
-    caller has run `check_rope_types`. Arguments: those of `get_rope_index`."""
+    caller has run `check_rope_types`. Arguments: those of `get_rope_index`, and `where` (row,
+    position) -> how an error names a token (default "row r position p")."""
     if config.family == "qwen3_omni":
         from megatron_vlm_packing.rope.omni import queue_omni_index
 
         return queue_omni_index(input_ids, config, checks, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
                                 attention_mask=attention_mask, audio_seqlens=audio_seqlens,
-                                second_per_grids=second_per_grid_ts)
+                                second_per_grids=second_per_grid_ts, where=where)
     device = input_ids.device
     batch, seq = input_ids.shape
     merge = config.spatial_merge_size
@@ -257,7 +262,7 @@ def queue_rope_index(input_ids, config: MRopeConfig, checks, *, image_grid_thw=N
               images, videos, video_rows, (expected != run_len).any().long())
     entry = checks.add(values, lambda host: False, None)  # raised in order by finish_rope_index
     return QueuedRopeIndex(config, input_ids, keep, image_grid_thw, video_grid_thw, second_per_grid_ts, runs, grid,
-                           expected, entry)
+                           expected, entry, where)
 
 
 def _raise_failed_checks(queued: QueuedRopeIndex, host: list) -> None:
@@ -271,15 +276,31 @@ def _raise_failed_checks(queued: QueuedRopeIndex, host: list) -> None:
     if seconds_bad:
         check_seconds(queued.second_per_grid_ts)
     image_rows = 0 if queued.image_grid_thw is None else queued.image_grid_thw.shape[0]
-    for name, count, n_grids in (("image", images, image_rows), ("video", videos, video_rows)):
+    for kind, (name, count, n_grids) in enumerate((("image", images, image_rows), ("video", videos, video_rows)), 1):
         if count != n_grids:
-            raise ValueError(f"{count} {name} placeholder blocks in input_ids but {n_grids} rows in {name}_grid_thw")
+            starts = _block_places(queued, torch.nonzero(queued.runs[5] == kind).flatten())
+            shown = ", ".join(starts[:4]) + (f" and {len(starts) - 4} more" if len(starts) > 4 else "")
+            raise ValueError(f"{count} {name} placeholder blocks in input_ids but {n_grids} rows in {name}_grid_thw"
+                             + (f" (blocks at {shown})" if starts else ""))
     if wrong:
-        run_row, run_len = queued.runs[6], queued.runs[4]
+        run_len, run_type = queued.runs[4], queued.runs[5]
         grid, expected = queued.grid, queued.expected
         k = int(torch.nonzero(expected != run_len)[0])
-        raise ValueError(f"vision block {k} (row {int(run_row[k])}) has {int(run_len[k])} placeholder tokens but its "
-                         f"grid {grid[k].tolist()} with merge {merge} needs {int(expected[k])}")
+        name = "image" if int(run_type[k]) == 1 else "video"
+        place = _block_places(queued, k)[0]
+        raise ValueError(f"the {name} block at input_ids {place} has {int(run_len[k])} placeholder "
+                         f"tokens but its grid {grid[k].tolist()} with merge {merge} needs {int(expected[k])}")
+
+
+def _block_places(queued: QueuedRopeIndex, runs) -> list[str]:
+    """Where each of `runs` (run numbers: an int or a [k] tensor) starts, named as the caller's batch
+    has it; one read (error path only)."""
+    flat, run_first = queued.runs[0], queued.runs[3]
+    starts = flat.index_select(0, run_first.index_select(0, torch.as_tensor(runs, device=flat.device).reshape(-1)))
+    where = queued.where
+    if where is None:
+        from megatron_vlm_packing.packing.checks import token_place as where
+    return [where(*divmod(start, queued.input_ids.shape[1])) for start in starts.tolist()]
 
 
 def finish_rope_index(queued, host: list, *, audio_seqlens=None) -> RopeIndex:

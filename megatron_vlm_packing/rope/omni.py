@@ -15,7 +15,9 @@ Shape legend: B = rows, S = row length, L = one block's tokens.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -65,8 +67,10 @@ def _take(values, index: int, name: str):
     return values[index]
 
 
-def _check_block(tokens: list[int], begin: int, length: int, ids: set, *, row: int, what: str) -> None:
-    """tokens[begin:begin+length] are all placeholders of `ids`, and the block ends right there.
+def _check_block(tokens: list[int], begin: int, length: int, ids: set, *, place: Callable[[int], str],
+                 what: str) -> None:
+    """tokens[begin:begin+length] are all placeholders of `ids`, and the block ends right there;
+    `place(i)` names the row's kept token i in an error.
 
     Raises:
         ValueError: the block is shorter or longer than its grid / audio length says (naming both).
@@ -79,7 +83,7 @@ def _check_block(tokens: list[int], begin: int, length: int, ids: set, *, row: i
     while run < len(tokens) and tokens[run] in ids:
         run += 1
     if run - begin != length:
-        raise ValueError(f"row {row}: the {what} block at token {begin} has {run - begin} placeholder tokens but "
+        raise ValueError(f"the {what} block at input_ids {place(begin)} has {run - begin} placeholder tokens but "
                          f"its grid / audio length needs {length}")
 
 
@@ -103,7 +107,8 @@ class QueuedOmniIndex:
     "flags" (grid entries bad: image, video; seconds bad), and with grids "ids" ([N = B*S]: the kept
     ids, row by row, then fills), "lengths" ([B] kept tokens per row), "image_grid_thw" /
     "video_grid_thw" (flat), "seconds" (float64), "audio_seqlens". `slots`: [N] flat slot of each
-    kept token, then N (None without grids)."""
+    kept token, then N (None without grids). `where`: (row, position) -> how an error names a token
+    (None: `packing.checks.token_place`)."""
 
     config: MRopeConfig
     input_ids: torch.Tensor
@@ -111,6 +116,7 @@ class QueuedOmniIndex:
     inputs: dict
     entries: dict
     slots: torch.Tensor | None = None
+    where: Callable[[int, int], str] | None = None
 
 
 def _flat(value, dtype) -> torch.Tensor | None:
@@ -119,7 +125,8 @@ def _flat(value, dtype) -> torch.Tensor | None:
 
 
 def queue_omni_index(input_ids, config: MRopeConfig, checks, *, image_grid_thw=None, video_grid_thw=None,
-                     attention_mask=None, audio_seqlens=None, second_per_grids=None) -> QueuedOmniIndex:
+                     attention_mask=None, audio_seqlens=None, second_per_grids=None,
+                     where: Callable[[int, int], str] | None = None) -> QueuedOmniIndex:
     """Queue on `checks` (a `packing.checks.DeferredChecks`) what the Qwen3-Omni index reads: its value
     checks and, with grids, the kept ids and every grid, seconds and audio length (the block loop runs
     on the host). Reads and raises nothing; `finish_omni_index` does. Types checked by the caller."""
@@ -144,7 +151,7 @@ def queue_omni_index(input_ids, config: MRopeConfig, checks, *, image_grid_thw=N
                     if v is not None}
     inputs = dict(image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw, audio_seqlens=audio_seqlens,
                   second_per_grids=second_per_grids)
-    return QueuedOmniIndex(config, input_ids, keep, inputs, entries, slots)
+    return QueuedOmniIndex(config, input_ids, keep, inputs, entries, slots, where)
 
 
 def _host_inputs(queued: QueuedOmniIndex, host: list, audio_seqlens) -> dict:
@@ -186,7 +193,8 @@ def finish_omni_index(queued: QueuedOmniIndex, host: list, *, audio_seqlens=None
     ids, inputs = host[queued.entries["ids"]], _host_inputs(queued, host, audio_seqlens)
     pieces, deltas, used, first = [], [], [0, 0, 0], 0
     for row, length in enumerate(host[queued.entries["lengths"]]):
-        positions = _row_positions(ids[first:first + length], config, inputs, used, row)
+        positions = _row_positions(ids[first:first + length], config, inputs, used,
+                                   functools.partial(_kept_token_place, queued, row, first))
         pieces.append(positions)
         deltas.append(positions.max() + 1 - length)
         first += length
@@ -200,9 +208,21 @@ def finish_omni_index(queued: QueuedOmniIndex, host: list, *, audio_seqlens=None
     return out[:, :n].reshape(3, *input_ids.shape), torch.stack(deltas).to(device).unsqueeze(1)
 
 
-def _row_positions(tokens: list[int], config: MRopeConfig, inputs: dict, used: list[int], row: int) -> torch.Tensor:
+def _kept_token_place(queued: QueuedOmniIndex, row: int, first: int, token: int) -> str:
+    """Kept token `token` of `row` (the row's kept tokens start at `first` of the read ids), named as
+    the caller's batch has it (error path only)."""
+    position = int(queued.slots[first + token]) % queued.input_ids.shape[1]
+    if queued.where is None:
+        from megatron_vlm_packing.packing.checks import token_place
+
+        return token_place(row, position)
+    return queued.where(row, position)
+
+
+def _row_positions(tokens: list[int], config: MRopeConfig, inputs: dict, used: list[int],
+                   place: Callable[[int], str]) -> torch.Tensor:
     """[3, L] float positions of one row's kept tokens (host ids); `used` counts the images, videos
-    and audio entries taken so far (updated in place)."""
+    and audio entries taken so far (updated in place); `place(i)` names kept token i in errors."""
     merge, pps = config.spatial_merge_size, config.position_id_per_seconds
     # Every block opens with a vision-start or audio-start token.
     opens = _openers(tokens, {config.vision_start_token_id, config.audio_start_token_id})
@@ -221,12 +241,12 @@ def _row_positions(tokens: list[int], config: MRopeConfig, inputs: dict, used: l
         if tokens[at] == config.audio_start_token_id:
             length = audio_output_length(int(_take(inputs["audio_seqlens"], used[2], "audio_seqlens")),
                                          config.audio_n_window)
-            _check_block(tokens, at + wrap, length, {config.audio_token_id}, row=row, what="audio")
+            _check_block(tokens, at + wrap, length, {config.audio_token_id}, place=place, what="audio")
             pieces.append(_text(length, start))
             cursor, used[2] = at + wrap + length + wrap, used[2] + 1
         elif not audio_in_video and tokens[at + 1] == config.image_token_id:
             t, h, w = _take(inputs["image_grid_thw"], used[0], "image_grid_thw")
-            _check_block(tokens, at + wrap, t * h * w // merge ** 2, {config.image_token_id}, row=row, what="image")
+            _check_block(tokens, at + wrap, t * h * w // merge ** 2, {config.image_token_id}, place=place, what="image")
             pieces.append(_vision(start, torch.arange(t) * 1 * pps, h // merge, w // merge))
             cursor, used[0] = at + wrap + t * h * w // merge ** 2 + wrap, used[0] + 1
         else:
@@ -238,12 +258,12 @@ def _row_positions(tokens: list[int], config: MRopeConfig, inputs: dict, used: l
                 length = audio_output_length(int(_take(inputs["audio_seqlens"], used[2], "audio_seqlens")),
                                              config.audio_n_window)
                 _check_block(tokens, at + wrap, length + tokens_in, {config.video_token_id, config.audio_token_id},
-                             row=row, what="video with audio")
+                             place=place, what="video with audio")
                 merged, last_max = _interleave_by_time(video, _text(length, start))
                 pieces += [merged, _text(wrap, last_max + 1)]
                 cursor, used[1], used[2] = at + wrap + length + tokens_in + wrap, used[1] + 1, used[2] + 1
                 continue
-            _check_block(tokens, at + wrap, tokens_in, {config.video_token_id}, row=row, what="video")
+            _check_block(tokens, at + wrap, tokens_in, {config.video_token_id}, place=place, what="video")
             pieces.append(video)
             cursor, used[1] = at + wrap + tokens_in + wrap, used[1] + 1
         pieces.append(_text(wrap, next_start()))

@@ -219,6 +219,24 @@ ERRORS = [
         with_(hf_batch(((1, 2, 3, IMG), (4, 5))), document_lengths=[[2, 2], [2]]), label_style="hf",
         image_token_id=IMG),
      r"input_ids hold 1 image placeholder tokens \(id 9\) in row 0 document 1 but the batch has no pixel_values"),
+    ("document_mrope_block_count_named_in_its_source_row", lambda: pack_batch(
+        with_(image_batch(((1, 2, 3, 5, IMG, IMG, 4, IMG, IMG, 6),), [[1, 4, 4]]), document_lengths=[[3, 7]]),
+        label_style="hf", mrope=MRopeConfig(family="qwen2_vl", image_token_id=IMG, video_token_id=VID)),
+     r"2 image placeholder blocks in input_ids but 1 rows in image_grid_thw \(blocks at row 0 position 4 \(document 1 "
+     r"of row 0, its position 1\), row 0 position 7 \(document 1 of row 0, its position 4\)\)"),
+    ("document_mrope_block_size_named_in_its_source_row", lambda: pack_batch(
+        with_(image_batch(((1, 2, 5, IMG, IMG, IMG, 4, IMG, 6),), [[1, 2, 4], [1, 2, 4]]), document_lengths=[[2, 7]]),
+        label_style="hf", mrope=MRopeConfig(family="qwen2_vl", image_token_id=IMG, video_token_id=VID)),
+     r"the image block at input_ids row 0 position 3 \(document 1 of row 0, its position 1\) has 3 placeholder "
+     r"tokens but its grid \[1, 2, 4\] with merge 2 needs 2"),
+    ("document_omni_block_size_named_in_its_source_row", lambda: pack_batch(
+        with_(image_batch(((1, 2, 5, IMG, IMG, IMG, 3, 5, IMG, IMG, IMG, 3, 4),), [[1, 4, 4], [1, 2, 4]]),
+              document_lengths=[[2, 11]]),
+        label_style="hf", mrope=MRopeConfig(family="qwen3_omni", image_token_id=IMG, video_token_id=VID,
+                                            vision_start_token_id=5, audio_token_id=AUD, audio_start_token_id=6,
+                                            mrope_section=(24, 20, 20), mrope_interleaved=True)),
+     r"the image block at input_ids row 0 position 3 \(document 1 of row 0, its position 1\) has 3 placeholder "
+     r"tokens but its grid / audio length needs 4"),
     ("fractional_position_shown_as_given", lambda: pack_batch(
         with_(hf_batch(), position_ids=torch.tensor([[0.0, 1.5, 2.0, 3.0], [0.0, 1.0, 2.0, 3.0]])), label_style="hf"),
      r"position_ids row 0 position 1 is 1.5, expected 1;"),

@@ -51,11 +51,13 @@ def test_pack_batch_raises_the_index_errors_after_the_rows_errors():
     rope_fewer = {**rope, "video_grid_thw": fewer["video_grid_thw"]}
     for call in (lambda: pack_batch(fewer, label_style="hf", mrope=cfg),
                  lambda: get_rope_index(fewer["input_ids"], cfg, **rope_fewer)):
-        with count_host_syncs() as syncs, pytest.raises(ValueError, match=message):
+        with count_host_syncs() as syncs, pytest.raises(ValueError, match=message + r" in video_grid_thw \(blocks at "
+                                                                                r"row \d+ position \d+, "):
             call()
-        assert syncs.total == 1, syncs.report()
+        assert syncs.total <= 3, syncs.report()  # the one read, then two to name the blocks (error path only)
     wider = {**batch, "video_grid_thw": batch["video_grid_thw"] * torch.tensor([1, 2, 1])}
-    with pytest.raises(ValueError, match=r"vision block \d+ \(row \d+\) has \d+ placeholder tokens but its grid"):
+    with pytest.raises(ValueError, match=r"the video block at input_ids row \d+ position \d+ has \d+ placeholder "
+                                         r"tokens but its grid"):
         pack_batch(wider, label_style="hf", mrope=cfg)
     holes = batch["attention_mask"].clone()
     holes[0, 1] = 0
