@@ -7,7 +7,10 @@ from torch.utils.data import DataLoader
 
 from megatron_vlm_packing.data import SyntheticVLMConfig, collate, synthetic_samples
 from megatron_vlm_packing.packing import MicroBatch, PackMultiples, pack_batch
-from megatron_vlm_packing.packing.collate import LoaderMicroBatch, PackingCollator, check_layout, micro_batch_to
+from megatron_vlm_packing.packing.arena import buffer_of
+from megatron_vlm_packing.packing.collate import (
+    LoaderMicroBatch, PackingCollator, check_layout, micro_batch_to, tensors_of,
+)
 from megatron_vlm_packing.parallel.cp import cp_partition_index
 from megatron_vlm_packing.rope import MRopeConfig
 
@@ -22,6 +25,7 @@ def test_a_worker_packs_what_pack_batch_packs_with_every_cp_index():
     loader = DataLoader(samples, batch_size=4, num_workers=1, collate_fn=collator)
     for i, packed in enumerate(loader):  # built in the worker process, pickled back
         assert isinstance(packed, LoaderMicroBatch) and isinstance(packed, MicroBatch)
+        assert buffer_of(tensors_of(packed)) is not None  # still one storage after the worker sent it
         expected = pack_batch(collate(samples[4 * i:4 * i + 4]), cp_size=2, label_style="hf", mrope=ROPE)
         for name in ("input_ids", "labels", "loss_mask", "position_ids", "padding_mask"):
             assert torch.equal(getattr(packed, name), getattr(expected, name)), name
