@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from megatron_vlm_packing.packing.arena import buffer_of, byte_offset, into_one_storage, view_at
+from megatron_vlm_packing.packing.arena import LARGE_BYTES, arena_of, byte_offset, into_one_storage, nbytes, view_at
 from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch
 from megatron_vlm_packing.packing.plan import PackIndices, PackMultiples, PackPlan, apply_once
 
@@ -121,23 +121,25 @@ def tensors_of(micro_batch: MicroBatch) -> list[torch.Tensor]:
 
 
 def in_one_storage(micro_batch: MicroBatch) -> MicroBatch:
-    """`micro_batch` with every tensor copied into one buffer (`arena.into_one_storage`: one storage
-    to send from a worker, pin and move)."""
-    copies = into_one_storage(tensors_of(micro_batch))
-    return _map_each(micro_batch, lambda t: copies[id(t)])
+    """`micro_batch` with every tensor under `arena.LARGE_BYTES` copied into one buffer
+    (`arena.into_one_storage`: one storage to send from a worker, pin and move); larger ones (a VLM's
+    pixels) are kept as they are."""
+    copies = into_one_storage([t for t in tensors_of(micro_batch) if nbytes(t) < LARGE_BYTES])
+    return _map_each(micro_batch, lambda t: copies.get(id(t), t))
 
 
 def map_tensors(micro_batch: MicroBatch, fn: Callable[[torch.Tensor], torch.Tensor]) -> MicroBatch:
     """A copy of `micro_batch` with `fn` (a move: pin, copy to a device; same shape and dtype) applied
     to every tensor it holds, once per tensor object (the boundaries shared by `packed_seq_params`,
     `rope_cu_seqlens` and `indices` stay shared). A micro-batch whose tensors are views of one buffer
-    (`in_one_storage`) has `fn` applied to the buffer, once, and its views rebuilt there."""
-    tensors = tensors_of(micro_batch)
-    buffer = buffer_of(tensors)
-    if buffer is not None:
-        moved = fn(buffer)
-        return _map_each(micro_batch, lambda t: view_at(moved, byte_offset(t), t))
-    return _map_each(micro_batch, fn)
+    (`in_one_storage`) has `fn` applied to the buffer, once, and its views rebuilt there; tensors
+    outside the buffer are moved one by one."""
+    arena = arena_of(tensors_of(micro_batch))
+    if arena is None:
+        return _map_each(micro_batch, fn)
+    buffer, inside = arena
+    moved = fn(buffer)
+    return _map_each(micro_batch, lambda t: view_at(moved, byte_offset(t), t) if id(t) in inside else fn(t))
 
 
 def _map_each(micro_batch: MicroBatch, fn: Callable[[torch.Tensor], torch.Tensor]) -> MicroBatch:

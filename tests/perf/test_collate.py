@@ -7,7 +7,7 @@ from torch.utils.data import DataLoader
 
 from megatron_vlm_packing.data import SyntheticVLMConfig, collate, synthetic_samples
 from megatron_vlm_packing.packing import MicroBatch, PackMultiples, pack_batch
-from megatron_vlm_packing.packing.arena import buffer_of
+from megatron_vlm_packing.packing.arena import all_in_one_storage
 from megatron_vlm_packing.packing.collate import (
     LoaderMicroBatch, PackingCollator, check_layout, micro_batch_to, tensors_of,
 )
@@ -25,7 +25,7 @@ def test_a_worker_packs_what_pack_batch_packs_with_every_cp_index():
     loader = DataLoader(samples, batch_size=4, num_workers=1, collate_fn=collator)
     for i, packed in enumerate(loader):  # built in the worker process, pickled back
         assert isinstance(packed, LoaderMicroBatch) and isinstance(packed, MicroBatch)
-        assert buffer_of(tensors_of(packed)) is not None  # still one storage after the worker sent it
+        assert all_in_one_storage(tensors_of(packed))  # still one storage after the worker sent it
         expected = pack_batch(collate(samples[4 * i:4 * i + 4]), cp_size=2, label_style="hf", mrope=ROPE)
         for name in ("input_ids", "labels", "loss_mask", "position_ids", "padding_mask"):
             assert torch.equal(getattr(packed, name), getattr(expected, name)), name
@@ -70,14 +70,14 @@ def test_host_arrays_of_the_indices_stay_in_the_worker():
 def test_a_loader_micro_batch_is_one_storage_moved_once(cp_size):
     """A worker sends one storage, not one per tensor (each costs a shared-memory file); pinning and the
     move to the device copy that one buffer once, and every tensor keeps its values."""
-    from megatron_vlm_packing.packing.arena import buffer_of
+    from megatron_vlm_packing.packing.arena import all_in_one_storage
     from megatron_vlm_packing.packing.collate import map_tensors, tensors_of
 
     batch = collate(synthetic_samples(4, seed=6, cfg=DATA))
     packed = PackingCollator(cp_size=cp_size, mrope=ROPE)(batch)
     expected = pack_batch(batch, cp_size=cp_size, label_style="hf", mrope=ROPE)
     tensors = tensors_of(packed)
-    assert len(tensors) > 8 and buffer_of(tensors) is not None
+    assert len(tensors) > 8 and all_in_one_storage(tensors)
     for name in ("input_ids", "labels", "loss_mask", "position_ids", "padding_mask"):
         assert torch.equal(getattr(packed, name), getattr(expected, name)) and \
             getattr(packed, name).dtype == getattr(expected, name).dtype, name
@@ -85,7 +85,7 @@ def test_a_loader_micro_batch_is_one_storage_moved_once(cp_size):
     moves = []
     moved = map_tensors(packed, lambda t: moves.append(t) or t.clone())
     assert len(moves) == 1 and moves[0].dtype == torch.uint8  # the buffer, once
-    assert buffer_of(tensors_of(moved)) is not None
+    assert all_in_one_storage(tensors_of(moved))
     for name in ("input_ids", "labels", "position_ids", "padding_mask"):
         assert torch.equal(getattr(moved, name), getattr(packed, name)), name
     assert moved.packed_seq_params.cu_seqlens_q is moved.indices.cu_seqlens
@@ -108,14 +108,14 @@ def test_the_collator_needs_a_batch_dict():
 
 
 def test_one_storage_keeps_every_dtype_shape_and_value_at_aligned_offsets():
-    from megatron_vlm_packing.packing.arena import ALIGN, buffer_of, byte_offset, into_one_storage
+    from megatron_vlm_packing.packing.arena import ALIGN, all_in_one_storage, byte_offset, into_one_storage
 
     tensors = [torch.tensor([True, False, True]), torch.arange(5, dtype=torch.int64).view(1, 5),
                torch.randn(3, 2, dtype=torch.bfloat16), torch.tensor(7, dtype=torch.int32),
                torch.empty(0, 4), torch.randn(2, 3).t()]  # the last one is not contiguous
     copies = into_one_storage(tensors)
     copied = [copies[id(t)] for t in tensors]
-    assert buffer_of(copied) is not None
+    assert all_in_one_storage(copied)
     for original, copy in zip(tensors, copied):
         assert copy.dtype == original.dtype and copy.shape == original.shape and torch.equal(copy, original)
         assert copy.is_contiguous() and byte_offset(copy) % ALIGN == 0
@@ -145,3 +145,38 @@ def test_tensors_of_finds_every_tensor_a_move_touches():
     _map_each(packed, lambda t: moved.setdefault(id(t), t))
     found = tensors_of(packed)
     assert {id(t) for t in found} == set(moved) and len(found) == len(moved) > 10
+
+
+def test_large_tensors_keep_their_storage_and_move_on_their_own(monkeypatch):
+    """Pixels of a VLM micro-batch (tens of MB) are not copied into the buffer: the worker sends them as
+    they are, and a move copies the buffer once plus each large tensor once."""
+    from megatron_vlm_packing.packing import arena
+    from megatron_vlm_packing.packing.collate import map_tensors, tensors_of
+
+    monkeypatch.setattr(arena, "LARGE_BYTES", 4096)  # the synthetic pixels: 3 images of 16 patches x 48 floats
+    monkeypatch.setattr("megatron_vlm_packing.packing.collate.LARGE_BYTES", 4096)
+    batch = collate(synthetic_samples(4, seed=6, cfg=DATA))
+    packed = PackingCollator(mrope=ROPE)(batch)
+    pixels = packed.vision.pixel_values
+    assert pixels.numel() * pixels.element_size() >= 4096
+    assert pixels.data_ptr() == batch["pixel_values"].data_ptr()  # not copied
+    buffer, inside = arena.arena_of(tensors_of(packed))
+    assert id(pixels) not in inside and id(packed.input_ids) in inside
+    assert not arena.all_in_one_storage(tensors_of(packed))
+    moves = []
+    moved = map_tensors(packed, lambda t: moves.append(t) or t.clone())
+    assert len(moves) == 2 and {m.data_ptr() for m in moves} == {buffer.data_ptr(), pixels.data_ptr()}
+    assert torch.equal(moved.vision.pixel_values, pixels) and torch.equal(moved.input_ids, packed.input_ids)
+    assert arena.arena_of(tensors_of(moved)) is not None
+
+
+def test_a_storage_with_bytes_no_view_holds_is_not_taken_for_the_buffer():
+    """Two views of one batch tensor share a storage that also holds other bytes: moving it whole would
+    move what the micro-batch does not hold, so each view moves on its own."""
+    from megatron_vlm_packing.packing.arena import arena_of, into_one_storage
+
+    rows = torch.arange(40).view(4, 10)
+    assert arena_of([rows[0], rows[2]]) is None
+    copies = into_one_storage([rows[0], rows[2]])
+    assert arena_of(list(copies.values())) is not None
+    assert arena_of([*copies.values(), torch.zeros(0)]) is not None  # empty tensors take no room

@@ -5,7 +5,7 @@ import torch
 
 from megatron_vlm_packing.data.synthetic import SyntheticVLMConfig, collate, synthetic_samples
 from megatron_vlm_packing.packing import PackMultiples, pack_batch
-from megatron_vlm_packing.packing.arena import buffer_of
+from megatron_vlm_packing.packing.arena import all_in_one_storage
 from megatron_vlm_packing.packing.collate import tensors_of
 from megatron_vlm_packing.planner import (BinLayout, EnergonPackingHooks, PackedBatchSampler, PlannedPackingMixin,
                                           PlannerConfig, SampleMetadata, SampleTable)
@@ -91,7 +91,7 @@ def test_energon_hooks_select_and_pack(samples):
     for group in groups:
         packed = encoder.pack_selected_samples(group)
         assert packed.input_ids.shape == (1, 96)
-        assert buffer_of(tensors_of(packed)) is not None  # one storage for the worker to send
+        assert all_in_one_storage(tensors_of(packed))  # one storage for the worker to send
         assert packed.plan.real_lengths == tuple(len(s.payload["input_ids"]) for s in group)
     with pytest.raises(ValueError, match="multiples"):
         EnergonPackingHooks(metadata=metadata, collate=collate, layout=BinLayout(capacity=96),
