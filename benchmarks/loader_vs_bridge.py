@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pack_vs_bridge import bridge_row_loop, make_batch  # noqa: E402
+from timing import grid_table  # noqa: E402
 
 
 class RepeatedBatch(Dataset):
@@ -89,27 +90,22 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     collator = PackingCollator(label_style="megatron")
-    lines = [f"torch {torch.__version__}, 1 worker, {args.steps} micro-batches per run, {args.rounds} rounds",
-             "| B x S | storages sent (bridge / ours) | bridge row loop ms | PackingCollator ms | speedup |",
-             "|---|---|---|---|---|"]
-    print("\n".join(lines), flush=True)
-    for b in args.batches:
-        for s in args.seqs:
-            batch = make_batch(b, s)
-            check_same(batch, collator)
-            theirs, ours = [], []
-            for _ in range(args.rounds):
-                theirs.append(ms_per_micro_batch(bridge_row_loop, batch, args.steps))
-                ours.append(ms_per_micro_batch(collator, batch, args.steps))
-            ratio = statistics.median(t / o for t, o in zip(theirs, ours))
-            line = (f"| {b} x {s} | {storages(bridge_row_loop(batch))} / {storages(collator(batch))} | "
-                    f"{statistics.median(theirs):.2f} | {statistics.median(ours):.2f} | {ratio:.2f}x |")
-            lines.append(line)
-            print(line, flush=True)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write("\n".join(lines) + "\n\n")
+    header = [f"torch {torch.__version__}, 1 worker, {args.steps} micro-batches per run, {args.rounds} rounds",
+              "| B x S | storages sent (bridge / ours) | bridge row loop ms | PackingCollator ms | speedup |",
+              "|---|---|---|---|---|"]
 
+    def row(b: int, s: int) -> str:
+        batch = make_batch(b, s)
+        check_same(batch, collator)
+        theirs, ours = [], []
+        for _ in range(args.rounds):
+            theirs.append(ms_per_micro_batch(bridge_row_loop, batch, args.steps))
+            ours.append(ms_per_micro_batch(collator, batch, args.steps))
+        ratio = statistics.median(t / o for t, o in zip(theirs, ours))
+        return (f"| {b} x {s} | {storages(bridge_row_loop(batch))} / {storages(collator(batch))} | "
+                f"{statistics.median(theirs):.2f} | {statistics.median(ours):.2f} | {ratio:.2f}x |")
+
+    grid_table(header, args.batches, args.seqs, row, args.out)
 
 if __name__ == "__main__":
     main()

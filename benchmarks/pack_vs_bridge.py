@@ -41,6 +41,7 @@ import statistics
 import time
 
 import torch
+from timing import grid_table  # benchmarks/timing.py (the script's folder is on sys.path)
 
 IGNORE_INDEX = -100
 
@@ -182,24 +183,19 @@ def main() -> None:
     parser.add_argument("--out", help="append the markdown table to this file")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    lines = [f"cp={args.cp}, torch {torch.__version__}, 1 thread",
-             "| B x S | real tokens | bridge row loop ms | pack_batch (loader) ms | pack_batch (step path) ms "
-             "| packing core ms | loader speedup | step path speedup | core speedup |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    print("\n".join(lines), flush=True)
-    for b in args.batches:
-        for s in args.seqs:
-            batch = make_batch(b, s)
-            check_same(batch, args.cp)
-            times, ratios = side_by_side(batch, args.cp, args.repeats)
-            line = (f"| {b} x {s} | {int(batch['attention_mask'].sum())} | "
-                    + " | ".join(f"{t:.3f}" for t in times) + " | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
-            lines.append(line)
-            print(line, flush=True)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write("\n".join(lines) + "\n\n")
+    header = [f"cp={args.cp}, torch {torch.__version__}, 1 thread",
+              "| B x S | real tokens | bridge row loop ms | pack_batch (loader) ms | pack_batch (step path) ms "
+              "| packing core ms | loader speedup | step path speedup | core speedup |",
+              "|---|---|---|---|---|---|---|---|---|"]
 
+    def row(b: int, s: int) -> str:
+        batch = make_batch(b, s)
+        check_same(batch, args.cp)
+        times, ratios = side_by_side(batch, args.cp, args.repeats)
+        return (f"| {b} x {s} | {int(batch['attention_mask'].sum())} | "
+                + " | ".join(f"{t:.3f}" for t in times) + " | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
+
+    grid_table(header, args.batches, args.seqs, row, args.out)
 
 if __name__ == "__main__":
     main()

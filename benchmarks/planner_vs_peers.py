@@ -36,7 +36,6 @@ import numpy as np
 
 from megatron_vlm_packing.packing import PackMultiples
 from megatron_vlm_packing.planner import BinLayout, CostModel, PlannerConfig, TokenCounter, plan_epoch
-from megatron_vlm_packing.planner.bins import best_fit_decreasing
 from megatron_vlm_packing.planner.synthetic import synthetic_table
 
 

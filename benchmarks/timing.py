@@ -30,3 +30,18 @@ def wall_ms(fn, *, device: str, repeats: int, warmup: int = 3, clock: str = "wal
             torch.cuda.synchronize()
         samples.append((clock() - start) * 1e3)
     return samples
+
+
+def grid_table(header: list[str], batches: list[int], seqs: list[int], row, out: str | None = None) -> list[str]:
+    """A markdown table over every B x S: `header` lines, then `row(b, s)` (one line, measured when
+    called), each printed as soon as it is made; the whole table appended to `out` when given."""
+    lines = list(header)
+    print("\n".join(lines), flush=True)
+    for b in batches:
+        for s in seqs:
+            lines.append(row(b, s))
+            print(lines[-1], flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write("\n".join(lines) + "\n\n")
+    return lines
