@@ -6,6 +6,7 @@ Shape legend: B = rows, S = row length, T = physical packed tokens, N = document
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import numpy as np
 import torch
@@ -194,6 +195,25 @@ def pack_batch(
     )
 
 
+def check_pack_options(options: dict, owner: str, taken: tuple[str, ...] = ()) -> None:
+    """`options` (a collator's extra keywords for `pack_batch`) name only `pack_batch` keywords that
+    `owner` does not set itself (`taken`): caught when the collator is built, not as a TypeError in a
+    DataLoader worker at the first batch.
+
+    Raises:
+        ValueError: naming the keys that clash or that `pack_batch` does not take.
+    """
+    if not isinstance(options, dict):
+        raise ValueError(f"{owner}'s options must be a dict of pack_batch keywords, got {type(options).__name__}")
+    clash = sorted(set(options) & set(taken))
+    if clash:
+        raise ValueError(f"{owner} sets {clash} itself: give {clash[0]}= to {owner}, not in its pack_batch options")
+    known = set(_PACK_BATCH_KEYWORDS) - set(taken)
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"{unknown} are not pack_batch keywords; {owner} passes on any of {sorted(known)}")
+
+
 def tensor_off_host(batch) -> str | None:
     """The key of the first tensor of a batch dict that is not on the CPU, else None (also for a
     batch that is not a dict: read_rows names what it is)."""
@@ -208,3 +228,6 @@ def _check_on_host(batch: dict) -> None:
     if key is not None:
         raise ValueError(f"host_reads=True packs a batch on the CPU (a DataLoader worker), but {key!r} is on "
                          f"{batch[key].device}: leave host_reads False for a batch on an accelerator")
+
+
+_PACK_BATCH_KEYWORDS = tuple(name for name in inspect.signature(pack_batch).parameters if name != "batch")

@@ -62,8 +62,12 @@ class PackingCollator:
     pack_options: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        from megatron_vlm_packing.packing.batch import check_pack_options
+
         PackMultiples.for_parallel(tp_size=self.tp_size, cp_size=self.cp_size,
                                    sequence_parallel=self.sequence_parallel, fp8=self.fp8)  # checks the sizes
+        own = tuple(f.name for f in dataclasses.fields(self) if f.name not in ("collate", "pack_options"))
+        check_pack_options(self.pack_options, "PackingCollator", taken=own)
 
     @property
     def multiples(self) -> PackMultiples:

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from megatron_vlm_packing.packing.batch import pack_batch, tensor_off_host
+from megatron_vlm_packing.packing.batch import check_pack_options, pack_batch, tensor_off_host
 from megatron_vlm_packing.packing.collate import in_one_storage
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
 from megatron_vlm_packing.packing.plan import PackMultiples
@@ -54,6 +54,7 @@ class EnergonPackingHooks:
     def __post_init__(self) -> None:
         if "pad_to" in self.pack_kwargs:
             raise ValueError("pack_kwargs must not set pad_to: bins are padded to the layout's capacity")
+        check_pack_options(self.pack_kwargs, "EnergonPackingHooks", taken=("pad_to",))
         multiples = PackMultiples.for_parallel(**{k: self.pack_kwargs[k] for k in _PARALLEL_KEYS
                                                   if k in self.pack_kwargs})
         if multiples != self.layout.multiples:

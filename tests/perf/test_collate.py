@@ -102,6 +102,19 @@ def test_a_micro_batch_packed_for_another_layout_is_refused():
         check_layout(packed, PackMultiples.for_parallel(tp_size=2, sequence_parallel=True))
 
 
+@pytest.mark.parametrize("options, message", [
+    (dict(extra_keys=("w",)), r"PackingCollator sets \['extra_keys'\] itself: give extra_keys= to PackingCollator"),
+    (dict(cp_size=2, label_style="hf"), r"sets \['cp_size', 'label_style'\] itself"),
+    (dict(image_token=5), r"\['image_token'\] are not pack_batch keywords; PackingCollator passes on any of "
+                          r"\[.*'image_token_id'"),
+    ([("image_token_id", 5)], r"options must be a dict of pack_batch keywords, got list"),
+])
+def test_collator_options_are_checked_when_it_is_built(options, message):
+    """Not as a TypeError in a DataLoader worker at the first batch."""
+    with pytest.raises(ValueError, match=message):
+        PackingCollator(pack_options=options)
+
+
 def test_the_collator_needs_a_batch_dict():
     with pytest.raises(ValueError, match="give collate="):
         PackingCollator()(synthetic_samples(2, seed=1, cfg=DATA))
@@ -180,3 +193,45 @@ def test_a_storage_with_bytes_no_view_holds_is_not_taken_for_the_buffer():
     copies = into_one_storage([rows[0], rows[2]])
     assert arena_of(list(copies.values())) is not None
     assert arena_of([*copies.values(), torch.zeros(0)]) is not None  # empty tensors take no room
+
+
+def test_every_media_kind_and_a_bfloat16_extra_cross_the_worker_unchanged():
+    """Images, a video, audio clips and a bfloat16 per-token extra: what the worker sends (small tensors
+    in one buffer) is, field by field, what pack_batch packs in process."""
+    import dataclasses
+
+    media = SyntheticVLMConfig(max_text=10, max_images=2, grid_choices=(2, 4), max_videos=1, max_audios=2)
+    samples = synthetic_samples(6, seed=5, cfg=media)
+
+    def with_extra(chunk):
+        batch = collate(chunk)
+        batch["token_weight"] = torch.rand(batch["input_ids"].shape, generator=torch.Generator().manual_seed(1),
+                                           dtype=torch.float32).to(torch.bfloat16)
+        return batch
+
+    options = dict(image_token_id=media.image_token_id, video_token_id=media.video_token_id,
+                   audio_token_id=media.audio_token_id)
+    collator = PackingCollator(collate=with_extra, cp_size=2, extra_keys=("token_weight",), pack_options=options)
+    loader = DataLoader(samples, batch_size=3, num_workers=1, collate_fn=collator)
+    kinds = set()
+    for i, packed in enumerate(loader):
+        expected = pack_batch(with_extra(samples[3 * i:3 * i + 3]), cp_size=2, label_style="hf",
+                              extra_keys=("token_weight",), **options)
+        assert all_in_one_storage(tensors_of(packed))
+        kinds |= {"video"} if packed.vision.pixel_values_videos is not None else set()
+        kinds |= {"audio"} if packed.audio is not None else set()
+        for name in ("input_ids", "labels", "loss_mask", "position_ids", "padding_mask"):
+            assert torch.equal(getattr(packed, name), getattr(expected, name)), name
+        for holder in ("vision", "audio", "packed_seq_params"):
+            got, want = getattr(packed, holder), getattr(expected, holder)
+            assert (got is None) == (want is None), holder
+            for field in dataclasses.fields(want) if want is not None else ():
+                value = getattr(want, field.name)
+                if isinstance(value, torch.Tensor):
+                    assert torch.equal(getattr(got, field.name), value) and \
+                        getattr(got, field.name).dtype == value.dtype, (holder, field.name)
+                else:
+                    assert getattr(got, field.name) == value, (holder, field.name)
+        assert packed.extras["token_weight"].dtype == torch.bfloat16
+        assert torch.equal(packed.extras["token_weight"], expected.extras["token_weight"])
+    assert kinds == {"video", "audio"}

@@ -96,3 +96,5 @@ def test_energon_hooks_select_and_pack(samples):
     with pytest.raises(ValueError, match="multiples"):
         EnergonPackingHooks(metadata=metadata, collate=collate, layout=BinLayout(capacity=96),
                             pack_kwargs={"cp_size": 2})
+    with pytest.raises(ValueError, match=r"\['cp'\] are not pack_batch keywords; EnergonPackingHooks passes on"):
+        EnergonPackingHooks(metadata=metadata, collate=collate, layout=BinLayout(capacity=96), pack_kwargs={"cp": 2})
