@@ -95,8 +95,9 @@ def arena_of(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, frozenset[int]]
     return torch.empty(0, dtype=torch.uint8, device=views[0].device).set_(storage), frozenset(map(id, views))
 
 
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
+def _aligned(size: int) -> int:
+    """`size` bytes rounded up to a multiple of ALIGN."""
+    return -(-size // ALIGN) * ALIGN
 
 
 def byte_offset(tensor: torch.Tensor) -> int:
