@@ -125,10 +125,11 @@ def tensors_of(micro_batch: MicroBatch) -> list[torch.Tensor]:
 
 
 def in_one_storage(micro_batch: MicroBatch) -> MicroBatch:
-    """`micro_batch` with every tensor under `arena.LARGE_BYTES` copied into one buffer
+    """`micro_batch` with every CPU tensor under `arena.LARGE_BYTES` copied into one buffer
     (`arena.into_one_storage`: one storage to send from a worker, pin and move); larger ones (a VLM's
-    pixels) are kept as they are."""
-    copies = into_one_storage([t for t in tensors_of(micro_batch) if nbytes(t) < LARGE_BYTES])
+    pixels), and any carrying autograd (the copy would cut it off), are kept as they are."""
+    copies = into_one_storage([t for t in tensors_of(micro_batch)
+                               if nbytes(t) < LARGE_BYTES and t.is_cpu and not t.requires_grad])
     return _map_each(micro_batch, lambda t: copies.get(id(t), t))
 
 

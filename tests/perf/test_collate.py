@@ -235,3 +235,18 @@ def test_every_media_kind_and_a_bfloat16_extra_cross_the_worker_unchanged():
         assert packed.extras["token_weight"].dtype == torch.bfloat16
         assert torch.equal(packed.extras["token_weight"], expected.extras["token_weight"])
     assert kinds == {"video", "audio"}
+
+
+def test_tensors_carrying_autograd_are_not_copied_into_the_buffer():
+    """pack_batch packs grad-carrying inputs (a loss mask with autograd packs with torch); the buffer's
+    copy would cut the graph, so those tensors stay out of it and the collator returns what pack_batch does."""
+    batch = collate(synthetic_samples(4, seed=0, cfg=DATA))
+    batch["pixel_values"].requires_grad_(True)
+    batch["loss_mask"] = torch.ones(batch["input_ids"].shape, requires_grad=True)
+    packed = PackingCollator(pack_options=dict(image_token_id=DATA.image_token_id))(batch)
+    expected = pack_batch(batch, label_style="hf", image_token_id=DATA.image_token_id)
+    assert packed.vision.pixel_values is batch["pixel_values"] and packed.loss_mask.requires_grad
+    assert torch.equal(packed.loss_mask, expected.loss_mask) and torch.equal(packed.input_ids, expected.input_ids)
+    packed.loss_mask.sum().backward()  # the graph reaches the batch: 1 per packed target, 0 at pad slots
+    grad = batch["loss_mask"].grad
+    assert grad.sum() == torch.count_nonzero(packed.loss_mask) > 0 and not grad[batch["attention_mask"] == 0].any()
