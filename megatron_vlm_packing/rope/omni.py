@@ -59,11 +59,13 @@ def _interleave_by_time(video: torch.Tensor, audio: torch.Tensor) -> tuple[torch
     return merged, merged.masked_fill((after <= tail_start)[None], float("-inf")).max()
 
 
-def _take(values, index: int, name: str):
-    """values[index], or a ValueError naming how many there are."""
+def _take(values, index: int, name: str, place: Callable[[int], str], at: int):
+    """values[index], or a ValueError naming how many there are and where the block without one opens
+    (kept token `at` of its row, named by `place` only on that error path: it reads the device)."""
     count = 0 if values is None else len(values)
     if index >= count:
-        raise ValueError(f"input_ids hold more {name} blocks than the {count} entries of {name}")
+        raise ValueError(f"input_ids hold more {name} blocks than the {count} entries of {name}: the block "
+                         f"opening at input_ids {place(at)} has none")
     return values[index]
 
 
@@ -239,23 +241,24 @@ def _row_positions(tokens: list[int], config: MRopeConfig, inputs: dict, used: l
         pieces.append(_text(wrap, next_start()))
         start = next_start()  # right after the opening tokens
         if tokens[at] == config.audio_start_token_id:
-            length = audio_output_length(int(_take(inputs["audio_seqlens"], used[2], "audio_seqlens")),
+            length = audio_output_length(int(_take(inputs["audio_seqlens"], used[2], "audio_seqlens", place, at)),
                                          config.audio_n_window)
             _check_block(tokens, at + wrap, length, {config.audio_token_id}, place=place, what="audio")
             pieces.append(_text(length, start))
             cursor, used[2] = at + wrap + length + wrap, used[2] + 1
         elif not audio_in_video and tokens[at + 1] == config.image_token_id:
-            t, h, w = _take(inputs["image_grid_thw"], used[0], "image_grid_thw")
+            t, h, w = _take(inputs["image_grid_thw"], used[0], "image_grid_thw", place, at)
             _check_block(tokens, at + wrap, t * h * w // merge ** 2, {config.image_token_id}, place=place, what="image")
             pieces.append(_vision(start, torch.arange(t) * 1 * pps, h // merge, w // merge))
             cursor, used[0] = at + wrap + t * h * w // merge ** 2 + wrap, used[0] + 1
         else:
-            t, h, w = _take(inputs["video_grid_thw"], used[1], "video_grid_thw")
-            seconds = torch.tensor(_take(inputs["seconds"], used[1], "second_per_grid_ts"), dtype=torch.float64)
+            t, h, w = _take(inputs["video_grid_thw"], used[1], "video_grid_thw", place, at)
+            seconds = torch.tensor(_take(inputs["seconds"], used[1], "second_per_grid_ts", place, at),
+                                   dtype=torch.float64)
             video = _vision(start, torch.arange(t) * seconds.float() * pps, h // merge, w // merge)
             tokens_in = t * h * w // merge ** 2
             if audio_in_video:
-                length = audio_output_length(int(_take(inputs["audio_seqlens"], used[2], "audio_seqlens")),
+                length = audio_output_length(int(_take(inputs["audio_seqlens"], used[2], "audio_seqlens", place, at)),
                                              config.audio_n_window)
                 _check_block(tokens, at + wrap, length + tokens_in, {config.video_token_id, config.audio_token_id},
                              place=place, what="video with audio")

@@ -111,7 +111,8 @@ def test_omni_count_mismatches_raise():
     config, _ = thinker()
     cfg = MRopeConfig.from_hf_config(config)
     ids = torch.tensor([[5, 151652] + [config.image_token_id] * 4 + [151653, 151647, config.audio_token_id, 151648]])
-    with pytest.raises(ValueError, match="more audio_seqlens blocks than the 0 entries of audio_seqlens"):
+    with pytest.raises(ValueError, match=r"more audio_seqlens blocks than the 0 entries of audio_seqlens: the block "
+                                         r"opening at input_ids row 0 position 7 has none"):
         get_rope_index(ids, cfg, image_grid_thw=torch.tensor([[1, 4, 4]]))
     with pytest.raises(ValueError, match="1 blocks in input_ids use image_grid_thw, which has 2 entries"):
         get_rope_index(ids, cfg, image_grid_thw=torch.tensor([[1, 4, 4], [1, 2, 2]]), audio_seqlens=torch.tensor([4]))
