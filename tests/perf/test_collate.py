@@ -250,3 +250,16 @@ def test_tensors_carrying_autograd_are_not_copied_into_the_buffer():
     packed.loss_mask.sum().backward()  # the graph reaches the batch: 1 per packed target, 0 at pad slots
     grad = batch["loss_mask"].grad
     assert grad.sum() == torch.count_nonzero(packed.loss_mask) > 0 and not grad[batch["attention_mask"] == 0].any()
+
+
+def test_a_view_of_a_buffer_that_is_itself_a_view_starts_where_that_view_does():
+    """`map_tensors` rebuilds views on whatever its move returned; a move may return a view of a larger
+    storage (its own offset then counts)."""
+    from megatron_vlm_packing.packing.arena import view_at
+
+    whole = torch.arange(32, dtype=torch.int64).view(torch.uint8)  # 256 bytes
+    buffer = whole[64:]  # a view starting 8 int64 in
+    like = torch.zeros(2, 3, dtype=torch.int64)
+    view = view_at(buffer, 8, like)  # one int64 further
+    assert view.shape == (2, 3) and view.dtype == torch.int64 and view.tolist() == [[9, 10, 11], [12, 13, 14]]
+    assert view.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
