@@ -22,6 +22,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from megatron_vlm_packing.packing.checks import token_place
 from megatron_vlm_packing.rope.config import MRopeConfig
 
 
@@ -203,8 +204,8 @@ class QueuedRopeIndex:
         grid: [K, 3] grid of each run; expected: [K] tokens each run's grid needs.
         entry: the index of the queued values on the caller's checks: grid entries bad (image,
             video), seconds bad, image blocks, video blocks, video grid rows, a block of wrong size.
-        where: (row, position) -> how an error names that token (None: `packing.checks.token_place`;
-            a pre-packed batch names the document of the row as given).
+        where: (row, position) -> how an error names that token (`packing.checks.token_place`; a
+            pre-packed batch names the document of the row as given).
     """
 
     config: MRopeConfig
@@ -217,7 +218,7 @@ class QueuedRopeIndex:
     grid: torch.Tensor
     expected: torch.Tensor
     entry: int
-    where: Callable[[int, int], str] | None = None
+    where: Callable[[int, int], str] = token_place
 
 
 def _any_bad_grid(grid, merge: int, device) -> torch.Tensor:
@@ -229,7 +230,7 @@ def _any_bad_grid(grid, merge: int, device) -> torch.Tensor:
 
 def queue_rope_index(input_ids, config: MRopeConfig, checks, *, image_grid_thw=None, video_grid_thw=None,
                      attention_mask=None, second_per_grid_ts=None, mm_token_type_ids=None, audio_seqlens=None,
-                     where: Callable[[int, int], str] | None = None):
+                     where: Callable[[int, int], str] = token_place):
     """Queue on `checks` (a `packing.checks.DeferredChecks`, or anything with its `add`) the values the
     index must read: its value checks and the video block count (Qwen3-Omni: `omni.queue_omni_index`).
     Reads nothing and raises nothing for bad values (`finish_rope_index` does, from the read). The
@@ -297,10 +298,7 @@ def _block_places(queued: QueuedRopeIndex, runs) -> list[str]:
     has it; one read (error path only)."""
     flat, run_first = queued.runs[0], queued.runs[3]
     starts = flat.index_select(0, run_first.index_select(0, torch.as_tensor(runs, device=flat.device).reshape(-1)))
-    where = queued.where
-    if where is None:
-        from megatron_vlm_packing.packing.checks import token_place as where
-    return [where(*divmod(start, queued.input_ids.shape[1])) for start in starts.tolist()]
+    return [queued.where(*divmod(start, queued.input_ids.shape[1])) for start in starts.tolist()]
 
 
 def finish_rope_index(queued, host: list, *, audio_seqlens=None) -> RopeIndex:

@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from megatron_vlm_packing.packing.checks import token_place
 from megatron_vlm_packing.rope.config import MRopeConfig
 
 
@@ -109,8 +110,7 @@ class QueuedOmniIndex:
     "flags" (grid entries bad: image, video; seconds bad), and with grids "ids" ([N = B*S]: the kept
     ids, row by row, then fills), "lengths" ([B] kept tokens per row), "image_grid_thw" /
     "video_grid_thw" (flat), "seconds" (float64), "audio_seqlens". `slots`: [N] flat slot of each
-    kept token, then N (None without grids). `where`: (row, position) -> how an error names a token
-    (None: `packing.checks.token_place`)."""
+    kept token, then N (None without grids). `where`: (row, position) -> how an error names a token."""
 
     config: MRopeConfig
     input_ids: torch.Tensor
@@ -118,7 +118,7 @@ class QueuedOmniIndex:
     inputs: dict
     entries: dict
     slots: torch.Tensor | None = None
-    where: Callable[[int, int], str] | None = None
+    where: Callable[[int, int], str] = token_place
 
 
 def _flat(value, dtype) -> torch.Tensor | None:
@@ -128,7 +128,7 @@ def _flat(value, dtype) -> torch.Tensor | None:
 
 def queue_omni_index(input_ids, config: MRopeConfig, checks, *, image_grid_thw=None, video_grid_thw=None,
                      attention_mask=None, audio_seqlens=None, second_per_grids=None,
-                     where: Callable[[int, int], str] | None = None) -> QueuedOmniIndex:
+                     where: Callable[[int, int], str] = token_place) -> QueuedOmniIndex:
     """Queue on `checks` (a `packing.checks.DeferredChecks`) what the Qwen3-Omni index reads: its value
     checks and, with grids, the kept ids and every grid, seconds and audio length (the block loop runs
     on the host). Reads and raises nothing; `finish_omni_index` does. Types checked by the caller."""
@@ -213,12 +213,7 @@ def finish_omni_index(queued: QueuedOmniIndex, host: list, *, audio_seqlens=None
 def _kept_token_place(queued: QueuedOmniIndex, row: int, first: int, token: int) -> str:
     """Kept token `token` of `row` (the row's kept tokens start at `first` of the read ids), named as
     the caller's batch has it (error path only)."""
-    position = int(queued.slots[first + token]) % queued.input_ids.shape[1]
-    if queued.where is None:
-        from megatron_vlm_packing.packing.checks import token_place
-
-        return token_place(row, position)
-    return queued.where(row, position)
+    return queued.where(row, int(queued.slots[first + token]) % queued.input_ids.shape[1])
 
 
 def _row_positions(tokens: list[int], config: MRopeConfig, inputs: dict, used: list[int],
