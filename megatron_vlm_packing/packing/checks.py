@@ -175,13 +175,10 @@ def check_packed_values(inputs: ValueInputs, label_style: str, vocab_size: int |
     if ids.min() < 0 or (vocab_size is not None and ids.max() >= vocab_size):
         check_ids(inputs.input_ids, keep(), vocab_size, inputs.name, inputs.where)
     ignored = targets.size - int(np.count_nonzero(is_target))
-    if np.count_nonzero(targets < 0) != ignored or (vocab_size is not None and targets.max() >= vocab_size):
+    if _labels_out_of_range(targets, ignored, vocab_size) or (
+            first_labels is not None and first_labels.size
+            and _labels_out_of_range(first_labels, int(np.count_nonzero(first_labels == IGNORE_INDEX)), vocab_size)):
         check_label_values(inputs.raw_labels, keep(), vocab_size, inputs.where)
-    if first_labels is not None and first_labels.size:
-        negative = np.count_nonzero(first_labels < 0)
-        if negative and negative != np.count_nonzero(first_labels == IGNORE_INDEX) \
-                or (vocab_size is not None and first_labels.max() >= vocab_size):
-            check_label_values(inputs.raw_labels, keep(), vocab_size, inputs.where)
     # Every -100 target differs from its id (ids are >= 0), so no other target differs exactly when
     # the differing slots are the ignored ones.
     if label_style == "megatron" and np.count_nonzero(targets != ids) == ignored:
@@ -190,6 +187,11 @@ def check_packed_values(inputs: ValueInputs, label_style: str, vocab_size: int |
         low, high = float(loss_values.min()), float(loss_values.max())  # NaN propagates (min / max do not warn)
         if not (low >= 0 and high <= _FLOAT32_MAX):  # NaN fails both
             check_loss_weights(inputs.loss_values.float(), keep(), inputs.where)
+
+
+def _labels_out_of_range(labels: np.ndarray, ignored: int, vocab_size: int | None) -> bool:
+    """A label below 0 other than the `ignored` -100s, or one at or above `vocab_size` (non-empty `labels`)."""
+    return np.count_nonzero(labels < 0) != ignored or (vocab_size is not None and labels.max() >= vocab_size)
 
 
 def host_array(values: torch.Tensor) -> np.ndarray:
