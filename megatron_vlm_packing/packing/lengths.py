@@ -178,29 +178,35 @@ def _right_padded_test(batch: int, row_length: int) -> Callable[[list], bool]:
     """The host test of `right_padded_reads`' numbers (see there): True when some row is not 1...1 0...0."""
 
     def fails(host: list) -> bool:
-        sums, mins, firsts = host[:batch], host[batch:2 * batch], host[2 * batch:]
-        return any(m < 0 or n != (firsts[b] if m == 0 else row_length) for b, (n, m) in enumerate(zip(sums, mins)))
+        return not _rows_right_padded(host[:batch], host[batch:2 * batch], host[2 * batch:], row_length)
 
     return fails
+
+
+def _rows_right_padded(sums: list[int], minima: list[int], firsts: list[int], row_length: int) -> bool:
+    """Every row is 1...1 0...0, from its sum, minimum and first minimum (`right_padded_reads`)."""
+    return not any([m < 0 or n != (z if m == 0 else row_length) for n, m, z in zip(sums, minima, firsts)])
 
 
 def right_padded_lengths_on_host(mask: torch.Tensor) -> list[int]:
     """B real lengths of a [B, S] integer or bool mask on the CPU, read and checked now (no sync to save).
 
     `right_padded_reads`' numbers and test, read with numpy in two passes over the mask: the first
-    minimum of each row (`argmin`), its value gathered from there (B reads, not a third pass), and
+    minimum of each row (`argmin`), its value taken from there (B reads, not a third pass), and
     the row sums. Faster than torch's fused min-with-index at every size measured (4 x 2048 to
     64 x 32768, one core; 2 to 4x for bool masks). `lengths_from_keep_mask` raises the detailed
     error of a bad mask."""
     rows = mask.numpy()
-    rows = rows.view(np.uint8) if rows.dtype == np.bool_ else rows
-    firsts = rows.argmin(axis=1)
-    minima = rows[np.arange(rows.shape[0]), firsts]
-    host = rows.sum(axis=1).tolist() + minima.tolist() + firsts.tolist()
-    if _right_padded_test(*mask.shape)(host):
+    if rows.dtype == np.bool_:
+        rows = rows.view(np.uint8)
+    row_length = rows.shape[1]
+    firsts = rows.argmin(axis=1).tolist()
+    sums = rows.sum(axis=1).tolist()
+    minima = rows.reshape(-1).take([b * row_length + z for b, z in enumerate(firsts)]).tolist()
+    if not _rows_right_padded(sums, minima, firsts, row_length):
         lengths_from_keep_mask(mask)  # raises
         raise AssertionError("a mask failing the right-padding test passed lengths_from_keep_mask")
-    return host[:mask.shape[0]]
+    return sums
 
 
 def keep_mask_deferred(
