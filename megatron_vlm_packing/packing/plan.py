@@ -13,6 +13,7 @@ Shape legend: B = rows, S = row length, N = documents (rows with real tokens), T
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -210,18 +211,18 @@ def make_pack_plan(
 
 @dataclass(frozen=True)
 class DocumentSlices:
-    """Where each document's tokens lie in the flattened rows, as sizes for one `split_with_sizes`.
+    """Where each document's tokens lie in the flattened rows.
 
     Attributes:
-        split_sizes: 2N+1 ints: gap, document 0, gap, document 1, ..., rest; they cover B*S exactly,
-            so the odd pieces of `flat.split_with_sizes(split_sizes)` are the documents' slices.
         spans: N (start, stop) of each document's slice of the flattened rows (what numpy slices).
         pad_lengths: N ints, pad slots after each document's slice.
         longest_pad: max(pad_lengths).
         flat_length: B*S.
+        split_sizes: 2N+1 ints (derived, for one `split_with_sizes`): gap, document 0, gap,
+            document 1, ..., rest; they cover B*S exactly, so the odd pieces of
+            `flat.split_with_sizes(split_sizes)` are the documents' slices.
     """
 
-    split_sizes: tuple[int, ...]
     spans: tuple[tuple[int, int], ...]
     pad_lengths: tuple[int, ...]
     longest_pad: int
@@ -231,16 +232,19 @@ class DocumentSlices:
     def of(cls, plan: "PackPlan", *, shift: int = 0) -> "DocumentSlices":
         """Slices [row*S + shift, row*S + real) of every document (shift 1: next-token targets)."""
         capacity = plan.row_capacity
-        spans = tuple((row * capacity + shift, row * capacity + real)
-                      for row, real in zip(plan.segment_rows, plan.real_lengths))
+        spans = tuple([(row * capacity + shift, row * capacity + real)
+                       for row, real in zip(plan.segment_rows, plan.real_lengths)])
+        pads = tuple([phys - real + shift for real, phys in zip(plan.real_lengths, plan.physical_lengths)])
+        return cls(spans, pads, max(pads), len(plan.row_lengths) * capacity)
+
+    @functools.cached_property  # only the torch path splits (numpy slices `spans`)
+    def split_sizes(self) -> tuple[int, ...]:
         sizes, position = [], 0
-        for start, stop in spans:
+        for start, stop in self.spans:
             sizes += (start - position, stop - start)
             position = stop
-        flat_length = len(plan.row_lengths) * capacity
-        sizes.append(flat_length - position)
-        pads = tuple(phys - real + shift for real, phys in zip(plan.real_lengths, plan.physical_lengths))
-        return cls(tuple(sizes), spans, pads, max(pads), flat_length)
+        sizes.append(self.flat_length - position)
+        return tuple(sizes)
 
 
 class PackIndices:
@@ -266,16 +270,17 @@ class PackIndices:
 
     def __init__(self, plan: PackPlan, device: torch.device):
         self.plan, self.device = plan, device
-        cu_real, cu_phys = [0], [0]
-        for real, phys in zip(plan.real_lengths, plan.physical_lengths):
-            cu_real.append(cu_real[-1] + real)
-            cu_phys.append(cu_phys[-1] + phys)
-        self.cu_real_host, self.cu_padded_host = tuple(cu_real), tuple(cu_phys)
-        if device.type == "cpu":  # two small tensors, no indexing (numpy builds them at a third of torch's cost)
+        cu_real = (0, *itertools.accumulate(plan.real_lengths))
+        padded = plan.physical_lengths != plan.real_lengths
+        if device.type == "cpu":  # numpy builds a small tensor at a third of torch's cost
             self.cu_seqlens = torch.from_numpy(np.array(cu_real, dtype=np.int32))
-            self.cu_seqlens_padded = torch.from_numpy(np.array(cu_phys, dtype=np.int32))
+            # With no pad slots the two sets are one tensor: nothing writes boundaries in place.
+            self.cu_seqlens_padded = torch.from_numpy(
+                np.array((0, *itertools.accumulate(plan.physical_lengths)), dtype=np.int32)
+            ) if padded else self.cu_seqlens
         else:
-            both = _to_device(torch.tensor([cu_real, cu_phys], dtype=torch.int32), device)  # one small copy
+            cu_padded = (0, *itertools.accumulate(plan.physical_lengths))
+            both = _to_device(torch.tensor([cu_real, cu_padded], dtype=torch.int32), device)  # one small copy
             self.cu_seqlens, self.cu_seqlens_padded = both[0], both[1]
 
     def cp_index(self, cp_size: int, cp_rank: int) -> torch.Tensor:
