@@ -189,6 +189,21 @@ def check_packed_values(inputs: ValueInputs, label_style: str, vocab_size: int |
             check_loss_weights(inputs.loss_values.float(), keep(), inputs.where)
 
 
+def check_row_values(inputs: ValueInputs, label_style: str, vocab_size: int | None) -> None:
+    """The exact checks behind `queue_value_checks`' screens, in its order, over the rows `inputs` read.
+
+    For `pack_batch(host_reads=True)` on an error path only: its value checks run over the packed
+    tokens, after the reads of media, mRoPE blocks and positions and after the plan; when one of those
+    fails, this raises the error the device path (which reads the values first) would have raised."""
+    keep = inputs.keep()
+    check_ids(inputs.input_ids, keep, vocab_size, inputs.name, inputs.where)
+    check_label_values(inputs.raw_labels, keep, vocab_size, inputs.where)
+    if label_style == "megatron":
+        refuse_hf_labels_as_megatron(inputs.raw_labels, inputs.input_ids, keep)
+    if inputs.loss_values is not None and inputs.loss_values.dtype != torch.bool:
+        check_loss_weights(inputs.loss_values.float(), keep, inputs.where)
+
+
 def _labels_out_of_range(labels: np.ndarray, ignored: int, vocab_size: int | None) -> bool:
     """A label below 0 other than the `ignored` -100s, or one at or above `vocab_size` (non-empty `labels`)."""
     return np.count_nonzero(labels < 0) != ignored or (vocab_size is not None and labels.max() >= vocab_size)
