@@ -192,6 +192,11 @@ ERRORS = [
                                                               document_lengths=torch.tensor([[1, 0, 2], [2, 0, 0]])),
                                                         label_style="hf"),
      r"document_lengths row 0 is \[1, 0, 2\]: document lengths must be >= 1 \(zeros only as trailing padding\)"),
+    ("document_lengths_every_row_empty", lambda: pack_batch({"input_ids": torch.zeros(2, 3, dtype=torch.long),
+                                                             "labels": torch.zeros(2, 3, dtype=torch.long),
+                                                             "seq_lens": [0, 0], "document_lengths": [[0], []]},
+                                                            label_style="hf"),
+     r"the batch has no real tokens \(2 rows, all empty\): nothing to pack"),
     ("document_lengths_float", lambda: pack_batch(with_(hf_batch(), document_lengths=torch.tensor([[1.5, 1.5], [2.0, 0]])),
                                                   label_style="hf"),
      r"document_lengths must be a \[B, D\] integer tensor \(or B lists of ints\), got shape \(2, 2\) torch\.float32"),
@@ -378,6 +383,15 @@ def test_dense_rows_with_one_document_each_are_accepted():
     plain = pad_batch(batch, label_style="hf")
     declared = pad_batch(with_(batch, document_lengths=[[3], [2]]), label_style="hf")
     assert torch.equal(plain.labels, declared.labels) and torch.equal(plain.position_ids, declared.position_ids)
+
+
+def test_dense_rows_with_one_document_each_keep_their_empty_rows():
+    batch = {**hf_batch(((11, 12, 13), (21, 22))), "attention_mask": torch.tensor([[1, 1, 1, 0], [0, 0, 0, 0]])}
+    plain = pad_batch(batch, label_style="hf")
+    for empty in ([], [0]):  # an empty row declares no document: it stays a row (B = 2), as without them
+        declared = pad_batch(with_(batch, document_lengths=[[3], empty]), label_style="hf")
+        assert declared.input_ids.shape == plain.input_ids.shape == (2, 4)
+        assert torch.equal(plain.labels, declared.labels) and torch.equal(plain.padding_mask, declared.padding_mask)
 
 
 def test_dense_truncate_flag_cuts_text():
