@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import operator
 
 import numpy as np
 import torch
@@ -157,6 +158,7 @@ def pack_batch(
                                 audio_token_id=audio_token_id, spatial_merge_size=spatial_merge_size,
                                 require_counts=require_media_counts)
     check_pad_token_id(pad_token_id)
+    pad_to = _checked_pad_to(pad_to)
     if host_reads:
         _check_on_host(batch)
     rows = read_rows(batch, label_style=label_style, mrope=mrope, media=media, extra_keys=tuple(extra_keys),
@@ -196,6 +198,20 @@ def pack_batch(
         indices=indices,
         placeholders_checked=checked_placeholders(batch, media),
     )
+
+
+def _checked_pad_to(pad_to):
+    """`pad_to` as a Python int (or None). An integer scalar (numpy, a 0-dim tensor) would otherwise become
+    the last physical length, `T` and `max_seqlen_*`, which must be Python ints; a float or a string
+    failed deep in the plan with a TypeError."""
+    if pad_to is None:
+        return None
+    if not isinstance(pad_to, bool):
+        try:
+            return operator.index(pad_to)
+        except TypeError:
+            pass
+    raise ValueError(f"pad_to must be an int (the packed length T) or None, got {pad_to!r}")
 
 
 def check_pack_options(options: dict, owner: str, taken: tuple[str, ...] = ()) -> None:

@@ -7,6 +7,7 @@ positions were read as `[3, B, S]`, pre-packed documents were merged, media were
 sample, and `pad_batch` did not exist (the dense path checked nothing).
 """
 
+import numpy as np
 import pytest
 import torch
 
@@ -127,6 +128,12 @@ ERRORS = [
     ("seq_lens_nested_per_row", lambda: pack_batch({**megatron_batch(), "attention_mask": None,
                                                     "seq_lens": torch.tensor([[2, 1], [2, 0]])}),
      r"seq_lens must be \[B\] \(one length per row\), got shape \(2, 2\); several documents per row go in document_lengths"),
+    ("pad_to_float", lambda: pack_batch(hf_batch(), label_style="hf", pad_to=8.0),
+     r"pad_to must be an int \(the packed length T\) or None, got 8\.0"),
+    ("pad_to_string", lambda: pack_batch(hf_batch(), label_style="hf", pad_to="8"),
+     r"pad_to must be an int \(the packed length T\) or None, got '8'"),
+    ("pad_to_bool", lambda: pack_batch(hf_batch(), label_style="hf", pad_to=True),
+     r"pad_to must be an int \(the packed length T\) or None, got True"),
     ("pad_token_id_none", lambda: pack_batch(hf_batch(), label_style="hf", pad_token_id=None),
      r"pad_token_id must be a non-negative int \(the id written at pad slots\), got None"),
     ("block_diagonal_4d_mask", lambda: pack_batch(_block_diagonal_4d(), label_style="hf"),
@@ -299,6 +306,14 @@ def test_bad_input_is_a_value_error_naming_field_and_numbers(name, call, message
 
 
 # ---- exact results -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("pad_to", [torch.tensor(8), np.int64(8)], ids=["tensor", "numpy"])
+def test_pad_to_as_an_integer_scalar_gives_python_int_lengths(pad_to):
+    mb = pack_batch(hf_batch(), label_style="hf", pad_to=pad_to)
+    # max_seqlen_* are Python ints (the contract; TE reads them on the host), as is every plan length
+    assert type(mb.packed_seq_params.max_seqlen_q) is int and type(mb.plan.total) is int
+    assert all(type(n) is int for n in mb.plan.physical_lengths) and mb.plan.physical_lengths == (3, 5)
+
 
 def test_float_loss_weights_are_kept_packed():
     batch = with_(megatron_batch(), loss_mask=torch.tensor([[0.5, 2.0, 1.0, 0.0], [0.25, 1.0, 0.0, 0.0]]))
