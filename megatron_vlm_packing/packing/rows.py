@@ -19,8 +19,8 @@ import torch
 
 from megatron_vlm_packing.packing.checks import (  # noqa: F401 (re-exported: callers import them from rows)
     COPY_WINDOW, EXACT_COPY_CHECK_SLOTS, IGNORE_INDEX, DeferredChecks, ValueInputs, _first_bad, check_ids,
-    check_label_values, check_loss_weights, check_row_values, queue_value_checks, real_target_differs, refuse_hf_labels_as_megatron,
-    token_place,
+    check_label_values, check_loss_weights, check_row_values, queue_value_checks, real_target_differs,
+    refuse_hf_labels_as_megatron, token_place,
 )
 from megatron_vlm_packing.packing.documents import DOCUMENT_KEY, split_documents
 from megatron_vlm_packing.packing.lengths import DeferredKeep, keep_mask_deferred, real_lengths

@@ -97,6 +97,12 @@ ERRORS = [
      r"input_ids row 0 position 1 is -5: token ids must lie in \[0, vocab_size\)"),
     ("hf_labels_as_megatron", lambda: pack_batch(hf_batch()),
      r"labels equal input_ids on all 5 real targets: these are Hugging Face \(unshifted\) labels; pass label_style=\"hf\""),
+    ("loss_weight_finite_in_float64_only", lambda: pack_batch(with_(megatron_batch(), loss_mask=torch.tensor(
+        [[1.0, 1e39, 1, 0], [1, 1, 0, 0]], dtype=torch.float64))),
+     r"loss_mask row 0 position 1 is 1e\+39 \(inf as float32\): loss weights must be finite and >= 0"),
+    ("dense_loss_weight_finite_in_float64_only", lambda: pad_batch(with_(megatron_batch(), loss_mask=torch.tensor(
+        [[1.0, 1e39, 1, 0], [1, 1, 0, 0]], dtype=torch.float64))),
+     r"loss_mask row 0 position 1 is 1e\+39 \(inf as float32\): loss weights must be finite and >= 0"),
     ("negative_loss_weight", lambda: pack_batch(with_(megatron_batch(), loss_mask=torch.tensor([[1.0, -1.0, 1, 0], [1, 1, 0, 0]]))),
      r"loss_mask row 0 position 1 is -1\.0: loss weights must be finite and >= 0"),
     ("nan_loss_weight", lambda: pack_batch(with_(megatron_batch(), loss_mask=torch.tensor([[1.0, 1, 1, 0], [float("nan"), 1, 0, 0]]))),
