@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import operator
 
 import numpy as np
 import torch
@@ -20,7 +21,7 @@ from megatron_vlm_packing.packing.pack import pack_next_token_labels, pack_posit
 from megatron_vlm_packing.packing.positions import check_1d_positions_on_host
 from megatron_vlm_packing.packing.plan import PackIndices, PackMultiples, PackPlan, make_pack_plan, plan_indices
 from megatron_vlm_packing.packing.rows import (  # noqa: F401
-    IGNORE_INDEX, Rows, check_pad_token_id, loss_weights_of, read_rows, shift_labels_within_rows,
+    IGNORE_INDEX, Rows, check_pad_token_id, loss_weights_of, read_rows, shift_labels_within_rows, value_errors_first,
 )
 
 # Kept for callers of the first `PackedBatch`: the one typed micro-batch now.
@@ -157,6 +158,7 @@ def pack_batch(
                                 audio_token_id=audio_token_id, spatial_merge_size=spatial_merge_size,
                                 require_counts=require_media_counts)
     check_pad_token_id(pad_token_id)
+    pad_to = _checked_pad_to(pad_to)
     if host_reads:
         _check_on_host(batch)
     rows = read_rows(batch, label_style=label_style, mrope=mrope, media=media, extra_keys=tuple(extra_keys),
@@ -165,7 +167,10 @@ def pack_batch(
     multiples = PackMultiples.for_parallel(
         tp_size=tp_size, cp_size=cp_size, sequence_parallel=sequence_parallel, fp8=fp8
     )
-    plan = make_pack_plan(rows.lengths, row_capacity=row_length, multiples=multiples, pad_to=pad_to)
+    # host_reads: a bad value is named before a pad_to that does not fit, as the device path (which has
+    # read the values by now) names it.
+    with value_errors_first(rows.unchecked_values, label_style, vocab_size, rows.unchecked_positions):
+        plan = make_pack_plan(rows.lengths, row_capacity=row_length, multiples=multiples, pad_to=pad_to)
     indices = plan_indices(plan, rows.input_ids.device)
     positions = segment_positions(indices) if rows.positions is None else pack_positions(rows.positions, indices)
     if packs_on_host(rows):
@@ -193,6 +198,20 @@ def pack_batch(
         indices=indices,
         placeholders_checked=checked_placeholders(batch, media),
     )
+
+
+def _checked_pad_to(pad_to):
+    """`pad_to` as a Python int (or None). An integer scalar (numpy, a 0-dim tensor) would otherwise become
+    the last physical length, `T` and `max_seqlen_*`, which must be Python ints; a float or a string
+    failed deep in the plan with a TypeError."""
+    if pad_to is None:
+        return None
+    if not isinstance(pad_to, bool):
+        try:
+            return operator.index(pad_to)
+        except TypeError:
+            pass
+    raise ValueError(f"pad_to must be an int (the packed length T) or None, got {pad_to!r}")
 
 
 def check_pack_options(options: dict, owner: str, taken: tuple[str, ...] = ()) -> None:

@@ -10,6 +10,7 @@ Shape legend: B = rows, S = row length.
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from typing import Callable
@@ -59,12 +60,16 @@ def refuse_hf_labels_as_megatron(labels: torch.Tensor, input_ids: torch.Tensor, 
 
 def check_loss_weights(values: torch.Tensor, keep: torch.Tensor,
                        where: Callable[[int, int], str] = token_place) -> None:
-    """Loss weights of real tokens are finite and >= 0; ValueError naming row and position."""
-    bad = keep & ~(torch.isfinite(values) & (values >= 0))
+    """Loss weights of real tokens are finite and >= 0 as the float32 weights they become; ValueError
+    naming row, position and the value as given (`values`: the loss_mask, any real dtype)."""
+    weights = values.float()
+    bad = keep & ~(torch.isfinite(weights) & (weights >= 0))
     if bool(bad.any()):
         b, t = _first_bad(bad)
-        raise ValueError(f"loss_mask {where(b, t)} is {float(values[b, t])}: loss weights must be finite "
-                         f"and >= 0")
+        given, weight = float(values[b, t]), float(weights[b, t])
+        # A float64 weight above float32's range is named as given, not as the inf it would become.
+        shown = f"{given} (inf as float32)" if math.isfinite(given) and not math.isfinite(weight) else f"{weight}"
+        raise ValueError(f"loss_mask {where(b, t)} is {shown}: loss weights must be finite and >= 0")
 
 
 def check_ids(input_ids: torch.Tensor, keep: torch.Tensor, vocab_size: int | None, name: str,
@@ -147,7 +152,7 @@ def queue_value_checks(inputs: ValueInputs, label_style: str, vocab_size: int | 
     values = inputs.loss_values
     if values is not None and values.dtype != torch.bool:
         bits = torch.stack(values.aminmax()).double().view(torch.int64)  # read as int64 bits: one dtype to read
-        checks.add(bits, lambda v: not _weights_in_range(v), lambda: check_loss_weights(values.float(), keep(), inputs.where),
+        checks.add(bits, lambda v: not _weights_in_range(v), lambda: check_loss_weights(values, keep(), inputs.where),
                    screen=True)
 
 
@@ -186,7 +191,22 @@ def check_packed_values(inputs: ValueInputs, label_style: str, vocab_size: int |
     if loss_values is not None and loss_values.dtype != np.bool_:
         low, high = float(loss_values.min()), float(loss_values.max())  # NaN propagates (min / max do not warn)
         if not (low >= 0 and high <= _FLOAT32_MAX):  # NaN fails both
-            check_loss_weights(inputs.loss_values.float(), keep(), inputs.where)
+            check_loss_weights(inputs.loss_values, keep(), inputs.where)
+
+
+def check_row_values(inputs: ValueInputs, label_style: str, vocab_size: int | None) -> None:
+    """The exact checks behind `queue_value_checks`' screens, in its order, over the rows `inputs` read.
+
+    For `pack_batch(host_reads=True)` on an error path only: its value checks run over the packed
+    tokens, after the reads of media, mRoPE blocks and positions and after the plan; when one of those
+    fails, this raises the error the device path (which reads the values first) would have raised."""
+    keep = inputs.keep()
+    check_ids(inputs.input_ids, keep, vocab_size, inputs.name, inputs.where)
+    check_label_values(inputs.raw_labels, keep, vocab_size, inputs.where)
+    if label_style == "megatron":
+        refuse_hf_labels_as_megatron(inputs.raw_labels, inputs.input_ids, keep)
+    if inputs.loss_values is not None and inputs.loss_values.dtype != torch.bool:
+        check_loss_weights(inputs.loss_values, keep, inputs.where)
 
 
 def _labels_out_of_range(labels: np.ndarray, ignored: int, vocab_size: int | None) -> bool:

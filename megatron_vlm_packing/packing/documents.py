@@ -141,7 +141,10 @@ def split_documents(batch: Mapping, input_ids_key: str, extra_keys=()) -> tuple[
         raise ValueError(f"{DOCUMENT_KEY} goes with a 2D attention_mask or seq_lens, not a 4D attention_mask")
     lengths = real_lengths(batch_size=ids.shape[0], row_length=ids.shape[1], attention_mask=mask,
                            seq_lens=batch.get("seq_lens"))
-    table = document_table(batch[DOCUMENT_KEY], lengths)
+    # A row with no real tokens declares no document but stays one (empty) row, as it is without
+    # document_lengths: pad_batch keeps B rows, and a batch of empty rows gets the plan's "no real tokens"
+    # error, not an index_select of no documents at all.
+    table = [row or [0] for row in document_table(batch[DOCUMENT_KEY], lengths)]
     index, valid, doc_lengths = _gather_index(table, ids.shape[1], ids.device)
     out = {k: v for k, v in batch.items() if k not in (DOCUMENT_KEY, "attention_mask", "seq_lens")}
     out["seq_lens"] = doc_lengths

@@ -83,6 +83,10 @@ def normalize_positions(batch: Mapping, shape: tuple[int, int], position_layout:
         return dict(batch)
     if given.dim() != 3:
         raise ValueError(f"position_ids must be [B, S] or mRoPE [3, B, S], got shape {tuple(given.shape)}")
+    # Pad slots continue after each document's largest position (`pack.pack_positions`): bool and complex
+    # positions have no such order (torch.iinfo raised a TypeError there).
+    if given.dtype == torch.bool or given.is_complex():
+        raise ValueError(f"mRoPE position_ids must hold integer or real positions, got dtype {given.dtype}")
     as_3bs, as_b3s = (3, batch_size, row_length), (batch_size, 3, row_length)
     layout = position_layout
     if layout is None:

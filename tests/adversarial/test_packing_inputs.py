@@ -7,6 +7,7 @@ positions were read as `[3, B, S]`, pre-packed documents were merged, media were
 sample, and `pad_batch` did not exist (the dense path checked nothing).
 """
 
+import numpy as np
 import pytest
 import torch
 
@@ -96,6 +97,12 @@ ERRORS = [
      r"input_ids row 0 position 1 is -5: token ids must lie in \[0, vocab_size\)"),
     ("hf_labels_as_megatron", lambda: pack_batch(hf_batch()),
      r"labels equal input_ids on all 5 real targets: these are Hugging Face \(unshifted\) labels; pass label_style=\"hf\""),
+    ("loss_weight_finite_in_float64_only", lambda: pack_batch(with_(megatron_batch(), loss_mask=torch.tensor(
+        [[1.0, 1e39, 1, 0], [1, 1, 0, 0]], dtype=torch.float64))),
+     r"loss_mask row 0 position 1 is 1e\+39 \(inf as float32\): loss weights must be finite and >= 0"),
+    ("dense_loss_weight_finite_in_float64_only", lambda: pad_batch(with_(megatron_batch(), loss_mask=torch.tensor(
+        [[1.0, 1e39, 1, 0], [1, 1, 0, 0]], dtype=torch.float64))),
+     r"loss_mask row 0 position 1 is 1e\+39 \(inf as float32\): loss weights must be finite and >= 0"),
     ("negative_loss_weight", lambda: pack_batch(with_(megatron_batch(), loss_mask=torch.tensor([[1.0, -1.0, 1, 0], [1, 1, 0, 0]]))),
      r"loss_mask row 0 position 1 is -1\.0: loss weights must be finite and >= 0"),
     ("nan_loss_weight", lambda: pack_batch(with_(megatron_batch(), loss_mask=torch.tensor([[1.0, 1, 1, 0], [float("nan"), 1, 0, 0]]))),
@@ -107,6 +114,15 @@ ERRORS = [
     ("positions_wrong_3d_shape", lambda: pack_batch(with_(hf_batch(), position_ids=torch.zeros(2, 4, 3, dtype=torch.long)),
                                                     label_style="hf"),
      r"position_ids has shape \(2, 4, 3\); mRoPE positions must be \[3, 2, 4\] \(or \[2, 3, 4\]\)"),
+    ("positions_3d_bool", lambda: pack_batch(with_(hf_batch(), position_ids=torch.ones(3, 2, 4, dtype=torch.bool)),
+                                             label_style="hf"),
+     r"mRoPE position_ids must hold integer or real positions, got dtype torch\.bool"),
+    ("positions_3d_complex", lambda: pack_batch(with_(hf_batch(), position_ids=torch.ones(2, 3, 4, dtype=torch.complex64)),
+                                                label_style="hf"),
+     r"mRoPE position_ids must hold integer or real positions, got dtype torch\.complex64"),
+    ("dense_positions_3d_bool", lambda: pad_batch(with_(hf_batch(), position_ids=torch.ones(3, 2, 4, dtype=torch.bool)),
+                                                  label_style="hf"),
+     r"mRoPE position_ids must hold integer or real positions, got dtype torch\.bool"),
     ("positions_1d_restart_inside_a_row",
      lambda: pack_batch(with_(hf_batch(((1, 2, 3, 4),), 4), position_ids=torch.tensor([[0, 1, 0, 1]])), label_style="hf"),
      r"position_ids row 0 position 2 is 0, expected 2 \(it restarts: a row with several documents\? give document_lengths\)"),
@@ -118,6 +134,12 @@ ERRORS = [
     ("seq_lens_nested_per_row", lambda: pack_batch({**megatron_batch(), "attention_mask": None,
                                                     "seq_lens": torch.tensor([[2, 1], [2, 0]])}),
      r"seq_lens must be \[B\] \(one length per row\), got shape \(2, 2\); several documents per row go in document_lengths"),
+    ("pad_to_float", lambda: pack_batch(hf_batch(), label_style="hf", pad_to=8.0),
+     r"pad_to must be an int \(the packed length T\) or None, got 8\.0"),
+    ("pad_to_string", lambda: pack_batch(hf_batch(), label_style="hf", pad_to="8"),
+     r"pad_to must be an int \(the packed length T\) or None, got '8'"),
+    ("pad_to_bool", lambda: pack_batch(hf_batch(), label_style="hf", pad_to=True),
+     r"pad_to must be an int \(the packed length T\) or None, got True"),
     ("pad_token_id_none", lambda: pack_batch(hf_batch(), label_style="hf", pad_token_id=None),
      r"pad_token_id must be a non-negative int \(the id written at pad slots\), got None"),
     ("block_diagonal_4d_mask", lambda: pack_batch(_block_diagonal_4d(), label_style="hf"),
@@ -192,6 +214,11 @@ ERRORS = [
                                                               document_lengths=torch.tensor([[1, 0, 2], [2, 0, 0]])),
                                                         label_style="hf"),
      r"document_lengths row 0 is \[1, 0, 2\]: document lengths must be >= 1 \(zeros only as trailing padding\)"),
+    ("document_lengths_every_row_empty", lambda: pack_batch({"input_ids": torch.zeros(2, 3, dtype=torch.long),
+                                                             "labels": torch.zeros(2, 3, dtype=torch.long),
+                                                             "seq_lens": [0, 0], "document_lengths": [[0], []]},
+                                                            label_style="hf"),
+     r"the batch has no real tokens \(2 rows, all empty\): nothing to pack"),
     ("document_lengths_float", lambda: pack_batch(with_(hf_batch(), document_lengths=torch.tensor([[1.5, 1.5], [2.0, 0]])),
                                                   label_style="hf"),
      r"document_lengths must be a \[B, D\] integer tensor \(or B lists of ints\), got shape \(2, 2\) torch\.float32"),
@@ -286,6 +313,14 @@ def test_bad_input_is_a_value_error_naming_field_and_numbers(name, call, message
 
 # ---- exact results -------------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("pad_to", [torch.tensor(8), np.int64(8)], ids=["tensor", "numpy"])
+def test_pad_to_as_an_integer_scalar_gives_python_int_lengths(pad_to):
+    mb = pack_batch(hf_batch(), label_style="hf", pad_to=pad_to)
+    # max_seqlen_* are Python ints (the contract; TE reads them on the host), as is every plan length
+    assert type(mb.packed_seq_params.max_seqlen_q) is int and type(mb.plan.total) is int
+    assert all(type(n) is int for n in mb.plan.physical_lengths) and mb.plan.physical_lengths == (3, 5)
+
+
 def test_float_loss_weights_are_kept_packed():
     batch = with_(megatron_batch(), loss_mask=torch.tensor([[0.5, 2.0, 1.0, 0.0], [0.25, 1.0, 0.0, 0.0]]))
     assert pack_batch(batch).loss_mask.tolist() == [[0.5, 2.0, 1.0, 0.25, 1.0]]
@@ -378,6 +413,15 @@ def test_dense_rows_with_one_document_each_are_accepted():
     plain = pad_batch(batch, label_style="hf")
     declared = pad_batch(with_(batch, document_lengths=[[3], [2]]), label_style="hf")
     assert torch.equal(plain.labels, declared.labels) and torch.equal(plain.position_ids, declared.position_ids)
+
+
+def test_dense_rows_with_one_document_each_keep_their_empty_rows():
+    batch = {**hf_batch(((11, 12, 13), (21, 22))), "attention_mask": torch.tensor([[1, 1, 1, 0], [0, 0, 0, 0]])}
+    plain = pad_batch(batch, label_style="hf")
+    for empty in ([], [0]):  # an empty row declares no document: it stays a row (B = 2), as without them
+        declared = pad_batch(with_(batch, document_lengths=[[3], empty]), label_style="hf")
+        assert declared.input_ids.shape == plain.input_ids.shape == (2, 4)
+        assert torch.equal(plain.labels, declared.labels) and torch.equal(plain.padding_mask, declared.padding_mask)
 
 
 def test_dense_truncate_flag_cuts_text():

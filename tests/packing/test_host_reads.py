@@ -176,3 +176,49 @@ def test_host_reads_refuses_a_batch_off_the_host():
     batch = {"input_ids": torch.ones(2, 4, dtype=torch.long, device="meta"), "labels": torch.ones(2, 4, dtype=torch.long)}
     with pytest.raises(ValueError, match=r"host_reads=True packs a batch on the CPU .* 'input_ids' is on meta"):
         pack_batch(batch, host_reads=True)
+
+
+def _two_faults():
+    """Batches with a bad id, label or loss weight (or 1D position) and a second fault that a later check
+    finds: a media count, a grid, mRoPE blocks, positions numpy cannot view, or pad_to."""
+    from megatron_vlm_packing.rope import MRopeConfig
+
+    img, rope = 9, MRopeConfig(family="qwen2_vl", image_token_id=9, video_token_id=8)
+    ids = torch.tensor([[1, img, img, 0], [2, 3, 0, 0]])
+    base = {"input_ids": ids, "labels": torch.tensor([[1, -7, img, -100], [2, 3, -100, -100]]),
+            "attention_mask": (ids != 0).long(), "pixel_values": torch.zeros(4, 3),
+            "image_grid_thw": torch.tensor([[1, 2, 2]])}  # 1 placeholder per image, the row has 2
+    text = {"input_ids": torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0]]),
+            "labels": torch.tensor([[6, -7, 1, -100], [9, 2, -100, -100]]),
+            "attention_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])}
+    bad_positions = torch.tensor([[0, 1, 0, 3], [0, 1, 2, 3]])
+    good_labels = torch.tensor([[1, img, img, -100], [2, 3, -100, -100]])
+    return {
+        "bad_label_and_media_count": (base, dict(label_style="hf", image_token_id=img)),
+        "bad_label_and_mrope_blocks": ({  # 3 placeholders as the grids give, but blocks of 2 and 1, not 1 and 2
+            "input_ids": torch.tensor([[1, img, img, 5, img], [2, 3, 0, 0, 0]]),
+            "labels": torch.tensor([[1, -7, img, 5, img], [2, 3, -100, -100, -100]]),
+            "attention_mask": torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]), "pixel_values": torch.zeros(12, 3),
+            "image_grid_thw": torch.tensor([[1, 2, 2], [1, 2, 4]])}, dict(label_style="hf", mrope=rope)),
+        "bad_id_and_media_count": ({**base, "labels": good_labels, "input_ids": ids.clone().index_put_(
+            (torch.tensor(1), torch.tensor(1)), torch.tensor(-4))}, dict(label_style="hf", image_token_id=img)),
+        "bad_loss_weight_and_media_count": ({**base, "labels": good_labels, "loss_mask": torch.tensor(
+            [[1.0, float("nan"), 1, 0], [1, 1, 0, 0]])}, dict(label_style="hf", image_token_id=img)),
+        "bad_position_and_media_count": ({**base, "labels": good_labels, "position_ids": bad_positions},
+                                         dict(label_style="hf", image_token_id=img)),
+        "bad_label_and_bfloat16_positions": ({**text, "position_ids": bad_positions.bfloat16()}, {}),
+        "bad_label_and_pad_to_too_small": (text, dict(pad_to=2)),
+        "bad_label_and_pad_to_not_aligned": (text, dict(pad_to=6, cp_size=2)),
+        "bad_position_and_pad_to_too_small": ({**text, "labels": torch.tensor([[6, 7, 1, -100], [9, 2, -100, -100]]),
+                                               "position_ids": bad_positions}, dict(pad_to=2)),
+    }
+
+
+@pytest.mark.parametrize("name", list(_two_faults()))
+def test_a_batch_with_two_faults_gives_the_device_paths_first_error_on_the_host(name):
+    """The device path raises the value errors (ids, labels, loss weights, then 1D positions) before
+    those of media, mRoPE blocks, positions read with them and the plan; the host checks values over the
+    packed tokens, after those, so it runs them first wherever a later check fails."""
+    batch, kwargs = _two_faults()[name]
+    host, device = both_paths(batch, **kwargs)
+    assert isinstance(device, str) and host == device
