@@ -21,7 +21,8 @@ from megatron_vlm_packing.packing.pack import pack_next_token_labels, pack_posit
 from megatron_vlm_packing.packing.positions import check_1d_positions_on_host
 from megatron_vlm_packing.packing.plan import PackIndices, PackMultiples, PackPlan, make_pack_plan, plan_indices
 from megatron_vlm_packing.packing.rows import (  # noqa: F401
-    IGNORE_INDEX, Rows, check_pad_token_id, loss_weights_of, read_rows, shift_labels_within_rows, value_errors_first,
+    IGNORE_INDEX, Rows, check_pad_token_id, loss_weights_of, raise_value_errors_first, read_rows,
+    shift_labels_within_rows,
 )
 
 # Kept for callers of the first `PackedBatch`: the one typed micro-batch now.
@@ -169,8 +170,11 @@ def pack_batch(
     )
     # host_reads: a bad value is named before a pad_to that does not fit, as the device path (which has
     # read the values by now) names it.
-    with value_errors_first(rows.unchecked_values, label_style, vocab_size, rows.unchecked_positions):
+    try:
         plan = make_pack_plan(rows.lengths, row_capacity=row_length, multiples=multiples, pad_to=pad_to)
+    except ValueError:
+        raise_value_errors_first(rows.unchecked_values, label_style, vocab_size, rows.unchecked_positions)
+        raise
     indices = plan_indices(plan, rows.input_ids.device)
     positions = segment_positions(indices) if rows.positions is None else pack_positions(rows.positions, indices)
     if packs_on_host(rows):

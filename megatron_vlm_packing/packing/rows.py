@@ -10,7 +10,6 @@ Shape legend: B = rows, S = row length.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -275,24 +274,20 @@ def queue_row_reads(batch: Mapping, input_ids: torch.Tensor, name: str, label_st
                       lengths_entry=lengths_entry, batch_size=shape[0], unchecked_values=inputs if on_host else None)
 
 
-@contextlib.contextmanager
-def value_errors_first(unchecked_values: ValueInputs | None, label_style: str, vocab_size: int | None,
-                       unchecked_positions: torch.Tensor | None):
-    """Rows read on the host (`unchecked_values` set): a ValueError raised inside is preceded by the errors
-    of bad ids, labels, loss weights and [B, S] position_ids, if any.
+def raise_value_errors_first(unchecked_values: ValueInputs | None, label_style: str, vocab_size: int | None,
+                             unchecked_positions: torch.Tensor | None) -> None:
+    """Called while a ValueError is being handled: rows read on the host (`unchecked_values` set) raise the
+    error of a bad id, label, loss weight or [B, S] position_ids first, if they hold one.
 
     The device path reads those values first (their checks are queued before those of positions read
     with them, media and mRoPE blocks, and made before the plan), while the host checks them last, over
     the packed tokens; without this a batch with two faults would name a different one on each path.
-    Error path only: the rows are checked exactly (`checks.check_row_values`, `check_1d_positions`)."""
-    try:
-        yield
-    except ValueError:
-        if unchecked_values is not None:
-            check_row_values(unchecked_values, label_style, vocab_size)
-            if unchecked_positions is not None:
-                check_1d_positions(unchecked_positions, unchecked_values.keep(), unchecked_values.where)
-        raise
+    Error path only (callers wrap the host reads in a try, free in Python 3.11+): the rows are checked
+    exactly (`checks.check_row_values`, `check_1d_positions`)."""
+    if unchecked_values is not None:
+        check_row_values(unchecked_values, label_style, vocab_size)
+        if unchecked_positions is not None:
+            check_1d_positions(unchecked_positions, unchecked_values.keep(), unchecked_values.where)
 
 
 def read_rows(batch, *, label_style: str, mrope, media: MediaTokens, extra_keys=(), vocab_size: int | None = None,
@@ -334,13 +329,16 @@ def read_rows(batch, *, label_style: str, mrope, media: MediaTokens, extra_keys=
         queue_position_checks(batch, lambda: deferred.keep, mrope, checks, where)
     media_entries = queue_media_reads(batch, input_ids, lambda: deferred.keep, media, checks, row_name)
     rope = queue_rope_positions(batch, input_ids, lambda: deferred.keep, mrope, checks, where)
-    with value_errors_first(queued.unchecked_values, label_style, vocab_size, unchecked_positions):
+    try:
         host = checks.read()  # the one host sync
         lengths = queued.lengths(host)
         media_host = MediaHost({name: host[entry] for name, entry in media_entries.items()}, row_name)
         vision = vision_inputs(batch, media_host, media, grids_for_rope=mrope is not None)
         audio = audio_inputs(batch, media_host, media)
         positions = batch_positions(batch, input_ids, deferred, mrope, audio, rope, host)
+    except ValueError:
+        raise_value_errors_first(queued.unchecked_values, label_style, vocab_size, unchecked_positions)
+        raise
     return Rows(input_ids=input_ids, mask=deferred, lengths=lengths, raw_labels=raw_labels, label_style=label_style,
                 loss_values=loss_values, positions=positions,
                 vision=vision, audio=audio, extras=_extras(batch, extra_keys, shape),
