@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import operator
 
 import numpy as np
 import torch
@@ -19,7 +18,9 @@ from megatron_vlm_packing.packing.media import MediaTokens, checked_placeholders
 from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch
 from megatron_vlm_packing.packing.pack import pack_next_token_labels, pack_positions, pack_rows, segment_positions
 from megatron_vlm_packing.packing.positions import check_1d_positions_on_host
-from megatron_vlm_packing.packing.plan import PackIndices, PackMultiples, PackPlan, make_pack_plan, plan_indices
+from megatron_vlm_packing.packing.plan import (
+    PackIndices, PackMultiples, PackPlan, checked_pad_to, make_pack_plan, plan_indices,
+)
 from megatron_vlm_packing.packing.rows import (  # noqa: F401
     IGNORE_INDEX, Rows, check_pad_token_id, loss_weights_of, raise_value_errors_first, read_rows,
     shift_labels_within_rows,
@@ -159,7 +160,7 @@ def pack_batch(
                                 audio_token_id=audio_token_id, spatial_merge_size=spatial_merge_size,
                                 require_counts=require_media_counts)
     check_pad_token_id(pad_token_id)
-    pad_to = _checked_pad_to(pad_to)
+    pad_to = checked_pad_to(pad_to)  # an option error is named before any batch error
     if host_reads:
         _check_on_host(batch)
     rows = read_rows(batch, label_style=label_style, mrope=mrope, media=media, extra_keys=tuple(extra_keys),
@@ -202,20 +203,6 @@ def pack_batch(
         indices=indices,
         placeholders_checked=checked_placeholders(batch, media),
     )
-
-
-def _checked_pad_to(pad_to):
-    """`pad_to` as a Python int (or None). An integer scalar (numpy, a 0-dim tensor) would otherwise become
-    the last physical length, `T` and `max_seqlen_*`, which must be Python ints; a float or a string
-    failed deep in the plan with a TypeError."""
-    if pad_to is None:
-        return None
-    if not isinstance(pad_to, bool):
-        try:
-            return operator.index(pad_to)
-        except TypeError:
-            pass
-    raise ValueError(f"pad_to must be an int (the packed length T) or None, got {pad_to!r}")
 
 
 def check_pack_options(options: dict, owner: str, taken: tuple[str, ...] = ()) -> None:

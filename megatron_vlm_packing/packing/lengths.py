@@ -9,6 +9,7 @@ Shape legend: B = rows, S = row length (padded).
 from __future__ import annotations
 
 import functools
+import numbers
 from typing import Callable
 
 import numpy as np
@@ -114,9 +115,10 @@ def check_4d_is_causal(mask: torch.Tensor, keep: torch.Tensor) -> None:
 
 
 def _seq_lens_list(seq_lens) -> list:
-    """`seq_lens` as a list of Python ints; fractional, bool or non-numeric entries are a ValueError."""
-    if isinstance(seq_lens, torch.Tensor):
-        if seq_lens.dim() != 1:
+    """`seq_lens` ([B] tensor or numpy array, or a list of ints, numpy ints included) as a list of Python
+    ints; fractional, bool or non-numeric entries are a ValueError."""
+    if isinstance(seq_lens, (torch.Tensor, np.ndarray)):
+        if seq_lens.ndim != 1:
             raise ValueError(f"seq_lens must be [B] (one length per row), got shape {tuple(seq_lens.shape)}; "
                              f"several documents per row go in document_lengths")
         values = seq_lens.tolist()
@@ -125,7 +127,8 @@ def _seq_lens_list(seq_lens) -> list:
     else:
         raise ValueError(f"seq_lens must be a [B] integer tensor or a list of ints, got {type(seq_lens).__name__}")
     for b, n in enumerate(values):
-        if isinstance(n, bool) or not isinstance(n, (int, float)) or (isinstance(n, float) and not n.is_integer()):
+        if isinstance(n, (bool, np.bool_)) or not isinstance(n, numbers.Real) \
+                or (not isinstance(n, numbers.Integral) and not float(n).is_integer()):
             raise ValueError(f"seq_lens row {b} is {n!r}: lengths must be whole numbers of tokens")
     return [int(n) for n in values]
 

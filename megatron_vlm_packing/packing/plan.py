@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,8 +51,8 @@ class PackMultiples:
         cls, *, tp_size: int = 1, cp_size: int = 1, sequence_parallel: bool = False, fp8: bool = False
     ) -> "PackMultiples":
         """The multiples for a parallel configuration (see `_for_parallel`)."""
-        if type(tp_size) is int and type(cp_size) is int and tp_size == cp_size == 1 and not sequence_parallel \
-                and not fp8 and cls is PackMultiples:
+        if type(tp_size) is int and type(cp_size) is int and tp_size == cp_size == 1 and sequence_parallel is False \
+                and fp8 is False and cls is PackMultiples:
             return _NO_PARALLELISM  # the common case, built once
         return cls._for_parallel(tp_size=tp_size, cp_size=cp_size, sequence_parallel=sequence_parallel, fp8=fp8)
 
@@ -66,8 +67,12 @@ class PackMultiples:
           each rank multiplies to be a multiple of 16.
         """
         for name, value in (("tp_size", tp_size), ("cp_size", cp_size)):
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name, value in (("sequence_parallel", sequence_parallel), ("fp8", fp8)):
+            if not isinstance(value, bool):  # a truthy string ("false") must not switch alignment on
+                raise ValueError(f"{name} must be a bool, got {value!r}"
+                                 + (" (for Megatron's fp8 format: fp8=config.fp8 is not None)" if name == "fp8" else ""))
         segment = 2 * cp_size if cp_size > 1 else 1
         per_rank = cp_size * (tp_size if sequence_parallel else 1)
         total = math.lcm(segment, per_rank * (16 if fp8 else 1))
@@ -179,6 +184,7 @@ def make_pack_plan(
         ValueError: no real tokens at all, a length out of range, or a `pad_to` that is too small
         or not aligned (naming the numbers).
     """
+    pad_to = checked_pad_to(pad_to)
     lengths = tuple(int(n) for n in row_lengths)
     out_of_range = [(b, n) for b, n in enumerate(lengths) if not 0 <= n <= row_capacity]
     if out_of_range:
@@ -207,6 +213,24 @@ def make_pack_plan(
         physical_lengths=tuple(physical),
         multiples=multiples,
     )
+
+
+def checked_pad_to(pad_to) -> int | None:
+    """`pad_to` as a Python int (or None). An integer scalar (numpy, a 0-dim tensor) would otherwise
+    become the last physical length, T and `max_seqlen_*`, which must be Python ints; a float or a
+    string would fail deep in the plan with a TypeError.
+
+    Raises:
+        ValueError: `pad_to` is a bool or not an integer.
+    """
+    if pad_to is None or type(pad_to) is int:
+        return pad_to
+    if not isinstance(pad_to, bool):
+        try:
+            return operator.index(pad_to)
+        except TypeError:
+            pass
+    raise ValueError(f"pad_to must be an int (the packed length T) or None, got {pad_to!r}")
 
 
 @dataclass(frozen=True)

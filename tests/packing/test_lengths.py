@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -61,8 +62,19 @@ def test_mask_values_never_inferred_from_tokens():
         (dict(seq_lens=[1, 9]), r"seq_lens must lie in \[0, 4\].*\(1, 9\)"),
         (dict(seq_lens=[1, 1], attention_mask=torch.ones(2, 4)), r"either attention_mask or seq_lens"),
         (dict(attention_mask=torch.zeros(2, 1, 4, 4)), r"must be bool with True = masked"),
+        (dict(seq_lens=np.array([1.5, 2.0])), r"seq_lens row 0 is 1\.5: lengths must be whole numbers"),
+        (dict(seq_lens=[np.True_, 2]), r"seq_lens row 0 is np\.True_: lengths must be whole numbers"),
+        (dict(seq_lens=np.array([[1], [2]])), r"seq_lens must be \[B\].*got shape \(2, 1\)"),
     ],
 )
 def test_bad_sources_raise(kwargs, expected):
     with pytest.raises(ValueError, match=expected):
         real_lengths(batch_size=2, row_length=4, **kwargs)
+
+
+@pytest.mark.parametrize("seq_lens", [np.array([3, 0]), [np.int64(3), np.int32(0)], np.array([3.0, 0.0])],
+                         ids=["numpy array", "numpy ints", "whole floats"])
+def test_seq_lens_from_numpy(seq_lens):
+    # A dataset built with numpy hands over numpy lengths: read as the same ints as a list.
+    lengths = real_lengths(batch_size=2, row_length=4, seq_lens=seq_lens)
+    assert lengths == [3, 0] and all(type(n) is int for n in lengths)

@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -25,6 +26,27 @@ def test_multiples_for_parallel():
         PackMultiples.for_parallel(tp_size=0)
 
 
+@pytest.mark.parametrize("kwargs, expected", [
+    (dict(tp_size=True), r"tp_size must be a positive int, got True"),
+    (dict(cp_size=2.0), r"cp_size must be a positive int, got 2\.0"),
+    (dict(sequence_parallel=1, tp_size=2), r"sequence_parallel must be a bool, got 1"),
+    (dict(sequence_parallel=0), r"sequence_parallel must be a bool, got 0"),
+    (dict(fp8="false"), r"fp8 must be a bool, got 'false' \(for Megatron's fp8 format: fp8=config.fp8 is not None\)"),
+    (dict(fp8=None), r"fp8 must be a bool, got None"),
+])
+def test_multiples_refuse_what_is_not_a_size_or_a_flag(kwargs, expected):
+    # A bool read as size 1, or a truthy string read as "on", would align the pack for another layout.
+    with pytest.raises(ValueError, match=expected):
+        PackMultiples.for_parallel(**kwargs)
+
+
+@pytest.mark.parametrize("pad_to", [np.int64(16), torch.tensor(16)], ids=["numpy", "tensor"])
+def test_plan_takes_an_integer_scalar_pad_to_as_a_python_int(pad_to):
+    plan = make_pack_plan([3, 5], row_capacity=8, pad_to=pad_to)
+    assert type(plan.total) is int and type(plan.max_seqlen) is int and plan.physical_lengths == (3, 13)
+    assert all(type(n) is int for n in plan.physical_lengths)
+
+
 def test_worked_example():
     plan = make_pack_plan([5, 0, 3], row_capacity=8, multiples=PackMultiples(segment=4, total=4))
     assert plan.segment_rows == (0, 2)
@@ -50,6 +72,8 @@ def test_total_padding_grows_the_last_segment_only():
         (dict(row_lengths=[9]), r"must lie in \[0, 8\]"),
         (dict(row_lengths=[8, 8], pad_to=12), r"pad_to=12 is smaller than the 16 physical tokens.*16 real tokens in 2 samples"),
         (dict(row_lengths=[2], pad_to=10, multiples=PackMultiples(4, 4)), r"pad_to=10 is not a multiple of the total multiple 4"),
+        (dict(row_lengths=[2], pad_to=8.0), r"pad_to must be an int \(the packed length T\) or None, got 8\.0"),
+        (dict(row_lengths=[2], pad_to=True), r"pad_to must be an int \(the packed length T\) or None, got True"),
     ],
 )
 def test_plan_rejects(kwargs, expected):
