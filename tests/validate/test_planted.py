@@ -235,6 +235,18 @@ def test_shapes(vlm_pack):
     assert "labels has" in str(report)
 
 
+@pytest.mark.parametrize("name, change", [
+    ("input_ids", lambda t: t.float()),            # equal values: only the dtype is wrong
+    ("labels", lambda t: t.bool()),
+    ("labels", lambda t: t.float()),
+    ("position_ids", lambda t: t.float() + 0.5),   # .long() truncated these back to the right positions
+])
+def test_non_integer_ids_labels_positions_are_named(vlm_pack, name, change):
+    fields = vlm_pack[1]
+    report = only(validate_packed_batch(**clone(fields, **{name: change(fields[name])})), "dtypes")
+    assert f"{name} has dtype" in str(report)
+
+
 def test_boundaries_that_do_not_cover_the_slots_stop_before_per_token_checks(vlm_pack):
     fields = vlm_pack[1]
     pad = fields["cu_seqlens_padded"].clone()
