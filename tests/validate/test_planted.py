@@ -229,6 +229,15 @@ def test_cp_ranks_on_te_rule_are_clean_and_others_are_not(vlm_pack):
     assert "rank 0's labels" in str(report)
 
 
+def test_cp_ranks_outside_the_cp_group_are_named(vlm_pack):
+    fields = vlm_pack[1]
+    te = lambda r: cp_partition_index(fields["cu_seqlens_padded"], 2, r)  # noqa: E731
+    ranks = cp_ranks(fields, te)
+    ranks[5] = ranks.pop(1)  # what rank 1 received, filed under a rank cp=2 does not have: passed as clean
+    report = only(validate_packed_batch(**clone(fields, cp_ranks=ranks)), "cp_partition")
+    assert "cp_ranks has rank 5, but cp=2 has ranks 0..1" in str(report)
+
+
 def test_shapes(vlm_pack):
     fields = vlm_pack[1]
     report = only(validate_packed_batch(**clone(fields, labels=fields["labels"][:, :-1])), "shapes")
