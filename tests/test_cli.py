@@ -80,3 +80,31 @@ def test_check_unreadable_files_exit_2(tmp_path, capsys):
     unknown, _ = _saved_pack(tmp_path, "unknown.pt", cu_seqlen=1)
     assert main(["check", str(unknown)]) == 2
     assert "unknown keys in the batch: ['cu_seqlen']" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({1: 0, "x": 0}, "unknown keys in the batch: ['x', 1]"),      # keys of mixed types did not sort: TypeError
+    ({"labels": "abc"}, "labels must be a tensor"),
+    ({"packed_seq_params": {"cu_seqlens_q": "0,5"}}, "cu_seqlens must be a tensor"),
+    ({"image_token_id": 13, "image_grid_thw": [[1, 2, 2]], "spatial_merge_size": 0}, "spatial_merge_size must be >= 1"),
+    ({"images_per_document": 3}, "images_per_document must be N counts"),
+    ({"source_labels": [[1, 2]]}, "source_labels must be [B, S] like source_input_ids (3, 6)"),
+    ({"cp_ranks": {0: 5}}, "cp_ranks must be {rank:"),
+    ({"cp_size": 2.5}, "cp_size must be an int, got 2.5"),
+    ({"mrope": 5}, "mrope must be an MRopeConfig"),
+])
+def test_check_malformed_fields_exit_2_with_the_field_named(tmp_path, capsys, changes, words):
+    path, _ = _saved_pack(tmp_path)
+    import torch
+
+    torch.save({**torch.load(path, weights_only=False), **changes}, path)
+    assert main(["check", str(path)]) == 2  # before: a TypeError / ZeroDivisionError / IndexError traceback
+    assert words in capsys.readouterr().err
+
+
+def test_check_a_meta_tensor_exits_2(tmp_path, capsys):
+    import torch
+
+    path, _ = _saved_pack(tmp_path, labels=torch.empty(1, 16, dtype=torch.long, device="meta"))
+    assert main(["check", str(path)]) == 2
+    assert "labels must be a dense tensor with data" in capsys.readouterr().err
