@@ -21,6 +21,22 @@ def test_inspect_rejects_non_integers():
         main(["inspect", "5,x"])
 
 
+@pytest.mark.parametrize("lengths", ["5,,3", "5,3,", ",", ""])
+def test_inspect_rejects_empty_entries(lengths, capsys):
+    with pytest.raises(SystemExit):  # "5,,3" was read as 2 rows, "" reached max() of nothing
+        main(["inspect", lengths])
+    assert "expected comma-separated ints" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["5,3", "--pad-to", str(10**14)], "must be <= 2147483647 (cu_seqlens are int32)"),   # was a RuntimeError traceback
+    (["2000000000,2000000000"], "the pack has 4000000000 slots"),
+])
+def test_inspect_packs_beyond_int32_are_a_clear_error(argv, words, capsys):
+    assert main(["inspect", *argv]) == 2
+    assert words in capsys.readouterr().err
+
+
 def _saved_pack(tmp_path, name="batch.pt", **changes):
     import torch
 
