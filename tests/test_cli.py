@@ -124,3 +124,11 @@ def test_check_a_meta_tensor_exits_2(tmp_path, capsys):
     path, _ = _saved_pack(tmp_path, labels=torch.empty(1, 16, dtype=torch.long, device="meta"))
     assert main(["check", str(path)]) == 2
     assert "labels must be a dense tensor with data" in capsys.readouterr().err
+
+
+def test_demo_on_cuda_without_a_cuda_device_is_a_clear_error(monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["demo", "--device", "cuda", "--steps", "1"]) == 2  # was torch's "no NVIDIA driver" traceback
+    assert "--device cuda, but torch sees no CUDA device" in capsys.readouterr().err
