@@ -121,8 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check", help="validate a saved packed batch from any packer",
                            formatter_class=argparse.RawDescriptionHelpFormatter,
-                           description="Exit status 0 when clean, 1 on violations, 2 when the file cannot be "
-                                       "read.\nFILE is torch.save of a dict with these keys:\n" + saved_keys_help())
+                           description="Exit status 0 when clean, 1 on violations, 2 when the file (or one of "
+                                       "its fields) cannot be read.\nFILE is torch.save of a dict with these keys:\n"
+                                       + saved_keys_help())
     check.add_argument("file", help="torch.save'd dict (see the keys above)")
     check.add_argument("--tp", type=int, default=None, help="tensor-parallel size (overrides tp_size in FILE)")
     check.add_argument("--cp", type=int, default=None, help="context-parallel size (overrides cp_size)")
