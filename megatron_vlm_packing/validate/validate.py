@@ -132,6 +132,9 @@ def run_checks(inputs: PackedInputs) -> ValidationReport:
     if inputs.position_ids is not None:
         violations += check_positions(inputs, docs, items, failed)
         checked += ["positions_restart", "mrope_channels_identical"] + (["mrope_positions"] if inputs.mrope else [])
+        if inputs.position_ids.dim() == 2 and not inputs.mrope:  # say so: an OK must not read as "mRoPE checked"
+            skipped.append(("mrope_positions", "no mrope (MRopeConfig or the model's index) given: [3, T] positions "
+                            "are checked for restarts and identical channels only"))
     if inputs.cp_ranks:
         violations += check_cp_ranks(inputs, bounds)
         checked.append("cp_partition")

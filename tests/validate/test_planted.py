@@ -115,6 +115,15 @@ def test_3d_positions_not_restarting(vlm_pack):
     assert report.violations[0].documents == (2,)
 
 
+def test_3d_positions_without_an_index_say_what_was_not_checked(vlm_pack):
+    fields = clone(vlm_pack[1])
+    fields.pop("mrope")  # a saved file cannot hold the model's index
+    s, n = docs_of(fields)[0]
+    fields["position_ids"][:, :, s + n // 2:s + n] += 5  # a jump inside document 0: only the index sees it
+    report = validate_packed_batch(**fields)
+    assert report.ok and "not checked: mrope_positions (no mrope" in str(report)
+
+
 def test_bug1_1d_positions_copied_to_three_channels(vlm_pack):
     fields = vlm_pack[1]
     offsets = torch.cat([torch.arange(b - a) for a, b in zip(fields["cu_seqlens_padded"][:-1].tolist(),
