@@ -259,7 +259,8 @@ def build_inputs(batch=None, **overrides) -> PackedInputs:
         values.setdefault("cp_rank", layout.cp_rank)
     if layout_keys:
         # _int: int(2.5) would check a cp_size of 2 silently
-        layout_keys = {k: (bool(v) if k in ("sequence_parallel", "fp8") else _int(v, k)) for k, v in layout_keys.items()}
+        layout_keys = {k: (bool(v) if k in ("sequence_parallel", "fp8") else _int(v, k))
+                       for k, v in layout_keys.items()}
         values["multiples"] = PackMultiples.for_parallel(**layout_keys)
         values["cp_size"] = layout_keys.get("cp_size", 1)
     if values.get("max_seqlen") is not None and not isinstance(values["max_seqlen"], tuple):
