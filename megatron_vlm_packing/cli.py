@@ -7,10 +7,12 @@ import sys
 
 
 def _int_list(text: str) -> list[int]:
+    # An empty entry ("5,,3", "5,3,", "") is refused, not skipped: skipping planned 2 rows for "5,,3"
+    # (the user may have meant 5,0,3) and left nothing for max() on "".
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        return [int(x) for x in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints such as 5,0,3, got {text!r}") from None
 
 
 def _positive_int(text: str) -> int:
@@ -32,7 +34,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         tp_size=args.tp, cp_size=args.cp, sequence_parallel=args.sp, fp8=args.fp8
     )
     capacity = args.seq or max(args.lengths)
+    # cu_seqlens are int32: a larger pack cannot be printed (torch raised an overflow RuntimeError)
+    int32_max = 2**31 - 1
+    if max(args.lengths + [capacity, args.pad_to or 0]) > int32_max:
+        raise ValueError(f"lengths, --seq and --pad-to must be <= {int32_max} (cu_seqlens are int32)")
     plan = make_pack_plan(args.lengths, row_capacity=capacity, multiples=multiples, pad_to=args.pad_to)
+    if plan.total > int32_max:
+        raise ValueError(f"the pack has {plan.total} slots, more than cu_seqlens (int32) can hold ({int32_max})")
     print(f"multiples: segment {multiples.segment}, total {multiples.total}")
     print(f"cu_seqlens         {plan.cu_seqlens().tolist()}")
     print(f"cu_seqlens_padded  {plan.cu_seqlens_padded().tolist()}")
@@ -113,8 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check", help="validate a saved packed batch from any packer",
                            formatter_class=argparse.RawDescriptionHelpFormatter,
-                           description="Exit status 0 when clean, 1 on violations, 2 when the file cannot be "
-                                       "read.\nFILE is torch.save of a dict with these keys:\n" + saved_keys_help())
+                           description="Exit status 0 when clean, 1 on violations, 2 when the file (or one of "
+                                       "its fields) cannot be read.\nFILE is torch.save of a dict with these keys:\n"
+                                       + saved_keys_help())
     check.add_argument("file", help="torch.save'd dict (see the keys above)")
     check.add_argument("--tp", type=int, default=None, help="tensor-parallel size (overrides tp_size in FILE)")
     check.add_argument("--cp", type=int, default=None, help="context-parallel size (overrides cp_size)")

@@ -21,6 +21,22 @@ def test_inspect_rejects_non_integers():
         main(["inspect", "5,x"])
 
 
+@pytest.mark.parametrize("lengths", ["5,,3", "5,3,", ",", ""])
+def test_inspect_rejects_empty_entries(lengths, capsys):
+    with pytest.raises(SystemExit):  # "5,,3" was read as 2 rows, "" reached max() of nothing
+        main(["inspect", lengths])
+    assert "expected comma-separated ints" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["5,3", "--pad-to", str(10**14)], "must be <= 2147483647 (cu_seqlens are int32)"),   # was a RuntimeError traceback
+    (["2000000000,2000000000"], "the pack has 4000000000 slots"),
+])
+def test_inspect_packs_beyond_int32_are_a_clear_error(argv, words, capsys):
+    assert main(["inspect", *argv]) == 2
+    assert words in capsys.readouterr().err
+
+
 def _saved_pack(tmp_path, name="batch.pt", **changes):
     import torch
 
@@ -80,3 +96,39 @@ def test_check_unreadable_files_exit_2(tmp_path, capsys):
     unknown, _ = _saved_pack(tmp_path, "unknown.pt", cu_seqlen=1)
     assert main(["check", str(unknown)]) == 2
     assert "unknown keys in the batch: ['cu_seqlen']" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({1: 0, "x": 0}, "unknown keys in the batch: ['x', 1]"),      # keys of mixed types did not sort: TypeError
+    ({"labels": "abc"}, "labels must be a tensor"),
+    ({"packed_seq_params": {"cu_seqlens_q": "0,5"}}, "cu_seqlens must be a tensor"),
+    ({"image_token_id": 13, "image_grid_thw": [[1, 2, 2]], "spatial_merge_size": 0}, "spatial_merge_size must be >= 1"),
+    ({"images_per_document": 3}, "images_per_document must be N counts"),
+    ({"source_labels": [[1, 2]]}, "source_labels must be [B, S] like source_input_ids (3, 6)"),
+    ({"cp_ranks": {0: 5}}, "cp_ranks must be {rank:"),
+    ({"cp_size": 2.5}, "cp_size must be an int, got 2.5"),
+    ({"mrope": 5}, "mrope must be an MRopeConfig"),
+])
+def test_check_malformed_fields_exit_2_with_the_field_named(tmp_path, capsys, changes, words):
+    path, _ = _saved_pack(tmp_path)
+    import torch
+
+    torch.save({**torch.load(path, weights_only=False), **changes}, path)
+    assert main(["check", str(path)]) == 2  # before: a TypeError / ZeroDivisionError / IndexError traceback
+    assert words in capsys.readouterr().err
+
+
+def test_check_a_meta_tensor_exits_2(tmp_path, capsys):
+    import torch
+
+    path, _ = _saved_pack(tmp_path, labels=torch.empty(1, 16, dtype=torch.long, device="meta"))
+    assert main(["check", str(path)]) == 2
+    assert "labels must be a dense tensor with data" in capsys.readouterr().err
+
+
+def test_demo_on_cuda_without_a_cuda_device_is_a_clear_error(monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["demo", "--device", "cuda", "--steps", "1"]) == 2  # was torch's "no NVIDIA driver" traceback
+    assert "--device cuda, but torch sees no CUDA device" in capsys.readouterr().err

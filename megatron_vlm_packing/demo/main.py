@@ -99,6 +99,8 @@ def run_demo(args: argparse.Namespace) -> int:
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if args.sp and args.tp < 2:
         raise ValueError(f"--sp needs --tp > 1, got --tp {args.tp}")
+    if device == "cuda" and not torch.cuda.is_available():  # else torch.cuda.set_device's driver error, as a traceback
+        raise ValueError("--device cuda, but torch sees no CUDA device here; use --device cpu (or auto)")
     for flag, value in (("--steps", args.steps), ("--micro-batch-size", args.micro_batch_size), ("--tp", args.tp),
                         ("--cp", args.cp)):
         if value < 1:

@@ -58,6 +58,10 @@ def check_cp_ranks(inputs: PackedInputs, bounds: Boundaries) -> list[Violation]:
     full = {"input_ids": inputs.input_ids, "labels": inputs.labels, "loss_mask": inputs.loss_mask,
             "padding_mask": inputs.padding_mask, "position_ids": inputs.position_ids}
     for rank, received in sorted(inputs.cp_ranks.items()):
+        if not 0 <= int(rank) < cp_size:  # TE's rule for a rank that does not exist is no rule: it passed as clean
+            out.append(Violation("cp_partition",
+                                 f"cp_ranks has rank {rank}, but cp={cp_size} has ranks 0..{cp_size - 1}"))
+            continue
         expected = _te_index(bounds, cp_size, int(rank))
         if expected is None:
             return out

@@ -126,11 +126,33 @@ def _cpu(x):
     return x.detach().cpu() if isinstance(x, torch.Tensor) else x
 
 
+def _tensor(x, name: str) -> torch.Tensor:
+    """`x` as a dense CPU tensor; ValueError naming `name` when it cannot be one (a string, a ragged
+    list, a meta or sparse tensor), instead of torch's TypeError / RuntimeError deep in a check."""
+    if isinstance(x, torch.Tensor) and (x.layout != torch.strided or x.is_meta):
+        raise ValueError(f"{name} must be a dense tensor with data, got a {x.layout} tensor on {x.device}")
+    try:
+        return _cpu(torch.as_tensor(x))
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise ValueError(f"{name} must be a tensor, got {type(x).__name__} ({err})") from None
+
+
+def _int(x, name: str, minimum: int | None = None) -> int:
+    """An int field (a python int or a one-element integer tensor); ValueError naming `name` otherwise."""
+    if isinstance(x, torch.Tensor) and x.numel() == 1 and not (x.is_floating_point() or x.dtype == torch.bool):
+        x = x.item()
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise ValueError(f"{name} must be an int, got {x!r} ({type(x).__name__})")
+    if minimum is not None and x < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {x}")
+    return x
+
+
 def flat_tokens(x: torch.Tensor | None, name: str) -> torch.Tensor | None:
     """[1, T] / [T] -> [T]; [3, 1, T] / [3, T] positions -> [3, T]."""
     if x is None:
         return None
-    x = _cpu(torch.as_tensor(x))
+    x = _tensor(x, name)
     if x.dim() == 3 and x.shape[1] == 1:  # [C, 1, T]
         return x[:, 0]
     if x.dim() == 2 and x.shape[0] == 1:
@@ -179,8 +201,9 @@ def _from_micro_batch(batch) -> dict:
 
 
 def _from_mapping(batch: Mapping) -> dict:
+    # key=repr: a saved dict may hold non-str keys (ints, tuples) that do not sort among strs
     unknown = sorted(set(batch) - set(SAVED_KEYS) - {"tokens", "cu_seqlens_kv", "cu_seqlens_kv_padded", "cp_rank",
-                                                     "max_seqlen_kv", "ignore_index", "mrope"})
+                                                     "max_seqlen_kv", "ignore_index", "mrope"}, key=repr)
     if unknown:
         raise ValueError(f"unknown keys in the batch: {unknown}; known keys: {sorted(SAVED_KEYS)}")
     out = {k: v for k, v in batch.items() if not k.startswith("source_") and k != "label_style"}
@@ -193,10 +216,17 @@ def _from_mapping(batch: Mapping) -> dict:
     if "max_seqlen" in out and not isinstance(out["max_seqlen"], tuple):
         out["max_seqlen"] = (out["max_seqlen"], out.pop("max_seqlen_kv", out["max_seqlen"]))
     if batch.get("source_input_ids") is not None:
-        out["source"] = SourceRows(
-            input_ids=batch["source_input_ids"], attention_mask=batch.get("source_attention_mask"),
-            labels=batch.get("source_labels"), loss_mask=batch.get("source_loss_mask"),
-            label_style=batch.get("label_style", "hf"))
+        # the source rows are the reference the pack is judged against: every one must be the
+        # [B, S] of source_input_ids, or the per-row comparisons index out of range
+        rows = {k: _tensor(batch[f"source_{k}"], f"source_{k}") for k in
+                ("input_ids", "attention_mask", "labels", "loss_mask") if batch.get(f"source_{k}") is not None}
+        if rows["input_ids"].dim() != 2:
+            raise ValueError(f"source_input_ids must be [B, S], got shape {tuple(rows['input_ids'].shape)}")
+        for key, value in rows.items():
+            if value.shape != rows["input_ids"].shape:
+                raise ValueError(f"source_{key} must be [B, S] like source_input_ids {tuple(rows['input_ids'].shape)}, "
+                                 f"got shape {tuple(value.shape)}")
+        out["source"] = SourceRows(**rows, label_style=batch.get("label_style", "hf"))
     return out
 
 
@@ -228,9 +258,11 @@ def build_inputs(batch=None, **overrides) -> PackedInputs:
                            sequence_parallel=layout.sequence_parallel, fp8=layout_keys.get("fp8", False))
         values.setdefault("cp_rank", layout.cp_rank)
     if layout_keys:
-        values["multiples"] = PackMultiples.for_parallel(**{k: (bool(v) if k in ("sequence_parallel", "fp8")
-                                                                else int(v)) for k, v in layout_keys.items()})
-        values["cp_size"] = int(layout_keys.get("cp_size", 1))
+        # _int: int(2.5) would check a cp_size of 2 silently
+        layout_keys = {k: (bool(v) if k in ("sequence_parallel", "fp8") else _int(v, k))
+                       for k, v in layout_keys.items()}
+        values["multiples"] = PackMultiples.for_parallel(**layout_keys)
+        values["cp_size"] = layout_keys.get("cp_size", 1)
     if values.get("max_seqlen") is not None and not isinstance(values["max_seqlen"], tuple):
         values["max_seqlen"] = (values["max_seqlen"], values.pop("max_seqlen_kv", values["max_seqlen"]))
     if values.get("input_ids") is None:
@@ -240,10 +272,32 @@ def build_inputs(batch=None, **overrides) -> PackedInputs:
     for name in ("cu_seqlens", "cu_seqlens_padded", "cu_seqlens_kv", "cu_seqlens_kv_padded", "image_grid_thw",
                  "video_grid_thw", "cp_index"):
         if values.get(name) is not None:
-            values[name] = _cpu(torch.as_tensor(values[name]))
+            values[name] = _tensor(values[name], name)
     for name in ("images_per_document", "videos_per_document"):
         if values.get(name) is not None:
-            values[name] = tuple(int(n) for n in values[name])
+            counts = _tensor(values[name], name)
+            if counts.dim() != 1 or counts.is_floating_point() or bool((counts < 0).any()):
+                raise ValueError(f"{name} must be N counts >= 0, got {values[name]!r}")
+            values[name] = tuple(counts.tolist())
+    # scalars a check divides by, compares with or indexes by: ints, or a ValueError naming them
+    for name, minimum in (("image_token_id", None), ("video_token_id", None), ("pad_token_id", None),
+                          ("ignore_index", None), ("cp_rank", 0), ("spatial_merge_size", 1)):
+        if values.get(name) is not None:
+            values[name] = _int(values[name], name, minimum)
+    ranks = values.get("cp_ranks")
+    if ranks is not None and (not isinstance(ranks, Mapping) or
+                              not all(isinstance(r, Mapping) for r in ranks.values())):
+        raise ValueError(f"cp_ranks must be {{rank: {{'cp_index': ..., 'labels': ..., ...}}}} (a dict of tensors "
+                         f"per rank), got {str(ranks)[:80]}")
+    if ranks is not None:
+        values["cp_ranks"] = {_int(r, "a cp_ranks rank"): {k: _tensor(v, f"cp_ranks[{r}][{k!r}]") for k, v in
+                                                           received.items() if v is not None}
+                              for r, received in ranks.items()}
+    mrope = values.get("mrope")
+    from megatron_vlm_packing.rope import MRopeConfig
+
+    if mrope is not None and not callable(mrope) and not isinstance(mrope, MRopeConfig):
+        raise ValueError(f"mrope must be an MRopeConfig or the model's index callable, got {type(mrope).__name__}")
     known = {f.name for f in fields(PackedInputs)}
     unknown = sorted(set(values) - known)
     if unknown:

@@ -8,6 +8,8 @@ the source) -> vision placeholders per document -> positions -> CP partition.
 
 from __future__ import annotations
 
+import torch
+
 from megatron_vlm_packing.validate.boundaries import check_alignment, check_boundaries, check_max_seqlen
 from megatron_vlm_packing.validate.cp import check_cp_index, check_cp_ranks
 from megatron_vlm_packing.validate.documents import check_padding_mask, make_documents, suspect_pad_tails
@@ -60,11 +62,35 @@ def _shape_checked(inputs: PackedInputs) -> tuple[PackedInputs, list[Violation]]
     return replace(inputs, **drop), out
 
 
+def _dtype_checked(inputs: PackedInputs) -> tuple[PackedInputs, list[Violation]]:
+    """Report (and drop, except input_ids) token ids, labels and positions that are not integers.
+
+    The embedding, the cross entropy and the rotary tables index with them, so a float / bool /
+    complex tensor is a broken batch even when its values look right; and the later checks compare
+    through `.long()` / `int()`, which would truncate 2.5 to 2 and pass a wrong position as right.
+    """
+    from dataclasses import replace
+
+    out, changed = [], {}
+    for name in ("input_ids", "labels", "position_ids"):
+        value = getattr(inputs, name)
+        if value is not None and (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool):
+            out.append(Violation("dtypes", f"{name} has dtype {value.dtype}; it must be an integer tensor "
+                                           f"(torch.long / int32)"))
+            if name != "input_ids":
+                changed[name] = None
+            elif value.is_floating_point() and torch.equal(value, value.round()):
+                # without input_ids nothing can be checked: keep whole-valued ids, as ids, so the
+                # dtype is reported once rather than again by every check that reads them
+                changed[name] = value.long()
+    return replace(inputs, **changed), out
+
+
 def run_checks(inputs: PackedInputs) -> ValidationReport:
+    inputs, violations = _dtype_checked(inputs)
     if inputs.cp_index is None:
-        inputs, violations = _shape_checked(inputs)
-    else:
-        violations = []
+        inputs, found = _shape_checked(inputs)
+        violations += found
     checked, skipped = ["malformed_boundaries", "real_vs_padded", "zero_length_segment"], []
     found, bounds = check_boundaries(inputs)
     violations += found
@@ -106,6 +132,9 @@ def run_checks(inputs: PackedInputs) -> ValidationReport:
     if inputs.position_ids is not None:
         violations += check_positions(inputs, docs, items, failed)
         checked += ["positions_restart", "mrope_channels_identical"] + (["mrope_positions"] if inputs.mrope else [])
+        if inputs.position_ids.dim() == 2 and not inputs.mrope:  # say so: an OK must not read as "mRoPE checked"
+            skipped.append(("mrope_positions", "no mrope (MRopeConfig or the model's index) given: [3, T] positions "
+                            "are checked for restarts and identical channels only"))
     if inputs.cp_ranks:
         violations += check_cp_ranks(inputs, bounds)
         checked.append("cp_partition")

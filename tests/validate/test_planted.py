@@ -115,6 +115,15 @@ def test_3d_positions_not_restarting(vlm_pack):
     assert report.violations[0].documents == (2,)
 
 
+def test_3d_positions_without_an_index_say_what_was_not_checked(vlm_pack):
+    fields = clone(vlm_pack[1])
+    fields.pop("mrope")  # a saved file cannot hold the model's index
+    s, n = docs_of(fields)[0]
+    fields["position_ids"][:, :, s + n // 2:s + n] += 5  # a jump inside document 0: only the index sees it
+    report = validate_packed_batch(**fields)
+    assert report.ok and "not checked: mrope_positions (no mrope" in str(report)
+
+
 def test_bug1_1d_positions_copied_to_three_channels(vlm_pack):
     fields = vlm_pack[1]
     offsets = torch.cat([torch.arange(b - a) for a, b in zip(fields["cu_seqlens_padded"][:-1].tolist(),
@@ -229,10 +238,31 @@ def test_cp_ranks_on_te_rule_are_clean_and_others_are_not(vlm_pack):
     assert "rank 0's labels" in str(report)
 
 
+def test_cp_ranks_outside_the_cp_group_are_named(vlm_pack):
+    fields = vlm_pack[1]
+    te = lambda r: cp_partition_index(fields["cu_seqlens_padded"], 2, r)  # noqa: E731
+    ranks = cp_ranks(fields, te)
+    ranks[5] = ranks.pop(1)  # what rank 1 received, filed under a rank cp=2 does not have: passed as clean
+    report = only(validate_packed_batch(**clone(fields, cp_ranks=ranks)), "cp_partition")
+    assert "cp_ranks has rank 5, but cp=2 has ranks 0..1" in str(report)
+
+
 def test_shapes(vlm_pack):
     fields = vlm_pack[1]
     report = only(validate_packed_batch(**clone(fields, labels=fields["labels"][:, :-1])), "shapes")
     assert "labels has" in str(report)
+
+
+@pytest.mark.parametrize("name, change", [
+    ("input_ids", lambda t: t.float()),            # equal values: only the dtype is wrong
+    ("labels", lambda t: t.bool()),
+    ("labels", lambda t: t.float()),
+    ("position_ids", lambda t: t.float() + 0.5),   # .long() truncated these back to the right positions
+])
+def test_non_integer_ids_labels_positions_are_named(vlm_pack, name, change):
+    fields = vlm_pack[1]
+    report = only(validate_packed_batch(**clone(fields, **{name: change(fields[name])})), "dtypes")
+    assert f"{name} has dtype" in str(report)
 
 
 def test_boundaries_that_do_not_cover_the_slots_stop_before_per_token_checks(vlm_pack):
