@@ -138,12 +138,22 @@ def map_tensors(micro_batch: MicroBatch, fn: Callable[[torch.Tensor], torch.Tens
     to every tensor it holds, once per tensor object (the boundaries shared by `packed_seq_params`,
     `rope_cu_seqlens` and `indices` stay shared). A micro-batch whose tensors are views of one buffer
     (`in_one_storage`) has `fn` applied to the buffer, once, and its views rebuilt there; tensors
-    outside the buffer are moved one by one."""
+    outside the buffer are moved one by one.
+
+    Raises:
+        ValueError: `fn` did not return a uint8 tensor of the buffer's shape (a cast, a slice).
+    """
     arena = arena_of(tensors_of(micro_batch))
     if arena is None:
         return _map_each(micro_batch, fn)
     buffer, inside = arena
     moved = fn(buffer)
+    # The views are rebuilt by byte offset on what `fn` returned: a cast (`t.float()`) or a reshape of
+    # the uint8 buffer would silently give every view other bytes, so anything but a move is refused.
+    if not isinstance(moved, torch.Tensor) or moved.dtype != torch.uint8 or moved.shape != buffer.shape:
+        got = f"{moved.dtype} {tuple(moved.shape)}" if isinstance(moved, torch.Tensor) else type(moved).__name__
+        raise ValueError(f"map_tensors' fn must keep each tensor's dtype and shape (a move: pin, copy to a device); "
+                         f"it turned the micro-batch's buffer (torch.uint8 {tuple(buffer.shape)}) into {got}")
     return _map_each(micro_batch, lambda t: view_at(moved, byte_offset(t), t) if id(t) in inside else fn(t))
 
 

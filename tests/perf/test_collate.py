@@ -263,3 +263,18 @@ def test_a_view_of_a_buffer_that_is_itself_a_view_starts_where_that_view_does():
     view = view_at(buffer, 8, like)  # one int64 further
     assert view.shape == (2, 3) and view.dtype == torch.int64 and view.tolist() == [[9, 10, 11], [12, 13, 14]]
     assert view.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("fn, got", [(lambda t: t.float(), r"torch.float32 \(\d+,\)"),
+                                     (lambda t: t.to(torch.bfloat16), r"torch.bfloat16 \(\d+,\)"),
+                                     (lambda t: t[:64], r"torch.uint8 \(64,\)"),
+                                     (lambda t: None, "NoneType")])
+def test_a_function_that_is_not_a_move_is_refused_not_applied_to_the_buffer(fn, got):
+    """`map_tensors` rebuilds the views by byte offset on what `fn` made of the buffer: a cast would give
+    int64 ids the bytes of floats (silently wrong), so it is a ValueError naming what `fn` returned."""
+    from megatron_vlm_packing.packing.collate import map_tensors
+
+    packed = PackingCollator(mrope=ROPE)(collate(synthetic_samples(4, seed=6, cfg=DATA)))
+    with pytest.raises(ValueError, match=r"fn must keep each tensor's dtype and shape .* it turned the "
+                                         r"micro-batch's buffer \(torch.uint8 \(\d+,\)\) into " + got):
+        map_tensors(packed, fn)
