@@ -21,7 +21,7 @@ alignment does not match the model's layout (a ValueError naming both).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
@@ -78,7 +78,8 @@ class PackingCollator:
         from megatron_vlm_packing.packing.batch import pack_batch
 
         batch = self.collate(samples) if self.collate is not None else samples
-        if not isinstance(batch, dict):
+        # Any mapping, as pack_batch takes: a Hugging Face processor's BatchFeature is a UserDict, not a dict.
+        if not isinstance(batch, Mapping):
             raise ValueError(f"PackingCollator got {type(batch).__name__}: give collate= (samples -> batch dict), "
                              f"or let the dataset yield batch dicts")
         on_host = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

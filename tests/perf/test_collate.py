@@ -278,3 +278,23 @@ def test_a_function_that_is_not_a_move_is_refused_not_applied_to_the_buffer(fn, 
     with pytest.raises(ValueError, match=r"fn must keep each tensor's dtype and shape .* it turned the "
                                          r"micro-batch's buffer \(torch.uint8 \(\d+,\)\) into " + got):
         map_tensors(packed, fn)
+
+
+def test_the_collators_take_any_mapping_pack_batch_takes():
+    """A Hugging Face processor's BatchFeature is a UserDict, not a dict: pack_batch and pack_llava_batch
+    pack it, so the collators must not refuse it (as "give collate=", when a collate was given)."""
+    from collections import UserDict
+
+    from megatron_vlm_packing.models.llava import LlavaSpace
+    from megatron_vlm_packing.models.llava_pack import LlavaPackingCollator, pack_llava_batch
+
+    batch = collate(synthetic_samples(3, seed=4, cfg=DATA))
+    collator = PackingCollator(collate=lambda chunk: UserDict(collate(chunk)), mrope=ROPE)
+    packed = collator(synthetic_samples(3, seed=4, cfg=DATA))
+    expected = pack_batch(batch, label_style="hf", mrope=ROPE)
+    assert torch.equal(packed.input_ids, expected.input_ids) and torch.equal(packed.position_ids, expected.position_ids)
+    ids = torch.tensor([[5, 6, 7], [127, 8, 9]])
+    llava = UserDict({"input_ids": ids, "labels": ids + 1, "images": torch.zeros(1, 3, 2, 2)})
+    space = LlavaSpace(img_seq_len=4, image_token_index=127)
+    packed = LlavaPackingCollator(space=space)(llava)
+    assert torch.equal(packed.input_ids, pack_llava_batch(llava, space, label_style="hf").input_ids)
