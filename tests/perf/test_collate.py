@@ -298,3 +298,18 @@ def test_the_collators_take_any_mapping_pack_batch_takes():
     space = LlavaSpace(img_seq_len=4, image_token_index=127)
     packed = LlavaPackingCollator(space=space)(llava)
     assert torch.equal(packed.input_ids, pack_llava_batch(llava, space, label_style="hf").input_ids)
+
+
+def test_a_worker_refuses_a_micro_batch_carrying_a_graph_instead_of_hanging():
+    """A loss mask with autograd packs into a non-leaf tensor; torch's worker queue cannot pickle it, drops
+    the micro-batch and the loader waits forever (here: times out). The worker names the field instead."""
+    ids = torch.tensor([[5, 6, 7], [1, 8, 0]])
+
+    def with_grad(_):
+        return {"input_ids": ids, "labels": ids, "attention_mask": (ids != 0).long(),
+                "loss_mask": torch.ones(2, 3, requires_grad=True)}
+
+    loader = DataLoader([0], batch_size=None, num_workers=1, timeout=30,
+                        collate_fn=PackingCollator(collate=with_grad))
+    with pytest.raises(ValueError, match=r"\['loss_mask'\] carry autograd .* a DataLoader worker cannot send them"):
+        next(iter(loader))
