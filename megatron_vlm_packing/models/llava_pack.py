@@ -13,7 +13,7 @@ Shape legend: B = rows, S = row length, T = planned collapsed slots, I = images.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
@@ -249,7 +249,8 @@ class LlavaPackingCollator:
         from megatron_vlm_packing.packing.collate import LoaderMicroBatch, in_one_storage, prepare_indices
 
         batch = self.collate(samples) if self.collate is not None else samples
-        if not isinstance(batch, dict):
+        # Any mapping, as pack_llava_batch takes: a Hugging Face processor's BatchFeature is a UserDict.
+        if not isinstance(batch, Mapping):
             raise ValueError(f"LlavaPackingCollator got {type(batch).__name__}: give collate= (samples -> batch "
                              f"dict), or let the dataset yield batch dicts")
         on_host = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -226,8 +227,9 @@ def check_pack_options(options: dict, owner: str, taken: tuple[str, ...] = ()) -
 
 def tensor_off_host(batch) -> str | None:
     """The key of the first tensor of a batch dict that is not on the CPU, else None (also for a
-    batch that is not a dict: read_rows names what it is)."""
-    if not isinstance(batch, dict):
+    batch that is not a mapping: read_rows names what it is)."""
+    # Any mapping, as read_rows takes (a BatchFeature is a UserDict): else its tensors went unchecked.
+    if not isinstance(batch, Mapping):
         return None
     return next((key for key, value in batch.items() if isinstance(value, torch.Tensor) and not value.is_cpu), None)
 

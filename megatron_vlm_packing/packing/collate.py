@@ -21,7 +21,7 @@ alignment does not match the model's layout (a ValueError naming both).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
@@ -78,7 +78,8 @@ class PackingCollator:
         from megatron_vlm_packing.packing.batch import pack_batch
 
         batch = self.collate(samples) if self.collate is not None else samples
-        if not isinstance(batch, dict):
+        # Any mapping, as pack_batch takes: a Hugging Face processor's BatchFeature is a UserDict, not a dict.
+        if not isinstance(batch, Mapping):
             raise ValueError(f"PackingCollator got {type(batch).__name__}: give collate= (samples -> batch dict), "
                              f"or let the dataset yield batch dicts")
         on_host = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
@@ -127,10 +128,32 @@ def tensors_of(micro_batch: MicroBatch) -> list[torch.Tensor]:
 def in_one_storage(micro_batch: MicroBatch) -> MicroBatch:
     """`micro_batch` with every CPU tensor under `arena.LARGE_BYTES` copied into one buffer
     (`arena.into_one_storage`: one storage to send from a worker, pin and move); larger ones (a VLM's
-    pixels), and any carrying autograd (the copy would cut it off), are kept as they are."""
+    pixels), and any carrying autograd (the copy would cut it off), are kept as they are.
+
+    Raises:
+        ValueError: in a DataLoader worker, a tensor carries a graph (naming its fields).
+    """
+    _check_sendable(micro_batch)
     copies = into_one_storage([t for t in tensors_of(micro_batch)
                                if nbytes(t) < LARGE_BYTES and t.is_cpu and not t.requires_grad])
     return _map_each(micro_batch, lambda t: copies.get(id(t), t))
+
+
+def _check_sendable(micro_batch: MicroBatch) -> None:
+    """In a DataLoader worker, no tensor may carry a graph: torch's queue refuses to pickle a non-leaf
+    tensor with requires_grad in its feeder thread, drops the micro-batch, and the loader waits forever."""
+    if torch.utils.data.get_worker_info() is None:  # in process: the graph reaches the batch (kept as is)
+        return
+    named = [(f.name, getattr(micro_batch, f.name)) for f in dataclasses.fields(micro_batch)]
+    for holder in ("vision", "audio"):
+        value = getattr(micro_batch, holder)
+        named += [(f"{holder}.{f.name}", getattr(value, f.name)) for f in dataclasses.fields(value)] if value else []
+    named += [(f"extras[{key!r}]", value) for key, value in micro_batch.extras.items()]
+    graph = [name for name, value in named
+             if isinstance(value, torch.Tensor) and value.requires_grad and value.grad_fn is not None]
+    if graph:
+        raise ValueError(f"{graph} carry autograd (requires_grad, built from other tensors): a DataLoader worker "
+                         f"cannot send them (the loader would wait forever); detach them in collate")
 
 
 def map_tensors(micro_batch: MicroBatch, fn: Callable[[torch.Tensor], torch.Tensor]) -> MicroBatch:
@@ -138,12 +161,22 @@ def map_tensors(micro_batch: MicroBatch, fn: Callable[[torch.Tensor], torch.Tens
     to every tensor it holds, once per tensor object (the boundaries shared by `packed_seq_params`,
     `rope_cu_seqlens` and `indices` stay shared). A micro-batch whose tensors are views of one buffer
     (`in_one_storage`) has `fn` applied to the buffer, once, and its views rebuilt there; tensors
-    outside the buffer are moved one by one."""
+    outside the buffer are moved one by one.
+
+    Raises:
+        ValueError: `fn` did not return a uint8 tensor of the buffer's shape (a cast, a slice).
+    """
     arena = arena_of(tensors_of(micro_batch))
     if arena is None:
         return _map_each(micro_batch, fn)
     buffer, inside = arena
     moved = fn(buffer)
+    # The views are rebuilt by byte offset on what `fn` returned: a cast (`t.float()`) or a reshape of
+    # the uint8 buffer would silently give every view other bytes, so anything but a move is refused.
+    if not isinstance(moved, torch.Tensor) or moved.dtype != torch.uint8 or moved.shape != buffer.shape:
+        got = f"{moved.dtype} {tuple(moved.shape)}" if isinstance(moved, torch.Tensor) else type(moved).__name__
+        raise ValueError(f"map_tensors' fn must keep each tensor's dtype and shape (a move: pin, copy to a device); "
+                         f"it turned the micro-batch's buffer (torch.uint8 {tuple(buffer.shape)}) into {got}")
     return _map_each(micro_batch, lambda t: view_at(moved, byte_offset(t), t) if id(t) in inside else fn(t))
 
 

@@ -3,6 +3,7 @@ made over the packed tokens, numpy for the small ops), gives exactly what the de
 same micro-batch for every batch form, the same ValueError for every bad input."""
 
 import functools
+from collections import UserDict
 
 import pytest
 import torch
@@ -172,8 +173,11 @@ def test_pre_packed_documents_and_mrope_pack_the_same_on_the_host():
     assert host.vision.images_per_sample == device.vision.images_per_sample == (1, 0, 1)  # per document
 
 
-def test_host_reads_refuses_a_batch_off_the_host():
-    batch = {"input_ids": torch.ones(2, 4, dtype=torch.long, device="meta"), "labels": torch.ones(2, 4, dtype=torch.long)}
+@pytest.mark.parametrize("kind", [dict, UserDict])
+def test_host_reads_refuses_a_batch_off_the_host(kind):
+    """Any mapping pack_batch takes (a Hugging Face BatchFeature is a UserDict) is checked, not only a dict."""
+    batch = kind({"input_ids": torch.ones(2, 4, dtype=torch.long, device="meta"),
+                  "labels": torch.ones(2, 4, dtype=torch.long)})
     with pytest.raises(ValueError, match=r"host_reads=True packs a batch on the CPU .* 'input_ids' is on meta"):
         pack_batch(batch, host_reads=True)
 

@@ -263,3 +263,53 @@ def test_a_view_of_a_buffer_that_is_itself_a_view_starts_where_that_view_does():
     view = view_at(buffer, 8, like)  # one int64 further
     assert view.shape == (2, 3) and view.dtype == torch.int64 and view.tolist() == [[9, 10, 11], [12, 13, 14]]
     assert view.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("fn, got", [(lambda t: t.float(), r"torch.float32 \(\d+,\)"),
+                                     (lambda t: t.to(torch.bfloat16), r"torch.bfloat16 \(\d+,\)"),
+                                     (lambda t: t[:64], r"torch.uint8 \(64,\)"),
+                                     (lambda t: None, "NoneType")])
+def test_a_function_that_is_not_a_move_is_refused_not_applied_to_the_buffer(fn, got):
+    """`map_tensors` rebuilds the views by byte offset on what `fn` made of the buffer: a cast would give
+    int64 ids the bytes of floats (silently wrong), so it is a ValueError naming what `fn` returned."""
+    from megatron_vlm_packing.packing.collate import map_tensors
+
+    packed = PackingCollator(mrope=ROPE)(collate(synthetic_samples(4, seed=6, cfg=DATA)))
+    with pytest.raises(ValueError, match=r"fn must keep each tensor's dtype and shape .* it turned the "
+                                         r"micro-batch's buffer \(torch.uint8 \(\d+,\)\) into " + got):
+        map_tensors(packed, fn)
+
+
+def test_the_collators_take_any_mapping_pack_batch_takes():
+    """A Hugging Face processor's BatchFeature is a UserDict, not a dict: pack_batch and pack_llava_batch
+    pack it, so the collators must not refuse it (as "give collate=", when a collate was given)."""
+    from collections import UserDict
+
+    from megatron_vlm_packing.models.llava import LlavaSpace
+    from megatron_vlm_packing.models.llava_pack import LlavaPackingCollator, pack_llava_batch
+
+    batch = collate(synthetic_samples(3, seed=4, cfg=DATA))
+    collator = PackingCollator(collate=lambda chunk: UserDict(collate(chunk)), mrope=ROPE)
+    packed = collator(synthetic_samples(3, seed=4, cfg=DATA))
+    expected = pack_batch(batch, label_style="hf", mrope=ROPE)
+    assert torch.equal(packed.input_ids, expected.input_ids) and torch.equal(packed.position_ids, expected.position_ids)
+    ids = torch.tensor([[5, 6, 7], [127, 8, 9]])
+    llava = UserDict({"input_ids": ids, "labels": ids + 1, "images": torch.zeros(1, 3, 2, 2)})
+    space = LlavaSpace(img_seq_len=4, image_token_index=127)
+    packed = LlavaPackingCollator(space=space)(llava)
+    assert torch.equal(packed.input_ids, pack_llava_batch(llava, space, label_style="hf").input_ids)
+
+
+def test_a_worker_refuses_a_micro_batch_carrying_a_graph_instead_of_hanging():
+    """A loss mask with autograd packs into a non-leaf tensor; torch's worker queue cannot pickle it, drops
+    the micro-batch and the loader waits forever (here: times out). The worker names the field instead."""
+    ids = torch.tensor([[5, 6, 7], [1, 8, 0]])
+
+    def with_grad(_):
+        return {"input_ids": ids, "labels": ids, "attention_mask": (ids != 0).long(),
+                "loss_mask": torch.ones(2, 3, requires_grad=True)}
+
+    loader = DataLoader([0], batch_size=None, num_workers=1, timeout=30,
+                        collate_fn=PackingCollator(collate=with_grad))
+    with pytest.raises(ValueError, match=r"\['loss_mask'\] carry autograd .* a DataLoader worker cannot send them"):
+        next(iter(loader))
