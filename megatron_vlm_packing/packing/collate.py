@@ -180,6 +180,21 @@ def map_tensors(micro_batch: MicroBatch, fn: Callable[[torch.Tensor], torch.Tens
     return _map_each(micro_batch, lambda t: view_at(moved, byte_offset(t), t) if id(t) in inside else fn(t))
 
 
+def own_storages(micro_batch: MicroBatch) -> MicroBatch:
+    """A copy of `micro_batch` whose tensors each own their storage, for `torch.save`.
+
+    The collators lay a micro-batch's small tensors out as views of one byte buffer (`in_one_storage`),
+    and `torch.save` refuses tensors of different dtypes that view one storage ("Cannot save multiple
+    tensors or storages that view the same data as different types"). The views are copied out (tensors
+    shared between fields stay shared); a micro-batch without a buffer is returned as it is.
+    """
+    arena = arena_of(tensors_of(micro_batch))
+    if arena is None:
+        return micro_batch
+    _, inside = arena
+    return _map_each(micro_batch, lambda t: t.clone() if id(t) in inside else t)
+
+
 def _map_each(micro_batch: MicroBatch, fn: Callable[[torch.Tensor], torch.Tensor]) -> MicroBatch:
     """`map_tensors` tensor by tensor."""
     memo: dict[int, torch.Tensor] = {}

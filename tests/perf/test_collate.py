@@ -9,7 +9,7 @@ from megatron_vlm_packing.data import SyntheticVLMConfig, collate, synthetic_sam
 from megatron_vlm_packing.packing import MicroBatch, PackMultiples, pack_batch
 from megatron_vlm_packing.packing.arena import all_in_one_storage
 from megatron_vlm_packing.packing.collate import (
-    LoaderMicroBatch, PackingCollator, check_layout, micro_batch_to, tensors_of,
+    LoaderMicroBatch, PackingCollator, check_layout, micro_batch_to, own_storages, tensors_of,
 )
 from megatron_vlm_packing.parallel.cp import cp_partition_index
 from megatron_vlm_packing.rope import MRopeConfig
@@ -313,3 +313,23 @@ def test_a_worker_refuses_a_micro_batch_carrying_a_graph_instead_of_hanging():
                         collate_fn=PackingCollator(collate=with_grad))
     with pytest.raises(ValueError, match=r"\['loss_mask'\] carry autograd .* a DataLoader worker cannot send them"):
         next(iter(loader))
+
+
+def test_a_collated_micro_batch_saves_once_its_tensors_own_their_storage(tmp_path):
+    """torch.save refuses views of one storage in different dtypes (the collators' buffer); own_storages
+    copies them out, and what is saved loads back equal, field by field, boundaries still shared."""
+    packed = PackingCollator(cp_size=2, mrope=ROPE)(collate(synthetic_samples(4, seed=7, cfg=DATA)))
+    with pytest.raises(RuntimeError, match="view the same data as different types"):
+        torch.save(packed, tmp_path / "as_collated.pt")
+    saveable = own_storages(packed)
+    assert len({t.untyped_storage().data_ptr() for t in tensors_of(saveable)}) == len(tensors_of(saveable))
+    torch.save(saveable, tmp_path / "micro_batch.pt")
+    torch.save({name: getattr(saveable, name) for name in ("input_ids", "labels", "loss_mask", "position_ids")},
+               tmp_path / "fields.pt")  # the dict `megatron-vlm-packing check` reads
+    loaded = torch.load(tmp_path / "micro_batch.pt", weights_only=False)
+    assert type(loaded) is LoaderMicroBatch
+    for name in ("input_ids", "labels", "loss_mask", "position_ids", "padding_mask"):
+        assert torch.equal(getattr(loaded, name), getattr(packed, name)), name
+    assert torch.equal(loaded.vision.pixel_values, packed.vision.pixel_values)
+    assert loaded.packed_seq_params.cu_seqlens_q is loaded.indices.cu_seqlens
+    assert own_storages(saveable) is saveable  # no buffer left: nothing to copy
