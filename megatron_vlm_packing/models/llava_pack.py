@@ -246,7 +246,7 @@ class LlavaPackingCollator:
 
     def __call__(self, samples):
         from megatron_vlm_packing.models.llava import aligned_space
-        from megatron_vlm_packing.packing.collate import LoaderMicroBatch, in_one_storage, prepare_indices
+        from megatron_vlm_packing.packing.collate import for_the_loader
 
         batch = self.collate(samples) if self.collate is not None else samples
         # Any mapping, as pack_llava_batch takes: a Hugging Face processor's BatchFeature is a UserDict.
@@ -256,6 +256,4 @@ class LlavaPackingCollator:
         on_host = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         packed = pack_llava_batch(on_host, aligned_space(self.space, fp8=self.fp8), label_style=self.label_style,
                                   pad_to=self.pad_to, pad_token_id=self.pad_token_id)
-        prepare_indices(packed.indices, 1)  # LLaVA selects its CP tokens itself, in expanded space
-        packed = in_one_storage(packed)
-        return LoaderMicroBatch(**{f.name: getattr(packed, f.name) for f in dataclasses.fields(MicroBatch)})
+        return for_the_loader(packed, 1)  # LLaVA selects its CP tokens itself, in expanded space

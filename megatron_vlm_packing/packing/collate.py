@@ -87,8 +87,15 @@ class PackingCollator:
                             sequence_parallel=self.sequence_parallel, fp8=self.fp8, pad_to=self.pad_to,
                             label_style=self.label_style, mrope=self.mrope, pad_token_id=self.pad_token_id,
                             extra_keys=self.extra_keys, **{"host_reads": True, **self.pack_options})
-        prepare_indices(packed.indices, self.cp_size)
-        return in_one_storage(LoaderMicroBatch(**{f.name: getattr(packed, f.name) for f in dataclasses.fields(MicroBatch)}))
+        return for_the_loader(packed, self.cp_size)
+
+
+def for_the_loader(packed: MicroBatch, cp_size: int) -> LoaderMicroBatch:
+    """A micro-batch packed on the host, made ready in the worker: every CP rank's index built
+    (`prepare_indices`; cp_size 1 for a model that selects its CP tokens itself), its small tensors in
+    one storage (`in_one_storage`), typed `LoaderMicroBatch` so that DataLoader's `pin_memory=True` pins it."""
+    prepare_indices(packed.indices, cp_size)
+    return in_one_storage(LoaderMicroBatch(**{f.name: getattr(packed, f.name) for f in dataclasses.fields(MicroBatch)}))
 
 
 def prepare_indices(indices: PackIndices, cp_size: int) -> None:

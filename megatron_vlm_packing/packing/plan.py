@@ -71,8 +71,8 @@ class PackMultiples:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         for name, value in (("sequence_parallel", sequence_parallel), ("fp8", fp8)):
             if not isinstance(value, bool):  # a truthy string ("false") must not switch alignment on
-                raise ValueError(f"{name} must be a bool, got {value!r}"
-                                 + (" (for Megatron's fp8 format: fp8=config.fp8 is not None)" if name == "fp8" else ""))
+                hint = " (for Megatron's fp8 format: fp8=config.fp8 is not None)" if name == "fp8" else ""
+                raise ValueError(f"{name} must be a bool, got {value!r}{hint}")
         segment = 2 * cp_size if cp_size > 1 else 1
         per_rank = cp_size * (tp_size if sequence_parallel else 1)
         total = math.lcm(segment, per_rank * (16 if fp8 else 1))

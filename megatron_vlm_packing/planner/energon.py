@@ -22,7 +22,7 @@ from typing import Any, Callable
 import numpy as np
 
 from megatron_vlm_packing.packing.batch import check_pack_options, pack_batch, tensor_off_host
-from megatron_vlm_packing.packing.collate import in_one_storage
+from megatron_vlm_packing.packing.collate import for_the_loader
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
 from megatron_vlm_packing.packing.plan import PackMultiples
 from megatron_vlm_packing.planner.bins import BinLayout, balanced_fit
@@ -86,8 +86,8 @@ class EnergonPackingHooks:
         pad_to = self._aligned_total(samples) if self.layout.static_shapes else None
         on_host = tensor_off_host(batch) is None  # a loader worker's batch
         packed = pack_batch(batch, pad_to=pad_to, **{"host_reads": on_host, **self.pack_kwargs})
-        # One storage to send from the worker and move to the device (`packing.arena`).
-        return in_one_storage(packed) if on_host else packed
+        # In a loader worker: CP indices built there, one storage to send and move, pinnable.
+        return for_the_loader(packed, self.pack_kwargs.get("cp_size", 1)) if on_host else packed
 
     def _aligned_total(self, samples: list) -> int:
         """Physical tokens of a bin (an oversize sample's own bin is longer than the capacity)."""

@@ -6,7 +6,7 @@ import torch
 from megatron_vlm_packing.data.synthetic import SyntheticVLMConfig, collate, synthetic_samples
 from megatron_vlm_packing.packing import PackMultiples, pack_batch
 from megatron_vlm_packing.packing.arena import all_in_one_storage
-from megatron_vlm_packing.packing.collate import tensors_of
+from megatron_vlm_packing.packing.collate import LoaderMicroBatch, tensors_of
 from megatron_vlm_packing.planner import (BinLayout, EnergonPackingHooks, PackedBatchSampler, PlannedPackingMixin,
                                           PlannerConfig, SampleMetadata, SampleTable)
 
@@ -92,9 +92,25 @@ def test_energon_hooks_select_and_pack(samples):
         packed = encoder.pack_selected_samples(group)
         assert packed.input_ids.shape == (1, 96)
         assert all_in_one_storage(tensors_of(packed))  # one storage for the worker to send
+        assert isinstance(packed, LoaderMicroBatch)  # DataLoader(pin_memory=True) pins it
+        assert "is_real" in packed.indices.__dict__  # the pad-slot mask built in the worker, not the step
         assert packed.plan.real_lengths == tuple(len(s.payload["input_ids"]) for s in group)
     with pytest.raises(ValueError, match="multiples"):
         EnergonPackingHooks(metadata=metadata, collate=collate, layout=BinLayout(capacity=96),
                             pack_kwargs={"cp_size": 2})
     with pytest.raises(ValueError, match=r"\['cp'\] are not pack_batch keywords; EnergonPackingHooks passes on"):
         EnergonPackingHooks(metadata=metadata, collate=collate, layout=BinLayout(capacity=96), pack_kwargs={"cp": 2})
+
+
+def test_energon_hooks_build_every_cp_rank_index_in_the_worker(samples):
+    layout = BinLayout(capacity=96, multiples=PackMultiples.for_parallel(cp_size=2))
+    hooks = EnergonPackingHooks(
+        metadata=metadata, collate=collate, layout=layout,
+        pack_kwargs={"label_style": "hf", "cp_size": 2, "image_token_id": SyntheticVLMConfig().image_token_id})
+    group = hooks.select_samples_to_pack(samples[:6])[0]
+    packed = hooks.pack_selected_samples(group)
+    assert isinstance(packed, LoaderMicroBatch) and all_in_one_storage(tensors_of(packed))
+    cached = packed.indices.__dict__["_cp_indices"]
+    assert set(cached) == {(2, 0), (2, 1)}
+    every_slot = torch.cat([cached[(2, 0)], cached[(2, 1)]]).sort().values
+    assert torch.equal(every_slot, torch.arange(packed.input_ids.shape[1]))
