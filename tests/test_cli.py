@@ -108,6 +108,9 @@ def test_check_unreadable_files_exit_2(tmp_path, capsys):
     ({"cp_ranks": {0: 5}}, "cp_ranks must be {rank:"),
     ({"cp_size": 2.5}, "cp_size must be an int, got 2.5"),
     ({"mrope": 5}, "mrope must be an MRopeConfig"),
+    ({"fp8": "no"}, "fp8 must be a bool, got 'no'"),               # bool("no") checked FP8 alignment
+    ({"sequence_parallel": "off", "tp_size": 2}, "sequence_parallel must be a bool, got 'off'"),
+    ({"cu_seqlens": [0, 5]}, "the batch has packed_seq_params and ['cu_seqlens']: give the boundaries one way"),
 ])
 def test_check_malformed_fields_exit_2_with_the_field_named(tmp_path, capsys, changes, words):
     path, _ = _saved_pack(tmp_path)

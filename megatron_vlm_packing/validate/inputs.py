@@ -148,6 +148,13 @@ def _int(x, name: str, minimum: int | None = None) -> int:
     return x
 
 
+def _flag(x, name: str) -> bool:
+    """A bool field (a python bool, or 0 / 1); ValueError naming `name` otherwise (bool("no") is True)."""
+    if isinstance(x, bool) or (type(x) is int and x in (0, 1)):
+        return bool(x)
+    raise ValueError(f"{name} must be a bool, got {x!r} ({type(x).__name__})")
+
+
 def flat_tokens(x: torch.Tensor | None, name: str) -> torch.Tensor | None:
     """[1, T] / [T] -> [T]; [3, 1, T] / [3, T] positions -> [3, T]."""
     if x is None:
@@ -210,6 +217,11 @@ def _from_mapping(batch: Mapping) -> dict:
     if "tokens" in out:
         out["input_ids"] = out.pop("tokens")
     if out.get("packed_seq_params") is not None:
+        # Both forms of the boundaries: one would be checked and the other ignored without a word.
+        both = sorted(k for k in ("cu_seqlens", "cu_seqlens_padded", "cu_seqlens_kv", "cu_seqlens_kv_padded",
+                                  "max_seqlen", "max_seqlen_kv") if out.get(k) is not None)
+        if both:
+            raise ValueError(f"the batch has packed_seq_params and {both}: give the boundaries one way")
         out.update(_params_fields(out.pop("packed_seq_params")))
     else:
         out.pop("packed_seq_params", None)
@@ -259,7 +271,7 @@ def build_inputs(batch=None, **overrides) -> PackedInputs:
         values.setdefault("cp_rank", layout.cp_rank)
     if layout_keys:
         # _int: int(2.5) would check a cp_size of 2 silently
-        layout_keys = {k: (bool(v) if k in ("sequence_parallel", "fp8") else _int(v, k))
+        layout_keys = {k: (_flag(v, k) if k in ("sequence_parallel", "fp8") else _int(v, k))
                        for k, v in layout_keys.items()}
         values["multiples"] = PackMultiples.for_parallel(**layout_keys)
         values["cp_size"] = layout_keys.get("cp_size", 1)
