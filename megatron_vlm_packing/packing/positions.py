@@ -155,6 +155,15 @@ def queue_position_checks(batch: Mapping, keep: Callable[[], torch.Tensor], mrop
         expected = torch.arange(real.shape[1], device=real.device).expand_as(real)
         checks.add(any_true(real & (given != expected)), lambda v: v[0] != 0,
                    lambda: check_1d_positions(given, real, where))
+    elif given.is_floating_point():  # fractional mRoPE positions (Qwen3-Omni): NaN / inf would reach the rotary
+        not_finite = keep()[None] & ~torch.isfinite(given)  # [3, B, S], real tokens only (pads are rebuilt)
+        checks.add(any_true(not_finite), lambda v: v[0] != 0, lambda: _refuse_not_finite(given, not_finite, where))
+
+
+def _refuse_not_finite(given: torch.Tensor, not_finite: torch.Tensor, where: Callable[[int, int], str]) -> None:
+    channel, b, t = torch.nonzero(not_finite)[0].tolist()
+    raise ValueError(f"position_ids channel {channel} {where(b, t)} is {given[channel, b, t].item()}: "
+                     f"mRoPE positions must be finite")
 
 
 def queue_rope_positions(batch: Mapping, input_ids: torch.Tensor, keep: Callable[[], torch.Tensor], mrope,

@@ -64,6 +64,21 @@ def _full_attention_4d():
             "attention_mask": torch.zeros(1, 1, 3, 3, dtype=torch.bool)}
 
 
+def _float_positions(channel, row, position, value="nan"):
+    """[3, 2, 4] fractional mRoPE positions (Qwen3-Omni's kind) with one entry not finite."""
+    positions = torch.arange(4.0).expand(3, 2, 4).clone()
+    positions[channel, row, position] = float(value)
+    return positions
+
+
+def test_a_position_not_finite_at_a_pad_slot_is_rebuilt_not_refused():
+    # Pad slots get positions after their document's largest real one: what the batch held there is unused.
+    for host_reads in (False, True):
+        packed = pack_batch(with_(hf_batch(), position_ids=_float_positions(0, 1, 3)), label_style="hf",
+                            host_reads=host_reads)
+        assert torch.isfinite(packed.position_ids).all()
+
+
 ERRORS = [
     ("batch_is_a_list", lambda: pack_batch([hf_batch()], label_style="hf"),
      r"batch must be a dict of tensors, got list"),
@@ -120,6 +135,12 @@ ERRORS = [
     ("positions_3d_complex", lambda: pack_batch(with_(hf_batch(), position_ids=torch.ones(2, 3, 4, dtype=torch.complex64)),
                                                 label_style="hf"),
      r"mRoPE position_ids must hold integer or real positions, got dtype torch\.complex64"),
+    ("positions_3d_nan_at_a_real_token", lambda: pack_batch(with_(hf_batch(), position_ids=_float_positions(1, 1, 1)),
+                                                            label_style="hf"),
+     r"position_ids channel 1 row 1 position 1 is nan: mRoPE positions must be finite"),
+    ("positions_3d_inf_on_the_host", lambda: pack_batch(with_(hf_batch(), position_ids=_float_positions(2, 0, 2, "inf")),
+                                                        label_style="hf", host_reads=True),
+     r"position_ids channel 2 row 0 position 2 is inf: mRoPE positions must be finite"),
     ("dense_positions_3d_bool", lambda: pad_batch(with_(hf_batch(), position_ids=torch.ones(3, 2, 4, dtype=torch.bool)),
                                                   label_style="hf"),
      r"mRoPE position_ids must hold integer or real positions, got dtype torch\.bool"),
