@@ -38,9 +38,13 @@ def check_positions_1d(inputs: PackedInputs, docs: Documents) -> list[Violation]
         out = []
     else:
         bad = docs.doc_of_slot[wrong].unique().tolist()
-        detail = [(d, int(positions[docs.bounds.starts[d]])) for d in bad[:8]]
-        out = [Violation("positions_restart", f"(document, first position) {detail}; each document's real tokens "
-                         f"must be at 0, 1, 2, ...", tuple(bad))]
+        detail = []
+        for d in bad[:8]:  # the first wrong token of each: a document's first position is often right
+            slot = int(torch.nonzero(wrong & (docs.doc_of_slot == d))[0])
+            offset = slot - int(docs.bounds.starts[d])
+            detail.append((d, offset, positions[slot].item(), offset))
+        out = [Violation("positions_restart", f"(document, token, position, expected) {detail}; each document's "
+                         f"real tokens must be at 0, 1, 2, ...", tuple(bad))]
     vision = vision_documents(inputs, docs, min_run=2)
     if inputs.mrope is not None and vision:
         out.append(Violation("mrope_channels_identical", f"1D positions for an mRoPE model: documents {sorted(vision)[:8]} "

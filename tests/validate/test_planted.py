@@ -107,6 +107,15 @@ def test_1d_positions_not_restarting():
     assert report.violations[0].documents == tuple(range(1, len(fields["cu_seqlens"]) - 1))
 
 
+def test_1d_positions_wrong_inside_a_document_name_the_first_wrong_token():
+    fields = pack_fields(vlm_batch(seed=5), cp_size=2, mrope=None)
+    start, _ = docs_of(fields)[1]
+    positions = fields["position_ids"].clone()
+    positions[0, start + 3:start + 5] = 40  # the document starts at 0 as it should; its token 3 does not follow
+    report = only(validate_packed_batch(**clone(fields, position_ids=positions)), "positions_restart")
+    assert "(document, token, position, expected) [(1, 3, 40, 3)]" in str(report)
+
+
 def test_3d_positions_not_restarting(vlm_pack):
     fields = clone(vlm_pack[1])
     start, real = docs_of(fields)[2]
