@@ -73,6 +73,9 @@ class PlannerConfig:
         if self.samples_per_step is not None and (not isinstance(self.samples_per_step, int)
                                                   or self.samples_per_step < self.dp_size):
             raise ValueError(f"samples_per_step must be an int >= dp_size={self.dp_size}, got {self.samples_per_step!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
+            # numpy's generator takes no negative seed: the error came at planning, naming no field
+            raise ValueError(f"seed must be an int >= 0, got {self.seed!r}")
         if self.tail not in ("short_step", "carry"):
             raise ValueError(f"tail must be 'short_step' or 'carry', got {self.tail!r}")
 
@@ -299,6 +302,16 @@ def plan_epoch(table: SampleTable, config: PlannerConfig, *, epoch: int = 0, car
     Deterministic for (config.seed, epoch, carried_in). Raises ValueError for a sample without
     tokens, or one over capacity under oversize="error" (naming it and its size).
     """
+    if len(table) == 0:  # an epoch of no micro-batches: a loop cycling epochs would spin forever
+        raise ValueError("the sample table is empty: there is nothing to plan")
+    if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
+        raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
+    carried_arr = np.asarray(carried_in)
+    if len(carried_arr) and (carried_arr.dtype.kind not in "iu" or carried_arr.min() < 0
+                             or carried_arr.max() >= len(table)):
+        # A negative index would be planned (and handed to the dataset) as sample N + i; one past
+        # the end raised an IndexError; 1.5 was cast to sample 1.
+        raise ValueError(f"carried_in must hold sample indices in [0, {len(table)}); got {carried_arr[:8].tolist()}")
     cols = _columns(table, config)
     rng = np.random.default_rng([config.seed, epoch])
     order = rng.permutation(len(table)) if config.shuffle else np.arange(len(table))
