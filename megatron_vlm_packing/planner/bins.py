@@ -43,6 +43,9 @@ class BinLayout:
     oversize: str = "error"
 
     def __post_init__(self) -> None:
+        if isinstance(self.capacity, bool) or not isinstance(self.capacity, (int, np.integer)):
+            # 4096.0 was accepted and made every bin's physical length a float
+            raise ValueError(f"capacity must be an int, got {self.capacity!r}")
         if self.capacity < 1 or self.capacity % self.multiples.total:
             raise ValueError(f"capacity={self.capacity} must be a positive multiple of the total multiple "
                              f"{self.multiples.total} (segment {self.multiples.segment})")

@@ -37,8 +37,26 @@ class SampleMetadata:
     audio_frames: tuple[int, ...] = ()
 
 
+def _int_array(values, name: str) -> np.ndarray:
+    """`values` as int64; ValueError naming `name` for counts that are not whole numbers (a cast
+    would truncate 10.7 tokens to 10 and the bin would be laid out for the wrong length)."""
+    array = np.asarray(values)
+    if array.dtype.kind in "iu" or array.size == 0:
+        return array.astype(np.int64)
+    if array.dtype.kind == "f" and np.isfinite(array).all() and (array == np.round(array)).all():
+        return array.astype(np.int64)  # whole numbers stored as floats (a pandas column)
+    flat = array.reshape(-1)
+    if array.dtype.kind == "f":
+        bad = np.flatnonzero(~np.isfinite(flat) | (flat != np.round(flat)))
+        raise ValueError(f"{name} must hold whole numbers; entry {int(bad[0])} is {flat[bad[0]].item()!r}")
+    raise ValueError(f"{name} must hold integers, got dtype {array.dtype} (e.g. {flat[0].item()!r})")
+
+
 def _grid_array(grids: list, name: str) -> np.ndarray:
-    array = np.asarray(grids, dtype=np.int64).reshape(-1, 3)
+    array = _int_array(grids, name)
+    if array.size % 3 or (array.ndim > 1 and array.shape[-1] != 3):
+        raise ValueError(f"{name} must hold (t, h, w) triples; got shape {array.shape}")
+    array = array.reshape(-1, 3)
     if (array < 1).any():
         raise ValueError(f"{name} must hold positive (t, h, w) grids; got {array[(array < 1).any(1)][:4].tolist()}")
     return array
@@ -65,7 +83,7 @@ class SampleTable:
 
     def __post_init__(self) -> None:
         for name in ("text_tokens", "image_owner", "video_owner", "audio_frames", "audio_owner"):
-            object.__setattr__(self, name, np.asarray(getattr(self, name), dtype=np.int64).reshape(-1))
+            object.__setattr__(self, name, _int_array(getattr(self, name), name).reshape(-1))
         for name in ("image_grids", "video_grids"):
             object.__setattr__(self, name, _grid_array(getattr(self, name), name))
         n = len(self.text_tokens)
@@ -90,14 +108,18 @@ class SampleTable:
         """Column-wise table of `samples` (in order)."""
         images, image_owner, videos, video_owner, audio, audio_owner = [], [], [], [], [], []
         for i, s in enumerate(samples):
+            for name in ("image_grids", "video_grids"):  # a flat (t, h, w) would become 3 images
+                if any(np.ndim(g) != 1 or len(g) != 3 for g in getattr(s, name)):
+                    raise ValueError(f"sample {i}: {name} must be a tuple of (t, h, w) triples; got "
+                                     f"{getattr(s, name)!r}")
             images.extend(s.image_grids); image_owner.extend([i] * len(s.image_grids))
             videos.extend(s.video_grids); video_owner.extend([i] * len(s.video_grids))
             audio.extend(s.audio_frames); audio_owner.extend([i] * len(s.audio_frames))
         return cls(
-            text_tokens=np.asarray([s.text_tokens for s in samples], dtype=np.int64),
+            text_tokens=_int_array([s.text_tokens for s in samples], "text_tokens"),
             image_grids=_grid_array(images, "image_grids"), image_owner=np.asarray(image_owner, np.int64),
             video_grids=_grid_array(videos, "video_grids"), video_owner=np.asarray(video_owner, np.int64),
-            audio_frames=np.asarray(audio, np.int64), audio_owner=np.asarray(audio_owner, np.int64),
+            audio_frames=_int_array(audio, "audio_frames"), audio_owner=np.asarray(audio_owner, np.int64),
         )
 
     def sample(self, index: int) -> SampleMetadata:
@@ -133,8 +155,22 @@ class TokenCounter:
     vision_wrappers: int = 2
     audio_wrappers: int = 2
 
+    def __post_init__(self) -> None:
+        for name, least in (("spatial_merge", 1), ("audio_pool", 1), ("vision_wrappers", 0), ("audio_wrappers", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+                raise ValueError(f"TokenCounter.{name} must be an int >= {least}, got {value!r}")
+
     def __call__(self, table: SampleTable) -> np.ndarray:
-        """[N] int64 expanded token counts."""
+        """[N] int64 expanded token counts. ValueError for a grid whose h or w the merge does not
+        divide: the model's merger cannot take it, and t*h*w // merge^2 would undercount its tokens."""
+        for name in ("image_grids", "video_grids"):
+            grids = getattr(table, name)
+            bad = np.flatnonzero((grids[:, 1:] % self.spatial_merge).any(axis=1))
+            if len(bad):
+                owner = getattr(table, name.replace("grids", "owner"))
+                raise ValueError(f"{name} of sample {int(owner[bad[0]])} is {grids[bad[0]].tolist()}: h and w must be "
+                                 f"multiples of spatial_merge={self.spatial_merge} ({len(bad)} such grid(s))")
         merge = self.spatial_merge ** 2
         image = np.prod(table.image_grids, axis=1) // merge + self.vision_wrappers
         video = np.prod(table.video_grids, axis=1) // merge + self.vision_wrappers
@@ -156,8 +192,8 @@ def llava_tokens(tokens_per_image: int) -> ExpandedTokens:
 
     `text_tokens` must then count the text only (the placeholders are replaced).
     """
-    if tokens_per_image < 1:
-        raise ValueError(f"tokens_per_image must be >= 1, got {tokens_per_image}")
+    if isinstance(tokens_per_image, bool) or not isinstance(tokens_per_image, (int, np.integer)) or tokens_per_image < 1:
+        raise ValueError(f"tokens_per_image must be an int >= 1, got {tokens_per_image!r}")
 
     def expanded_tokens(table: SampleTable) -> np.ndarray:
         images = np.bincount(table.image_owner, minlength=len(table)).astype(np.int64)

@@ -20,13 +20,18 @@ rank. `tail="short_step"` and `samples_per_step` give steps of varying length, f
 Resume: `state_dict()` records the epoch, how many micro-batches this rank has taken, and the
 samples carried in from the previous epoch; the plan is rebuilt from the seed and iteration resumes
 at the next micro-batch. With prefetching loaders the sampler runs ahead of training: pass the
-count actually trained to `state_dict(consumed=...)`.
+count actually trained to `state_dict(consumed=...)`: a count above the micro-batches this epoch
+has yielded so far means the sampler has already moved on while training finishes the previous
+epoch (a DataLoader prefetches across the boundary), and the state is that of the previous epoch.
+`set_epoch` on the epoch a `load_state_dict` resumed keeps its place (the usual
+`for epoch in ...: sampler.set_epoch(epoch)` loop after a resume would otherwise repeat it).
 """
 
 from __future__ import annotations
 
 from typing import Iterator
 
+import numpy as np
 import torch.utils.data
 
 from megatron_vlm_packing.planner.metadata import SampleTable
@@ -44,11 +49,16 @@ class PackedBatchSampler(torch.utils.data.Sampler):
     """
 
     def __init__(self, table: SampleTable, config: PlannerConfig, *, dp_rank: int, progress: bool = False) -> None:
-        if not 0 <= dp_rank < config.dp_size:
-            raise ValueError(f"dp_rank={dp_rank} must lie in [0, {config.dp_size})")
+        if isinstance(dp_rank, bool) or not isinstance(dp_rank, (int, np.integer)) or not 0 <= dp_rank < config.dp_size:
+            raise ValueError(f"dp_rank={dp_rank!r} must lie in [0, {config.dp_size})")
         self.table, self.config, self.dp_rank, self.progress = table, config, dp_rank, progress
         self._epoch, self._position, self._carried = 0, 0, ()
         self._plan: EpochPlan | None = None
+        # (epoch, carried into it, micro-batches of this rank) of the epoch iteration last finished:
+        # a prefetching loader ends an epoch before training does, and state_dict(consumed=) may
+        # still count micro-batches of it.
+        self._previous: tuple[int, tuple[int, ...], int] | None = None
+        self._resumed = False  # the position came from load_state_dict (set_epoch keeps it)
 
     def plan(self) -> EpochPlan:
         """The plan of the current epoch (built once per epoch)."""
@@ -72,18 +82,48 @@ class PackedBatchSampler(torch.utils.data.Sampler):
         while self._position < len(bins):
             self._position += 1
             yield list(bins[self._position - 1].samples)
+        self._previous = (self._epoch, self._carried, len(bins))
         self._epoch, self._position, self._carried = self._epoch + 1, 0, plan.carried
+        self._resumed = False
 
     def set_epoch(self, epoch: int) -> None:
-        """Start epoch `epoch` from its beginning (samples carried so far stay carried)."""
-        self._epoch, self._position = int(epoch), 0
+        """Start epoch `epoch` from its beginning (samples carried so far stay carried); the epoch a
+        `load_state_dict` resumed keeps its place instead (its first micro-batches were trained)."""
+        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
+            raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
+        if self._resumed and int(epoch) == self._epoch:
+            return
+        self._epoch, self._position, self._resumed, self._previous = int(epoch), 0, False, None
 
     def state_dict(self, consumed: int | None = None) -> dict:
-        """Where this rank stands: epoch, micro-batches taken (or `consumed`), carried samples."""
+        """Where this rank stands: epoch, micro-batches taken (or `consumed`), carried samples.
+
+        `consumed` above the micro-batches yielded in this epoch counts micro-batches of the epoch
+        the sampler just finished (a prefetching loader runs ahead over the epoch boundary); more
+        than either epoch yielded is a ValueError (resuming there would skip samples).
+        """
+        epoch, position, carried = self._epoch, self._position, self._carried
+        if consumed is not None:
+            consumed = int(consumed)
+            if 0 <= consumed <= position:
+                position = consumed
+            elif self._previous is not None and position < consumed <= self._previous[2]:
+                # Training is still in the previous epoch; resuming at the new one would skip the
+                # rest of the previous epoch and the first `consumed` micro-batches of this one.
+                epoch, carried, _ = self._previous
+                position = consumed
+                if consumed == self._previous[2]:  # the previous epoch is done: the new one from 0
+                    epoch, position, carried = self._epoch, 0, self._carried
+            else:
+                limit = position if self._previous is None else max(position, self._previous[2])
+                raise ValueError(f"consumed={consumed} must lie in [0, {limit}]: this rank's sampler has yielded "
+                                 f"{position} micro-batch(es) of epoch {self._epoch}"
+                                 + (f" after {self._previous[2]} of epoch {self._previous[0]}"
+                                    if self._previous is not None else ""))
         return {
-            "epoch": self._epoch,
-            "position": self._position if consumed is None else int(consumed),
-            "carried": list(self._carried),
+            "epoch": epoch,
+            "position": position,
+            "carried": list(carried),
             "seed": self.config.seed,
             "num_samples": len(self.table),
             "dp_size": self.config.dp_size,
@@ -98,3 +138,8 @@ class PackedBatchSampler(torch.utils.data.Sampler):
         self._epoch, self._position = int(state["epoch"]), int(state["position"])
         self._carried = tuple(int(i) for i in state["carried"])
         self._plan = None
+        self._previous, self._resumed = None, True
+        if not 0 <= self._position <= len(self):  # e.g. written under another micro_batches_per_rank
+            raise ValueError(f"sampler state has position={self._position} but epoch {self._epoch} has "
+                             f"{len(self)} micro-batch(es) on this rank (same seed, DP size and dataset size: "
+                             f"has the layout or micro_batches_per_rank changed?)")

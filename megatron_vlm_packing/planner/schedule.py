@@ -28,7 +28,7 @@ import numpy as np
 from megatron_vlm_packing.planner.balance import assign_to_ranks, group_into_steps, imbalance
 from megatron_vlm_packing.planner.bins import Bin, BinLayout, balanced_fit, best_fit_decreasing, split_to_count
 from megatron_vlm_packing.planner.cost import CostModel
-from megatron_vlm_packing.planner.metadata import ExpandedTokens, SampleTable, TokenCounter
+from megatron_vlm_packing.planner.metadata import ExpandedTokens, SampleTable, TokenCounter, _int_array
 from megatron_vlm_packing.planner.progress import Progress
 
 
@@ -73,6 +73,9 @@ class PlannerConfig:
         if self.samples_per_step is not None and (not isinstance(self.samples_per_step, int)
                                                   or self.samples_per_step < self.dp_size):
             raise ValueError(f"samples_per_step must be an int >= dp_size={self.dp_size}, got {self.samples_per_step!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
+            # numpy's generator takes no negative seed: the error came at planning, naming no field
+            raise ValueError(f"seed must be an int >= 0, got {self.seed!r}")
         if self.tail not in ("short_step", "carry"):
             raise ValueError(f"tail must be 'short_step' or 'carry', got {self.tail!r}")
 
@@ -127,7 +130,8 @@ class _Columns:
 
 
 def _columns(table: SampleTable, config: PlannerConfig) -> _Columns:
-    tokens = np.asarray(config.expanded_tokens(table), dtype=np.int64)
+    # Whole numbers only: a hook returning 7.5 tokens was cast to 7 and the bin laid out too short.
+    tokens = _int_array(config.expanded_tokens(table), "expanded_tokens").reshape(-1)
     if len(tokens) != len(table):
         raise ValueError(f"expanded_tokens returned {len(tokens)} counts for {len(table)} samples")
     if len(tokens) and tokens.min() < 1:
@@ -298,6 +302,16 @@ def plan_epoch(table: SampleTable, config: PlannerConfig, *, epoch: int = 0, car
     Deterministic for (config.seed, epoch, carried_in). Raises ValueError for a sample without
     tokens, or one over capacity under oversize="error" (naming it and its size).
     """
+    if len(table) == 0:  # an epoch of no micro-batches: a loop cycling epochs would spin forever
+        raise ValueError("the sample table is empty: there is nothing to plan")
+    if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
+        raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
+    carried_arr = np.asarray(carried_in)
+    if len(carried_arr) and (carried_arr.dtype.kind not in "iu" or carried_arr.min() < 0
+                             or carried_arr.max() >= len(table)):
+        # A negative index would be planned (and handed to the dataset) as sample N + i; one past
+        # the end raised an IndexError; 1.5 was cast to sample 1.
+        raise ValueError(f"carried_in must hold sample indices in [0, {len(table)}); got {carried_arr[:8].tolist()}")
     cols = _columns(table, config)
     rng = np.random.default_rng([config.seed, epoch])
     order = rng.permutation(len(table)) if config.shuffle else np.arange(len(table))

@@ -63,6 +63,48 @@ def test_llava_expansion_and_bad_metadata():
         SampleTable(text_tokens=np.asarray([3, -1]))
 
 
+def test_float_counts_are_refused_not_truncated():
+    """Counts that are not whole numbers were cast to int64: 10.7 text tokens became 10, a 2.5-patch
+    grid side 2, 7.5 expanded tokens 7, and the bins were laid out for lengths the samples do not have."""
+    with pytest.raises(ValueError, match="text_tokens must hold whole numbers; entry 1 is 10.7"):
+        SampleTable.from_samples([SampleMetadata(3), SampleMetadata(10.7)])
+    with pytest.raises(ValueError, match="text_tokens must hold whole numbers; entry 0 is nan"):
+        SampleTable(text_tokens=[float("nan")])
+    with pytest.raises(ValueError, match="text_tokens must hold integers"):
+        SampleTable(text_tokens=["12"])
+    with pytest.raises(ValueError, match="image_grids must hold whole numbers; entry 1 is 2.5"):
+        SampleTable.from_samples([SampleMetadata(1, image_grids=((1, 2.5, 4),))])
+    with pytest.raises(ValueError, match="audio_frames must hold whole numbers; entry 0 is 2.5"):
+        SampleTable.from_samples([SampleMetadata(1, audio_frames=(2.5,))])
+    with pytest.raises(ValueError, match="image_owner must hold whole numbers"):
+        SampleTable(text_tokens=[1, 2], image_grids=[[1, 2, 2]], image_owner=[0.7])
+    with pytest.raises(ValueError, match=r"sample 0: image_grids must be a tuple of \(t, h, w\) triples"):
+        SampleTable.from_samples([SampleMetadata(1, image_grids=(1, 2, 4))])  # one grid, not a tuple of them
+    assert SampleTable(text_tokens=np.asarray([3.0, 4.0])).text_tokens.tolist() == [3, 4]  # whole floats are fine
+    table = SampleTable(text_tokens=[5, 5, 5])
+    half = PlannerConfig(layout=BinLayout(capacity=128), expanded_tokens=lambda t: t.text_tokens * 1.5)
+    with pytest.raises(ValueError, match="expanded_tokens must hold whole numbers; entry 0 is 7.5"):
+        plan_epoch(table, half)
+    with pytest.raises(ValueError, match="tokens_per_image must be an int >= 1, got 1.5"):
+        llava_tokens(1.5)
+
+
+def test_grid_the_merge_does_not_divide_is_refused():
+    """A (1, 3, 3) grid under a 2x2 merge counted 9 // 4 = 2 tokens: the model cannot merge it, and
+    the planner laid out a bin for a length no processor produces."""
+    table = SampleTable.from_samples([SampleMetadata(4), SampleMetadata(1, image_grids=((1, 2, 2), (1, 3, 4)))])
+    with pytest.raises(ValueError, match=r"image_grids of sample 1 is \[1, 3, 4\]: h and w must be multiples of "
+                                         r"spatial_merge=2"):
+        TokenCounter()(table)
+    videos = SampleTable.from_samples([SampleMetadata(1, video_grids=((4, 6, 5),))])
+    with pytest.raises(ValueError, match=r"video_grids of sample 0 is \[4, 6, 5\]"):
+        plan_epoch(videos, PlannerConfig(layout=BinLayout(capacity=128)))
+    assert TokenCounter(spatial_merge=1)(table).tolist() == [4, 1 + (4 + 2) + (12 + 2)]
+    for field in ("spatial_merge", "audio_pool"):
+        with pytest.raises(ValueError, match=f"TokenCounter.{field} must be an int >= 1, got 0"):
+            TokenCounter(**{field: 0})  # a // 0 counted every image as 0 tokens
+
+
 def test_progress_line_only_when_enabled():
     out = io.StringIO()
     bar = Progress(200, enabled=True, label="planning", stream=out, interval_s=0.0)

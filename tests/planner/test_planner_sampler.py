@@ -71,6 +71,69 @@ def test_resume_mid_epoch_equals_uninterrupted(samples):
         PackedBatchSampler(table, other_seed, dp_rank=0).load_state_dict(state)
 
 
+def test_resume_with_a_prefetching_loader_across_the_epoch_boundary(samples):
+    """A DataLoader with workers takes the epoch's last indices (and ends the sampler's epoch)
+    before training has run them: state_dict(consumed=) then still counts the finished epoch.
+    Before, it recorded the next epoch at that position: the rest of the epoch and the next
+    epoch's first micro-batches were lost on resume."""
+    table = SampleTable.from_samples([metadata(s) for s in samples])
+    config = _config(tail="carry")
+    straight = PackedBatchSampler(table, config, dp_rank=0)
+    reference = list(straight) + list(straight)
+    sampler = PackedBatchSampler(table, config, dp_rank=0)
+    epoch_len = len(sampler)
+    assert epoch_len > 3
+    loader = torch.utils.data.DataLoader(list(range(len(samples))), batch_sampler=sampler, num_workers=1,
+                                         prefetch_factor=2, collate_fn=lambda group: group)
+    trained = []
+    for batch in loader:
+        trained.append(batch)
+        if len(trained) == epoch_len - 1:
+            break
+    assert sampler.state_dict()["epoch"] == 1  # the sampler has moved on; training has not
+    state = sampler.state_dict(consumed=len(trained))
+    assert (state["epoch"], state["position"]) == (0, epoch_len - 1)
+    resumed = PackedBatchSampler(table, config, dp_rank=0)
+    resumed.load_state_dict(state)
+    assert trained + list(resumed) + list(resumed) == reference
+    with pytest.raises(ValueError, match="consumed=99"):
+        sampler.state_dict(consumed=99)  # more than was ever yielded: resuming there would skip
+
+
+def test_set_epoch_after_a_resume_keeps_its_place(samples):
+    """`load_state_dict` then the usual `set_epoch(epoch)` at the top of the epoch loop: before,
+    set_epoch restarted the epoch and its first micro-batches were trained twice."""
+    table = SampleTable.from_samples([metadata(s) for s in samples])
+    config = _config()
+    straight = PackedBatchSampler(table, config, dp_rank=1)
+    reference = list(straight)
+    first = PackedBatchSampler(table, config, dp_rank=1)
+    it = iter(first)
+    taken = [next(it) for _ in range(3)]
+    resumed = PackedBatchSampler(table, config, dp_rank=1)
+    resumed.load_state_dict(first.state_dict())
+    resumed.set_epoch(0)
+    assert taken + list(resumed) == reference
+    resumed.set_epoch(0)  # after the resumed epoch, set_epoch starts an epoch from its beginning again
+    assert list(resumed) == reference
+    with pytest.raises(ValueError, match="epoch must be an int >= 0, got -1"):
+        resumed.set_epoch(-1)
+
+
+def test_state_from_another_layout_is_refused(samples):
+    """A state whose position lies beyond this plan (written under more micro-batches per rank, say)
+    would resume past the end of the epoch and skip it silently; it is a ValueError."""
+    table = SampleTable.from_samples([metadata(s) for s in samples])
+    sampler = PackedBatchSampler(table, _config(), dp_rank=0)
+    state = sampler.state_dict()
+    state["position"] = len(sampler) + 1
+    with pytest.raises(ValueError, match=f"position={len(sampler) + 1} but epoch 0 has {len(sampler)}"):
+        PackedBatchSampler(table, _config(), dp_rank=0).load_state_dict(state)
+    state["position"] = -1
+    with pytest.raises(ValueError, match="position=-1"):
+        PackedBatchSampler(table, _config(), dp_rank=0).load_state_dict(state)
+
+
 class _TaskEncoder(PlannedPackingMixin):
     packing_hooks = EnergonPackingHooks(
         metadata=lambda s: metadata(s.payload), collate=lambda group: collate([s.payload for s in group]),
@@ -114,3 +177,10 @@ def test_energon_hooks_build_every_cp_rank_index_in_the_worker(samples):
     assert set(cached) == {(2, 0), (2, 1)}
     every_slot = torch.cat([cached[(2, 0)], cached[(2, 1)]]).sort().values
     assert torch.equal(every_slot, torch.arange(packed.input_ids.shape[1]))
+
+
+def test_dp_rank_must_be_an_int(samples):
+    """dp_rank=1.5 passed the range check and failed later indexing the step's ranks (TypeError)."""
+    table = SampleTable.from_samples([metadata(s) for s in samples])
+    with pytest.raises(ValueError, match=r"dp_rank=1.5 must lie in \[0, 2\)"):
+        PackedBatchSampler(table, _config(), dp_rank=1.5)

@@ -9,7 +9,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from megatron_vlm_packing.packing import PackMultiples
-from megatron_vlm_packing.planner import BinLayout, EpochPlan, PlannerConfig, SampleMetadata, SampleTable, plan_epoch
+from megatron_vlm_packing.planner import (BinLayout, EpochPlan, PackedBatchSampler, PlannerConfig, SampleMetadata,
+                                          SampleTable, plan_epoch)
 from megatron_vlm_packing.planner import schedule
 from megatron_vlm_packing.planner.synthetic import SyntheticMix, synthetic_table
 
@@ -97,6 +98,10 @@ def test_no_sample_lost_or_duplicated(seed, n, dp, m, cp, static, balance, tail,
     table = _random_table(seed, n)
     config = _config(seed, dp, m, cp, static, balance, tail, window, per_step, cap)
     carried_in = tuple(range(min(n, dp - 1)))
+    if n == 0:  # an empty dataset is an error, not an epoch of no micro-batches
+        with pytest.raises(ValueError, match="the sample table is empty"):
+            plan_epoch(table, config, epoch=1, carried_in=carried_in)
+        return
     try:
         plan = plan_epoch(table, config, epoch=1, carried_in=carried_in)
     except ValueError as err:  # only a whole samples_per_step step that no packing can split over the ranks
@@ -131,6 +136,29 @@ def test_tail_carried_when_fewer_samples_than_ranks():
     table = SampleTable.from_samples([SampleMetadata(text_tokens=5) for _ in range(3)])
     plan = plan_epoch(table, PlannerConfig(layout=BinLayout(capacity=64), dp_size=4))
     assert plan.steps == () and sorted(plan.carried) == [0, 1, 2]
+
+
+def test_empty_table_and_bad_arguments_are_value_errors():
+    """An empty table planned an epoch of no micro-batches (a loop cycling epochs over the sampler
+    spun forever, training nothing); carried_in out of range raised an IndexError or, negative,
+    was planned as a sample -1 the dataset read as its last; a negative seed or epoch and a float
+    capacity failed inside numpy or made bins of float length."""
+    layout = BinLayout(capacity=64)
+    with pytest.raises(ValueError, match="the sample table is empty"):
+        plan_epoch(SampleTable(text_tokens=[]), PlannerConfig(layout=layout, dp_size=4))
+    with pytest.raises(ValueError, match="the sample table is empty"):
+        PackedBatchSampler(SampleTable.from_samples([]), PlannerConfig(layout=layout), dp_rank=0).plan()
+    table = SampleTable(text_tokens=[5] * 4)
+    for carried in ([7], [-1], [1.5]):
+        with pytest.raises(ValueError, match=r"carried_in must hold sample indices in \[0, 4\)"):
+            plan_epoch(table, PlannerConfig(layout=layout), carried_in=carried)
+    with pytest.raises(ValueError, match="epoch must be an int >= 0, got -1"):
+        plan_epoch(table, PlannerConfig(layout=layout), epoch=-1)
+    for seed in (-1, 1.5):
+        with pytest.raises(ValueError, match=f"seed must be an int >= 0, got {seed}"):
+            PlannerConfig(layout=layout, seed=seed)
+    with pytest.raises(ValueError, match="capacity must be an int, got 64.0"):
+        BinLayout(capacity=64.0)
 
 
 def test_balancing_beats_unbalanced_on_a_skewed_input():
