@@ -13,6 +13,17 @@ from megatron_vlm_packing.planner.schedule import EpochPlan, PlannerConfig, plan
 from megatron_vlm_packing.planner.synthetic import synthetic_table
 
 
+def _seed(text: str) -> int:
+    """argparse type: an int >= 0 (numpy's generators take no negative seed)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an int >= 0, got {value}")
+    return value
+
+
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=int, default=20000, help="synthetic samples (default 20000)")
     parser.add_argument("--capacity", type=int, default=32768, help="physical tokens per bin")
@@ -23,7 +34,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sp", action="store_true")
     parser.add_argument("--fp8", action="store_true")
     parser.add_argument("--steps-shown", type=int, default=2, help="steps whose per-rank cost is printed")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=_seed, default=0, help="epoch shuffle seed, >= 0 (default 0)")
     parser.add_argument("--progress", action="store_true", help="progress line on stderr while planning")
 
 

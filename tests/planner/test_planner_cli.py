@@ -18,3 +18,12 @@ def test_demo_planner_flag_prints_both_plans(capsys):
     out = capsys.readouterr().out
     assert "unbalanced   step 0 per-rank cost" in out and "balanced     step 0 per-rank cost" in out
     assert "segment 4, total 4" in out  # the demo's --cp reached the planner's alignment
+
+
+def test_plan_command_refuses_a_negative_seed(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as exit_info:  # argparse's usage error, not numpy's message
+        main(["plan", "--samples", "100", "--seed", "-1"])
+    assert exit_info.value.code == 2
+    assert "argument --seed: must be an int >= 0, got -1" in capsys.readouterr().err
