@@ -239,6 +239,67 @@ def batch_not_a_dict(m):
     return loss(make_forward_step(), m["gpt"], [text_batch()["input_ids"]])
 
 
+@case
+def data_iterator_none(m):
+    """A pipeline stage given no iterator (None): was TypeError 'NoneType' object is not an iterator."""
+    return make_forward_step()(None, m["gpt"])
+
+
+@case
+def data_iterator_a_list(m):
+    """A list, not an iterator: refused (iter() each step would restart it), was a TypeError."""
+    return make_forward_step()([text_batch()], m["gpt"])
+
+
+@case
+def megatron_rerun_data_iterator_accepted(m):
+    """Megatron-LM wraps iterators in RerunDataIterator, which has __next__ but no __iter__."""
+    from megatron.core.rerun_state_machine import RerunDataIterator
+
+    step = make_forward_step()
+    with torch.no_grad():
+        output, reduce = step(RerunDataIterator(iter([text_batch()])), m["gpt"])
+    return (round(reduce(output)[0].item(), 4), int(reduce(output)[1])) == loss(step, m["gpt"], text_batch())
+
+
+class NoConfig(nn.Module):
+    """A user's model that keeps its GPTModel's config elsewhere (no .config)."""
+
+    def __init__(self, gpt):
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, *args, **kwargs):
+        return self.gpt(*args, **kwargs)
+
+
+@case
+def model_without_config(m):
+    """Was AttributeError: 'NoConfig' object has no attribute 'config'."""
+    return loss(make_forward_step(adapter=lambda model: GPTModelAdapter(model.gpt)), NoConfig(m["gpt"]), text_batch())
+
+
+class NoParameters(nn.Module):
+    def __init__(self, gpt):
+        super().__init__()
+        self.config, self.call = gpt.config, gpt.__call__  # not a submodule: no parameters
+
+    def forward(self, *args, **kwargs):
+        return self.call(*args, **kwargs)
+
+
+@case
+def model_without_parameters(m):
+    """Was a bare StopIteration out of the step (next(model.parameters()))."""
+    return loss(make_forward_step(adapter=lambda model: GPTModelAdapter(m["gpt"])), NoParameters(m["gpt"]), text_batch())
+
+
+@case
+def transform_returns_none(m):
+    """Was AttributeError: 'NoneType' object has no attribute 'inputs_present'."""
+    return loss(make_forward_step(transform=lambda mb: None), m["gpt"], text_batch())
+
+
 # --- rotary kind ------------------------------------------------------------------------------
 
 @case

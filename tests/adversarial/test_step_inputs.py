@@ -38,6 +38,12 @@ EXPECTED = {
     "explicit_adapter_overrides_registry": ("ok", True),
     "with_state_form_equals_plain": ("ok", (True, True)),
     "batch_not_a_dict": (ERR, "ValueError", r"must yield a dict of tensors .* got list"),
+    "data_iterator_none": (ERR, "ValueError", r"data_iterator must be an iterator .* got NoneType"),
+    "data_iterator_a_list": (ERR, "ValueError", r"data_iterator must be an iterator .* got list; pass iter"),
+    "megatron_rerun_data_iterator_accepted": ("ok", True),
+    "model_without_config": (ERR, "ValueError", r"NoConfig has no Megatron TransformerConfig at \.config \(got NoneType\)"),
+    "model_without_parameters": (ERR, "ValueError", r"NoParameters has no parameters"),
+    "transform_returns_none": (ERR, "ValueError", r"transform must return a MicroBatch, got NoneType"),
     # rotary kind (bug class 1)
     "mrope_for_1d_gpt": (ERR, "ValueError", r"mrope=\.\.\.\) was given but GPTModel's rotary is 1D"),
     "mrope_for_1d_vlm": (ERR, "ValueError", r"mrope=\.\.\.\) was given but PackedVLM's rotary is 1D"),

@@ -33,6 +33,18 @@ def test_step_options_refuse_the_other_paths_length():
         make_forward_step(label_style="HF")
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(pack=None), r"pack must be a bool, got None"),  # ran dense
+    (dict(pack="no"), r"pack must be a bool, got 'no'"),  # packed
+    (dict(with_state="False"), r"with_state must be a bool, got 'False'"),  # gave the 3-argument form
+    (dict(broadcast_from_tp_rank0=1), r"broadcast_from_tp_rank0 must be a bool, got 1"),
+    (dict(transform=5), r"transform must be a callable .* got 5"),  # a TypeError at the first call
+])
+def test_make_forward_step_refuses_options_of_the_wrong_type(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make_forward_step(**kwargs)
+
+
 def test_loss_func_contract_and_model_returned_mask():
     losses = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0, 1.0]])
