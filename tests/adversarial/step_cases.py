@@ -300,6 +300,66 @@ def transform_returns_none(m):
     return loss(make_forward_step(transform=lambda mb: None), m["gpt"], text_batch())
 
 
+# --- micro-batches built before the step (in the DataLoader): checked against the step and layout ---
+
+def _hf(fn, batch, **kwargs):
+    return fn(batch, label_style="hf", **kwargs)
+
+
+@case
+def loader_packed_micro_batch_for_a_dense_step(m):
+    """Was run packed although the step was made with pack=False."""
+    from megatron_vlm_packing.packing import pack_batch
+
+    return loss(make_forward_step(pack=False), m["gpt"], _hf(pack_batch, text_batch()))
+
+
+@case
+def loader_dense_micro_batch_for_a_packed_step(m):
+    from megatron_vlm_packing.packing import pad_batch
+
+    return loss(make_forward_step(), m["gpt"], _hf(pad_batch, text_batch()))
+
+
+@case
+def loader_micro_batch_shorter_than_pad_to(m):
+    """pad_to=64 (fixed shapes for PP > 1) was ignored: the 13-token pack ran as it was."""
+    from megatron_vlm_packing.packing.collate import PackingCollator
+
+    return loss(make_forward_step(pad_to=64), m["gpt"], PackingCollator(label_style="hf")(text_batch()))
+
+
+@case
+def loader_micro_batch_with_pad_to_equals_in_step(m):
+    from megatron_vlm_packing.packing.collate import PackingCollator
+
+    step = make_forward_step(pad_to=64)
+    return loss(step, m["gpt"], PackingCollator(label_style="hf", pad_to=64)(text_batch())) == \
+        loss(step, m["gpt"], text_batch())
+
+
+@case
+def loader_dense_micro_batch_other_than_seq_length(m):
+    from megatron_vlm_packing.packing import pad_batch
+
+    return loss(make_forward_step(pack=False, seq_length=8), m["gpt"], _hf(pad_batch, text_batch()))
+
+
+@case
+def loader_dense_rows_that_sp_cannot_split(m):
+    """Rows of 5 for TP 2 + SP: the packed path compared plans, the dense path checked nothing
+    (Megatron's SP scatter then asserts)."""
+    from megatron_vlm_packing.packing import pad_batch
+    from megatron_vlm_packing.parallel.layout import ParallelLayout
+    from megatron_vlm_packing.train.step import StepOptions
+
+    batch = text_batch()
+    batch = {k: v[:, :5] for k, v in batch.items()}
+    dense = _hf(pad_batch, batch)
+    return GPTModelAdapter(m["gpt"]).micro_batch_from_loader(
+        dense, ParallelLayout(tp_size=2, sequence_parallel=True), StepOptions(pack=False), torch.device("cpu"))
+
+
 # --- rotary kind ------------------------------------------------------------------------------
 
 @case

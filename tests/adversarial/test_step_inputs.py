@@ -44,6 +44,13 @@ EXPECTED = {
     "model_without_config": (ERR, "ValueError", r"NoConfig has no Megatron TransformerConfig at \.config \(got NoneType\)"),
     "model_without_parameters": (ERR, "ValueError", r"NoParameters has no parameters"),
     "transform_returns_none": (ERR, "ValueError", r"transform must return a MicroBatch, got NoneType"),
+    # micro-batches built before the step: the step's pack / pad_to / seq_length and the layout
+    "loader_packed_micro_batch_for_a_dense_step": (ERR, "ValueError", r"yielded a packed micro-batch but the step was made with pack=False"),
+    "loader_dense_micro_batch_for_a_packed_step": (ERR, "ValueError", r"yielded a dense micro-batch but the step was made with pack=True"),
+    "loader_micro_batch_shorter_than_pad_to": (ERR, "ValueError", r"packed micro-batch from the data iterator has length 13 but the step was made with pad_to=64"),
+    "loader_micro_batch_with_pad_to_equals_in_step": ("ok", True),
+    "loader_dense_micro_batch_other_than_seq_length": (ERR, "ValueError", r"dense micro-batch .* has length 6 but the step was made with seq_length=8"),
+    "loader_dense_rows_that_sp_cannot_split": (ERR, "ValueError", r"dense micro-batch .* has length 5, not a multiple of 2 that the model's layout needs"),
     # rotary kind (bug class 1)
     "mrope_for_1d_gpt": (ERR, "ValueError", r"mrope=\.\.\.\) was given but GPTModel's rotary is 1D"),
     "mrope_for_1d_vlm": (ERR, "ValueError", r"mrope=\.\.\.\) was given but PackedVLM's rotary is 1D"),
