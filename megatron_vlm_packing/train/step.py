@@ -119,20 +119,29 @@ def resolve_mrope(options: StepOptions, adapter: ModelAdapter, batch: dict | Non
 
 
 def build_micro_batch(batch: dict, layout: ParallelLayout, options: StepOptions, *, mrope=None,
-                      media_token_ids: dict | None = None) -> MicroBatch:
+                      media_token_ids: dict | None = None, extra_keys: tuple[str, ...] = ()) -> MicroBatch:
     """`pack_batch` (real-length THD) or `pad_batch` (dense rows), aligned for `layout`; full length.
 
     `media_token_ids` (image/video/audio_token_id, spatial_merge_size: the adapter's) let the
-    packer count each sample's images, videos and clips.
+    packer count each sample's images, videos and clips; `extra_keys` are the per-token tensors the
+    adapter consumes (`extra_keys_of`).
     """
     from megatron_vlm_packing.packing import pack_batch, pad_batch
 
     common = dict(tp_size=layout.tp_size, cp_size=layout.cp_size, sequence_parallel=layout.sequence_parallel,
                   fp8=options.fp8, label_style=options.label_style, mrope=mrope, **(media_token_ids or {}),
-                  require_media_counts=False)  # the adapter's check refuses media it does not consume
+                  require_media_counts=False,  # the adapter's check refuses media it does not consume
+                  extra_keys=tuple(extra_keys))
     if options.pack:
         return pack_batch(batch, pad_to=options.pad_to, **common)
     return pad_batch(batch, seq_length=options.seq_length, **common)
+
+
+def extra_keys_of(adapter: ModelAdapter) -> tuple[str, ...]:
+    """The per-token batch keys an adapter consumes ("extra:<key>" in `consumes`). Without them the
+    packer refused such a key as unknown, so an adapter declaring one could never receive it from a
+    collated batch (only from a PackingCollator given extra_keys=)."""
+    return tuple(sorted(name[len("extra:"):] for name in adapter.consumes if name.startswith("extra:")))
 
 
 def prepare_for_model(micro_batch: MicroBatch, adapter: ModelAdapter, layout: ParallelLayout) -> MicroBatch:
@@ -187,7 +196,7 @@ def micro_batch_for_model(item: dict | MicroBatch, adapter: ModelAdapter, layout
                              f"(e.g. in LLaVA's expanded space), which the probe cannot split per sample")
         return BuiltMicroBatch(micro_batch, batch)
     repack = partial(build_micro_batch, layout=layout, options=options, mrope=mrope_used,
-                     media_token_ids=getattr(adapter, "media_token_ids", None))
+                     media_token_ids=getattr(adapter, "media_token_ids", None), extra_keys=extra_keys_of(adapter))
     return BuiltMicroBatch(repack(batch), batch, repack)
 
 

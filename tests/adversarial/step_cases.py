@@ -195,6 +195,28 @@ def adapter_factory_returns_wrong_type(m):
     return loss(make_forward_step(adapter=lambda model: object()), m["gpt"], text_batch())
 
 
+class TokenWeightAdapter(GPTModelAdapter):
+    """A user's adapter that consumes a per-token tensor: it scales each token's loss by it."""
+
+    consumes = frozenset({"extra:token_weight"})
+
+    def forward(self, model, mb):
+        return super().forward(model, mb) * mb.extras["token_weight"].reshape(mb.labels.shape)
+
+
+@case
+def adapter_consuming_a_per_token_tensor_receives_it(m):
+    """Declared in `consumes`, the collated batch's tensor reaches the adapter, packed and dense
+    (the packer refused it as an unknown batch key: only a PackingCollator could carry extras)."""
+    batch = text_batch()
+    weighted = batch | {"token_weight": torch.full(batch["input_ids"].shape, 2.0)}
+    plain = loss(make_forward_step(), m["gpt"], batch)
+    step = make_forward_step(adapter=TokenWeightAdapter)
+    packed, dense = loss(step, m["gpt"], weighted), loss(make_forward_step(pack=False, adapter=TokenWeightAdapter),
+                                                         m["gpt"], weighted)
+    return packed == dense and abs(packed[0] - 2 * plain[0]) < 1e-3 and packed[1] == plain[1]
+
+
 @case
 def wrapped_vlm_found_through_wrappers(m):
     """Through two `.module` wrappers: PackedVLM's adapter, the same loss, and its videos reach the loss."""

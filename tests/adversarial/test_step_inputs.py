@@ -35,6 +35,7 @@ EXPECTED = {
     "adapter_factory_returns_wrong_type": (ERR, "ValueError", r"the adapter factory returned object, not a ModelAdapter"),
     "wrapped_vlm_found_through_wrappers": ("ok", ("PackedVLMAdapter", True, True)),
     "registered_user_model_equals_gpt": ("ok", True),
+    "adapter_consuming_a_per_token_tensor_receives_it": ("ok", True),
     "explicit_adapter_overrides_registry": ("ok", True),
     "with_state_form_equals_plain": ("ok", (True, True)),
     "batch_not_a_dict": (ERR, "ValueError", r"must yield a dict of tensors .* got list"),
