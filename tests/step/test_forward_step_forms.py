@@ -65,3 +65,11 @@ def test_loss_func_keeps_float_weights_and_refuses_size_mismatch():
     assert loss_sum.item() == 8.5 and num.item() == 3  # weights kept; tokens with a nonzero weight counted
     with pytest.raises(ValueError, match="returned 4 per-token losses but the loss mask has 2 entries"):
         loss_func(weights[:, :2], {"real_tokens": 4, "physical_tokens": 4}, losses)
+
+
+def test_loss_func_refuses_stats_without_token_counts_and_odd_tuples():
+    losses, mask = torch.ones(1, 4), torch.ones(1, 4)
+    with pytest.raises(ValueError, match=r"stats must give real_tokens and physical_tokens, got real_tokens=None"):
+        loss_func(mask, {"physical_tokens": 4}, losses)  # was TypeError from float(None)
+    with pytest.raises(ValueError, match=r"must return \(losses, loss_mask\), got 3 items"):
+        loss_func(mask, {"real_tokens": 4, "physical_tokens": 4}, (losses, mask, mask))
