@@ -81,11 +81,41 @@ class ModelAdapter:
 
         multiples = PackMultiples.for_parallel(tp_size=layout.tp_size, cp_size=layout.cp_size,
                                                sequence_parallel=layout.sequence_parallel, fp8=options.fp8)
+        check_loader_shape(micro_batch, multiples, options)
         return micro_batch_from_loader(micro_batch, multiples=multiples, device=device)
 
     def forward(self, model: nn.Module, micro_batch: MicroBatch):
         """Call `model` (possibly wrapped) on a localized micro-batch; return its output."""
         raise NotImplementedError(f"{type(self).__name__} must implement forward(model, micro_batch)")
+
+
+def check_loader_shape(micro_batch: MicroBatch, multiples, options) -> None:
+    """A micro-batch built before the step must be what the step's options ask for and divide for the
+    layout; these read shapes only (no host sync).
+
+    `check_layout` compares a packed micro-batch's plan; a dense one (`pad_batch`) or one without a
+    plan was not checked, so a row length the layout cannot split reached Megatron (an assertion in
+    its SP scatter), and `pack=`, `pad_to=` and `seq_length=` were ignored silently (a pack of the
+    wrong length under PP > 1, whose shapes are fixed).
+
+    Raises:
+        ValueError: packed vs dense differs from `options.pack`, the length is not `pad_to` /
+            `seq_length`, or not a multiple of the layout's total multiple (naming the numbers).
+    """
+    kind = "packed" if micro_batch.is_packed else "dense"
+    if micro_batch.is_packed != options.pack:
+        raise ValueError(f"the data iterator yielded a {kind} micro-batch but the step was made with "
+                         f"pack={options.pack}: make_forward_step(pack={micro_batch.is_packed}) or build it the other way")
+    length = micro_batch.input_ids.shape[-1]
+    wanted = options.pad_to if micro_batch.is_packed else options.seq_length
+    if wanted is not None and length != wanted:
+        name = "pad_to" if micro_batch.is_packed else "seq_length"
+        raise ValueError(f"the {kind} micro-batch from the data iterator has length {length} but the step was made "
+                         f"with {name}={wanted}: build it with {name}={wanted} too")
+    if length % multiples.total:
+        raise ValueError(f"the {kind} micro-batch from the data iterator has length {length}, not a multiple of "
+                         f"{multiples.total} that the model's layout needs ({multiples}): build it with the model's "
+                         f"tp_size, cp_size, sequence_parallel and fp8")
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:

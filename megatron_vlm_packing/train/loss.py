@@ -47,6 +47,8 @@ def loss_func(loss_mask: torch.Tensor, stats, output_tensor):
         ValueError: losses and mask of different sizes (a CP-local mask against full losses).
     """
     if isinstance(output_tensor, tuple):
+        if len(output_tensor) != 2:  # was "too many values to unpack", naming nothing
+            raise ValueError(f"a model returning a tuple must return (losses, loss_mask), got {len(output_tensor)} items")
         output_tensor, loss_mask = output_tensor
     losses = output_tensor.float().reshape(-1)
     mask = loss_mask.reshape(-1).to(device=losses.device, dtype=torch.float32)
@@ -58,6 +60,9 @@ def loss_func(loss_mask: torch.Tensor, stats, output_tensor):
     device = loss_sum.device
     report = {"lm loss": torch.stack([loss_sum.detach(), num_tokens.detach().float()])}
     real, physical = _stat(stats, "real_tokens"), _stat(stats, "physical_tokens")
+    if real is None or physical is None:  # a mapping without them was a TypeError from float(None)
+        raise ValueError(f"stats must give real_tokens and physical_tokens, got real_tokens={real!r}, "
+                         f"physical_tokens={physical!r}")
     report["packing efficiency"] = torch.tensor([float(real), float(physical)], device=device)
     rows = _stat(stats, "row_tokens", "padded_tokens")
     if rows is not None:  # what right-padded rows would have cost, for comparison

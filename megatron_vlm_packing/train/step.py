@@ -51,6 +51,8 @@ class StepOptions:
     mrope: Any = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.pack, bool):  # pack=None ran dense and pack="no" packed, silently
+            raise ValueError(f"pack must be a bool, got {self.pack!r}")
         if self.label_style not in ("hf", "megatron"):
             raise ValueError(f"label_style must be 'hf' or 'megatron', got {self.label_style!r}")
         if self.pack and self.seq_length is not None:
@@ -61,16 +63,27 @@ class StepOptions:
                              f"with pack=False use seq_length")
 
 
+def _iterator(data_iterator) -> Iterator:
+    """`data_iterator` itself, if it is an iterator. None (a pipeline stage given no data) or an iterable
+    such as a list was a TypeError from `next()`; an iterable is not wrapped with `iter()`, which
+    would restart it and yield its first batch on every step."""
+    if not hasattr(type(data_iterator), "__next__"):  # what next() needs (some iterators lack __iter__)
+        raise ValueError(f"data_iterator must be an iterator (next() gives each micro-batch), got "
+                         f"{type(data_iterator).__name__}; pass iter(...) of your batches or a DataLoader's iterator")
+    return data_iterator
+
+
 def read_micro_batch(data_iterator: Iterator, *, broadcast_from_tp_rank0: bool) -> dict | MicroBatch:
     """The iterator's next item: every rank reads its (deterministic) iterator, or TP rank 0 reads and
     broadcasts it. Returns a collated batch dict or a packed `MicroBatch`; anything else is a ValueError."""
     if not broadcast_from_tp_rank0:
-        batch = next(data_iterator)
+        batch = next(_iterator(data_iterator))
     else:
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
-        holder = [next(data_iterator) if ps.get_tensor_model_parallel_rank() == 0 else None]
+        # Only TP rank 0 reads: the other ranks' iterators may be None (Megatron-LM's convention).
+        holder = [next(_iterator(data_iterator)) if ps.get_tensor_model_parallel_rank() == 0 else None]
         dist.broadcast_object_list(holder, src=ps.get_tensor_model_parallel_src_rank(),
                                    group=ps.get_tensor_model_parallel_group())
         batch = holder[0]
@@ -106,20 +119,29 @@ def resolve_mrope(options: StepOptions, adapter: ModelAdapter, batch: dict | Non
 
 
 def build_micro_batch(batch: dict, layout: ParallelLayout, options: StepOptions, *, mrope=None,
-                      media_token_ids: dict | None = None) -> MicroBatch:
+                      media_token_ids: dict | None = None, extra_keys: tuple[str, ...] = ()) -> MicroBatch:
     """`pack_batch` (real-length THD) or `pad_batch` (dense rows), aligned for `layout`; full length.
 
     `media_token_ids` (image/video/audio_token_id, spatial_merge_size: the adapter's) let the
-    packer count each sample's images, videos and clips.
+    packer count each sample's images, videos and clips; `extra_keys` are the per-token tensors the
+    adapter consumes (`extra_keys_of`).
     """
     from megatron_vlm_packing.packing import pack_batch, pad_batch
 
     common = dict(tp_size=layout.tp_size, cp_size=layout.cp_size, sequence_parallel=layout.sequence_parallel,
                   fp8=options.fp8, label_style=options.label_style, mrope=mrope, **(media_token_ids or {}),
-                  require_media_counts=False)  # the adapter's check refuses media it does not consume
+                  require_media_counts=False,  # the adapter's check refuses media it does not consume
+                  extra_keys=tuple(extra_keys))
     if options.pack:
         return pack_batch(batch, pad_to=options.pad_to, **common)
     return pad_batch(batch, seq_length=options.seq_length, **common)
+
+
+def extra_keys_of(adapter: ModelAdapter) -> tuple[str, ...]:
+    """The per-token batch keys an adapter consumes ("extra:<key>" in `consumes`). Without them the
+    packer refused such a key as unknown, so an adapter declaring one could never receive it from a
+    collated batch (only from a PackingCollator given extra_keys=)."""
+    return tuple(sorted(name[len("extra:"):] for name in adapter.consumes if name.startswith("extra:")))
 
 
 def prepare_for_model(micro_batch: MicroBatch, adapter: ModelAdapter, layout: ParallelLayout) -> MicroBatch:
@@ -174,7 +196,7 @@ def micro_batch_for_model(item: dict | MicroBatch, adapter: ModelAdapter, layout
                              f"(e.g. in LLaVA's expanded space), which the probe cannot split per sample")
         return BuiltMicroBatch(micro_batch, batch)
     repack = partial(build_micro_batch, layout=layout, options=options, mrope=mrope_used,
-                     media_token_ids=getattr(adapter, "media_token_ids", None))
+                     media_token_ids=getattr(adapter, "media_token_ids", None), extra_keys=extra_keys_of(adapter))
     return BuiltMicroBatch(repack(batch), batch, repack)
 
 
@@ -209,6 +231,32 @@ class _Adapters:
         return self.built[key][1]
 
 
+def _config_of(model: nn.Module):
+    """The (unwrapped) model's Megatron config; a model without one was an AttributeError in the step."""
+    config = getattr(unwrap_model(model), "config", None)
+    if config is None or not hasattr(config, "sequence_parallel"):
+        raise ValueError(f"{type(unwrap_model(model)).__name__} has no Megatron TransformerConfig at .config "
+                         f"(got {type(config).__name__}): the step reads the parallel layout from it")
+    return config
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    """Where the model's parameters live; a model without any was a StopIteration out of the step."""
+    parameter = next(model.parameters(), None)
+    if parameter is None:
+        raise ValueError(f"{type(unwrap_model(model)).__name__} has no parameters: the step moves each "
+                         f"micro-batch to the model's device")
+    return parameter.device
+
+
+def _transformed(transform: Callable[[MicroBatch], MicroBatch], micro_batch: MicroBatch) -> MicroBatch:
+    """`transform(micro_batch)`, which must be a MicroBatch (anything else was an AttributeError in the checks)."""
+    result = transform(micro_batch)
+    if not isinstance(result, MicroBatch):
+        raise ValueError(f"transform must return a MicroBatch, got {type(result).__name__}")
+    return result
+
+
 def make_forward_step(*, pack: bool = True, label_style: str = "hf", pad_to: int | None = None,
                       seq_length: int | None = None, fp8: bool = False, mrope=None,
                       broadcast_from_tp_rank0: bool = False, with_state: bool = False, adapter=None,
@@ -238,16 +286,23 @@ def make_forward_step(*, pack: bool = True, label_style: str = "hf", pad_to: int
     """
     options = StepOptions(pack=pack, label_style=label_style, pad_to=pad_to, seq_length=seq_length, fp8=fp8,
                           mrope=mrope)
+    # Checked here, not at the first call: a truthy string ("False") would pick the other form or
+    # reader, and a non-callable transform was a TypeError inside the step.
+    for name, value in (("with_state", with_state), ("broadcast_from_tp_rank0", broadcast_from_tp_rank0)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be a bool, got {value!r}")
+    if transform is not None and not callable(transform):
+        raise ValueError(f"transform must be a callable MicroBatch -> MicroBatch or None, got {transform!r}")
     adapters = _Adapters(adapter)
     probe = None if parity_probe_every is None else StepProbe(parity_probe_every, tolerance=parity_probe_tolerance)
 
     def forward_step(data_iterator, model):
         model_adapter = adapters(model)
-        layout = ParallelLayout.from_megatron(unwrap_model(model).config)
+        layout = ParallelLayout.from_megatron(_config_of(model))
         item = read_micro_batch(data_iterator, broadcast_from_tp_rank0=broadcast_from_tp_rank0)
-        built = micro_batch_for_model(item, model_adapter, layout, options, next(model.parameters()).device,
+        built = micro_batch_for_model(item, model_adapter, layout, options, _device_of(model),
                                       probing=probe is not None)
-        micro_batch = built.micro_batch if transform is None else transform(built.micro_batch)
+        micro_batch = built.micro_batch if transform is None else _transformed(transform, built.micro_batch)
         local = prepare_for_model(micro_batch, model_adapter, layout)
         output = model_adapter.forward(model, local)
         if probe is not None:

@@ -195,6 +195,28 @@ def adapter_factory_returns_wrong_type(m):
     return loss(make_forward_step(adapter=lambda model: object()), m["gpt"], text_batch())
 
 
+class TokenWeightAdapter(GPTModelAdapter):
+    """A user's adapter that consumes a per-token tensor: it scales each token's loss by it."""
+
+    consumes = frozenset({"extra:token_weight"})
+
+    def forward(self, model, mb):
+        return super().forward(model, mb) * mb.extras["token_weight"].reshape(mb.labels.shape)
+
+
+@case
+def adapter_consuming_a_per_token_tensor_receives_it(m):
+    """Declared in `consumes`, the collated batch's tensor reaches the adapter, packed and dense
+    (the packer refused it as an unknown batch key: only a PackingCollator could carry extras)."""
+    batch = text_batch()
+    weighted = batch | {"token_weight": torch.full(batch["input_ids"].shape, 2.0)}
+    plain = loss(make_forward_step(), m["gpt"], batch)
+    step = make_forward_step(adapter=TokenWeightAdapter)
+    packed, dense = loss(step, m["gpt"], weighted), loss(make_forward_step(pack=False, adapter=TokenWeightAdapter),
+                                                         m["gpt"], weighted)
+    return packed == dense and abs(packed[0] - 2 * plain[0]) < 1e-3 and packed[1] == plain[1]
+
+
 @case
 def wrapped_vlm_found_through_wrappers(m):
     """Through two `.module` wrappers: PackedVLM's adapter, the same loss, and its videos reach the loss."""
@@ -237,6 +259,127 @@ def with_state_form_equals_plain(m):
 @case
 def batch_not_a_dict(m):
     return loss(make_forward_step(), m["gpt"], [text_batch()["input_ids"]])
+
+
+@case
+def data_iterator_none(m):
+    """A pipeline stage given no iterator (None): was TypeError 'NoneType' object is not an iterator."""
+    return make_forward_step()(None, m["gpt"])
+
+
+@case
+def data_iterator_a_list(m):
+    """A list, not an iterator: refused (iter() each step would restart it), was a TypeError."""
+    return make_forward_step()([text_batch()], m["gpt"])
+
+
+@case
+def megatron_rerun_data_iterator_accepted(m):
+    """Megatron-LM wraps iterators in RerunDataIterator, which has __next__ but no __iter__."""
+    from megatron.core.rerun_state_machine import RerunDataIterator
+
+    step = make_forward_step()
+    with torch.no_grad():
+        output, reduce = step(RerunDataIterator(iter([text_batch()])), m["gpt"])
+    return (round(reduce(output)[0].item(), 4), int(reduce(output)[1])) == loss(step, m["gpt"], text_batch())
+
+
+class NoConfig(nn.Module):
+    """A user's model that keeps its GPTModel's config elsewhere (no .config)."""
+
+    def __init__(self, gpt):
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, *args, **kwargs):
+        return self.gpt(*args, **kwargs)
+
+
+@case
+def model_without_config(m):
+    """Was AttributeError: 'NoConfig' object has no attribute 'config'."""
+    return loss(make_forward_step(adapter=lambda model: GPTModelAdapter(model.gpt)), NoConfig(m["gpt"]), text_batch())
+
+
+class NoParameters(nn.Module):
+    def __init__(self, gpt):
+        super().__init__()
+        self.config, self.call = gpt.config, gpt.__call__  # not a submodule: no parameters
+
+    def forward(self, *args, **kwargs):
+        return self.call(*args, **kwargs)
+
+
+@case
+def model_without_parameters(m):
+    """Was a bare StopIteration out of the step (next(model.parameters()))."""
+    return loss(make_forward_step(adapter=lambda model: GPTModelAdapter(m["gpt"])), NoParameters(m["gpt"]), text_batch())
+
+
+@case
+def transform_returns_none(m):
+    """Was AttributeError: 'NoneType' object has no attribute 'inputs_present'."""
+    return loss(make_forward_step(transform=lambda mb: None), m["gpt"], text_batch())
+
+
+# --- micro-batches built before the step (in the DataLoader): checked against the step and layout ---
+
+def _hf(fn, batch, **kwargs):
+    return fn(batch, label_style="hf", **kwargs)
+
+
+@case
+def loader_packed_micro_batch_for_a_dense_step(m):
+    """Was run packed although the step was made with pack=False."""
+    from megatron_vlm_packing.packing import pack_batch
+
+    return loss(make_forward_step(pack=False), m["gpt"], _hf(pack_batch, text_batch()))
+
+
+@case
+def loader_dense_micro_batch_for_a_packed_step(m):
+    from megatron_vlm_packing.packing import pad_batch
+
+    return loss(make_forward_step(), m["gpt"], _hf(pad_batch, text_batch()))
+
+
+@case
+def loader_micro_batch_shorter_than_pad_to(m):
+    """pad_to=64 (fixed shapes for PP > 1) was ignored: the 13-token pack ran as it was."""
+    from megatron_vlm_packing.packing.collate import PackingCollator
+
+    return loss(make_forward_step(pad_to=64), m["gpt"], PackingCollator(label_style="hf")(text_batch()))
+
+
+@case
+def loader_micro_batch_with_pad_to_equals_in_step(m):
+    from megatron_vlm_packing.packing.collate import PackingCollator
+
+    step = make_forward_step(pad_to=64)
+    return loss(step, m["gpt"], PackingCollator(label_style="hf", pad_to=64)(text_batch())) == \
+        loss(step, m["gpt"], text_batch())
+
+
+@case
+def loader_dense_micro_batch_other_than_seq_length(m):
+    from megatron_vlm_packing.packing import pad_batch
+
+    return loss(make_forward_step(pack=False, seq_length=8), m["gpt"], _hf(pad_batch, text_batch()))
+
+
+@case
+def loader_dense_rows_that_sp_cannot_split(m):
+    """Rows of 5 for TP 2 + SP: the packed path compared plans, the dense path checked nothing
+    (Megatron's SP scatter then asserts)."""
+    from megatron_vlm_packing.packing import pad_batch
+    from megatron_vlm_packing.parallel.layout import ParallelLayout
+    from megatron_vlm_packing.train.step import StepOptions
+
+    batch = text_batch()
+    batch = {k: v[:, :5] for k, v in batch.items()}
+    dense = _hf(pad_batch, batch)
+    return GPTModelAdapter(m["gpt"]).micro_batch_from_loader(
+        dense, ParallelLayout(tp_size=2, sequence_parallel=True), StepOptions(pack=False), torch.device("cpu"))
 
 
 # --- rotary kind ------------------------------------------------------------------------------

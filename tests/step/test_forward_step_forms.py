@@ -33,6 +33,18 @@ def test_step_options_refuse_the_other_paths_length():
         make_forward_step(label_style="HF")
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(pack=None), r"pack must be a bool, got None"),  # ran dense
+    (dict(pack="no"), r"pack must be a bool, got 'no'"),  # packed
+    (dict(with_state="False"), r"with_state must be a bool, got 'False'"),  # gave the 3-argument form
+    (dict(broadcast_from_tp_rank0=1), r"broadcast_from_tp_rank0 must be a bool, got 1"),
+    (dict(transform=5), r"transform must be a callable .* got 5"),  # a TypeError at the first call
+])
+def test_make_forward_step_refuses_options_of_the_wrong_type(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make_forward_step(**kwargs)
+
+
 def test_loss_func_contract_and_model_returned_mask():
     losses = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0, 1.0]])
@@ -53,3 +65,11 @@ def test_loss_func_keeps_float_weights_and_refuses_size_mismatch():
     assert loss_sum.item() == 8.5 and num.item() == 3  # weights kept; tokens with a nonzero weight counted
     with pytest.raises(ValueError, match="returned 4 per-token losses but the loss mask has 2 entries"):
         loss_func(weights[:, :2], {"real_tokens": 4, "physical_tokens": 4}, losses)
+
+
+def test_loss_func_refuses_stats_without_token_counts_and_odd_tuples():
+    losses, mask = torch.ones(1, 4), torch.ones(1, 4)
+    with pytest.raises(ValueError, match=r"stats must give real_tokens and physical_tokens, got real_tokens=None"):
+        loss_func(mask, {"physical_tokens": 4}, losses)  # was TypeError from float(None)
+    with pytest.raises(ValueError, match=r"must return \(losses, loss_mask\), got 3 items"):
+        loss_func(mask, {"real_tokens": 4, "physical_tokens": 4}, (losses, mask, mask))
