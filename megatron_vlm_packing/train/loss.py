@@ -55,7 +55,9 @@ def loss_func(loss_mask: torch.Tensor, stats, output_tensor):
     if losses.numel() != mask.numel():
         raise ValueError(f"the model returned {losses.numel()} per-token losses but the loss mask has "
                          f"{mask.numel()} entries")
-    loss_sum = (losses * mask).sum()
+    # A slot of weight 0 adds exactly 0, whatever its loss: THD attention kernels need not define their
+    # output at pad slots between documents, and NaN * 0 is NaN (losses * mask alone would poison the sum).
+    loss_sum = torch.where(mask != 0, losses * mask, 0.0).sum()
     num_tokens = (mask != 0).sum().to(torch.int)
     device = loss_sum.device
     report = {"lm loss": torch.stack([loss_sum.detach(), num_tokens.detach().float()])}

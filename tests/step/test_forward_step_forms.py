@@ -58,6 +58,16 @@ def test_loss_func_contract_and_model_returned_mask():
     assert loss_sum.item() == 3.0 and num.item() == 1
 
 
+def test_a_slot_of_weight_zero_adds_nothing_even_when_its_loss_is_not_finite():
+    # Pad slots between THD documents hold whatever attention left there: NaN * 0 must not reach the sum.
+    losses = torch.tensor([[1.0, float("nan"), 3.0, float("inf")]], requires_grad=True)
+    mask = torch.tensor([[1.0, 0.0, 0.5, 0.0]])
+    loss_sum, num, report = loss_func(mask, {"real_tokens": 2, "physical_tokens": 4}, losses)
+    assert loss_sum.item() == 2.5 and num.item() == 2 and report["lm loss"].tolist() == [2.5, 2.0]
+    loss_sum.backward()
+    assert losses.grad.tolist() == [[1.0, 0.0, 0.5, 0.0]]
+
+
 def test_loss_func_keeps_float_weights_and_refuses_size_mismatch():
     losses = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
     weights = torch.tensor([[0.5, 2.0, 0.0, 1.0]])
