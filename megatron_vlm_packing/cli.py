@@ -15,15 +15,24 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated ints such as 5,0,3, got {text!r}") from None
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: an int >= 1 (a count of steps, ranks or samples)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive int (>= 1), got {value}")
-    return value
+def int_at_least(minimum: int):
+    """argparse type: an int >= `minimum` (a count of steps, ranks or samples; a seed)."""
+
+    what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be {what}{' (>= 1)' if minimum == 1 else ''}, got {value}")
+        return value
+
+    return parse
+
+
+_positive_int = int_at_least(1)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

@@ -7,21 +7,11 @@ import time
 
 import numpy as np
 
+from megatron_vlm_packing.cli import int_at_least
 from megatron_vlm_packing.packing.plan import PackMultiples
 from megatron_vlm_packing.planner.bins import BinLayout
 from megatron_vlm_packing.planner.schedule import EpochPlan, PlannerConfig, plan_epoch
 from megatron_vlm_packing.planner.synthetic import synthetic_table
-
-
-def _seed(text: str) -> int:
-    """argparse type: an int >= 0 (numpy's generators take no negative seed)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an int >= 0, got {value}")
-    return value
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,7 +24,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sp", action="store_true")
     parser.add_argument("--fp8", action="store_true")
     parser.add_argument("--steps-shown", type=int, default=2, help="steps whose per-rank cost is printed")
-    parser.add_argument("--seed", type=_seed, default=0, help="epoch shuffle seed, >= 0 (default 0)")
+    parser.add_argument("--seed", type=int_at_least(0), default=0,
+                        help="epoch shuffle seed, >= 0 (default 0; numpy takes no negative seed)")
     parser.add_argument("--progress", action="store_true", help="progress line on stderr while planning")
 
 
