@@ -70,6 +70,20 @@ def _take(values, index: int, name: str, place: Callable[[int], str], at: int):
     return values[index]
 
 
+def _audio_tokens(inputs: dict, index: int, place: Callable[[int], str], at: int, n_window: int) -> int:
+    """Placeholder tokens of the audio block opening at kept token `at`, from its `audio_seqlens` entry.
+
+    Raises:
+        ValueError: no entry left (`_take`), or a raw length < 1: its encoder output has no tokens (0
+        for 0, negative below), which the reference fails on with a RuntimeError (max of an empty run).
+    """
+    raw = int(_take(inputs["audio_seqlens"], index, "audio_seqlens", place, at))
+    if raw < 1:
+        raise ValueError(f"audio_seqlens entry {index} is {raw}: raw audio lengths must be >= 1 (the audio block "
+                         f"opening at input_ids {place(at)})")
+    return int(audio_output_length(raw, n_window))
+
+
 def _check_block(tokens: list[int], begin: int, length: int, ids: set, *, place: Callable[[int], str],
                  what: str) -> None:
     """tokens[begin:begin+length] are all placeholders of `ids`, and the block ends right there;
@@ -230,14 +244,18 @@ def _row_positions(tokens: list[int], config: MRopeConfig, inputs: dict, used: l
             continue
         if at > cursor:
             pieces.append(_text(at - cursor, next_start()))
+        if at + 1 == len(tokens) and tokens[at] == config.vision_start_token_id:
+            # A vision-start as the row's last kept token opens no block: reading the token after it was
+            # an IndexError here (and in the reference).
+            raise ValueError(f"input_ids {place(at)} is a vision_start_token_id ({config.vision_start_token_id}) "
+                             f"with no image or video placeholder after it: the row's last kept token")
         audio_in_video = tokens[at] == config.vision_start_token_id and at + 1 < len(tokens) \
             and tokens[at + 1] == config.audio_start_token_id
         wrap = 2 if audio_in_video else 1
         pieces.append(_text(wrap, next_start()))
         start = next_start()  # right after the opening tokens
         if tokens[at] == config.audio_start_token_id:
-            length = audio_output_length(int(_take(inputs["audio_seqlens"], used[2], "audio_seqlens", place, at)),
-                                         config.audio_n_window)
+            length = _audio_tokens(inputs, used[2], place, at, config.audio_n_window)
             _check_block(tokens, at + wrap, length, {config.audio_token_id}, place=place, what="audio")
             pieces.append(_text(length, start))
             cursor, used[2] = at + wrap + length + wrap, used[2] + 1
@@ -253,8 +271,7 @@ def _row_positions(tokens: list[int], config: MRopeConfig, inputs: dict, used: l
             video = _vision(start, torch.arange(t) * seconds.float() * pps, h // merge, w // merge)
             tokens_in = t * h * w // merge ** 2
             if audio_in_video:
-                length = audio_output_length(int(_take(inputs["audio_seqlens"], used[2], "audio_seqlens", place, at)),
-                                             config.audio_n_window)
+                length = _audio_tokens(inputs, used[2], place, at, config.audio_n_window)
                 _check_block(tokens, at + wrap, length + tokens_in, {config.video_token_id, config.audio_token_id},
                              place=place, what="video with audio")
                 merged, last_max = _interleave_by_time(video, _text(length, start))

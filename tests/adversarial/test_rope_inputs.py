@@ -76,6 +76,24 @@ ERRORS = [
      lambda: get_rope_index(omni_row([5, 8, 8]), OMNI, video_grid_thw=torch.tensor([[1, 2, 4]]),
                             second_per_grid_ts=torch.tensor([float("nan")])),
      r"second_per_grid_ts entry 0 is nan"),
+    # Qwen3-Omni: a vision-start as a row's last kept token, and a raw audio length < 1 (0 output
+    # tokens), were an IndexError / RuntimeError (the reference's own errors) before the rope audit
+    ("omni_vision_start_last_token",
+     lambda: get_rope_index(torch.tensor([[1, 2, 5]]), OMNI, image_grid_thw=torch.zeros(0, 3, dtype=torch.long)),
+     r"input_ids row 0 position 2 is a vision_start_token_id \(5\) with no image or video placeholder after it"),
+    ("omni_vision_start_last_kept_token_after_an_image",
+     lambda: get_rope_index(torch.tensor([[5, 9, 9, 3, 5, 0]]), OMNI, image_grid_thw=torch.tensor([[1, 2, 4]]),
+                            attention_mask=torch.tensor([[1, 1, 1, 1, 1, 0]])),
+     r"input_ids row 0 position 4 is a vision_start_token_id \(5\)"),
+    ("omni_audio_length_zero",
+     lambda: get_rope_index(omni_row([6]), OMNI, image_grid_thw=torch.zeros(0, 3, dtype=torch.long),
+                            audio_seqlens=torch.tensor([0])),
+     r"audio_seqlens entry 0 is 0: raw audio lengths must be >= 1 \(the audio block opening at input_ids row 0 "
+     r"position 1\)"),
+    ("omni_audio_length_negative_in_video",
+     lambda: get_rope_index(omni_row([5, 6, 8, 8]), OMNI, video_grid_thw=torch.tensor([[1, 2, 4]]),
+                            second_per_grid_ts=torch.tensor([1.0]), audio_seqlens=torch.tensor([-3])),
+     r"audio_seqlens entry 0 is -3: raw audio lengths must be >= 1"),
     # MRopeConfig
     ("config_zero_section", lambda: MRopeConfig(family="qwen2_vl", mrope_section=(16, 0, 24)),
      r"mrope_section must be 3 positive ints, got \(16, 0, 24\)"),
@@ -92,6 +110,21 @@ ERRORS = [
 def test_bad_rope_input_is_a_value_error_naming_field_and_numbers(name, call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+@pytest.mark.parametrize("host_reads", [False, True])
+@pytest.mark.parametrize("ids, rope, message", [
+    ([[1, 2, 5]], dict(image_grid_thw=torch.zeros(0, 3, dtype=torch.long)),
+     r"input_ids row 0 position 2 is a vision_start_token_id \(5\) with no image or video placeholder"),
+    ([[1, 6, 3, 4]], dict(image_grid_thw=torch.zeros(0, 3, dtype=torch.long), audio_seqlens=torch.tensor([0])),
+     r"audio_seqlens entry 0 is 0: raw audio lengths must be >= 1"),
+], ids=["vision_start_last", "audio_length_zero"])
+def test_pack_batch_omni_bad_blocks_are_the_index_value_errors_on_both_read_paths(ids, rope, message, host_reads):
+    from megatron_vlm_packing import pack_batch
+
+    ids = torch.tensor(ids)
+    with pytest.raises(ValueError, match=message):
+        pack_batch({"input_ids": ids, "labels": ids, **rope}, label_style="hf", mrope=OMNI, host_reads=host_reads)
 
 
 @pytest.mark.parametrize("config_name, section, interleaved", [
