@@ -57,6 +57,21 @@ ERRORS = [
      r"attention_mask must be \[B, S\] = \(1, 4\) like input_ids, got \(1, 3\)"),
     ("config_not_an_mrope_config", lambda: get_rope_index(IMAGE_ROW, {"family": "qwen2_vl"}),
      r"config must be an MRopeConfig, got dict"),
+    # mm_token_type_ids (transformers 5 processors return it): a [B, S] tensor of 0 / 1 / 2 on kept tokens.
+    # Before the rope audit another shape was an IndexError, a list an AttributeError, -1 silently text
+    # and 3 "a video block with grid [0, 0, 0]"
+    ("types_shorter_than_ids", lambda: get_rope_index(IMAGE_ROW, QWEN2, image_grid_thw=torch.tensor([[1, 2, 4]]),
+                                                      mm_token_type_ids=torch.tensor([[0, 1, 1]])),
+     r"mm_token_type_ids must be a \[B, S\] = \(1, 4\) tensor like input_ids, got \(1, 3\)"),
+    ("types_as_list", lambda: get_rope_index(IMAGE_ROW, QWEN2, image_grid_thw=torch.tensor([[1, 2, 4]]),
+                                             mm_token_type_ids=[[0, 1, 1, 0]]),
+     r"mm_token_type_ids must be a \[B, S\] = \(1, 4\) tensor like input_ids, got list"),
+    ("types_minus_one", lambda: get_rope_index(IMAGE_ROW, QWEN2, image_grid_thw=torch.tensor([[1, 2, 4]]),
+                                               mm_token_type_ids=torch.tensor([[0, 1, 1, -1]])),
+     r"mm_token_type_ids row 0 position 3 is -1: token types must be 0 \(text\), 1 \(image\) or 2 \(video\)"),
+    ("types_three", lambda: get_rope_index(IMAGE_ROW, QWEN25, image_grid_thw=torch.tensor([[1, 2, 4]]),
+                                           mm_token_type_ids=torch.tensor([[3, 1, 1, 0]])),
+     r"mm_token_type_ids row 0 position 0 is 3: token types must be 0"),
     # Qwen3-Omni blocks must hold exactly the placeholders their grid / audio length needs
     ("omni_image_block_one_token_short",
      lambda: get_rope_index(omni_row([5, 9, 9, 9]), OMNI, image_grid_thw=torch.tensor([[1, 4, 4]])),
@@ -125,6 +140,20 @@ def test_pack_batch_omni_bad_blocks_are_the_index_value_errors_on_both_read_path
     ids = torch.tensor(ids)
     with pytest.raises(ValueError, match=message):
         pack_batch({"input_ids": ids, "labels": ids, **rope}, label_style="hf", mrope=OMNI, host_reads=host_reads)
+
+
+@pytest.mark.parametrize("host_reads", [False, True])
+@pytest.mark.parametrize("types, message", [
+    (torch.tensor([[0, 1, 1]]), r"mm_token_type_ids must be a \[B, S\] = \(1, 4\) tensor like input_ids, got \(1, 3\)"),
+    (torch.tensor([[0, 1, 1, 3]]), r"mm_token_type_ids row 0 position 3 is 3: token types must be 0"),
+], ids=["shape", "value"])
+def test_pack_batch_bad_mm_token_type_ids_are_value_errors_on_both_read_paths(types, message, host_reads):
+    from megatron_vlm_packing import pack_batch
+
+    batch = {"input_ids": IMAGE_ROW, "labels": IMAGE_ROW, "image_grid_thw": torch.tensor([[1, 2, 4]]),
+             "mm_token_type_ids": types}
+    with pytest.raises(ValueError, match=message):
+        pack_batch(batch, label_style="hf", mrope=QWEN2, host_reads=host_reads)
 
 
 @pytest.mark.parametrize("config_name, section, interleaved", [
