@@ -209,6 +209,9 @@ def finish_omni_index(queued: QueuedOmniIndex, host: list, *, audio_seqlens=None
     ids, inputs = host[queued.entries["ids"]], _host_inputs(queued, host, audio_seqlens)
     pieces, deltas, used, first = [], [], [0, 0, 0], 0
     for row, length in enumerate(host[queued.entries["lengths"]]):
+        if not length:  # a row with no kept token (pack_batch keeps empty rows): torch.cat of no pieces raised
+            deltas.append(torch.zeros(()))  # its next token would take position 0
+            continue
         positions = _row_positions(ids[first:first + length], config, inputs, used,
                                    functools.partial(_kept_token_place, queued, row, first))
         pieces.append(positions)
