@@ -116,6 +116,15 @@ ERRORS = [
      r"image_token_id must be a non-negative int, got -1"),
     ("config_nan_tokens_per_second", lambda: MRopeConfig(family="qwen2_5_vl", tokens_per_second=float("nan")),
      r"tokens_per_second must be a finite number > 0, got nan"),
+    # counts computed from these: 0 / 2.0 were a ZeroDivisionError / TypeError at the first block, -1 wrong counts
+    ("config_zero_audio_window", lambda: MRopeConfig(family="qwen3_omni", audio_n_window=0),
+     r"audio_n_window must be a positive int, got 0"),
+    ("config_float_merge", lambda: MRopeConfig(family="qwen2_vl", spatial_merge_size=2.0),
+     r"spatial_merge_size must be a positive int, got 2\.0"),
+    ("config_bool_merge", lambda: MRopeConfig(family="qwen2_vl", spatial_merge_size=True),
+     r"spatial_merge_size must be a positive int, got True"),
+    ("config_negative_audio_start", lambda: MRopeConfig(family="qwen3_omni", audio_start_token_id=-1),
+     r"audio_start_token_id must be None or a non-negative int, got -1"),
     ("config_zero_position_per_seconds", lambda: MRopeConfig(family="qwen3_omni", position_id_per_seconds=0),
      r"position_id_per_seconds must be a finite number > 0, got 0"),
 ]
