@@ -202,6 +202,8 @@ def finish_omni_index(queued: QueuedOmniIndex, host: list, *, audio_seqlens=None
     if seconds_bad:
         check_seconds(queued.inputs["second_per_grids"])
     if "ids" not in queued.entries:  # no grids: text positions over the kept tokens
+        if not input_ids.numel():  # no rows or no columns: the max below was an IndexError (other families: empty)
+            return torch.zeros(3, *input_ids.shape, device=input_ids.device), keep.sum(-1, keepdim=True).float()
         positions = keep.float().cumsum(-1) - 1
         positions = positions.masked_fill(~keep, 1).unsqueeze(0).expand(3, -1, -1)
         deltas = positions.max(0)[0].max(-1, keepdim=True)[0] + 1 - keep.sum(-1, keepdim=True)
@@ -224,7 +226,8 @@ def finish_omni_index(queued: QueuedOmniIndex, host: list, *, audio_seqlens=None
     n, device = input_ids.numel(), input_ids.device
     pieces.append(torch.zeros(3, n - first))  # the fill slots (all go to column N)
     out = torch.zeros(3, n + 1, device=device).index_copy_(1, queued.slots, torch.cat(pieces, dim=1).to(device))
-    return out[:, :n].reshape(3, *input_ids.shape), torch.stack(deltas).to(device).unsqueeze(1)
+    deltas = torch.stack(deltas) if deltas else torch.zeros(0)  # no rows: torch.stack([]) was a RuntimeError
+    return out[:, :n].reshape(3, *input_ids.shape), deltas.to(device).unsqueeze(1)
 
 
 def _kept_token_place(queued: QueuedOmniIndex, row: int, first: int, token: int) -> str:

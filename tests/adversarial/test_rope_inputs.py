@@ -207,3 +207,12 @@ def test_cli_inspect_refuses_non_positive_counts_with_exit_2(argv, message, caps
         main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("shape", [(0, 4), (2, 0)])
+@pytest.mark.parametrize("grids", [{}, {"image_grid_thw": torch.zeros(0, 3, dtype=torch.long)}], ids=["no_grids", "grids"])
+@pytest.mark.parametrize("config", [QWEN2, OMNI], ids=["qwen2_vl", "qwen3_omni"])
+def test_an_index_of_no_tokens_is_empty_in_every_family(config, grids, shape):
+    """Qwen3-Omni's was an IndexError (a max over no columns) or a RuntimeError (a stack of no rows)."""
+    index = get_rope_index(torch.zeros(shape, dtype=torch.long), config, **grids)
+    assert index.position_ids.shape == (3, *shape) and index.deltas.shape == (shape[0], 1)
