@@ -149,7 +149,9 @@ def split_documents(batch: Mapping, input_ids_key: str, extra_keys=()) -> tuple[
     out = {k: v for k, v in batch.items() if k not in (DOCUMENT_KEY, "attention_mask", "seq_lens")}
     out["seq_lens"] = doc_lengths
     fills = {input_ids_key: 0, "labels": -100, "loss_mask": 0}
-    for key in (input_ids_key, "labels", "loss_mask", *extra_keys):
+    # mm_token_type_ids (transformers 5 processors return it) is per token too: left [B, S], the mRoPE
+    # index of the [N, S] documents indexed past it (an IndexError).
+    for key in (input_ids_key, "labels", "loss_mask", "mm_token_type_ids", *extra_keys):
         value = batch.get(key)
         if isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == tuple(ids.shape):
             out[key] = _gather_rows(value, index, valid, fills.get(key, 0))

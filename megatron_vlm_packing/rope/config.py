@@ -86,6 +86,16 @@ class MRopeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        for name in ("audio_token_id", "audio_start_token_id"):  # None: a family without audio
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be None or a non-negative int, got {value!r}")
+        # Token counts are computed from these: 2.0 was a TypeError at the first image (a slice), True a
+        # merge of 1, audio_n_window=0 a ZeroDivisionError at the first audio, -1 or 2.5 a wrong audio length.
+        for name in ("spatial_merge_size", "audio_n_window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
         for name in ("position_id_per_seconds", "tokens_per_second"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:

@@ -82,7 +82,8 @@ def check_seconds(seconds, name: str = "second_per_grid_ts") -> None:
         raise ValueError(f"{name} entry {i} is {float(values[i])}: seconds per grid step must be finite and >= 0")
 
 
-def check_rope_types(input_ids, config: MRopeConfig, image_grid_thw, video_grid_thw, attention_mask) -> None:
+def check_rope_types(input_ids, config: MRopeConfig, image_grid_thw, video_grid_thw, attention_mask,
+                     mm_token_type_ids=None) -> None:
     """The index's checks that read no tensor values (types and shapes); the value checks ride its one read."""
     if not isinstance(config, MRopeConfig):
         raise ValueError(f"config must be an MRopeConfig, got {type(config).__name__}")
@@ -95,6 +96,12 @@ def check_rope_types(input_ids, config: MRopeConfig, image_grid_thw, video_grid_
                                        or tuple(attention_mask.shape) != tuple(input_ids.shape)):
         raise ValueError(f"attention_mask must be [B, S] = {tuple(input_ids.shape)} like input_ids, got "
                          f"{tuple(getattr(attention_mask, 'shape', ())) or type(attention_mask).__name__}")
+    if mm_token_type_ids is not None and (not isinstance(mm_token_type_ids, torch.Tensor)
+                                          or tuple(mm_token_type_ids.shape) != tuple(input_ids.shape)
+                                          or mm_token_type_ids.is_complex()):
+        # Indexed like input_ids: another shape was an IndexError in `_runs`, a list an AttributeError.
+        raise ValueError(f"mm_token_type_ids must be a [B, S] = {tuple(input_ids.shape)} tensor like input_ids, got "
+                         f"{tuple(getattr(mm_token_type_ids, 'shape', ())) or type(mm_token_type_ids).__name__}")
     check_grid_shape(image_grid_thw, "image_grid_thw")
     check_grid_shape(video_grid_thw, "video_grid_thw")
 
@@ -219,6 +226,7 @@ class QueuedRopeIndex:
     expected: torch.Tensor
     entry: int
     where: Callable[[int, int], str] = token_place
+    mm_token_type_ids: torch.Tensor | None = None  # as given (None: derived from the ids), to name a bad type
 
 
 def _any_bad_grid(grid, merge: int, device) -> torch.Tensor:
@@ -260,17 +268,26 @@ def queue_rope_index(input_ids, config: MRopeConfig, checks, *, image_grid_thw=N
     values = (_any_bad_grid(image_grid_thw, merge, device), _any_bad_grid(video_grid_thw, merge, device),
               seconds_bad[1].any().to(device=device, dtype=torch.long) if seconds_bad is not None
               else torch.zeros((), dtype=torch.long, device=device),
-              images, videos, video_rows, (expected != run_len).any().long())
+              images, videos, video_rows, (expected != run_len).any().long(),
+              # given types other than 0, 1, 2 on kept tokens: -1 was silently text, 3 a "video block"
+              # with grid [0, 0, 0] (the HF model fails with a KeyError on both)
+              torch.zeros((), dtype=torch.long, device=device) if mm_token_type_ids is None
+              else (keep & (types != 0) & (types != 1) & (types != 2)).any().long())
     entry = checks.add(values, lambda host: False, None)  # raised in order by finish_rope_index
     return QueuedRopeIndex(config, input_ids, keep, image_grid_thw, video_grid_thw, second_per_grid_ts, runs, grid,
-                           expected, entry, where)
+                           expected, entry, where, mm_token_type_ids)
 
 
 def _raise_failed_checks(queued: QueuedRopeIndex, host: list) -> None:
     """The index's value checks from the read's `host` values, raised in their documented order: grid
     entries, seconds, blocks vs grid rows, tokens per block vs grid (details recomputed on this error path)."""
     merge = queued.config.spatial_merge_size
-    image_bad, video_bad, seconds_bad, images, videos, video_rows, wrong = host
+    image_bad, video_bad, seconds_bad, images, videos, video_rows, wrong, types_bad = host
+    if types_bad:  # first: the block counts below are made from these types
+        types = queued.mm_token_type_ids
+        row, position = torch.nonzero(queued.keep & (types != 0) & (types != 1) & (types != 2))[0].tolist()
+        raise ValueError(f"mm_token_type_ids {queued.where(row, position)} is {types[row, position].item()}: "
+                         f"token types must be 0 (text), 1 (image) or 2 (video)")
     if image_bad or video_bad:
         check_grid(queued.image_grid_thw, "image_grid_thw", merge)
         check_grid(queued.video_grid_thw, "video_grid_thw", merge)
@@ -395,7 +412,7 @@ def get_rope_index(
 
     Qwen3-Omni follows its own rule (rope/omni.py) and returns float positions, as its reference does.
     """
-    check_rope_types(input_ids, config, image_grid_thw, video_grid_thw, attention_mask)
+    check_rope_types(input_ids, config, image_grid_thw, video_grid_thw, attention_mask, mm_token_type_ids)
     from megatron_vlm_packing.packing.checks import DeferredChecks
 
     checks = DeferredChecks()

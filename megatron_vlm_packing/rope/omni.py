@@ -70,6 +70,20 @@ def _take(values, index: int, name: str, place: Callable[[int], str], at: int):
     return values[index]
 
 
+def _audio_tokens(inputs: dict, index: int, place: Callable[[int], str], at: int, n_window: int) -> int:
+    """Placeholder tokens of the audio block opening at kept token `at`, from its `audio_seqlens` entry.
+
+    Raises:
+        ValueError: no entry left (`_take`), or a raw length < 1: its encoder output has no tokens (0
+        for 0, negative below), which the reference fails on with a RuntimeError (max of an empty run).
+    """
+    raw = int(_take(inputs["audio_seqlens"], index, "audio_seqlens", place, at))
+    if raw < 1:
+        raise ValueError(f"audio_seqlens entry {index} is {raw}: raw audio lengths must be >= 1 (the audio block "
+                         f"opening at input_ids {place(at)})")
+    return int(audio_output_length(raw, n_window))
+
+
 def _check_block(tokens: list[int], begin: int, length: int, ids: set, *, place: Callable[[int], str],
                  what: str) -> None:
     """tokens[begin:begin+length] are all placeholders of `ids`, and the block ends right there;
@@ -188,6 +202,8 @@ def finish_omni_index(queued: QueuedOmniIndex, host: list, *, audio_seqlens=None
     if seconds_bad:
         check_seconds(queued.inputs["second_per_grids"])
     if "ids" not in queued.entries:  # no grids: text positions over the kept tokens
+        if not input_ids.numel():  # no rows or no columns: the max below was an IndexError (other families: empty)
+            return torch.zeros(3, *input_ids.shape, device=input_ids.device), keep.sum(-1, keepdim=True).float()
         positions = keep.float().cumsum(-1) - 1
         positions = positions.masked_fill(~keep, 1).unsqueeze(0).expand(3, -1, -1)
         deltas = positions.max(0)[0].max(-1, keepdim=True)[0] + 1 - keep.sum(-1, keepdim=True)
@@ -195,6 +211,9 @@ def finish_omni_index(queued: QueuedOmniIndex, host: list, *, audio_seqlens=None
     ids, inputs = host[queued.entries["ids"]], _host_inputs(queued, host, audio_seqlens)
     pieces, deltas, used, first = [], [], [0, 0, 0], 0
     for row, length in enumerate(host[queued.entries["lengths"]]):
+        if not length:  # a row with no kept token (pack_batch keeps empty rows): torch.cat of no pieces raised
+            deltas.append(torch.zeros(()))  # its next token would take position 0
+            continue
         positions = _row_positions(ids[first:first + length], config, inputs, used,
                                    functools.partial(_kept_token_place, queued, row, first))
         pieces.append(positions)
@@ -207,7 +226,8 @@ def finish_omni_index(queued: QueuedOmniIndex, host: list, *, audio_seqlens=None
     n, device = input_ids.numel(), input_ids.device
     pieces.append(torch.zeros(3, n - first))  # the fill slots (all go to column N)
     out = torch.zeros(3, n + 1, device=device).index_copy_(1, queued.slots, torch.cat(pieces, dim=1).to(device))
-    return out[:, :n].reshape(3, *input_ids.shape), torch.stack(deltas).to(device).unsqueeze(1)
+    deltas = torch.stack(deltas) if deltas else torch.zeros(0)  # no rows: torch.stack([]) was a RuntimeError
+    return out[:, :n].reshape(3, *input_ids.shape), deltas.to(device).unsqueeze(1)
 
 
 def _kept_token_place(queued: QueuedOmniIndex, row: int, first: int, token: int) -> str:
@@ -230,14 +250,18 @@ def _row_positions(tokens: list[int], config: MRopeConfig, inputs: dict, used: l
             continue
         if at > cursor:
             pieces.append(_text(at - cursor, next_start()))
+        if at + 1 == len(tokens) and tokens[at] == config.vision_start_token_id:
+            # A vision-start as the row's last kept token opens no block: reading the token after it was
+            # an IndexError here (and in the reference).
+            raise ValueError(f"input_ids {place(at)} is a vision_start_token_id ({config.vision_start_token_id}) "
+                             f"with no image or video placeholder after it: the row's last kept token")
         audio_in_video = tokens[at] == config.vision_start_token_id and at + 1 < len(tokens) \
             and tokens[at + 1] == config.audio_start_token_id
         wrap = 2 if audio_in_video else 1
         pieces.append(_text(wrap, next_start()))
         start = next_start()  # right after the opening tokens
         if tokens[at] == config.audio_start_token_id:
-            length = audio_output_length(int(_take(inputs["audio_seqlens"], used[2], "audio_seqlens", place, at)),
-                                         config.audio_n_window)
+            length = _audio_tokens(inputs, used[2], place, at, config.audio_n_window)
             _check_block(tokens, at + wrap, length, {config.audio_token_id}, place=place, what="audio")
             pieces.append(_text(length, start))
             cursor, used[2] = at + wrap + length + wrap, used[2] + 1
@@ -253,8 +277,7 @@ def _row_positions(tokens: list[int], config: MRopeConfig, inputs: dict, used: l
             video = _vision(start, torch.arange(t) * seconds.float() * pps, h // merge, w // merge)
             tokens_in = t * h * w // merge ** 2
             if audio_in_video:
-                length = audio_output_length(int(_take(inputs["audio_seqlens"], used[2], "audio_seqlens", place, at)),
-                                             config.audio_n_window)
+                length = _audio_tokens(inputs, used[2], place, at, config.audio_n_window)
                 _check_block(tokens, at + wrap, length + tokens_in, {config.video_token_id, config.audio_token_id},
                              place=place, what="video with audio")
                 merged, last_max = _interleave_by_time(video, _text(length, start))

@@ -57,6 +57,21 @@ ERRORS = [
      r"attention_mask must be \[B, S\] = \(1, 4\) like input_ids, got \(1, 3\)"),
     ("config_not_an_mrope_config", lambda: get_rope_index(IMAGE_ROW, {"family": "qwen2_vl"}),
      r"config must be an MRopeConfig, got dict"),
+    # mm_token_type_ids (transformers 5 processors return it): a [B, S] tensor of 0 / 1 / 2 on kept tokens.
+    # Before the rope audit another shape was an IndexError, a list an AttributeError, -1 silently text
+    # and 3 "a video block with grid [0, 0, 0]"
+    ("types_shorter_than_ids", lambda: get_rope_index(IMAGE_ROW, QWEN2, image_grid_thw=torch.tensor([[1, 2, 4]]),
+                                                      mm_token_type_ids=torch.tensor([[0, 1, 1]])),
+     r"mm_token_type_ids must be a \[B, S\] = \(1, 4\) tensor like input_ids, got \(1, 3\)"),
+    ("types_as_list", lambda: get_rope_index(IMAGE_ROW, QWEN2, image_grid_thw=torch.tensor([[1, 2, 4]]),
+                                             mm_token_type_ids=[[0, 1, 1, 0]]),
+     r"mm_token_type_ids must be a \[B, S\] = \(1, 4\) tensor like input_ids, got list"),
+    ("types_minus_one", lambda: get_rope_index(IMAGE_ROW, QWEN2, image_grid_thw=torch.tensor([[1, 2, 4]]),
+                                               mm_token_type_ids=torch.tensor([[0, 1, 1, -1]])),
+     r"mm_token_type_ids row 0 position 3 is -1: token types must be 0 \(text\), 1 \(image\) or 2 \(video\)"),
+    ("types_three", lambda: get_rope_index(IMAGE_ROW, QWEN25, image_grid_thw=torch.tensor([[1, 2, 4]]),
+                                           mm_token_type_ids=torch.tensor([[3, 1, 1, 0]])),
+     r"mm_token_type_ids row 0 position 0 is 3: token types must be 0"),
     # Qwen3-Omni blocks must hold exactly the placeholders their grid / audio length needs
     ("omni_image_block_one_token_short",
      lambda: get_rope_index(omni_row([5, 9, 9, 9]), OMNI, image_grid_thw=torch.tensor([[1, 4, 4]])),
@@ -76,6 +91,24 @@ ERRORS = [
      lambda: get_rope_index(omni_row([5, 8, 8]), OMNI, video_grid_thw=torch.tensor([[1, 2, 4]]),
                             second_per_grid_ts=torch.tensor([float("nan")])),
      r"second_per_grid_ts entry 0 is nan"),
+    # Qwen3-Omni: a vision-start as a row's last kept token, and a raw audio length < 1 (0 output
+    # tokens), were an IndexError / RuntimeError (the reference's own errors) before the rope audit
+    ("omni_vision_start_last_token",
+     lambda: get_rope_index(torch.tensor([[1, 2, 5]]), OMNI, image_grid_thw=torch.zeros(0, 3, dtype=torch.long)),
+     r"input_ids row 0 position 2 is a vision_start_token_id \(5\) with no image or video placeholder after it"),
+    ("omni_vision_start_last_kept_token_after_an_image",
+     lambda: get_rope_index(torch.tensor([[5, 9, 9, 3, 5, 0]]), OMNI, image_grid_thw=torch.tensor([[1, 2, 4]]),
+                            attention_mask=torch.tensor([[1, 1, 1, 1, 1, 0]])),
+     r"input_ids row 0 position 4 is a vision_start_token_id \(5\)"),
+    ("omni_audio_length_zero",
+     lambda: get_rope_index(omni_row([6]), OMNI, image_grid_thw=torch.zeros(0, 3, dtype=torch.long),
+                            audio_seqlens=torch.tensor([0])),
+     r"audio_seqlens entry 0 is 0: raw audio lengths must be >= 1 \(the audio block opening at input_ids row 0 "
+     r"position 1\)"),
+    ("omni_audio_length_negative_in_video",
+     lambda: get_rope_index(omni_row([5, 6, 8, 8]), OMNI, video_grid_thw=torch.tensor([[1, 2, 4]]),
+                            second_per_grid_ts=torch.tensor([1.0]), audio_seqlens=torch.tensor([-3])),
+     r"audio_seqlens entry 0 is -3: raw audio lengths must be >= 1"),
     # MRopeConfig
     ("config_zero_section", lambda: MRopeConfig(family="qwen2_vl", mrope_section=(16, 0, 24)),
      r"mrope_section must be 3 positive ints, got \(16, 0, 24\)"),
@@ -83,6 +116,15 @@ ERRORS = [
      r"image_token_id must be a non-negative int, got -1"),
     ("config_nan_tokens_per_second", lambda: MRopeConfig(family="qwen2_5_vl", tokens_per_second=float("nan")),
      r"tokens_per_second must be a finite number > 0, got nan"),
+    # counts computed from these: 0 / 2.0 were a ZeroDivisionError / TypeError at the first block, -1 wrong counts
+    ("config_zero_audio_window", lambda: MRopeConfig(family="qwen3_omni", audio_n_window=0),
+     r"audio_n_window must be a positive int, got 0"),
+    ("config_float_merge", lambda: MRopeConfig(family="qwen2_vl", spatial_merge_size=2.0),
+     r"spatial_merge_size must be a positive int, got 2\.0"),
+    ("config_bool_merge", lambda: MRopeConfig(family="qwen2_vl", spatial_merge_size=True),
+     r"spatial_merge_size must be a positive int, got True"),
+    ("config_negative_audio_start", lambda: MRopeConfig(family="qwen3_omni", audio_start_token_id=-1),
+     r"audio_start_token_id must be None or a non-negative int, got -1"),
     ("config_zero_position_per_seconds", lambda: MRopeConfig(family="qwen3_omni", position_id_per_seconds=0),
      r"position_id_per_seconds must be a finite number > 0, got 0"),
 ]
@@ -92,6 +134,35 @@ ERRORS = [
 def test_bad_rope_input_is_a_value_error_naming_field_and_numbers(name, call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+@pytest.mark.parametrize("host_reads", [False, True])
+@pytest.mark.parametrize("ids, rope, message", [
+    ([[1, 2, 5]], dict(image_grid_thw=torch.zeros(0, 3, dtype=torch.long)),
+     r"input_ids row 0 position 2 is a vision_start_token_id \(5\) with no image or video placeholder"),
+    ([[1, 6, 3, 4]], dict(image_grid_thw=torch.zeros(0, 3, dtype=torch.long), audio_seqlens=torch.tensor([0])),
+     r"audio_seqlens entry 0 is 0: raw audio lengths must be >= 1"),
+], ids=["vision_start_last", "audio_length_zero"])
+def test_pack_batch_omni_bad_blocks_are_the_index_value_errors_on_both_read_paths(ids, rope, message, host_reads):
+    from megatron_vlm_packing import pack_batch
+
+    ids = torch.tensor(ids)
+    with pytest.raises(ValueError, match=message):
+        pack_batch({"input_ids": ids, "labels": ids, **rope}, label_style="hf", mrope=OMNI, host_reads=host_reads)
+
+
+@pytest.mark.parametrize("host_reads", [False, True])
+@pytest.mark.parametrize("types, message", [
+    (torch.tensor([[0, 1, 1]]), r"mm_token_type_ids must be a \[B, S\] = \(1, 4\) tensor like input_ids, got \(1, 3\)"),
+    (torch.tensor([[0, 1, 1, 3]]), r"mm_token_type_ids row 0 position 3 is 3: token types must be 0"),
+], ids=["shape", "value"])
+def test_pack_batch_bad_mm_token_type_ids_are_value_errors_on_both_read_paths(types, message, host_reads):
+    from megatron_vlm_packing import pack_batch
+
+    batch = {"input_ids": IMAGE_ROW, "labels": IMAGE_ROW, "image_grid_thw": torch.tensor([[1, 2, 4]]),
+             "mm_token_type_ids": types}
+    with pytest.raises(ValueError, match=message):
+        pack_batch(batch, label_style="hf", mrope=QWEN2, host_reads=host_reads)
 
 
 @pytest.mark.parametrize("config_name, section, interleaved", [
@@ -136,3 +207,12 @@ def test_cli_inspect_refuses_non_positive_counts_with_exit_2(argv, message, caps
         main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("shape", [(0, 4), (2, 0)])
+@pytest.mark.parametrize("grids", [{}, {"image_grid_thw": torch.zeros(0, 3, dtype=torch.long)}], ids=["no_grids", "grids"])
+@pytest.mark.parametrize("config", [QWEN2, OMNI], ids=["qwen2_vl", "qwen3_omni"])
+def test_an_index_of_no_tokens_is_empty_in_every_family(config, grids, shape):
+    """Qwen3-Omni's was an IndexError (a max over no columns) or a RuntimeError (a stack of no rows)."""
+    index = get_rope_index(torch.zeros(shape, dtype=torch.long), config, **grids)
+    assert index.position_ids.shape == (3, *shape) and index.deltas.shape == (shape[0], 1)

@@ -155,3 +155,41 @@ def test_second_per_grid_ts_count_must_match_the_videos():
         get_rope_index(ids, cfg, video_grid_thw=videos, second_per_grid_ts=torch.tensor([1.0]))
     with pytest.raises(ValueError, match=r"1 video placeholder blocks in input_ids but 2 rows in video_grid_thw"):
         get_rope_index(ids[:1], cfg, video_grid_thw=videos)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("host_reads", [False, True])
+def test_pre_packed_documents_with_mm_token_type_ids_equal_the_hf_model_per_document(family, host_reads):
+    """`document_lengths` with the `mm_token_type_ids` transformers 5 processors return: each document's
+    positions are the HF model's for that document alone (the types were not split per document: an
+    IndexError)."""
+    from megatron_vlm_packing import pack_batch
+
+    hf = hf_config(family)
+    cfg = MRopeConfig.from_hf_config(hf)
+    docs, mask, images, videos, seconds = random_rows(family, 5, 3, pad=False)
+    lengths = mask.sum(1).tolist()
+    docs = [docs[i, :n] for i, n in enumerate(lengths)]
+    ids = torch.cat(docs)[None]  # one row holding the five documents
+    batch = dict(input_ids=ids, labels=ids, mm_token_type_ids=token_types(ids, cfg),
+                 document_lengths=torch.tensor([lengths]), image_grid_thw=images, video_grid_thw=videos)
+    if family == "qwen2_5_vl":
+        batch["second_per_grid_ts"] = seconds
+    packed = pack_batch(batch, label_style="hf", mrope=cfg, host_reads=host_reads)
+    cu = packed.packed_seq_params.cu_seqlens_q_padded.tolist()
+    image_at = video_at = 0
+    for doc, start in zip(docs, cu):
+        doc = doc[None]
+        blocks = lambda token: int(((doc == token) & (torch.roll(doc, 1, 1) != token)).sum())  # noqa: E731
+        n_images, n_videos = blocks(IMAGE), blocks(151656)
+        if family == "qwen3_vl":  # one block per frame: count whole videos by their frames
+            frames = torch.cumsum(videos[video_at:, 0], 0).tolist() if n_videos else []
+            n_videos = frames.index(n_videos) + 1 if n_videos else 0
+        kwargs = dict(image_grid_thw=images[image_at:image_at + n_images] if n_images else None,
+                      video_grid_thw=videos[video_at:video_at + n_videos] if n_videos else None)
+        if family == "qwen2_5_vl" and n_videos:
+            kwargs["second_per_grid_ts"] = seconds[video_at:video_at + n_videos]
+        expected = hf_get_rope_index(family, hf)(doc, mm_token_type_ids=token_types(doc, cfg), **kwargs)[0]
+        assert torch.equal(packed.position_ids[:, 0, start:start + doc.shape[1]], expected[:, 0])
+        image_at, video_at = image_at + n_images, video_at + n_videos
+    assert image_at == (0 if images is None else len(images)) and video_at == (0 if videos is None else len(videos))

@@ -116,3 +116,33 @@ def test_omni_count_mismatches_raise():
         get_rope_index(ids, cfg, image_grid_thw=torch.tensor([[1, 4, 4]]))
     with pytest.raises(ValueError, match="1 blocks in input_ids use image_grid_thw, which has 2 entries"):
         get_rope_index(ids, cfg, image_grid_thw=torch.tensor([[1, 4, 4], [1, 2, 2]]), audio_seqlens=torch.tensor([4]))
+
+
+@pytest.mark.parametrize("host_reads", [False, True])
+def test_a_row_with_no_kept_token_beside_media_rows(host_reads):
+    """pack_batch keeps empty rows (e.g. a padded-out sample); the Qwen3-Omni index raised torch.cat's
+    "expected a non-empty list of Tensors" on one. The other rows keep the HF thinker's positions."""
+    from megatron_vlm_packing import pack_batch
+
+    config, reference = thinker()
+    cfg = MRopeConfig.from_hf_config(config)
+    ids, mask, images, videos, seconds, audios = random_rows(config, 3, 2, True)
+    expected = reference(ids, image_grid_thw=images, video_grid_thw=videos, attention_mask=mask,
+                         use_audio_in_video=True, audio_seqlens=audios, second_per_grids=seconds)[0]
+    ids, mask = torch.cat([ids[:1], ids]), torch.cat([torch.zeros_like(mask[:1]), mask])  # row 0: no kept token
+    ours = get_rope_index(ids, cfg, image_grid_thw=images, video_grid_thw=videos, attention_mask=mask,
+                          use_audio_in_video=True, audio_seqlens=audios, second_per_grid_ts=seconds)
+    assert torch.equal(ours.position_ids[:, 1:], expected) and not ours.position_ids[:, 0].any()
+    batch = {"input_ids": ids, "labels": ids, "attention_mask": mask, "image_grid_thw": images,
+             "video_grid_thw": videos, "second_per_grid_ts": seconds, "audio_seqlens": audios,
+             "use_audio_in_video": True}
+    if images is not None:
+        batch["pixel_values"] = torch.zeros(int(images.prod(1).sum()), 2)
+    if videos is not None:
+        batch["pixel_values_videos"] = torch.zeros(int(videos.prod(1).sum()), 2)
+    packed = pack_batch(batch, label_style="hf", mrope=cfg, host_reads=host_reads)
+    cu, cu_p = packed.packed_seq_params.cu_seqlens_q.tolist(), packed.packed_seq_params.cu_seqlens_q_padded.tolist()
+    assert packed.plan.segment_rows == (1, 2, 3)  # the empty row gets no segment
+    for k in range(3):
+        n = cu[k + 1] - cu[k]
+        assert torch.equal(packed.position_ids[:, 0, cu_p[k]:cu_p[k] + n], expected[:, k, :n])
