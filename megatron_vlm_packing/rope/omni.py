@@ -223,6 +223,10 @@ def finish_omni_index(queued: QueuedOmniIndex, host: list, *, audio_seqlens=None
         given = inputs[name]
         if given is not None and count != len(given):
             raise ValueError(f"{count} blocks in input_ids use {name}, which has {len(given)} entries")
+    if inputs["seconds"] is not None and len(inputs["seconds"]) > used[1]:  # too few: the block that lacks one says so
+        # Entries no video block reads would be dropped without a word (the other families raise too).
+        raise ValueError(f"{len(inputs['seconds'])} entries in second_per_grid_ts but {used[1]} video blocks in "
+                         f"input_ids")
     n, device = input_ids.numel(), input_ids.device
     pieces.append(torch.zeros(3, n - first))  # the fill slots (all go to column N)
     out = torch.zeros(3, n + 1, device=device).index_copy_(1, queued.slots, torch.cat(pieces, dim=1).to(device))

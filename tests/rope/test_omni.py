@@ -118,6 +118,18 @@ def test_omni_count_mismatches_raise():
         get_rope_index(ids, cfg, image_grid_thw=torch.tensor([[1, 4, 4], [1, 2, 2]]), audio_seqlens=torch.tensor([4]))
 
 
+def test_omni_seconds_no_video_reads_are_refused():
+    config, _ = thinker()
+    cfg = MRopeConfig.from_hf_config(config)
+    ids, mask, images, videos, seconds, audios = random_rows(config, 3, 1, True)
+    assert videos is not None and len(seconds) == len(videos)
+    extra = torch.cat([seconds, seconds[:1]])  # one more than the video blocks
+    with pytest.raises(ValueError, match=rf"{len(videos) + 1} entries in second_per_grid_ts but {len(videos)} video "
+                                         r"blocks in input_ids"):
+        get_rope_index(ids, cfg, image_grid_thw=images, video_grid_thw=videos, attention_mask=mask,
+                       use_audio_in_video=True, audio_seqlens=audios, second_per_grid_ts=extra)
+
+
 @pytest.mark.parametrize("host_reads", [False, True])
 def test_a_row_with_no_kept_token_beside_media_rows(host_reads):
     """pack_batch keeps empty rows (e.g. a padded-out sample); the Qwen3-Omni index raised torch.cat's
