@@ -80,6 +80,7 @@ def test_bridge_patches_detect_apply_once_and_undo():
         assert apply_bridge_patches() == active
         assert (model.split_deepstack_embs, utils.get_thd_cp_partition_indices, qwen25.forward) == patched  # idempotent
         assert all(p is not o for p, o in zip(patched, originals))
+        assert deepstack.upstream_deepstack_split_is_plain_slice()  # judged on Bridge's split, not on ours
         # Without SP the patched split is Bridge's own (nothing to gather).
         mask, embeds = torch.ones(1, 4, dtype=torch.bool), [torch.arange(4.0)[:, None]]
         assert model.split_deepstack_embs(mask, embeds)[1][0] is embeds[0]
