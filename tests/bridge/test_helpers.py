@@ -59,6 +59,26 @@ def test_thd_cp_index_follows_te_rule_and_checks_the_total():
         thd_cp_partition_indices(cu, total_tokens=16, cp_group=_Group(2, 0), device="cpu")
 
 
+def test_qwen25_cp_patch_restores_the_language_models_own_instance_forward():
+    """The patch records Bridge's language-model call through an instance `forward`; one the model
+    already had there (a user's or a wrapper's) must come back, and none must be left when it had none."""
+    import types
+
+    from megatron_vlm_packing.patches.bridge_qwen25_vl_cp import _bridge_call_without_lm
+
+    def bridge_forward(self, **kwargs):  # Bridge ends in language_model.forward(...)
+        return self.language_model.forward(decoder_input="x")
+
+    own = lambda **kwargs: "own"  # noqa: E731
+    for had in (True, False):
+        lm = torch.nn.Identity()
+        if had:
+            lm.forward = own
+        model = types.SimpleNamespace(language_model=lm, config=types.SimpleNamespace(sequence_parallel=True))
+        assert _bridge_call_without_lm(bridge_forward, model, (), {}) == {"decoder_input": "x"}
+        assert vars(lm).get("forward") is (own if had else None) and model.config.sequence_parallel
+
+
 @pytest.mark.bridge
 def test_bridge_patches_detect_apply_once_and_undo():
     from megatron_vlm_packing.bridge.imports import import_bridge_module
