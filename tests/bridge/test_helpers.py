@@ -79,6 +79,52 @@ def test_qwen25_cp_patch_restores_the_language_models_own_instance_forward():
         assert vars(lm).get("forward") is (own if had else None) and model.config.sequence_parallel
 
 
+def test_bridge_adapters_refuse_a_model_of_another_family():
+    """`make_forward_step(adapter=Qwen3VLAdapter)` on a model that is not Bridge's was an AttributeError
+    (`vision_transformer_config`, `vision_config`, `thinker_transformer_config`)."""
+    import types
+
+    from megatron_vlm_packing.bridge.adapters import Qwen25VLAdapter, Qwen3VLAdapter
+    from megatron_vlm_packing.bridge.omni_adapter import Qwen3OmniAdapter
+
+    class NotBridge(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = types.SimpleNamespace(sequence_parallel=False, tensor_model_parallel_size=1,
+                                                context_parallel_size=1)
+
+    wrapped = torch.nn.Module()
+    wrapped.module = NotBridge()  # DDP's shape: named through the wrapper
+    for adapter, family in ((Qwen3VLAdapter, "Qwen3VLModel"), (Qwen25VLAdapter, "Qwen25VLModel"),
+                            (Qwen3OmniAdapter, "Qwen3OmniModel / Qwen3OmniThinkerModel")):
+        with pytest.raises(ValueError, match=f"{adapter.__name__} drives Megatron-Bridge's {family}, not .*NotBridge"):
+            adapter(wrapped)
+
+
+@pytest.mark.bridge
+def test_bridge_family_check_takes_subclasses_and_unwraps():
+    from megatron_vlm_packing.bridge.adapters import QWEN3_VL_MODEL_CLASS, bridge_model_of
+    from megatron_vlm_packing.bridge.imports import import_bridge_module
+    from megatron_vlm_packing.patches.bridge_deepstack_sp import QWEN3_VL_MODEL
+
+    class UsersQwen3VL(import_bridge_module(QWEN3_VL_MODEL).Qwen3VLModel):
+        pass
+
+    model = torch.nn.Module.__new__(UsersQwen3VL)  # the class is what is checked; no build needed
+    torch.nn.Module.__init__(model)
+    wrapper = torch.nn.Module()
+    wrapper.module = model
+    assert bridge_model_of(wrapper, (QWEN3_VL_MODEL_CLASS,), "Qwen3VLAdapter") is model
+    # Each adapter checks for the very classes the registry resolves it for.
+    from megatron_vlm_packing.bridge import adapters, omni_adapter
+    from megatron_vlm_packing.models.adapter import _BUILTIN
+
+    for name, adapter in ((adapters.QWEN3_VL_MODEL_CLASS, "Qwen3VLAdapter"),
+                          (adapters.QWEN25_VL_MODEL_CLASS, "Qwen25VLAdapter"),
+                          (omni_adapter.OMNI_MODEL, "Qwen3OmniAdapter"), (omni_adapter.OMNI_THINKER, "Qwen3OmniAdapter")):
+        assert _BUILTIN[name].endswith(f":{adapter}")
+
+
 @pytest.mark.bridge
 def test_bridge_patches_detect_apply_once_and_undo():
     from megatron_vlm_packing.bridge.imports import import_bridge_module
