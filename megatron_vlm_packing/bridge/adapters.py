@@ -68,6 +68,27 @@ def qwen25_vl_mrope(model):
                        mrope_section=tuple(int(x) for x in config.mrope_section), mrope_interleaved=False)
 
 
+QWEN3_VL_MODEL_CLASS = "megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model.Qwen3VLModel"
+QWEN25_VL_MODEL_CLASS = "megatron.bridge.models.qwen_vl.modeling_qwen25_vl.Qwen25VLModel"
+
+
+def bridge_model_of(model, class_names: tuple[str, ...], adapter: str):
+    """`model` unwrapped (DDP / Float16Module), after checking that it is one of Bridge's `class_names`
+    (or a subclass). Reading another family's model for its Bridge fields was an AttributeError
+    (`make_forward_step(adapter=Qwen3VLAdapter)` on a GPTModel).
+
+    Raises:
+        ValueError: the model's class derives from none of `class_names` (naming both).
+    """
+    from megatron_vlm_packing.models.adapter import qualified_name, unwrap_model
+
+    inner = unwrap_model(model)
+    if not any(qualified_name(cls) in class_names for cls in type(inner).__mro__):
+        raise ValueError(f"{adapter} drives Megatron-Bridge's {' / '.join(n.rsplit('.', 1)[1] for n in class_names)}, "
+                         f"not {qualified_name(type(inner))}: use adapter_for(model) (or register an adapter for it)")
+    return inner
+
+
 def _require_patch(active: bool, defect: bool, what: str, apply_name: str) -> None:
     if defect and not active:
         raise ValueError(f"{what}: call megatron_vlm_packing.patches.{apply_name}() (or apply_bridge_patches()) "
@@ -82,6 +103,7 @@ class Qwen3VLAdapter(ModelAdapter):
     rotary = "mrope"
 
     def __init__(self, model):
+        model = bridge_model_of(model, (QWEN3_VL_MODEL_CLASS,), type(self).__name__)
         super().__init__(model)
         self.mrope = qwen3_vl_mrope(model)
         from megatron_vlm_packing.patches import bridge_deepstack_sp, bridge_thd_cp_index
@@ -117,6 +139,7 @@ class Qwen25VLAdapter(ModelAdapter):
     rotary = "mrope"
 
     def __init__(self, model):
+        model = bridge_model_of(model, (QWEN25_VL_MODEL_CLASS,), type(self).__name__)
         super().__init__(model)
         self.mrope = qwen25_vl_mrope(model)
         _, cp, _ = _layout(model)

@@ -91,6 +91,9 @@ class Qwen3OmniAdapter(ModelAdapter):
     rotary = "mrope"
 
     def __init__(self, model: nn.Module):
+        from megatron_vlm_packing.bridge.adapters import bridge_model_of
+
+        model = bridge_model_of(model, (OMNI_MODEL, OMNI_THINKER), type(self).__name__)
         super().__init__(model)
         problem = deepstack_stage_problem(model)
         if problem is not None:

@@ -154,6 +154,9 @@ def register_adapter(model_type: type | str, factory: AdapterFactory) -> None:
         factory: a `ModelAdapter` subclass or any callable `model -> ModelAdapter`.
     Overrides a built-in adapter for the same class.
     """
+    if not isinstance(model_type, (type, str)):  # a model instance was an AttributeError (__qualname__)
+        raise ValueError(f"model_type must be a model class or its qualified name, got {type(model_type).__name__} "
+                         f"{model_type!r:.80}: register_adapter(type(model), ...)")
     name = model_type if isinstance(model_type, str) else qualified_name(model_type)
     if not callable(factory):
         raise ValueError(f"factory for {name} must be callable (a ModelAdapter subclass), got {factory!r}")

@@ -53,8 +53,12 @@ class _ScatterRows(torch.autograd.Function):
 
 
 def upstream_deepstack_split_is_plain_slice() -> bool:
-    """True when Bridge's split gives the other SP rank's rows no gradient (the defect)."""
-    split = getattr(import_bridge_module(QWEN3_VL_MODEL), "split_deepstack_embs", None)
+    """True when Bridge's split gives the other SP rank's rows no gradient (the defect).
+
+    Judged on Bridge's own split even while the patch is applied: the module's function is then ours,
+    which reported the defect gone (and, with parallel state up, ran its TP all-reduce in the probe).
+    """
+    split = _ORIGINAL.get("split") or getattr(import_bridge_module(QWEN3_VL_MODEL), "split_deepstack_embs", None)
     if split is None:
         return False
     probe = torch.ones(4, 1, requires_grad=True)

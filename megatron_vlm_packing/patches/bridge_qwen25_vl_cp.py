@@ -51,12 +51,17 @@ def _cp_group(model):
 def _bridge_call_without_lm(original, model, args, kwargs) -> dict:
     """Run Bridge's forward up to its language-model call, without its SP scatter; its keywords."""
     recorder, sequence_parallel = _LanguageModelCall(), model.config.sequence_parallel
+    # A forward already set on the instance (a user's or a wrapper's) is put back after, not deleted.
+    own_forward = vars(model.language_model).get("forward", _LanguageModelCall)
     model.language_model.forward = recorder  # instance attribute: Bridge calls language_model.forward(...)
     model.config.sequence_parallel = False  # keep the merged embeddings full: CP selection comes first
     try:
         returned = original(model, *args, **kwargs)
     finally:
-        del model.language_model.forward
+        if own_forward is _LanguageModelCall:
+            del model.language_model.forward
+        else:
+            model.language_model.forward = own_forward
         model.config.sequence_parallel = sequence_parallel
     if returned is not recorder or recorder.kwargs is None:
         raise RuntimeError("Qwen25VLModel.forward no longer ends in language_model.forward(...): "

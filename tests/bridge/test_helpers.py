@@ -59,6 +59,72 @@ def test_thd_cp_index_follows_te_rule_and_checks_the_total():
         thd_cp_partition_indices(cu, total_tokens=16, cp_group=_Group(2, 0), device="cpu")
 
 
+def test_qwen25_cp_patch_restores_the_language_models_own_instance_forward():
+    """The patch records Bridge's language-model call through an instance `forward`; one the model
+    already had there (a user's or a wrapper's) must come back, and none must be left when it had none."""
+    import types
+
+    from megatron_vlm_packing.patches.bridge_qwen25_vl_cp import _bridge_call_without_lm
+
+    def bridge_forward(self, **kwargs):  # Bridge ends in language_model.forward(...)
+        return self.language_model.forward(decoder_input="x")
+
+    own = lambda **kwargs: "own"  # noqa: E731
+    for had in (True, False):
+        lm = torch.nn.Identity()
+        if had:
+            lm.forward = own
+        model = types.SimpleNamespace(language_model=lm, config=types.SimpleNamespace(sequence_parallel=True))
+        assert _bridge_call_without_lm(bridge_forward, model, (), {}) == {"decoder_input": "x"}
+        assert vars(lm).get("forward") is (own if had else None) and model.config.sequence_parallel
+
+
+def test_bridge_adapters_refuse_a_model_of_another_family():
+    """`make_forward_step(adapter=Qwen3VLAdapter)` on a model that is not Bridge's was an AttributeError
+    (`vision_transformer_config`, `vision_config`, `thinker_transformer_config`)."""
+    import types
+
+    from megatron_vlm_packing.bridge.adapters import Qwen25VLAdapter, Qwen3VLAdapter
+    from megatron_vlm_packing.bridge.omni_adapter import Qwen3OmniAdapter
+
+    class NotBridge(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = types.SimpleNamespace(sequence_parallel=False, tensor_model_parallel_size=1,
+                                                context_parallel_size=1)
+
+    wrapped = torch.nn.Module()
+    wrapped.module = NotBridge()  # DDP's shape: named through the wrapper
+    for adapter, family in ((Qwen3VLAdapter, "Qwen3VLModel"), (Qwen25VLAdapter, "Qwen25VLModel"),
+                            (Qwen3OmniAdapter, "Qwen3OmniModel / Qwen3OmniThinkerModel")):
+        with pytest.raises(ValueError, match=f"{adapter.__name__} drives Megatron-Bridge's {family}, not .*NotBridge"):
+            adapter(wrapped)
+
+
+@pytest.mark.bridge
+def test_bridge_family_check_takes_subclasses_and_unwraps():
+    from megatron_vlm_packing.bridge.adapters import QWEN3_VL_MODEL_CLASS, bridge_model_of
+    from megatron_vlm_packing.bridge.imports import import_bridge_module
+    from megatron_vlm_packing.patches.bridge_deepstack_sp import QWEN3_VL_MODEL
+
+    class UsersQwen3VL(import_bridge_module(QWEN3_VL_MODEL).Qwen3VLModel):
+        pass
+
+    model = torch.nn.Module.__new__(UsersQwen3VL)  # the class is what is checked; no build needed
+    torch.nn.Module.__init__(model)
+    wrapper = torch.nn.Module()
+    wrapper.module = model
+    assert bridge_model_of(wrapper, (QWEN3_VL_MODEL_CLASS,), "Qwen3VLAdapter") is model
+    # Each adapter checks for the very classes the registry resolves it for.
+    from megatron_vlm_packing.bridge import adapters, omni_adapter
+    from megatron_vlm_packing.models.adapter import _BUILTIN
+
+    for name, adapter in ((adapters.QWEN3_VL_MODEL_CLASS, "Qwen3VLAdapter"),
+                          (adapters.QWEN25_VL_MODEL_CLASS, "Qwen25VLAdapter"),
+                          (omni_adapter.OMNI_MODEL, "Qwen3OmniAdapter"), (omni_adapter.OMNI_THINKER, "Qwen3OmniAdapter")):
+        assert _BUILTIN[name].endswith(f":{adapter}")
+
+
 @pytest.mark.bridge
 def test_bridge_patches_detect_apply_once_and_undo():
     from megatron_vlm_packing.bridge.imports import import_bridge_module
@@ -80,6 +146,7 @@ def test_bridge_patches_detect_apply_once_and_undo():
         assert apply_bridge_patches() == active
         assert (model.split_deepstack_embs, utils.get_thd_cp_partition_indices, qwen25.forward) == patched  # idempotent
         assert all(p is not o for p, o in zip(patched, originals))
+        assert deepstack.upstream_deepstack_split_is_plain_slice()  # judged on Bridge's split, not on ours
         # Without SP the patched split is Bridge's own (nothing to gather).
         mask, embeds = torch.ones(1, 4, dtype=torch.bool), [torch.arange(4.0)[:, None]]
         assert model.split_deepstack_embs(mask, embeds)[1][0] is embeds[0]

@@ -94,3 +94,10 @@ def test_check_refuses_packing_for_a_model_without_packed_seq_params():
 def test_factory_must_be_callable():
     with pytest.raises(ValueError, match="must be callable"):
         register_adapter(ToyLM, 3)
+
+
+def test_model_type_must_be_a_class_or_a_name():
+    # A model instance (or None) was an AttributeError on __qualname__ / __module__.
+    for bad in (ToyLM(), None, 3):
+        with pytest.raises(ValueError, match="model_type must be a model class or its qualified name"):
+            register_adapter(bad, ToyAdapter)
