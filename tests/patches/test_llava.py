@@ -173,3 +173,33 @@ def test_adapter_refuses_leaking_packs_and_keeps_everything_full_under_cp():
     assert dense.packed_seq_params is None  # LLaVA's own batched rows, grown so 5 + 3 expands to 8 = 2 * 4
     assert dense.input_ids.tolist() == [[5, 6, 7, 0, 0], [IMG, 8, 9, 0, 0]]
     adapter.check(dense)
+
+
+def test_pack_llava_batch_refuses_bad_tiles_images_and_pad_to():
+    # Each was accepted (0 / -1 tiles expanded an image to -1 / -5 embeddings; 1.5 tiles became 1;
+    # pad_to other than LLaVA's PP length gave boundaries ending before the sequence) or an internal error.
+    ids = torch.tensor([[5, 6, 7, 0], [IMG, 8, 9, 0], [10, IMG, 0, 0]])
+    keep = ids != 0
+    space = LlavaSpace(img_seq_len=4, image_token_index=IMG, segment_multiple=4, total_multiple=4)
+    batch = {"input_ids": ids, "labels": torch.where(keep, ids + 1, -100), "attention_mask": keep.long(),
+             "images": torch.zeros(3, 3, 2, 2), "num_image_tiles": torch.tensor([1, 2])}
+    with pytest.raises(ValueError, match=r"num_image_tiles must be >= 1 per image: images \[0\] have \[0\] tiles"):
+        pack_llava_batch(dict(batch, num_image_tiles=torch.tensor([0, 3])), space)
+    with pytest.raises(ValueError, match=r"images \[0\] have \[-1\] tiles"):
+        pack_llava_batch(dict(batch, num_image_tiles=torch.tensor([-1, 4])), space)
+    with pytest.raises(ValueError, match="num_image_tiles must hold integer tile counts, got dtype torch.float32"):
+        pack_llava_batch(dict(batch, num_image_tiles=torch.tensor([1.5, 1.5])), space)
+    with pytest.raises(ValueError, match=r"images must be one \[tiles, C, H, W\] tensor, got list"):
+        pack_llava_batch(dict(batch, images=[torch.zeros(3, 2, 2)] * 3), space)
+    with pytest.raises(ValueError, match=r"pixel_values must be one \[tiles, C, H, W\] tensor, got \(3,\)"):
+        pack_llava_batch(dict(batch, images=None, pixel_values=torch.zeros(3)), space)
+    with pytest.raises(ValueError, match="pad_to must be an int"):
+        pack_llava_batch(batch, space, pad_to=40.0)
+    piped = LlavaSpace(img_seq_len=4, image_token_index=IMG, pipeline_length=40, max_length=40)
+    with pytest.raises(ValueError, match="pad_to=32 but under pipeline parallelism LLaVAModel pads every row to "
+                                         "language_max_sequence_length=40"):
+        pack_llava_batch(batch, piped, pad_to=32)
+    assert pack_llava_batch(batch, piped, pad_to=40).plan.physical_lengths == pack_llava_batch(batch, piped).plan.physical_lengths
+    from megatron_vlm_packing.models.llava_pack import pad_llava_batch
+    with pytest.raises(ValueError, match=r"images \[0\] have \[0\] tiles"):
+        pad_llava_batch(dict(batch, num_image_tiles=torch.tensor([0, 3])), space)
