@@ -103,7 +103,11 @@ def _read_rows(batch: dict, space: LlavaSpace, label_style: str):
 
     name, ids = input_ids_of(batch)
     shape = tuple(ids.shape)
-    queued = queue_row_reads(batch, ids, name, label_style, None)
+    # LLaVA's default image token is negative (DEFAULT_IMAGE_TOKEN_INDEX = -200, which LLaVAModel never
+    # embeds): the id screen (ids in [0, vocab)) refused every batch of such a model. It screens the
+    # text ids only; the image tokens are counted and placed from `ids` itself below.
+    screened = ids.masked_fill(ids == space.image_token_index, 0) if space.image_token_index < 0 else ids
+    queued = queue_row_reads(batch, screened, name, label_style, None)
     llava, tiles = _llava_row_values(batch, ids, queued.mask.keep, space)
     llava_entry = queued.checks.add(llava, lambda v: False, None)
     host = queued.checks.read()  # the one host sync

@@ -203,3 +203,26 @@ def test_pack_llava_batch_refuses_bad_tiles_images_and_pad_to():
     from megatron_vlm_packing.models.llava_pack import pad_llava_batch
     with pytest.raises(ValueError, match=r"images \[0\] have \[0\] tiles"):
         pad_llava_batch(dict(batch, num_image_tiles=torch.tensor([0, 3])), space)
+
+
+def test_llavas_default_negative_image_token_packs_like_any_other():
+    # LLaVAModel's default image_token_index is -200 (it never embeds it); the id screen refused such ids.
+    from megatron.core.models.multimodal.llava_model import DEFAULT_IMAGE_TOKEN_INDEX as NEG
+
+    from megatron_vlm_packing.models.llava_pack import pad_llava_batch
+
+    ids = torch.tensor([[5, 6, 7, 0], [IMG, 8, 9, 0], [10, IMG, 0, 0]])
+    keep = ids != 0
+    batch = {"input_ids": ids, "labels": torch.where(keep & (ids != IMG), ids, -100), "attention_mask": keep.long(),
+             "images": torch.zeros(3, 3, 2, 2), "num_image_tiles": torch.tensor([1, 2])}
+    negative = dict(batch, input_ids=torch.where(ids == IMG, NEG, ids))
+    for pack in (pack_llava_batch, pad_llava_batch):
+        space = LlavaSpace(img_seq_len=4, image_token_index=IMG, segment_multiple=4, total_multiple=4)
+        want = pack(batch, space, label_style="hf")
+        got = pack(negative, replace(space, image_token_index=NEG), label_style="hf")
+        assert torch.equal(got.input_ids, torch.where(want.input_ids == IMG, NEG, want.input_ids))
+        assert torch.equal(got.labels, want.labels) and torch.equal(got.loss_mask, want.loss_mask)
+        assert got.plan.tiles == want.plan.tiles == (1, 2)
+    with pytest.raises(ValueError, match="input_ids row 0 position 1 is -3"):  # other negative ids: still refused
+        pack_llava_batch(dict(negative, input_ids=torch.where(ids == 6, -3, negative["input_ids"])),
+                         LlavaSpace(img_seq_len=4, image_token_index=NEG), label_style="hf")
