@@ -72,7 +72,7 @@ def _llava_rows(values: list[int], rows: int, tiles, images, device):
     opens, stray = [bool(v) for v in values[2 * rows:3 * rows]], values[3 * rows]
     if stray:
         raise ValueError(f"{stray} image tokens lie in the padding of the rows (outside the real lengths)")
-    n_images = sum(per_row)
+    n_images, tiles_given = sum(per_row), tiles is not None
     host_tiles = values[3 * rows + 1:] if tiles is not None else [1] * n_images
     if tiles is None:
         tiles = torch.ones(n_images, dtype=torch.int, device=device)
@@ -83,8 +83,11 @@ def _llava_rows(values: list[int], rows: int, tiles, images, device):
         raise ValueError(f"num_image_tiles must be >= 1 per image: images {[i for i, _ in bad][:8]} have "
                          f"{[t for _, t in bad][:8]} tiles")
     count = 0 if images is None else images.shape[0]
-    if count != sum(host_tiles):
+    if count != sum(host_tiles) and tiles_given:
         raise ValueError(f"num_image_tiles sums to {sum(host_tiles)} tiles but the images hold {count}")
+    if count != sum(host_tiles):  # the message named a num_image_tiles the batch does not have
+        raise ValueError(f"{n_images} image tokens in input_ids (one tile each: no num_image_tiles given) but "
+                         f"the images hold {count} tiles")
     return tiles, tuple(host_tiles), per_row, expansion, opens
 
 

@@ -226,3 +226,14 @@ def test_llavas_default_negative_image_token_packs_like_any_other():
     with pytest.raises(ValueError, match="input_ids row 0 position 1 is -3"):  # other negative ids: still refused
         pack_llava_batch(dict(negative, input_ids=torch.where(ids == 6, -3, negative["input_ids"])),
                          LlavaSpace(img_seq_len=4, image_token_index=NEG), label_style="hf")
+
+
+def test_more_or_fewer_images_than_placeholders_without_tiles_names_the_tokens():
+    ids = torch.tensor([[5, IMG, 7], [IMG, 8, IMG]])
+    batch = {"input_ids": ids, "labels": ids + 1}
+    space = LlavaSpace(img_seq_len=4, image_token_index=IMG)
+    for count in (0, 2, 4):  # no num_image_tiles: LLaVA's one tile per image token
+        with pytest.raises(ValueError, match=rf"^3 image tokens in input_ids \(one tile each: no num_image_tiles "
+                                             rf"given\) but the images hold {count} tiles$"):
+            pack_llava_batch(dict(batch, images=torch.zeros(count, 3, 2, 2)), space)
+    assert pack_llava_batch(dict(batch, images=torch.zeros(3, 3, 2, 2)), space).plan.tiles == (1, 1, 1)
