@@ -52,8 +52,9 @@ def _llava_row_values(batch: dict, ids: torch.Tensor, keep: torch.Tensor, space:
         extra, tiles = is_image.long() * (space.img_seq_len - 1), None
     else:
         tiles = torch.as_tensor(given, device=ids.device).reshape(-1)
-        # .int() would truncate 1.5 tiles to 1 and read True as 1 tile, silently.
-        if tiles.is_floating_point() or tiles.is_complex() or tiles.dtype == torch.bool:
+        # .int() would truncate 1.5 tiles to 1 and read True as 1 tile, silently. An empty list is
+        # float32 to torch (no images): not refused.
+        if tiles.numel() and (tiles.is_floating_point() or tiles.is_complex() or tiles.dtype == torch.bool):
             raise ValueError(f"num_image_tiles must hold integer tile counts, got dtype {tiles.dtype}")
         tiles = tiles.int()
         extra = image_expansion(ids, tiles, img_seq_len=space.img_seq_len, image_token_index=space.image_token_index,

@@ -200,6 +200,8 @@ def test_pack_llava_batch_refuses_bad_tiles_images_and_pad_to():
                                          "language_max_sequence_length=40"):
         pack_llava_batch(batch, piped, pad_to=32)
     assert pack_llava_batch(batch, piped, pad_to=40).plan.physical_lengths == pack_llava_batch(batch, piped).plan.physical_lengths
+    text = {"input_ids": ids[:1], "labels": ids[:1] + 1, "num_image_tiles": []}  # [] is float32 to torch
+    assert pack_llava_batch(text, space).plan.tiles == ()
     from megatron_vlm_packing.models.llava_pack import pad_llava_batch
     with pytest.raises(ValueError, match=r"images \[0\] have \[0\] tiles"):
         pad_llava_batch(dict(batch, num_image_tiles=torch.tensor([0, 3])), space)
