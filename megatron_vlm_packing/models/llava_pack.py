@@ -28,7 +28,14 @@ def _images(batch: dict) -> torch.Tensor | None:
     given = [k for k in _IMAGE_KEYS if batch.get(k) is not None]
     if len(given) > 1:
         raise ValueError(f"the batch has both {given}: pass LLaVA's image tiles under one key")
-    return batch[given[0]] if given else None
+    if not given:
+        return None
+    images = batch[given[0]]
+    # A list of tiles was an AttributeError (.shape) here, a 1D tensor one deep in the vision tower.
+    if not isinstance(images, torch.Tensor) or (images.dim() != 4 and images.numel() > 0):
+        raise ValueError(f"{given[0]} must be one [tiles, C, H, W] tensor, got "
+                         f"{tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__}")
+    return images
 
 
 def _llava_row_values(batch: dict, ids: torch.Tensor, keep: torch.Tensor, space: LlavaSpace):
@@ -44,7 +51,12 @@ def _llava_row_values(batch: dict, ids: torch.Tensor, keep: torch.Tensor, space:
     if given is None:  # LLaVA's default: one tile per image
         extra, tiles = is_image.long() * (space.img_seq_len - 1), None
     else:
-        tiles = torch.as_tensor(given, device=ids.device).reshape(-1).int()
+        tiles = torch.as_tensor(given, device=ids.device).reshape(-1)
+        # .int() would truncate 1.5 tiles to 1 and read True as 1 tile, silently. An empty list is
+        # float32 to torch (no images): not refused.
+        if tiles.numel() and (tiles.is_floating_point() or tiles.is_complex() or tiles.dtype == torch.bool):
+            raise ValueError(f"num_image_tiles must hold integer tile counts, got dtype {tiles.dtype}")
+        tiles = tiles.int()
         extra = image_expansion(ids, tiles, img_seq_len=space.img_seq_len, image_token_index=space.image_token_index,
                                 check=False)  # meaningful once the counts agree (checked after the read)
     parts = [is_image.sum(1), extra.sum(1), is_image[:, 0].long(), (is_image & ~keep).sum().reshape(1)]
@@ -61,15 +73,22 @@ def _llava_rows(values: list[int], rows: int, tiles, images, device):
     opens, stray = [bool(v) for v in values[2 * rows:3 * rows]], values[3 * rows]
     if stray:
         raise ValueError(f"{stray} image tokens lie in the padding of the rows (outside the real lengths)")
-    n_images = sum(per_row)
+    n_images, tiles_given = sum(per_row), tiles is not None
     host_tiles = values[3 * rows + 1:] if tiles is not None else [1] * n_images
     if tiles is None:
         tiles = torch.ones(n_images, dtype=torch.int, device=device)
     if len(host_tiles) != n_images:
         raise ValueError(f"{n_images} image tokens in input_ids but {len(host_tiles)} entries in num_image_tiles")
+    bad = [(i, t) for i, t in enumerate(host_tiles) if t < 1]
+    if bad:  # 0 tiles made an image token expand to -1 embeddings: every expanded length shrank, silently
+        raise ValueError(f"num_image_tiles must be >= 1 per image: images {[i for i, _ in bad][:8]} have "
+                         f"{[t for _, t in bad][:8]} tiles")
     count = 0 if images is None else images.shape[0]
-    if count != sum(host_tiles):
+    if count != sum(host_tiles) and tiles_given:
         raise ValueError(f"num_image_tiles sums to {sum(host_tiles)} tiles but the images hold {count}")
+    if count != sum(host_tiles):  # the message named a num_image_tiles the batch does not have
+        raise ValueError(f"{n_images} image tokens in input_ids (one tile each: no num_image_tiles given) but "
+                         f"the images hold {count} tiles")
     return tiles, tuple(host_tiles), per_row, expansion, opens
 
 
@@ -88,7 +107,11 @@ def _read_rows(batch: dict, space: LlavaSpace, label_style: str):
 
     name, ids = input_ids_of(batch)
     shape = tuple(ids.shape)
-    queued = queue_row_reads(batch, ids, name, label_style, None)
+    # LLaVA's default image token is negative (DEFAULT_IMAGE_TOKEN_INDEX = -200, which LLaVAModel never
+    # embeds): the id screen (ids in [0, vocab)) refused every batch of such a model. It screens the
+    # text ids only; the image tokens are counted and placed from `ids` itself below.
+    screened = ids.masked_fill(ids == space.image_token_index, 0) if space.image_token_index < 0 else ids
+    queued = queue_row_reads(batch, screened, name, label_style, None)
     llava, tiles = _llava_row_values(batch, ids, queued.mask.keep, space)
     llava_entry = queued.checks.add(llava, lambda v: False, None)
     host = queued.checks.read()  # the one host sync
@@ -119,9 +142,17 @@ def pack_llava_batch(batch: dict, space: LlavaSpace, *, label_style: str = "mega
     from megatron_vlm_packing.packing import make_packed_seq_params, pack_rows, plan_indices, segment_positions
     from megatron_vlm_packing.packing.rows import check_pad_token_id
 
+    from megatron_vlm_packing.packing.plan import checked_pad_to
+
     check_pad_token_id(pad_token_id)
     if pad_token_id == space.image_token_index:
         raise ValueError(f"pad_token_id={pad_token_id} is LLaVA's image token: pad slots would become images")
+    pad_to = checked_pad_to(pad_to)  # a float was a TypeError deep in the plan
+    if pad_to is not None and space.pipeline_length is not None and pad_to != space.pipeline_length:
+        # Under PP LLaVAModel pads every row to language_max_sequence_length whatever we plan: a pack
+        # planned to another length would get boundaries that do not end where the sequence does.
+        raise ValueError(f"pad_to={pad_to} but under pipeline parallelism LLaVAModel pads every row to "
+                         f"language_max_sequence_length={space.pipeline_length}: leave pad_to None or set it to that")
     ids, labels, weights, row_lengths, llava = _read_rows(batch, space, label_style)
     tiles, host_tiles, images_per_row, row_expansion, opens = llava
     plan = llava_pack_plan(row_lengths, row_capacity=ids.shape[1], row_expansion=row_expansion,

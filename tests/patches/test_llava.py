@@ -173,3 +173,69 @@ def test_adapter_refuses_leaking_packs_and_keeps_everything_full_under_cp():
     assert dense.packed_seq_params is None  # LLaVA's own batched rows, grown so 5 + 3 expands to 8 = 2 * 4
     assert dense.input_ids.tolist() == [[5, 6, 7, 0, 0], [IMG, 8, 9, 0, 0]]
     adapter.check(dense)
+
+
+def test_pack_llava_batch_refuses_bad_tiles_images_and_pad_to():
+    # Each was accepted (0 / -1 tiles expanded an image to -1 / -5 embeddings; 1.5 tiles became 1;
+    # pad_to other than LLaVA's PP length gave boundaries ending before the sequence) or an internal error.
+    ids = torch.tensor([[5, 6, 7, 0], [IMG, 8, 9, 0], [10, IMG, 0, 0]])
+    keep = ids != 0
+    space = LlavaSpace(img_seq_len=4, image_token_index=IMG, segment_multiple=4, total_multiple=4)
+    batch = {"input_ids": ids, "labels": torch.where(keep, ids + 1, -100), "attention_mask": keep.long(),
+             "images": torch.zeros(3, 3, 2, 2), "num_image_tiles": torch.tensor([1, 2])}
+    with pytest.raises(ValueError, match=r"num_image_tiles must be >= 1 per image: images \[0\] have \[0\] tiles"):
+        pack_llava_batch(dict(batch, num_image_tiles=torch.tensor([0, 3])), space)
+    with pytest.raises(ValueError, match=r"images \[0\] have \[-1\] tiles"):
+        pack_llava_batch(dict(batch, num_image_tiles=torch.tensor([-1, 4])), space)
+    with pytest.raises(ValueError, match="num_image_tiles must hold integer tile counts, got dtype torch.float32"):
+        pack_llava_batch(dict(batch, num_image_tiles=torch.tensor([1.5, 1.5])), space)
+    with pytest.raises(ValueError, match=r"images must be one \[tiles, C, H, W\] tensor, got list"):
+        pack_llava_batch(dict(batch, images=[torch.zeros(3, 2, 2)] * 3), space)
+    with pytest.raises(ValueError, match=r"pixel_values must be one \[tiles, C, H, W\] tensor, got \(3,\)"):
+        pack_llava_batch(dict(batch, images=None, pixel_values=torch.zeros(3)), space)
+    with pytest.raises(ValueError, match="pad_to must be an int"):
+        pack_llava_batch(batch, space, pad_to=40.0)
+    piped = LlavaSpace(img_seq_len=4, image_token_index=IMG, pipeline_length=40, max_length=40)
+    with pytest.raises(ValueError, match="pad_to=32 but under pipeline parallelism LLaVAModel pads every row to "
+                                         "language_max_sequence_length=40"):
+        pack_llava_batch(batch, piped, pad_to=32)
+    assert pack_llava_batch(batch, piped, pad_to=40).plan.physical_lengths == pack_llava_batch(batch, piped).plan.physical_lengths
+    text = {"input_ids": ids[:1], "labels": ids[:1] + 1, "num_image_tiles": []}  # [] is float32 to torch
+    assert pack_llava_batch(text, space).plan.tiles == ()
+    from megatron_vlm_packing.models.llava_pack import pad_llava_batch
+    with pytest.raises(ValueError, match=r"images \[0\] have \[0\] tiles"):
+        pad_llava_batch(dict(batch, num_image_tiles=torch.tensor([0, 3])), space)
+
+
+def test_llavas_default_negative_image_token_packs_like_any_other():
+    # LLaVAModel's default image_token_index is -200 (it never embeds it); the id screen refused such ids.
+    from megatron.core.models.multimodal.llava_model import DEFAULT_IMAGE_TOKEN_INDEX as NEG
+
+    from megatron_vlm_packing.models.llava_pack import pad_llava_batch
+
+    ids = torch.tensor([[5, 6, 7, 0], [IMG, 8, 9, 0], [10, IMG, 0, 0]])
+    keep = ids != 0
+    batch = {"input_ids": ids, "labels": torch.where(keep & (ids != IMG), ids, -100), "attention_mask": keep.long(),
+             "images": torch.zeros(3, 3, 2, 2), "num_image_tiles": torch.tensor([1, 2])}
+    negative = dict(batch, input_ids=torch.where(ids == IMG, NEG, ids))
+    for pack in (pack_llava_batch, pad_llava_batch):
+        space = LlavaSpace(img_seq_len=4, image_token_index=IMG, segment_multiple=4, total_multiple=4)
+        want = pack(batch, space, label_style="hf")
+        got = pack(negative, replace(space, image_token_index=NEG), label_style="hf")
+        assert torch.equal(got.input_ids, torch.where(want.input_ids == IMG, NEG, want.input_ids))
+        assert torch.equal(got.labels, want.labels) and torch.equal(got.loss_mask, want.loss_mask)
+        assert got.plan.tiles == want.plan.tiles == (1, 2)
+    with pytest.raises(ValueError, match="input_ids row 0 position 1 is -3"):  # other negative ids: still refused
+        pack_llava_batch(dict(negative, input_ids=torch.where(ids == 6, -3, negative["input_ids"])),
+                         LlavaSpace(img_seq_len=4, image_token_index=NEG), label_style="hf")
+
+
+def test_more_or_fewer_images_than_placeholders_without_tiles_names_the_tokens():
+    ids = torch.tensor([[5, IMG, 7], [IMG, 8, IMG]])
+    batch = {"input_ids": ids, "labels": ids + 1}
+    space = LlavaSpace(img_seq_len=4, image_token_index=IMG)
+    for count in (0, 2, 4):  # no num_image_tiles: LLaVA's one tile per image token
+        with pytest.raises(ValueError, match=rf"^3 image tokens in input_ids \(one tile each: no num_image_tiles "
+                                             rf"given\) but the images hold {count} tiles$"):
+            pack_llava_batch(dict(batch, images=torch.zeros(count, 3, 2, 2)), space)
+    assert pack_llava_batch(dict(batch, images=torch.zeros(3, 3, 2, 2)), space).plan.tiles == (1, 1, 1)
