@@ -101,12 +101,20 @@ def test_plan_aligns_every_expanded_document_and_pads_before_image_openers(seed)
             assert pads >= 1  # the slot LLaVA zeroes is a pad
 
 
-def test_pack_llava_batch_lays_out_both_label_styles_and_counts_tiles():
+def _tiled_batch():
+    """Three rows: text only, an image first (1 tile), an image second (2 tiles); 4 embeddings a tile."""
     ids = torch.tensor([[5, 6, 7, 0], [IMG, 8, 9, 0], [10, IMG, 0, 0]])
     keep = ids != 0
     space = LlavaSpace(img_seq_len=4, image_token_index=IMG, segment_multiple=4, total_multiple=4)
     batch = {"input_ids": ids, "labels": torch.where(keep, ids + 1, -100), "attention_mask": keep.long(),
              "images": torch.zeros(3, 3, 2, 2), "num_image_tiles": torch.tensor([1, 2])}
+    return batch, space
+
+
+def test_pack_llava_batch_lays_out_both_label_styles_and_counts_tiles():
+    batch, space = _tiled_batch()
+    ids = batch["input_ids"]
+    keep = ids != 0
     mb = pack_llava_batch(batch, space)
     # doc 0: 3 real + 1 pad (doc 1 opens with an image); doc 1: 3 + 3 = 6 expanded -> 8: 2 pads;
     # doc 2: 2 + 7 = 9 expanded -> 12: 3 pads
@@ -178,11 +186,8 @@ def test_adapter_refuses_leaking_packs_and_keeps_everything_full_under_cp():
 def test_pack_llava_batch_refuses_bad_tiles_images_and_pad_to():
     # Each was accepted (0 / -1 tiles expanded an image to -1 / -5 embeddings; 1.5 tiles became 1;
     # pad_to other than LLaVA's PP length gave boundaries ending before the sequence) or an internal error.
-    ids = torch.tensor([[5, 6, 7, 0], [IMG, 8, 9, 0], [10, IMG, 0, 0]])
-    keep = ids != 0
-    space = LlavaSpace(img_seq_len=4, image_token_index=IMG, segment_multiple=4, total_multiple=4)
-    batch = {"input_ids": ids, "labels": torch.where(keep, ids + 1, -100), "attention_mask": keep.long(),
-             "images": torch.zeros(3, 3, 2, 2), "num_image_tiles": torch.tensor([1, 2])}
+    batch, space = _tiled_batch()
+    ids = batch["input_ids"]
     with pytest.raises(ValueError, match=r"num_image_tiles must be >= 1 per image: images \[0\] have \[0\] tiles"):
         pack_llava_batch(dict(batch, num_image_tiles=torch.tensor([0, 3])), space)
     with pytest.raises(ValueError, match=r"images \[0\] have \[-1\] tiles"):
