@@ -140,24 +140,24 @@ def in_one_storage(micro_batch: MicroBatch) -> MicroBatch:
     Raises:
         ValueError: in a DataLoader worker, a tensor carries a graph (naming its fields).
     """
-    _check_sendable(micro_batch)
-    copies = into_one_storage([t for t in tensors_of(micro_batch)
-                               if nbytes(t) < LARGE_BYTES and t.is_cpu and not t.requires_grad])
+    tensors = tensors_of(micro_batch)
+    # In a DataLoader worker, no tensor may carry a graph: torch's queue refuses to pickle a non-leaf
+    # tensor with requires_grad in its feeder thread, drops the micro-batch, and the loader waits forever.
+    # In process the graph reaches the batch (kept as is).
+    if any(t.grad_fn is not None for t in tensors) and torch.utils.data.get_worker_info() is not None:
+        _refuse_graphs(micro_batch)
+    copies = into_one_storage([t for t in tensors if nbytes(t) < LARGE_BYTES and t.is_cpu and not t.requires_grad])
     return _map_each(micro_batch, lambda t: copies.get(id(t), t))
 
 
-def _check_sendable(micro_batch: MicroBatch) -> None:
-    """In a DataLoader worker, no tensor may carry a graph: torch's queue refuses to pickle a non-leaf
-    tensor with requires_grad in its feeder thread, drops the micro-batch, and the loader waits forever."""
-    if torch.utils.data.get_worker_info() is None:  # in process: the graph reaches the batch (kept as is)
-        return
+def _refuse_graphs(micro_batch: MicroBatch) -> None:
+    """ValueError naming the fields of `micro_batch` whose tensors carry a graph (error path only)."""
     named = [(f.name, getattr(micro_batch, f.name)) for f in dataclasses.fields(micro_batch)]
     for holder in ("vision", "audio"):
         value = getattr(micro_batch, holder)
         named += [(f"{holder}.{f.name}", getattr(value, f.name)) for f in dataclasses.fields(value)] if value else []
     named += [(f"extras[{key!r}]", value) for key, value in micro_batch.extras.items()]
-    graph = [name for name, value in named
-             if isinstance(value, torch.Tensor) and value.requires_grad and value.grad_fn is not None]
+    graph = [name for name, value in named if isinstance(value, torch.Tensor) and value.grad_fn is not None]
     if graph:
         raise ValueError(f"{graph} carry autograd (requires_grad, built from other tensors): a DataLoader worker "
                          f"cannot send them (the loader would wait forever); detach them in collate")
