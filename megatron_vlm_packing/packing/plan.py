@@ -295,15 +295,13 @@ class PackIndices:
     def __init__(self, plan: PackPlan, device: torch.device):
         self.plan, self.device = plan, device
         cu_real = (0, *itertools.accumulate(plan.real_lengths))
-        padded = plan.physical_lengths != plan.real_lengths
+        cu_padded = (0, *itertools.accumulate(plan.physical_lengths)) if self.has_pad_slots else cu_real
         if device.type == "cpu":  # numpy builds a small tensor at a third of torch's cost
             self.cu_seqlens = torch.from_numpy(np.array(cu_real, dtype=np.int32))
             # With no pad slots the two sets are one tensor: nothing writes boundaries in place.
-            self.cu_seqlens_padded = torch.from_numpy(
-                np.array((0, *itertools.accumulate(plan.physical_lengths)), dtype=np.int32)
-            ) if padded else self.cu_seqlens
+            self.cu_seqlens_padded = torch.from_numpy(np.array(cu_padded, dtype=np.int32)) \
+                if self.has_pad_slots else self.cu_seqlens
         else:
-            cu_padded = (0, *itertools.accumulate(plan.physical_lengths))
             both = _to_device(torch.tensor([cu_real, cu_padded], dtype=torch.int32), device)  # one small copy
             self.cu_seqlens, self.cu_seqlens_padded = both[0], both[1]
 
