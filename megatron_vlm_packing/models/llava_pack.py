@@ -84,9 +84,10 @@ def _llava_rows(values: list[int], rows: int, tiles, images, device):
         raise ValueError(f"num_image_tiles must be >= 1 per image: images {[i for i, _ in bad][:8]} have "
                          f"{[t for _, t in bad][:8]} tiles")
     count = 0 if images is None else images.shape[0]
-    if count != sum(host_tiles) and tiles_given:
-        raise ValueError(f"num_image_tiles sums to {sum(host_tiles)} tiles but the images hold {count}")
-    if count != sum(host_tiles):  # the message named a num_image_tiles the batch does not have
+    if count != sum(host_tiles):
+        if tiles_given:
+            raise ValueError(f"num_image_tiles sums to {sum(host_tiles)} tiles but the images hold {count}")
+        # Without num_image_tiles, naming it would name a field the batch does not have.
         raise ValueError(f"{n_images} image tokens in input_ids (one tile each: no num_image_tiles given) but "
                          f"the images hold {count} tiles")
     return tiles, tuple(host_tiles), per_row, expansion, opens
@@ -140,9 +141,8 @@ def pack_llava_batch(batch: dict, space: LlavaSpace, *, label_style: str = "mega
         expanded tokens (what attention computes). One host sync.
     """
     from megatron_vlm_packing.packing import make_packed_seq_params, pack_rows, plan_indices, segment_positions
-    from megatron_vlm_packing.packing.rows import check_pad_token_id
-
     from megatron_vlm_packing.packing.plan import checked_pad_to
+    from megatron_vlm_packing.packing.rows import check_pad_token_id
 
     check_pad_token_id(pad_token_id)
     if pad_token_id == space.image_token_index:
