@@ -27,7 +27,7 @@ from megatron_vlm_packing.packing.micro_batch import MicroBatch
 from megatron_vlm_packing.packing.plan import PackMultiples
 from megatron_vlm_packing.planner.bins import BinLayout, balanced_fit
 from megatron_vlm_packing.planner.cost import CostModel
-from megatron_vlm_packing.planner.metadata import ExpandedTokens, SampleMetadata, SampleTable, TokenCounter, _int_array
+from megatron_vlm_packing.planner.metadata import ExpandedTokens, SampleMetadata, SampleTable, TokenCounter, count_array
 
 _PARALLEL_KEYS = ("tp_size", "cp_size", "sequence_parallel", "fp8")
 
@@ -65,7 +65,7 @@ class EnergonPackingHooks:
         if not samples:
             return []
         table = SampleTable.from_samples([self.metadata(s) for s in samples])
-        tokens = _int_array(self.expanded_tokens(table), "expanded_tokens").reshape(-1)  # 7.5 is no count
+        tokens = count_array(self.expanded_tokens(table), "expanded_tokens").reshape(-1)  # 7.5 is no count
         if tokens.min() < 1:
             raise ValueError(f"sample {int(np.argmin(tokens))} of the buffer has no tokens")
         slots = self.layout.slot_sizes(tokens)
@@ -92,7 +92,7 @@ class EnergonPackingHooks:
     def _aligned_total(self, samples: list) -> int:
         """Physical tokens of a bin (an oversize sample's own bin is longer than the capacity)."""
         table = SampleTable.from_samples([self.metadata(s) for s in samples])
-        slots = int(self.layout.slot_sizes(_int_array(self.expanded_tokens(table), "expanded_tokens")).sum())
+        slots = int(self.layout.slot_sizes(count_array(self.expanded_tokens(table), "expanded_tokens")).sum())
         return self.layout.physical(slots)
 
 

@@ -37,7 +37,7 @@ class SampleMetadata:
     audio_frames: tuple[int, ...] = ()
 
 
-def _int_array(values, name: str) -> np.ndarray:
+def count_array(values, name: str) -> np.ndarray:
     """`values` as int64; ValueError naming `name` for counts that are not whole numbers (a cast
     would truncate 10.7 tokens to 10 and the bin would be laid out for the wrong length)."""
     array = np.asarray(values)
@@ -53,7 +53,7 @@ def _int_array(values, name: str) -> np.ndarray:
 
 
 def _grid_array(grids: list, name: str) -> np.ndarray:
-    array = _int_array(grids, name)
+    array = count_array(grids, name)
     if array.size % 3 or (array.ndim > 1 and array.shape[-1] != 3):
         raise ValueError(f"{name} must hold (t, h, w) triples; got shape {array.shape}")
     array = array.reshape(-1, 3)
@@ -83,7 +83,7 @@ class SampleTable:
 
     def __post_init__(self) -> None:
         for name in ("text_tokens", "image_owner", "video_owner", "audio_frames", "audio_owner"):
-            object.__setattr__(self, name, _int_array(getattr(self, name), name).reshape(-1))
+            object.__setattr__(self, name, count_array(getattr(self, name), name).reshape(-1))
         for name in ("image_grids", "video_grids"):
             object.__setattr__(self, name, _grid_array(getattr(self, name), name))
         n = len(self.text_tokens)
@@ -116,10 +116,10 @@ class SampleTable:
             videos.extend(s.video_grids); video_owner.extend([i] * len(s.video_grids))
             audio.extend(s.audio_frames); audio_owner.extend([i] * len(s.audio_frames))
         return cls(
-            text_tokens=_int_array([s.text_tokens for s in samples], "text_tokens"),
+            text_tokens=count_array([s.text_tokens for s in samples], "text_tokens"),
             image_grids=_grid_array(images, "image_grids"), image_owner=np.asarray(image_owner, np.int64),
             video_grids=_grid_array(videos, "video_grids"), video_owner=np.asarray(video_owner, np.int64),
-            audio_frames=_int_array(audio, "audio_frames"), audio_owner=np.asarray(audio_owner, np.int64),
+            audio_frames=count_array(audio, "audio_frames"), audio_owner=np.asarray(audio_owner, np.int64),
         )
 
     def sample(self, index: int) -> SampleMetadata:

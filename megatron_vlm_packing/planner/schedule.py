@@ -28,7 +28,7 @@ import numpy as np
 from megatron_vlm_packing.planner.balance import assign_to_ranks, group_into_steps, imbalance
 from megatron_vlm_packing.planner.bins import Bin, BinLayout, balanced_fit, best_fit_decreasing, split_to_count
 from megatron_vlm_packing.planner.cost import CostModel
-from megatron_vlm_packing.planner.metadata import ExpandedTokens, SampleTable, TokenCounter, _int_array
+from megatron_vlm_packing.planner.metadata import ExpandedTokens, SampleTable, TokenCounter, count_array
 from megatron_vlm_packing.planner.progress import Progress
 
 
@@ -131,7 +131,7 @@ class _Columns:
 
 def _columns(table: SampleTable, config: PlannerConfig) -> _Columns:
     # Whole numbers only: a hook returning 7.5 tokens was cast to 7 and the bin laid out too short.
-    tokens = _int_array(config.expanded_tokens(table), "expanded_tokens").reshape(-1)
+    tokens = count_array(config.expanded_tokens(table), "expanded_tokens").reshape(-1)
     if len(tokens) != len(table):
         raise ValueError(f"expanded_tokens returned {len(tokens)} counts for {len(table)} samples")
     if len(tokens) and tokens.min() < 1:
