@@ -98,7 +98,7 @@ def main() -> int:
     parser.add_argument("--max-error", type=float, default=1.001)
     args = parser.parse_args()
     from megatron_vlm_packing.attention import resolve_backend
-    from megatron_vlm_packing.demo import setup_distributed
+    from megatron_vlm_packing.demo.main import setup_distributed
 
     setup_distributed(args.device, 1, 1, args.seed)
     torch.manual_seed(args.seed)

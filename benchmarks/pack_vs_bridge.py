@@ -3,14 +3,17 @@
     python benchmarks/pack_vs_bridge.py [--batches 4 8 16 32 64] [--seqs 2048 4096 8192 16384 32768]
                                         [--cp 1] [--repeats 7] [--out benchmarks/results/pack_vs_bridge.md]
 
-The baseline (`bridge_row_loop`) re-implements, step for step, what
-`megatron.bridge.data.packing.in_batch.pack_right_padded_sequence_batch_to_mcore_thd` does
-(read in megatron-bridge 0.6.2): lengths from the mask (sum, an `arange < length` mask,
-`torch.equal` against it, one `.item()` per row), one dict of row slices per sample (tokens,
-position_ids, labels, loss_mask; each checked 1D and of the row's length), `torch.full` outputs,
-then a Python loop copying each row's slices into them (and an `arange` of pad positions where a
-row is padded to the CP multiple), and the boundary tensors. It is written here, not imported, so
-the benchmark runs without Bridge and Transformer Engine.
+The baseline is Megatron-Bridge's own
+`megatron.bridge.data.packing.in_batch.pack_right_padded_sequence_batch_to_mcore_thd` when
+megatron-bridge is installed (`scripts/setup.sh` installs 0.6.2; imported through
+`bridge.imports`, without Transformer Engine; it packs in place, so each call gets a shallow copy of
+the batch dict). `bridge_row_loop` re-implements it step for step (read in megatron-bridge 0.6.2):
+lengths from the mask (sum, an `arange < length` mask, `torch.equal` against it, one `.item()` per
+row), one dict of row slices per sample (tokens, position_ids, labels, loss_mask; each checked 1D
+and of the row's length), `torch.full` outputs, then a Python loop copying each row's slices into
+them (and an `arange` of pad positions where a row is padded to the CP multiple), and the boundary
+tensors. It is timed beside the real one (it leaves out Bridge's checks of optional keys and its
+`max_seqlen_kv` / `total_tokens` outputs), and is the baseline where Bridge is not installed.
 
 Ours is timed twice. "pack_batch (loader)" is `pack_batch(host_reads=True)`, what `PackingCollator`
 runs in a DataLoader worker, the same place Bridge's collate-time packer runs: the batch is on the
@@ -23,15 +26,17 @@ over all B*S slots riding it; timed here on the CPU it shows the cost of those s
 positions, padding mask, PackedSeqParams) with no value check and none of `pack_batch`'s key /
 media / option handling.
 
-Both packers get the same batch (Megatron-style: input_ids, labels already aligned, a float
-loss_mask, a 0/1 attention_mask, 2D position_ids) and produce the same things: packed ids, labels,
-loss mask, positions restarting per sample, and both boundary sets; ours also builds the padding
-mask and `PackedSeqParams`, and checks the given position_ids (0..n-1 on every real token) where
-the row loop packs them as they are. ("packing core" takes no position_ids: it computes them.) Real lengths are lognormal (median S/4, sigma 0.8, clipped to [16, S]).
-Times are this thread's CPU time (`time.thread_time`): with one thread and no waiting, that is the
-wall time of an idle machine, and it stays honest on a shared machine where other processes take
-the cores. Calls alternate (bridge, loader, step path, core, bridge, ...) so that cache and frequency effects hit
-both alike; the table gives the median of each and the median of the per-pair ratios.
+Every packer gets the same batch (Megatron-style: input_ids, labels already aligned, a float
+loss_mask, a 0/1 attention_mask, 2D position_ids) and produces the same things: packed ids,
+labels, loss mask, positions restarting per sample, and both boundary sets; ours also builds the
+padding mask and `PackedSeqParams`, and checks the given position_ids (0..n-1 on every real token)
+where Bridge packs them as they are. ("packing core" takes no position_ids: it computes them.)
+Real lengths are lognormal (median S/4, sigma 0.8, clipped to [16, S]). Times are this thread's
+CPU time (`time.thread_time`): with one thread and no waiting, that is the wall time of an idle
+machine, and it stays honest on a shared machine where other processes take the cores. Calls
+alternate (Bridge, re-implemented row loop, loader, step path, core, Bridge, ...) so that cache and
+frequency effects hit all alike; the table gives the median of each and the median of the
+per-round ratios.
 """
 
 from __future__ import annotations
@@ -116,6 +121,24 @@ def bridge_row_loop(batch: dict, *, pad_to_multiple_of: int = 1, pad_token_id: i
     return out
 
 
+def installed_bridge_packer():
+    """Megatron-Bridge's own `pack_right_padded_sequence_batch_to_mcore_thd` when megatron-bridge is
+    installed (imported without its TE-importing package chain, `bridge.imports`), else None."""
+    from megatron_vlm_packing.bridge.imports import bridge_unavailable_reason, import_bridge_module
+
+    if bridge_unavailable_reason() is not None:
+        return None
+    module = import_bridge_module("megatron.bridge.data.packing.in_batch")
+    packer = module.pack_right_padded_sequence_batch_to_mcore_thd
+
+    def bridge_installed(batch: dict, *, pad_to_multiple_of: int = 1) -> dict:
+        out = dict(batch)  # it packs in place, into the dict it is given
+        packer(out, pad_to_multiple_of=pad_to_multiple_of)
+        return out
+
+    return bridge_installed
+
+
 def ours(batch: dict, *, cp_size: int = 1, host_reads: bool = True):
     """`pack_batch` as the loader runs it (`host_reads=True`, what `PackingCollator` passes), or as the
     step runs it on an accelerator (`host_reads=False`: the one-read path, timed here on the CPU)."""
@@ -142,9 +165,16 @@ def packing_core(batch: dict, *, cp_size: int = 1):
             make_packed_seq_params(plan, indices))
 
 
-def check_same(batch: dict, cp_size: int) -> None:
-    """Both packers, and both paths of ours, agree on every real token and on the boundaries."""
-    theirs = bridge_row_loop(batch, pad_to_multiple_of=2 * cp_size if cp_size > 1 else 1)
+def check_same(batch: dict, cp_size: int, installed=None) -> None:
+    """Every packer (the re-implemented row loop, Bridge's own when installed, both paths of ours) agrees
+    on every real token and on the boundaries."""
+    multiple = 2 * cp_size if cp_size > 1 else 1
+    theirs = bridge_row_loop(batch, pad_to_multiple_of=multiple)
+    if installed is not None:
+        real = installed(batch, pad_to_multiple_of=multiple)
+        for key in ("input_ids", "labels", "loss_mask", "position_ids", "cu_seqlens_q"):
+            if not torch.equal(theirs[key], real[key]):
+                raise AssertionError(f"{key} differs between Bridge's packer and its re-implementation")
     for host_reads in (True, False):
         mine = ours(batch, cp_size=cp_size, host_reads=host_reads)
         real = ~mine.padding_mask[0]
@@ -155,12 +185,8 @@ def check_same(batch: dict, cp_size: int) -> None:
             raise AssertionError(f"cu_seqlens differ between the packers (host_reads={host_reads})")
 
 
-def side_by_side(batch: dict, cp_size: int, repeats: int) -> tuple[list[float], list[float]]:
-    """Medians over alternating calls after one warm-up of each: ([bridge, loader, step, core] ms,
-    [bridge/loader, bridge/step, bridge/core])."""
-    multiple = 2 * cp_size if cp_size > 1 else 1
-    calls = (lambda: bridge_row_loop(batch, pad_to_multiple_of=multiple), lambda: ours(batch, cp_size=cp_size),
-             lambda: ours(batch, cp_size=cp_size, host_reads=False), lambda: packing_core(batch, cp_size=cp_size))
+def side_by_side(calls: list, repeats: int) -> list[list[float]]:
+    """Per-call ms of every call in `calls`, alternated (each once per round) after one warm-up of each."""
     for call in calls:
         call()
     samples = [[] for _ in calls]
@@ -169,9 +195,12 @@ def side_by_side(batch: dict, cp_size: int, repeats: int) -> tuple[list[float], 
             start = time.thread_time()
             call()
             timings.append((time.thread_time() - start) * 1e3)
-    bridge = samples[0]
-    return ([statistics.median(t) for t in samples],
-            [statistics.median(b / o for b, o in zip(bridge, t)) for t in samples[1:]])
+    return samples
+
+
+def ratio(baseline: list[float], other: list[float]) -> float:
+    """Median of the per-round ratios baseline / other."""
+    return statistics.median(b / o for b, o in zip(baseline, other))
 
 
 def main() -> None:
@@ -183,19 +212,47 @@ def main() -> None:
     parser.add_argument("--out", help="append the markdown table to this file")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    header = [f"cp={args.cp}, torch {torch.__version__}, 1 thread",
-              "| B x S | real tokens | bridge row loop ms | pack_batch (loader) ms | pack_batch (step path) ms "
-              "| packing core ms | loader speedup | step path speedup | core speedup |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    installed = installed_bridge_packer()
+    multiple = 2 * args.cp if args.cp > 1 else 1
+    if installed is None:
+        baseline_name = "bridge row loop"
+        header = [f"cp={args.cp}, torch {torch.__version__}, 1 thread, megatron-bridge not installed: the "
+                  "re-implemented row loop is the baseline",
+                  "| B x S | real tokens | bridge row loop ms | pack_batch (loader) ms | pack_batch (step path) ms "
+                  "| packing core ms | loader speedup | step path speedup | core speedup |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+    else:
+        from megatron_vlm_packing.bridge.imports import bridge_version
+
+        baseline_name = f"bridge {bridge_version()}"
+        header = [f"cp={args.cp}, torch {torch.__version__}, 1 thread, megatron-bridge {bridge_version()} installed: "
+                  "speedups are over its own packer",
+                  f"| B x S | real tokens | {baseline_name} ms | bridge row loop (re-implemented) ms | "
+                  "pack_batch (loader) ms | pack_batch (step path) ms | packing core ms | loader speedup | "
+                  "loader speedup over the re-implementation | step path speedup | core speedup |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+    print(f"baseline: {baseline_name}", flush=True)
 
     def row(b: int, s: int) -> str:
         batch = make_batch(b, s)
-        check_same(batch, args.cp)
-        times, ratios = side_by_side(batch, args.cp, args.repeats)
+        check_same(batch, args.cp, installed)
+        calls = [lambda: bridge_row_loop(batch, pad_to_multiple_of=multiple),
+                 lambda: ours(batch, cp_size=args.cp), lambda: ours(batch, cp_size=args.cp, host_reads=False),
+                 lambda: packing_core(batch, cp_size=args.cp)]
+        if installed is not None:
+            calls.insert(0, lambda: installed(batch, pad_to_multiple_of=multiple))
+        samples = side_by_side(calls, args.repeats)
+        times = [statistics.median(t) for t in samples]
+        loader, step, core = samples[-3:]
+        ratios = [ratio(samples[0], loader)]
+        if installed is not None:
+            ratios.append(ratio(samples[1], loader))
+        ratios += [ratio(samples[0], step), ratio(samples[0], core)]
         return (f"| {b} x {s} | {int(batch['attention_mask'].sum())} | "
                 + " | ".join(f"{t:.3f}" for t in times) + " | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
 
     grid_table(header, args.batches, args.seqs, row, args.out)
+
 
 if __name__ == "__main__":
     main()

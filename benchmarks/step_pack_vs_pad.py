@@ -1,6 +1,7 @@
 """GPTModel forward + backward: padded to S, padded to the batch max, packed THD; Megatron's rotary vs ours.
 
     python benchmarks/step_pack_vs_pad.py --preset cpu                  # tiny, CPU, ratios (minutes)
+    python benchmarks/step_pack_vs_pad.py --preset smoke --repeats 1    # seconds: does the script run
     python benchmarks/step_pack_vs_pad.py --preset h100 --rope mrope --backends te \\
         --out benchmarks/results/step_pack_vs_pad_mrope_h100.md
 
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from dataclasses import replace
 
 import torch
 from timing import wall_ms  # benchmarks/timing.py (the script's folder is on sys.path)
@@ -35,6 +35,9 @@ from timing import wall_ms  # benchmarks/timing.py (the script's folder is on sy
 PRESETS = {
     "cpu": dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=4, ffn_hidden_size=256,
                 vocab_size=1024, seq_lengths=(512,), batch=8, dtype=torch.float32, mrope_section=(2, 3, 3)),
+    # A run in seconds that goes through every mode: tests/perf/test_step_benchmark.py keeps the script working.
+    "smoke": dict(num_layers=1, hidden_size=32, num_attention_heads=2, num_query_groups=2, ffn_hidden_size=64,
+                  vocab_size=256, seq_lengths=(64,), batch=4, dtype=torch.float32, mrope_section=(2, 3, 3)),
     "h100": dict(num_layers=8, hidden_size=2048, num_attention_heads=16, num_query_groups=16, ffn_hidden_size=8192,
                  vocab_size=32768, seq_lengths=(2048, 4096, 8192), batch=8, dtype=torch.bfloat16,
                  mrope_section=(16, 24, 24)),
@@ -180,6 +183,22 @@ def table_rows(backend, seq, results, real):
     return rows
 
 
+def build_model(preset: dict, rope: str, backend: str, device: str, *, seed: int, rope_fusion: bool = False):
+    """The preset's GPTModel (`rope` "mrope" or "1d") with attention `backend`, on `device` in the preset's
+    dtype. Needs Megatron's parallel state (`demo.setup_distributed`)."""
+    from megatron_vlm_packing.models.tiny_gpt import TinyGPTConfig, build_tiny_gpt
+
+    config = TinyGPTConfig(num_layers=preset["num_layers"], hidden_size=preset["hidden_size"],
+                           num_attention_heads=preset["num_attention_heads"],
+                           num_query_groups=preset["num_query_groups"], ffn_hidden_size=preset["ffn_hidden_size"],
+                           vocab_size=preset["vocab_size"], max_sequence_length=max(preset["seq_lengths"]),
+                           params_dtype=preset["dtype"], position_embedding_type="mrope" if rope == "mrope" else "rope",
+                           mrope_section=preset["mrope_section"], backend=backend,
+                           extra={"apply_rope_fusion": True} if rope_fusion and rope == "1d" and backend == "te" else {})
+    torch.manual_seed(seed)
+    return build_tiny_gpt(config).to(device=device, dtype=preset["dtype"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
@@ -195,8 +214,7 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.set_num_threads(1) if device == "cpu" else None
 
-    from megatron_vlm_packing.demo import setup_distributed
-    from megatron_vlm_packing.models.tiny_gpt import TinyGPTConfig, build_tiny_gpt
+    from megatron_vlm_packing.demo.main import setup_distributed
 
     setup_distributed(device, 1, 1, args.seed)
     lines = [f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu (1 thread)'}, torch "
@@ -204,17 +222,8 @@ def main() -> None:
              f"{args.repeats} timed steps (median)", "",
              "| backend | S | mode | rotary | slots | ms/step | speedup vs batch max | token-ideal | "
              "fraction of ideal | peak GiB |", "|---|---|---|---|---|---|---|---|---|---|"]
-    base = TinyGPTConfig(num_layers=preset["num_layers"], hidden_size=preset["hidden_size"],
-                         num_attention_heads=preset["num_attention_heads"], num_query_groups=preset["num_query_groups"],
-                         ffn_hidden_size=preset["ffn_hidden_size"], vocab_size=preset["vocab_size"],
-                         max_sequence_length=max(preset["seq_lengths"]), params_dtype=preset["dtype"],
-                         position_embedding_type="mrope" if args.rope == "mrope" else "rope",
-                         mrope_section=preset["mrope_section"])
     for backend in runnable_backends(args.backends, device):
-        torch.manual_seed(args.seed)
-        fused = args.rope_fusion and args.rope == "1d" and backend == "te"
-        model = build_tiny_gpt(replace(base, backend=backend, extra={"apply_rope_fusion": True} if fused else {}))
-        model = model.to(device=device, dtype=preset["dtype"])
+        model = build_model(preset, args.rope, backend, device, seed=args.seed, rope_fusion=args.rope_fusion)
         for seq in preset["seq_lengths"]:
             lengths = lognormal_lengths(preset["batch"], seq, args.seed + seq)
             batch = on(device, make_batch(lengths, seq, preset["vocab_size"], mrope=args.rope == "mrope",
