@@ -1,5 +1,9 @@
 """Megatron-Core patches, in one place. None is applied on import; each is idempotent and reversible.
 
+Undo is stack-safe (last in, first out; `patches.owned`): an attribute is restored only while it
+still holds our replacement. Where another plugin wrapped it after us, undo raises RuntimeError
+naming the attribute and its holder, and undoes nothing: undo that later patch first.
+
 Order of application (what `apply_all` does), and why:
 1. `gpt_model_forward.apply_sp_embedding_scatter` (only where megatron-core lacks the fix),
 2. `gpt_model_forward.apply_sp_padding_mask_scatter`,
@@ -35,6 +39,10 @@ from megatron_vlm_packing.patches.gpt_model_forward import (
     apply_sp_embedding_scatter, apply_sp_padding_mask_scatter, undo_sp_embedding_scatter,
     undo_sp_padding_mask_scatter, upstream_scatters_standalone_embeddings,
 )
+from megatron_vlm_packing.patches import (
+    bridge_deepstack_sp, bridge_qwen25_vl_cp, bridge_thd_cp_index, gpt_model_forward, llava_boundaries, thd_rotary,
+)
+from megatron_vlm_packing.patches.owned import check_restorable
 
 
 def apply_all() -> dict[str, bool]:
@@ -52,12 +60,24 @@ def apply_bridge_patches() -> dict[str, bool]:
 
 
 def undo_bridge_patches() -> None:
+    """Undo what `apply_bridge_patches` applied, in reverse order.
+
+    Raises:
+        RuntimeError: a later patch wraps one of their attributes; none is undone.
+    """
+    check_restorable(bridge_qwen25_vl_cp._OWNED, bridge_thd_cp_index._OWNED, bridge_deepstack_sp._OWNED)
     undo_bridge_qwen25_vl_cp()
     undo_bridge_thd_cp_index()
     undo_bridge_deepstack_sp()
 
 
 def undo_all() -> None:
+    """Undo what `apply_all` applied, in reverse order.
+
+    Raises:
+        RuntimeError: a later patch wraps one of their attributes; none is undone.
+    """
+    check_restorable(thd_rotary._OWNED, llava_boundaries._OWNED, gpt_model_forward._OWNED)
     undo_thd_rotary()
     undo_llava_packed_boundaries()
     undo_sp_padding_mask_scatter()

@@ -25,9 +25,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_vlm_packing.bridge.imports import import_bridge_module
+from megatron_vlm_packing.patches.owned import OwnedAttributes
 
 QWEN3_VL_MODEL = "megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model"
-_ORIGINAL: dict = {}
+_ORIGINAL: dict = {}  # "split": Bridge's split_deepstack_embs while the patch is applied
+_OWNED = OwnedAttributes(__name__)
 
 
 class _ScatterRows(torch.autograd.Function):
@@ -97,10 +99,16 @@ def apply_bridge_deepstack_sp() -> bool:
 
     module = import_bridge_module(QWEN3_VL_MODEL)
     _ORIGINAL["split"] = module.split_deepstack_embs
-    module.split_deepstack_embs = _gathering_split(_ORIGINAL["split"], parallel_state.get_tensor_model_parallel_group)
+    _OWNED.set(module, "split_deepstack_embs",
+               _gathering_split(_ORIGINAL["split"], parallel_state.get_tensor_model_parallel_group))
     return True
 
 
 def undo_bridge_deepstack_sp() -> None:
-    if "split" in _ORIGINAL:
-        import_bridge_module(QWEN3_VL_MODEL).split_deepstack_embs = _ORIGINAL.pop("split")
+    """Restore Bridge's split_deepstack_embs. A no-op when not applied.
+
+    Raises:
+        RuntimeError: a later patch replaced it; nothing is restored.
+    """
+    _OWNED.restore()
+    _ORIGINAL.pop("split", None)

@@ -23,9 +23,11 @@ import functools
 import inspect
 
 from megatron_vlm_packing.bridge.imports import import_bridge_module
+from megatron_vlm_packing.patches.owned import OwnedAttributes
 
 QWEN25_VL_MODEL = "megatron.bridge.models.qwen_vl.modeling_qwen25_vl"
-_ORIGINAL: dict = {}
+_ORIGINAL: dict = {}  # "forward": Bridge's Qwen25VLModel.forward while the patch is applied
+_OWNED = OwnedAttributes(__name__)
 
 
 class _LanguageModelCall:
@@ -105,7 +107,7 @@ def apply_bridge_qwen25_vl_cp() -> bool:
         return self.language_model(**_select_this_rank(self, lm_kwargs, group.size(), group.rank()))
 
     _ORIGINAL["forward"] = original
-    cls.forward = forward
+    _OWNED.set(cls, "forward", forward)
     return True
 
 
@@ -114,5 +116,10 @@ def is_applied() -> bool:
 
 
 def undo_bridge_qwen25_vl_cp() -> None:
-    if "forward" in _ORIGINAL:
-        import_bridge_module(QWEN25_VL_MODEL).Qwen25VLModel.forward = _ORIGINAL.pop("forward")
+    """Restore Qwen25VLModel.forward. A no-op when not applied.
+
+    Raises:
+        RuntimeError: a later patch wraps Qwen25VLModel.forward; nothing is restored.
+    """
+    _OWNED.restore()
+    _ORIGINAL.pop("forward", None)

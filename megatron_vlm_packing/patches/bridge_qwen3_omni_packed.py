@@ -46,8 +46,11 @@ import types
 
 import torch
 
+from megatron_vlm_packing.patches.owned import OwnedAttributes
+
 THINKER_MODULE = "megatron.bridge.models.qwen_omni.modeling_qwen3_omni.thinker_model"
-_ORIGINAL: dict = {}
+_ORIGINAL: dict = {}  # "forward": Bridge's Qwen3OmniThinkerModel.forward while the patch is applied
+_OWNED = OwnedAttributes(__name__)
 _MEDIA_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "video_second_per_grid",
                "input_features", "feature_attention_mask", "audio_feature_lengths")
 
@@ -102,14 +105,18 @@ def apply_bridge_qwen3_omni_packed() -> bool:
         return packed_thinker_forward(self, **call, **extra)
 
     _ORIGINAL["forward"] = original
-    cls.forward = forward
+    _OWNED.set(cls, "forward", forward)
     return True
 
 
 def undo_bridge_qwen3_omni_packed() -> None:
-    if not is_applied():
-        return
-    _thinker_class().forward = _ORIGINAL.pop("forward")
+    """Restore Qwen3OmniThinkerModel.forward. A no-op when not applied.
+
+    Raises:
+        RuntimeError: a later patch wraps the thinker's forward; nothing is restored.
+    """
+    _OWNED.restore()
+    _ORIGINAL.pop("forward", None)
 
 
 def packed_thinker_forward(thinker, *, input_ids, position_ids, packed_seq_params, labels=None, loss_mask=None,

@@ -17,9 +17,11 @@ from __future__ import annotations
 import torch
 
 from megatron_vlm_packing.bridge.imports import import_bridge_module
+from megatron_vlm_packing.patches.owned import OwnedAttributes
 
 PACKED_SEQ_UTILS = "megatron.bridge.training.utils.packed_seq_utils"
-_ORIGINAL: dict = {}
+_ORIGINAL: dict = {}  # "fn": Bridge's get_thd_cp_partition_indices while the patch is applied
+_OWNED = OwnedAttributes(__name__)
 
 
 def te_thd_partition_available() -> bool:
@@ -51,10 +53,15 @@ def apply_bridge_thd_cp_index() -> bool:
         return False
     module = import_bridge_module(PACKED_SEQ_UTILS)
     _ORIGINAL["fn"] = module.get_thd_cp_partition_indices
-    module.get_thd_cp_partition_indices = thd_cp_partition_indices
+    _OWNED.set(module, "get_thd_cp_partition_indices", thd_cp_partition_indices)
     return True
 
 
 def undo_bridge_thd_cp_index() -> None:
-    if "fn" in _ORIGINAL:
-        import_bridge_module(PACKED_SEQ_UTILS).get_thd_cp_partition_indices = _ORIGINAL.pop("fn")
+    """Restore Bridge's get_thd_cp_partition_indices. A no-op when not applied.
+
+    Raises:
+        RuntimeError: a later patch replaced it; nothing is restored.
+    """
+    _OWNED.restore()
+    _ORIGINAL.pop("fn", None)

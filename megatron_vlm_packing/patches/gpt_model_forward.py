@@ -22,6 +22,8 @@ import inspect
 
 import torch
 
+from megatron_vlm_packing.patches.owned import OwnedAttributes
+
 
 def _gpt_model():
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -51,6 +53,7 @@ def _bind(args, kwargs):
 
 _ORIGINALS: dict = {}  # the unpatched GPTModel.forward while any patch here is applied
 _APPLIED: list[str] = []
+_OWNED = OwnedAttributes(__name__)  # GPTModel.forward, shared by both fixes
 
 
 def _install() -> None:
@@ -78,12 +81,21 @@ def _install() -> None:
                 call["padding_mask"] = scatter_sequence(mask, 1)  # [B, T] -> [B, T/tp]
         return original(*bound.args, **bound.kwargs)
 
-    GPTModel.forward = forward
+    _OWNED.set(GPTModel, "forward", forward)
 
 
-def _uninstall_if_unused() -> None:
-    if not _APPLIED and "forward" in _ORIGINALS:
-        _gpt_model().forward = _ORIGINALS.pop("forward")
+def _undo(fix: str) -> None:
+    """Turn `fix` off; the last one off restores GPTModel.forward. A no-op when `fix` is not applied.
+
+    Raises:
+        RuntimeError: `fix` is the last one on and a later patch wraps GPTModel.forward; `fix` stays on.
+    """
+    if fix not in _APPLIED:
+        return
+    if _APPLIED == [fix]:
+        _OWNED.restore()  # raises before anything changes
+        _ORIGINALS.pop("forward")
+    _APPLIED.remove(fix)
 
 
 def apply_sp_embedding_scatter() -> bool:
@@ -98,9 +110,7 @@ def apply_sp_embedding_scatter() -> bool:
 
 
 def undo_sp_embedding_scatter() -> None:
-    if "embedding" in _APPLIED:
-        _APPLIED.remove("embedding")
-    _uninstall_if_unused()
+    _undo("embedding")
 
 
 def apply_sp_padding_mask_scatter() -> bool:
@@ -112,6 +122,4 @@ def apply_sp_padding_mask_scatter() -> bool:
 
 
 def undo_sp_padding_mask_scatter() -> None:
-    if "padding_mask" in _APPLIED:
-        _APPLIED.remove("padding_mask")
-    _uninstall_if_unused()
+    _undo("padding_mask")

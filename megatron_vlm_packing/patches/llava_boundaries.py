@@ -27,7 +27,10 @@ import inspect
 
 import torch
 
-_ORIGINAL: dict = {}
+from megatron_vlm_packing.patches.owned import OwnedAttributes
+
+_ORIGINAL: dict = {}  # "forward": the unpatched LLaVAModel.forward while the patch is applied
+_OWNED = OwnedAttributes(__name__)
 
 
 def _llava():
@@ -122,10 +125,15 @@ def apply_llava_packed_boundaries() -> bool:
         return original(*bound.args, **bound.kwargs)
 
     _ORIGINAL["forward"] = original
-    LLaVAModel.forward = forward
+    _OWNED.set(LLaVAModel, "forward", forward)
     return True
 
 
 def undo_llava_packed_boundaries() -> None:
-    if "forward" in _ORIGINAL:
-        _llava().forward = _ORIGINAL.pop("forward")
+    """Restore LLaVAModel.forward. A no-op when not applied.
+
+    Raises:
+        RuntimeError: a later patch wraps LLaVAModel.forward; nothing is restored.
+    """
+    _OWNED.restore()
+    _ORIGINAL.pop("forward", None)

@@ -26,9 +26,11 @@ import sys
 
 import torch
 
+from megatron_vlm_packing.patches.owned import OwnedAttributes
 from megatron_vlm_packing.rope.megatron_thd import CpLocalFreqs, thd_rope_host_syncs, thd_rope_rows
 
-_ORIGINAL: dict = {}
+_ORIGINAL: dict = {}  # "thd": the unpatched function while the patch is applied
+_OWNED = OwnedAttributes(__name__)
 # Modules that hold the function by name (rotary_pos_embedding imports it from rope_utils).
 _HOLDERS = ("megatron.core.models.common.embeddings.rope_utils",
             "megatron.core.models.common.embeddings.rotary_pos_embedding")
@@ -89,14 +91,15 @@ def apply_thd_rotary() -> bool:
     for name in _HOLDERS:
         module = sys.modules.get(name)
         if module is not None and getattr(module, "_apply_rotary_pos_emb_thd", None) is original:
-            _ORIGINAL[name] = module
-            module._apply_rotary_pos_emb_thd = replacement
+            _OWNED.set(module, "_apply_rotary_pos_emb_thd", replacement)
     return True
 
 
 def undo_thd_rotary() -> None:
-    original = _ORIGINAL.pop("thd", None)
-    for name in _HOLDERS:
-        module = _ORIGINAL.pop(name, None)
-        if module is not None:
-            module._apply_rotary_pos_emb_thd = original
+    """Restore the original in every holder module. A no-op when not applied.
+
+    Raises:
+        RuntimeError: a later patch wraps one of the holders' functions; nothing is restored.
+    """
+    _OWNED.restore()
+    _ORIGINAL.pop("thd", None)

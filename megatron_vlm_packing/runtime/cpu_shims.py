@@ -25,7 +25,8 @@ Not shimmed (use torch optimizers in CPU tests): `clip_grad_norm_fp32` asserts
 `DistributedDataParallel` and `finalize_model_grads` do run under the shim (the parity suite uses them).
 
 Nothing happens on import. `apply_cpu_shims()` applies everything (idempotent) and refuses when
-CUDA is available; `undo_cpu_shims()` restores every patched attribute.
+CUDA is available; `undo_cpu_shims()` restores every patched attribute (stack-safe: it refuses, changing
+nothing, while something installed after the shim holds one of them or a later TorchFunctionMode is active).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ import dataclasses
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from megatron_vlm_packing.patches.owned import OwnedAttributes
 
 _CUDA_TENSOR_METHODS = {torch.Tensor.cuda, torch.Tensor.pin_memory}
 
@@ -118,22 +121,31 @@ def _wrapped_torch_norm_new(original_new):
 
 
 class _Patches:
-    """Saved originals of everything the shim changed."""
+    """Everything the shim changed: its attributes (originals kept) and its TorchFunctionMode."""
 
     def __init__(self):
-        self.saved: list[tuple[object, str, object]] = []
+        self.owned = OwnedAttributes(__name__)
         self.mode: CudaToCpuMode | None = None
 
     def set(self, owner, name, value):
-        if isinstance(owner, type):
-            original = owner.__dict__[name]
-        else:
-            original = getattr(owner, name, _MISSING)
-        self.saved.append((owner, name, original))
-        setattr(owner, name, value)
+        self.owned.set(owner, name, value)
+
+    def check(self) -> None:
+        """RuntimeError when undoing would clobber what was installed after the shim (see `undo_cpu_shims`)."""
+        stack = _function_mode_stack()
+        if not stack or stack[-1] is not self.mode:
+            top = type(stack[-1]).__qualname__ if stack else "no mode"
+            raise RuntimeError(f"cannot undo {__name__}: the innermost TorchFunctionMode is {top}, not its "
+                               "CudaToCpuMode; exit the later mode first. Nothing was undone.")
+        self.owned.check()
 
 
-_MISSING = object()  # marks an attribute the shim added (undo deletes it)
+def _function_mode_stack() -> list:
+    from torch.overrides import _get_current_function_mode_stack  # private, in torch 2.x; no public reader
+
+    return _get_current_function_mode_stack()
+
+
 _ACTIVE: list[_Patches] = []  # at most one entry: the applied shim (explicit state, not a cache)
 
 
@@ -175,16 +187,22 @@ def apply_cpu_shims() -> None:
 
 
 def undo_cpu_shims() -> None:
-    """Restore everything `apply_cpu_shims` changed. A no-op when nothing is applied."""
+    """Restore everything `apply_cpu_shims` changed. A no-op when nothing is applied.
+
+    Stack-safe: an attribute is restored only while it still holds the shim's value, and the shim's
+    TorchFunctionMode is exited only while it is the innermost one.
+
+    Raises:
+        RuntimeError: something installed after the shim holds one of its attributes (named, with what
+            holds it) or pushed a TorchFunctionMode inside it; nothing is undone.
+    """
     if not _ACTIVE:
         return
-    patches = _ACTIVE.pop()
+    patches = _ACTIVE[-1]
+    patches.check()
+    _ACTIVE.pop()
     patches.mode.__exit__(None, None, None)
-    for owner, name, value in reversed(patches.saved):
-        if value is _MISSING:
-            delattr(owner, name)
-        else:
-            setattr(owner, name, value)
+    patches.owned.restore()
 
 
 def cpu_shims_applied() -> bool:

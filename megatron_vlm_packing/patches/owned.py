@@ -1,0 +1,124 @@
+"""Attributes a patch owns: set with their originals kept, restored only while they are still ours.
+
+A patch replaces attributes of Megatron's modules, classes and objects (`GPTModel.forward`, a function
+copied by name into several modules, a function's `__defaults__`). Another plugin may wrap the same
+attribute after us, and its wrapper calls ours. Undo is therefore stack-safe (last in, first out): an
+attribute is restored only while it still holds our replacement. Where something else holds it now,
+undo raises RuntimeError naming the attribute and what holds it, and changes nothing: every attribute
+is checked before any is restored, so a patch stays wholly applied or is wholly undone.
+
+    owned = OwnedAttributes("megatron_vlm_packing.patches.thd_rotary")
+    owned.set(rope_utils, "_apply_rotary_pos_emb_thd", replacement)
+    owned.restore()  # RuntimeError while a later wrapper holds rope_utils._apply_rotary_pos_emb_thd
+
+RuntimeError, not ValueError: no argument is wrong, the process's state (a later patch) forbids it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Mapping
+
+_ABSENT = object()  # the owner had no attribute of its own: restoring deletes ours
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Set:
+    owner: object
+    name: str
+    original: object  # the owner's own value before, or _ABSENT
+    replacement: object
+
+
+def own_value(owner, name: str):
+    """What `owner` itself holds under `name`, or `_ABSENT`.
+
+    A module's, class's or object's own `__dict__` entry; an attribute a class only inherits (or an
+    object only gets from its class) counts as absent, so restoring deletes ours and lookups fall back
+    as before. A data descriptor's value (a function's `__defaults__`) is read with getattr.
+    """
+    own = getattr(owner, "__dict__", None)
+    if isinstance(own, Mapping) and name in own:
+        return own[name]
+    if isinstance(owner, type) or (own is not None and not _is_data_descriptor(type(owner), name)):
+        return _ABSENT
+    return getattr(owner, name, _ABSENT)
+
+
+def _is_data_descriptor(cls: type, name: str) -> bool:
+    slot = next((vars(base)[name] for base in cls.__mro__ if name in vars(base)), None)
+    return hasattr(type(slot), "__set__")
+
+
+def describe_attribute(owner, name: str) -> str:
+    """`module.Class.name` (or `module.name`, or `a module.Class object's name`) for messages."""
+    if isinstance(owner, types.ModuleType):
+        return f"{owner.__name__}.{name}"
+    if hasattr(owner, "__qualname__"):  # a class or a function
+        return f"{owner.__module__}.{owner.__qualname__}.{name}"
+    return f"a {type(owner).__module__}.{type(owner).__qualname__} object's {name}"
+
+
+def describe_value(value) -> str:
+    """The qualname of what an attribute holds: where a function was defined (functools.wraps copies
+    the wrapped function's names, its code keeps its own), else the module and qualname it reports."""
+    if value is _ABSENT:
+        return "nothing (the attribute was deleted)"
+    func = getattr(value, "__func__", value)  # staticmethod, classmethod, bound method
+    code, module = getattr(func, "__code__", None), getattr(func, "__globals__", {}).get("__name__")
+    if code is not None and module is not None:
+        return f"{module}.{code.co_qualname}"
+    if hasattr(func, "__qualname__"):
+        return f"{getattr(func, '__module__', None) or '?'}.{func.__qualname__}"
+    return repr(value)
+
+
+class OwnedAttributes:
+    """The attributes one patch replaced, restored together and only while they are all still ours."""
+
+    def __init__(self, patch: str):
+        self.patch = patch  # named in errors, e.g. "megatron_vlm_packing.patches.thd_rotary"
+        self._set: list[_Set] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._set)
+
+    def set(self, owner, name: str, replacement) -> None:
+        """`owner.name = replacement`, keeping the owner's own value (or its absence) for `restore`."""
+        self._set.append(_Set(owner, name, own_value(owner, name), replacement))
+        setattr(owner, name, replacement)
+
+    def conflicts(self) -> list[str]:
+        """One line per attribute that no longer holds our replacement (something patched it after us)."""
+        return [f"{describe_attribute(s.owner, s.name)} now holds {describe_value(held)}, not {self.patch}'s "
+                f"replacement" for s in self._set if (held := own_value(s.owner, s.name)) is not s.replacement]
+
+    def check(self) -> None:
+        """RuntimeError when `restore` would clobber a later patch; see `check_restorable`."""
+        check_restorable(self)
+
+    def restore(self) -> None:
+        """Put every original back (latest first) and forget them. A no-op when nothing is set.
+
+        Raises:
+            RuntimeError: an attribute holds something other than our replacement; nothing is restored.
+        """
+        self.check()
+        for s in reversed(self._set):
+            if s.original is _ABSENT:
+                delattr(s.owner, s.name)
+            else:
+                setattr(s.owner, s.name, s.original)
+        self._set.clear()
+
+
+def check_restorable(*owned: OwnedAttributes) -> None:
+    """RuntimeError, naming each attribute and what holds it, unless every attribute of every `owned`
+    still holds its patch's replacement. Lets an undo of several patches check all before undoing any."""
+    lines = [line for attributes in owned for line in attributes.conflicts()]
+    if lines:
+        patches = ", ".join(dict.fromkeys(a.patch for a in owned if a.conflicts()))
+        raise RuntimeError(f"cannot undo {patches}: " + "; ".join(lines) + ". Something patched these after us: "
+                           "undo that later patch first (patches are undone in the reverse order of "
+                           "application). Nothing was undone.")

@@ -1,0 +1,95 @@
+"""patches.owned on small hand-made owners: what counts as the owner's own value, what errors name,
+and that a refused restore changes nothing. The real patches are tests/patches/test_stack_safe_undo.py."""
+
+import functools
+import types
+
+import pytest
+
+from megatron_vlm_packing.patches.owned import OwnedAttributes, check_restorable, describe_value
+
+
+class Base:
+    def forward(self):
+        return "base"
+
+
+class Child(Base):
+    pass
+
+
+def later_plugin(wrapped):
+    @functools.wraps(wrapped)  # as a real plugin would: its __qualname__ is now the wrapped one's
+    def foreign_wrapper(*args, **kwargs):
+        return wrapped(*args, **kwargs)
+
+    return foreign_wrapper
+
+
+def test_restores_module_class_and_object_attributes_and_deletes_what_was_not_their_own():
+    module = types.ModuleType("holder")
+    module.fn = original_fn = lambda: "original"
+    obj, func = Child(), lambda a=1: a
+    owned = OwnedAttributes("test")
+    owned.set(module, "fn", lambda: "ours")
+    owned.set(Child, "forward", lambda self: "ours")  # inherited from Base: not Child's own
+    owned.set(obj, "forward", lambda: "ours-instance")  # the class's method: not the object's own
+    owned.set(func, "__defaults__", (2,))  # a data descriptor: its value is the function's own
+    owned.set(module, "added", None)
+    assert (module.fn(), Child().forward(), obj.forward(), func()) == ("ours", "ours", "ours-instance", 2)
+    owned.restore()
+    assert module.fn is original_fn and not hasattr(module, "added") and func() == 1
+    assert "forward" not in vars(Child) and "forward" not in vars(obj) and obj.forward() == "base"
+    assert not owned
+    owned.restore()  # nothing set: a no-op
+
+
+def test_a_later_wrapper_is_named_and_nothing_is_restored():
+    first, second = types.ModuleType("first_holder"), types.ModuleType("second_holder")
+    first.fn = second.fn = original = lambda: "original"
+    ours = lambda: "ours"  # noqa: E731
+    owned = OwnedAttributes("megatron_vlm_packing.patches.example")
+    owned.set(first, "fn", ours)
+    owned.set(second, "fn", ours)
+    second.fn = later_plugin(ours)
+    with pytest.raises(RuntimeError) as err:
+        owned.restore()
+    message = str(err.value)
+    assert "cannot undo megatron_vlm_packing.patches.example: second_holder.fn now holds" in message
+    assert "later_plugin.<locals>.foreign_wrapper" in message  # the code's own qualname, through functools.wraps
+    assert "undo that later patch first" in message and "first_holder.fn" not in message
+    assert first.fn is ours and owned  # checked before anything was restored
+    second.fn = ours  # the later plugin undoes first
+    owned.restore()
+    assert first.fn is original and second.fn is original
+
+
+def test_a_deleted_attribute_is_a_conflict_too():
+    class Owner:
+        pass
+
+    owned = OwnedAttributes("test")
+    owned.set(Owner, "forward", lambda self: None)
+    del Owner.forward
+    with pytest.raises(RuntimeError, match=r"Owner\.forward now holds nothing \(the attribute was deleted\)"):
+        owned.restore()
+
+
+def test_check_restorable_reports_every_patch_before_any_is_undone():
+    one, two = types.SimpleNamespace(fn=None), types.ModuleType("two_holder")
+    two.fn = None
+    first, second = OwnedAttributes("patch_one"), OwnedAttributes("patch_two")
+    first.set(one, "fn", ours_one := (lambda: 1))
+    second.set(two, "fn", lambda: 2)
+    two.fn = later_plugin(two.fn)
+    check_restorable(first)
+    with pytest.raises(RuntimeError, match="cannot undo patch_two: two_holder.fn now holds"):
+        check_restorable(first, second)
+    assert one.fn is ours_one and first and second
+
+
+def test_describe_value_names_functions_methods_and_data():
+    assert describe_value(Base.forward) == f"{__name__}.Base.forward"
+    assert describe_value(staticmethod(Base.forward)) == f"{__name__}.Base.forward"
+    assert describe_value(len) == "builtins.len"
+    assert describe_value(None) == "None"
