@@ -25,6 +25,8 @@ has yielded so far means the sampler has already moved on while training finishe
 epoch (a DataLoader prefetches across the boundary), and the state is that of the previous epoch.
 `set_epoch` on the epoch a `load_state_dict` resumed keeps its place (the usual
 `for epoch in ...: sampler.set_epoch(epoch)` loop after a resume would otherwise repeat it).
+`len(sampler)` (a DataLoader's len) counts what the next iteration yields: after a resume, the rest
+of the epoch; once the epoch is done or `set_epoch` starts another, all of the next one.
 """
 
 from __future__ import annotations
@@ -72,7 +74,12 @@ class PackedBatchSampler(torch.utils.data.Sampler):
         return [len(step.ranks[self.dp_rank]) for step in self.plan().steps]
 
     def __len__(self) -> int:
-        """Micro-batches of this rank in the current epoch (all of them, resumed or not)."""
+        """Micro-batches the next iteration yields: the rest of the current epoch (all of it, unless a
+        `load_state_dict` or a paused iteration has already taken its first ones)."""
+        return self._epoch_length() - self._position
+
+    def _epoch_length(self) -> int:
+        """Micro-batches of this rank in the whole current epoch."""
         return sum(self.micro_batches_per_step())
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -139,7 +146,7 @@ class PackedBatchSampler(torch.utils.data.Sampler):
         self._carried = tuple(int(i) for i in state["carried"])
         self._plan = None
         self._previous, self._resumed = None, True
-        if not 0 <= self._position <= len(self):  # e.g. written under another micro_batches_per_rank
+        if not 0 <= self._position <= self._epoch_length():  # e.g. written under another micro_batches_per_rank
             raise ValueError(f"sampler state has position={self._position} but epoch {self._epoch} has "
-                             f"{len(self)} micro-batch(es) on this rank (same seed, DP size and dataset size: "
+                             f"{self._epoch_length()} micro-batch(es) on this rank (same seed, DP size and dataset size: "
                              f"has the layout or micro_batches_per_rank changed?)")

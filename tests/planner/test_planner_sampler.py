@@ -184,3 +184,44 @@ def test_dp_rank_must_be_an_int(samples):
     table = SampleTable.from_samples([metadata(s) for s in samples])
     with pytest.raises(ValueError, match=r"dp_rank=1.5 must lie in \[0, 2\)"):
         PackedBatchSampler(table, _config(), dp_rank=1.5)
+
+
+def _len_then_drain(sampler: PackedBatchSampler) -> list:
+    """The next iteration's micro-batches, after checking that len() announced as many."""
+    announced = len(sampler)
+    batches = list(sampler)
+    assert announced == len(batches)
+    return batches
+
+
+def test_len_counts_what_the_next_iteration_yields(samples):
+    """After a resume at position p, len() counted the whole epoch while iteration yielded the rest:
+    a DataLoader's len and progress bars were p micro-batches too long."""
+    table = SampleTable.from_samples([metadata(s) for s in samples])
+    config = _config(tail="carry")
+    straight = PackedBatchSampler(table, config, dp_rank=1)
+    assert straight.plan().carried  # epoch 1 starts with epoch 0's carried samples
+    first_epoch, second_epoch = _len_then_drain(straight), _len_then_drain(straight)
+    assert len(first_epoch) > 3
+    for epoch, reference in ((0, first_epoch), (1, second_epoch)):
+        sampler = PackedBatchSampler(table, config, dp_rank=1)
+        sampler.set_epoch(0)
+        if epoch:
+            _len_then_drain(sampler)  # carries its tail into epoch 1
+        it = iter(sampler)
+        taken = [next(it) for _ in range(3)]
+        assert len(sampler) == len(reference) - 3  # a paused iteration: what is left of it
+        resumed = PackedBatchSampler(table, config, dp_rank=1)
+        resumed.load_state_dict(sampler.state_dict())
+        loader = torch.utils.data.DataLoader(list(range(len(samples))), batch_sampler=resumed,
+                                             collate_fn=lambda group: group)
+        assert len(loader) == len(reference) - 3
+        resumed.set_epoch(epoch)  # the resumed epoch keeps its place, and its length
+        assert taken + _len_then_drain(resumed) == reference
+        assert len(_len_then_drain(resumed)) > 0  # the next epoch, whole
+        resumed.set_epoch(epoch)  # from its beginning (its carried-in samples stay carried)
+        assert len(resumed) == len(_len_then_drain(resumed))
+    sampler = PackedBatchSampler(table, config, dp_rank=1)
+    next(iter(sampler))
+    sampler.set_epoch(1)  # another epoch: all of it
+    assert len(sampler) == len(list(sampler))
