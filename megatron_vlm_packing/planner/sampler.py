@@ -126,6 +126,7 @@ class PackedBatchSampler(torch.utils.data.Sampler):
         self.table, self.config, self.dp_rank, self.progress = table, config, dp_rank, progress
         self._epoch, self._position, self._carried = 0, 0, ()
         self._plan: EpochPlan | None = None
+        self._plan_for: tuple[int, tuple[int, ...]] | None = None  # (epoch, carried in) of self._plan
         # (epoch, carried into it, micro-batches of this rank) of the epoch iteration last finished:
         # a prefetching loader ends an epoch before training does, and state_dict(consumed=) may
         # still count micro-batches of it.
@@ -140,10 +141,11 @@ class PackedBatchSampler(torch.utils.data.Sampler):
         return self._layout
 
     def plan(self) -> EpochPlan:
-        """The plan of the current epoch (built once per epoch)."""
-        if self._plan is None or self._plan.epoch != self._epoch:
+        """The plan of the current epoch and the samples carried into it (built once for them)."""
+        if self._plan is None or self._plan_for != (self._epoch, self._carried):
             self._plan = plan_epoch(self.table, self.config, epoch=self._epoch, carried_in=self._carried,
                                     progress=self.progress)
+            self._plan_for = (self._epoch, self._carried)
         return self._plan
 
     def micro_batches_per_step(self) -> list[int]:
@@ -227,7 +229,8 @@ class PackedBatchSampler(torch.utils.data.Sampler):
             raise ValueError(f"sampler state has position={position} but epoch {epoch} has {length} "
                              f"micro-batch(es) on this rank (an edited state, or one of format 1 saved under "
                              f"another layout?)")
-        self._epoch, self._position, self._carried, self._plan = epoch, position, carried, plan
+        self._epoch, self._position, self._carried = epoch, position, carried
+        self._plan, self._plan_for = plan, (epoch, carried)
         self._previous, self._resumed = None, True
 
     def _check_layout(self, state: dict) -> None:

@@ -13,7 +13,8 @@ from megatron_vlm_packing.packing import PackMultiples, pack_batch
 from megatron_vlm_packing.packing.arena import all_in_one_storage
 from megatron_vlm_packing.packing.collate import LoaderMicroBatch, tensors_of
 from megatron_vlm_packing.planner import (BinLayout, CostModel, EnergonPackingHooks, PackedBatchSampler,
-                                          PlannedPackingMixin, PlannerConfig, SampleMetadata, SampleTable, TokenCounter)
+                                          PlannedPackingMixin, PlannerConfig, SampleMetadata, SampleTable, TokenCounter,
+                                          plan_epoch)
 
 CFG = SyntheticVLMConfig(max_text=40, grid_choices=(2, 4))
 
@@ -310,3 +311,22 @@ def test_len_counts_what_the_next_iteration_yields(samples):
     next(iter(sampler))
     sampler.set_epoch(1)  # another epoch: all of it
     assert len(sampler) == len(list(sampler))
+
+
+def test_set_epoch_back_plans_with_the_samples_carried_so_far(samples):
+    """The plan was cached by epoch alone: set_epoch(0) after epoch 0 (which carried samples out)
+    reused epoch 0's first plan, while state_dict recorded the carried samples: a resume then planned
+    another epoch 0 and continued at other samples. Whether len() ran in between changed the plan."""
+    table = SampleTable.from_samples([metadata(s) for s in samples])
+    config = _config(tail="carry")
+    sampler = PackedBatchSampler(table, config, dp_rank=0)
+    list(sampler)
+    carried = sampler.state_dict()["carried"]
+    assert carried
+    sampler.set_epoch(0)
+    it = iter(sampler)
+    taken = [next(it) for _ in range(2)]
+    resumed = PackedBatchSampler(table, config, dp_rank=0)
+    resumed.load_state_dict(sampler.state_dict())
+    replay = plan_epoch(table, config, epoch=0, carried_in=carried).micro_batches(0)
+    assert taken + list(it) == taken + list(resumed) == [list(b.samples) for b in replay]
