@@ -17,25 +17,97 @@ Run `micro_batches_per_step()` micro-batches per optimizer step. Megatron's fixe
 rank. `tail="short_step"` and `samples_per_step` give steps of varying length, for loops that pass
 `num_microbatches` per step to `get_forward_backward_func`.
 
-Resume: `state_dict()` records the epoch, how many micro-batches this rank has taken, and the
-samples carried in from the previous epoch; the plan is rebuilt from the seed and iteration resumes
-at the next micro-batch. With prefetching loaders the sampler runs ahead of training: pass the
-count actually trained to `state_dict(consumed=...)`: a count above the micro-batches this epoch
-has yielded so far means the sampler has already moved on while training finishes the previous
-epoch (a DataLoader prefetches across the boundary), and the state is that of the previous epoch.
+Resume: `state_dict()` records the epoch, how many micro-batches this rank has taken, the samples
+carried in from the previous epoch, and the layout the plan was made under (`layout_record`: the
+dataset's size and fingerprints, every planner setting that moves samples between bins); the plan is
+rebuilt from the seed and iteration resumes at the next micro-batch. `load_state_dict` refuses a
+state saved under another layout (a ValueError naming the field and both values): its position
+would point at other samples. The state is plain Python values (`torch.save` / `torch.load` with
+`weights_only=True` read it), and every rank saves the same state at the same count. A state of
+the earlier format (no layout) still loads, with a warning that only its seed, dataset size and DP
+size were checked.
+
+With prefetching loaders the sampler runs ahead of training: pass the count actually trained to
+`state_dict(consumed=...)`: a count above the micro-batches this epoch has yielded so far means the
+sampler has already moved on while training finishes the previous epoch (a DataLoader prefetches
+across the boundary), and the state is that of the previous epoch.
 `set_epoch` on the epoch a `load_state_dict` resumed keeps its place (the usual
 `for epoch in ...: sampler.set_epoch(epoch)` loop after a resume would otherwise repeat it).
+`len(sampler)` (a DataLoader's len) counts what the next iteration yields: after a resume, the rest
+of the epoch; once the epoch is done or `set_epoch` starts another, all of the next one.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import warnings
 from typing import Iterator
 
 import numpy as np
 import torch.utils.data
 
-from megatron_vlm_packing.planner.metadata import SampleTable
+from megatron_vlm_packing.planner.metadata import SampleTable, count_array
 from megatron_vlm_packing.planner.schedule import EpochPlan, PlannerConfig, plan_epoch
+
+STATE_FORMAT = 2
+"""`state_dict()["format"]`. 2 records the layout (`layout_record`); 1 (no "format" key, before
+the layout was recorded) holds only seed, num_samples and dp_size besides the position."""
+
+
+def _fingerprint(*arrays: np.ndarray) -> str:
+    """16 hex digits of a blake2b hash of integer arrays (their shapes included): a few seconds per GB."""
+    digest = hashlib.blake2b(digest_size=8)
+    for array in arrays:
+        array = np.ascontiguousarray(array, dtype="<i8")
+        digest.update(repr(array.shape).encode())
+        digest.update(array)
+    return digest.hexdigest()
+
+
+def _plain(value):
+    """A numpy scalar as its Python value: the state must load under torch.load(weights_only=True)."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _shown(record: dict, key: str) -> str:
+    return f"{key}={record[key]!r}" if key in record else f"no {key}"
+
+
+def layout_record(table: SampleTable, config: PlannerConfig) -> dict:
+    """What decides which samples land in which micro-batch, as plain values keyed by field name.
+
+    The dataset (its size, a fingerprint of its columns and of the token counts
+    `config.expanded_tokens` gives) and every planner setting that moves samples between bins.
+    Not recorded: `layout.oversize` (a plan under "error" has no oversize sample, so "own_bin" plans
+    it the same; the other way round, planning raises) and the rank (every rank's state is the same).
+    Costs O(N) (a hash of the table's columns; about 1 s for 1M samples): build it once.
+    """
+    layout = config.layout
+    record = {
+        "num_samples": len(table),
+        "dp_size": config.dp_size,
+        "micro_batches_per_rank": config.micro_batches_per_rank,
+        "samples_per_step": config.samples_per_step,
+        "tail": config.tail,
+        "seed": config.seed,
+        "shuffle": config.shuffle,
+        "balance": config.balance,
+        "window_steps": config.window_steps,
+        "layout.capacity": layout.capacity,
+        "layout.multiples.segment": layout.multiples.segment,
+        "layout.multiples.total": layout.multiples.total,
+        "layout.static_shapes": layout.static_shapes,
+    }
+    cost_model = config.cost_model
+    if dataclasses.is_dataclass(cost_model):
+        record.update({f"cost_model.{f.name}": getattr(cost_model, f.name) for f in dataclasses.fields(cost_model)})
+    else:  # a duck-typed cost model: its type is all that can be compared
+        record["cost_model"] = f"{type(cost_model).__module__}.{type(cost_model).__qualname__}"
+    record["table_fingerprint"] = _fingerprint(*(getattr(table, f.name) for f in dataclasses.fields(table)))
+    tokens = count_array(config.expanded_tokens(table), "expanded_tokens")
+    record["expanded_tokens_fingerprint"] = _fingerprint(tokens)
+    return {key: _plain(value) for key, value in record.items()}
 
 
 class PackedBatchSampler(torch.utils.data.Sampler):
@@ -54,17 +126,26 @@ class PackedBatchSampler(torch.utils.data.Sampler):
         self.table, self.config, self.dp_rank, self.progress = table, config, dp_rank, progress
         self._epoch, self._position, self._carried = 0, 0, ()
         self._plan: EpochPlan | None = None
+        self._plan_for: tuple[int, tuple[int, ...]] | None = None  # (epoch, carried in) of self._plan
         # (epoch, carried into it, micro-batches of this rank) of the epoch iteration last finished:
         # a prefetching loader ends an epoch before training does, and state_dict(consumed=) may
         # still count micro-batches of it.
         self._previous: tuple[int, tuple[int, ...], int] | None = None
         self._resumed = False  # the position came from load_state_dict (set_epoch keeps it)
+        self._layout: dict | None = None  # layout_record(table, config), built on first use
+
+    def layout(self) -> dict:
+        """`layout_record(self.table, self.config)`, built once (it hashes the table)."""
+        if self._layout is None:
+            self._layout = layout_record(self.table, self.config)
+        return self._layout
 
     def plan(self) -> EpochPlan:
-        """The plan of the current epoch (built once per epoch)."""
-        if self._plan is None or self._plan.epoch != self._epoch:
+        """The plan of the current epoch and the samples carried into it (built once for them)."""
+        if self._plan is None or self._plan_for != (self._epoch, self._carried):
             self._plan = plan_epoch(self.table, self.config, epoch=self._epoch, carried_in=self._carried,
                                     progress=self.progress)
+            self._plan_for = (self._epoch, self._carried)
         return self._plan
 
     def micro_batches_per_step(self) -> list[int]:
@@ -72,7 +153,12 @@ class PackedBatchSampler(torch.utils.data.Sampler):
         return [len(step.ranks[self.dp_rank]) for step in self.plan().steps]
 
     def __len__(self) -> int:
-        """Micro-batches of this rank in the current epoch (all of them, resumed or not)."""
+        """Micro-batches the next iteration yields: the rest of the current epoch (all of it, unless a
+        `load_state_dict` or a paused iteration has already taken its first ones)."""
+        return self._epoch_length() - self._position
+
+    def _epoch_length(self) -> int:
+        """Micro-batches of this rank in the whole current epoch."""
         return sum(self.micro_batches_per_step())
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -121,25 +207,48 @@ class PackedBatchSampler(torch.utils.data.Sampler):
                                  + (f" after {self._previous[2]} of epoch {self._previous[0]}"
                                     if self._previous is not None else ""))
         return {
+            "format": STATE_FORMAT,
             "epoch": epoch,
             "position": position,
             "carried": list(carried),
-            "seed": self.config.seed,
-            "num_samples": len(self.table),
-            "dp_size": self.config.dp_size,
+            "layout": dict(self.layout()),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume at `state`; ValueError if it was written for another dataset size, seed or DP size."""
-        for key, mine in (("seed", self.config.seed), ("num_samples", len(self.table)),
-                          ("dp_size", self.config.dp_size)):
-            if state.get(key) != mine:
-                raise ValueError(f"sampler state has {key}={state.get(key)!r} but this sampler has {mine!r}")
-        self._epoch, self._position = int(state["epoch"]), int(state["position"])
-        self._carried = tuple(int(i) for i in state["carried"])
-        self._plan = None
+        """Resume at `state`. ValueError, naming the field and both values, if it was saved under
+        another layout (any field of `layout_record`: dataset, bin layout, DP size, micro-batches per
+        rank, tail, seed, ...), or at a position past the end of its epoch; the sampler is then
+        unchanged. A state of format 1 (before the layout was recorded) still loads, with a warning:
+        only its seed, dataset size and DP size can be checked."""
+        self._check_layout(state)
+        epoch, position = int(state["epoch"]), int(state["position"])
+        carried = tuple(int(i) for i in state["carried"])
+        plan = plan_epoch(self.table, self.config, epoch=epoch, carried_in=carried, progress=self.progress)
+        length = len(plan.micro_batches(self.dp_rank))
+        if not 0 <= position <= length:
+            raise ValueError(f"sampler state has position={position} but epoch {epoch} has {length} "
+                             f"micro-batch(es) on this rank (an edited state, or one of format 1 saved under "
+                             f"another layout?)")
+        self._epoch, self._position, self._carried = epoch, position, carried
+        self._plan, self._plan_for = plan, (epoch, carried)
         self._previous, self._resumed = None, True
-        if not 0 <= self._position <= len(self):  # e.g. written under another micro_batches_per_rank
-            raise ValueError(f"sampler state has position={self._position} but epoch {self._epoch} has "
-                             f"{len(self)} micro-batch(es) on this rank (same seed, DP size and dataset size: "
-                             f"has the layout or micro_batches_per_rank changed?)")
+
+    def _check_layout(self, state: dict) -> None:
+        """ValueError if `state` was saved under another layout than this sampler's."""
+        version = state.get("format", 1)
+        if version == 1:
+            saved = {key: state.get(key) for key in ("num_samples", "dp_size", "seed")}
+            warnings.warn("sampler state of format 1 records only num_samples, dp_size and seed: a change of "
+                          "capacity, micro_batches_per_rank, tail or the other planner settings since it was "
+                          "saved goes unnoticed (and resumes at other samples); the next state_dict() records them",
+                          stacklevel=3)
+        elif version == STATE_FORMAT:
+            saved = state["layout"]
+        else:
+            raise ValueError(f"sampler state has format={version!r}; this version reads formats 1 and {STATE_FORMAT}")
+        mine = self.layout() if version == STATE_FORMAT else {key: self.layout()[key] for key in saved}
+        for key in [*mine, *(k for k in saved if k not in mine)]:
+            if key not in saved or key not in mine or saved[key] != mine[key]:
+                raise ValueError(f"sampler state has {_shown(saved, key)} but this sampler has {_shown(mine, key)}: "
+                                 f"it was saved under another layout or dataset, and resuming at its position "
+                                 f"would skip or repeat samples")

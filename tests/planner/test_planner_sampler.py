@@ -1,5 +1,10 @@
 """The batch sampler in a real DataLoader, resume mid-epoch, and the Energon hooks on plain objects."""
 
+import dataclasses
+import io
+import re
+
+import numpy as np
 import pytest
 import torch
 
@@ -7,8 +12,9 @@ from megatron_vlm_packing.data.synthetic import SyntheticVLMConfig, collate, syn
 from megatron_vlm_packing.packing import PackMultiples, pack_batch
 from megatron_vlm_packing.packing.arena import all_in_one_storage
 from megatron_vlm_packing.packing.collate import LoaderMicroBatch, tensors_of
-from megatron_vlm_packing.planner import (BinLayout, EnergonPackingHooks, PackedBatchSampler, PlannedPackingMixin,
-                                          PlannerConfig, SampleMetadata, SampleTable)
+from megatron_vlm_packing.planner import (BinLayout, CostModel, EnergonPackingHooks, PackedBatchSampler,
+                                          PlannedPackingMixin, PlannerConfig, SampleMetadata, SampleTable, TokenCounter,
+                                          plan_epoch)
 
 CFG = SyntheticVLMConfig(max_text=40, grid_choices=(2, 4))
 
@@ -27,8 +33,9 @@ def samples():
 
 def _config(**kw):
     multiples = PackMultiples.for_parallel(cp_size=2)
-    kw.setdefault("layout", BinLayout(capacity=160, multiples=multiples))
-    return PlannerConfig(dp_size=2, micro_batches_per_rank=2, window_steps=2, seed=3, **kw)
+    kw = {"layout": BinLayout(capacity=160, multiples=multiples), "dp_size": 2, "micro_batches_per_rank": 2,
+          "window_steps": 2, "seed": 3, **kw}
+    return PlannerConfig(**kw)
 
 
 def test_sampler_in_a_dataloader_packs_each_bin_as_planned(samples):
@@ -66,9 +73,8 @@ def test_resume_mid_epoch_equals_uninterrupted(samples):
     resumed.load_state_dict(state)
     rest = list(resumed)
     assert taken + rest + list(resumed) == reference
-    other_seed = PlannerConfig(layout=config.layout, dp_size=2, micro_batches_per_rank=2, seed=4)
-    with pytest.raises(ValueError, match="seed"):
-        PackedBatchSampler(table, other_seed, dp_rank=0).load_state_dict(state)
+    with pytest.raises(ValueError, match="sampler state has seed=3 but this sampler has seed=4"):
+        PackedBatchSampler(table, _config(tail="carry", seed=4), dp_rank=0).load_state_dict(state)
 
 
 def test_resume_with_a_prefetching_loader_across_the_epoch_boundary(samples):
@@ -134,6 +140,86 @@ def test_state_from_another_layout_is_refused(samples):
         PackedBatchSampler(table, _config(), dp_rank=0).load_state_dict(state)
 
 
+_OTHER_LAYOUTS = {  # the field a state saved under _config() differs in, and a config that changes only it
+    "dp_size": dict(dp_size=4),
+    "micro_batches_per_rank": dict(micro_batches_per_rank=1),
+    "samples_per_step": dict(samples_per_step=12),
+    "tail": dict(tail="carry"),
+    "seed": dict(seed=4),
+    "shuffle": dict(shuffle=False),
+    "balance": dict(balance=False),
+    "window_steps": dict(window_steps=3),
+    "layout.capacity": dict(layout=BinLayout(capacity=200, multiples=PackMultiples.for_parallel(cp_size=2))),
+    "layout.multiples.segment": dict(layout=BinLayout(capacity=160, multiples=PackMultiples(segment=2, total=4))),
+    "layout.multiples.total": dict(layout=BinLayout(capacity=160, multiples=PackMultiples(segment=4, total=8))),
+    "layout.static_shapes": dict(layout=BinLayout(capacity=160, multiples=PackMultiples.for_parallel(cp_size=2),
+                                                  static_shapes=False)),
+    "cost_model.lm_attention": dict(cost_model=dataclasses.replace(CostModel.qwen2_5_vl_7b(), lm_attention=1.0)),
+    "expanded_tokens_fingerprint": dict(expanded_tokens=TokenCounter(vision_wrappers=3)),
+}
+
+
+@pytest.mark.parametrize("field", [*_OTHER_LAYOUTS, "num_samples", "table_fingerprint"])
+def test_state_from_another_layout_is_refused_by_field(samples, field):
+    """Before, a state recorded only seed, dataset size and DP size: one saved under another capacity,
+    micro_batches_per_rank, tail, ... whose position still fit resumed silently at other samples."""
+    table = SampleTable.from_samples([metadata(s) for s in samples])
+    first = PackedBatchSampler(table, _config(), dp_rank=0)
+    it = iter(first)
+    [next(it) for _ in range(2)]
+    state = first.state_dict()
+    if field == "num_samples":
+        table = SampleTable.from_samples([metadata(s) for s in samples[:-1]])
+    elif field == "table_fingerprint":  # same size, one sample a token longer
+        longer = dataclasses.replace(metadata(samples[5]), text_tokens=metadata(samples[5]).text_tokens + 1)
+        table = SampleTable.from_samples([metadata(s) for s in samples[:5]] + [longer]
+                                         + [metadata(s) for s in samples[6:]])
+    other = PackedBatchSampler(table, _config(**_OTHER_LAYOUTS.get(field, {})), dp_rank=0)
+    with pytest.raises(ValueError, match=f"sampler state has {re.escape(field)}=") as refused:
+        other.load_state_dict(state)
+    saved, mine = state["layout"][field], other.state_dict()["layout"][field]
+    assert saved != mine and f"{field}={saved!r} but this sampler has {field}={mine!r}" in str(refused.value)
+    assert (other.state_dict()["epoch"], len(other)) == (0, other._epoch_length())  # refused: left as it was
+
+
+def test_state_round_trips_through_torch_save(samples):
+    """The state is plain values: torch.load's default weights_only=True reads it back, and it
+    resumes where it was saved (a numpy seed is stored as an int)."""
+    table = SampleTable.from_samples([metadata(s) for s in samples])
+    config = _config(tail="carry", seed=np.int64(3))
+    reference = list(PackedBatchSampler(table, config, dp_rank=1))
+    first = PackedBatchSampler(table, config, dp_rank=1)
+    it = iter(first)
+    taken = [next(it) for _ in range(3)]
+    buffer = io.BytesIO()
+    torch.save(first.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer)
+    assert state == first.state_dict()
+    resumed = PackedBatchSampler(table, config, dp_rank=1)
+    resumed.load_state_dict(state)
+    assert taken + list(resumed) == reference
+    with pytest.raises(ValueError, match="micro_batches_per_rank=2 but this sampler has micro_batches_per_rank=1"):
+        PackedBatchSampler(table, _config(tail="carry", micro_batches_per_rank=1), dp_rank=1).load_state_dict(state)
+
+
+def test_state_of_format_1_still_loads_with_a_warning(samples):
+    """A state saved before the layout was recorded resumes (its seed, dataset size and DP size checked)
+    with a warning that the rest of the layout could not be."""
+    table = SampleTable.from_samples([metadata(s) for s in samples])
+    reference = list(PackedBatchSampler(table, _config(), dp_rank=0))
+    old = {"epoch": 0, "position": 3, "carried": [], "seed": 3, "num_samples": len(samples), "dp_size": 2}
+    resumed = PackedBatchSampler(table, _config(), dp_rank=0)
+    with pytest.warns(UserWarning, match="format 1 records only num_samples, dp_size and seed"):
+        resumed.load_state_dict(old)
+    assert list(resumed) == reference[3:]
+    assert resumed.state_dict()["format"] == 2
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="seed=3 but this sampler has seed=4"):
+        PackedBatchSampler(table, _config(seed=4), dp_rank=0).load_state_dict(old)
+    with pytest.raises(ValueError, match="format=3; this version reads formats 1 and 2"):
+        resumed.load_state_dict({**resumed.state_dict(), "format": 3})
+
+
 class _TaskEncoder(PlannedPackingMixin):
     packing_hooks = EnergonPackingHooks(
         metadata=lambda s: metadata(s.payload), collate=lambda group: collate([s.payload for s in group]),
@@ -184,3 +270,63 @@ def test_dp_rank_must_be_an_int(samples):
     table = SampleTable.from_samples([metadata(s) for s in samples])
     with pytest.raises(ValueError, match=r"dp_rank=1.5 must lie in \[0, 2\)"):
         PackedBatchSampler(table, _config(), dp_rank=1.5)
+
+
+def _len_then_drain(sampler: PackedBatchSampler) -> list:
+    """The next iteration's micro-batches, after checking that len() announced as many."""
+    announced = len(sampler)
+    batches = list(sampler)
+    assert announced == len(batches)
+    return batches
+
+
+def test_len_counts_what_the_next_iteration_yields(samples):
+    """After a resume at position p, len() counted the whole epoch while iteration yielded the rest:
+    a DataLoader's len and progress bars were p micro-batches too long."""
+    table = SampleTable.from_samples([metadata(s) for s in samples])
+    config = _config(tail="carry")
+    straight = PackedBatchSampler(table, config, dp_rank=1)
+    assert straight.plan().carried  # epoch 1 starts with epoch 0's carried samples
+    first_epoch, second_epoch = _len_then_drain(straight), _len_then_drain(straight)
+    assert len(first_epoch) > 3
+    for epoch, reference in ((0, first_epoch), (1, second_epoch)):
+        sampler = PackedBatchSampler(table, config, dp_rank=1)
+        sampler.set_epoch(0)
+        if epoch:
+            _len_then_drain(sampler)  # carries its tail into epoch 1
+        it = iter(sampler)
+        taken = [next(it) for _ in range(3)]
+        assert len(sampler) == len(reference) - 3  # a paused iteration: what is left of it
+        resumed = PackedBatchSampler(table, config, dp_rank=1)
+        resumed.load_state_dict(sampler.state_dict())
+        loader = torch.utils.data.DataLoader(list(range(len(samples))), batch_sampler=resumed,
+                                             collate_fn=lambda group: group)
+        assert len(loader) == len(reference) - 3
+        resumed.set_epoch(epoch)  # the resumed epoch keeps its place, and its length
+        assert taken + _len_then_drain(resumed) == reference
+        assert len(_len_then_drain(resumed)) > 0  # the next epoch, whole
+        resumed.set_epoch(epoch)  # from its beginning (its carried-in samples stay carried)
+        assert len(resumed) == len(_len_then_drain(resumed))
+    sampler = PackedBatchSampler(table, config, dp_rank=1)
+    next(iter(sampler))
+    sampler.set_epoch(1)  # another epoch: all of it
+    assert len(sampler) == len(list(sampler))
+
+
+def test_set_epoch_back_plans_with_the_samples_carried_so_far(samples):
+    """The plan was cached by epoch alone: set_epoch(0) after epoch 0 (which carried samples out)
+    reused epoch 0's first plan, while state_dict recorded the carried samples: a resume then planned
+    another epoch 0 and continued at other samples. Whether len() ran in between changed the plan."""
+    table = SampleTable.from_samples([metadata(s) for s in samples])
+    config = _config(tail="carry")
+    sampler = PackedBatchSampler(table, config, dp_rank=0)
+    list(sampler)
+    carried = sampler.state_dict()["carried"]
+    assert carried
+    sampler.set_epoch(0)
+    it = iter(sampler)
+    taken = [next(it) for _ in range(2)]
+    resumed = PackedBatchSampler(table, config, dp_rank=0)
+    resumed.load_state_dict(sampler.state_dict())
+    replay = plan_epoch(table, config, epoch=0, carried_in=carried).micro_batches(0)
+    assert taken + list(it) == taken + list(resumed) == [list(b.samples) for b in replay]
