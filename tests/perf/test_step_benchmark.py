@@ -1,6 +1,6 @@
-"""The benchmarks cannot rot unseen between the sessions that run them: benchmarks/step_pack_vs_pad.py (run
-on a lent GPU, often sessions apart) runs as a user runs it, every mode, on its seconds-long `smoke`
-preset; benchmarks/pack_vs_bridge.py's packers all agree on a small batch, Megatron-Bridge's own
+"""The benchmarks cannot rot unseen between the sessions that run them: benchmarks/step_pack_vs_pad.py and
+step_breakdown.py (run on a lent GPU, often sessions apart) run as a user runs them, every mode, on the
+seconds-long `smoke` preset; benchmarks/pack_vs_bridge.py's packers all agree on a small batch, Megatron-Bridge's own
 packer included when it is installed."""
 
 import os
@@ -29,6 +29,17 @@ def test_step_benchmark_runs_every_mode(rope, tmp_path):
     for row in rows:
         ms, speedup = row.split(" | ")[5:7]
         assert float(ms) > 0 and speedup.endswith("x")
+
+
+def test_step_breakdown_profiles_both_modes(tmp_path):
+    out = tmp_path / "breakdown.md"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_breakdown.py"), "--preset", "smoke", "--steps", "1",
+                    "--top", "5", "--out", str(out)], check=True, env=env, cwd=tmp_path, capture_output=True, timeout=300)
+    text = out.read_text()
+    assert "| padded to batch max |" in text and "| packed THD, ours |" in text
+    op_rows = [line for line in text.splitlines() if line.startswith("| `")]
+    assert len(op_rows) == 5
 
 
 @pytest.mark.parametrize("cp", [1, 2])
