@@ -66,6 +66,18 @@ class LlavaSpace:
                    pipeline_length=max_length if pipelined else None, max_length=max_length)
 
 
+def check_image_dtype(images: torch.Tensor, name: str) -> None:
+    """LLaVA's image tiles are floating-point pixel values: an integer (or bool, complex) tensor would reach
+    the vision tower as is, or be cast without its normalisation; refused wherever images enter.
+
+    Raises:
+        ValueError: naming `name` and the dtype.
+    """
+    if not images.is_floating_point():
+        raise ValueError(f"{name} must hold floating-point pixel values, got dtype {images.dtype}: convert and "
+                         f"normalise them as the vision tower expects before packing")
+
+
 def default_image_tiles(num_image_tiles, num_images: int, device) -> torch.Tensor:
     """[I] int tiles per image: the given ones, or LLaVA's documented default, one per image."""
     if num_image_tiles is None:
@@ -271,6 +283,8 @@ class LLaVAAdapter(ModelAdapter):
         n_images = len(known) if known is not None else int((ids == self.space.image_token_index).sum())
         vision = micro_batch.vision
         images = vision.pixel_values if vision is not None and vision.has_images else None
+        if images is not None:
+            check_image_dtype(images, "images (vision.pixel_values)")
         tiles = default_image_tiles(vision.num_image_tiles if vision is not None else None, n_images, ids.device)
         if tiles.numel() != n_images:
             raise ValueError(f"{n_images} image tokens in input_ids but {tiles.numel()} entries in num_image_tiles")

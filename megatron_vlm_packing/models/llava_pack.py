@@ -17,7 +17,9 @@ from typing import Callable, Mapping
 
 import torch
 
-from megatron_vlm_packing.models.llava import LlavaPackPlan, LlavaSpace, image_expansion, llava_pack_plan
+from megatron_vlm_packing.models.llava import (
+    LlavaPackPlan, LlavaSpace, check_image_dtype, image_expansion, llava_pack_plan,
+)
 from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch, VisionInputs
 
 _IMAGE_KEYS = ("images", "pixel_values")
@@ -35,6 +37,7 @@ def _images(batch: dict) -> torch.Tensor | None:
     if not isinstance(images, torch.Tensor) or (images.dim() != 4 and images.numel() > 0):
         raise ValueError(f"{given[0]} must be one [tiles, C, H, W] tensor, got "
                          f"{tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__}")
+    check_image_dtype(images, given[0])
     return images
 
 
@@ -106,6 +109,7 @@ def _read_rows(batch: dict, space: LlavaSpace, label_style: str):
     """
     from megatron_vlm_packing.packing.rows import Rows, input_ids_of, queue_row_reads
 
+    images = _images(batch)  # refused (shape, dtype) before the read
     name, ids = input_ids_of(batch)
     shape = tuple(ids.shape)
     # LLaVA's default image token is negative (DEFAULT_IMAGE_TOKEN_INDEX = -200, which LLaVAModel never
@@ -119,7 +123,7 @@ def _read_rows(batch: dict, space: LlavaSpace, label_style: str):
     rows = Rows(input_ids=ids, mask=queued.mask, lengths=queued.lengths(host), raw_labels=queued.raw_labels,
                 label_style=label_style, loss_values=queued.loss_values, positions=None, vision=None, audio=None)
     return ids, rows.labels, rows.loss_weights, rows.lengths, _llava_rows(host[llava_entry], shape[0], tiles,
-                                                                            _images(batch), ids.device)
+                                                                            images, ids.device)
 
 
 def pack_llava_batch(batch: dict, space: LlavaSpace, *, label_style: str = "megatron", pad_to: int | None = None,
