@@ -317,8 +317,10 @@ class LLaVAAdapter(ModelAdapter):
         """A micro-batch packed by `models.llava_pack.LlavaPackingCollator`, for this model's space: moved.
 
         Raises:
-            ValueError: it was not planned in LLaVA's expanded space, or for another space / layout.
+            ValueError: it was not planned in LLaVA's expanded space, or for another space / layout, or
+                not as the step's options ask (`llava_pack.check_loader_micro_batch`: pack, pad_to, PP).
         """
+        from megatron_vlm_packing.models.llava_pack import check_loader_micro_batch
         from megatron_vlm_packing.packing.collate import micro_batch_to
 
         plan, wanted = micro_batch.plan, self.space_for(layout, options)
@@ -328,6 +330,7 @@ class LLaVAAdapter(ModelAdapter):
         if plan.space != wanted:
             raise ValueError(f"the micro-batch was packed for {plan.space} but this model and layout need {wanted}: "
                              f"build the LlavaPackingCollator with LlavaSpace.of(model) and the step's fp8")
+        check_loader_micro_batch(micro_batch, wanted, options)
         return micro_batch_to(micro_batch, device)
 
     def check(self, micro_batch: MicroBatch) -> None:

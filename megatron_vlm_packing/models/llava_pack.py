@@ -126,6 +126,51 @@ def _read_rows(batch: dict, space: LlavaSpace, label_style: str):
                                                                             images, ids.device)
 
 
+def llava_pad_to(pad_to, space: LlavaSpace) -> int | None:
+    """The expanded length a pack must have: `pad_to` (a Python int), else LLaVA's pipeline length under
+    PP, else None (the next multiple of the shard factor). The one check of `pad_to` against PP, for
+    `pack_llava_batch` and for a micro-batch packed in the DataLoader (`check_loader_micro_batch`).
+
+    Raises:
+        ValueError: `pad_to` not an int (`checked_pad_to`: a float was a TypeError deep in the plan), or
+            under PP another length than `space.pipeline_length`: LLaVAModel pads every row to it whatever
+            we plan, so a pack planned to another length would get boundaries that do not end where the
+            sequence does.
+    """
+    from megatron_vlm_packing.packing.plan import checked_pad_to
+
+    pad_to = checked_pad_to(pad_to)
+    if pad_to is not None and space.pipeline_length is not None and pad_to != space.pipeline_length:
+        raise ValueError(f"pad_to={pad_to} but under pipeline parallelism LLaVAModel pads every row to "
+                         f"language_max_sequence_length={space.pipeline_length}: leave pad_to None or set it to that")
+    return pad_to if pad_to is not None else space.pipeline_length
+
+
+def check_loader_micro_batch(micro_batch: MicroBatch, space: LlavaSpace, options) -> None:
+    """A micro-batch packed in the DataLoader (`LlavaPackingCollator`) is what the step's options ask
+    for in LLaVA's expanded space, as `models.adapter.check_loader_shape` checks other models' (their
+    `pad_to` is a collapsed length, LLaVA's an expanded one); host ints of its plan only (no sync).
+
+    Args:
+        micro_batch: planned by `pack_llava_batch` (a `LlavaPackPlan`) for `space`, the model's (the
+            caller compares the spaces). options: the step's `StepOptions`.
+
+    Raises:
+        ValueError: the step is dense (`pack=False`), its `pad_to` disagrees with PP (`llava_pad_to`),
+            or the pack expands to another length than `pad_to` / the pipeline length.
+    """
+    from megatron_vlm_packing.models.adapter import check_loader_kind
+
+    check_loader_kind(micro_batch, options)
+    wanted = llava_pad_to(options.pad_to, space)
+    expanded = sum(micro_batch.plan.expanded_physical)
+    if wanted is not None and expanded != wanted:
+        name = f"pad_to={options.pad_to}" if options.pad_to is not None else \
+            f"pipeline parallelism (language_max_sequence_length={space.pipeline_length})"
+        raise ValueError(f"the packed micro-batch from the data iterator expands to {expanded} tokens but the step "
+                         f"needs {wanted} ({name}): build the LlavaPackingCollator with pad_to={wanted}")
+
+
 def pack_llava_batch(batch: dict, space: LlavaSpace, *, label_style: str = "megatron", pad_to: int | None = None,
                      pad_token_id: int = 0) -> MicroBatch:
     """Pack a right-padded LLaVA micro-batch for `LLaVAModel` with `space` (`LlavaSpace.of(model)`).
@@ -145,18 +190,12 @@ def pack_llava_batch(batch: dict, space: LlavaSpace, *, label_style: str = "mega
         expanded tokens (what attention computes). One host sync.
     """
     from megatron_vlm_packing.packing import make_packed_seq_params, pack_rows, plan_indices, segment_positions
-    from megatron_vlm_packing.packing.plan import checked_pad_to
     from megatron_vlm_packing.packing.rows import check_pad_token_id
 
     check_pad_token_id(pad_token_id)
     if pad_token_id == space.image_token_index:
         raise ValueError(f"pad_token_id={pad_token_id} is LLaVA's image token: pad slots would become images")
-    pad_to = checked_pad_to(pad_to)  # a float was a TypeError deep in the plan
-    if pad_to is not None and space.pipeline_length is not None and pad_to != space.pipeline_length:
-        # Under PP LLaVAModel pads every row to language_max_sequence_length whatever we plan: a pack
-        # planned to another length would get boundaries that do not end where the sequence does.
-        raise ValueError(f"pad_to={pad_to} but under pipeline parallelism LLaVAModel pads every row to "
-                         f"language_max_sequence_length={space.pipeline_length}: leave pad_to None or set it to that")
+    pad_to = llava_pad_to(pad_to, space)
     ids, labels, weights, row_lengths, llava = _read_rows(batch, space, label_style)
     tiles, host_tiles, images_per_row, row_expansion, opens = llava
     plan = llava_pack_plan(row_lengths, row_capacity=ids.shape[1], row_expansion=row_expansion,

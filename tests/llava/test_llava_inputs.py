@@ -55,3 +55,40 @@ def test_the_step_refuses_integer_images_in_a_micro_batch_built_by_hand():
         adapter.check(ints)
     with pytest.raises(ValueError, match=r"got dtype torch.uint8"):
         adapter.forward(lambda *a, **k: (torch.zeros(1), None), ints)
+
+
+def _from_loader(space, collator_pad_to=None, **options):
+    """A micro-batch packed by LlavaPackingCollator for `space`, taken by the step made with `options`."""
+    from megatron_vlm_packing.parallel.layout import ParallelLayout
+    from megatron_vlm_packing.train.step import StepOptions
+
+    packed = LlavaPackingCollator(space=space, pad_to=collator_pad_to)(_batch(torch.zeros(1, 3, 2, 2)))
+    return _adapter(space).micro_batch_from_loader(packed, ParallelLayout(), StepOptions(**options),
+                                                   torch.device("cpu"))
+
+
+PIPED = LlavaSpace(img_seq_len=4, image_token_index=IMG, pipeline_length=40, max_length=40)
+
+
+def test_a_loader_micro_batch_is_checked_against_the_steps_pad_to_and_pp():
+    """pack_llava_batch refused pad_to other than the PP length; a micro-batch packed in the loader and
+    fed to a step made with that pad_to (or another length, or pack=False) was taken silently."""
+    assert sum(_from_loader(PIPED).plan.expanded_physical) == 40
+    assert sum(_from_loader(PIPED, pad_to=40).plan.expanded_physical) == 40
+    with pytest.raises(ValueError, match="pad_to=32 but under pipeline parallelism LLaVAModel pads every row to "
+                                         "language_max_sequence_length=40"):
+        _from_loader(PIPED, pad_to=32)
+    with pytest.raises(ValueError, match=r"the packed micro-batch from the data iterator expands to 10 tokens but the "
+                                         r"step needs 16 \(pad_to=16\): build the LlavaPackingCollator with pad_to=16"):
+        _from_loader(SPACE, pad_to=16)
+    assert sum(_from_loader(SPACE, collator_pad_to=16, pad_to=16).plan.expanded_physical) == 16
+    with pytest.raises(ValueError, match=r"the data iterator yielded a packed micro-batch but the step was made with "
+                                         r"pack=False"):
+        _from_loader(SPACE, pack=False)
+
+
+def test_pack_llava_batch_and_the_loader_share_the_pp_check():
+    with pytest.raises(ValueError, match="pad_to=32 but under pipeline parallelism"):
+        pack_llava_batch(_batch(torch.zeros(1, 3, 2, 2)), PIPED, pad_to=32)
+    with pytest.raises(ValueError, match="pad_to=32 but under pipeline parallelism"):
+        LlavaPackingCollator(space=PIPED, pad_to=32)(_batch(torch.zeros(1, 3, 2, 2)))
