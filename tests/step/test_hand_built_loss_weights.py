@@ -77,3 +77,12 @@ def test_packed_micro_batches_cost_no_sync_and_hand_built_ones_one():
     with count_host_syncs() as syncs:
         prepare_for_model(_by_hand(loader), _Adapter(), ParallelLayout())
     assert syncs.total == 1, syncs.report()
+
+
+def test_the_mark_survives_a_dataloader_worker():
+    """The worker pickles the micro-batch; `checked_loss_mask` and `loss_mask` stay one tensor."""
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader([_batch()], batch_size=None, num_workers=1, timeout=60,
+                        collate_fn=PackingCollator(label_style="hf"))
+    assert next(iter(loader)).loss_weights_checked
