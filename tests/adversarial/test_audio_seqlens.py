@@ -28,7 +28,8 @@ ONE_TOKEN = (1, 6, 7, 3, 4)  # an audio block of 1 placeholder
 TWO_TOKENS = (1, 6, 7, 7, 3)  # an audio block of 2 placeholders
 PACKERS = {"pack": packing.pack_batch, "pack_host": lambda b, **kw: packing.pack_batch(b, host_reads=True, **kw),
            "pad": packing.pad_batch}
-_MISMATCH = r"row 1 has 1 audio placeholder tokens, but the audios of audio_seqlens in order give it 2 \(1 audio\(s\) 1..1"
+_MISMATCH = (r"row 1 has 1 audio placeholder tokens, but the audios of audio_seqlens in order give it 2 "
+             r"\(1 audio\(s\) 1..1")
 
 
 def _features(*frames):
@@ -42,11 +43,12 @@ CASES = {
     "no_grids": (dict(audio_seqlens=torch.tensor([TEN, TEN])), _MISMATCH),
     # the features agree with the placeholders; audio_seqlens (what the positions read) does not
     "features_agree": (dict(audio_seqlens=torch.tensor([TEN, TEN]), **_features(TEN, ONE)), _MISMATCH),
-    "empty_image_grid": (dict(audio_seqlens=torch.tensor([TEN, TEN]), image_grid_thw=torch.zeros(0, 3, dtype=torch.long)),
-                         _MISMATCH),
+    "empty_image_grid": (dict(audio_seqlens=torch.tensor([TEN, TEN]),
+                              image_grid_thw=torch.zeros(0, 3, dtype=torch.long)), _MISMATCH),
     "clip_left_over": (dict(audio_seqlens=torch.tensor([TEN, ONE, ONE])),
                        r"audio_seqlens has 3 audio\(s\) but the rows' audio placeholders use only 2 \(3 placeholder"),
-    "length_zero": (dict(audio_seqlens=torch.tensor([TEN, 0])), r"audio_seqlens entry 1 is 0: raw audio lengths must be >= 1"),
+    "length_zero": (dict(audio_seqlens=torch.tensor([TEN, 0])),
+                    r"audio_seqlens entry 1 is 0: raw audio lengths must be >= 1"),
     "float_lengths": (dict(audio_seqlens=torch.tensor([10.0, 1.5])),
                       r"audio_seqlens must hold integer raw audio lengths, got dtype torch.float32"),
     "list_of_floats": (dict(audio_seqlens=[10, 1.5]), r"audio_seqlens entry 1 is 1.5: raw audio lengths must be ints"),
