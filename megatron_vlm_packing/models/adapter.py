@@ -102,10 +102,8 @@ def check_loader_shape(micro_batch: MicroBatch, multiples, options) -> None:
         ValueError: packed vs dense differs from `options.pack`, the length is not `pad_to` /
             `seq_length`, or not a multiple of the layout's total multiple (naming the numbers).
     """
+    check_loader_kind(micro_batch, options)
     kind = "packed" if micro_batch.is_packed else "dense"
-    if micro_batch.is_packed != options.pack:
-        raise ValueError(f"the data iterator yielded a {kind} micro-batch but the step was made with "
-                         f"pack={options.pack}: make_forward_step(pack={micro_batch.is_packed}) or build it the other way")
     length = micro_batch.input_ids.shape[-1]
     wanted = options.pad_to if micro_batch.is_packed else options.seq_length
     if wanted is not None and length != wanted:
@@ -116,6 +114,18 @@ def check_loader_shape(micro_batch: MicroBatch, multiples, options) -> None:
         raise ValueError(f"the {kind} micro-batch from the data iterator has length {length}, not a multiple of "
                          f"{multiples.total} that the model's layout needs ({multiples}): build it with the model's "
                          f"tp_size, cp_size, sequence_parallel and fp8")
+
+
+def check_loader_kind(micro_batch: MicroBatch, options) -> None:
+    """A micro-batch built before the step is packed exactly when the step's `options.pack` says so.
+
+    Raises:
+        ValueError: naming both.
+    """
+    if micro_batch.is_packed != options.pack:
+        kind = "packed" if micro_batch.is_packed else "dense"
+        raise ValueError(f"the data iterator yielded a {kind} micro-batch but the step was made with "
+                         f"pack={options.pack}: make_forward_step(pack={micro_batch.is_packed}) or build it the other way")
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:

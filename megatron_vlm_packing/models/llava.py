@@ -66,6 +66,18 @@ class LlavaSpace:
                    pipeline_length=max_length if pipelined else None, max_length=max_length)
 
 
+def check_image_dtype(images: torch.Tensor, name: str) -> None:
+    """LLaVA's image tiles are floating-point pixel values: an integer (or bool, complex) tensor would reach
+    the vision tower as is, or be cast without its normalisation; refused wherever images enter.
+
+    Raises:
+        ValueError: naming `name` and the dtype.
+    """
+    if not images.is_floating_point():
+        raise ValueError(f"{name} must hold floating-point pixel values, got dtype {images.dtype}: convert and "
+                         f"normalise them as the vision tower expects before packing")
+
+
 def default_image_tiles(num_image_tiles, num_images: int, device) -> torch.Tensor:
     """[I] int tiles per image: the given ones, or LLaVA's documented default, one per image."""
     if num_image_tiles is None:
@@ -271,6 +283,8 @@ class LLaVAAdapter(ModelAdapter):
         n_images = len(known) if known is not None else int((ids == self.space.image_token_index).sum())
         vision = micro_batch.vision
         images = vision.pixel_values if vision is not None and vision.has_images else None
+        if images is not None:
+            check_image_dtype(images, "images (vision.pixel_values)")
         tiles = default_image_tiles(vision.num_image_tiles if vision is not None else None, n_images, ids.device)
         if tiles.numel() != n_images:
             raise ValueError(f"{n_images} image tokens in input_ids but {tiles.numel()} entries in num_image_tiles")
@@ -303,8 +317,10 @@ class LLaVAAdapter(ModelAdapter):
         """A micro-batch packed by `models.llava_pack.LlavaPackingCollator`, for this model's space: moved.
 
         Raises:
-            ValueError: it was not planned in LLaVA's expanded space, or for another space / layout.
+            ValueError: it was not planned in LLaVA's expanded space, or for another space / layout, or
+                not as the step's options ask (`llava_pack.check_loader_micro_batch`: pack, pad_to, PP).
         """
+        from megatron_vlm_packing.models.llava_pack import check_loader_micro_batch
         from megatron_vlm_packing.packing.collate import micro_batch_to
 
         plan, wanted = micro_batch.plan, self.space_for(layout, options)
@@ -314,6 +330,7 @@ class LLaVAAdapter(ModelAdapter):
         if plan.space != wanted:
             raise ValueError(f"the micro-batch was packed for {plan.space} but this model and layout need {wanted}: "
                              f"build the LlavaPackingCollator with LlavaSpace.of(model) and the step's fp8")
+        check_loader_micro_batch(micro_batch, wanted, options)
         return micro_batch_to(micro_batch, device)
 
     def check(self, micro_batch: MicroBatch) -> None:

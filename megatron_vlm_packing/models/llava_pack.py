@@ -17,7 +17,9 @@ from typing import Callable, Mapping
 
 import torch
 
-from megatron_vlm_packing.models.llava import LlavaPackPlan, LlavaSpace, image_expansion, llava_pack_plan
+from megatron_vlm_packing.models.llava import (
+    LlavaPackPlan, LlavaSpace, check_image_dtype, image_expansion, llava_pack_plan,
+)
 from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch, VisionInputs
 
 _IMAGE_KEYS = ("images", "pixel_values")
@@ -35,6 +37,7 @@ def _images(batch: dict) -> torch.Tensor | None:
     if not isinstance(images, torch.Tensor) or (images.dim() != 4 and images.numel() > 0):
         raise ValueError(f"{given[0]} must be one [tiles, C, H, W] tensor, got "
                          f"{tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__}")
+    check_image_dtype(images, given[0])
     return images
 
 
@@ -106,6 +109,7 @@ def _read_rows(batch: dict, space: LlavaSpace, label_style: str):
     """
     from megatron_vlm_packing.packing.rows import Rows, input_ids_of, queue_row_reads
 
+    images = _images(batch)  # refused (shape, dtype) before the read
     name, ids = input_ids_of(batch)
     shape = tuple(ids.shape)
     # LLaVA's default image token is negative (DEFAULT_IMAGE_TOKEN_INDEX = -200, which LLaVAModel never
@@ -119,7 +123,52 @@ def _read_rows(batch: dict, space: LlavaSpace, label_style: str):
     rows = Rows(input_ids=ids, mask=queued.mask, lengths=queued.lengths(host), raw_labels=queued.raw_labels,
                 label_style=label_style, loss_values=queued.loss_values, positions=None, vision=None, audio=None)
     return ids, rows.labels, rows.loss_weights, rows.lengths, _llava_rows(host[llava_entry], shape[0], tiles,
-                                                                            _images(batch), ids.device)
+                                                                            images, ids.device)
+
+
+def llava_pad_to(pad_to, space: LlavaSpace) -> int | None:
+    """The expanded length a pack must have: `pad_to` (a Python int), else LLaVA's pipeline length under
+    PP, else None (the next multiple of the shard factor). The one check of `pad_to` against PP, for
+    `pack_llava_batch` and for a micro-batch packed in the DataLoader (`check_loader_micro_batch`).
+
+    Raises:
+        ValueError: `pad_to` not an int (`checked_pad_to`: a float was a TypeError deep in the plan), or
+            under PP another length than `space.pipeline_length`: LLaVAModel pads every row to it whatever
+            we plan, so a pack planned to another length would get boundaries that do not end where the
+            sequence does.
+    """
+    from megatron_vlm_packing.packing.plan import checked_pad_to
+
+    pad_to = checked_pad_to(pad_to)
+    if pad_to is not None and space.pipeline_length is not None and pad_to != space.pipeline_length:
+        raise ValueError(f"pad_to={pad_to} but under pipeline parallelism LLaVAModel pads every row to "
+                         f"language_max_sequence_length={space.pipeline_length}: leave pad_to None or set it to that")
+    return pad_to if pad_to is not None else space.pipeline_length
+
+
+def check_loader_micro_batch(micro_batch: MicroBatch, space: LlavaSpace, options) -> None:
+    """A micro-batch packed in the DataLoader (`LlavaPackingCollator`) is what the step's options ask
+    for in LLaVA's expanded space, as `models.adapter.check_loader_shape` checks other models' (their
+    `pad_to` is a collapsed length, LLaVA's an expanded one); host ints of its plan only (no sync).
+
+    Args:
+        micro_batch: planned by `pack_llava_batch` (a `LlavaPackPlan`) for `space`, the model's (the
+            caller compares the spaces). options: the step's `StepOptions`.
+
+    Raises:
+        ValueError: the step is dense (`pack=False`), its `pad_to` disagrees with PP (`llava_pad_to`),
+            or the pack expands to another length than `pad_to` / the pipeline length.
+    """
+    from megatron_vlm_packing.models.adapter import check_loader_kind
+
+    check_loader_kind(micro_batch, options)
+    wanted = llava_pad_to(options.pad_to, space)
+    expanded = sum(micro_batch.plan.expanded_physical)
+    if wanted is not None and expanded != wanted:
+        name = f"pad_to={options.pad_to}" if options.pad_to is not None else \
+            f"pipeline parallelism (language_max_sequence_length={space.pipeline_length})"
+        raise ValueError(f"the packed micro-batch from the data iterator expands to {expanded} tokens but the step "
+                         f"needs {wanted} ({name}): build the LlavaPackingCollator with pad_to={wanted}")
 
 
 def pack_llava_batch(batch: dict, space: LlavaSpace, *, label_style: str = "megatron", pad_to: int | None = None,
@@ -141,18 +190,12 @@ def pack_llava_batch(batch: dict, space: LlavaSpace, *, label_style: str = "mega
         expanded tokens (what attention computes). One host sync.
     """
     from megatron_vlm_packing.packing import make_packed_seq_params, pack_rows, plan_indices, segment_positions
-    from megatron_vlm_packing.packing.plan import checked_pad_to
     from megatron_vlm_packing.packing.rows import check_pad_token_id
 
     check_pad_token_id(pad_token_id)
     if pad_token_id == space.image_token_index:
         raise ValueError(f"pad_token_id={pad_token_id} is LLaVA's image token: pad slots would become images")
-    pad_to = checked_pad_to(pad_to)  # a float was a TypeError deep in the plan
-    if pad_to is not None and space.pipeline_length is not None and pad_to != space.pipeline_length:
-        # Under PP LLaVAModel pads every row to language_max_sequence_length whatever we plan: a pack
-        # planned to another length would get boundaries that do not end where the sequence does.
-        raise ValueError(f"pad_to={pad_to} but under pipeline parallelism LLaVAModel pads every row to "
-                         f"language_max_sequence_length={space.pipeline_length}: leave pad_to None or set it to that")
+    pad_to = llava_pad_to(pad_to, space)
     ids, labels, weights, row_lengths, llava = _read_rows(batch, space, label_style)
     tiles, host_tiles, images_per_row, row_expansion, opens = llava
     plan = llava_pack_plan(row_lengths, row_capacity=ids.shape[1], row_expansion=row_expansion,
@@ -170,9 +213,10 @@ def pack_llava_batch(batch: dict, space: LlavaSpace, *, label_style: str = "mega
     expanded_rows = [n + e for n, e in zip(row_lengths, row_expansion)]
     stats = BatchStats(real_tokens=sum(expanded_rows), physical_tokens=plan.total + sum(row_expansion),
                        row_tokens=len(row_lengths) * max(expanded_rows))
+    loss_mask = pack_rows(weights, indices)  # its weights were checked in the rows' read
     return MicroBatch(
         input_ids=pack_rows(ids, indices, pad_value=pad_token_id),
-        labels=pack_rows(labels, indices, pad_value=IGNORE_INDEX), loss_mask=pack_rows(weights, indices),
+        labels=pack_rows(labels, indices, pad_value=IGNORE_INDEX), loss_mask=loss_mask, checked_loss_mask=loss_mask,
         position_ids=segment_positions(indices), padding_mask=~indices.is_real[None],
         packed_seq_params=make_packed_seq_params(plan, indices), rope_cu_seqlens=indices.cu_seqlens, stats=stats,
         vision=vision, plan=plan, indices=indices,
@@ -240,8 +284,10 @@ def pad_llava_batch(batch: dict, space: LlavaSpace, *, label_style: str = "megat
     if images is not None and images.shape[0] > 0:
         vision = VisionInputs(pixel_values=images, images_per_sample=tuple(images_per_row), num_image_tiles=tiles)
     rows_expanded = rows * (space.pipeline_length or longest)
+    loss_mask = rows_of(weights, 0.0)  # its weights were checked in the rows' read
     return MicroBatch(
-        input_ids=rows_of(ids, pad_token_id), labels=rows_of(labels, IGNORE_INDEX), loss_mask=rows_of(weights, 0.0),
+        input_ids=rows_of(ids, pad_token_id), labels=rows_of(labels, IGNORE_INDEX), loss_mask=loss_mask,
+        checked_loss_mask=loss_mask,
         position_ids=torch.arange(length, device=ids.device)[None].expand(rows, length), padding_mask=~keep,
         packed_seq_params=None, rope_cu_seqlens=None, vision=vision,
         stats=BatchStats(real_tokens=sum(expanded), physical_tokens=rows_expanded, row_tokens=rows_expanded),

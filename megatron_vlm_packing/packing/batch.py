@@ -191,6 +191,7 @@ def pack_batch(
         input_ids=input_ids,
         labels=labels,
         loss_mask=loss_mask,
+        checked_loss_mask=loss_mask,  # its weights were checked in the read (or over the packed tokens)
         position_ids=positions,
         padding_mask=padding_mask_of(indices),
         packed_seq_params=make_packed_seq_params(plan, indices),

@@ -152,7 +152,8 @@ def in_one_storage(micro_batch: MicroBatch) -> MicroBatch:
 
 def _refuse_graphs(micro_batch: MicroBatch) -> None:
     """ValueError naming the fields of `micro_batch` whose tensors carry a graph (error path only)."""
-    named = [(f.name, getattr(micro_batch, f.name)) for f in dataclasses.fields(micro_batch)]
+    named = [(f.name, getattr(micro_batch, f.name)) for f in dataclasses.fields(micro_batch)
+             if f.name != "checked_loss_mask"]  # loss_mask itself, named once
     for holder in ("vision", "audio"):
         value = getattr(micro_batch, holder)
         named += [(f"{holder}.{f.name}", getattr(value, f.name)) for f in dataclasses.fields(value)] if value else []
@@ -222,7 +223,8 @@ def _map_each(micro_batch: MicroBatch, fn: Callable[[torch.Tensor], torch.Tensor
         padding_mask=once(micro_batch.padding_mask), packed_seq_params=fields(micro_batch.packed_seq_params),
         rope_cu_seqlens=once(micro_batch.rope_cu_seqlens), vision=fields(micro_batch.vision),
         audio=fields(micro_batch.audio), extras={k: once(v) for k, v in micro_batch.extras.items()},
-        indices=indices, cp_index=once(micro_batch.cp_index))
+        indices=indices, cp_index=once(micro_batch.cp_index),
+        checked_loss_mask=once(micro_batch.checked_loss_mask))  # the same tensor as loss_mask stays the same
 
 
 def micro_batch_to(micro_batch: MicroBatch, device: torch.device) -> MicroBatch:

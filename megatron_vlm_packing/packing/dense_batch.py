@@ -123,10 +123,12 @@ def pad_batch(
     if length < row_length:  # truncated: the last kept token's target may lie beyond the cut, which is fine
         labels = torch.where(keep, labels, IGNORE_INDEX)
     real = int(keep.sum()) if length < max(rows.lengths) else sum(rows.lengths)
+    loss_mask = pad_or_truncate_rows(rows.loss_weights, length) * keep
     return MicroBatch(
         input_ids=torch.where(keep, pad_or_truncate_rows(rows.input_ids, length), pad_token_id),
         labels=labels,
-        loss_mask=pad_or_truncate_rows(rows.loss_weights, length) * keep,
+        loss_mask=loss_mask,
+        checked_loss_mask=loss_mask,  # its weights were checked in the rows' read
         position_ids=positions,
         padding_mask=~keep,
         packed_seq_params=None,

@@ -258,6 +258,7 @@ def queue_media_reads(batch: dict, input_ids: torch.Tensor, keep, tokens: MediaT
             entries[kind] = checks.add(((input_ids == token_id) & keep()).sum(dim=1), _never, None)
         else:
             _queue_orphan_check(input_ids, keep, kind, key, token_id, checks, row_name)
+    _queue_audio_seqlens(batch, input_ids, keep, tokens, checks, entries)
     for name in ("image_grid_thw", "video_grid_thw"):
         grid = batch.get(name)
         if isinstance(grid, torch.Tensor) and grid.dim() == 2 and grid.numel() and not grid.is_floating_point():
@@ -276,7 +277,22 @@ def queue_media_reads(batch: dict, input_ids: torch.Tensor, keep, tokens: MediaT
 
 
 # The batch keys `queue_media_reads` reads values of (besides placeholder counts).
-_READ_KEYS = frozenset({"image_grid_thw", "video_grid_thw", "second_per_grid_ts", "feature_attention_mask"})
+_READ_KEYS = frozenset({"image_grid_thw", "video_grid_thw", "second_per_grid_ts", "feature_attention_mask",
+                        "audio_seqlens"})
+
+
+def _queue_audio_seqlens(batch: dict, input_ids, keep, tokens: MediaTokens, checks, entries: dict) -> None:
+    """With `audio_seqlens` entries (Qwen3-Omni raw audio lengths, read by the mRoPE index), queue its
+    values and the audio placeholder tokens per row (when the id is known and not queued already), for
+    `check_audio_seqlens`. Integer tensors only: another dtype is refused there, not cast here."""
+    seqlens = batch.get("audio_seqlens")
+    if not _position_input(seqlens):
+        return
+    if tokens.audio_token_id is not None and "audio" not in entries:
+        entries["audio"] = checks.add(((input_ids == tokens.audio_token_id) & keep()).sum(dim=1), _never, None)
+    if isinstance(seqlens, torch.Tensor) and not (seqlens.is_floating_point() or seqlens.is_complex()
+                                                  or seqlens.dtype == torch.bool):
+        entries["audio_seqlens"] = checks.add(seqlens.to(input_ids.device, torch.long).reshape(-1), _never, None)
 
 
 def _never(values: list) -> bool:
@@ -403,3 +419,36 @@ def audio_inputs(batch: dict, host: MediaHost, tokens: MediaTokens) -> AudioInpu
     per_row = items_per_row(rows, clip_tokens, kind="audio", field="feature_attention_mask", row_name=host.row_name)
     return AudioInputs(input_features=features, feature_attention_mask=mask, audio_lengths=tuple(frames),
                        audios_per_sample=per_row)
+
+
+def check_audio_seqlens(batch: dict, host: MediaHost, tokens: MediaTokens) -> None:
+    """`audio_seqlens` (raw audio lengths, one per clip in token order) must give each row exactly the
+    audio placeholder tokens it holds: clip k takes `rope.omni.audio_output_length` of its entry. Checked
+    whatever else the batch holds (the mRoPE index walks audio blocks only beside grids).
+
+    Raises:
+        ValueError: a non-integer `audio_seqlens`, an entry < 1 (no encoder output), a row whose audio
+        placeholders disagree with its clips' lengths, or clips left over (naming the row, the clips
+        and both counts); no `audio_token_id` known to count them (unless counts are not required).
+    """
+    seqlens = batch.get("audio_seqlens")
+    if not _position_input(seqlens):
+        return
+    if isinstance(seqlens, torch.Tensor):
+        if seqlens.is_floating_point() or seqlens.is_complex() or seqlens.dtype == torch.bool:
+            raise ValueError(f"audio_seqlens must hold integer raw audio lengths, got dtype {seqlens.dtype}")
+        raw = host.values["audio_seqlens"]
+    else:
+        raw = list(seqlens)
+        bad = next((i for i, n in enumerate(raw) if isinstance(n, bool) or not isinstance(n, int)), None)
+        if bad is not None:
+            raise ValueError(f"audio_seqlens entry {bad} is {raw[bad]!r}: raw audio lengths must be ints")
+    short = next((i for i, n in enumerate(raw) if n < 1), None)
+    if short is not None:
+        raise ValueError(f"audio_seqlens entry {short} is {raw[short]}: raw audio lengths must be >= 1 (its audio "
+                         f"encoder output has no tokens)")
+    rows = _row_counts(host, tokens.audio_token_id, "audio", "audio_seqlens", tokens.require_counts)
+    from megatron_vlm_packing.rope.omni import audio_output_length
+
+    clip_tokens = [int(audio_output_length(n, tokens.audio_n_window)) for n in raw]  # host ints
+    items_per_row(rows, clip_tokens, kind="audio", field="audio_seqlens", row_name=host.row_name)

@@ -115,6 +115,10 @@ class MicroBatch:
         placeholders_checked: (kind, placeholder id) pairs, kind "image" / "video" / "audio", whose
             placeholders packing checked in its one read (counted against the items, or none among
             the real tokens when the kind has no items): a model with the same id need not look.
+        checked_loss_mask: the `loss_mask` tensor whose weights the packer checked (finite and >= 0) in
+            its read, set by `pack_batch` / `pad_batch` / LLaVA's packers (kept by moves and `replace`);
+            a micro-batch whose `loss_mask` is another tensor (built or changed by hand) is checked by
+            the step (`train.step.check_loss_weights`, one host sync then only).
     """
 
     input_ids: torch.Tensor
@@ -133,6 +137,12 @@ class MicroBatch:
     cp_index: torch.Tensor | None = None
     full_fields: frozenset[str] = frozenset()
     placeholders_checked: tuple[tuple[str, int], ...] = ()
+    checked_loss_mask: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def loss_weights_checked(self) -> bool:
+        """The packer checked these very loss weights (`checked_loss_mask` is `loss_mask`)."""
+        return self.checked_loss_mask is not None and self.checked_loss_mask is self.loss_mask
 
     @property
     def is_packed(self) -> bool:

@@ -24,7 +24,8 @@ from megatron_vlm_packing.packing.checks import (  # noqa: F401 (re-exported: ca
 from megatron_vlm_packing.packing.documents import DOCUMENT_KEY, split_documents
 from megatron_vlm_packing.packing.lengths import DeferredKeep, keep_mask_deferred, real_lengths
 from megatron_vlm_packing.packing.media import (
-    AUDIO_KEYS, VISION_KEYS, MediaHost, MediaTokens, audio_inputs, queue_media_reads, row_label, vision_inputs,
+    AUDIO_KEYS, VISION_KEYS, MediaHost, MediaTokens, audio_inputs, check_audio_seqlens, queue_media_reads, row_label,
+    vision_inputs,
 )
 from megatron_vlm_packing.packing.micro_batch import AudioInputs, VisionInputs
 from megatron_vlm_packing.packing.positions import (  # noqa: F401 (re-exported: callers import them from rows)
@@ -335,6 +336,7 @@ def read_rows(batch, *, label_style: str, mrope, media: MediaTokens, extra_keys=
         media_host = MediaHost({name: host[entry] for name, entry in media_entries.items()}, row_name)
         vision = vision_inputs(batch, media_host, media, grids_for_rope=mrope is not None)
         audio = audio_inputs(batch, media_host, media)
+        check_audio_seqlens(batch, media_host, media)
         positions = batch_positions(batch, input_ids, deferred, mrope, audio, rope, host)
     except ValueError:
         raise_value_errors_first(queued.unchecked_values, label_style, vocab_size, unchecked_positions)

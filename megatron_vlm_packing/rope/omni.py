@@ -121,7 +121,7 @@ def _openers(tokens: list[int], ids: set) -> list[int]:
 @dataclass(frozen=True)
 class QueuedOmniIndex:
     """The Qwen3-Omni index's inputs and the entries of its values on the caller's checks (`queue_omni_index`):
-    "flags" (grid entries bad: image, video; seconds bad), and with grids "ids" ([N = B*S]: the kept
+    "flags" (grid entries bad: image, video; seconds bad), and with grids or audio lengths "ids" ([N = B*S]: the kept
     ids, row by row, then fills), "lengths" ([B] kept tokens per row), "image_grid_thw" /
     "video_grid_thw" (flat), "seconds" (float64), "audio_seqlens". `slots`: [N] flat slot of each
     kept token, then N (None without grids). `where`: (row, position) -> how an error names a token."""
@@ -144,7 +144,7 @@ def queue_omni_index(input_ids, config: MRopeConfig, checks, *, image_grid_thw=N
                      attention_mask=None, audio_seqlens=None, second_per_grids=None,
                      where: Callable[[int, int], str] = token_place) -> QueuedOmniIndex:
     """Queue on `checks` (a `packing.checks.DeferredChecks`) what the Qwen3-Omni index reads: its value
-    checks and, with grids, the kept ids and every grid, seconds and audio length (the block loop runs
+    checks and, with grids or audio lengths, the kept ids and every grid, seconds and audio length (the block loop runs
     on the host). Reads and raises nothing; `finish_omni_index` does. Types checked by the caller."""
     from megatron_vlm_packing.rope.index import _any_bad_grid, _seconds_bad
 
@@ -155,7 +155,9 @@ def queue_omni_index(input_ids, config: MRopeConfig, checks, *, image_grid_thw=N
              seconds[1].any().to(device=device, dtype=torch.long) if seconds is not None
              else torch.zeros((), dtype=torch.long, device=device))
     entries, slots = {"flags": checks.add(flags, lambda host: False, None)}, None
-    if image_grid_thw is not None or video_grid_thw is not None:
+    # Audio lengths alone walk the blocks too: their counts are checked against the audio placeholders
+    # (the reference's text positions there are the same; it checks nothing).
+    if image_grid_thw is not None or video_grid_thw is not None or _flat(audio_seqlens, torch.long) is not None:
         n = input_ids.numel()
         slots = torch.nonzero_static(keep.reshape(-1), size=n, fill_value=n).flatten()  # row-major
         values = {"ids": input_ids.reshape(-1).index_select(0, slots.clamp(max=n - 1)), "lengths": keep.sum(1),

@@ -382,6 +382,33 @@ def loader_dense_rows_that_sp_cannot_split(m):
         dense, ParallelLayout(tp_size=2, sequence_parallel=True), StepOptions(pack=False), torch.device("cpu"))
 
 
+def _negative_weight(micro_batch):
+    weights = micro_batch.loss_mask.clone()
+    weights[0, 2] = -1.0
+    return weights
+
+
+@case
+def hand_built_micro_batch_with_a_negative_loss_weight(m):
+    """A MicroBatch built by the user (not by a packer): its weights reached the loss unchecked."""
+    from megatron_vlm_packing.packing import pack_batch
+    from megatron_vlm_packing.packing.micro_batch import MicroBatch
+
+    packed = _hf(pack_batch, text_batch())
+    fields = {name: getattr(packed, name) for name in MicroBatch.__dataclass_fields__ if name != "checked_loss_mask"}
+    return loss(make_forward_step(), m["gpt"], MicroBatch(**{**fields, "loss_mask": _negative_weight(packed)}))
+
+
+@case
+def transform_giving_a_nan_loss_weight(m):
+    def nan_weight(micro_batch):
+        weights = micro_batch.loss_mask.clone()
+        weights[0, 3] = float("nan")
+        return replace(micro_batch, loss_mask=weights)
+
+    return loss(make_forward_step(transform=nan_weight), m["gpt"], text_batch())
+
+
 # --- rotary kind ------------------------------------------------------------------------------
 
 @case

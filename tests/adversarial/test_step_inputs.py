@@ -50,6 +50,9 @@ EXPECTED = {
     "loader_dense_micro_batch_for_a_packed_step": (ERR, "ValueError", r"yielded a dense micro-batch but the step was made with pack=True"),
     "loader_micro_batch_shorter_than_pad_to": (ERR, "ValueError", r"packed micro-batch from the data iterator has length 13 but the step was made with pad_to=64"),
     "loader_micro_batch_with_pad_to_equals_in_step": ("ok", True),
+    # loss weights no packer checked (a hand-built micro-batch, a transform's): checked where they enter
+    "hand_built_micro_batch_with_a_negative_loss_weight": (ERR, "ValueError", r"loss_mask row 0 position 2 is -1\.0: loss weights must be finite and >= 0"),
+    "transform_giving_a_nan_loss_weight": (ERR, "ValueError", r"loss_mask row 0 position 3 is nan: loss weights must be finite and >= 0"),
     "loader_dense_micro_batch_other_than_seq_length": (ERR, "ValueError", r"dense micro-batch .* has length 6 but the step was made with seq_length=8"),
     "loader_dense_rows_that_sp_cannot_split": (ERR, "ValueError", r"dense micro-batch .* has length 5, not a multiple of 2 that the model's layout needs"),
     # rotary kind (bug class 1)

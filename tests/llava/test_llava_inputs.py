@@ -1,0 +1,94 @@
+"""LLaVA inputs refused wherever they enter (pack_llava_batch, pad_llava_batch, LlavaPackingCollator,
+the adapter's check on the step's path): integer-typed images, which before reached the vision tower
+uncast (or were cast without their normalisation)."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from megatron_vlm_packing.models.llava import LLaVAAdapter, LlavaSpace
+from megatron_vlm_packing.models.llava_pack import LlavaPackingCollator, pack_llava_batch, pad_llava_batch
+
+IMG = 127
+SPACE = LlavaSpace(img_seq_len=4, image_token_index=IMG)
+
+
+def _batch(images):
+    ids = torch.tensor([[5, 6, 7], [IMG, 8, 9]])
+    return {"input_ids": ids, "labels": ids + 1, "images": images}
+
+
+def _adapter(space=SPACE):
+    adapter = LLaVAAdapter.__new__(LLaVAAdapter)  # the checks read only the space (no model needed)
+    adapter.model_name, adapter.space = "LLaVAModel", space
+    return adapter
+
+
+ENTRIES = {
+    "pack_llava_batch": lambda batch: pack_llava_batch(batch, SPACE),
+    "pad_llava_batch": lambda batch: pad_llava_batch(batch, SPACE),
+    "collator": lambda batch: LlavaPackingCollator(space=SPACE)(batch),
+}
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRIES))
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.long, torch.bool])
+def test_integer_images_are_refused_where_they_enter(entry, dtype):
+    with pytest.raises(ValueError, match=rf"images must hold floating-point pixel values, got dtype {dtype}"):
+        ENTRIES[entry](_batch(torch.zeros(1, 3, 2, 2, dtype=dtype)))
+    with pytest.raises(ValueError, match=rf"pixel_values must hold floating-point pixel values, got dtype {dtype}"):
+        batch = _batch(None)
+        ENTRIES[entry]({**batch, "pixel_values": torch.zeros(1, 3, 2, 2, dtype=dtype)})
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert ENTRIES[entry](_batch(torch.zeros(1, 3, 2, 2, dtype=dtype))).vision.pixel_values.dtype == dtype
+
+
+def test_the_step_refuses_integer_images_in_a_micro_batch_built_by_hand():
+    """A MicroBatch built (or transformed) by the user reaches the adapter's check, not the vision tower."""
+    adapter = _adapter()
+    packed = pack_llava_batch(_batch(torch.zeros(1, 3, 2, 2)), SPACE)
+    adapter.check(packed)
+    ints = replace(packed, vision=replace(packed.vision, pixel_values=torch.zeros(1, 3, 2, 2, dtype=torch.uint8)))
+    with pytest.raises(ValueError, match=r"images \(vision.pixel_values\) must hold floating-point pixel values, got "
+                                         r"dtype torch.uint8"):
+        adapter.check(ints)
+    with pytest.raises(ValueError, match=r"got dtype torch.uint8"):
+        adapter.forward(lambda *a, **k: (torch.zeros(1), None), ints)
+
+
+def _from_loader(space, collator_pad_to=None, **options):
+    """A micro-batch packed by LlavaPackingCollator for `space`, taken by the step made with `options`."""
+    from megatron_vlm_packing.parallel.layout import ParallelLayout
+    from megatron_vlm_packing.train.step import StepOptions
+
+    packed = LlavaPackingCollator(space=space, pad_to=collator_pad_to)(_batch(torch.zeros(1, 3, 2, 2)))
+    return _adapter(space).micro_batch_from_loader(packed, ParallelLayout(), StepOptions(**options),
+                                                   torch.device("cpu"))
+
+
+PIPED = LlavaSpace(img_seq_len=4, image_token_index=IMG, pipeline_length=40, max_length=40)
+
+
+def test_a_loader_micro_batch_is_checked_against_the_steps_pad_to_and_pp():
+    """pack_llava_batch refused pad_to other than the PP length; a micro-batch packed in the loader and
+    fed to a step made with that pad_to (or another length, or pack=False) was taken silently."""
+    assert sum(_from_loader(PIPED).plan.expanded_physical) == 40
+    assert sum(_from_loader(PIPED, pad_to=40).plan.expanded_physical) == 40
+    with pytest.raises(ValueError, match="pad_to=32 but under pipeline parallelism LLaVAModel pads every row to "
+                                         "language_max_sequence_length=40"):
+        _from_loader(PIPED, pad_to=32)
+    with pytest.raises(ValueError, match=r"the packed micro-batch from the data iterator expands to 10 tokens but the "
+                                         r"step needs 16 \(pad_to=16\): build the LlavaPackingCollator with pad_to=16"):
+        _from_loader(SPACE, pad_to=16)
+    assert sum(_from_loader(SPACE, collator_pad_to=16, pad_to=16).plan.expanded_physical) == 16
+    with pytest.raises(ValueError, match=r"the data iterator yielded a packed micro-batch but the step was made with "
+                                         r"pack=False"):
+        _from_loader(SPACE, pack=False)
+
+
+def test_pack_llava_batch_and_the_loader_share_the_pp_check():
+    with pytest.raises(ValueError, match="pad_to=32 but under pipeline parallelism"):
+        pack_llava_batch(_batch(torch.zeros(1, 3, 2, 2)), PIPED, pad_to=32)
+    with pytest.raises(ValueError, match="pad_to=32 but under pipeline parallelism"):
+        LlavaPackingCollator(space=PIPED, pad_to=32)(_batch(torch.zeros(1, 3, 2, 2)))
