@@ -130,7 +130,8 @@ def read_thd_boundaries(params, *, local_tokens: int, cp_size: int, device: torc
             sets[name] = cu
     maxes = {name: getattr(params, name) for name in ("max_seqlen_q", "max_seqlen_kv")
              if isinstance(getattr(params, name), torch.Tensor)}
-    on_device = [cu.to(device).long() for cu in sets.values()] + [m.to(device).long().reshape(1) for m in maxes.values()]
+    on_device = [cu.to(device).long() for cu in sets.values()]
+    on_device += [m.to(device).long().reshape(1) for m in maxes.values()]
     flat = torch.cat(on_device).tolist()  # the one host read
     host, at = {}, 0
     for name, cu in sets.items():

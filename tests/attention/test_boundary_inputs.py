@@ -39,8 +39,10 @@ def both(real, padded):
 @pytest.mark.parametrize("fields, message", [
     # each of these ran and returned numbers
     (both([0, 9, 11, 14], [0, 8, 12, 16]),
-     r"cu_seqlens_q has more real tokens than cu_seqlens_q_padded has slots: \(document, \(real, physical\)\) \[\(0, \(9, 8\)\)\]"),
-    (both([0, 5, 4, 10], [0, 8, 12, 16]), r"cu_seqlens_q must be non-decreasing, got lengths \(document, value\) \[\(1, -1\)\]"),
+     r"cu_seqlens_q has more real tokens than cu_seqlens_q_padded has slots: "
+     r"\(document, \(real, physical\)\) \[\(0, \(9, 8\)\)\]"),
+    (both([0, 5, 4, 10], [0, 8, 12, 16]),
+     r"cu_seqlens_q must be non-decreasing, got lengths \(document, value\) \[\(1, -1\)\]"),
     (both([1, 5, 7, 10], [0, 8, 12, 16]), r"cu_seqlens_q and cu_seqlens_q_padded must start at 0, got 1 and 0"),
     (dict(cu_seqlens_q=torch.tensor([0, 5, 7, 10, 11]), cu_seqlens_kv=torch.tensor([0, 5, 7, 10, 11])),
      r"cu_seqlens_q_padded has 4 entries but cu_seqlens_q has 5"),
@@ -48,7 +50,8 @@ def both(real, padded):
      r"cu_seqlens_q_padded must be an integer tensor \(int32\), got torch.float32"),
     (dict(cu_seqlens_kv=torch.tensor([0, 6, 7, 10])), r"cu_seqlens_kv=\[0, 6, 7, 10\] differs from cu_seqlens_q"),
     # TE and varlen kernels size their grid by max_seqlen and leave a longer document's tail uncomputed
-    (dict(max_seqlen_q=4, max_seqlen_kv=4), r"\{'max_seqlen_q': 4, 'max_seqlen_kv': 4\} below the longest physical document \(8 slots\)"),
+    (dict(max_seqlen_q=4, max_seqlen_kv=4),
+     r"\{'max_seqlen_q': 4, 'max_seqlen_kv': 4\} below the longest physical document \(8 slots\)"),
     (dict(max_seqlen_q=torch.tensor(4)), r"\{'max_seqlen_q': 4\} below the longest physical document"),
     (dict(max_seqlen_q=8.0), r"max_seqlen_q must be a positive int, got float 8.0"),
     (dict(max_seqlen_kv=True), r"max_seqlen_kv must be a positive int, got bool True"),
@@ -87,7 +90,11 @@ def test_reference_thd_accepts_the_legal_forms_unchanged():
     assert out.shape == (16, 16)
 
 
-@pytest.mark.parametrize("attention", [reference, lambda: TorchVarlenCoreAttention(config(), 1, AttnMaskType.causal, "self")])
+def varlen():
+    return TorchVarlenCoreAttention(config(), 1, AttnMaskType.causal, "self")
+
+
+@pytest.mark.parametrize("attention", [reference, varlen])
 @pytest.mark.parametrize("qkv_format", [None, "sbhd", "bshd"])
 def test_boundaries_a_dense_call_would_ignore_are_refused(attention, qkv_format):
     # PackedSeqParams' qkv_format defaults to None: Megatron then runs dense rows, and the pack of three
@@ -112,7 +119,8 @@ def test_per_row_boundaries_of_a_dense_call_are_left_alone():
 @pytest.mark.parametrize("fields, message", [
     (dict(cu_seqlens_q_padded=CU_PADDED.float(), cu_seqlens_kv_padded=None),
      r"cu_seqlens_q_padded must be an integer tensor \(int32\), got torch.float32"),  # .int() truncated it
-    (dict(cu_seqlens_q_padded=CU_PADDED[None]), r"cu_seqlens_q_padded must be \[N\+1\] with N >= 1, got shape \(1, 4\)"),
+    (dict(cu_seqlens_q_padded=CU_PADDED[None]),
+     r"cu_seqlens_q_padded must be \[N\+1\] with N >= 1, got shape \(1, 4\)"),
     (dict(max_seqlen_q=None), r"\['max_seqlen_q'\] are None: varlen_attn needs the longest physical document"),
     (dict(max_seqlen_kv=8.5), r"max_seqlen_kv must be a positive int, got float 8.5"),
     (dict(cu_seqlens_q=None), r"cu_seqlens_q is None"),

@@ -80,9 +80,8 @@ def _with_params(mb, **fields):
 
 
 def _all_boundaries(cu_real, cu_padded):
-    return dict(cu_seqlens_q=torch.tensor(cu_real, dtype=torch.int32), cu_seqlens_kv=torch.tensor(cu_real, dtype=torch.int32),
-                cu_seqlens_q_padded=torch.tensor(cu_padded, dtype=torch.int32),
-                cu_seqlens_kv_padded=torch.tensor(cu_padded, dtype=torch.int32))
+    real, padded = torch.tensor(cu_real, dtype=torch.int32), torch.tensor(cu_padded, dtype=torch.int32)
+    return dict(cu_seqlens_q=real, cu_seqlens_kv=real, cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded)
 
 
 @pytest.mark.parametrize("cp_size", [1, 2])
@@ -150,5 +149,6 @@ def test_without_padded_boundaries_the_real_ones_are_the_physical_ones():
 
 def test_a_tensor_max_seqlen_is_left_to_the_kernel_and_the_plan_ones_pass():
     mb = _packed()
-    assert localize(_with_params(mb, max_seqlen_q=torch.tensor(8)), ParallelLayout(cp_size=2, cp_rank=0)).cp_index.numel() == 8
+    local = localize(_with_params(mb, max_seqlen_q=torch.tensor(8)), ParallelLayout(cp_size=2, cp_rank=0))
+    assert local.cp_index.numel() == 8
     assert localize(mb, ParallelLayout()) is mb
