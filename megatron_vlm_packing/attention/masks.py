@@ -32,13 +32,15 @@ def packed_attention_mask(
     cu_seqlens_padded: torch.Tensor,
     *,
     causal: bool,
+    total: int | None = None,
 ) -> torch.Tensor:
     """[Tq, T] bool, True where query slot i may attend to key slot j.
 
     Allowed exactly when both are real tokens of the same document and (causal) the key does not
-    come after the query. Pad-slot queries attend to nothing (their output is zero).
+    come after the query. Pad-slot queries attend to nothing (their output is zero). `total` is T
+    when the caller has it on the host (else it is read from `cu_seqlens_padded[-1]`).
     """
-    total = int(cu_seqlens_padded[-1])
+    total = int(cu_seqlens_padded[-1]) if total is None else total
     k_positions = torch.arange(total, device=q_positions.device)
     q_doc, q_off, q_real = slot_documents(q_positions, cu_seqlens, cu_seqlens_padded)
     k_doc, k_off, k_real = slot_documents(k_positions, cu_seqlens, cu_seqlens_padded)

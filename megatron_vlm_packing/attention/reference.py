@@ -19,8 +19,9 @@ import torch.distributed as dist
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
+from megatron_vlm_packing.attention.boundaries import check_thd_query, read_thd_boundaries, refuse_ignored_boundaries
 from megatron_vlm_packing.attention.masks import dense_attention_mask, packed_attention_mask
-from megatron_vlm_packing.parallel.cp import cp_partition_index, dense_cp_partition_index
+from megatron_vlm_packing.parallel.cp import dense_cp_partition_index, zigzag_index
 
 
 class _AllGatherSeq(torch.autograd.Function):
@@ -110,18 +111,21 @@ class ReferenceCoreAttention(MegatronModule):
         cp_size, cp_rank = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             return self._thd(query, key, value, packed_seq_params, causal, group, cp_size, cp_rank)
+        refuse_ignored_boundaries(packed_seq_params, query)
         return self._bshd(query, key, value, attention_mask, causal, group, cp_size, cp_rank)
 
     def _thd(self, q, k, v, params, causal, group, cp_size, cp_rank):
         """q: [Tq, H, D]; k, v: [Tq, Hk, D] -> [Tq, H*D]."""
-        cu = params.cu_seqlens_q
-        cu_padded = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else cu
-        cu, cu_padded = cu.to(q.device), cu_padded.to(q.device)
-        q_positions = cp_partition_index(cu_padded, cp_size, cp_rank)
+        check_thd_query(q, k, v)
+        local = q.shape[0]
+        # One host read checks both boundary sets against each other, the tokens and max_seqlen_*.
+        bounds = read_thd_boundaries(params, local_tokens=local, cp_size=cp_size, device=q.device)
+        cu, cu_padded = bounds.cu_seqlens, bounds.cu_seqlens_padded
+        q_positions = zigzag_index(cu_padded, cp_size, cp_rank, local_total=local).index
         if cp_size > 1:
-            order = torch.cat([cp_partition_index(cu_padded, cp_size, r) for r in range(cp_size)])
+            order = torch.cat([zigzag_index(cu_padded, cp_size, r, local_total=local).index for r in range(cp_size)])
             k, v = gather_sequence_for_cp(k, order, group), gather_sequence_for_cp(v, order, group)
-        allowed = packed_attention_mask(q_positions, cu, cu_padded, causal=causal)
+        allowed = packed_attention_mask(q_positions, cu, cu_padded, causal=causal, total=bounds.total)
         out = masked_attention(q, k, v, allowed, self.softmax_scale)  # [Tq, H, D]
         return out.reshape(out.shape[0], -1)
 

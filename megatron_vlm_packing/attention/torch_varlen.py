@@ -24,6 +24,10 @@ import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
+from megatron_vlm_packing.attention.boundaries import (
+    check_max_seqlen_type, check_thd_query, physical_boundaries_of, refuse_ignored_boundaries,
+)
+
 
 def varlen_available() -> bool:
     try:
@@ -85,9 +89,7 @@ class TorchVarlenCoreAttention(MegatronModule):
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             from torch.nn.attention.varlen import varlen_attn
 
-            cu = packed_seq_params.cu_seqlens_q_padded
-            if cu is None:
-                cu = packed_seq_params.cu_seqlens_q
+            cu = self._checked_boundaries(query, key, value, packed_seq_params)
             call = varlen_call(inspect.signature(varlen_attn).parameters, causal=causal, scale=self.softmax_scale,
                                head_dim=query.shape[-1], heads=heads, kv_heads=kv_heads)
             if call.repeat_kv > 1:  # GQA on a kernel without enable_gqa: repeat K/V heads
@@ -99,6 +101,7 @@ class TorchVarlenCoreAttention(MegatronModule):
                               packed_seq_params.max_seqlen_kv, **call.kwargs)
             out = out[0] if isinstance(out, tuple) else out  # [T, H, D]
             return out.reshape(out.shape[0], -1)
+        refuse_ignored_boundaries(packed_seq_params, query)
         # Dense rows: [S, B, H, D] -> SDPA wants [B, H, S, D].
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
         mask = None if attention_mask is None else ~attention_mask.bool()
@@ -106,3 +109,20 @@ class TorchVarlenCoreAttention(MegatronModule):
                                              scale=self.softmax_scale, enable_gqa=kv_heads != heads,
                                              dropout_p=self.dropout if self.training else 0.0)
         return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
+
+    @staticmethod
+    def _checked_boundaries(query, key, value, params) -> torch.Tensor:
+        """[N+1] the physical boundaries `varlen_attn` gets, checked from metadata only (no host read:
+        this is the hot path). A float set was truncated by `.int()`; a set on another device, a None
+        or float `max_seqlen_*` failed inside the kernel. Values (monotonic, covering T, `max_seqlen_*`
+        covering every document) are not read here: `pack_batch` builds them right, `localize` checks
+        a plan's `max_seqlen_*`, and the reference backend checks them all."""
+        check_thd_query(query, key, value)
+        name, cu = physical_boundaries_of(params)
+        if cu.device != query.device:
+            raise ValueError(f"packed_seq_params.{name} is on {cu.device} but the query is on {query.device}")
+        check_max_seqlen_type(params, allow_tensor=True)
+        missing = [n for n in ("max_seqlen_q", "max_seqlen_kv") if getattr(params, n) is None]
+        if missing:
+            raise ValueError(f"packed_seq_params {missing} are None: varlen_attn needs the longest physical document")
+        return cu

@@ -17,7 +17,7 @@ import torch
 
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
 from megatron_vlm_packing.packing.plan import PackIndices
-from megatron_vlm_packing.parallel.cp import cp_partition_index, dense_cp_partition_index
+from megatron_vlm_packing.parallel.cp import check_boundary_tensor, cp_partition_index, dense_cp_partition_index
 from megatron_vlm_packing.parallel.layout import ParallelLayout
 
 
@@ -39,14 +39,72 @@ class LocalizeNeeds:
     full_labels: bool = False
 
 
+def physical_boundaries(params) -> torch.Tensor:
+    """`cu_seqlens_q_padded`, else `cu_seqlens_q` (no pad slots): what the attention backends and TE
+    fall back to when the padded set is None."""
+    return params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+
+
+def check_packed_seq_params(micro_batch: MicroBatch) -> None:
+    """A packed micro-batch's `PackedSeqParams`, checked from metadata and the plan's host ints (no host read).
+
+    Raises:
+        ValueError: `qkv_format` is not "thd" (Megatron-Core's attention and rotary then treat the pack
+            as dense rows: it trains as one causal document), a boundary set that is missing, not a
+            one-dimensional integer tensor, or of another length than `cu_seqlens_q`; a `max_seqlen_*`
+            that is a bool, a float or not positive; or, when the boundaries are the plan's own, a
+            `max_seqlen_*` below the plan's longest physical document (attention kernels size their
+            grid by it and leave the rest of a longer document uncomputed).
+    """
+    params = micro_batch.packed_seq_params
+    if getattr(params, "qkv_format", None) != "thd":
+        raise ValueError(f"packed_seq_params.qkv_format must be 'thd' for a packed micro-batch, got "
+                         f"{getattr(params, 'qkv_format', None)!r}: Megatron-Core's attention and rotary treat any "
+                         f"other format as dense rows, so the whole pack would train as one causal document")
+    if params.cu_seqlens_q is None:
+        raise ValueError("packed_seq_params.cu_seqlens_q is None: a packed micro-batch needs its real boundaries")
+    sizes = {}
+    for name in ("cu_seqlens_q", "cu_seqlens_q_padded", "cu_seqlens_kv", "cu_seqlens_kv_padded"):
+        cu = getattr(params, name)
+        if cu is not None:
+            check_boundary_tensor(f"packed_seq_params.{name}", cu)
+            sizes[name] = cu.numel()
+    if len(set(sizes.values())) > 1:
+        raise ValueError(f"packed_seq_params boundary sets must all have N+1 entries, got sizes {sizes}")
+    indices = micro_batch.indices
+    planned = isinstance(indices, PackIndices) and physical_boundaries(params) is indices.cu_seqlens_padded
+    for name in ("max_seqlen_q", "max_seqlen_kv"):
+        value = getattr(params, name)
+        if value is None or isinstance(value, torch.Tensor):  # TE reads it itself (None: from cu_seqlens)
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"packed_seq_params.{name} must be a positive Python int, got {value!r}")
+        if planned and value < indices.plan.max_seqlen:
+            raise ValueError(f"packed_seq_params.{name}={value} is below the longest physical document "
+                             f"({indices.plan.max_seqlen} slots): attention would leave its tail uncomputed")
+
+
 def packed_cp_index(micro_batch: MicroBatch, layout: ParallelLayout) -> torch.Tensor:
     """This rank's slots: from the plan's host ints when the boundaries are the plan's own (no host
-    sync; a loader's collate may have built it already), else read from `cu_seqlens_q_padded`."""
-    cu_padded = micro_batch.packed_seq_params.cu_seqlens_q_padded
+    sync; a loader's collate may have built it already), else read from `cu_seqlens_q_padded`
+    (`cu_seqlens_q` when it is None)."""
+    cu_padded = physical_boundaries(micro_batch.packed_seq_params)
     indices = micro_batch.indices
     if isinstance(indices, PackIndices) and cu_padded is indices.cu_seqlens_padded:
         return indices.cp_index(layout.cp_size, layout.cp_rank)
     return cp_partition_index(cu_padded, layout.cp_size, layout.cp_rank)
+
+
+def check_lengths(fields: dict[str, torch.Tensor], total: int, *, dim: int = -1) -> None:
+    """Every field the CP index is applied to must hold the `total` slots it indexes (shapes only).
+
+    `index_select` of a [.., T] index on a longer field silently dropped its tail (a labels tensor
+    twice as long, a pack longer than `cu_seqlens_q_padded[-1]`); this names the field and both lengths.
+    """
+    wrong = {name: tuple(x.shape) for name, x in fields.items() if x.dim() == 0 or x.shape[dim] != total}
+    if wrong:
+        raise ValueError(f"the CP index covers {total} slots but {wrong} have another "
+                         f"length along dim {dim}: build every sequence-aligned field over the same {total} slots")
 
 
 def localize(micro_batch: MicroBatch, layout: ParallelLayout, needs: LocalizeNeeds = LocalizeNeeds()) -> MicroBatch:
@@ -63,10 +121,14 @@ def localize(micro_batch: MicroBatch, layout: ParallelLayout, needs: LocalizeNee
         `cp_index` is the [T/cp] index used, and `full_fields` names what stayed full.
 
     Raises:
-        ValueError: the micro-batch was already localized, or its length does not divide for CP.
+        ValueError: the micro-batch was already localized, its length does not divide for CP, its
+            `packed_seq_params` are malformed (`check_packed_seq_params`), or a field it cuts does
+            not hold the slots the index covers (`check_lengths`).
     """
     if micro_batch.cp_index is not None:
         raise ValueError("micro_batch is already localized to a CP rank (cp_index is set); localize it once")
+    if micro_batch.is_packed:
+        check_packed_seq_params(micro_batch)
     if layout.cp_size == 1:
         return micro_batch
     if needs.full_input_ids and needs.full_position_ids and needs.full_labels and not micro_batch.extras:
@@ -86,6 +148,11 @@ def localize(micro_batch: MicroBatch, layout: ParallelLayout, needs: LocalizeNee
     def seq(x: torch.Tensor) -> torch.Tensor:  # [B, T, ...] -> [B, Tl, ...]
         return x.index_select(1, index)
 
+    total = index.numel() * layout.cp_size  # T, a shape: no host read
+    cut = {"input_ids": needs.full_input_ids, "position_ids": needs.full_position_ids,
+           "labels": needs.full_labels, "loss_mask": needs.full_labels, "padding_mask": needs.full_labels}
+    check_lengths({name: getattr(micro_batch, name) for name, full in cut.items() if not full}, total)
+    check_lengths({f"extras[{key!r}]": value for key, value in micro_batch.extras.items()}, total, dim=1)
     full = set()
     input_ids = micro_batch.input_ids
     if needs.full_input_ids:

@@ -18,11 +18,33 @@ from typing import NamedTuple, Sequence
 import torch
 
 
+def _is_int(value) -> bool:
+    """A Python int that is not a bool (True would pass as 1: cp_size=True ran as CP=1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _check_cp(cp_size: int, cp_rank: int) -> None:
-    if not isinstance(cp_size, int) or cp_size < 1:
+    if not _is_int(cp_size) or cp_size < 1:
         raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
-    if not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
+    if not _is_int(cp_rank) or not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank must be an int in [0, {cp_size}), got {cp_rank!r}")
+
+
+def check_boundary_tensor(name: str, cu: torch.Tensor) -> None:
+    """A boundary set's type, shape and dtype: [N+1], N >= 1, integer. Metadata only (no host read).
+
+    A float tensor was cast with `.long()` / `.int()`, silently truncating 8.5 to 8; a bool one
+    counted True as 1.
+
+    Raises:
+        ValueError: not a tensor, not one-dimensional with at least two entries, or not integer.
+    """
+    if not isinstance(cu, torch.Tensor):
+        raise ValueError(f"{name} must be an [N+1] integer tensor, got {type(cu).__name__}")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"{name} must be [N+1] with N >= 1, got shape {tuple(cu.shape)}")
+    if cu.dtype == torch.bool or cu.dtype.is_floating_point or cu.dtype.is_complex:
+        raise ValueError(f"{name} must be an integer tensor (int32), got {cu.dtype}")
 
 
 def cp_partition_index(
@@ -45,15 +67,12 @@ def cp_partition_index(
 
     Raises:
         ValueError: a document length that is not a positive multiple of 2*cp_size, or
-        `cu_seqlens_padded` that does not start at 0 or is not one-dimensional.
+        `cu_seqlens_padded` that does not start at 0, is not one-dimensional or is not integer.
 
     One host sync (validation and the output size together).
     """
     _check_cp(cp_size, cp_rank)
-    if cu_seqlens_padded.dim() != 1 or cu_seqlens_padded.numel() < 2:
-        raise ValueError(
-            f"cu_seqlens_padded must be [N+1] with N >= 1, got shape {tuple(cu_seqlens_padded.shape)}"
-        )
+    check_boundary_tensor("cu_seqlens_padded", cu_seqlens_padded)
     cu = cu_seqlens_padded.long()
     lengths = cu[1:] - cu[:-1]
     # With cp_size = 1 there is nothing to balance: documents need no alignment.
@@ -127,12 +146,16 @@ def cp_partition_index_from_lengths(
         [T // cp_size] long, equal to `cp_partition_index(cumsum([0] + physical_lengths), cp_size, cp_rank)`.
 
     Raises:
-        ValueError: no documents, or a length that is not a positive multiple of 2*cp_size (cp > 1).
+        ValueError: no documents, a length that is not an int (a float gave a float index, a numpy
+            array an ambiguous truth value), or not a positive multiple of 2*cp_size (cp > 1).
     """
     _check_cp(cp_size, cp_rank)
+    not_ints = [(i, n) for i, n in enumerate(physical_lengths) if not _is_int(n)]
+    if not_ints:
+        raise ValueError(f"physical_lengths must be Python ints, got (document, value) {not_ints[:8]}")
     two_cp = 2 * cp_size if cp_size > 1 else 1
     bad = [(i, n) for i, n in enumerate(physical_lengths) if n <= 0 or n % two_cp]
-    if not physical_lengths or bad:
+    if len(physical_lengths) == 0 or bad:
         raise ValueError(f"physical_lengths must be N >= 1 positive multiples of 2*cp_size={two_cp}; "
                          f"got {len(physical_lengths)} lengths, (document, length) {bad[:8]} misfit")
     cu = [0]
@@ -154,9 +177,12 @@ def dense_cp_partition_index(
         index: [seq_len // cp_size] long. Example: seq_len=8, cp_size=2, rank 1 -> [2, 3, 4, 5].
 
     Raises:
-        ValueError: `seq_len` not a positive multiple of 2*cp_size.
+        ValueError: `seq_len` not an int (a float gave a float index, a tensor a host read), or not a
+            positive multiple of 2*cp_size.
     """
     _check_cp(cp_size, cp_rank)
+    if not _is_int(seq_len):
+        raise ValueError(f"seq_len must be a Python int, got {type(seq_len).__name__} {seq_len!r}")
     if seq_len <= 0 or seq_len % (2 * cp_size):
         raise ValueError(
             f"seq_len={seq_len} must be a positive multiple of 2*cp_size={2 * cp_size} for the "

@@ -27,7 +27,7 @@ class ParallelLayout:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ParallelLayout.{name} must be a positive int, got {value!r}")
-        if not isinstance(self.cp_rank, int) or not 0 <= self.cp_rank < self.cp_size:
+        if not isinstance(self.cp_rank, int) or isinstance(self.cp_rank, bool) or not 0 <= self.cp_rank < self.cp_size:
             raise ValueError(f"ParallelLayout.cp_rank must be in [0, {self.cp_size}), got {self.cp_rank!r}")
 
     @classmethod

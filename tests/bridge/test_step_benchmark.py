@@ -51,7 +51,9 @@ def test_segment_attention_equals_reference_attention_with_gaps():
 
     config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=4, num_query_groups=2,
                                attention_dropout=0.0, hidden_dropout=0.0)
-    cu = torch.tensor([0, 5, 8, 15], dtype=torch.int32)
+    # real lengths 5, 3, 5 in physical 6, 4, 6: a gap after every document ([0, 5, 8, 15] claimed 7 real
+    # tokens in the last document's 6 slots, which the reference attention now refuses)
+    cu = torch.tensor([0, 5, 8, 13], dtype=torch.int32)
     padded = torch.tensor([0, 6, 10, 16], dtype=torch.int32)  # a gap after every document
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,
                              cu_seqlens_kv_padded=padded, max_seqlen_q=6, max_seqlen_kv=6)

@@ -1,9 +1,11 @@
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_vlm_packing import cp_partition_index, dense_cp_partition_index
+from megatron_vlm_packing.parallel.cp import cp_partition_index_from_lengths
 
 
 def te_rule(cu_seqlens_padded, cp_size, cp_rank):
@@ -58,11 +60,44 @@ def test_every_rank_gets_its_share_and_ranks_cover_all(cp_size, doc_chunks):
         ([2, 10], 2, 0, r"start at 0"),
         ([0, 8], 2, 2, r"cp_rank must be an int in \[0, 2\)"),
         ([0, 8], 0, 0, r"cp_size must be a positive int"),
+        # bool sizes passed as 1: cp_size=True ran as CP=1, cp_rank=True as rank 1
+        ([0, 8], True, 0, r"cp_size must be a positive int, got True"),
+        ([0, 8], 2, True, r"cp_rank must be an int in \[0, 2\), got True"),
+        # float boundaries were truncated by .long(): a document of 8.5 slots became 8
+        ([0.0, 8.5, 16.0], 2, 0, r"cu_seqlens_padded must be an integer tensor \(int32\), got torch.float32"),
+        ([False, True], 1, 0, r"cu_seqlens_padded must be an integer tensor \(int32\), got torch.bool"),
+        ([[0, 8]], 2, 0, r"cu_seqlens_padded must be \[N\+1\] with N >= 1, got shape \(1, 2\)"),
     ],
 )
 def test_bad_boundaries_raise(cu, cp_size, cp_rank, expected):
     with pytest.raises(ValueError, match=expected):
         cp_partition_index(torch.tensor(cu), cp_size, cp_rank)
+
+
+@pytest.mark.parametrize(
+    "call, expected",
+    [
+        # a float length gave a float index (index_select refuses it far from here)
+        (lambda: dense_cp_partition_index(8.0, 2, 0), r"seq_len must be a Python int, got float 8.0"),
+        (lambda: dense_cp_partition_index(torch.tensor(8), 2, 0), r"seq_len must be a Python int, got Tensor"),
+        (lambda: dense_cp_partition_index(8, True, 0), r"cp_size must be a positive int, got True"),
+        (lambda: cp_partition_index_from_lengths([8.0], 1, 0), r"physical_lengths must be Python ints, got "
+                                                                r"\(document, value\) \[\(0, 8.0\)\]"),
+        (lambda: cp_partition_index_from_lengths([4, True], 1, 0), r"\[\(1, True\)\]"),
+        (lambda: cp_partition_index_from_lengths(np.array([8, 4]), 2, 0), r"physical_lengths must be Python ints"),
+        (lambda: cp_partition_index_from_lengths([], 2, 0), r"got 0 lengths"),
+    ],
+)
+def test_bad_sizes_and_lengths_raise(call, expected):
+    with pytest.raises(ValueError, match=expected):
+        call()
+
+
+def test_layout_refuses_a_bool_cp_rank():
+    from megatron_vlm_packing.parallel.layout import ParallelLayout
+
+    with pytest.raises(ValueError, match=r"cp_rank must be in \[0, 2\), got True"):
+        ParallelLayout(cp_size=2, cp_rank=True)
 
 
 def test_dense_bad_length_raises():

@@ -65,3 +65,90 @@ def test_layout_rejects_bad_sizes():
         ParallelLayout(cp_size=2, cp_rank=2)
     with pytest.raises(ValueError, match="tp_size must be a positive int, got 0"):
         ParallelLayout(tp_size=0)
+
+
+# Hostile micro-batches a user builds by hand: each was cut silently (or failed far from the cause).
+
+def _packed(cp_size=2):
+    return pack_batch(batch(), cp_size=cp_size, label_style="hf")  # real [5, 2, 3], physical [8, 4, 4]
+
+
+def _with_params(mb, **fields):
+    from dataclasses import replace
+
+    return replace(mb, packed_seq_params=replace(mb.packed_seq_params, **fields))
+
+
+def _all_boundaries(cu_real, cu_padded):
+    real, padded = torch.tensor(cu_real, dtype=torch.int32), torch.tensor(cu_padded, dtype=torch.int32)
+    return dict(cu_seqlens_q=real, cu_seqlens_kv=real, cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded)
+
+
+@pytest.mark.parametrize("cp_size", [1, 2])
+@pytest.mark.parametrize("fields, message", [
+    # qkv_format None (PackedSeqParams' default): Megatron's attention and rotary run the pack as dense rows
+    (dict(qkv_format=None), r"qkv_format must be 'thd' for a packed micro-batch, got None"),
+    (dict(qkv_format="sbhd"), r"qkv_format must be 'thd' for a packed micro-batch, got 'sbhd'"),
+    (dict(cu_seqlens_q=None), r"cu_seqlens_q is None"),
+    # float boundaries were truncated by .long()
+    (dict(cu_seqlens_q_padded=torch.tensor([0.0, 8.0, 12.0, 16.0])),
+     r"packed_seq_params.cu_seqlens_q_padded must be an integer tensor \(int32\), got torch.float32"),
+    (dict(cu_seqlens_q_padded=torch.tensor([0, 8, 16], dtype=torch.int32)),
+     r"boundary sets must all have N\+1 entries, got sizes \{'cu_seqlens_q': 4, 'cu_seqlens_q_padded': 3"),
+    (dict(max_seqlen_q=8.0), r"max_seqlen_q must be a positive Python int, got 8.0"),
+    (dict(max_seqlen_kv=True), r"max_seqlen_kv must be a positive Python int, got True"),
+    # the plan's boundaries with a max_seqlen below its longest document (8): kernels leave the tail uncomputed
+    (dict(max_seqlen_q=4), r"max_seqlen_q=4 is below the longest physical document \(8 slots\)"),
+])
+def test_malformed_packed_seq_params_are_refused(cp_size, fields, message):
+    with pytest.raises(ValueError, match=message):
+        localize(_with_params(_packed(), **fields), ParallelLayout(cp_size=cp_size, cp_rank=cp_size - 1))
+
+
+def test_boundaries_covering_fewer_slots_than_the_pack_are_refused():
+    # every set agrees on a 12-slot pack, but the tensors hold 16: the last document was dropped silently
+    mb = _with_params(_packed(), **_all_boundaries([0, 5, 7], [0, 8, 12]))
+    with pytest.raises(ValueError, match=r"the CP index covers 12 slots but \{'input_ids': \(1, 16\), 'position_ids'"):
+        localize(mb, ParallelLayout(cp_size=2, cp_rank=1))
+
+
+def test_a_field_of_another_length_is_refused_not_cut():
+    from dataclasses import replace
+
+    mb = _packed()
+    longer = replace(mb, labels=torch.cat([mb.labels, mb.labels], -1))
+    with pytest.raises(ValueError, match=r"covers 16 slots but \{'labels': \(1, 32\)\}"):
+        localize(longer, ParallelLayout(cp_size=2, cp_rank=0))
+    extra = replace(mb, extras={"token_type": torch.zeros(1, 12, dtype=torch.long)})
+    with pytest.raises(ValueError, match=r"\{\"extras\['token_type'\]\": \(1, 12\)\} have another length along dim 1"):
+        localize(extra, ParallelLayout(cp_size=2, cp_rank=0))
+    dense = replace(mb, packed_seq_params=None, input_ids=torch.zeros(2, 8, dtype=torch.long),
+                    labels=torch.zeros(2, 12, dtype=torch.long), loss_mask=torch.ones(2, 8),
+                    position_ids=torch.arange(8).expand(2, 8), padding_mask=torch.zeros(2, 8, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"covers 8 slots but \{'labels': \(2, 12\)\}"):
+        localize(dense, ParallelLayout(cp_size=2, cp_rank=0))
+
+
+def test_fields_the_adapter_keeps_full_are_not_length_checked():
+    from dataclasses import replace
+
+    mb = _packed()
+    longer_ids = replace(mb, input_ids=torch.zeros(1, 20, dtype=torch.long))  # e.g. a model's own space
+    local = localize(longer_ids, ParallelLayout(cp_size=2, cp_rank=0), LocalizeNeeds(full_input_ids=True))
+    assert local.input_ids.shape == (1, 20) and local.labels.shape == (1, 8)
+
+
+def test_without_padded_boundaries_the_real_ones_are_the_physical_ones():
+    # cu_seqlens_q_padded None is legal in PackedSeqParams (TE and our attention fall back to cu_seqlens_q);
+    # localize raised AttributeError ('NoneType' object has no attribute 'dim')
+    mb = _with_params(_packed(), cu_seqlens_q=torch.tensor([0, 8, 12, 16], dtype=torch.int32),
+                      cu_seqlens_kv=None, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None)
+    local = localize(mb, ParallelLayout(cp_size=2, cp_rank=1))
+    assert torch.equal(local.cp_index, cp_partition_index(torch.tensor([0, 8, 12, 16]), 2, 1))
+
+
+def test_a_tensor_max_seqlen_is_left_to_the_kernel_and_the_plan_ones_pass():
+    mb = _packed()
+    local = localize(_with_params(mb, max_seqlen_q=torch.tensor(8)), ParallelLayout(cp_size=2, cp_rank=0))
+    assert local.cp_index.numel() == 8
+    assert localize(mb, ParallelLayout()) is mb
