@@ -11,7 +11,8 @@ Where it plugs in:
   `train_valid_test_datasets_provider`; Megatron then calls `forward_step` once per micro-batch.
 - Megatron-Bridge: pass the DataLoader (or its iterator) where a custom dataset provider returns
   loaders; the step is the same.
-Run `micro_batches_per_step()` micro-batches per optimizer step. Megatron's fixed global batch
+Run `micro_batches_per_step()` micro-batches per optimizer step (it lists the steps the next
+iteration yields: after a resume, the rest of the epoch's steps). Megatron's fixed global batch
 (`--micro-batch-size 1 --global-batch-size M*DP`, one bin per micro-batch) matches
 `micro_batches_per_rank=M` with `tail="carry"`: every step then has exactly M micro-batches per
 rank. `tail="short_step"` and `samples_per_step` give steps of varying length, for loops that pass
@@ -149,7 +150,24 @@ class PackedBatchSampler(torch.utils.data.Sampler):
         return self._plan
 
     def micro_batches_per_step(self) -> list[int]:
-        """Micro-batches every rank runs in each step of the current epoch."""
+        """Micro-batches every rank runs in each step the next iteration yields; sums to `len(self)`.
+
+        A fresh epoch (or one `set_epoch` started): every step of it. After a resume (or a paused
+        iteration) at position p: the steps not yet finished, the first shortened by the micro-batches
+        of it already taken when p lies inside a step. Plan steps of 2 micro-batches, `[2, 2, 2]`:
+        p=2 -> `[2, 2]`, p=3 -> `[1, 2]` (the rest of the step p fell in runs as a step of its own, so
+        the steps after it stay those of the plan). Call it before iterating: a loader that prefetches
+        has moved the sampler's position on.
+        """
+        counts, taken = self._step_counts(), self._position
+        for i, count in enumerate(counts):
+            if taken < count or taken == 0:
+                return [count - taken, *counts[i + 1:]]
+            taken -= count
+        return []
+
+    def _step_counts(self) -> list[int]:
+        """Micro-batches of this rank in each step of the whole current epoch."""
         return [len(step.ranks[self.dp_rank]) for step in self.plan().steps]
 
     def __len__(self) -> int:
@@ -159,7 +177,7 @@ class PackedBatchSampler(torch.utils.data.Sampler):
 
     def _epoch_length(self) -> int:
         """Micro-batches of this rank in the whole current epoch."""
-        return sum(self.micro_batches_per_step())
+        return sum(self._step_counts())
 
     def __iter__(self) -> Iterator[list[int]]:
         """The rest of the current epoch; when it is exhausted, the sampler moves to the next epoch."""

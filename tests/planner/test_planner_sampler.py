@@ -330,3 +330,46 @@ def test_set_epoch_back_plans_with_the_samples_carried_so_far(samples):
     resumed.load_state_dict(sampler.state_dict())
     replay = plan_epoch(table, config, epoch=0, carried_in=carried).micro_batches(0)
     assert taken + list(it) == taken + list(resumed) == [list(b.samples) for b in replay]
+
+
+def _steps_then_drain(sampler: PackedBatchSampler) -> list:
+    """The next iteration's micro-batches, after checking that micro_batches_per_step() lists its steps
+    (and sums to len()); returns them grouped by those steps."""
+    per_step = sampler.micro_batches_per_step()
+    assert sum(per_step) == len(sampler)
+    it = iter(sampler)
+    steps = [[next(it) for _ in range(n)] for n in per_step]
+    assert list(it) == []
+    return steps
+
+
+@pytest.mark.parametrize("kw", [dict(micro_batches_per_rank=3), dict(samples_per_step=8)])  # steps of 3, 3, 1; 1, 1, 2, ...
+def test_micro_batches_per_step_lists_the_steps_the_next_iteration_yields(samples, kw):
+    """After a resume at position p, micro_batches_per_step() still listed every step of the epoch: a loop
+    `for n in sampler.micro_batches_per_step()` ran steps past the epoch's end, and steps cut
+    micro-batches at other places than the plan's steps."""
+    table = SampleTable.from_samples([metadata(s) for s in samples])
+    config = _config(**kw)
+    straight = PackedBatchSampler(table, config, dp_rank=1)
+    whole = straight.micro_batches_per_step()
+    assert len(whole) > 2 and sum(whole) == len(straight)
+    reference = _steps_then_drain(straight)
+    flat = [b for step in reference for b in step]
+    next_epoch = straight.micro_batches_per_step()
+    for position in range(len(flat)):  # at a step boundary or inside a step
+        first = PackedBatchSampler(table, config, dp_rank=1)
+        it = iter(first)
+        [next(it) for _ in range(position)]
+        resumed = PackedBatchSampler(table, config, dp_rank=1)
+        resumed.load_state_dict(first.state_dict())
+        for sampler in (first, resumed):  # mid-iteration, resumed: the rest, the current step's rest first
+            assert sum(sampler.micro_batches_per_step()) == len(sampler) == len(flat) - position
+        steps = _steps_then_drain(resumed)
+        done = np.searchsorted(np.cumsum(whole), position, side="right")  # steps finished before p
+        inside = position - sum(whole[:done])
+        assert steps == [reference[done][inside:]] + reference[done + 1:]
+        assert resumed.micro_batches_per_step() == next_epoch  # the next epoch, all its steps
+        assert sum(next_epoch) == len(resumed) > 0
+    resumed.set_epoch(0)  # a new epoch: all its steps
+    assert sum(resumed.micro_batches_per_step()) == len(resumed) == len(_len_then_drain(resumed))
+
