@@ -204,7 +204,9 @@ class PackedBatchSampler(torch.utils.data.Sampler):
 
         `consumed` above the micro-batches yielded in this epoch counts micro-batches of the epoch
         the sampler just finished (a prefetching loader runs ahead over the epoch boundary); more
-        than either epoch yielded is a ValueError (resuming there would skip samples).
+        than either epoch yielded is a ValueError (resuming there would skip samples). A position at
+        the end of an epoch is recorded as the start of the next one (with the samples it carries
+        in), whether or not the iterator has finished: the same state either way.
         """
         epoch, position, carried = self._epoch, self._position, self._carried
         if consumed is not None:
@@ -224,6 +226,9 @@ class PackedBatchSampler(torch.utils.data.Sampler):
                                  f"{position} micro-batch(es) of epoch {self._epoch}"
                                  + (f" after {self._previous[2]} of epoch {self._previous[0]}"
                                     if self._previous is not None else ""))
+        if position and epoch == self._epoch and position == self._epoch_length():
+            # the whole epoch taken, its iterator not yet finished: the state it will have when it is
+            epoch, position, carried = epoch + 1, 0, self.plan().carried
         return {
             "format": STATE_FORMAT,
             "epoch": epoch,
@@ -236,7 +241,8 @@ class PackedBatchSampler(torch.utils.data.Sampler):
         """Resume at `state`. ValueError, naming the field and both values, if it was saved under
         another layout (any field of `layout_record`: dataset, bin layout, DP size, micro-batches per
         rank, tail, seed, ...), or at a position past the end of its epoch; the sampler is then
-        unchanged. A state of format 1 (before the layout was recorded) still loads, with a warning:
+        unchanged. A position at the end of its epoch (saved after the last micro-batch was taken,
+        before the iterator finished) resumes at the start of the next epoch. A state of format 1 (before the layout was recorded) still loads, with a warning:
         only its seed, dataset size and DP size can be checked."""
         self._check_layout(state)
         epoch, position = int(state["epoch"]), int(state["position"])
@@ -250,6 +256,8 @@ class PackedBatchSampler(torch.utils.data.Sampler):
         self._epoch, self._position, self._carried = epoch, position, carried
         self._plan, self._plan_for = plan, (epoch, carried)
         self._previous, self._resumed = None, True
+        if position and position == length:  # saved at the end of an epoch: resume at the next one
+            self._epoch, self._position, self._carried = epoch + 1, 0, plan.carried
 
     def _check_layout(self, state: dict) -> None:
         """ValueError if `state` was saved under another layout than this sampler's."""

@@ -373,3 +373,27 @@ def test_micro_batches_per_step_lists_the_steps_the_next_iteration_yields(sample
     resumed.set_epoch(0)  # a new epoch: all its steps
     assert sum(resumed.micro_batches_per_step()) == len(resumed) == len(_len_then_drain(resumed))
 
+
+def test_state_at_the_end_of_an_unfinished_iteration_resumes_at_the_next_epoch(samples):
+    """A state saved after next() took the epoch's last micro-batch (the iterator not yet exhausted)
+    resumed into an empty epoch (len 0) before the next one; it is now the start of the next epoch,
+    as if saved after the iteration finished."""
+    table = SampleTable.from_samples([metadata(s) for s in samples])
+    config = _config(tail="carry")
+    straight = PackedBatchSampler(table, config, dp_rank=0)
+    assert straight.plan().carried  # the next epoch starts with samples this one carried
+    list(straight)
+    finished = straight.state_dict()
+    assert (finished["epoch"], finished["position"]) == (1, 0) and finished["carried"]
+    reference = list(straight) + list(straight)
+    paused = PackedBatchSampler(table, config, dp_rank=0)
+    it = iter(paused)
+    [next(it) for _ in range(len(paused))]
+    assert paused.state_dict() == paused.state_dict(consumed=paused._epoch_length()) == finished
+    unfinished = {**finished, "epoch": 0, "position": paused._epoch_length(), "carried": []}  # saved before this fix
+    for state in (paused.state_dict(), unfinished):
+        resumed = PackedBatchSampler(table, config, dp_rank=0)
+        resumed.load_state_dict(state)
+        assert resumed.state_dict() == finished
+        assert len(resumed) == sum(resumed.micro_batches_per_step()) > 0
+        assert _len_then_drain(resumed) + _len_then_drain(resumed) == reference
