@@ -81,7 +81,9 @@ def layout_record(table: SampleTable, config: PlannerConfig) -> dict:
     The dataset (its size, a fingerprint of its columns and of the token counts
     `config.expanded_tokens` gives) and every planner setting that moves samples between bins.
     Not recorded: `layout.oversize` (a plan under "error" has no oversize sample, so "own_bin" plans
-    it the same; the other way round, planning raises) and the rank (every rank's state is the same).
+    it the same; the other way round, planning raises), the rank (every rank's state is the same),
+    and the cost model under `balance=False` (costs then only price the bins: packing, steps and
+    ranks read sizes alone, see `planner/schedule.py`).
     Costs O(N) (a hash of the table's columns; about 1 s for 1M samples): build it once.
     """
     layout = config.layout
@@ -100,15 +102,28 @@ def layout_record(table: SampleTable, config: PlannerConfig) -> dict:
         "layout.multiples.total": layout.multiples.total,
         "layout.static_shapes": layout.static_shapes,
     }
-    cost_model = config.cost_model
-    if dataclasses.is_dataclass(cost_model):
-        record.update({f"cost_model.{f.name}": getattr(cost_model, f.name) for f in dataclasses.fields(cost_model)})
-    else:  # a duck-typed cost model: its type is all that can be compared
-        record["cost_model"] = f"{type(cost_model).__module__}.{type(cost_model).__qualname__}"
+    if config.balance:
+        record.update(_cost_model_record(config.cost_model))
     record["table_fingerprint"] = _fingerprint(*(getattr(table, f.name) for f in dataclasses.fields(table)))
     tokens = count_array(config.expanded_tokens(table), "expanded_tokens")
     record["expanded_tokens_fingerprint"] = _fingerprint(tokens)
     return {key: _plain(value) for key, value in record.items()}
+
+
+def _cost_model_record(cost_model) -> dict:
+    """The cost model's coefficients keyed `cost_model.<field>`, or its type if it is no dataclass."""
+    if dataclasses.is_dataclass(cost_model):
+        return {f"cost_model.{f.name}": getattr(cost_model, f.name) for f in dataclasses.fields(cost_model)}
+    # a duck-typed cost model: its type is all that can be compared
+    return {"cost_model": f"{type(cost_model).__module__}.{type(cost_model).__qualname__}"}
+
+
+def _planning_fields(record: dict) -> dict:
+    """`record` less the cost model under balance=False: states saved before it was left out there
+    recorded it, and it moves no sample."""
+    if record.get("balance", True):
+        return record
+    return {key: value for key, value in record.items() if key.split(".")[0] != "cost_model"}
 
 
 class PackedBatchSampler(torch.utils.data.Sampler):
@@ -269,7 +284,7 @@ class PackedBatchSampler(torch.utils.data.Sampler):
                           "saved goes unnoticed (and resumes at other samples); the next state_dict() records them",
                           stacklevel=3)
         elif version == STATE_FORMAT:
-            saved = state["layout"]
+            saved = _planning_fields(state["layout"])
         else:
             raise ValueError(f"sampler state has format={version!r}; this version reads formats 1 and {STATE_FORMAT}")
         mine = self.layout() if version == STATE_FORMAT else {key: self.layout()[key] for key in saved}

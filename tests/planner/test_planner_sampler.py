@@ -397,3 +397,29 @@ def test_state_at_the_end_of_an_unfinished_iteration_resumes_at_the_next_epoch(s
         assert resumed.state_dict() == finished
         assert len(resumed) == sum(resumed.micro_batches_per_step()) > 0
         assert _len_then_drain(resumed) + _len_then_drain(resumed) == reference
+
+
+def test_cost_model_is_part_of_the_layout_only_when_it_balances(samples):
+    """With balance=False costs only price the bins, they move no sample: a state was refused after a
+    harmless change of the cost model's coefficients. Under balance=True they move samples: refused."""
+    table = SampleTable.from_samples([metadata(s) for s in samples])
+    cheaper = dataclasses.replace(CostModel.qwen2_5_vl_7b(), lm_attention=1.0, vision_linear=2.0)
+    for balance in (False, True):
+        first = PackedBatchSampler(table, _config(balance=balance), dp_rank=1)
+        it = iter(first)
+        taken = [next(it) for _ in range(3)]
+        state = first.state_dict()
+        other = PackedBatchSampler(table, _config(balance=balance, cost_model=cheaper), dp_rank=1)
+        if balance:
+            with pytest.raises(ValueError, match="sampler state has cost_model.lm_attention="):
+                other.load_state_dict(state)
+            continue
+        assert not any(key.startswith("cost_model") for key in state["layout"])
+        reference = list(PackedBatchSampler(table, _config(balance=False, cost_model=cheaper), dp_rank=1))
+        other.load_state_dict(state)
+        assert taken + list(other) == reference
+        # a state saved before this change recorded the coefficients under balance=False too
+        default = CostModel.qwen2_5_vl_7b()
+        coefficients = {f"cost_model.{f.name}": getattr(default, f.name) for f in dataclasses.fields(default)}
+        other.load_state_dict({**state, "layout": {**state["layout"], **coefficients}})
+        assert taken + list(other) == reference
