@@ -257,8 +257,9 @@ class PackedBatchSampler(torch.utils.data.Sampler):
         another layout (any field of `layout_record`: dataset, bin layout, DP size, micro-batches per
         rank, tail, seed, ...), or at a position past the end of its epoch; the sampler is then
         unchanged. A position at the end of its epoch (saved after the last micro-batch was taken,
-        before the iterator finished) resumes at the start of the next epoch. A state of format 1 (before the layout was recorded) still loads, with a warning:
-        only its seed, dataset size and DP size can be checked."""
+        before the iterator finished) resumes at the start of the next epoch. A state of format 1
+        (before the layout was recorded) still loads, with a warning: only its seed, dataset size and
+        DP size can be checked."""
         self._check_layout(state)
         epoch, position = int(state["epoch"]), int(state["position"])
         carried = tuple(int(i) for i in state["carried"])

@@ -343,7 +343,8 @@ def _steps_then_drain(sampler: PackedBatchSampler) -> list:
     return steps
 
 
-@pytest.mark.parametrize("kw", [dict(micro_batches_per_rank=3), dict(samples_per_step=8)])  # steps of 3, 3, 1; 1, 1, 2, ...
+# rank 1's steps: 3, 3, 1 micro-batches; 1, 1, 2, 1, ...
+@pytest.mark.parametrize("kw", [dict(micro_batches_per_rank=3), dict(samples_per_step=8)])
 def test_micro_batches_per_step_lists_the_steps_the_next_iteration_yields(samples, kw):
     """After a resume at position p, micro_batches_per_step() still listed every step of the epoch: a loop
     `for n in sampler.micro_batches_per_step()` ran steps past the epoch's end, and steps cut
