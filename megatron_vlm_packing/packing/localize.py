@@ -135,6 +135,25 @@ def check_sequence_lengths(micro_batch: MicroBatch, needs: LocalizeNeeds, total:
                   source=source)
 
 
+def check_index_device(micro_batch: MicroBatch, needs: LocalizeNeeds, index: torch.Tensor, source: str) -> None:
+    """The CP index is on the device of every field it is applied to (metadata only, no host read).
+
+    Boundaries left on the CPU beside CUDA fields made `index_select` raise a RuntimeError far from
+    the cause (and a meta field passed silently). Checked: the fields `localize` cuts, the extras, and
+    `input_ids` even when kept full (the model selects its embeddings with `cp_index`).
+
+    Raises:
+        ValueError: names the index's device, where it came from, and each field on another device.
+    """
+    full = _kept_full(needs) - {"input_ids"}
+    fields = {name: getattr(micro_batch, name) for name in _SEQUENCE_FIELDS if name not in full}
+    fields.update({f"extras[{key!r}]": value for key, value in micro_batch.extras.items()})
+    wrong = {name: str(x.device) for name, x in fields.items() if x.device != index.device}
+    if wrong:
+        raise ValueError(f"the CP index (from {source}) is on {index.device} but {wrong} are on another device: "
+                         f"put the boundaries and every sequence-aligned field on one device")
+
+
 def _slots_without_index(micro_batch: MicroBatch, needs: LocalizeNeeds) -> tuple[int, str] | None:
     """T and where it comes from at CP = 1, from host ints and shapes only: the plan's total when the
     boundaries are the plan's own, else `input_ids`' length (dense rows, or ids that `localize` would
@@ -153,12 +172,16 @@ def _slots_without_index(micro_batch: MicroBatch, needs: LocalizeNeeds) -> tuple
     return getattr(micro_batch, name).shape[-1], name
 
 
-def _cp_index(micro_batch: MicroBatch, layout: ParallelLayout) -> torch.Tensor:
-    """This rank's [T/cp] index: `packed_cp_index`, or the dense zigzag over `input_ids`' length."""
-    if micro_batch.is_packed:
-        return packed_cp_index(micro_batch, layout)
-    return dense_cp_partition_index(micro_batch.input_ids.shape[-1], layout.cp_size, layout.cp_rank,
-                                    device=micro_batch.input_ids.device)
+def _cp_index(micro_batch: MicroBatch, layout: ParallelLayout) -> tuple[torch.Tensor, str]:
+    """This rank's [T/cp] index (`packed_cp_index`, or the dense zigzag over `input_ids`' length) and
+    what it was built from, for error messages."""
+    if not micro_batch.is_packed:
+        index = dense_cp_partition_index(micro_batch.input_ids.shape[-1], layout.cp_size, layout.cp_rank,
+                                         device=micro_batch.input_ids.device)
+        return index, "input_ids' length, on its device"
+    params = micro_batch.packed_seq_params
+    name = "cu_seqlens_q_padded" if params.cu_seqlens_q_padded is not None else "cu_seqlens_q"
+    return packed_cp_index(micro_batch, layout), f"packed_seq_params.{name}"
 
 
 def localize(micro_batch: MicroBatch, layout: ParallelLayout, needs: LocalizeNeeds = LocalizeNeeds()) -> MicroBatch:
@@ -178,7 +201,8 @@ def localize(micro_batch: MicroBatch, layout: ParallelLayout, needs: LocalizeNee
         ValueError: the micro-batch was already localized, its length does not divide for CP, its
             `packed_seq_params` are malformed (`check_packed_seq_params`), a field it cuts does
             not hold the slots the index covers (`check_sequence_lengths`; at cp_size == 1 too,
-            against the plan's total or the first field it would cut).
+            against the plan's total or the first field it would cut), or the index is on another
+            device than the fields it is applied to (`check_index_device`).
     """
     if micro_batch.cp_index is not None:
         raise ValueError("micro_batch is already localized to a CP rank (cp_index is set); localize it once")
@@ -193,7 +217,8 @@ def localize(micro_batch: MicroBatch, layout: ParallelLayout, needs: LocalizeNee
         # The model selects its CP tokens itself, in a space of its own (LLaVA: after expanding
         # images), so no index of this micro-batch's slots applies.
         return replace(micro_batch, full_fields=frozenset(_SEQUENCE_FIELDS))
-    index = _cp_index(micro_batch, layout)
+    index, source = _cp_index(micro_batch, layout)
+    check_index_device(micro_batch, needs, index, source)
     check_sequence_lengths(micro_batch, needs, index.numel() * layout.cp_size)  # T, a shape: no host read
     full = _kept_full(needs)
     fields = {name: getattr(micro_batch, name) for name in _SEQUENCE_FIELDS}

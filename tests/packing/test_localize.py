@@ -212,3 +212,35 @@ def test_cp1_exempts_the_fields_the_adapter_keeps_full():
     everything = LocalizeNeeds(full_input_ids=True, full_position_ids=True, full_labels=True)
     expanded = replace(hand, labels=torch.zeros(1, 40, dtype=torch.long))  # e.g. LLaVA's expanded space
     assert localize(expanded, ParallelLayout(), everything) is expanded
+
+
+# Boundaries on another device than the fields: index_select raised a RuntimeError (CPU index, CUDA
+# fields) far from the cause, or passed silently (meta fields). Meta stands in for CUDA here.
+
+def _on(mb, device, names=("input_ids", "labels", "loss_mask", "position_ids", "padding_mask")):
+    from dataclasses import replace
+
+    return replace(mb, **{name: getattr(mb, name).to(device) for name in names})
+
+
+def test_boundaries_on_another_device_than_the_fields_are_refused():
+    mb = _on(_packed(), "meta")  # the plan's PackIndices and boundaries stay on the CPU
+    with pytest.raises(ValueError, match=r"the CP index \(from packed_seq_params.cu_seqlens_q_padded\) is on cpu "
+                                         r"but \{'input_ids': 'meta', 'position_ids': 'meta'"):
+        localize(mb, ParallelLayout(cp_size=2, cp_rank=0))
+    hand = _with_params(mb, **_all_boundaries([0, 5, 7, 10], [0, 8, 12, 16]))  # hand-built, read on the CPU
+    with pytest.raises(ValueError, match=r"is on cpu but \{'input_ids': 'meta'"):
+        localize(hand, ParallelLayout(cp_size=2, cp_rank=1))
+
+
+def test_one_field_on_another_device_is_named_and_full_ids_are_checked_too():
+    mb = _on(_packed(), "meta", names=("loss_mask",))
+    with pytest.raises(ValueError, match=r"is on cpu but \{'loss_mask': 'meta'\} are on another device"):
+        localize(mb, ParallelLayout(cp_size=2, cp_rank=0))
+    # kept full, the ids are still where the model applies cp_index (to their embeddings)
+    ids = _on(_packed(), "meta", names=("input_ids",))
+    with pytest.raises(ValueError, match=r"\{'input_ids': 'meta'\}"):
+        localize(ids, ParallelLayout(cp_size=2, cp_rank=0), LocalizeNeeds(full_input_ids=True))
+    dense = _dense(_packed(), labels=torch.zeros(2, 8, dtype=torch.long, device="meta"))
+    with pytest.raises(ValueError, match=r"from input_ids' length, on its device\) is on cpu but \{'labels': 'meta'\}"):
+        localize(dense, ParallelLayout(cp_size=2, cp_rank=1))
