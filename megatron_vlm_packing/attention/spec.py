@@ -30,12 +30,17 @@ def resolve_backend(backend: str, *, context_parallel_size: int = 1) -> str:
     """The backend that `backend` means here ("auto" resolved).
 
     Raises:
-        ValueError: an unknown name, or a backend that cannot run here (names what is missing).
+        ValueError: an unknown name, a `context_parallel_size` that is not a positive Python int (a
+            bool is not: True compared equal to 1 and ran as CP = 1; as `ParallelLayout` and
+            `PackMultiples` check it), or a backend that cannot run here (names what is missing).
     """
     from megatron_vlm_packing.attention.torch_varlen import varlen_available
 
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    size = context_parallel_size
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"context_parallel_size must be a positive int, got {size!r} ({type(size).__name__})")
     torch_ok = varlen_available() and context_parallel_size == 1
     if backend == "auto":
         return "te" if te_available() else "torch" if torch_ok else "reference"

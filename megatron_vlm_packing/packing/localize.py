@@ -95,16 +95,93 @@ def packed_cp_index(micro_batch: MicroBatch, layout: ParallelLayout) -> torch.Te
     return cp_partition_index(cu_padded, layout.cp_size, layout.cp_rank)
 
 
-def check_lengths(fields: dict[str, torch.Tensor], total: int, *, dim: int = -1) -> None:
+def check_lengths(fields: dict[str, torch.Tensor], total: int, *, dim: int = -1,
+                  source: str = "the CP index") -> None:
     """Every field the CP index is applied to must hold the `total` slots it indexes (shapes only).
 
     `index_select` of a [.., T] index on a longer field silently dropped its tail (a labels tensor
     twice as long, a pack longer than `cu_seqlens_q_padded[-1]`); this names the field and both lengths.
+    `source` says where `total` comes from (at CP = 1 no index is built: the plan, or a field).
     """
     wrong = {name: tuple(x.shape) for name, x in fields.items() if x.dim() == 0 or x.shape[dim] != total}
     if wrong:
-        raise ValueError(f"the CP index covers {total} slots but {wrong} have another "
+        raise ValueError(f"{source} covers {total} slots but {wrong} have another "
                          f"length along dim {dim}: build every sequence-aligned field over the same {total} slots")
+
+
+_SEQUENCE_FIELDS = ("input_ids", "position_ids", "labels", "loss_mask", "padding_mask")
+
+
+def _kept_full(needs: LocalizeNeeds) -> frozenset[str]:
+    """The sequence fields `needs` keeps full length (`localize` neither cuts nor length-checks them)."""
+    full = {"input_ids"} if needs.full_input_ids else set()
+    full |= {"position_ids"} if needs.full_position_ids else set()
+    full |= {"labels", "loss_mask", "padding_mask"} if needs.full_labels else set()
+    return frozenset(full)
+
+
+def check_sequence_lengths(micro_batch: MicroBatch, needs: LocalizeNeeds, total: int,
+                           source: str = "the CP index") -> None:
+    """The fields `localize` cuts (all but those `needs` keeps full; extras along dim 1) hold `total` slots.
+
+    Shapes only (no host read): shared by the CP > 1 path (`total` from the index it applies) and the
+    CP = 1 one (`total` from the plan or a field), so a micro-batch built or changed by hand fails here,
+    naming the field, not deep in the model (or broadcast silently).
+    """
+    full = _kept_full(needs)
+    check_lengths({name: getattr(micro_batch, name) for name in _SEQUENCE_FIELDS if name not in full}, total,
+                  source=source)
+    check_lengths({f"extras[{key!r}]": value for key, value in micro_batch.extras.items()}, total, dim=1,
+                  source=source)
+
+
+def check_index_device(micro_batch: MicroBatch, needs: LocalizeNeeds, index: torch.Tensor, source: str) -> None:
+    """The CP index is on the device of every field it is applied to (metadata only, no host read).
+
+    Boundaries left on the CPU beside CUDA fields made `index_select` raise a RuntimeError far from
+    the cause (and a meta field passed silently). Checked: the fields `localize` cuts, the extras, and
+    `input_ids` even when kept full (the model selects its embeddings with `cp_index`).
+
+    Raises:
+        ValueError: names the index's device, where it came from, and each field on another device.
+    """
+    full = _kept_full(needs) - {"input_ids"}
+    fields = {name: getattr(micro_batch, name) for name in _SEQUENCE_FIELDS if name not in full}
+    fields.update({f"extras[{key!r}]": value for key, value in micro_batch.extras.items()})
+    wrong = {name: str(x.device) for name, x in fields.items() if x.device != index.device}
+    if wrong:
+        raise ValueError(f"the CP index (from {source}) is on {index.device} but {wrong} are on another device: "
+                         f"put the boundaries and every sequence-aligned field on one device")
+
+
+def _slots_without_index(micro_batch: MicroBatch, needs: LocalizeNeeds) -> tuple[int, str] | None:
+    """T and where it comes from at CP = 1, from host ints and shapes only: the plan's total when the
+    boundaries are the plan's own, else `input_ids`' length (dense rows, or ids that `localize` would
+    cut), else the first field it would cut (hand-built boundaries are not read: a host sync). None:
+    every field stays full."""
+    indices = micro_batch.indices
+    if micro_batch.is_packed and isinstance(indices, PackIndices) \
+            and physical_boundaries(micro_batch.packed_seq_params) is indices.cu_seqlens_padded:
+        return indices.plan.total, "the pack plan"
+    full = _kept_full(needs)
+    if not micro_batch.is_packed:
+        full = full - {"input_ids"}  # the dense index is built over input_ids' length at CP > 1 too
+    name = next((name for name in _SEQUENCE_FIELDS if name not in full), None)
+    if name is None:
+        return None
+    return getattr(micro_batch, name).shape[-1], name
+
+
+def _cp_index(micro_batch: MicroBatch, layout: ParallelLayout) -> tuple[torch.Tensor, str]:
+    """This rank's [T/cp] index (`packed_cp_index`, or the dense zigzag over `input_ids`' length) and
+    what it was built from, for error messages."""
+    if not micro_batch.is_packed:
+        index = dense_cp_partition_index(micro_batch.input_ids.shape[-1], layout.cp_size, layout.cp_rank,
+                                         device=micro_batch.input_ids.device)
+        return index, "input_ids' length, on its device"
+    params = micro_batch.packed_seq_params
+    name = "cu_seqlens_q_padded" if params.cu_seqlens_q_padded is not None else "cu_seqlens_q"
+    return packed_cp_index(micro_batch, layout), f"packed_seq_params.{name}"
 
 
 def localize(micro_batch: MicroBatch, layout: ParallelLayout, needs: LocalizeNeeds = LocalizeNeeds()) -> MicroBatch:
@@ -122,61 +199,33 @@ def localize(micro_batch: MicroBatch, layout: ParallelLayout, needs: LocalizeNee
 
     Raises:
         ValueError: the micro-batch was already localized, its length does not divide for CP, its
-            `packed_seq_params` are malformed (`check_packed_seq_params`), or a field it cuts does
-            not hold the slots the index covers (`check_lengths`).
+            `packed_seq_params` are malformed (`check_packed_seq_params`), a field it cuts does
+            not hold the slots the index covers (`check_sequence_lengths`; at cp_size == 1 too,
+            against the plan's total or the first field it would cut), or the index is on another
+            device than the fields it is applied to (`check_index_device`).
     """
     if micro_batch.cp_index is not None:
         raise ValueError("micro_batch is already localized to a CP rank (cp_index is set); localize it once")
     if micro_batch.is_packed:
         check_packed_seq_params(micro_batch)
     if layout.cp_size == 1:
+        slots = _slots_without_index(micro_batch, needs)
+        if slots is not None:
+            check_sequence_lengths(micro_batch, needs, *slots)
         return micro_batch
-    if needs.full_input_ids and needs.full_position_ids and needs.full_labels and not micro_batch.extras:
+    if _kept_full(needs) == frozenset(_SEQUENCE_FIELDS) and not micro_batch.extras:
         # The model selects its CP tokens itself, in a space of its own (LLaVA: after expanding
         # images), so no index of this micro-batch's slots applies.
-        return replace(micro_batch, full_fields=frozenset({"input_ids", "position_ids", "labels", "loss_mask",
-                                                           "padding_mask"}))
-    if micro_batch.is_packed:
-        index = packed_cp_index(micro_batch, layout)
-    else:
-        index = dense_cp_partition_index(micro_batch.input_ids.shape[-1], layout.cp_size, layout.cp_rank,
-                                         device=micro_batch.input_ids.device)
-
-    def last(x: torch.Tensor) -> torch.Tensor:  # [..., T] -> [..., Tl]
-        return x.index_select(-1, index)
-
-    def seq(x: torch.Tensor) -> torch.Tensor:  # [B, T, ...] -> [B, Tl, ...]
-        return x.index_select(1, index)
-
-    total = index.numel() * layout.cp_size  # T, a shape: no host read
-    cut = {"input_ids": needs.full_input_ids, "position_ids": needs.full_position_ids,
-           "labels": needs.full_labels, "loss_mask": needs.full_labels, "padding_mask": needs.full_labels}
-    check_lengths({name: getattr(micro_batch, name) for name, full in cut.items() if not full}, total)
-    check_lengths({f"extras[{key!r}]": value for key, value in micro_batch.extras.items()}, total, dim=1)
-    full = set()
-    input_ids = micro_batch.input_ids
-    if needs.full_input_ids:
-        full.add("input_ids")
-    else:
-        input_ids = last(input_ids)
-    positions = micro_batch.position_ids
-    if needs.full_position_ids:
-        full.add("position_ids")
-    else:
-        positions = last(positions)
-    targets = (micro_batch.labels, micro_batch.loss_mask, micro_batch.padding_mask)
-    if needs.full_labels:
-        full.update(("labels", "loss_mask", "padding_mask"))
-    else:
-        targets = tuple(last(x) for x in targets)
+        return replace(micro_batch, full_fields=frozenset(_SEQUENCE_FIELDS))
+    index, source = _cp_index(micro_batch, layout)
+    check_index_device(micro_batch, needs, index, source)
+    check_sequence_lengths(micro_batch, needs, index.numel() * layout.cp_size)  # T, a shape: no host read
+    full = _kept_full(needs)
+    fields = {name: getattr(micro_batch, name) for name in _SEQUENCE_FIELDS}
     return replace(
         micro_batch,
-        input_ids=input_ids,
-        position_ids=positions,
-        labels=targets[0],
-        loss_mask=targets[1],
-        padding_mask=targets[2],
-        extras={key: seq(value) for key, value in micro_batch.extras.items()},
+        **{name: x if name in full else x.index_select(-1, index) for name, x in fields.items()},  # [.., T] -> [.., Tl]
+        extras={key: x.index_select(1, index) for key, x in micro_batch.extras.items()},  # [B, T, ..] -> [B, Tl, ..]
         cp_index=index,
-        full_fields=frozenset(full),
+        full_fields=full,
     )

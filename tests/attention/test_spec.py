@@ -2,6 +2,7 @@
 
 import inspect
 import math
+import re
 
 import pytest
 import torch
@@ -79,3 +80,13 @@ def test_installed_varlen_attn_signature_is_understood():
     call = varlen_call(inspect.signature(varlen_attn).parameters, causal=True, scale=0.1, head_dim=16,
                        heads=4, kv_heads=2)
     assert call.kwargs.get("window_size", (-1, 0)) == (-1, 0) and call.kwargs.get("is_causal", True)
+
+
+@pytest.mark.parametrize("size", [True, False, 2.0, "2", None, 0, -1, torch.tensor(2)])
+def test_context_parallel_size_must_be_a_positive_int(size):
+    # True == 1 ran as CP = 1 and 2.0 as CP > 1 unchecked; refused as ParallelLayout and PackMultiples refuse
+    # a bool or a non-int (numpy ints included), naming the argument and the value
+    with pytest.raises(ValueError, match=re.escape(f"context_parallel_size must be a positive int, got {size!r}")):
+        resolve_backend("reference", context_parallel_size=size)
+    with pytest.raises(ValueError, match="context_parallel_size must be a positive int"):
+        layer_spec("auto", context_parallel_size=size)

@@ -70,7 +70,7 @@ def test_layout_rejects_bad_sizes():
 # Hostile micro-batches a user builds by hand: each was cut silently (or failed far from the cause).
 
 def _packed(cp_size=2):
-    return pack_batch(batch(), cp_size=cp_size, label_style="hf")  # real [5, 2, 3], physical [8, 4, 4]
+    return pack_batch(batch(), cp_size=cp_size, label_style="hf")  # real [5, 2, 3], physical [8, 4, 4] at cp 2
 
 
 def _with_params(mb, **fields):
@@ -152,3 +152,95 @@ def test_a_tensor_max_seqlen_is_left_to_the_kernel_and_the_plan_ones_pass():
     local = localize(_with_params(mb, max_seqlen_q=torch.tensor(8)), ParallelLayout(cp_size=2, cp_rank=0))
     assert local.cp_index.numel() == 8
     assert localize(mb, ParallelLayout()) is mb
+
+
+# At CP = 1 localize built no index and returned at once: a field of another length reached the model.
+
+def _dense(mb, **fields):
+    from dataclasses import replace
+
+    rows = dict(packed_seq_params=None, rope_cu_seqlens=None, plan=None, indices=None,
+                input_ids=torch.zeros(2, 8, dtype=torch.long), labels=torch.zeros(2, 8, dtype=torch.long),
+                loss_mask=torch.ones(2, 8), position_ids=torch.arange(8).expand(2, 8),
+                padding_mask=torch.zeros(2, 8, dtype=torch.bool))
+    return replace(mb, **{**rows, **fields})
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("labels", torch.zeros(1, 18, dtype=torch.long), r"the pack plan covers 10 slots but \{'labels': \(1, 18\)\}"),
+    ("loss_mask", torch.ones(1, 15), r"the pack plan covers 10 slots but \{'loss_mask': \(1, 15\)\}"),
+    ("padding_mask", torch.zeros(1, 8, dtype=torch.bool), r"\{'padding_mask': \(1, 8\)\}"),
+    ("input_ids", torch.zeros(1, 12, dtype=torch.long), r"\{'input_ids': \(1, 12\)\}"),
+    # mRoPE positions [3, 1, T]: a length of 1 broadcast silently in the rotary
+    ("position_ids", torch.zeros(3, 1, 1, dtype=torch.long), r"\{'position_ids': \(3, 1, 1\)\}"),
+    ("extras", {"token_type": torch.zeros(1, 12, dtype=torch.long)},
+     r"\{\"extras\['token_type'\]\": \(1, 12\)\} have another length along dim 1"),
+])
+def test_cp1_refuses_a_field_of_another_length(field, value, message):
+    from dataclasses import replace
+
+    mb = replace(_packed(cp_size=1), **{field: value})
+    with pytest.raises(ValueError, match=message):
+        localize(mb, ParallelLayout())
+
+
+def test_cp1_checks_hand_built_boundaries_and_dense_rows_against_input_ids():
+    from dataclasses import replace
+
+    # boundaries that are not the plan's are not read (a host sync): the fields must agree with input_ids
+    mb = _with_params(_packed(cp_size=1), **_all_boundaries([0, 5, 7, 10], [0, 5, 7, 10]))
+    with pytest.raises(ValueError, match=r"input_ids covers 10 slots but \{'labels': \(1, 20\)\}"):
+        localize(replace(mb, labels=torch.zeros(1, 20, dtype=torch.long)), ParallelLayout())
+    assert localize(mb, ParallelLayout()) is mb  # [1, 10] fields
+    dense = _dense(mb)
+    assert localize(dense, ParallelLayout()) is dense
+    with pytest.raises(ValueError, match=r"input_ids covers 8 slots but \{'position_ids': \(3, 2, 6\)\}"):
+        localize(_dense(mb, position_ids=torch.zeros(3, 2, 6, dtype=torch.long)), ParallelLayout())
+
+
+def test_cp1_exempts_the_fields_the_adapter_keeps_full():
+    from dataclasses import replace
+
+    mb = _packed(cp_size=1)
+    longer_ids = replace(mb, input_ids=torch.zeros(1, 20, dtype=torch.long))
+    assert localize(longer_ids, ParallelLayout(), LocalizeNeeds(full_input_ids=True)) is longer_ids
+    # hand-built boundaries and full ids: the first field localize would cut is the reference
+    hand = _with_params(longer_ids, **_all_boundaries([0, 5, 7, 10], [0, 5, 7, 10]))
+    with pytest.raises(ValueError, match=r"position_ids covers 10 slots but \{'labels': \(1, 4\)\}"):
+        localize(replace(hand, labels=torch.zeros(1, 4, dtype=torch.long)), ParallelLayout(),
+                 LocalizeNeeds(full_input_ids=True))
+    everything = LocalizeNeeds(full_input_ids=True, full_position_ids=True, full_labels=True)
+    expanded = replace(hand, labels=torch.zeros(1, 40, dtype=torch.long))  # e.g. LLaVA's expanded space
+    assert localize(expanded, ParallelLayout(), everything) is expanded
+
+
+# Boundaries on another device than the fields: index_select raised a RuntimeError (CPU index, CUDA
+# fields) far from the cause, or passed silently (meta fields). Meta stands in for CUDA here.
+
+def _on(mb, device, names=("input_ids", "labels", "loss_mask", "position_ids", "padding_mask")):
+    from dataclasses import replace
+
+    return replace(mb, **{name: getattr(mb, name).to(device) for name in names})
+
+
+def test_boundaries_on_another_device_than_the_fields_are_refused():
+    mb = _on(_packed(), "meta")  # the plan's PackIndices and boundaries stay on the CPU
+    with pytest.raises(ValueError, match=r"the CP index \(from packed_seq_params.cu_seqlens_q_padded\) is on cpu "
+                                         r"but \{'input_ids': 'meta', 'position_ids': 'meta'"):
+        localize(mb, ParallelLayout(cp_size=2, cp_rank=0))
+    hand = _with_params(mb, **_all_boundaries([0, 5, 7, 10], [0, 8, 12, 16]))  # hand-built, read on the CPU
+    with pytest.raises(ValueError, match=r"is on cpu but \{'input_ids': 'meta'"):
+        localize(hand, ParallelLayout(cp_size=2, cp_rank=1))
+
+
+def test_one_field_on_another_device_is_named_and_full_ids_are_checked_too():
+    mb = _on(_packed(), "meta", names=("loss_mask",))
+    with pytest.raises(ValueError, match=r"is on cpu but \{'loss_mask': 'meta'\} are on another device"):
+        localize(mb, ParallelLayout(cp_size=2, cp_rank=0))
+    # kept full, the ids are still where the model applies cp_index (to their embeddings)
+    ids = _on(_packed(), "meta", names=("input_ids",))
+    with pytest.raises(ValueError, match=r"\{'input_ids': 'meta'\}"):
+        localize(ids, ParallelLayout(cp_size=2, cp_rank=0), LocalizeNeeds(full_input_ids=True))
+    dense = _dense(_packed(), labels=torch.zeros(2, 8, dtype=torch.long, device="meta"))
+    with pytest.raises(ValueError, match=r"from input_ids' length, on its device\) is on cpu but \{'labels': 'meta'\}"):
+        localize(dense, ParallelLayout(cp_size=2, cp_rank=1))
