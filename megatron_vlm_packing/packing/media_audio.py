@@ -88,15 +88,19 @@ def audio_inputs(batch: dict, host: MediaHost, tokens: MediaTokens) -> AudioInpu
                        audios_per_sample=per_row)
 
 
-def check_audio_seqlens(batch: dict, host: MediaHost, tokens: MediaTokens) -> None:
+def check_audio_seqlens(batch: dict, host: MediaHost, tokens: MediaTokens, audio: AudioInputs | None = None) -> None:
     """`audio_seqlens` (raw audio lengths, one per clip in token order) must give each row exactly the
     audio placeholder tokens it holds: clip k takes `rope.omni.audio_output_length` of its entry. Checked
-    whatever else the batch holds (the mRoPE index walks audio blocks only beside grids).
+    whatever else the batch holds (the mRoPE index walks audio blocks only beside grids). With the
+    batch's clips (`audio`, from `audio_inputs`) each entry must also equal its clip's real frames
+    (`feature_attention_mask[k].sum()`, read in the one sync): two lengths that give the same tokens
+    would otherwise pass, and the mRoPE index and the audio tower would read different lengths.
 
     Raises:
         ValueError: a non-integer `audio_seqlens`, an entry < 1 (no encoder output), a row whose audio
         placeholders disagree with its clips' lengths, or clips left over (naming the row, the clips
-        and both counts); no `audio_token_id` known to count them (unless counts are not required).
+        and both counts); no `audio_token_id` known to count them (unless counts are not required);
+        an entry (or the number of entries) that differs from `feature_attention_mask`'s.
     """
     seqlens = batch.get("audio_seqlens")
     if not position_input(seqlens):
@@ -119,3 +123,17 @@ def check_audio_seqlens(batch: dict, host: MediaHost, tokens: MediaTokens) -> No
 
     clip_tokens = [int(audio_output_length(n, tokens.audio_n_window)) for n in raw]  # host ints
     items_per_row(rows, clip_tokens, kind="audio", field="audio_seqlens", row_name=host.row_name)
+    if audio is not None:
+        _check_against_feature_mask(raw, audio.audio_lengths)
+
+
+def _check_against_feature_mask(raw: list[int], frames: tuple[int, ...]) -> None:
+    """`audio_seqlens` entries (host ints) equal the clips' real frames of `feature_attention_mask`."""
+    if len(raw) != len(frames):
+        raise ValueError(f"audio_seqlens has {len(raw)} entries but feature_attention_mask has {len(frames)} clips: "
+                         f"both give the raw length of each audio clip")
+    bad = next((k for k, (n, f) in enumerate(zip(raw, frames)) if n != f), None)
+    if bad is not None:
+        raise ValueError(f"audio_seqlens and feature_attention_mask disagree on audio {bad}: audio_seqlens[{bad}] is "
+                         f"{raw[bad]} but feature_attention_mask[{bad}] sums to {frames[bad]} (the mRoPE index would "
+                         f"read one length and the audio tower the other)")

@@ -338,7 +338,7 @@ def read_rows(batch, *, label_style: str, mrope, media: MediaTokens, extra_keys=
         media_host = MediaHost({name: host[entry] for name, entry in media_entries.items()}, row_name)
         vision = vision_inputs(batch, media_host, media, grids_for_rope=mrope is not None)
         audio = audio_inputs(batch, media_host, media)
-        check_audio_seqlens(batch, media_host, media)
+        check_audio_seqlens(batch, media_host, media, audio)
         positions = batch_positions(batch, input_ids, deferred, mrope, audio, rope, host)
     except ValueError:
         raise_value_errors_first(queued.unchecked_values, label_style, vocab_size, unchecked_positions)
