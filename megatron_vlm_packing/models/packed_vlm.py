@@ -144,7 +144,7 @@ class PackedVLM(nn.Module):
         """Full-sequence embeddings with image / video / audio rows merged: [S, B, H] (packed: [T, 1, H]).
 
         `media_checked`: packing's one read already checked every sample's placeholders against its
-        items, the grids against the patches and the audio masks (packing/media.py; the adapter sets
+        items, the grids against the patches and the audio masks (packing/media.py, media_audio.py; the adapter sets
         it when the micro-batch carries those per-sample counts), so no host sync is made here.
         `audio_lengths`: A host ints, real frames per clip (the tower then reads no mask back).
         `placeholders_checked`: (kind, id) pairs whose placeholders packing checked in its one read
@@ -288,7 +288,7 @@ class PackedVLMAdapter(ModelAdapter):
             media.update(input_features=audio.input_features, feature_attention_mask=audio.feature_attention_mask,
                          audios_per_sample=audio.audios_per_sample, audio_lengths=audio.audio_lengths)
         # Packing fills the per-sample counts only after checking every sample's placeholders against
-        # its items (packing/media.py, in its one read): the model then needs no read of its own, when
+        # its items (packing/media.py, media_audio.py, in its one read): the model then needs no read of its own, when
         # packing counted the placeholder ids this model places (a loader may be configured otherwise).
         kinds = [(kind, key) for kind, key in (("image", "images_per_sample"), ("video", "videos_per_sample"),
                                                ("audio", "audios_per_sample")) if key in media]

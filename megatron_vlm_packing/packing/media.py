@@ -1,4 +1,4 @@
-"""Vision and audio inputs of a collated batch, typed and counted per sample.
+"""Vision inputs of a collated batch, typed and counted per sample, and what every media kind shares.
 
 Every image, video and audio clip belongs to the row whose placeholder tokens it fills, in token
 order. The per-row counts are found by walking the items in order and giving each row exactly the
@@ -13,10 +13,11 @@ Tokens per item:
 - image / video with a grid (Qwen-VL style, [P, C] patches): t * h * w / spatial_merge_size**2;
 - image without a grid (LLaVA style, [I, C, H, W] pixels): one placeholder per image (the model
   expands it);
-- audio clip (Qwen3-Omni): the audio encoder's output length for the clip's real frames.
+- audio clip (Qwen3-Omni): the audio encoder's output length for the clip's real frames
+  (`media_audio.py`, which builds on the shared pieces here: `MediaTokens`, `MediaHost`,
+  `items_per_row`, `row_counts`, and the placeholder checks of `queue_media_reads`).
 
-Shape legend: B = rows, S = row length, P = patches, I = images, V = videos, A = clips, F = mel
-bins, L = frames.
+Shape legend: B = rows, S = row length, P = patches, I = images, V = videos.
 """
 
 from __future__ import annotations
@@ -28,10 +29,9 @@ from typing import Callable
 
 import torch
 
-from megatron_vlm_packing.packing.micro_batch import AudioInputs, VisionInputs
+from megatron_vlm_packing.packing.micro_batch import VisionInputs
 
 VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
-AUDIO_KEYS = ("input_features", "feature_attention_mask")
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ def _grid_rows(batch: dict, name: str, host: "MediaHost") -> tuple[torch.Tensor 
     return grid, rows
 
 
-def _tensor(batch: dict, name: str, dims: tuple[int, ...], what: str) -> torch.Tensor | None:
+def media_tensor(batch: dict, name: str, dims: tuple[int, ...], what: str) -> torch.Tensor | None:
     value = batch.get(name)
     if value is None:
         return None
@@ -182,9 +182,10 @@ def items_per_row(row_tokens: list[int] | None, item_tokens: list[int], *, kind:
 
 @dataclass(frozen=True)
 class MediaHost:
-    """The media values read back in the rows' one host sync (`queue_media_reads`), by name: per-row
-    placeholder counts ("image", "video", "audio"), grid entries (flattened), seconds per grid,
-    and "audio_frames" (clip frame counts, minima and first minima of the feature mask). `row_name`
+    """The media values read back in the rows' one host sync (`queue_media_reads`,
+    `media_audio.queue_audio_reads`), by name: per-row placeholder counts ("image", "video", "audio"),
+    grid entries (flattened), seconds per grid, "audio_seqlens", and "audio_frames" (clip frame counts,
+    minima and first minima of the feature mask). `row_name`
     names a row in errors (a document of a pre-packed row, `documents.DocumentPlaces.row_name`)."""
 
     values: dict
@@ -203,7 +204,7 @@ def _given(value) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] > 0
 
 
-def _position_input(value) -> bool:
+def position_input(value) -> bool:
     """A position-only input with entries (a tensor or a list: the positions' checks read it)."""
     if isinstance(value, torch.Tensor):
         return value.numel() > 0
@@ -220,7 +221,7 @@ def checked_placeholders(batch, tokens: MediaTokens) -> tuple[tuple[str, int], .
     for kind, key, id_name in _PLACEHOLDERS:
         token_id = getattr(tokens, id_name)
         if token_id is not None and (_given(batch.get(key))
-                                     or not any(_position_input(batch.get(k)) for k in _POSITION_ONLY[kind])):
+                                     or not any(position_input(batch.get(k)) for k in _POSITION_ONLY[kind])):
             checked.append((kind, token_id))
     return tuple(checked)
 
@@ -243,63 +244,40 @@ def queue_media_reads(batch: dict, input_ids: torch.Tensor, keep, tokens: MediaT
     """Queue on `checks` (a `rows.DeferredChecks`) the device values the media need, so that they ride
     the rows' one host read: placeholder tokens per row of each kind present whose id is known
     (`keep()`: the [B, S] keep-mask), the exact count of a known placeholder among the real tokens
-    of each kind absent (`checked_placeholders`; nonzero is a ValueError), grid entries, seconds per grid, and the audio frame lengths
-    (feature mask checked right-padded; its detailed error raised when not). Returns name -> entry.
+    of each kind absent (`checked_placeholders`; nonzero is a ValueError), grid entries and seconds
+    per grid. The audio values are queued by `media_audio.queue_audio_reads`. Returns name -> entry.
     """
     placeholders = checked_placeholders(batch, tokens)
     if not placeholders and batch.keys().isdisjoint(_READ_KEYS):
         return {}
-    from megatron_vlm_packing.packing.lengths import lengths_from_keep_mask, right_padded_reads
-
     entries = {}
     for kind, token_id in placeholders:
         key = next(key for name, key, _ in _PLACEHOLDERS if name == kind)
         if _given(batch.get(key)):
-            entries[kind] = checks.add(((input_ids == token_id) & keep()).sum(dim=1), _never, None)
+            entries[kind] = checks.add(((input_ids == token_id) & keep()).sum(dim=1), never_fails, None)
         else:
             _queue_orphan_check(input_ids, keep, kind, key, token_id, checks, row_name)
-    _queue_audio_seqlens(batch, input_ids, keep, tokens, checks, entries)
     for name in ("image_grid_thw", "video_grid_thw"):
         grid = batch.get(name)
         if isinstance(grid, torch.Tensor) and grid.dim() == 2 and grid.numel() and not grid.is_floating_point():
-            entries[name] = checks.add(grid.to(input_ids.device, torch.long).reshape(-1), _never, None)
+            entries[name] = checks.add(grid.to(input_ids.device, torch.long).reshape(-1), never_fails, None)
     seconds = batch.get("second_per_grid_ts")
     if isinstance(seconds, torch.Tensor) and seconds.numel() and not seconds.is_complex():
-        entries["second_per_grid_ts"] = checks.add(seconds.to(input_ids.device, torch.float64).reshape(-1), _never,
-                                                   None)
-    mask = batch.get("feature_attention_mask")
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.numel() and not mask.is_floating_point() \
-            and not mask.is_complex():
-        values, fails = right_padded_reads(mask.to(input_ids.device))
-        entries["audio_frames"] = checks.add(
-            values, fails, lambda: lengths_from_keep_mask(mask, field="feature_attention_mask"))
+        entries["second_per_grid_ts"] = checks.add(seconds.to(input_ids.device, torch.float64).reshape(-1),
+                                                   never_fails, None)
     return entries
 
 
 # The batch keys `queue_media_reads` reads values of (besides placeholder counts).
-_READ_KEYS = frozenset({"image_grid_thw", "video_grid_thw", "second_per_grid_ts", "feature_attention_mask",
-                        "audio_seqlens"})
+_READ_KEYS = frozenset({"image_grid_thw", "video_grid_thw", "second_per_grid_ts"})
 
 
-def _queue_audio_seqlens(batch: dict, input_ids, keep, tokens: MediaTokens, checks, entries: dict) -> None:
-    """With `audio_seqlens` entries (Qwen3-Omni raw audio lengths, read by the mRoPE index), queue its
-    values and the audio placeholder tokens per row (when the id is known and not queued already), for
-    `check_audio_seqlens`. Integer tensors only: another dtype is refused there, not cast here."""
-    seqlens = batch.get("audio_seqlens")
-    if not _position_input(seqlens):
-        return
-    if tokens.audio_token_id is not None and "audio" not in entries:
-        entries["audio"] = checks.add(((input_ids == tokens.audio_token_id) & keep()).sum(dim=1), _never, None)
-    if isinstance(seqlens, torch.Tensor) and not (seqlens.is_floating_point() or seqlens.is_complex()
-                                                  or seqlens.dtype == torch.bool):
-        entries["audio_seqlens"] = checks.add(seqlens.to(input_ids.device, torch.long).reshape(-1), _never, None)
-
-
-def _never(values: list) -> bool:
+def never_fails(values: list) -> bool:
+    """The host test of a value queued only to be read (no check of its own)."""
     return False
 
 
-def _row_counts(host: MediaHost, token_id: int | None, kind: str, field: str, require: bool) -> list[int] | None:
+def row_counts(host: MediaHost, token_id: int | None, kind: str, field: str, require: bool) -> list[int] | None:
     """Placeholder tokens per row (read in the one sync); None only when the id is not known and
     counts are not required.
 
@@ -326,11 +304,11 @@ def vision_inputs(batch: dict, host: MediaHost, tokens: MediaTokens, *,
     """
     if batch.keys().isdisjoint(VISION_KEYS):
         return None
-    pixels = _tensor(batch, "pixel_values", (2, 4), "[P, C] patches or [I, C, H, W] images")
+    pixels = media_tensor(batch, "pixel_values", (2, 4), "[P, C] patches or [I, C, H, W] images")
     image_grid, image_rows = _grid_rows(batch, "image_grid_thw", host)
-    videos = _tensor(batch, "pixel_values_videos", (2,), "[Pv, C] patches")
+    videos = media_tensor(batch, "pixel_values_videos", (2,), "[Pv, C] patches")
     video_grid, video_rows = _grid_rows(batch, "video_grid_thw", host)
-    seconds = _tensor(batch, "second_per_grid_ts", (1,), "a [V] float tensor")
+    seconds = media_tensor(batch, "second_per_grid_ts", (1,), "a [V] float tensor")
     if pixels is None and image_grid is not None and image_grid.shape[0] and not grids_for_rope:
         raise ValueError(f"image_grid_thw has {image_grid.shape[0]} rows but the batch has no pixel_values "
                          f"(grids alone are read only by an mRoPE index: pass mrope=)")
@@ -357,7 +335,7 @@ def vision_inputs(batch: dict, host: MediaHost, tokens: MediaTokens, *,
 
 
 def _image_counts(pixels, grid, grid_rows, host: MediaHost, tokens: MediaTokens) -> tuple[int, ...]:
-    rows = _row_counts(host, tokens.image_token_id, "image", "pixel_values", tokens.require_counts)
+    rows = row_counts(host, tokens.image_token_id, "image", "pixel_values", tokens.require_counts)
     if pixels.dim() == 4:
         if grid is not None:
             raise ValueError(f"pixel_values is [I, C, H, W] = {tuple(pixels.shape)} (whole images) but "
@@ -374,7 +352,7 @@ def _image_counts(pixels, grid, grid_rows, host: MediaHost, tokens: MediaTokens)
 
 
 def _video_counts(videos, grid, grid_rows, seconds, host: MediaHost, tokens: MediaTokens) -> tuple[int, ...]:
-    rows = _row_counts(host, tokens.video_token_id, "video", "pixel_values_videos", tokens.require_counts)
+    rows = row_counts(host, tokens.video_token_id, "video", "pixel_values_videos", tokens.require_counts)
     if grid is None:
         raise ValueError(f"pixel_values_videos is {tuple(videos.shape)} patches but the batch has no video_grid_thw")
     patches = sum(t * h * w for t, h, w in grid_rows)
@@ -389,66 +367,3 @@ def _video_counts(videos, grid, grid_rows, seconds, host: MediaHost, tokens: Med
             raise ValueError(f"second_per_grid_ts must be finite and >= 0, got {values}")
     return items_per_row(rows, grid_tokens(grid_rows, tokens.spatial_merge_size, "video_grid_thw"),
                          kind="video", field="video_grid_thw", row_name=host.row_name)
-
-
-def audio_inputs(batch: dict, host: MediaHost, tokens: MediaTokens) -> AudioInputs | None:
-    """The batch's audio clips with real frame counts and per-row counts; None without audio."""
-    if batch.keys().isdisjoint(AUDIO_KEYS):
-        return None
-    features = _tensor(batch, "input_features", (3,), "[A, F, L] mel features")
-    mask = _tensor(batch, "feature_attention_mask", (2,), "an [A, L] 0/1 mask")
-    if features is None and mask is None:
-        return None
-    if features is None or mask is None:
-        missing = "feature_attention_mask" if features is not None else "input_features"
-        raise ValueError(f"audio needs both input_features and feature_attention_mask; {missing} is missing")
-    if tuple(mask.shape) != (features.shape[0], features.shape[2]):
-        raise ValueError(f"feature_attention_mask is {tuple(mask.shape)} but input_features {tuple(features.shape)} "
-                         f"needs [A, L] = [{features.shape[0]}, {features.shape[2]}]")
-    if features.shape[0] == 0:
-        return None
-    from megatron_vlm_packing.packing.lengths import lengths_from_keep_mask
-    from megatron_vlm_packing.rope.omni import audio_output_length
-
-    read = host.values.get("audio_frames")  # None for a float mask: read on its own (rare)
-    frames = read[:mask.shape[0]] if read is not None else lengths_from_keep_mask(mask, field="feature_attention_mask")
-    if min(frames) < 1:
-        raise ValueError(f"feature_attention_mask gives clip {frames.index(min(frames))} no real frames")
-    clip_tokens = [audio_output_length(n, tokens.audio_n_window) for n in frames]  # host ints
-    rows = _row_counts(host, tokens.audio_token_id, "audio", "input_features", tokens.require_counts)
-    per_row = items_per_row(rows, clip_tokens, kind="audio", field="feature_attention_mask", row_name=host.row_name)
-    return AudioInputs(input_features=features, feature_attention_mask=mask, audio_lengths=tuple(frames),
-                       audios_per_sample=per_row)
-
-
-def check_audio_seqlens(batch: dict, host: MediaHost, tokens: MediaTokens) -> None:
-    """`audio_seqlens` (raw audio lengths, one per clip in token order) must give each row exactly the
-    audio placeholder tokens it holds: clip k takes `rope.omni.audio_output_length` of its entry. Checked
-    whatever else the batch holds (the mRoPE index walks audio blocks only beside grids).
-
-    Raises:
-        ValueError: a non-integer `audio_seqlens`, an entry < 1 (no encoder output), a row whose audio
-        placeholders disagree with its clips' lengths, or clips left over (naming the row, the clips
-        and both counts); no `audio_token_id` known to count them (unless counts are not required).
-    """
-    seqlens = batch.get("audio_seqlens")
-    if not _position_input(seqlens):
-        return
-    if isinstance(seqlens, torch.Tensor):
-        if seqlens.is_floating_point() or seqlens.is_complex() or seqlens.dtype == torch.bool:
-            raise ValueError(f"audio_seqlens must hold integer raw audio lengths, got dtype {seqlens.dtype}")
-        raw = host.values["audio_seqlens"]
-    else:
-        raw = list(seqlens)
-        bad = next((i for i, n in enumerate(raw) if isinstance(n, bool) or not isinstance(n, int)), None)
-        if bad is not None:
-            raise ValueError(f"audio_seqlens entry {bad} is {raw[bad]!r}: raw audio lengths must be ints")
-    short = next((i for i, n in enumerate(raw) if n < 1), None)
-    if short is not None:
-        raise ValueError(f"audio_seqlens entry {short} is {raw[short]}: raw audio lengths must be >= 1 (its audio "
-                         f"encoder output has no tokens)")
-    rows = _row_counts(host, tokens.audio_token_id, "audio", "audio_seqlens", tokens.require_counts)
-    from megatron_vlm_packing.rope.omni import audio_output_length
-
-    clip_tokens = [int(audio_output_length(n, tokens.audio_n_window)) for n in raw]  # host ints
-    items_per_row(rows, clip_tokens, kind="audio", field="audio_seqlens", row_name=host.row_name)

@@ -24,9 +24,9 @@ from megatron_vlm_packing.packing.checks import (  # noqa: F401 (re-exported: ca
 from megatron_vlm_packing.packing.documents import DOCUMENT_KEY, split_documents
 from megatron_vlm_packing.packing.lengths import DeferredKeep, keep_mask_deferred, real_lengths
 from megatron_vlm_packing.packing.media import (
-    AUDIO_KEYS, VISION_KEYS, MediaHost, MediaTokens, audio_inputs, check_audio_seqlens, queue_media_reads, row_label,
-    vision_inputs,
+    VISION_KEYS, MediaHost, MediaTokens, queue_media_reads, row_label, vision_inputs,
 )
+from megatron_vlm_packing.packing.media_audio import AUDIO_KEYS, audio_inputs, check_audio_seqlens, queue_audio_reads
 from megatron_vlm_packing.packing.micro_batch import AudioInputs, VisionInputs
 from megatron_vlm_packing.packing.positions import (  # noqa: F401 (re-exported: callers import them from rows)
     batch_positions, check_1d_positions, normalize_positions, queue_position_checks, queue_rope_positions,
@@ -329,6 +329,8 @@ def read_rows(batch, *, label_style: str, mrope, media: MediaTokens, extra_keys=
         unchecked_positions = None
         queue_position_checks(batch, lambda: deferred.keep, mrope, checks, where)
     media_entries = queue_media_reads(batch, input_ids, lambda: deferred.keep, media, checks, row_name)
+    media_entries |= queue_audio_reads(batch, input_ids, lambda: deferred.keep, media, checks,
+                                       counted="audio" in media_entries)
     rope = queue_rope_positions(batch, input_ids, lambda: deferred.keep, mrope, checks, where)
     try:
         host = checks.read()  # the one host sync
@@ -336,7 +338,7 @@ def read_rows(batch, *, label_style: str, mrope, media: MediaTokens, extra_keys=
         media_host = MediaHost({name: host[entry] for name, entry in media_entries.items()}, row_name)
         vision = vision_inputs(batch, media_host, media, grids_for_rope=mrope is not None)
         audio = audio_inputs(batch, media_host, media)
-        check_audio_seqlens(batch, media_host, media)
+        check_audio_seqlens(batch, media_host, media, audio)
         positions = batch_positions(batch, input_ids, deferred, mrope, audio, rope, host)
     except ValueError:
         raise_value_errors_first(queued.unchecked_values, label_style, vocab_size, unchecked_positions)

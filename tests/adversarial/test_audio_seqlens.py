@@ -92,3 +92,25 @@ def test_get_rope_index_checks_audio_seqlens_without_grids():
         get_rope_index(torch.tensor([TWO_TOKENS, ONE_TOKEN]), OMNI, audio_seqlens=torch.tensor([TEN, ONE, ONE]))
     text = get_rope_index(ids, OMNI, audio_seqlens=torch.tensor([ONE])).position_ids
     assert torch.equal(text, torch.arange(5.0).expand(3, 1, 5))  # audio runs are 1D: the text positions
+
+
+@pytest.mark.parametrize("packer", sorted(PACKERS))
+def test_audio_seqlens_disagreeing_with_the_feature_mask_is_a_value_error(packer):
+    """Raw lengths 12 and 10 both give 2 audio tokens, so each input agrees with the placeholders;
+    but the mRoPE index would read 12 and the audio tower 10 frames: refused, naming both."""
+    assert int(audio_output_length(torch.tensor(12), 50)) == int(audio_output_length(torch.tensor(TEN), 50))
+    batch = _batch([TWO_TOKENS, ONE_TOKEN], audio_seqlens=torch.tensor([12, ONE]), **_features(TEN, ONE))
+    with pytest.raises(ValueError, match=r"audio 0: audio_seqlens\[0\] is 12 but feature_attention_mask\[0\] sums "
+                                         r"to 10"):
+        PACKERS[packer](batch, label_style="hf", mrope=OMNI)
+    batch = _batch([TWO_TOKENS, ONE_TOKEN], audio_seqlens=[TEN, ONE], **_features(TEN, ONE))
+    assert PACKERS[packer](batch, label_style="hf", mrope=OMNI).audio.audio_lengths == (TEN, ONE)
+
+
+def test_audio_seqlens_and_feature_mask_with_different_clip_counts_are_refused():
+    """Refused naming both inputs (before the mRoPE index, which would name only audio_seqlens)."""
+    batch = _batch([TWO_TOKENS, ONE_TOKEN], audio_seqlens=torch.tensor([TEN, ONE, ONE]), **_features(TEN, ONE))
+    rope = lambda ids, attention_mask=None, audio_seqlens=None: get_rope_index(  # noqa: E731
+        ids, OMNI, attention_mask=attention_mask, audio_seqlens=audio_seqlens)
+    with pytest.raises(ValueError, match=r"audio_seqlens has 3 entries but feature_attention_mask has 2 clips"):
+        packing.pack_batch(batch, label_style="hf", mrope=rope, require_media_counts=False)
