@@ -135,7 +135,8 @@ class PackedVLM(nn.Module):
             if token_id is None or present[field] or (field, token_id) in checked:
                 continue
             if bool((input_ids == token_id).any()):
-                raise ValueError(f"input_ids hold {field} placeholder tokens (id {token_id}) but no {field} inputs were given")
+                raise ValueError(f"input_ids hold {field} placeholder tokens (id {token_id}) but no {field} inputs "
+                                 f"were given")
 
     def embed(self, input_ids: torch.Tensor, *, pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
               video_grid_thw=None, input_features=None, feature_attention_mask=None, packed_seq_params=None,

@@ -137,8 +137,8 @@ def check_keys(batch, *, extra_keys, mrope) -> None:
             continue
         if key not in known:
             raise ValueError(
-                f"unknown batch key {key!r}: pack_batch/pad_batch take {sorted(SEQUENCE_KEYS)}, {DOCUMENT_KEY!r}, vision "
-                f"{sorted(VISION_KEYS)}, audio {sorted(AUDIO_KEYS)}; declare per-token tensors with extra_keys="
+                f"unknown batch key {key!r}: pack_batch/pad_batch take {sorted(SEQUENCE_KEYS)}, {DOCUMENT_KEY!r}, "
+                f"vision {sorted(VISION_KEYS)}, audio {sorted(AUDIO_KEYS)}; declare per-token tensors with extra_keys="
             )
 
 
