@@ -14,8 +14,7 @@ import torch
 
 from megatron_vlm_packing.bridge.samples import collate_qwen_vl, qwen_vl_samples
 from megatron_vlm_packing.bridge.tiny import TinyBridgeConfig, build_tiny_bridge_model
-
-VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+from megatron_vlm_packing.packing.media import VISION_KEYS
 
 
 def call_bridge_vlm(model, family: str, batch: dict, *, input_ids, position_ids, labels, packed_seq_params=None):
