@@ -7,6 +7,15 @@ metadata: groups are cost-balanced bins of the layout's capacity (never truncate
 sample is an error or a bin of its own), and a group becomes one `MicroBatch` through the user's
 collate (samples -> right-padded batch dict) and `pack_batch(..., pad_to=capacity)`.
 
+Energon's contract, as its `PackingDataset` implements it: the samples `select_samples_to_pack`
+does not return are dropped (nothing is kept for a later buffer), so every sample of the buffer is
+returned in exactly one group; a hook that raises has its error logged by Energon's error handler
+and the whole buffer dropped (fatal after `failure_tolerance` failures in a row), so the checks
+that do not depend on the data run at construction, and `oversize="error"` under Energon drops the
+buffer of an oversize sample (with a log line naming it): use `oversize="own_bin"` to keep it.
+Energon's checkpoint stores the selected groups and packs them after a restore; the hooks hold no
+state of their own (the mixin marks both methods stateless, as Energon's `@stateless` would).
+
 Energon fills each rank's buffer on its own, so these hooks balance the bins of a buffer against
 each other, not ranks against ranks; `PackedBatchSampler` has the global view for that.
 
@@ -52,6 +61,16 @@ class EnergonPackingHooks:
     pack_kwargs: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        # Checked here: under Energon, an error in the first buffer is logged and the buffer dropped.
+        for name in ("metadata", "collate", "expanded_tokens"):
+            if not callable(getattr(self, name)):
+                raise ValueError(f"{name} must be callable, got {type(getattr(self, name)).__name__}")
+        if not isinstance(self.layout, BinLayout):
+            raise ValueError(f"layout must be a BinLayout, got {type(self.layout).__name__}")
+        cost_model = self.cost_model
+        if isinstance(cost_model, type) or not all(hasattr(cost_model, a) for a in ("extra_costs", "lm_linear")):
+            raise ValueError(f"cost_model must be a CostModel (or have extra_costs and lm_linear), got "
+                             f"{type(self.cost_model).__name__}")
         if "pad_to" in self.pack_kwargs:
             raise ValueError("pack_kwargs must not set pad_to: bins are padded to the layout's capacity")
         check_pack_options(self.pack_kwargs, "EnergonPackingHooks", taken=("pad_to",))
@@ -64,10 +83,7 @@ class EnergonPackingHooks:
         """Partition a buffer into bins (lists of the same sample objects), cost-balanced."""
         if not samples:
             return []
-        table = SampleTable.from_samples([self.metadata(s) for s in samples])
-        tokens = count_array(self.expanded_tokens(table), "expanded_tokens").reshape(-1)  # 7.5 is no count
-        if tokens.min() < 1:
-            raise ValueError(f"sample {int(np.argmin(tokens))} of the buffer has no tokens")
+        table, tokens = self._tokens(samples)
         slots = self.layout.slot_sizes(tokens)
         over = self.layout.check_oversize(slots, np.arange(len(samples)))
         fits = np.setdiff1d(np.arange(len(samples)), over)
@@ -77,23 +93,43 @@ class EnergonPackingHooks:
             extra = self.cost_model.extra_costs(table, tokens)[fits]
             if not self.layout.static_shapes:  # bins of different lengths: their GEMMs differ too
                 extra = extra + self.cost_model.lm_linear * slots[fits]
-            groups = [[int(fits[p]) for p in g] for g in balanced_fit(slots[fits], extra, self.layout.capacity, num_bins)]
+            bins = balanced_fit(slots[fits], extra, self.layout.capacity, num_bins)
+            groups = [[int(fits[p]) for p in g] for g in bins]
         return [[samples[i] for i in g] for g in groups + [[int(p)] for p in over]]
 
     def pack_selected_samples(self, samples: list) -> MicroBatch:
-        """One bin -> one packed micro-batch, padded to the capacity (static) or aligned (dynamic)."""
+        """One bin -> one packed micro-batch, padded to the capacity (static) or aligned (dynamic).
+
+        ValueError for a group of several samples that does not fit the capacity: Energon restores
+        the groups it had selected from its checkpoint, and groups selected under another layout
+        would become packs longer than this one's capacity.
+        """
+        slots = int(self.layout.slot_sizes(self._tokens(samples)[1]).sum())
+        if len(samples) > 1 and slots > self.layout.capacity:
+            raise ValueError(f"a group of {len(samples)} samples takes {slots} slots but the capacity is "
+                             f"{self.layout.capacity}: it was not selected under this layout (a checkpoint "
+                             f"saved under a larger capacity?)")
         batch = self.collate(samples)
-        pad_to = self._aligned_total(samples) if self.layout.static_shapes else None
+        pad_to = self.layout.physical(slots) if self.layout.static_shapes else None
         on_host = tensor_off_host(batch) is None  # a loader worker's batch
         packed = pack_batch(batch, pad_to=pad_to, **{"host_reads": on_host, **self.pack_kwargs})
         # In a loader worker: CP indices built there, one storage to send and move, pinnable.
         return for_the_loader(packed, self.pack_kwargs.get("cp_size", 1)) if on_host else packed
 
-    def _aligned_total(self, samples: list) -> int:
-        """Physical tokens of a bin (an oversize sample's own bin is longer than the capacity)."""
-        table = SampleTable.from_samples([self.metadata(s) for s in samples])
-        slots = int(self.layout.slot_sizes(count_array(self.expanded_tokens(table), "expanded_tokens")).sum())
-        return self.layout.physical(slots)
+    def _tokens(self, samples: list) -> tuple[SampleTable, np.ndarray]:
+        """The samples' metadata table and [N] int64 expanded tokens, each checked (ValueError naming it)."""
+        described = [self.metadata(s) for s in samples]
+        for i, meta in enumerate(described):
+            if not isinstance(meta, SampleMetadata):
+                raise ValueError(f"metadata returned {type(meta).__name__} for sample {i} of the buffer; "
+                                 f"expected SampleMetadata")
+        table = SampleTable.from_samples(described)
+        tokens = count_array(self.expanded_tokens(table), "expanded_tokens").reshape(-1)  # 7.5 is no count
+        if len(tokens) != len(samples):
+            raise ValueError(f"expanded_tokens returned {len(tokens)} counts for a buffer of {len(samples)} samples")
+        if tokens.min() < 1:
+            raise ValueError(f"sample {int(np.argmin(tokens))} of the buffer has {int(tokens.min())} tokens")
+        return table, tokens
 
 
 class PlannedPackingMixin:
@@ -106,3 +142,8 @@ class PlannedPackingMixin:
 
     def pack_selected_samples(self, samples: list) -> MicroBatch:
         return self.packing_hooks.pack_selected_samples(samples)
+
+    # What Energon's @stateless sets (without importing Energon): both are pure functions of the samples
+    # (no RNG, no state), so Energon may restore a pack from its restore key.
+    select_samples_to_pack.__stateless__ = True
+    pack_selected_samples.__stateless__ = True
