@@ -36,6 +36,9 @@ across the boundary), and the state is that of the previous epoch.
 `for epoch in ...: sampler.set_epoch(epoch)` loop after a resume would otherwise repeat it).
 `len(sampler)` (a DataLoader's len) counts what the next iteration yields: after a resume, the rest
 of the epoch; once the epoch is done or `set_epoch` starts another, all of the next one.
+"Done" counts from the last micro-batch taken: a new iteration started after `next()` took it (the
+old iterator not yet exhausted) yields the next epoch, and the old iterator then ends without moving
+the sampler on again (an iterator whose epoch the sampler has left yields nothing more).
 """
 
 from __future__ import annotations
@@ -141,8 +144,10 @@ class PackedBatchSampler(torch.utils.data.Sampler):
             raise ValueError(f"dp_rank={dp_rank!r} must lie in [0, {config.dp_size})")
         self.table, self.config, self.dp_rank, self.progress = table, config, dp_rank, progress
         self._epoch, self._position, self._carried = 0, 0, ()
-        self._plan: EpochPlan | None = None
-        self._plan_for: tuple[int, tuple[int, ...]] | None = None  # (epoch, carried in) of self._plan
+        self._plans: dict[tuple[int, tuple[int, ...]], EpochPlan] = {}  # (epoch, carried in) -> plan
+        # Bumped whenever the sampler moves to another epoch (or restarts one): an iterator started
+        # under another serial stops yielding and does not move the sampler on when it finishes.
+        self._serial = 0
         # (epoch, carried into it, micro-batches of this rank) of the epoch iteration last finished:
         # a prefetching loader ends an epoch before training does, and state_dict(consumed=) may
         # still count micro-batches of it.
@@ -158,11 +163,27 @@ class PackedBatchSampler(torch.utils.data.Sampler):
 
     def plan(self) -> EpochPlan:
         """The plan of the current epoch and the samples carried into it (built once for them)."""
-        if self._plan is None or self._plan_for != (self._epoch, self._carried):
-            self._plan = plan_epoch(self.table, self.config, epoch=self._epoch, carried_in=self._carried,
-                                    progress=self.progress)
-            self._plan_for = (self._epoch, self._carried)
-        return self._plan
+        return self._plan_of(self._epoch, self._carried)
+
+    def _plan_of(self, epoch: int, carried: tuple[int, ...]) -> EpochPlan:
+        """The plan of `epoch` with `carried` in, built once (plans of the epochs next to it are kept)."""
+        key = (epoch, carried)
+        if key not in self._plans:
+            plan = plan_epoch(self.table, self.config, epoch=epoch, carried_in=carried, progress=self.progress)
+            self._plans = {k: v for k, v in self._plans.items() if k[0] in (epoch - 1, epoch + 1)}
+            self._plans[key] = plan
+        return self._plans[key]
+
+    def _taken_all(self) -> bool:
+        """This epoch's last micro-batch was taken by an iterator that has not finished yet: the next
+        iteration (and `len`, `micro_batches_per_step`, `state_dict`) starts the next epoch."""
+        return bool(self._position) and self._position == self._epoch_length()
+
+    def _upcoming(self) -> tuple[EpochPlan, int]:
+        """The plan the next iteration yields from, and its position there."""
+        if self._taken_all():
+            return self._plan_of(self._epoch + 1, self.plan().carried), 0
+        return self.plan(), self._position
 
     def micro_batches_per_step(self) -> list[int]:
         """Micro-batches every rank runs in each step the next iteration yields; sums to `len(self)`.
@@ -174,7 +195,8 @@ class PackedBatchSampler(torch.utils.data.Sampler):
         the steps after it stay those of the plan). Call it before iterating: a loader that prefetches
         has moved the sampler's position on.
         """
-        counts, taken = self._step_counts(), self._position
+        plan, taken = self._upcoming()
+        counts = [len(step.ranks[self.dp_rank]) for step in plan.steps]
         for i, count in enumerate(counts):
             if taken < count or taken == 0:
                 return [count - taken, *counts[i + 1:]]
@@ -187,23 +209,39 @@ class PackedBatchSampler(torch.utils.data.Sampler):
 
     def __len__(self) -> int:
         """Micro-batches the next iteration yields: the rest of the current epoch (all of it, unless a
-        `load_state_dict` or a paused iteration has already taken its first ones)."""
-        return self._epoch_length() - self._position
+        `load_state_dict` or a paused iteration has already taken its first ones; all of the next one
+        once its last was taken)."""
+        plan, position = self._upcoming()
+        return len(plan.micro_batches(self.dp_rank)) - position
 
     def _epoch_length(self) -> int:
         """Micro-batches of this rank in the whole current epoch."""
         return sum(self._step_counts())
 
     def __iter__(self) -> Iterator[list[int]]:
-        """The rest of the current epoch; when it is exhausted, the sampler moves to the next epoch."""
-        plan = self.plan()
+        """The rest of the current epoch; when it is exhausted, the sampler moves to the next epoch.
+
+        An iteration started (its first `next`) after an earlier one took the epoch's last micro-batch
+        but has not finished moves the sampler to the next epoch first and yields that one. An earlier
+        iterator whose epoch the sampler has left (that way, or by `set_epoch` / `load_state_dict`)
+        yields nothing more and, exhausted, does not move the sampler on again. Two iterators within
+        one epoch share its position.
+        """
+        if self._taken_all():
+            self._finish_epoch()
+        serial, plan = self._serial, self.plan()
         bins = plan.micro_batches(self.dp_rank)
-        while self._position < len(bins):
+        while self._serial == serial and self._position < len(bins):
             self._position += 1
             yield list(bins[self._position - 1].samples)
-        self._previous = (self._epoch, self._carried, len(bins))
-        self._epoch, self._position, self._carried = self._epoch + 1, 0, plan.carried
-        self._resumed = False
+        if self._serial == serial:
+            self._finish_epoch()
+
+    def _finish_epoch(self) -> None:
+        """Move from the current epoch (all of it taken) to the start of the next one."""
+        self._previous = (self._epoch, self._carried, self._epoch_length())
+        self._epoch, self._position, self._carried = self._epoch + 1, 0, self.plan().carried
+        self._resumed, self._serial = False, self._serial + 1
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch `epoch` from its beginning (samples carried so far stay carried); the epoch a
@@ -213,6 +251,7 @@ class PackedBatchSampler(torch.utils.data.Sampler):
         if self._resumed and int(epoch) == self._epoch:
             return
         self._epoch, self._position, self._resumed, self._previous = int(epoch), 0, False, None
+        self._serial += 1
 
     def state_dict(self, consumed: int | None = None) -> dict:
         """Where this rank stands: epoch, micro-batches taken (or `consumed`), carried samples.
@@ -263,15 +302,14 @@ class PackedBatchSampler(torch.utils.data.Sampler):
         self._check_layout(state)
         epoch, position = int(state["epoch"]), int(state["position"])
         carried = tuple(int(i) for i in state["carried"])
-        plan = plan_epoch(self.table, self.config, epoch=epoch, carried_in=carried, progress=self.progress)
+        plan = self._plan_of(epoch, carried)
         length = len(plan.micro_batches(self.dp_rank))
         if not 0 <= position <= length:
             raise ValueError(f"sampler state has position={position} but epoch {epoch} has {length} "
                              f"micro-batch(es) on this rank (an edited state, or one of format 1 saved under "
                              f"another layout?)")
         self._epoch, self._position, self._carried = epoch, position, carried
-        self._plan, self._plan_for = plan, (epoch, carried)
-        self._previous, self._resumed = None, True
+        self._previous, self._resumed, self._serial = None, True, self._serial + 1
         if position and position == length:  # saved at the end of an epoch: resume at the next one
             self._epoch, self._position, self._carried = epoch + 1, 0, plan.carried
 

@@ -424,3 +424,50 @@ def test_cost_model_is_part_of_the_layout_only_when_it_balances(samples):
         coefficients = {f"cost_model.{f.name}": getattr(default, f.name) for f in dataclasses.fields(default)}
         other.load_state_dict({**state, "layout": {**state["layout"], **coefficients}})
         assert taken + list(other) == reference
+
+
+def test_a_new_iteration_after_the_last_micro_batch_was_taken_starts_the_next_epoch(samples):
+    """After next() took an epoch's last micro-batch (the iterator not yet exhausted), a fresh iter() yielded
+    an empty epoch first. It now yields the next epoch, and the old iterator, exhausted later, neither
+    yields again nor moves the sampler on a second time (whether before or after the new one started)."""
+    table = SampleTable.from_samples([metadata(s) for s in samples])
+    config = _config(tail="carry")
+    straight = PackedBatchSampler(table, config, dp_rank=1)
+    epochs = [list(straight) for _ in range(3)]
+    assert straight.plan().carried is not None and all(epochs)
+
+    def took_all(sampler):
+        it = iter(sampler)
+        assert [next(it) for _ in range(len(epochs[0]))] == epochs[0]
+        return it
+
+    for old_finishes in ("before_new_starts", "after_new_starts", "after_new_finishes"):
+        sampler = PackedBatchSampler(table, config, dp_rank=1)
+        old = took_all(sampler)
+        assert len(sampler) == len(epochs[1]) and sum(sampler.micro_batches_per_step()) == len(epochs[1])
+        new = iter(sampler)
+        if old_finishes == "before_new_starts":
+            assert list(old) == []
+            assert list(new) == epochs[1]
+        elif old_finishes == "after_new_starts":
+            first = next(new)
+            assert list(old) == []
+            assert [first, *new] == epochs[1]
+        else:
+            assert list(new) == epochs[1]
+            assert list(old) == []
+        assert list(sampler) == epochs[2]
+
+
+def test_set_epoch_leaves_an_earlier_iterator_without_more_micro_batches(samples):
+    """An iterator that outlived a set_epoch yielded its old epoch's bins from the new epoch's position."""
+    table = SampleTable.from_samples([metadata(s) for s in samples])
+    sampler = PackedBatchSampler(table, _config(), dp_rank=0)
+    reference = list(PackedBatchSampler(table, _config(), dp_rank=0))
+    old = iter(sampler)
+    next(old)
+    sampler.set_epoch(3)
+    assert list(old) == []
+    assert sampler.state_dict()["epoch"] == 3 and sampler.state_dict()["position"] == 0
+    sampler.set_epoch(0)
+    assert list(sampler) == reference
