@@ -104,6 +104,8 @@ class EnergonPackingHooks:
         the groups it had selected from its checkpoint, and groups selected under another layout
         would become packs longer than this one's capacity.
         """
+        if not samples:
+            raise ValueError("pack_selected_samples got a group of 0 samples: a pack needs at least one")
         slots = int(self.layout.slot_sizes(self._tokens(samples)[1]).sum())
         if len(samples) > 1 and slots > self.layout.capacity:
             raise ValueError(f"a group of {len(samples)} samples takes {slots} slots but the capacity is "
