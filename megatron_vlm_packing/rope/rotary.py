@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from megatron_vlm_packing.parallel.cp import dense_cp_partition_index, zigzag_index
+from megatron_vlm_packing.patches.owned import OwnedAttributes
 from megatron_vlm_packing.rope.megatron_thd import CpLocalFreqs, thd_boundaries
 
 
@@ -107,16 +108,32 @@ class PackedMultimodalRotaryEmbedding(nn.Module):
 
 
 class PackedMropeHandle:
-    """What `use_packed_mrope` changed; `undo()` restores the original rotary and removes the hooks."""
+    """What `use_packed_mrope` changed; `undo()` restores the original rotary and removes the hooks.
 
-    def __init__(self, model, original, hooks):
-        self.model, self.original, self.hooks = model, original, hooks
+    Undo is stack-safe like every patch's (`patches.owned`): while something installed after us holds
+    `model.rotary_pos_emb` (a wrapper around ours), it raises RuntimeError naming it and changes nothing.
+    """
+
+    def __init__(self, model, original, hooks, owned: OwnedAttributes, *, interleaved: bool):
+        self.model, self.original, self.hooks, self.owned = model, original, hooks, owned
+        self.interleaved = interleaved
+
+    @property
+    def active(self) -> bool:
+        return bool(self.hooks)
 
     def undo(self) -> None:
+        """Restore the model's own rotary, remove the hooks. A no-op once undone.
+
+        Raises:
+            RuntimeError: `model.rotary_pos_emb` (or the handle attribute) now holds something installed
+                after us; undo that first. Nothing is changed.
+        """
+        self.owned.check()  # before anything is touched: all or nothing
         for hook in self.hooks:
             hook.remove()
-        self.model.rotary_pos_emb = self.original
         self.hooks = []
+        self.owned.restore()
 
 
 def _packed_seq_params_of(forward_signature: inspect.Signature, args, kwargs):
@@ -163,13 +180,18 @@ def use_packed_mrope(model, *, interleaved: bool = False) -> PackedMropeHandle:
 
     Applies `patches.thd_rotary` (process-wide, idempotent; `undo()` leaves it on, other models may
     use it) where the installed THD rope reads boundaries on the host; the rotary then returns
-    CP-local tables. Idempotent (a second call returns the existing handle). Raises ValueError for a model that is
+    CP-local tables. Idempotent: a second call returns the existing handle (ValueError if it asks for
+    another `interleaved`); `handle.undo()` is stack-safe (`PackedMropeHandle`). Raises ValueError for a model that is
     not mrope, uses fused rope (Megatron-Core's fused kernels take no 3D positions) or interleaved
     rotary halves, and RuntimeError where Megatron-Core's THD rope would not take each document's
     CP chunks from the full table (`megatron_thd.thd_rope_takes_document_chunks`).
     """
     existing = getattr(model, "_packed_mrope_handle", None)
-    if existing is not None and existing.hooks:
+    if existing is not None and existing.active:
+        if existing.interleaved != interleaved:
+            raise ValueError(f"use_packed_mrope was already applied to this {type(model).__name__} with "
+                             f"interleaved={existing.interleaved}, now asked for interleaved={interleaved}: "
+                             f"call handle.undo() first to change the mRoPE layout")
         return existing
     _refuse_unservable(model)
     _patch_thd_rope_or_refuse()
@@ -178,8 +200,7 @@ def use_packed_mrope(model, *, interleaved: bool = False) -> PackedMropeHandle:
         original.inv_freq, interleaved=interleaved, cp_group=getattr(original, "cp_group", None),
         seq_len_interpolation_factor=getattr(original, "seq_len_interpolation_factor", None))
     forward_signature = inspect.signature(model.forward)
-    model.rotary_pos_emb = rotary
-    saved: list[bool] = []
+    saved: list[tuple[bool, object]] = []
 
     def enter(module, args, kwargs):
         params = _packed_seq_params_of(forward_signature, args, kwargs)
@@ -191,8 +212,10 @@ def use_packed_mrope(model, *, interleaved: bool = False) -> PackedMropeHandle:
         if saved:  # empty only if an earlier pre-hook raised before ours ran
             rotary.is_thd_format, rotary.thd_params = saved.pop()
 
+    owned = OwnedAttributes(f"{__name__}.use_packed_mrope")
+    owned.set(model, "rotary_pos_emb", rotary)
     hooks = [model.register_forward_pre_hook(enter, with_kwargs=True),
              model.register_forward_hook(leave, with_kwargs=True, always_call=True)]
-    handle = PackedMropeHandle(model, original, hooks)
-    model._packed_mrope_handle = handle
+    handle = PackedMropeHandle(model, original, hooks, owned, interleaved=interleaved)
+    owned.set(model, "_packed_mrope_handle", handle)
     return handle

@@ -258,3 +258,60 @@ def test_sections_against_the_formula_frequency_by_frequency(interleaved, sectio
             axis = next(a for a, bound in enumerate(bounds) if i < bound)
         expected = positions[axis].float() * inv_freq[i]  # [B, S]
         assert torch.equal(ours[:, :, 0, i], expected.T) and torch.equal(ours[:, :, 0, 8 + i], expected.T)
+
+
+class ForeignRotaryWrapper(torch.nn.Module):
+    """Another plugin's wrapper, installed on `model.rotary_pos_emb` after ours; it calls ours."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+    def __getattr__(self, name):  # the wrapped rotary's attributes (is_thd_format) show through
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.inner, name)
+
+
+def test_undo_refuses_while_a_later_wrapper_holds_the_rotary_and_lifo_undo_restores_exactly():
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    model = TinyMropeModel()
+    original = model.rotary_pos_emb
+    handle = use_packed_mrope(model)
+    ours = model.rotary_pos_emb
+    model.rotary_pos_emb = ForeignRotaryWrapper(ours)
+    with pytest.raises(RuntimeError, match=r"rotary_pos_emb now holds a tests\.rope\.test_rotary\.ForeignRotaryWrapper"
+                                           r".*undo that later patch first.*Nothing was undone"):
+        handle.undo()
+    # nothing changed: the wrapper still holds ours, our hooks still set the mode per call
+    assert isinstance(model.rotary_pos_emb, ForeignRotaryWrapper) and model.rotary_pos_emb.inner is ours
+    assert handle.active and use_packed_mrope(model) is handle
+    model(None, None, None, packed_seq_params=PackedSeqParams(qkv_format="thd"))
+    model(None, None, None)
+    assert model.seen == [True, False] and ours.is_thd_format is False
+    model.rotary_pos_emb = ours  # the later plugin undoes first (LIFO) ...
+    handle.undo()  # ... then ours restores exactly what the model had
+    assert model.rotary_pos_emb is original and "_packed_mrope_handle" not in vars(model)
+    assert not model._forward_pre_hooks and not model._forward_hooks and not handle.active
+    handle.undo()  # a no-op once undone
+    assert model.rotary_pos_emb is original
+    again = use_packed_mrope(model)  # and it can be applied afresh
+    assert again is not handle and isinstance(model.rotary_pos_emb, PackedMultimodalRotaryEmbedding)
+    again.undo()
+    assert model.rotary_pos_emb is original
+
+
+def test_applying_twice_returns_the_handle_and_refuses_another_layout():
+    model = TinyMropeModel()
+    handle = use_packed_mrope(model, interleaved=True)
+    assert use_packed_mrope(model, interleaved=True) is handle
+    assert len(model._forward_pre_hooks) == 1 and len(model._forward_hooks) == 1  # hooks installed once
+    with pytest.raises(ValueError, match=r"already applied .* with interleaved=True, now asked for interleaved=False"):
+        use_packed_mrope(model)
+    assert model.rotary_pos_emb.interleaved is True
+    handle.undo()
