@@ -25,6 +25,7 @@ Shape legend: B = batch, S = sequence (T when packed), Tl = T / cp, D = rotary d
 from __future__ import annotations
 
 import inspect
+import numbers
 
 import torch
 from torch import nn
@@ -32,6 +33,25 @@ from torch import nn
 from megatron_vlm_packing.parallel.cp import dense_cp_partition_index, zigzag_index
 from megatron_vlm_packing.patches.owned import OwnedAttributes
 from megatron_vlm_packing.rope.megatron_thd import CpLocalFreqs, thd_boundaries
+
+
+def check_mrope_section(mrope_section, frequencies: int) -> None:
+    """ValueError unless `mrope_section` is 3 non-negative ints (t, h, w) summing to `frequencies` (F)."""
+    section = list(mrope_section)
+    if len(section) != 3 or any(not isinstance(n, numbers.Integral) or n < 0 for n in section) or sum(section) != frequencies:
+        raise ValueError(f"mrope_section {section} must be 3 non-negative ints (t, h, w) that sum to "
+                         f"{frequencies} rotary frequencies (kv_channels * rotary_percent / 2)")
+
+
+def check_position_ids(position_ids: torch.Tensor) -> None:
+    """ValueError unless `position_ids` is an integer [3, B, S] tensor. Metadata only (no host sync):
+    integer positions cannot be NaN or fractional, which a float tensor could only be checked for by a read."""
+    if position_ids.dim() != 3 or position_ids.shape[0] != 3:
+        raise ValueError(f"mRoPE position_ids must be [3, B, S] (t, h, w), got {tuple(position_ids.shape)}"
+                         + (": packed positions are [3, 1, T]" if position_ids.dim() == 2 else ""))
+    if position_ids.dtype.is_floating_point or position_ids.dtype.is_complex or position_ids.dtype == torch.bool:
+        raise ValueError(f"mRoPE position_ids must be an integer tensor (get_rope_index gives int64), got "
+                         f"{position_ids.dtype}")
 
 
 def mrope_frequencies(position_ids: torch.Tensor, inv_freq: torch.Tensor, mrope_section, *,
@@ -48,9 +68,13 @@ def mrope_frequencies(position_ids: torch.Tensor, inv_freq: torch.Tensor, mrope_
 
     Returns:
         [S, B, 1, D] float32, D = 2F (the halves repeated, Megatron-Core's non-interleaved rotary).
+
+    Raises:
+        ValueError: `mrope_section` is not 3 non-negative ints summing to F, or `position_ids` is not an
+            integer [3, B, S] tensor (checked on metadata only: no host sync).
     """
-    if sum(mrope_section) != inv_freq.numel():
-        raise ValueError(f"mrope_section {list(mrope_section)} must sum to {inv_freq.numel()} rotary frequencies")
+    check_mrope_section(mrope_section, inv_freq.numel())
+    check_position_ids(position_ids)
     positions = position_ids.to(inv_freq.device).float()
     if seq_len_interpolation_factor is not None:
         positions = positions * (1 / seq_len_interpolation_factor)
@@ -89,11 +113,24 @@ class PackedMultimodalRotaryEmbedding(nn.Module):
         return mrope_frequencies(position_ids, self.inv_freq, mrope_section, interleaved=self.interleaved,
                                  seq_len_interpolation_factor=self.seq_len_interpolation_factor)
 
+    def _check_packed_positions(self, position_ids: torch.Tensor, cp_size: int) -> None:
+        """ValueError for THD positions that are not the whole pack's [3, 1, T]; shapes and Python ints only."""
+        _, rows, tokens = position_ids.shape
+        if rows != 1:
+            raise ValueError(f"packed (qkv_format='thd') mRoPE position_ids must be [3, 1, T], got "
+                             f"{tuple(position_ids.shape)}")
+        if cp_size > 1 and tokens % (2 * cp_size):
+            raise ValueError(f"packed mRoPE position_ids hold T={tokens} tokens, not a multiple of 2 * "
+                             f"context-parallel size {cp_size}: the rotary needs the full pack's positions")
+
     def forward(self, position_ids: torch.Tensor, mrope_section, cp_group=None, **unused) -> torch.Tensor:
         """[3, B, S] full positions -> [S, B, 1, D] (dense: this CP rank's part), or in THD mode
         [Tl, 1, 1, D] `CpLocalFreqs` of this rank's tokens (the full [T, 1, 1, D] where patches.thd_rotary is off)."""
         group = cp_group if cp_group is not None else self.cp_group
         cp_size = 1 if group is None else group.size()
+        check_position_ids(position_ids)
+        if self.is_thd_format:
+            self._check_packed_positions(position_ids, cp_size)
         if self.is_thd_format and _thd_rotary_on():
             if cp_size > 1:  # once per micro-batch: this rank's tokens, by the zigzag the tokens were selected with
                 local = zigzag_index(thd_boundaries(self.thd_params), cp_size, group.rank(),

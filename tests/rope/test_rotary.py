@@ -64,7 +64,7 @@ def test_interleaved_sections_equal_hf_qwen3():
 
 
 def test_sections_must_cover_the_frequencies():
-    with pytest.raises(ValueError, match=r"must sum to 8 rotary frequencies"):
+    with pytest.raises(ValueError, match=r"that sum to 8 rotary frequencies"):
         mrope_frequencies(torch.zeros(3, 1, 2), torch.ones(8), [2, 2, 2])
 
 
@@ -315,3 +315,58 @@ def test_applying_twice_returns_the_handle_and_refuses_another_layout():
         use_packed_mrope(model)
     assert model.rotary_pos_emb.interleaved is True
     handle.undo()
+
+
+def _thd_rotary(cp_size: int):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    rotary = PackedMultimodalRotaryEmbedding(torch.ones(2), cp_group=_RankOf(cp_size, 0))
+    rotary.is_thd_format = True
+    rotary.thd_params = PackedSeqParams(qkv_format="thd", cu_seqlens_q_padded=torch.tensor([0, 4, 12]))
+    return rotary
+
+
+@pytest.mark.parametrize("positions, section, cp_size, message", [
+    (torch.arange(12).expand(3, 12), [1, 1, 0], 1, r"must be \[3, B, S\] \(t, h, w\), got \(3, 12\): packed positions "
+                                                   r"are \[3, 1, T\]"),
+    (torch.arange(12).expand(3, 1, 1, 12), [1, 1, 0], 1, r"must be \[3, B, S\] \(t, h, w\), got \(3, 1, 1, 12\)"),
+    (torch.arange(12).expand(1, 1, 12), [1, 1, 0], 2, r"must be \[3, B, S\] \(t, h, w\), got \(1, 1, 12\)"),
+    (torch.arange(12).expand(3, 2, 12), [1, 1, 0], 2, r"packed \(qkv_format='thd'\) mRoPE position_ids must be "
+                                                      r"\[3, 1, T\], got \(3, 2, 12\)"),
+    (torch.full((3, 1, 12), float("nan")), [1, 1, 0], 1, r"must be an integer tensor .* got torch\.float32"),
+    (torch.ones(3, 1, 12, dtype=torch.bool), [1, 1, 0], 1, r"must be an integer tensor .* got torch\.bool"),
+    (torch.arange(6).expand(3, 1, 6), [1, 1, 0], 2, r"T=6 tokens, not a multiple of 2 \* context-parallel size 2: "
+                                                    r"the rotary needs the full pack's positions"),
+    (torch.arange(12).expand(3, 1, 12), [3, -1, 0], 1, r"mrope_section \[3, -1, 0\] must be 3 non-negative ints "
+                                                       r"\(t, h, w\) that sum to 2"),
+    (torch.arange(12).expand(3, 1, 12), [1, 1], 1, r"mrope_section \[1, 1\] must be 3 non-negative ints"),
+])
+def test_hostile_positions_and_sections_fail_loudly_in_thd_mode(positions, section, cp_size, message):
+    """Before: an IndexError, an opaque RuntimeError, or silently a table of the wrong shape or rows."""
+    apply_thd_rotary()
+    with pytest.raises(ValueError, match=message):
+        _thd_rotary(cp_size)(positions, section)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_dense_mode_and_the_pure_function_refuse_the_same(interleaved):
+    rotary = PackedMultimodalRotaryEmbedding(torch.ones(2), interleaved=interleaved)
+    with pytest.raises(ValueError, match=r"mrope_section \[3, -1, 0\] must be 3 non-negative ints"):
+        rotary(torch.zeros(3, 1, 4, dtype=torch.long), [3, -1, 0])  # interleaved used to accept it silently
+    with pytest.raises(ValueError, match=r"got \(3, 1, 1, 4\)"):
+        rotary(torch.zeros(3, 1, 1, 4, dtype=torch.long), [1, 1, 0])  # used to return a 5-D table
+    with pytest.raises(ValueError, match=r"got torch\.float64"):
+        mrope_frequencies(torch.zeros(3, 1, 4, dtype=torch.float64), torch.ones(2), [1, 1, 0])
+
+
+def test_the_checks_read_nothing_back_from_the_device():
+    from megatron_vlm_packing.testing.sync_counter import count_host_syncs
+
+    apply_thd_rotary()
+    rotary = _thd_rotary(2)
+    positions = torch.arange(12).expand(3, 1, 12)
+    with count_host_syncs() as syncs:
+        rotary(positions, [1, 1, 0])
+        rotary.is_thd_format = False
+        rotary(positions, [1, 1, 0])
+    assert syncs.total == 0, syncs.report()
