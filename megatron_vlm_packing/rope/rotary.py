@@ -108,6 +108,8 @@ class PackedMultimodalRotaryEmbedding(nn.Module):
         self.cp_group = cp_group
         self.is_thd_format = False  # set per call by use_packed_mrope's hooks
         self.thd_params = None  # the call's PackedSeqParams in THD mode (set per call by the hooks)
+        self.hooked = False  # installed by use_packed_mrope: its hooks tell THD calls apart
+        self.hooked_calls = 0  # model calls in flight whose hooks ran (0: model.forward(...) called directly)
 
     def _frequencies(self, position_ids: torch.Tensor, mrope_section) -> torch.Tensor:
         return mrope_frequencies(position_ids, self.inv_freq, mrope_section, interleaved=self.interleaved,
@@ -129,6 +131,11 @@ class PackedMultimodalRotaryEmbedding(nn.Module):
         group = cp_group if cp_group is not None else self.cp_group
         cp_size = 1 if group is None else group.size()
         check_position_ids(position_ids)
+        if self.hooked and not self.hooked_calls and cp_size > 1:
+            raise RuntimeError(f"the packed mRoPE rotary ran at context-parallel size {cp_size} outside its model's "
+                               f"__call__ (model.forward(...) called directly skips use_packed_mrope's hooks), so it "
+                               f"cannot tell a packed THD call from a dense one and would CP-slice a packed table "
+                               f"as one sequence (bug class 6): call the model itself, model(...)")
         if self.is_thd_format:
             self._check_packed_positions(position_ids, cp_size)
         if self.is_thd_format and _thd_rotary_on():
@@ -242,13 +249,16 @@ def use_packed_mrope(model, *, interleaved: bool = False) -> PackedMropeHandle:
     def enter(module, args, kwargs):
         params = _packed_seq_params_of(forward_signature, args, kwargs)
         saved.append((rotary.is_thd_format, rotary.thd_params))
+        rotary.hooked_calls += 1
         rotary.is_thd_format = params is not None and params.qkv_format == "thd"
         rotary.thd_params = params if rotary.is_thd_format else None
 
     def leave(module, args, kwargs, output=None):
         if saved:  # empty only if an earlier pre-hook raised before ours ran
             rotary.is_thd_format, rotary.thd_params = saved.pop()
+            rotary.hooked_calls -= 1
 
+    rotary.hooked = True
     owned = OwnedAttributes(f"{__name__}.use_packed_mrope")
     owned.set(model, "rotary_pos_emb", rotary)
     hooks = [model.register_forward_pre_hook(enter, with_kwargs=True),

@@ -370,3 +370,28 @@ def test_the_checks_read_nothing_back_from_the_device():
         rotary.is_thd_format = False
         rotary(positions, [1, 1, 0])
     assert syncs.total == 0, syncs.report()
+
+
+class RotaryCallingModel(TinyMropeModel):
+    """Calls its rotary like GPTModel does, at CP=2 (a Bridge model calls `language_model.forward(...)`)."""
+
+    def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
+                inference_context=None, packed_seq_params=None):
+        return self.rotary_pos_emb(position_ids, [1, 1, 0], cp_group=_RankOf(2, 0))
+
+
+def test_a_direct_forward_that_skips_the_hooks_is_refused_under_cp():
+    """model.forward(...) skips the hooks: a packed call would run as dense and CP-slice the whole
+    packed table (bug class 6, silently). Through model(...) both modes work."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    model = RotaryCallingModel()
+    handle = use_packed_mrope(model)
+    positions = torch.arange(12).expand(3, 1, 12)
+    thd = PackedSeqParams(qkv_format="thd", cu_seqlens_q_padded=torch.tensor([0, 4, 12]))
+    with pytest.raises(RuntimeError, match=r"ran at context-parallel size 2 outside its model's __call__"):
+        model.forward(None, positions, None, packed_seq_params=thd)
+    assert isinstance(model(None, positions, None, packed_seq_params=thd), CpLocalFreqs)
+    assert model(None, positions, None).shape[0] == 6  # dense: this rank's half
+    assert model.rotary_pos_emb.hooked_calls == 0
+    handle.undo()
