@@ -17,7 +17,8 @@ slices like Megatron-Core.
 
 The mode is per call (bug class 5): `use_packed_mrope(model)` installs hooks that set the call's
 THD boundaries (and `is_thd_format`) from its `packed_seq_params` on entry and restore them on
-exit, exceptions included.
+exit, exceptions included. Hooks run only through `model(...)`: a caller of `model.forward(...)` skips
+them, so an installed rotary refuses (RuntimeError) to run at CP > 1 outside a hooked call.
 
 Shape legend: B = batch, S = sequence (T when packed), Tl = T / cp, D = rotary dim, F = D / 2 frequencies.
 """
@@ -38,7 +39,8 @@ from megatron_vlm_packing.rope.megatron_thd import CpLocalFreqs, thd_boundaries
 def check_mrope_section(mrope_section, frequencies: int) -> None:
     """ValueError unless `mrope_section` is 3 non-negative ints (t, h, w) summing to `frequencies` (F)."""
     section = list(mrope_section)
-    if len(section) != 3 or any(not isinstance(n, numbers.Integral) or n < 0 for n in section) or sum(section) != frequencies:
+    well_formed = len(section) == 3 and all(isinstance(n, numbers.Integral) and n >= 0 for n in section)
+    if not well_formed or sum(section) != frequencies:
         raise ValueError(f"mrope_section {section} must be 3 non-negative ints (t, h, w) that sum to "
                          f"{frequencies} rotary frequencies (kv_channels * rotary_percent / 2)")
 
@@ -228,7 +230,8 @@ def use_packed_mrope(model, *, interleaved: bool = False) -> PackedMropeHandle:
     another `interleaved`); `handle.undo()` is stack-safe (`PackedMropeHandle`). Raises ValueError for a model that is
     not mrope, uses fused rope (Megatron-Core's fused kernels take no 3D positions) or interleaved
     rotary halves, and RuntimeError where Megatron-Core's THD rope would not take each document's
-    CP chunks from the full table (`megatron_thd.thd_rope_takes_document_chunks`).
+    CP chunks from the full table (`megatron_thd.thd_rope_takes_document_chunks`). The model must be
+    called as `model(...)` (the hooks run in `__call__`); at CP > 1 the rotary refuses a direct `model.forward`.
     """
     existing = getattr(model, "_packed_mrope_handle", None)
     if existing is not None and existing.active:
