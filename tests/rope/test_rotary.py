@@ -395,3 +395,24 @@ def test_a_direct_forward_that_skips_the_hooks_is_refused_under_cp():
     assert model(None, positions, None).shape[0] == 6  # dense: this rank's half
     assert model.rotary_pos_emb.hooked_calls == 0
     handle.undo()
+
+
+def test_one_rotary_serves_changing_cp_layouts_and_micro_batches_with_no_leftover_state():
+    """Per-call cp_group (GPTModel passes packed_seq_params.cp_group) and per-call boundaries: each call
+    equals a fresh rotary's on the same inputs, whatever came before."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    apply_thd_rotary()
+    generator = torch.Generator().manual_seed(3)
+    shared = PackedMultimodalRotaryEmbedding(torch.rand(2), cp_group=_RankOf(2, 0))
+    calls = []
+    for cp_size, rank, cu in [(2, 0, [0, 4, 12]), (2, 1, [0, 8, 16, 24]), (4, 3, [0, 16, 24]), (1, 0, [0, 5, 7]),
+                              (2, 1, [0, 4, 12])]:
+        positions = torch.randint(0, 30, (3, 1, cu[-1]), generator=generator)
+        calls.append((_RankOf(cp_size, rank), PackedSeqParams(qkv_format="thd", cu_seqlens_q_padded=torch.tensor(cu)),
+                      positions))
+    for group, params, positions in calls + [(_RankOf(2, 1), None, torch.randint(0, 30, (3, 2, 8)))]:
+        fresh = PackedMultimodalRotaryEmbedding(shared.inv_freq, cp_group=_RankOf(2, 0))
+        for rotary in (shared, fresh):
+            rotary.is_thd_format, rotary.thd_params = params is not None, params
+        assert torch.equal(shared(positions, [1, 0, 1], cp_group=group), fresh(positions, [1, 0, 1], cp_group=group))
