@@ -21,6 +21,7 @@ import types
 from collections.abc import Mapping
 
 _ABSENT = object()  # the owner had no attribute of its own: restoring deletes ours
+_TORCH_REGISTRIES = ("_modules", "_parameters", "_buffers")  # where nn.Module.__setattr__ puts them
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -34,13 +35,18 @@ class _Set:
 def own_value(owner, name: str):
     """What `owner` itself holds under `name`, or `_ABSENT`.
 
-    A module's, class's or object's own `__dict__` entry; an attribute a class only inherits (or an
+    A module's, class's or object's own `__dict__` entry (a `torch.nn.Module`'s submodule, parameter or
+    buffer counts as its own: `model.rotary_pos_emb`); an attribute a class only inherits (or an
     object only gets from its class) counts as absent, so restoring deletes ours and lookups fall back
     as before. A data descriptor's value (a function's `__defaults__`) is read with getattr.
     """
     own = getattr(owner, "__dict__", None)
     if isinstance(own, Mapping) and name in own:
         return own[name]
+    for registry in _TORCH_REGISTRIES:  # a torch.nn.Module keeps submodules, parameters, buffers apart
+        held = own.get(registry) if isinstance(own, Mapping) and not isinstance(owner, type) else None
+        if isinstance(held, Mapping) and name in held:
+            return held[name]
     if isinstance(owner, type) or (own is not None and not _is_data_descriptor(type(owner), name)):
         return _ABSENT
     return getattr(owner, name, _ABSENT)
@@ -71,6 +77,8 @@ def describe_value(value) -> str:
         return f"{module}.{code.co_qualname}"
     if hasattr(func, "__qualname__"):
         return f"{getattr(func, '__module__', None) or '?'}.{func.__qualname__}"
+    if "_modules" in getattr(value, "__dict__", {}):  # a torch.nn.Module (a multi-line repr): its class
+        return f"a {type(value).__module__}.{type(value).__qualname__}"
     return repr(value)
 
 

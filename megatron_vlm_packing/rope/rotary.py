@@ -17,7 +17,8 @@ slices like Megatron-Core.
 
 The mode is per call (bug class 5): `use_packed_mrope(model)` installs hooks that set the call's
 THD boundaries (and `is_thd_format`) from its `packed_seq_params` on entry and restore them on
-exit, exceptions included.
+exit, exceptions included. Hooks run only through `model(...)`: a caller of `model.forward(...)` skips
+them, so an installed rotary refuses (RuntimeError) to run at CP > 1 outside a hooked call.
 
 Shape legend: B = batch, S = sequence (T when packed), Tl = T / cp, D = rotary dim, F = D / 2 frequencies.
 """
@@ -25,12 +26,34 @@ Shape legend: B = batch, S = sequence (T when packed), Tl = T / cp, D = rotary d
 from __future__ import annotations
 
 import inspect
+import numbers
 
 import torch
 from torch import nn
 
 from megatron_vlm_packing.parallel.cp import dense_cp_partition_index, zigzag_index
+from megatron_vlm_packing.patches.owned import OwnedAttributes
 from megatron_vlm_packing.rope.megatron_thd import CpLocalFreqs, thd_boundaries
+
+
+def check_mrope_section(mrope_section, frequencies: int) -> None:
+    """ValueError unless `mrope_section` is 3 non-negative ints (t, h, w) summing to `frequencies` (F)."""
+    section = list(mrope_section)
+    well_formed = len(section) == 3 and all(isinstance(n, numbers.Integral) and n >= 0 for n in section)
+    if not well_formed or sum(section) != frequencies:
+        raise ValueError(f"mrope_section {section} must be 3 non-negative ints (t, h, w) that sum to "
+                         f"{frequencies} rotary frequencies (kv_channels * rotary_percent / 2)")
+
+
+def check_position_ids(position_ids: torch.Tensor) -> None:
+    """ValueError unless `position_ids` is an integer [3, B, S] tensor. Metadata only (no host sync):
+    integer positions cannot be NaN or fractional, which a float tensor could only be checked for by a read."""
+    if position_ids.dim() != 3 or position_ids.shape[0] != 3:
+        raise ValueError(f"mRoPE position_ids must be [3, B, S] (t, h, w), got {tuple(position_ids.shape)}"
+                         + (": packed positions are [3, 1, T]" if position_ids.dim() == 2 else ""))
+    if position_ids.dtype.is_floating_point or position_ids.dtype.is_complex or position_ids.dtype == torch.bool:
+        raise ValueError(f"mRoPE position_ids must be an integer tensor (get_rope_index gives int64), got "
+                         f"{position_ids.dtype}")
 
 
 def mrope_frequencies(position_ids: torch.Tensor, inv_freq: torch.Tensor, mrope_section, *,
@@ -47,9 +70,13 @@ def mrope_frequencies(position_ids: torch.Tensor, inv_freq: torch.Tensor, mrope_
 
     Returns:
         [S, B, 1, D] float32, D = 2F (the halves repeated, Megatron-Core's non-interleaved rotary).
+
+    Raises:
+        ValueError: `mrope_section` is not 3 non-negative ints summing to F, or `position_ids` is not an
+            integer [3, B, S] tensor (checked on metadata only: no host sync).
     """
-    if sum(mrope_section) != inv_freq.numel():
-        raise ValueError(f"mrope_section {list(mrope_section)} must sum to {inv_freq.numel()} rotary frequencies")
+    check_mrope_section(mrope_section, inv_freq.numel())
+    check_position_ids(position_ids)
     positions = position_ids.to(inv_freq.device).float()
     if seq_len_interpolation_factor is not None:
         positions = positions * (1 / seq_len_interpolation_factor)
@@ -83,16 +110,36 @@ class PackedMultimodalRotaryEmbedding(nn.Module):
         self.cp_group = cp_group
         self.is_thd_format = False  # set per call by use_packed_mrope's hooks
         self.thd_params = None  # the call's PackedSeqParams in THD mode (set per call by the hooks)
+        self.hooked = False  # installed by use_packed_mrope: its hooks tell THD calls apart
+        self.hooked_calls = 0  # model calls in flight whose hooks ran (0: model.forward(...) called directly)
 
     def _frequencies(self, position_ids: torch.Tensor, mrope_section) -> torch.Tensor:
         return mrope_frequencies(position_ids, self.inv_freq, mrope_section, interleaved=self.interleaved,
                                  seq_len_interpolation_factor=self.seq_len_interpolation_factor)
+
+    def _check_packed_positions(self, position_ids: torch.Tensor, cp_size: int) -> None:
+        """ValueError for THD positions that are not the whole pack's [3, 1, T]; shapes and Python ints only."""
+        _, rows, tokens = position_ids.shape
+        if rows != 1:
+            raise ValueError(f"packed (qkv_format='thd') mRoPE position_ids must be [3, 1, T], got "
+                             f"{tuple(position_ids.shape)}")
+        if cp_size > 1 and tokens % (2 * cp_size):
+            raise ValueError(f"packed mRoPE position_ids hold T={tokens} tokens, not a multiple of 2 * "
+                             f"context-parallel size {cp_size}: the rotary needs the full pack's positions")
 
     def forward(self, position_ids: torch.Tensor, mrope_section, cp_group=None, **unused) -> torch.Tensor:
         """[3, B, S] full positions -> [S, B, 1, D] (dense: this CP rank's part), or in THD mode
         [Tl, 1, 1, D] `CpLocalFreqs` of this rank's tokens (the full [T, 1, 1, D] where patches.thd_rotary is off)."""
         group = cp_group if cp_group is not None else self.cp_group
         cp_size = 1 if group is None else group.size()
+        check_position_ids(position_ids)
+        if self.hooked and not self.hooked_calls and cp_size > 1:
+            raise RuntimeError(f"the packed mRoPE rotary ran at context-parallel size {cp_size} outside its model's "
+                               f"__call__ (model.forward(...) called directly skips use_packed_mrope's hooks), so it "
+                               f"cannot tell a packed THD call from a dense one and would CP-slice a packed table "
+                               f"as one sequence (bug class 6): call the model itself, model(...)")
+        if self.is_thd_format:
+            self._check_packed_positions(position_ids, cp_size)
         if self.is_thd_format and _thd_rotary_on():
             if cp_size > 1:  # once per micro-batch: this rank's tokens, by the zigzag the tokens were selected with
                 local = zigzag_index(thd_boundaries(self.thd_params), cp_size, group.rank(),
@@ -107,16 +154,32 @@ class PackedMultimodalRotaryEmbedding(nn.Module):
 
 
 class PackedMropeHandle:
-    """What `use_packed_mrope` changed; `undo()` restores the original rotary and removes the hooks."""
+    """What `use_packed_mrope` changed; `undo()` restores the original rotary and removes the hooks.
 
-    def __init__(self, model, original, hooks):
-        self.model, self.original, self.hooks = model, original, hooks
+    Undo is stack-safe like every patch's (`patches.owned`): while something installed after us holds
+    `model.rotary_pos_emb` (a wrapper around ours), it raises RuntimeError naming it and changes nothing.
+    """
+
+    def __init__(self, model, original, hooks, owned: OwnedAttributes, *, interleaved: bool):
+        self.model, self.original, self.hooks, self.owned = model, original, hooks, owned
+        self.interleaved = interleaved
+
+    @property
+    def active(self) -> bool:
+        return bool(self.hooks)
 
     def undo(self) -> None:
+        """Restore the model's own rotary, remove the hooks. A no-op once undone.
+
+        Raises:
+            RuntimeError: `model.rotary_pos_emb` (or the handle attribute) now holds something installed
+                after us; undo that first. Nothing is changed.
+        """
+        self.owned.check()  # before anything is touched: all or nothing
         for hook in self.hooks:
             hook.remove()
-        self.model.rotary_pos_emb = self.original
         self.hooks = []
+        self.owned.restore()
 
 
 def _packed_seq_params_of(forward_signature: inspect.Signature, args, kwargs):
@@ -163,13 +226,19 @@ def use_packed_mrope(model, *, interleaved: bool = False) -> PackedMropeHandle:
 
     Applies `patches.thd_rotary` (process-wide, idempotent; `undo()` leaves it on, other models may
     use it) where the installed THD rope reads boundaries on the host; the rotary then returns
-    CP-local tables. Idempotent (a second call returns the existing handle). Raises ValueError for a model that is
+    CP-local tables. Idempotent: a second call returns the existing handle (ValueError if it asks for
+    another `interleaved`); `handle.undo()` is stack-safe (`PackedMropeHandle`). Raises ValueError for a model that is
     not mrope, uses fused rope (Megatron-Core's fused kernels take no 3D positions) or interleaved
     rotary halves, and RuntimeError where Megatron-Core's THD rope would not take each document's
-    CP chunks from the full table (`megatron_thd.thd_rope_takes_document_chunks`).
+    CP chunks from the full table (`megatron_thd.thd_rope_takes_document_chunks`). The model must be
+    called as `model(...)` (the hooks run in `__call__`); at CP > 1 the rotary refuses a direct `model.forward`.
     """
     existing = getattr(model, "_packed_mrope_handle", None)
-    if existing is not None and existing.hooks:
+    if existing is not None and existing.active:
+        if existing.interleaved != interleaved:
+            raise ValueError(f"use_packed_mrope was already applied to this {type(model).__name__} with "
+                             f"interleaved={existing.interleaved}, now asked for interleaved={interleaved}: "
+                             f"call handle.undo() first to change the mRoPE layout")
         return existing
     _refuse_unservable(model)
     _patch_thd_rope_or_refuse()
@@ -178,21 +247,25 @@ def use_packed_mrope(model, *, interleaved: bool = False) -> PackedMropeHandle:
         original.inv_freq, interleaved=interleaved, cp_group=getattr(original, "cp_group", None),
         seq_len_interpolation_factor=getattr(original, "seq_len_interpolation_factor", None))
     forward_signature = inspect.signature(model.forward)
-    model.rotary_pos_emb = rotary
-    saved: list[bool] = []
+    saved: list[tuple[bool, object]] = []
 
     def enter(module, args, kwargs):
         params = _packed_seq_params_of(forward_signature, args, kwargs)
         saved.append((rotary.is_thd_format, rotary.thd_params))
+        rotary.hooked_calls += 1
         rotary.is_thd_format = params is not None and params.qkv_format == "thd"
         rotary.thd_params = params if rotary.is_thd_format else None
 
     def leave(module, args, kwargs, output=None):
         if saved:  # empty only if an earlier pre-hook raised before ours ran
             rotary.is_thd_format, rotary.thd_params = saved.pop()
+            rotary.hooked_calls -= 1
 
+    rotary.hooked = True
+    owned = OwnedAttributes(f"{__name__}.use_packed_mrope")
+    owned.set(model, "rotary_pos_emb", rotary)
     hooks = [model.register_forward_pre_hook(enter, with_kwargs=True),
              model.register_forward_hook(leave, with_kwargs=True, always_call=True)]
-    handle = PackedMropeHandle(model, original, hooks)
-    model._packed_mrope_handle = handle
+    handle = PackedMropeHandle(model, original, hooks, owned, interleaved=interleaved)
+    owned.set(model, "_packed_mrope_handle", handle)
     return handle

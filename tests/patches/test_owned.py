@@ -93,3 +93,21 @@ def test_describe_value_names_functions_methods_and_data():
     assert describe_value(staticmethod(Base.forward)) == f"{__name__}.Base.forward"
     assert describe_value(len) == "builtins.len"
     assert describe_value(None) == "None"
+
+
+def test_a_torch_modules_submodule_counts_as_its_own_and_a_later_wrapper_is_named_by_class():
+    import torch
+
+    model = torch.nn.Module()
+    model.rotary = original = torch.nn.Identity()  # kept in model._modules, not in vars(model)
+    ours = torch.nn.Identity()
+    owned = OwnedAttributes("megatron_vlm_packing.rope.rotary.use_packed_mrope")
+    owned.set(model, "rotary", ours)
+    assert not owned.conflicts() and model.rotary is ours
+    model.rotary = torch.nn.Sequential(ours)
+    with pytest.raises(RuntimeError, match=r"a torch\.nn\.modules\.module\.Module object's rotary now holds a "
+                                           r"torch\.nn\.modules\.container\.Sequential, not"):
+        owned.restore()
+    model.rotary = ours
+    owned.restore()
+    assert model.rotary is original and "rotary" in model._modules

@@ -64,7 +64,7 @@ def test_interleaved_sections_equal_hf_qwen3():
 
 
 def test_sections_must_cover_the_frequencies():
-    with pytest.raises(ValueError, match=r"must sum to 8 rotary frequencies"):
+    with pytest.raises(ValueError, match=r"that sum to 8 rotary frequencies"):
         mrope_frequencies(torch.zeros(3, 1, 2), torch.ones(8), [2, 2, 2])
 
 
@@ -258,3 +258,161 @@ def test_sections_against_the_formula_frequency_by_frequency(interleaved, sectio
             axis = next(a for a, bound in enumerate(bounds) if i < bound)
         expected = positions[axis].float() * inv_freq[i]  # [B, S]
         assert torch.equal(ours[:, :, 0, i], expected.T) and torch.equal(ours[:, :, 0, 8 + i], expected.T)
+
+
+class ForeignRotaryWrapper(torch.nn.Module):
+    """Another plugin's wrapper, installed on `model.rotary_pos_emb` after ours; it calls ours."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+    def __getattr__(self, name):  # the wrapped rotary's attributes (is_thd_format) show through
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.inner, name)
+
+
+def test_undo_refuses_while_a_later_wrapper_holds_the_rotary_and_lifo_undo_restores_exactly():
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    model = TinyMropeModel()
+    original = model.rotary_pos_emb
+    handle = use_packed_mrope(model)
+    ours = model.rotary_pos_emb
+    model.rotary_pos_emb = ForeignRotaryWrapper(ours)
+    with pytest.raises(RuntimeError, match=r"rotary_pos_emb now holds a tests\.rope\.test_rotary\.ForeignRotaryWrapper"
+                                           r".*undo that later patch first.*Nothing was undone"):
+        handle.undo()
+    # nothing changed: the wrapper still holds ours, our hooks still set the mode per call
+    assert isinstance(model.rotary_pos_emb, ForeignRotaryWrapper) and model.rotary_pos_emb.inner is ours
+    assert handle.active and use_packed_mrope(model) is handle
+    model(None, None, None, packed_seq_params=PackedSeqParams(qkv_format="thd"))
+    model(None, None, None)
+    assert model.seen == [True, False] and ours.is_thd_format is False
+    model.rotary_pos_emb = ours  # the later plugin undoes first (LIFO) ...
+    handle.undo()  # ... then ours restores exactly what the model had
+    assert model.rotary_pos_emb is original and "_packed_mrope_handle" not in vars(model)
+    assert not model._forward_pre_hooks and not model._forward_hooks and not handle.active
+    handle.undo()  # a no-op once undone
+    assert model.rotary_pos_emb is original
+    again = use_packed_mrope(model)  # and it can be applied afresh
+    assert again is not handle and isinstance(model.rotary_pos_emb, PackedMultimodalRotaryEmbedding)
+    again.undo()
+    assert model.rotary_pos_emb is original
+
+
+def test_applying_twice_returns_the_handle_and_refuses_another_layout():
+    model = TinyMropeModel()
+    handle = use_packed_mrope(model, interleaved=True)
+    assert use_packed_mrope(model, interleaved=True) is handle
+    assert len(model._forward_pre_hooks) == 1 and len(model._forward_hooks) == 1  # hooks installed once
+    with pytest.raises(ValueError, match=r"already applied .* with interleaved=True, now asked for interleaved=False"):
+        use_packed_mrope(model)
+    assert model.rotary_pos_emb.interleaved is True
+    handle.undo()
+
+
+def _thd_rotary(cp_size: int):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    rotary = PackedMultimodalRotaryEmbedding(torch.ones(2), cp_group=_RankOf(cp_size, 0))
+    rotary.is_thd_format = True
+    rotary.thd_params = PackedSeqParams(qkv_format="thd", cu_seqlens_q_padded=torch.tensor([0, 4, 12]))
+    return rotary
+
+
+@pytest.mark.parametrize("positions, section, cp_size, message", [
+    (torch.arange(12).expand(3, 12), [1, 1, 0], 1, r"must be \[3, B, S\] \(t, h, w\), got \(3, 12\): packed positions "
+                                                   r"are \[3, 1, T\]"),
+    (torch.arange(12).expand(3, 1, 1, 12), [1, 1, 0], 1, r"must be \[3, B, S\] \(t, h, w\), got \(3, 1, 1, 12\)"),
+    (torch.arange(12).expand(1, 1, 12), [1, 1, 0], 2, r"must be \[3, B, S\] \(t, h, w\), got \(1, 1, 12\)"),
+    (torch.arange(12).expand(3, 2, 12), [1, 1, 0], 2, r"packed \(qkv_format='thd'\) mRoPE position_ids must be "
+                                                      r"\[3, 1, T\], got \(3, 2, 12\)"),
+    (torch.full((3, 1, 12), float("nan")), [1, 1, 0], 1, r"must be an integer tensor .* got torch\.float32"),
+    (torch.ones(3, 1, 12, dtype=torch.bool), [1, 1, 0], 1, r"must be an integer tensor .* got torch\.bool"),
+    (torch.arange(6).expand(3, 1, 6), [1, 1, 0], 2, r"T=6 tokens, not a multiple of 2 \* context-parallel size 2: "
+                                                    r"the rotary needs the full pack's positions"),
+    (torch.arange(12).expand(3, 1, 12), [3, -1, 0], 1, r"mrope_section \[3, -1, 0\] must be 3 non-negative ints "
+                                                       r"\(t, h, w\) that sum to 2"),
+    (torch.arange(12).expand(3, 1, 12), [1, 1], 1, r"mrope_section \[1, 1\] must be 3 non-negative ints"),
+])
+def test_hostile_positions_and_sections_fail_loudly_in_thd_mode(positions, section, cp_size, message):
+    """Before: an IndexError, an opaque RuntimeError, or silently a table of the wrong shape or rows."""
+    apply_thd_rotary()
+    with pytest.raises(ValueError, match=message):
+        _thd_rotary(cp_size)(positions, section)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_dense_mode_and_the_pure_function_refuse_the_same(interleaved):
+    rotary = PackedMultimodalRotaryEmbedding(torch.ones(2), interleaved=interleaved)
+    with pytest.raises(ValueError, match=r"mrope_section \[3, -1, 0\] must be 3 non-negative ints"):
+        rotary(torch.zeros(3, 1, 4, dtype=torch.long), [3, -1, 0])  # interleaved used to accept it silently
+    with pytest.raises(ValueError, match=r"got \(3, 1, 1, 4\)"):
+        rotary(torch.zeros(3, 1, 1, 4, dtype=torch.long), [1, 1, 0])  # used to return a 5-D table
+    with pytest.raises(ValueError, match=r"got torch\.float64"):
+        mrope_frequencies(torch.zeros(3, 1, 4, dtype=torch.float64), torch.ones(2), [1, 1, 0])
+
+
+def test_the_checks_read_nothing_back_from_the_device():
+    from megatron_vlm_packing.testing.sync_counter import count_host_syncs
+
+    apply_thd_rotary()
+    rotary = _thd_rotary(2)
+    positions = torch.arange(12).expand(3, 1, 12)
+    with count_host_syncs() as syncs:
+        rotary(positions, [1, 1, 0])
+        rotary.is_thd_format = False
+        rotary(positions, [1, 1, 0])
+    assert syncs.total == 0, syncs.report()
+
+
+class RotaryCallingModel(TinyMropeModel):
+    """Calls its rotary like GPTModel does, at CP=2 (a Bridge model calls `language_model.forward(...)`)."""
+
+    def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
+                inference_context=None, packed_seq_params=None):
+        return self.rotary_pos_emb(position_ids, [1, 1, 0], cp_group=_RankOf(2, 0))
+
+
+def test_a_direct_forward_that_skips_the_hooks_is_refused_under_cp():
+    """model.forward(...) skips the hooks: a packed call would run as dense and CP-slice the whole
+    packed table (bug class 6, silently). Through model(...) both modes work."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    model = RotaryCallingModel()
+    handle = use_packed_mrope(model)
+    positions = torch.arange(12).expand(3, 1, 12)
+    thd = PackedSeqParams(qkv_format="thd", cu_seqlens_q_padded=torch.tensor([0, 4, 12]))
+    with pytest.raises(RuntimeError, match=r"ran at context-parallel size 2 outside its model's __call__"):
+        model.forward(None, positions, None, packed_seq_params=thd)
+    assert isinstance(model(None, positions, None, packed_seq_params=thd), CpLocalFreqs)
+    assert model(None, positions, None).shape[0] == 6  # dense: this rank's half
+    assert model.rotary_pos_emb.hooked_calls == 0
+    handle.undo()
+
+
+def test_one_rotary_serves_changing_cp_layouts_and_micro_batches_with_no_leftover_state():
+    """Per-call cp_group (GPTModel passes packed_seq_params.cp_group) and per-call boundaries: each call
+    equals a fresh rotary's on the same inputs, whatever came before."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    apply_thd_rotary()
+    generator = torch.Generator().manual_seed(3)
+    shared = PackedMultimodalRotaryEmbedding(torch.rand(2), cp_group=_RankOf(2, 0))
+    calls = []
+    for cp_size, rank, cu in [(2, 0, [0, 4, 12]), (2, 1, [0, 8, 16, 24]), (4, 3, [0, 16, 24]), (1, 0, [0, 5, 7]),
+                              (2, 1, [0, 4, 12])]:
+        positions = torch.randint(0, 30, (3, 1, cu[-1]), generator=generator)
+        calls.append((_RankOf(cp_size, rank), PackedSeqParams(qkv_format="thd", cu_seqlens_q_padded=torch.tensor(cu)),
+                      positions))
+    for group, params, positions in calls + [(_RankOf(2, 1), None, torch.randint(0, 30, (3, 2, 8)))]:
+        fresh = PackedMultimodalRotaryEmbedding(shared.inv_freq, cp_group=_RankOf(2, 0))
+        for rotary in (shared, fresh):
+            rotary.is_thd_format, rotary.thd_params = params is not None, params
+        assert torch.equal(shared(positions, [1, 0, 1], cp_group=group), fresh(positions, [1, 0, 1], cp_group=group))
