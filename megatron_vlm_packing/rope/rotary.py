@@ -46,14 +46,17 @@ def check_mrope_section(mrope_section, frequencies: int) -> None:
 
 
 def check_position_ids(position_ids: torch.Tensor) -> None:
-    """ValueError unless `position_ids` is an integer [3, B, S] tensor. Metadata only (no host sync):
-    integer positions cannot be NaN or fractional, which a float tensor could only be checked for by a read."""
+    """ValueError unless `position_ids` is a real-valued [3, B, S] tensor. Metadata only (no host sync).
+
+    Integer (`get_rope_index`'s int64) or floating point: Qwen3-Omni's temporal positions are
+    fractional. Their values (finite) are checked where they are read anyway, by `pack_batch`, not here,
+    where a check would be a read in every layer."""
     if position_ids.dim() != 3 or position_ids.shape[0] != 3:
         raise ValueError(f"mRoPE position_ids must be [3, B, S] (t, h, w), got {tuple(position_ids.shape)}"
                          + (": packed positions are [3, 1, T]" if position_ids.dim() == 2 else ""))
-    if position_ids.dtype.is_floating_point or position_ids.dtype.is_complex or position_ids.dtype == torch.bool:
-        raise ValueError(f"mRoPE position_ids must be an integer tensor (get_rope_index gives int64), got "
-                         f"{position_ids.dtype}")
+    if position_ids.dtype.is_complex or position_ids.dtype == torch.bool:
+        raise ValueError(f"mRoPE position_ids must be integers or real numbers (get_rope_index gives int64, or "
+                         f"float for Qwen3-Omni), got {position_ids.dtype}")
 
 
 def mrope_frequencies(position_ids: torch.Tensor, inv_freq: torch.Tensor, mrope_section, *,

@@ -333,8 +333,9 @@ def _thd_rotary(cp_size: int):
     (torch.arange(12).expand(1, 1, 12), [1, 1, 0], 2, r"must be \[3, B, S\] \(t, h, w\), got \(1, 1, 12\)"),
     (torch.arange(12).expand(3, 2, 12), [1, 1, 0], 2, r"packed \(qkv_format='thd'\) mRoPE position_ids must be "
                                                       r"\[3, 1, T\], got \(3, 2, 12\)"),
-    (torch.full((3, 1, 12), float("nan")), [1, 1, 0], 1, r"must be an integer tensor .* got torch\.float32"),
-    (torch.ones(3, 1, 12, dtype=torch.bool), [1, 1, 0], 1, r"must be an integer tensor .* got torch\.bool"),
+    (torch.ones(3, 1, 12, dtype=torch.bool), [1, 1, 0], 1, r"must be integers or real numbers .* got torch\.bool"),
+    (torch.ones(3, 1, 12, dtype=torch.complex64), [1, 1, 0], 1, r"must be integers or real numbers .* got "
+                                                                r"torch\.complex64"),
     (torch.arange(6).expand(3, 1, 6), [1, 1, 0], 2, r"T=6 tokens, not a multiple of 2 \* context-parallel size 2: "
                                                     r"the rotary needs the full pack's positions"),
     (torch.arange(12).expand(3, 1, 12), [3, -1, 0], 1, r"mrope_section \[3, -1, 0\] must be 3 non-negative ints "
@@ -355,8 +356,21 @@ def test_dense_mode_and_the_pure_function_refuse_the_same(interleaved):
         rotary(torch.zeros(3, 1, 4, dtype=torch.long), [3, -1, 0])  # interleaved used to accept it silently
     with pytest.raises(ValueError, match=r"got \(3, 1, 1, 4\)"):
         rotary(torch.zeros(3, 1, 1, 4, dtype=torch.long), [1, 1, 0])  # used to return a 5-D table
-    with pytest.raises(ValueError, match=r"got torch\.float64"):
-        mrope_frequencies(torch.zeros(3, 1, 4, dtype=torch.float64), torch.ones(2), [1, 1, 0])
+    with pytest.raises(ValueError, match=r"got torch\.bool"):
+        mrope_frequencies(torch.zeros(3, 1, 4, dtype=torch.bool), torch.ones(2), [1, 1, 0])
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_fractional_positions_rotate_as_given(interleaved):
+    """Qwen3-Omni's temporal positions are fractional (seconds times tokens per second): the table is
+    built from the float values, exactly as from the integer ones they scale."""
+    inv_freq = torch.tensor([1.0, 0.5, 0.25])
+    integer = torch.arange(8).expand(3, 1, 8)
+    halves = integer.double() / 2  # 0, 0.5, 1, ...
+    table = mrope_frequencies(halves, inv_freq, [1, 1, 1], interleaved=interleaved)
+    scaled = mrope_frequencies(integer, inv_freq / 2, [1, 1, 1], interleaved=interleaved)
+    assert torch.allclose(table, scaled)
+    assert not torch.equal(table, mrope_frequencies(integer, inv_freq, [1, 1, 1], interleaved=interleaved))
 
 
 def test_the_checks_read_nothing_back_from_the_device():
