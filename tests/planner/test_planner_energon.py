@@ -4,16 +4,10 @@ import numpy as np
 import pytest
 
 from megatron_vlm_packing.data.synthetic import SyntheticVLMConfig, collate, synthetic_samples
-from megatron_vlm_packing.planner import BinLayout, CostModel, EnergonPackingHooks, PlannedPackingMixin, SampleMetadata
+from megatron_vlm_packing.planner import BinLayout, CostModel, EnergonPackingHooks, PlannedPackingMixin
+from tests.planner.synthetic_metadata import CFG, metadata
 
-CFG = SyntheticVLMConfig(max_text=40, grid_choices=(2, 4))
 PACK = {"label_style": "hf", "image_token_id": SyntheticVLMConfig().image_token_id}
-
-
-def metadata(sample: dict) -> SampleMetadata:
-    grids = tuple(tuple(int(x) for x in g) for g in sample["image_grid_thw"].tolist())
-    vision = sum(t * h * w // 4 + 2 for t, h, w in grids)
-    return SampleMetadata(text_tokens=len(sample["input_ids"]) - vision, image_grids=grids)
 
 
 @pytest.fixture(scope="module")

@@ -13,17 +13,9 @@ from megatron_vlm_packing.packing import PackMultiples, pack_batch
 from megatron_vlm_packing.packing.arena import all_in_one_storage
 from megatron_vlm_packing.packing.collate import LoaderMicroBatch, tensors_of
 from megatron_vlm_packing.planner import (BinLayout, CostModel, EnergonPackingHooks, PackedBatchSampler,
-                                          PlannedPackingMixin, PlannerConfig, SampleMetadata, SampleTable, TokenCounter,
+                                          PlannedPackingMixin, PlannerConfig, SampleTable, TokenCounter,
                                           plan_epoch)
-
-CFG = SyntheticVLMConfig(max_text=40, grid_choices=(2, 4))
-
-
-def metadata(sample: dict) -> SampleMetadata:
-    """What a loader knows before reading pixels: token ids and image grids."""
-    grids = tuple(tuple(int(x) for x in g) for g in sample["image_grid_thw"].tolist())
-    vision = sum(t * h * w // 4 + 2 for t, h, w in grids)
-    return SampleMetadata(text_tokens=len(sample["input_ids"]) - vision, image_grids=grids)
+from tests.planner.synthetic_metadata import CFG, metadata
 
 
 @pytest.fixture(scope="module")
