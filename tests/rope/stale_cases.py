@@ -5,7 +5,8 @@ GPTModel, copies it, and runs the same sequence of calls through Megatron-Core's
 reference: at CP=1 its THD path takes each packed token's row of the full table, which is right)
 and then through `use_packed_mrope`: packed micro-batches of different T and documents, a dense
 forward, a packed call whose positions differ from an earlier one of the same T (a shape check
-alone would not see a stale table there), and the first micro-batch again. Returns, per call,
+alone would not see a stale table there), the first micro-batch again, and fractional (float)
+positions packed and dense (Qwen3-Omni's). Returns, per call,
 the worst |dlogit| between the two, and how much that call's logits move when its positions are
 swapped for another call's of the same shape (so the comparison has power).
 """
@@ -40,8 +41,12 @@ def _calls(generator: torch.Generator) -> list[tuple[str, dict]]:
     same_t = packed([6, 10]) | {"input_ids": first["input_ids"]}  # only the positions differ from `first`
     dense = dict(input_ids=torch.randint(1, LM.vocab_size, (2, 12), generator=generator),
                  position_ids=torch.randint(0, 60, (3, 2, 12), generator=generator))
+    # Qwen3-Omni's temporal positions are fractional: float positions rotate as given, packed and dense.
+    fractional = first | {"position_ids": first["position_ids"].float() / 2}
+    fractional_dense = dense | {"position_ids": dense["position_ids"].float() / 2}
     return [("packed T=16", first), ("packed T=24", packed([8, 4, 12])), ("dense B=2 S=12", dense),
-            ("packed T=16, other positions", same_t), ("dense again", dense), ("packed T=16 again", first)]
+            ("packed T=16, other positions", same_t), ("dense again", dense), ("packed T=16 again", first),
+            ("packed T=16, fractional positions", fractional), ("dense, fractional positions", fractional_dense)]
 
 
 def _logits(model, call: dict) -> torch.Tensor:
