@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from megatron_vlm_packing.attention.boundaries import check_max_seqlen_type
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
 from megatron_vlm_packing.packing.plan import PackIndices
 from megatron_vlm_packing.parallel.cp import check_boundary_tensor, cp_partition_index, dense_cp_partition_index
@@ -52,9 +53,10 @@ def check_packed_seq_params(micro_batch: MicroBatch) -> None:
         ValueError: `qkv_format` is not "thd" (Megatron-Core's attention and rotary then treat the pack
             as dense rows: it trains as one causal document), a boundary set that is missing, not a
             one-dimensional integer tensor, or of another length than `cu_seqlens_q`; a `max_seqlen_*`
-            that is a bool, a float or not positive; or, when the boundaries are the plan's own, a
-            `max_seqlen_*` below the plan's longest physical document (attention kernels size their
-            grid by it and leave the rest of a longer document uncomputed).
+            that is not a positive int (numpy's too) or a one-value integer tensor (the attention
+            backends' rule, `attention.boundaries.check_max_seqlen_type`); or, when the boundaries are
+            the plan's own, a `max_seqlen_*` below the plan's longest physical document (attention
+            kernels size their grid by it and leave the rest of a longer document uncomputed).
     """
     params = micro_batch.packed_seq_params
     if getattr(params, "qkv_format", None) != "thd":
@@ -71,14 +73,14 @@ def check_packed_seq_params(micro_batch: MicroBatch) -> None:
             sizes[name] = cu.numel()
     if len(set(sizes.values())) > 1:
         raise ValueError(f"packed_seq_params boundary sets must all have N+1 entries, got sizes {sizes}")
+    # The attention backends' own rule (one function): what they take passes here, what they refuse fails here.
+    check_max_seqlen_type(params, allow_tensor=True)
     indices = micro_batch.indices
     planned = isinstance(indices, PackIndices) and physical_boundaries(params) is indices.cu_seqlens_padded
     for name in ("max_seqlen_q", "max_seqlen_kv"):
         value = getattr(params, name)
-        if value is None or isinstance(value, torch.Tensor):  # TE reads it itself (None: from cu_seqlens)
+        if value is None or isinstance(value, torch.Tensor):  # a tensor's value is read by the kernel, not here
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"packed_seq_params.{name} must be a positive Python int, got {value!r}")
         if planned and value < indices.plan.max_seqlen:
             raise ValueError(f"packed_seq_params.{name}={value} is below the longest physical document "
                              f"({indices.plan.max_seqlen} slots): attention would leave its tail uncomputed")

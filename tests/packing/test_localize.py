@@ -95,8 +95,11 @@ def _all_boundaries(cu_real, cu_padded):
      r"packed_seq_params.cu_seqlens_q_padded must be an integer tensor \(int32\), got torch.float32"),
     (dict(cu_seqlens_q_padded=torch.tensor([0, 8, 16], dtype=torch.int32)),
      r"boundary sets must all have N\+1 entries, got sizes \{'cu_seqlens_q': 4, 'cu_seqlens_q_padded': 3"),
-    (dict(max_seqlen_q=8.0), r"max_seqlen_q must be a positive Python int, got 8.0"),
-    (dict(max_seqlen_kv=True), r"max_seqlen_kv must be a positive Python int, got True"),
+    (dict(max_seqlen_q=8.0), r"max_seqlen_q must be a positive int, got float 8.0"),
+    (dict(max_seqlen_kv=True), r"max_seqlen_kv must be a positive int, got bool True"),
+    # a float or many-valued tensor reached the kernel (the attention backends refuse it: so does localize)
+    (dict(max_seqlen_q=torch.tensor(8.0)), r"max_seqlen_q must be a positive int, got Tensor"),
+    (dict(max_seqlen_kv=torch.tensor([8, 8])), r"max_seqlen_kv must be a positive int, got Tensor"),
     # the plan's boundaries with a max_seqlen below its longest document (8): kernels leave the tail uncomputed
     (dict(max_seqlen_q=4), r"max_seqlen_q=4 is below the longest physical document \(8 slots\)"),
 ])
@@ -152,6 +155,17 @@ def test_a_tensor_max_seqlen_is_left_to_the_kernel_and_the_plan_ones_pass():
     local = localize(_with_params(mb, max_seqlen_q=torch.tensor(8)), ParallelLayout(cp_size=2, cp_rank=0))
     assert local.cp_index.numel() == 8
     assert localize(mb, ParallelLayout()) is mb
+
+
+def test_a_numpy_int_max_seqlen_passes_as_the_attention_backends_take_it():
+    # localize refused np.int64 ("a positive Python int") that attention.boundaries accepts: one rule now
+    import numpy as np
+
+    local = localize(_with_params(_packed(), max_seqlen_q=np.int64(8), max_seqlen_kv=np.int64(8)),
+                     ParallelLayout(cp_size=2, cp_rank=0))
+    assert local.cp_index.numel() == 8
+    with pytest.raises(ValueError, match=r"max_seqlen_q=4 is below the longest physical document \(8 slots\)"):
+        localize(_with_params(_packed(), max_seqlen_q=np.int64(4)), ParallelLayout(cp_size=2, cp_rank=0))
 
 
 # At CP = 1 localize built no index and returned at once: a field of another length reached the model.
