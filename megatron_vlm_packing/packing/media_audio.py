@@ -91,7 +91,7 @@ def audio_inputs(batch: dict, host: MediaHost, tokens: MediaTokens) -> AudioInpu
 def check_audio_seqlens(batch: dict, host: MediaHost, tokens: MediaTokens, audio: AudioInputs | None = None) -> None:
     """`audio_seqlens` (raw audio lengths, one per clip in token order) must give each row exactly the
     audio placeholder tokens it holds: clip k takes `rope.omni.audio_output_length` of its entry. Checked
-    whatever else the batch holds (the mRoPE index walks audio blocks only beside grids). With the
+    whatever else the batch holds, with or without an mRoPE index (which checks it only when it runs). With the
     batch's clips (`audio`, from `audio_inputs`) each entry must also equal its clip's real frames
     (`feature_attention_mask[k].sum()`, read in the one sync): two lengths that give the same tokens
     would otherwise pass, and the mRoPE index and the audio tower would read different lengths.

@@ -75,8 +75,8 @@ def mrope_frequencies(position_ids: torch.Tensor, inv_freq: torch.Tensor, mrope_
         [S, B, 1, D] float32, D = 2F (the halves repeated, Megatron-Core's non-interleaved rotary).
 
     Raises:
-        ValueError: `mrope_section` is not 3 non-negative ints summing to F, or `position_ids` is not an
-            integer [3, B, S] tensor (checked on metadata only: no host sync).
+        ValueError: `mrope_section` is not 3 non-negative ints summing to F, or `position_ids` is not a
+            real-valued (integer or float) [3, B, S] tensor (checked on metadata only: no host sync).
     """
     check_mrope_section(mrope_section, inv_freq.numel())
     check_position_ids(position_ids)
