@@ -80,9 +80,14 @@ def check_max_seqlen_type(params, *, allow_tensor: bool) -> None:
         if isinstance(value, torch.Tensor):
             if allow_tensor and value.numel() == 1 and not (value.dtype.is_floating_point or value.dtype == torch.bool):
                 continue
+            # a tensor's repr shows its values (a host read): name it by metadata
+            shown = f"Tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
         elif isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value > 0:
             continue
-        raise ValueError(f"packed_seq_params.{name} must be a positive int, got {type(value).__name__} {value!r}")
+        else:
+            shown = f"{type(value).__name__} {value!r}"
+        tensor = " (a one-value integer tensor is taken too)" if allow_tensor else ""
+        raise ValueError(f"packed_seq_params.{name} must be a positive int, got {shown}{tensor}")
 
 
 class ThdBoundaries(NamedTuple):

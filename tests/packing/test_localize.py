@@ -98,8 +98,10 @@ def _all_boundaries(cu_real, cu_padded):
     (dict(max_seqlen_q=8.0), r"max_seqlen_q must be a positive int, got float 8.0"),
     (dict(max_seqlen_kv=True), r"max_seqlen_kv must be a positive int, got bool True"),
     # a float or many-valued tensor reached the kernel (the attention backends refuse it: so does localize)
-    (dict(max_seqlen_q=torch.tensor(8.0)), r"max_seqlen_q must be a positive int, got Tensor"),
-    (dict(max_seqlen_kv=torch.tensor([8, 8])), r"max_seqlen_kv must be a positive int, got Tensor"),
+    (dict(max_seqlen_q=torch.tensor(8.0)),
+     r"max_seqlen_q must be a positive int, got Tensor of shape \(\) and dtype torch.float32 \(a one-value"),
+    (dict(max_seqlen_kv=torch.tensor([8, 8])),
+     r"max_seqlen_kv must be a positive int, got Tensor of shape \(2,\) and dtype torch.int64"),
     # the plan's boundaries with a max_seqlen below its longest document (8): kernels leave the tail uncomputed
     (dict(max_seqlen_q=4), r"max_seqlen_q=4 is below the longest physical document \(8 slots\)"),
 ])
