@@ -203,10 +203,6 @@ class PackedBatchSampler(torch.utils.data.Sampler):
             taken -= count
         return []
 
-    def _step_counts(self) -> list[int]:
-        """Micro-batches of this rank in each step of the whole current epoch."""
-        return [len(step.ranks[self.dp_rank]) for step in self.plan().steps]
-
     def __len__(self) -> int:
         """Micro-batches the next iteration yields: the rest of the current epoch (all of it, unless a
         `load_state_dict` or a paused iteration has already taken its first ones; all of the next one
@@ -216,7 +212,7 @@ class PackedBatchSampler(torch.utils.data.Sampler):
 
     def _epoch_length(self) -> int:
         """Micro-batches of this rank in the whole current epoch."""
-        return sum(self._step_counts())
+        return len(self.plan().micro_batches(self.dp_rank))
 
     def __iter__(self) -> Iterator[list[int]]:
         """The rest of the current epoch; when it is exhausted, the sampler moves to the next epoch.
