@@ -51,8 +51,16 @@ def check_thd_query(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor)
                          f"got {shapes}")
 
 
+def physical_boundary_set(params) -> tuple[str, torch.Tensor]:
+    """(name, tensor): `cu_seqlens_q_padded`, else `cu_seqlens_q` (no pad slots: what TE and the
+    attention backends fall back to when the padded set is None). Unchecked."""
+    if params.cu_seqlens_q_padded is not None:
+        return "cu_seqlens_q_padded", params.cu_seqlens_q_padded
+    return "cu_seqlens_q", params.cu_seqlens_q
+
+
 def physical_boundaries_of(params) -> tuple[str, torch.Tensor]:
-    """(name, tensor): `cu_seqlens_q_padded`, else `cu_seqlens_q` (what TE falls back to). Metadata checked.
+    """`physical_boundary_set`, metadata checked.
 
     Raises:
         ValueError: `cu_seqlens_q` missing, or a set that is not an [N+1] integer tensor, or the two
@@ -61,13 +69,13 @@ def physical_boundaries_of(params) -> tuple[str, torch.Tensor]:
     if params.cu_seqlens_q is None:
         raise ValueError("packed_seq_params.cu_seqlens_q is None: qkv_format='thd' attention needs the boundaries")
     check_boundary_tensor("packed_seq_params.cu_seqlens_q", params.cu_seqlens_q)
-    if params.cu_seqlens_q_padded is None:
-        return "cu_seqlens_q", params.cu_seqlens_q
-    check_boundary_tensor("packed_seq_params.cu_seqlens_q_padded", params.cu_seqlens_q_padded)
-    if params.cu_seqlens_q_padded.numel() != params.cu_seqlens_q.numel():
-        raise ValueError(f"packed_seq_params.cu_seqlens_q_padded has {params.cu_seqlens_q_padded.numel()} entries but "
-                         f"cu_seqlens_q has {params.cu_seqlens_q.numel()}: both must be [N+1]")
-    return "cu_seqlens_q_padded", params.cu_seqlens_q_padded
+    name, cu = physical_boundary_set(params)
+    if name == "cu_seqlens_q_padded":
+        check_boundary_tensor("packed_seq_params.cu_seqlens_q_padded", cu)
+        if cu.numel() != params.cu_seqlens_q.numel():
+            raise ValueError(f"packed_seq_params.cu_seqlens_q_padded has {cu.numel()} entries but "
+                             f"cu_seqlens_q has {params.cu_seqlens_q.numel()}: both must be [N+1]")
+    return name, cu
 
 
 def check_max_seqlen_type(params, *, allow_tensor: bool) -> None:

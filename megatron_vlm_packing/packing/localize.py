@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from megatron_vlm_packing.attention.boundaries import check_max_seqlen_type
+from megatron_vlm_packing.attention.boundaries import check_max_seqlen_type, physical_boundary_set
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
 from megatron_vlm_packing.packing.plan import PackIndices
 from megatron_vlm_packing.parallel.cp import check_boundary_tensor, cp_partition_index, dense_cp_partition_index
@@ -40,10 +40,14 @@ class LocalizeNeeds:
     full_labels: bool = False
 
 
-def physical_boundaries(params) -> torch.Tensor:
-    """`cu_seqlens_q_padded`, else `cu_seqlens_q` (no pad slots): what the attention backends and TE
-    fall back to when the padded set is None."""
-    return params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+def plan_indices_of(micro_batch: MicroBatch) -> PackIndices | None:
+    """The micro-batch's `PackIndices` when its physical boundaries are the plan's own (the plan's host
+    ints then describe them exactly: no read needed), else None (hand-built boundaries)."""
+    indices = micro_batch.indices
+    if isinstance(indices, PackIndices) \
+            and physical_boundary_set(micro_batch.packed_seq_params)[1] is indices.cu_seqlens_padded:
+        return indices
+    return None
 
 
 def check_packed_seq_params(micro_batch: MicroBatch) -> None:
@@ -75,13 +79,12 @@ def check_packed_seq_params(micro_batch: MicroBatch) -> None:
         raise ValueError(f"packed_seq_params boundary sets must all have N+1 entries, got sizes {sizes}")
     # The attention backends' own rule (one function): what they take passes here, what they refuse fails here.
     check_max_seqlen_type(params, allow_tensor=True)
-    indices = micro_batch.indices
-    planned = isinstance(indices, PackIndices) and physical_boundaries(params) is indices.cu_seqlens_padded
+    indices = plan_indices_of(micro_batch)
     for name in ("max_seqlen_q", "max_seqlen_kv"):
         value = getattr(params, name)
         if value is None or isinstance(value, torch.Tensor):  # a tensor's value is read by the kernel, not here
             continue
-        if planned and value < indices.plan.max_seqlen:
+        if indices is not None and value < indices.plan.max_seqlen:
             raise ValueError(f"packed_seq_params.{name}={value} is below the longest physical document "
                              f"({indices.plan.max_seqlen} slots): attention would leave its tail uncomputed")
 
@@ -90,10 +93,10 @@ def packed_cp_index(micro_batch: MicroBatch, layout: ParallelLayout) -> torch.Te
     """This rank's slots: from the plan's host ints when the boundaries are the plan's own (no host
     sync; a loader's collate may have built it already), else read from `cu_seqlens_q_padded`
     (`cu_seqlens_q` when it is None)."""
-    cu_padded = physical_boundaries(micro_batch.packed_seq_params)
-    indices = micro_batch.indices
-    if isinstance(indices, PackIndices) and cu_padded is indices.cu_seqlens_padded:
+    indices = plan_indices_of(micro_batch)
+    if indices is not None:
         return indices.cp_index(layout.cp_size, layout.cp_rank)
+    _, cu_padded = physical_boundary_set(micro_batch.packed_seq_params)
     return cp_partition_index(cu_padded, layout.cp_size, layout.cp_rank)
 
 
@@ -161,9 +164,8 @@ def _slots_without_index(micro_batch: MicroBatch, needs: LocalizeNeeds) -> tuple
     boundaries are the plan's own, else `input_ids`' length (dense rows, or ids that `localize` would
     cut), else the first field it would cut (hand-built boundaries are not read: a host sync). None:
     every field stays full."""
-    indices = micro_batch.indices
-    if micro_batch.is_packed and isinstance(indices, PackIndices) \
-            and physical_boundaries(micro_batch.packed_seq_params) is indices.cu_seqlens_padded:
+    indices = plan_indices_of(micro_batch) if micro_batch.is_packed else None
+    if indices is not None:
         return indices.plan.total, "the pack plan"
     full = _kept_full(needs)
     if not micro_batch.is_packed:
@@ -181,8 +183,7 @@ def _cp_index(micro_batch: MicroBatch, layout: ParallelLayout) -> tuple[torch.Te
         index = dense_cp_partition_index(micro_batch.input_ids.shape[-1], layout.cp_size, layout.cp_rank,
                                          device=micro_batch.input_ids.device)
         return index, "input_ids' length, on its device"
-    params = micro_batch.packed_seq_params
-    name = "cu_seqlens_q_padded" if params.cu_seqlens_q_padded is not None else "cu_seqlens_q"
+    name, _ = physical_boundary_set(micro_batch.packed_seq_params)
     return packed_cp_index(micro_batch, layout), f"packed_seq_params.{name}"
 
 
