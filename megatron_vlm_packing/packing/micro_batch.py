@@ -118,7 +118,7 @@ class MicroBatch:
         checked_loss_mask: the `loss_mask` tensor whose weights the packer checked (finite and >= 0) in
             its read, set by `pack_batch` / `pad_batch` / LLaVA's packers (kept by moves and `replace`);
             a micro-batch whose `loss_mask` is another tensor (built or changed by hand) is checked by
-            the step (`train.step.check_loss_weights`, one host sync then only).
+            the step (`train.step.check_unpacked_loss_weights`, one host sync then only).
     """
 
     input_ids: torch.Tensor

@@ -9,7 +9,7 @@ small named stages, each testable alone:
            to_device -> adapter.build_micro_batch | build_micro_batch (pack_batch | pad_batch),
            or, for a MicroBatch packed in the DataLoader, adapter.micro_batch_from_loader)
       -> transform (optional)
-      -> prepare_for_model                (check_loss_weights (hand-built only) -> adapter.check -> localize:
+      -> prepare_for_model                (check_unpacked_loss_weights -> adapter.check -> localize:
                                            the one CP selection)
       -> adapter.forward -> loss_func     (-> probe_parity every N-th micro-batch, when asked)
 
@@ -145,7 +145,7 @@ def extra_keys_of(adapter: ModelAdapter) -> tuple[str, ...]:
     return tuple(sorted(name[len("extra:"):] for name in adapter.consumes if name.startswith("extra:")))
 
 
-def check_loss_weights(micro_batch: MicroBatch) -> None:
+def check_unpacked_loss_weights(micro_batch: MicroBatch) -> None:
     """Loss weights no packer checked (a MicroBatch built by hand, or whose `loss_mask` a transform
     replaced: it is not the packer's `checked_loss_mask`) must be finite and >= 0 at every slot, as
     `pack_batch` requires of real tokens: a NaN, inf or negative weight would reach the loss. Micro-
@@ -157,21 +157,21 @@ def check_loss_weights(micro_batch: MicroBatch) -> None:
     """
     if micro_batch.loss_weights_checked:
         return
-    from megatron_vlm_packing.packing.checks import check_loss_weights as check_values
+    from megatron_vlm_packing.packing.checks import check_loss_weights
 
     weights = micro_batch.loss_mask
     if not isinstance(weights, torch.Tensor) or weights.is_complex():
         raise ValueError(f"loss_mask must be a real tensor of per-token weights, got "
                          f"{weights.dtype if isinstance(weights, torch.Tensor) else type(weights).__name__}")
     rows = weights if weights.dim() == 2 else weights.reshape(1, -1)
-    check_values(rows, torch.ones_like(rows, dtype=torch.bool))  # one host sync: hand-built micro-batches only
+    check_loss_weights(rows, torch.ones_like(rows, dtype=torch.bool))  # one host sync: hand-built micro-batches only
 
 
 def prepare_for_model(micro_batch: MicroBatch, adapter: ModelAdapter, layout: ParallelLayout) -> MicroBatch:
-    """Refuse loss weights no packer checked (`check_loss_weights`) and what the model cannot take
+    """Refuse loss weights no packer checked (`check_unpacked_loss_weights`) and what the model cannot take
     (`adapter.check`), then cut the full-length micro-batch to this CP rank as the adapter declares
     (`localize`); returns the rank-local micro-batch."""
-    check_loss_weights(micro_batch)
+    check_unpacked_loss_weights(micro_batch)
     adapter.check(micro_batch)
     return localize(micro_batch, layout, adapter.needs)
 
@@ -249,7 +249,8 @@ class _Adapters:
             elif callable(self.given):
                 adapter = self.given(unwrap_model(model))
             else:
-                raise ValueError(f"adapter must be a ModelAdapter or a factory model -> ModelAdapter, got {self.given!r}")
+                raise ValueError(f"adapter must be a ModelAdapter or a factory model -> ModelAdapter, "
+                                 f"got {self.given!r}")
             if not isinstance(adapter, ModelAdapter):
                 raise ValueError(f"the adapter factory returned {type(adapter).__name__}, not a ModelAdapter")
             self.built[key] = (model, adapter)  # the model is held so its id is never reused
