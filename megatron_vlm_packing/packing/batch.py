@@ -17,6 +17,7 @@ from megatron_vlm_packing.packing.checks import check_packed_values, host_array
 from megatron_vlm_packing.packing.host_tokens import pack_tokens_on_host, packs_on_host
 from megatron_vlm_packing.packing.media import MediaTokens, checked_placeholders
 from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch
+from megatron_vlm_packing.packing.plain_host import PlainPack, pack_plain_batch_on_host
 from megatron_vlm_packing.packing.pack import pack_next_token_labels, pack_positions, pack_rows, segment_positions
 from megatron_vlm_packing.packing.positions import check_1d_positions_on_host
 from megatron_vlm_packing.packing.plan import (
@@ -164,6 +165,13 @@ def pack_batch(
     pad_to = checked_pad_to(pad_to)  # an option error is named before any batch error
     if host_reads:
         _check_on_host(batch)
+        plain = _pack_plain(batch, media, mrope=mrope, extra_keys=extra_keys, position_layout=position_layout,
+                            tp_size=tp_size, cp_size=cp_size, sequence_parallel=sequence_parallel, fp8=fp8,
+                            pad_to=pad_to, label_style=label_style, pad_token_id=pad_token_id, vocab_size=vocab_size)
+        if plain is not None:
+            return _packed_micro_batch(plain.plan, plain.indices, plain.input_ids, plain.labels, plain.loss_mask,
+                                       segment_positions(plain.indices),
+                                       row_tokens=len(plain.plan.row_lengths) * plain.plan.row_capacity)
     rows = read_rows(batch, label_style=label_style, mrope=mrope, media=media, extra_keys=tuple(extra_keys),
                      vocab_size=vocab_size, position_layout=position_layout, on_host=host_reads)
     batch_size, row_length = rows.input_ids.shape
@@ -187,6 +195,16 @@ def pack_batch(
         labels, loss_mask = pack_labels_and_weights(rows, indices, packed_ids=input_ids, vocab_size=vocab_size)
     if rows.unchecked_positions is not None:
         check_1d_positions_on_host(rows.unchecked_positions, indices, lambda: rows.keep, rows.unchecked_values.where)
+    return _packed_micro_batch(plan, indices, input_ids, labels, loss_mask, positions, row_tokens=rows.row_tokens,
+                               vision=rows.vision, audio=rows.audio,
+                               extras={key: pack_rows(value, indices) for key, value in rows.extras.items()},
+                               placeholders_checked=checked_placeholders(batch, media))
+
+
+def _packed_micro_batch(plan: PackPlan, indices: PackIndices, input_ids: torch.Tensor, labels: torch.Tensor,
+                        loss_mask: torch.Tensor, positions: torch.Tensor, *, row_tokens: int, vision=None, audio=None,
+                        extras=None, placeholders_checked=()) -> MicroBatch:
+    """The `MicroBatch` of a pack (both of `pack_batch`'s paths): [1, T] fields, boundaries, stats."""
     return MicroBatch(
         input_ids=input_ids,
         labels=labels,
@@ -196,15 +214,30 @@ def pack_batch(
         padding_mask=padding_mask_of(indices),
         packed_seq_params=make_packed_seq_params(plan, indices),
         rope_cu_seqlens=indices.cu_seqlens,
-        stats=BatchStats(real_tokens=plan.num_real_tokens, physical_tokens=plan.total,
-                         row_tokens=rows.row_tokens),
-        vision=rows.vision,
-        audio=rows.audio,
-        extras={key: pack_rows(value, indices) for key, value in rows.extras.items()},
+        stats=BatchStats(real_tokens=plan.num_real_tokens, physical_tokens=plan.total, row_tokens=row_tokens),
+        vision=vision,
+        audio=audio,
+        extras={} if extras is None else extras,
         plan=plan,
         indices=indices,
-        placeholders_checked=checked_placeholders(batch, media),
+        placeholders_checked=placeholders_checked,
     )
+
+
+def _pack_plain(batch, media: MediaTokens, *, mrope, extra_keys, position_layout, tp_size, cp_size,
+                sequence_parallel, fp8, pad_to, label_style, pad_token_id, vocab_size) -> PlainPack | None:
+    """`plain_host.pack_plain_batch_on_host` when nothing but the batch's own keys is asked for (no mRoPE,
+    media ids or extra keys; options the general path would accept), else None."""
+    if mrope is not None or extra_keys or position_layout not in (None, "3BS", "B3S") or not (
+            media.image_token_id is None and media.video_token_id is None and media.audio_token_id is None):
+        return None  # (known placeholder ids: the general path checks none is among the real tokens)
+    try:
+        multiples = PackMultiples.for_parallel(tp_size=tp_size, cp_size=cp_size, sequence_parallel=sequence_parallel,
+                                               fp8=fp8)
+    except ValueError:  # named by the general path, after any error of the batch
+        return None
+    return pack_plain_batch_on_host(batch, multiples=multiples, pad_to=pad_to, label_style=label_style,
+                                    pad_token_id=pad_token_id, vocab_size=vocab_size)
 
 
 def check_pack_options(options: dict, owner: str, taken: tuple[str, ...] = ()) -> None:

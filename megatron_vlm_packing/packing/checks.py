@@ -176,22 +176,41 @@ def check_packed_values(inputs: ValueInputs, label_style: str, vocab_size: int |
             shifted target holds (checked for its value all the same).
         loss_values: [T] the packed `loss_mask` as given (0 at pad slots), or None.
     """
+    bad_ids, bad_labels, copied_ids, bad_weights = packed_value_faults(
+        label_style, vocab_size, ids=ids, targets=targets, is_target=is_target, first_labels=first_labels,
+        loss_values=loss_values)
     keep = inputs.keep
-    if ids.min() < 0 or (vocab_size is not None and ids.max() >= vocab_size):
+    if bad_ids:
         check_ids(inputs.input_ids, keep(), vocab_size, inputs.name, inputs.where)
-    ignored = targets.size - int(np.count_nonzero(is_target))
-    if _labels_out_of_range(targets, ignored, vocab_size) or (
-            first_labels is not None and first_labels.size
-            and _labels_out_of_range(first_labels, int(np.count_nonzero(first_labels == IGNORE_INDEX)), vocab_size)):
+    if bad_labels:
         check_label_values(inputs.raw_labels, keep(), vocab_size, inputs.where)
-    # Every -100 target differs from its id (ids are >= 0), so no other target differs exactly when
-    # the differing slots are the ignored ones.
-    if label_style == "megatron" and np.count_nonzero(targets != ids) == ignored:
+    if copied_ids:
         refuse_hf_labels_as_megatron(inputs.raw_labels, inputs.input_ids, keep())
+    if bad_weights:
+        check_loss_weights(inputs.loss_values, keep(), inputs.where)
+
+
+def packed_value_faults(label_style: str, vocab_size: int | None, *, ids: np.ndarray, targets: np.ndarray,
+                        is_target: np.ndarray, first_labels: np.ndarray | None,
+                        loss_values: np.ndarray | None) -> tuple[bool, bool, bool, bool]:
+    """`check_packed_values`' tests alone (same arguments), nothing raised: (an id out of range, a label
+    out of range, Megatron labels that copy their ids, a loss weight negative / not finite). All False on
+    a clean batch; a True may come from pad slots only (an id test tripped by `pad_token_id`), which the
+    row checks then clear."""
+    bad_ids = bool(ids.min() < 0 or (vocab_size is not None and ids.max() >= vocab_size))
+    ignored = targets.size - int(np.count_nonzero(is_target))
+    bad_labels = _labels_out_of_range(targets, ignored, vocab_size) or bool(
+        first_labels is not None and first_labels.size
+        and _labels_out_of_range(first_labels, int(np.count_nonzero(first_labels == IGNORE_INDEX)), vocab_size))
+    # Every -100 target differs from its id (ids are >= 0), so no other target differs exactly when
+    # the differing slots are the ignored ones; refused from 2 real targets (`refuse_hf_labels_as_megatron`).
+    copied_ids = label_style == "megatron" and targets.size - ignored >= 2 \
+        and np.count_nonzero(targets != ids) == ignored
+    bad_weights = False
     if loss_values is not None and loss_values.dtype != np.bool_:
         low, high = float(loss_values.min()), float(loss_values.max())  # NaN propagates (min / max do not warn)
-        if not (low >= 0 and high <= _FLOAT32_MAX):  # NaN fails both
-            check_loss_weights(inputs.loss_values, keep(), inputs.where)
+        bad_weights = not (low >= 0 and high <= _FLOAT32_MAX)  # NaN fails both
+    return bad_ids, bad_labels, copied_ids, bad_weights
 
 
 def check_row_values(inputs: ValueInputs, label_style: str, vocab_size: int | None) -> None:

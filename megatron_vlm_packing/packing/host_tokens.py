@@ -12,6 +12,8 @@ Shape legend: B = rows, S = row length, T = physical packed tokens, N = document
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -42,24 +44,59 @@ def pack_tokens_on_host(rows, indices: PackIndices, *, pad_token_id: int,
     Raises:
         ValueError: the device path's error for the first bad id, label or loss weight.
     """
-    plan = indices.plan
-    flat_length = len(plan.row_lengths) * plan.row_capacity
-    raw_labels = rows.raw_labels.numpy().reshape(flat_length)
-    ids = cat_documents_host(rows.input_ids.numpy().reshape(flat_length), indices.row_slices, pad_token_id)
-    hf = rows.label_style == "hf"
-    labels = cat_documents_host(raw_labels, indices.next_token_slices if hf else indices.row_slices, IGNORE_INDEX)
-    values = None if rows.loss_values is None else \
-        cat_documents_host(rows.loss_values.numpy().reshape(flat_length), indices.row_slices, 0)
-    is_target = labels != IGNORE_INDEX
-    # Hugging Face: no shifted target holds a document's first label, checked all the same.
-    first_labels = raw_labels[[row * plan.row_capacity for row in plan.segment_rows]] if hf else None
-    check_packed_values(rows.unchecked_values, rows.label_style, vocab_size, ids=ids, targets=labels,
-                        is_target=is_target, first_labels=first_labels, loss_values=values)
-    # value * True / value * False in float32: the same bits as the device path's weights (written over
-    # the packed float32 values, a fresh copy, instead of a second [T] array).
-    if values is None:
-        weights = is_target.astype(np.float32)
-    else:
-        weights = np.multiply(values, is_target, out=values if values.dtype == np.float32 else None,
-                              dtype=np.float32)
-    return torch.from_numpy(ids[None]), torch.from_numpy(labels[None]), torch.from_numpy(weights[None])
+    tokens = PackedHostTokens.of(rows.input_ids, rows.raw_labels, rows.loss_values, rows.label_style, indices,
+                                 pad_token_id=pad_token_id)
+    check_packed_values(rows.unchecked_values, rows.label_style, vocab_size, **tokens.check_arguments())
+    return tokens.tensors()
+
+
+@dataclass(frozen=True)
+class PackedHostTokens:
+    """Ids, next-token labels and loss values of [B, S] CPU rows packed in numpy, not yet checked.
+
+    Attributes:
+        ids, labels: [T] packed ids (`pad_token_id` at pad slots) and next-token labels (-100 there).
+        loss_values: [T] the packed `loss_mask` as given (0 at pad slots), or None.
+        is_target: [T] bool, labels != -100.
+        first_labels: Hugging Face labels only: [N] the label of every document's first token.
+    """
+
+    ids: np.ndarray
+    labels: np.ndarray
+    loss_values: np.ndarray | None
+    is_target: np.ndarray
+    first_labels: np.ndarray | None
+
+    @classmethod
+    def of(cls, input_ids: torch.Tensor, raw_labels: torch.Tensor, loss_values: torch.Tensor | None,
+           label_style: str, indices: PackIndices, *, pad_token_id: int) -> "PackedHostTokens":
+        """Pack [B, S] `input_ids`, labels as given (Megatron targets, or HF labels shifted inside each
+        document) and `loss_values` (or None); every tensor one numpy can view (`packs_on_host`)."""
+        plan = indices.plan
+        flat_length = len(plan.row_lengths) * plan.row_capacity
+        raw = raw_labels.numpy().reshape(flat_length)
+        ids = cat_documents_host(input_ids.numpy().reshape(flat_length), indices.row_slices, pad_token_id)
+        hf = label_style == "hf"
+        labels = cat_documents_host(raw, indices.next_token_slices if hf else indices.row_slices, IGNORE_INDEX)
+        values = None if loss_values is None else \
+            cat_documents_host(loss_values.numpy().reshape(flat_length), indices.row_slices, 0)
+        # Hugging Face: no shifted target holds a document's first label, checked all the same.
+        first_labels = raw[[row * plan.row_capacity for row in plan.segment_rows]] if hf else None
+        return cls(ids, labels, values, labels != IGNORE_INDEX, first_labels)
+
+    def check_arguments(self) -> dict:
+        """The keywords of `checks.check_packed_values` / `checks.packed_value_faults` for these tokens."""
+        return dict(ids=self.ids, targets=self.labels, is_target=self.is_target, first_labels=self.first_labels,
+                    loss_values=self.loss_values)
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[1, T] ids, labels and float32 loss weights (the loss value at each target, else 0)."""
+        # value * True / value * False in float32: the same bits as the device path's weights (written over
+        # the packed float32 values, a fresh copy, instead of a second [T] array).
+        values, is_target = self.loss_values, self.is_target
+        if values is None:
+            weights = is_target.astype(np.float32)
+        else:
+            weights = np.multiply(values, is_target, out=values if values.dtype == np.float32 else None,
+                                  dtype=np.float32)
+        return torch.from_numpy(self.ids[None]), torch.from_numpy(self.labels[None]), torch.from_numpy(weights[None])

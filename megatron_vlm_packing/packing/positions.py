@@ -129,6 +129,14 @@ def check_1d_positions_on_host(given: torch.Tensor, indices, keep: Callable[[], 
         keep: returns the [B, S] keep-mask (built only for the error).
         where: names a bad token in the batch as given (`checks.ValueInputs.where`).
     """
+    if host_positions_differ(given, indices):
+        check_1d_positions(given, keep(), where)
+        raise AssertionError("positions failing the host test passed check_1d_positions")  # a bug here
+
+
+def host_positions_differ(given: torch.Tensor, indices) -> bool:
+    """`check_1d_positions_on_host`'s test alone (same arguments), nothing raised: True when some real
+    token's position is not its offset in its document."""
     plan = indices.plan
     flat = given.numpy().reshape(-1)
     real = np.concatenate([flat[start:stop] for start, stop in indices.row_slices.spans])
@@ -137,9 +145,7 @@ def check_1d_positions_on_host(given: torch.Tensor, indices, keep: Callable[[], 
         expected = np.concatenate([ramp[:n] for n in plan.real_lengths])
     else:
         expected = indices.offset_in_segment_host  # every slot real: 0..n-1 per document
-    if not np.array_equal(real, expected):
-        check_1d_positions(given, keep(), where)
-        raise AssertionError("positions failing the host test passed check_1d_positions")  # a bug here
+    return not np.array_equal(real, expected)
 
 
 def queue_position_checks(batch: Mapping, keep: Callable[[], torch.Tensor], mrope, checks: DeferredChecks,

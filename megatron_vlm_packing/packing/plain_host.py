@@ -1,0 +1,111 @@
+"""The plain batch packed on the host: `pack_batch(host_reads=True)`'s clean path for the most common batch.
+
+Most micro-batches a DataLoader worker packs are plain text rows: ids, labels, an optional loss mask,
+a 0/1 attention mask and optional [B, S] positions, all on the CPU, without media, mRoPE, extras or
+pre-packed documents. For those, `read_rows`' general reading (media and mRoPE reads queued, key
+dispatch, deferred checks for a batch on an accelerator) is most of the time at a few rows: its
+Python layers cost more than the numpy work itself.
+
+`pack_plain_batch_on_host` packs such a batch with the same pieces (`make_pack_plan`, `plan_indices`,
+`host_tokens.PackedHostTokens`) and the same tests (`lengths.right_padded_host_lengths`,
+`checks.packed_value_faults`, `positions.host_positions_differ`); `pack_batch` builds the same
+`MicroBatch` from its result as from the general path's. It raises nothing of its own: a batch it does not recognise as plain, or one that
+fails any test, returns None, and `pack_batch` takes its general path, which raises the error naming
+the field and the numbers (or, for a test tripped only by pad slots, packs it). So the errors are one
+code's, and tests/packing/test_plain_host.py holds the two paths equal on random and hostile batches.
+
+Shape legend: B = rows, S = row length, T = physical packed tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from typing import NamedTuple
+
+from megatron_vlm_packing.packing.checks import packed_value_faults
+from megatron_vlm_packing.packing.host_tokens import PackedHostTokens
+from megatron_vlm_packing.packing.lengths import right_padded_host_lengths
+from megatron_vlm_packing.packing.pack import on_host_without_grad
+from megatron_vlm_packing.packing.plan import PackIndices, PackMultiples, PackPlan, make_pack_plan, plan_indices
+from megatron_vlm_packing.packing.positions import host_positions_differ
+
+PLAIN_KEYS = frozenset({"input_ids", "tokens", "labels", "loss_mask", "attention_mask", "position_ids"})
+_INTEGER_MASK_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
+
+
+class PlainPack(NamedTuple):
+    """A plain batch packed and checked: its plan and indices, and [1, T] ids, labels and float32 loss weights."""
+
+    plan: PackPlan
+    indices: PackIndices
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+
+
+def pack_plain_batch_on_host(batch, *, multiples: PackMultiples, pad_to: int | None, label_style: str,
+                             pad_token_id: int, vocab_size: int | None) -> PlainPack | None:
+    """What `pack_batch(batch, host_reads=True, ...)` packs for a plain batch that passes every check,
+    else None (the general path then packs it or names its error).
+
+    Plain: a dict holding only `input_ids` or `tokens`, `labels`, and optionally `loss_mask`,
+    `attention_mask` ([B, S] bool or integer) and [B, S] `position_ids`; ids and labels int64; every
+    tensor [B, S], on the CPU, without autograd, of a dtype numpy has. The caller has checked the
+    options (`pad_token_id`, `pad_to`) and passes no mRoPE, media ids or extra keys.
+
+    Args:
+        multiples: the parallel layout's `PackMultiples`.
+        pad_to, label_style, pad_token_id, vocab_size: as `pack_batch` takes them.
+    """
+    rows = _plain_rows(batch, label_style, vocab_size)
+    if rows is None:
+        return None
+    input_ids, raw_labels, loss_values, mask, given_positions = rows
+    batch_size, row_length = input_ids.shape
+    if mask is None:
+        lengths = [row_length] * batch_size
+    else:
+        lengths = right_padded_host_lengths(mask)
+        if lengths is None:
+            return None
+    try:
+        plan = make_pack_plan(lengths, row_capacity=row_length, multiples=multiples, pad_to=pad_to)
+    except ValueError:
+        return None
+    indices = plan_indices(plan)
+    tokens = PackedHostTokens.of(input_ids, raw_labels, loss_values, label_style, indices, pad_token_id=pad_token_id)
+    if any(packed_value_faults(label_style, vocab_size, **tokens.check_arguments())):
+        return None
+    if given_positions is not None and host_positions_differ(given_positions, indices):
+        return None
+    return PlainPack(plan, indices, *tokens.tensors())
+
+
+def _plain_rows(batch, label_style: str, vocab_size):
+    """(ids, labels, loss values or None, mask or None, [B, S] positions or None) of a plain batch, else None."""
+    if type(batch) is not dict or not PLAIN_KEYS.issuperset(batch.keys()) or label_style not in ("megatron", "hf"):
+        return None
+    if vocab_size is not None and (type(vocab_size) is not int or vocab_size < 1):
+        return None
+    ids, tokens = batch.get("input_ids"), batch.get("tokens")
+    if (ids is None) == (tokens is None):
+        return None
+    ids = ids if ids is not None else tokens
+    labels, loss_values = batch.get("labels"), batch.get("loss_mask")
+    mask, positions = batch.get("attention_mask"), batch.get("position_ids")
+    if not (isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.dtype == torch.int64 and ids.numel()
+            and on_host_without_grad(ids)):
+        return None
+    shape = ids.shape
+    if not (isinstance(labels, torch.Tensor) and labels.shape == shape and labels.dtype == torch.int64
+            and on_host_without_grad(labels)):
+        return None
+    for optional in (loss_values, positions):
+        if optional is not None and not (isinstance(optional, torch.Tensor) and optional.shape == shape
+                                         and on_host_without_grad(optional)):
+            return None
+    if mask is not None and not (isinstance(mask, torch.Tensor) and mask.shape == shape
+                                 and mask.dtype in _INTEGER_MASK_DTYPES and mask.is_cpu):
+        return None
+    return ids, labels, loss_values, mask, positions
