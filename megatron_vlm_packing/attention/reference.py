@@ -21,6 +21,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from megatron_vlm_packing.attention.boundaries import check_thd_query, read_thd_boundaries, refuse_ignored_boundaries
 from megatron_vlm_packing.attention.masks import dense_attention_mask, packed_attention_mask
+from megatron_vlm_packing.attention.spec import check_context_parallel_size
 from megatron_vlm_packing.parallel.cp import dense_cp_partition_index, zigzag_index
 
 
@@ -81,6 +82,7 @@ class ReferenceCoreAttention(MegatronModule):
         super().__init__(config=config)
         if (attention_dropout if attention_dropout is not None else config.attention_dropout) > 0:
             raise ValueError("ReferenceCoreAttention is exact attention: attention_dropout must be 0")
+        check_context_parallel_size(getattr(config, "context_parallel_size", 1))
         self.attn_mask_type = attn_mask_type
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
         self.pg_collection = pg_collection
@@ -92,7 +94,7 @@ class ReferenceCoreAttention(MegatronModule):
         context_parallel_size = 1 (e.g. a vision tower beside a CP language model) may still hold
         the language model's CP group in its process-group collection.
         """
-        if (getattr(self.config, "context_parallel_size", 1) or 1) == 1:
+        if check_context_parallel_size(getattr(self.config, "context_parallel_size", 1)) == 1:
             return None
         group = getattr(self.pg_collection, "cp", None)
         if group is None:

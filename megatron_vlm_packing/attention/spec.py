@@ -26,6 +26,17 @@ def te_available() -> bool:
     return True
 
 
+def check_context_parallel_size(size) -> int:
+    """`size` when it is a positive Python int, else ValueError naming `context_parallel_size` and the value.
+
+    A bool is not one (True compared equal to 1 and ran as CP = 1), nor is a float or a tensor; as
+    `ParallelLayout` and `PackMultiples` check it.
+    """
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"context_parallel_size must be a positive int, got {size!r} ({type(size).__name__})")
+    return size
+
+
 def resolve_backend(backend: str, *, context_parallel_size: int = 1) -> str:
     """The backend that `backend` means here ("auto" resolved).
 
@@ -38,9 +49,7 @@ def resolve_backend(backend: str, *, context_parallel_size: int = 1) -> str:
 
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    size = context_parallel_size
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"context_parallel_size must be a positive int, got {size!r} ({type(size).__name__})")
+    check_context_parallel_size(context_parallel_size)
     torch_ok = varlen_available() and context_parallel_size == 1
     if backend == "auto":
         return "te" if te_available() else "torch" if torch_ok else "reference"

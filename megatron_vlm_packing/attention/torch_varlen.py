@@ -27,6 +27,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron_vlm_packing.attention.boundaries import (
     check_max_seqlen_type, check_thd_query, physical_boundaries_of, refuse_ignored_boundaries,
 )
+from megatron_vlm_packing.attention.spec import check_context_parallel_size
 
 
 def varlen_available() -> bool:
@@ -74,7 +75,7 @@ class TorchVarlenCoreAttention(MegatronModule):
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
                  softmax_scale=None, cp_comm_type=None, pg_collection=None, **unused):
         super().__init__(config=config)
-        if config.context_parallel_size > 1:
+        if check_context_parallel_size(config.context_parallel_size) > 1:
             raise ValueError(f"the torch varlen backend has no context parallelism "
                              f"(context_parallel_size={config.context_parallel_size}); use 'te' or 'reference'")
         self.attn_mask_type = attn_mask_type

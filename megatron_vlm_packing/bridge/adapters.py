@@ -111,12 +111,12 @@ class Qwen3VLAdapter(ModelAdapter):
         tp, cp, sp = _layout(model)
         deepstack = bool(getattr(model.vision_transformer_config, "deepstack_visual_indexes", None))
         if tp > 1 and sp and deepstack:
-            _require_patch("split" in bridge_deepstack_sp._ORIGINAL,
+            _require_patch(bridge_deepstack_sp.is_applied(),
                            bridge_deepstack_sp.upstream_deepstack_split_is_plain_slice(),
                            "Bridge's Qwen3-VL deepstack embeddings get wrong vision gradients under TP + SP",
                            "apply_bridge_deepstack_sp")
         if cp > 1:
-            _require_patch("fn" in bridge_thd_cp_index._ORIGINAL, not bridge_thd_cp_index.te_thd_partition_available(),
+            _require_patch(bridge_thd_cp_index.is_applied(), not bridge_thd_cp_index.te_thd_partition_available(),
                            "Bridge's packed CP token selection needs Transformer Engine's thd_get_partitioned_indices",
                            "apply_bridge_thd_cp_index")
 

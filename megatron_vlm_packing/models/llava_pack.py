@@ -20,6 +20,7 @@ import torch
 from megatron_vlm_packing.models.llava import (
     LlavaPackPlan, LlavaSpace, check_image_dtype, image_expansion, llava_pack_plan,
 )
+from megatron_vlm_packing.packing.checks import is_integer_tensor
 from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch, VisionInputs
 
 _IMAGE_KEYS = ("images", "pixel_values")
@@ -57,7 +58,7 @@ def _llava_row_values(batch: dict, ids: torch.Tensor, keep: torch.Tensor, space:
         tiles = torch.as_tensor(given, device=ids.device).reshape(-1)
         # .int() would truncate 1.5 tiles to 1 and read True as 1 tile, silently. An empty list is
         # float32 to torch (no images): not refused.
-        if tiles.numel() and (tiles.is_floating_point() or tiles.is_complex() or tiles.dtype == torch.bool):
+        if tiles.numel() and not is_integer_tensor(tiles):
             raise ValueError(f"num_image_tiles must hold integer tile counts, got dtype {tiles.dtype}")
         tiles = tiles.int()
         extra = image_expansion(ids, tiles, img_seq_len=space.img_seq_len, image_token_index=space.image_token_index,

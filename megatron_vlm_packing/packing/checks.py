@@ -23,6 +23,11 @@ from megatron_vlm_packing.packing.lengths import any_true
 IGNORE_INDEX = -100
 
 
+def is_integer_tensor(x: torch.Tensor) -> bool:
+    """True when `x` holds integers: neither floating point, complex nor bool. Reads no values."""
+    return not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
+
+
 def token_place(row: int, position: int) -> str:
     """Where a bad token is, in the batch as given: its row and position."""
     return f"row {row} position {position}"

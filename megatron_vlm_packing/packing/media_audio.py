@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_vlm_packing.packing.checks import is_integer_tensor
 from megatron_vlm_packing.packing.media import (
     MediaHost, MediaTokens, items_per_row, media_tensor, never_fails, position_input, row_counts,
 )
@@ -52,8 +53,7 @@ def _queue_audio_seqlens(batch: dict, input_ids, keep, tokens: MediaTokens, chec
         return
     if tokens.audio_token_id is not None and not counted:
         entries["audio"] = checks.add(((input_ids == tokens.audio_token_id) & keep()).sum(dim=1), never_fails, None)
-    if isinstance(seqlens, torch.Tensor) and not (seqlens.is_floating_point() or seqlens.is_complex()
-                                                  or seqlens.dtype == torch.bool):
+    if isinstance(seqlens, torch.Tensor) and is_integer_tensor(seqlens):
         entries["audio_seqlens"] = checks.add(seqlens.to(input_ids.device, torch.long).reshape(-1), never_fails,
                                               None)
 
@@ -106,7 +106,7 @@ def check_audio_seqlens(batch: dict, host: MediaHost, tokens: MediaTokens, audio
     if not position_input(seqlens):
         return
     if isinstance(seqlens, torch.Tensor):
-        if seqlens.is_floating_point() or seqlens.is_complex() or seqlens.dtype == torch.bool:
+        if not is_integer_tensor(seqlens):
             raise ValueError(f"audio_seqlens must hold integer raw audio lengths, got dtype {seqlens.dtype}")
         raw = host.values["audio_seqlens"]
     else:

@@ -18,8 +18,8 @@ import torch
 
 from megatron_vlm_packing.packing.checks import (  # noqa: F401 (re-exported: callers import them from rows)
     COPY_WINDOW, EXACT_COPY_CHECK_SLOTS, IGNORE_INDEX, DeferredChecks, ValueInputs, _first_bad, check_ids,
-    check_label_values, check_loss_weights, check_row_values, queue_value_checks, real_target_differs,
-    refuse_hf_labels_as_megatron, token_place,
+    check_label_values, check_loss_weights, check_row_values, is_integer_tensor, queue_value_checks,
+    real_target_differs, refuse_hf_labels_as_megatron, token_place,
 )
 from megatron_vlm_packing.packing.documents import DOCUMENT_KEY, split_documents
 from megatron_vlm_packing.packing.lengths import DeferredKeep, keep_mask_deferred, real_lengths
@@ -150,7 +150,7 @@ def input_ids_of(batch: Mapping) -> tuple[str, torch.Tensor]:
     ids = batch[keys[0]]
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         raise ValueError(f"{keys[0]} must be a [B, S] tensor, got {getattr(ids, 'shape', type(ids).__name__)}")
-    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+    if not is_integer_tensor(ids):
         raise ValueError(f"{keys[0]} must hold integer token ids, got dtype {ids.dtype}")
     if ids.shape[0] == 0 or ids.shape[1] == 0:
         raise ValueError(f"{keys[0]} is empty: shape {tuple(ids.shape)}")
@@ -190,7 +190,7 @@ def checked_labels(batch: Mapping, shape: tuple[int, int], label_style: str) -> 
     labels = row_tensor(batch, "labels", shape)
     if labels is None:
         raise ValueError("the batch has no 'labels': pack_batch/pad_batch build training micro-batches")
-    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+    if not is_integer_tensor(labels):
         raise ValueError(f"labels must hold integer token ids (-100 = ignore), got dtype {labels.dtype}")
     if label_style not in ("hf", "megatron"):
         raise ValueError(f"label_style must be 'megatron' or 'hf', got {label_style!r}")

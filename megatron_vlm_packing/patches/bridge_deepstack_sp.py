@@ -28,8 +28,7 @@ from megatron_vlm_packing.bridge.imports import import_bridge_module
 from megatron_vlm_packing.patches.owned import OwnedAttributes
 
 QWEN3_VL_MODEL = "megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model"
-_ORIGINAL: dict = {}  # "split": Bridge's split_deepstack_embs while the patch is applied
-_OWNED = OwnedAttributes(__name__)
+_OWNED = OwnedAttributes(__name__)  # Bridge's split_deepstack_embs while the patch is applied
 
 
 class _ScatterRows(torch.autograd.Function):
@@ -60,7 +59,8 @@ def upstream_deepstack_split_is_plain_slice() -> bool:
     Judged on Bridge's own split even while the patch is applied: the module's function is then ours,
     which reported the defect gone (and, with parallel state up, ran its TP all-reduce in the probe).
     """
-    split = _ORIGINAL.get("split") or getattr(import_bridge_module(QWEN3_VL_MODEL), "split_deepstack_embs", None)
+    split = _OWNED.original("split_deepstack_embs") or getattr(import_bridge_module(QWEN3_VL_MODEL),
+                                                                "split_deepstack_embs", None)
     if split is None:
         return False
     probe = torch.ones(4, 1, requires_grad=True)
@@ -89,18 +89,21 @@ def _gathering_split(original, tp_group_of):
     return split_deepstack_embs
 
 
+def is_applied() -> bool:
+    return bool(_OWNED)
+
+
 def apply_bridge_deepstack_sp() -> bool:
     """Give Qwen3-VL's deepstack SP cut a gathering backward. Idempotent; returns whether active."""
-    if "split" in _ORIGINAL:
+    if _OWNED:
         return True
     if not upstream_deepstack_split_is_plain_slice():
         return False
     from megatron.core import parallel_state
 
     module = import_bridge_module(QWEN3_VL_MODEL)
-    _ORIGINAL["split"] = module.split_deepstack_embs
     _OWNED.set(module, "split_deepstack_embs",
-               _gathering_split(_ORIGINAL["split"], parallel_state.get_tensor_model_parallel_group))
+               _gathering_split(module.split_deepstack_embs, parallel_state.get_tensor_model_parallel_group))
     return True
 
 
@@ -111,4 +114,3 @@ def undo_bridge_deepstack_sp() -> None:
         RuntimeError: a later patch replaced it; nothing is restored.
     """
     _OWNED.restore()
-    _ORIGINAL.pop("split", None)

@@ -26,8 +26,7 @@ from megatron_vlm_packing.bridge.imports import import_bridge_module
 from megatron_vlm_packing.patches.owned import OwnedAttributes
 
 QWEN25_VL_MODEL = "megatron.bridge.models.qwen_vl.modeling_qwen25_vl"
-_ORIGINAL: dict = {}  # "forward": Bridge's Qwen25VLModel.forward while the patch is applied
-_OWNED = OwnedAttributes(__name__)
+_OWNED = OwnedAttributes(__name__)  # Bridge's Qwen25VLModel.forward while the patch is applied
 
 
 class _LanguageModelCall:
@@ -91,7 +90,7 @@ def _select_this_rank(model, lm_kwargs: dict, cp_size: int, cp_rank: int) -> dic
 
 def apply_bridge_qwen25_vl_cp() -> bool:
     """Make Qwen25VLModel.forward select CP tokens. Idempotent; returns whether the patch is active."""
-    if "forward" in _ORIGINAL:
+    if _OWNED:
         return True
     cls = import_bridge_module(QWEN25_VL_MODEL).Qwen25VLModel
     original = cls.forward
@@ -106,13 +105,12 @@ def apply_bridge_qwen25_vl_cp() -> bool:
         lm_kwargs = _bridge_call_without_lm(original, self, args, kwargs)
         return self.language_model(**_select_this_rank(self, lm_kwargs, group.size(), group.rank()))
 
-    _ORIGINAL["forward"] = original
     _OWNED.set(cls, "forward", forward)
     return True
 
 
 def is_applied() -> bool:
-    return "forward" in _ORIGINAL
+    return bool(_OWNED)
 
 
 def undo_bridge_qwen25_vl_cp() -> None:
@@ -122,4 +120,3 @@ def undo_bridge_qwen25_vl_cp() -> None:
         RuntimeError: a later patch wraps Qwen25VLModel.forward; nothing is restored.
     """
     _OWNED.restore()
-    _ORIGINAL.pop("forward", None)

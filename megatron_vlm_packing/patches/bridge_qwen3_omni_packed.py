@@ -49,8 +49,7 @@ import torch
 from megatron_vlm_packing.patches.owned import OwnedAttributes
 
 THINKER_MODULE = "megatron.bridge.models.qwen_omni.modeling_qwen3_omni.thinker_model"
-_ORIGINAL: dict = {}  # "forward": Bridge's Qwen3OmniThinkerModel.forward while the patch is applied
-_OWNED = OwnedAttributes(__name__)
+_OWNED = OwnedAttributes(__name__)  # Bridge's Qwen3OmniThinkerModel.forward while the patch is applied
 _MEDIA_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "video_second_per_grid",
                "input_features", "feature_attention_mask", "audio_feature_lengths")
 
@@ -69,7 +68,7 @@ def thinker_refuses_packing(forward=None) -> bool:
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    forward = forward or _ORIGINAL.get("forward") or _thinker_class().forward
+    forward = forward or _OWNED.original("forward") or _thinker_class().forward
     try:
         forward(types.SimpleNamespace(), input_ids=torch.zeros(1, 1, dtype=torch.long),
                 packed_seq_params=PackedSeqParams(qkv_format="thd"))
@@ -81,7 +80,7 @@ def thinker_refuses_packing(forward=None) -> bool:
 
 
 def is_applied() -> bool:
-    return "forward" in _ORIGINAL
+    return bool(_OWNED)
 
 
 def apply_bridge_qwen3_omni_packed() -> bool:
@@ -104,7 +103,6 @@ def apply_bridge_qwen3_omni_packed() -> bool:
         extra = call.pop("kwargs", {})
         return packed_thinker_forward(self, **call, **extra)
 
-    _ORIGINAL["forward"] = original
     _OWNED.set(cls, "forward", forward)
     return True
 
@@ -116,7 +114,6 @@ def undo_bridge_qwen3_omni_packed() -> None:
         RuntimeError: a later patch wraps the thinker's forward; nothing is restored.
     """
     _OWNED.restore()
-    _ORIGINAL.pop("forward", None)
 
 
 def packed_thinker_forward(thinker, *, input_ids, position_ids, packed_seq_params, labels=None, loss_mask=None,

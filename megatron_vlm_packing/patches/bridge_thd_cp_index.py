@@ -20,8 +20,7 @@ from megatron_vlm_packing.bridge.imports import import_bridge_module
 from megatron_vlm_packing.patches.owned import OwnedAttributes
 
 PACKED_SEQ_UTILS = "megatron.bridge.training.utils.packed_seq_utils"
-_ORIGINAL: dict = {}  # "fn": Bridge's get_thd_cp_partition_indices while the patch is applied
-_OWNED = OwnedAttributes(__name__)
+_OWNED = OwnedAttributes(__name__)  # Bridge's get_thd_cp_partition_indices while the patch is applied
 
 
 def te_thd_partition_available() -> bool:
@@ -44,15 +43,18 @@ def thd_cp_partition_indices(cu_seqlens: torch.Tensor, *, total_tokens: int, cp_
     return cp_partition_index(cu, cp_group.size(), cp_group.rank()).to(device=device, dtype=torch.long)
 
 
+def is_applied() -> bool:
+    return bool(_OWNED)
+
+
 def apply_bridge_thd_cp_index() -> bool:
     """Route Bridge's THD CP partition to ours where TE's kernel is absent. Idempotent; returns
     whether the patch is active."""
-    if "fn" in _ORIGINAL:
+    if _OWNED:
         return True
     if te_thd_partition_available():
         return False
     module = import_bridge_module(PACKED_SEQ_UTILS)
-    _ORIGINAL["fn"] = module.get_thd_cp_partition_indices
     _OWNED.set(module, "get_thd_cp_partition_indices", thd_cp_partition_indices)
     return True
 
@@ -64,4 +66,3 @@ def undo_bridge_thd_cp_index() -> None:
         RuntimeError: a later patch replaced it; nothing is restored.
     """
     _OWNED.restore()
-    _ORIGINAL.pop("fn", None)

@@ -48,20 +48,18 @@ def scatter_sequence(x: torch.Tensor, seq_dim: int) -> torch.Tensor:
 
 
 def _bind(args, kwargs):
-    return inspect.signature(_ORIGINALS["forward"]).bind_partial(*args, **kwargs)
+    return inspect.signature(_OWNED.original("forward")).bind_partial(*args, **kwargs)
 
 
-_ORIGINALS: dict = {}  # the unpatched GPTModel.forward while any patch here is applied
 _APPLIED: list[str] = []
-_OWNED = OwnedAttributes(__name__)  # GPTModel.forward, shared by both fixes
+_OWNED = OwnedAttributes(__name__)  # GPTModel.forward, shared by both fixes; .original(): the unpatched one
 
 
 def _install() -> None:
     GPTModel = _gpt_model()
-    if "forward" in _ORIGINALS:
+    if _OWNED:
         return
     original = GPTModel.forward
-    _ORIGINALS["forward"] = original
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
@@ -94,7 +92,6 @@ def _undo(fix: str) -> None:
         return
     if _APPLIED == [fix]:
         _OWNED.restore()  # raises before anything changes
-        _ORIGINALS.pop("forward")
     _APPLIED.remove(fix)
 
 

@@ -29,8 +29,7 @@ import torch
 
 from megatron_vlm_packing.patches.owned import OwnedAttributes
 
-_ORIGINAL: dict = {}  # "forward": the unpatched LLaVAModel.forward while the patch is applied
-_OWNED = OwnedAttributes(__name__)
+_OWNED = OwnedAttributes(__name__)  # LLaVAModel.forward while the patch is applied
 
 
 def _llava():
@@ -54,7 +53,7 @@ def _default_tiles(call: dict, input_ids: torch.Tensor, image_token: int) -> tor
 
 def packed_boundaries_expanded() -> bool:
     """Does LLaVAModel.forward hand attention expanded boundaries (upstream's fix, or this patch applied)?"""
-    return "forward" in _ORIGINAL or upstream_remaps_packed_boundaries()
+    return bool(_OWNED) or upstream_remaps_packed_boundaries()
 
 
 def expand_packed_call(model, call: dict) -> None:
@@ -110,7 +109,7 @@ def apply_llava_packed_boundaries() -> bool:
     """Remap packed boundaries inside LLaVAModel.forward. Idempotent; returns whether it is active."""
     if upstream_remaps_packed_boundaries():
         return False
-    if "forward" in _ORIGINAL:
+    if _OWNED:
         return True
     LLaVAModel = _llava()
     original = LLaVAModel.forward
@@ -124,7 +123,6 @@ def apply_llava_packed_boundaries() -> bool:
             expand_packed_call(self, bound.arguments)
         return original(*bound.args, **bound.kwargs)
 
-    _ORIGINAL["forward"] = original
     _OWNED.set(LLaVAModel, "forward", forward)
     return True
 
@@ -136,4 +134,3 @@ def undo_llava_packed_boundaries() -> None:
         RuntimeError: a later patch wraps LLaVAModel.forward; nothing is restored.
     """
     _OWNED.restore()
-    _ORIGINAL.pop("forward", None)

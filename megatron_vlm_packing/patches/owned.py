@@ -30,6 +30,7 @@ class _Set:
     name: str
     original: object  # the owner's own value before, or _ABSENT
     replacement: object
+    before: object  # what looking the name up on the owner gave before (an inherited method included), or _ABSENT
 
 
 def own_value(owner, name: str):
@@ -94,8 +95,14 @@ class OwnedAttributes:
 
     def set(self, owner, name: str, replacement) -> None:
         """`owner.name = replacement`, keeping the owner's own value (or its absence) for `restore`."""
-        self._set.append(_Set(owner, name, own_value(owner, name), replacement))
+        self._set.append(_Set(owner, name, own_value(owner, name), replacement, getattr(owner, name, _ABSENT)))
         setattr(owner, name, replacement)
+
+    def original(self, name: str):
+        """What `owner.name` gave before this patch first replaced `name` (the callable a patch wraps and
+        calls: a method the owner only inherits included), or None while nothing is set under `name`."""
+        before = next((s.before for s in self._set if s.name == name), None)
+        return None if before is _ABSENT else before
 
     def conflicts(self) -> list[str]:
         """One line per attribute that no longer holds our replacement (something patched it after us)."""

@@ -29,8 +29,7 @@ import torch
 from megatron_vlm_packing.patches.owned import OwnedAttributes
 from megatron_vlm_packing.rope.megatron_thd import CpLocalFreqs, thd_rope_host_syncs, thd_rope_rows
 
-_ORIGINAL: dict = {}  # "thd": the unpatched function while the patch is applied
-_OWNED = OwnedAttributes(__name__)
+_OWNED = OwnedAttributes(__name__)  # the holders' _apply_rotary_pos_emb_thd; .original(): the unpatched one
 # Modules that hold the function by name (rotary_pos_embedding imports it from rope_utils).
 _HOLDERS = ("megatron.core.models.common.embeddings.rope_utils",
             "megatron.core.models.common.embeddings.rotary_pos_embedding")
@@ -44,7 +43,7 @@ def _rope_utils():
 
 def upstream_thd_rope_syncs() -> int:
     """Host syncs of one call of the installed (unpatched) THD rope on 3 documents at CP 2."""
-    return thd_rope_host_syncs(_ORIGINAL.get("thd", _rope_utils()._apply_rotary_pos_emb_thd))
+    return thd_rope_host_syncs(_OWNED.original("_apply_rotary_pos_emb_thd") or _rope_utils()._apply_rotary_pos_emb_thd)
 
 
 def _loop_free(original, apply_bshd):
@@ -74,20 +73,19 @@ def _loop_free(original, apply_bshd):
 
 
 def thd_rotary_applied() -> bool:
-    return "thd" in _ORIGINAL
+    return bool(_OWNED)
 
 
 def apply_thd_rotary() -> bool:
     """Install the loop-free THD rope. Idempotent; returns whether it is active (False where the
     installed function already runs without host syncs)."""
-    if "thd" in _ORIGINAL:
+    if _OWNED:
         return True
     rope_utils = _rope_utils()
     original = rope_utils._apply_rotary_pos_emb_thd
     if thd_rope_host_syncs(original) == 0:
         return False
     replacement = _loop_free(original, rope_utils._apply_rotary_pos_emb_bshd)
-    _ORIGINAL["thd"] = original
     for name in _HOLDERS:
         module = sys.modules.get(name)
         if module is not None and getattr(module, "_apply_rotary_pos_emb_thd", None) is original:
@@ -102,4 +100,3 @@ def undo_thd_rotary() -> None:
         RuntimeError: a later patch wraps one of the holders' functions; nothing is restored.
     """
     _OWNED.restore()
-    _ORIGINAL.pop("thd", None)

@@ -22,7 +22,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from megatron_vlm_packing.packing.checks import token_place
+from megatron_vlm_packing.packing.checks import is_integer_tensor, token_place
 from megatron_vlm_packing.rope.config import MRopeConfig
 
 
@@ -44,8 +44,7 @@ def check_grid_shape(grid, name: str) -> torch.Tensor | None:
         return None
     if not isinstance(grid, torch.Tensor):
         raise ValueError(f"{name} must be a [N, 3] integer tensor, got {type(grid).__name__}")
-    if grid.dim() != 2 or grid.shape[1] != 3 or grid.is_floating_point() or grid.is_complex() \
-            or grid.dtype == torch.bool:
+    if grid.dim() != 2 or grid.shape[1] != 3 or not is_integer_tensor(grid):
         raise ValueError(f"{name} must be a [N, 3] integer tensor, got shape {tuple(grid.shape)} {grid.dtype}")
     return grid
 
@@ -87,8 +86,7 @@ def check_rope_types(input_ids, config: MRopeConfig, image_grid_thw, video_grid_
     """The index's checks that read no tensor values (types and shapes); the value checks ride its one read."""
     if not isinstance(config, MRopeConfig):
         raise ValueError(f"config must be an MRopeConfig, got {type(config).__name__}")
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point() \
-            or input_ids.dtype == torch.bool:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or not is_integer_tensor(input_ids):
         raise ValueError(f"input_ids must be a [B, S] integer tensor, got "
                          f"{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__}"
                          f"{' ' + str(input_ids.dtype) if isinstance(input_ids, torch.Tensor) else ''}")

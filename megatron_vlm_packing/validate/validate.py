@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_vlm_packing.packing.checks import is_integer_tensor
 from megatron_vlm_packing.validate.boundaries import check_alignment, check_boundaries, check_max_seqlen
 from megatron_vlm_packing.validate.cp import check_cp_index, check_cp_ranks
 from megatron_vlm_packing.validate.documents import check_padding_mask, make_documents, suspect_pad_tails
@@ -74,7 +75,7 @@ def _dtype_checked(inputs: PackedInputs) -> tuple[PackedInputs, list[Violation]]
     out, changed = [], {}
     for name in ("input_ids", "labels", "position_ids"):
         value = getattr(inputs, name)
-        if value is not None and (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool):
+        if value is not None and not is_integer_tensor(value):
             out.append(Violation("dtypes", f"{name} has dtype {value.dtype}; it must be an integer tensor "
                                            f"(torch.long / int32)"))
             if name != "input_ids":

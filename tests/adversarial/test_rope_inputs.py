@@ -52,6 +52,10 @@ ERRORS = [
      r"second_per_grid_ts entry 0 is inf"),
     ("float_input_ids", lambda: get_rope_index(IMAGE_ROW.float(), QWEN2, image_grid_thw=torch.tensor([[1, 2, 4]])),
      r"input_ids must be a \[B, S\] integer tensor, got \(1, 4\) torch\.float32"),
+    # complex ids were read as positions (complex mRoPE ids came back) before the shared integer check
+    ("complex_input_ids", lambda: get_rope_index(IMAGE_ROW.to(torch.complex64), QWEN2,
+                                                 image_grid_thw=torch.tensor([[1, 2, 4]])),
+     r"input_ids must be a \[B, S\] integer tensor, got \(1, 4\) torch\.complex64"),
     ("mask_shape", lambda: get_rope_index(IMAGE_ROW, QWEN2, image_grid_thw=torch.tensor([[1, 2, 4]]),
                                           attention_mask=torch.ones(1, 3)),
      r"attention_mask must be \[B, S\] = \(1, 4\) like input_ids, got \(1, 3\)"),

@@ -1,6 +1,7 @@
 """Hostile `PackedSeqParams` at the core attentions (the real Megatron-Core config and enums): each
 case was computed silently (wrong) or failed far from the cause; now a ValueError naming the field."""
 
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -92,6 +93,17 @@ def test_reference_thd_accepts_the_legal_forms_unchanged():
 
 def varlen():
     return TorchVarlenCoreAttention(config(), 1, AttnMaskType.causal, "self")
+
+
+@pytest.mark.parametrize("cls", [ReferenceCoreAttention, TorchVarlenCoreAttention])
+@pytest.mark.parametrize("size", [True, 2.0, "2", None, 0, -1, torch.tensor(2)])
+def test_a_config_context_parallel_size_that_is_not_a_positive_int_is_refused(cls, size):
+    # read from the Megatron config unchecked: True == 1 ran as CP off, None / 0 were taken as CP off
+    # (reference) and 2.0 as CP on, "2" / None raised a TypeError (varlen); refused as resolve_backend refuses
+    cfg = config()
+    cfg.context_parallel_size = size
+    with pytest.raises(ValueError, match=re.escape(f"context_parallel_size must be a positive int, got {size!r}")):
+        cls(cfg, 1, AttnMaskType.causal, "self")
 
 
 @pytest.mark.parametrize("attention", [reference, varlen])

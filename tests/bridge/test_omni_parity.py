@@ -233,11 +233,12 @@ def rotary_state_check(model, samples, cfg, layout, packed_mb):
 def _leak_changes_bridge_dense(model, dense, before) -> bool:
     """Bridge's original forward (no per-call flag) with the leaked flag: output differs, or it fails."""
     from megatron_vlm_packing.bridge.omni_adapter import media_kwargs
-    from megatron_vlm_packing.patches.bridge_qwen3_omni_packed import _ORIGINAL
+    from megatron_vlm_packing.patches.bridge_qwen3_omni_packed import _OWNED
 
     try:
-        out = _ORIGINAL["forward"](model.thinker, input_ids=dense.input_ids, position_ids=dense.position_ids,
-                                   labels=dense.labels, loss_mask=dense.loss_mask, **media_kwargs(dense))
+        out = _OWNED.original("forward")(model.thinker, input_ids=dense.input_ids,
+                                         position_ids=dense.position_ids, labels=dense.labels,
+                                         loss_mask=dense.loss_mask, **media_kwargs(dense))
     except (RuntimeError, ValueError):
         return True
     return not torch.equal(out, before)

@@ -44,6 +44,21 @@ def test_restores_module_class_and_object_attributes_and_deletes_what_was_not_th
     owned.restore()  # nothing set: a no-op
 
 
+def test_original_is_what_the_name_gave_before_the_first_replacement_while_set():
+    # the patches wrap and call this (their one record; it replaced a second `_ORIGINAL` dict)
+    module = types.ModuleType("holder")
+    module.fn = original_fn = lambda: "original"
+    owned = OwnedAttributes("test")
+    assert owned.original("fn") is None
+    owned.set(module, "fn", lambda: "ours")
+    owned.set(Child, "forward", lambda self: "ours")  # inherited: restore deletes, original is Base's
+    owned.set(module, "added", None)  # nothing there before
+    assert owned.original("fn") is original_fn and owned.original("forward") is Base.forward
+    assert owned.original("added") is None and owned.original("other") is None
+    owned.restore()
+    assert owned.original("fn") is None and owned.original("forward") is None and module.fn is original_fn
+
+
 def test_a_later_wrapper_is_named_and_nothing_is_restored():
     first, second = types.ModuleType("first_holder"), types.ModuleType("second_holder")
     first.fn = second.fn = original = lambda: "original"

@@ -82,11 +82,11 @@ FAMILIES = [
            lambda: [(llava_boundaries._llava(), "forward")], 1),
     Family("cpu_shims", _apply_cpu_shims, cpu_shims.undo_cpu_shims, cpu_shims.cpu_shims_applied, _cpu_shim_targets, 4),
     Family("bridge_deepstack_sp", bridge_deepstack_sp.apply_bridge_deepstack_sp,
-           bridge_deepstack_sp.undo_bridge_deepstack_sp, lambda: "split" in bridge_deepstack_sp._ORIGINAL,
+           bridge_deepstack_sp.undo_bridge_deepstack_sp, bridge_deepstack_sp.is_applied,
            lambda: [(import_bridge_module(bridge_deepstack_sp.QWEN3_VL_MODEL), "split_deepstack_embs")], 1,
            needs_bridge),
     Family("bridge_thd_cp_index", bridge_thd_cp_index.apply_bridge_thd_cp_index,
-           bridge_thd_cp_index.undo_bridge_thd_cp_index, lambda: "fn" in bridge_thd_cp_index._ORIGINAL,
+           bridge_thd_cp_index.undo_bridge_thd_cp_index, bridge_thd_cp_index.is_applied,
            lambda: [(import_bridge_module(bridge_thd_cp_index.PACKED_SEQ_UTILS), "get_thd_cp_partition_indices")], 1,
            needs_bridge),
     Family("bridge_qwen25_vl_cp", bridge_qwen25_vl_cp.apply_bridge_qwen25_vl_cp,
@@ -209,7 +209,7 @@ def test_undo_all_checks_every_patch_before_undoing_any():
         with pytest.raises(RuntimeError, match="GPTModel.forward now holds"):
             undo_all()
         assert GPTModel.forward is foreign and thd_rotary.thd_rotary_applied()  # undone first: still on
-        assert rope_utils._apply_rotary_pos_emb_thd is not originals[2] and llava_boundaries._ORIGINAL
+        assert rope_utils._apply_rotary_pos_emb_thd is not originals[2] and llava_boundaries._OWNED
         GPTModel.forward = ours
         undo_all()
         assert same(held(targets), originals)

@@ -23,7 +23,7 @@ def upstream_thd():
     from megatron.core.models.common.embeddings import rope_utils
     from megatron_vlm_packing.patches import thd_rotary
 
-    return thd_rotary._ORIGINAL.get("thd", rope_utils._apply_rotary_pos_emb_thd)
+    return thd_rotary._OWNED.original("_apply_rotary_pos_emb_thd") or rope_utils._apply_rotary_pos_emb_thd
 
 
 def random_pack(cp: int, generator: torch.Generator):
