@@ -1,0 +1,214 @@
+"""`PackedVLM` with a Qwen3-Omni `MRopeConfig`, end to end through the shipped step: one packed
+micro-batch of text-only, audio-only, image + audio and image + video + audio samples equals each
+sample run alone (dense, batch of one), per token and in every gradient (towers included).
+
+Real Megatron-Core modules: a tiny GPTModel with position_embedding_type="mrope" (Qwen3's
+interleaved layout), our tiny vision and audio towers, the Omni samples of `bridge.build_omni`
+(pure torch: Qwen3-Omni's block layout, `second_per_grid_ts`, `audio_seqlens`). The video's
+seconds per grid step (0.5) times `position_id_per_seconds` (25) make fractional temporal
+positions; the test checks that they reach the rotary in both runs, and that flooring them (a cast
+to integers, made on purpose) breaks the parity, so the check bites.
+
+One 2-process launch: the reference and the packed run at CP=1, then the packed run at CP=2
+(compared with the reference and with the CP=1 run).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from megatron_vlm_packing.testing.distributed import run_distributed
+
+SEED = 5
+TOLERANCE = 2e-5  # fp32, CPU: packing reorders no reduction within a sample, only its attention mask
+MEDIA = {"text_only": dict(images=0, videos=0, audios=0, text=7),
+         "audio_only": dict(images=0, videos=0, audios=1, text=5),
+         "image_video_audio": dict(images=1, videos=1, audios=1, text=12),
+         "images_audio": dict(images=2, videos=0, audios=2, text=9)}
+
+
+def _omni_cfg():
+    from megatron_vlm_packing.bridge.build_omni import TinyOmniConfig
+
+    return TinyOmniConfig()  # hidden 64, 4 heads: mrope_section (2, 3, 3) sums to kv_channels / 2
+
+
+def _samples(cfg) -> list[dict]:
+    from megatron_vlm_packing.bridge.build_omni import omni_sample
+
+    rng = torch.Generator().manual_seed(SEED)
+    return [omni_sample(rng, cfg, **counts) for counts in MEDIA.values()]
+
+
+def _build(cfg, cp: int):
+    """PackedVLM: tiny mRoPE GPTModel + vision tower (images, videos) + audio tower, Qwen3-Omni rotary."""
+    from megatron_vlm_packing.models.audio import TinyAudioTower
+    from megatron_vlm_packing.models.packed_vlm import PackedVLM
+    from megatron_vlm_packing.models.tiny_gpt import TinyGPTConfig, build_tiny_gpt
+    from megatron_vlm_packing.models.vision import TinyVisionTower
+    from megatron_vlm_packing.testing.distributed import initialize_parallel
+
+    initialize_parallel(cp=cp, seed=SEED)
+    torch.manual_seed(SEED)
+    lm_cfg = TinyGPTConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                           num_attention_heads=cfg.num_attention_heads, ffn_hidden_size=cfg.ffn_hidden_size,
+                           position_embedding_type="mrope", mrope_section=cfg.mrope_section,
+                           max_sequence_length=1024, context_parallel=cp)
+    lm = build_tiny_gpt(lm_cfg, scatter_embedding_sequence_parallel=False)
+    vision = TinyVisionTower(patch_features=cfg.patch_features, width=16, out_hidden=cfg.hidden_size, heads=2)
+    audio = TinyAudioTower(mel_bins=cfg.num_mel_bins, width=16, out_hidden=cfg.hidden_size, n_window=50)
+    ids = cfg.token_ids
+    return PackedVLM(lm, vision, image_token_id=ids["image_token_id"], video_token_id=ids["video_token_id"],
+                     audio=audio, audio_token_id=ids["audio_token_id"], mrope=cfg.mrope_config(),
+                     spatial_merge_size=cfg.spatial_merge_size)
+
+
+class _RotaryInputs:
+    """Records the positions the language model's rotary is called with (a forward pre-hook)."""
+
+    def __init__(self, model):
+        self.seen = []
+        self.hook = model.language_model.rotary_pos_emb.register_forward_pre_hook(self._record)
+
+    def _record(self, module, args):
+        self.seen.append(args[0].detach().clone())
+
+    def fractional(self) -> int:
+        """Positions (of every call so far) that are not whole numbers."""
+        return sum(int((p.float() != p.float().round()).sum()) for p in self.seen)
+
+
+def _step_losses(model, batch, *, pack: bool, transform=None):
+    """(per-token losses at targets [R], in packed order; loss sum [] with autograd) of one micro-batch
+    through the shipped `make_forward_step`; packed losses are gathered over CP."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_vlm_packing.step import make_forward_step
+    from megatron_vlm_packing.testing.parity import gather_cp_tokens
+
+    seen = []
+
+    def observe(mb):
+        mb = mb if transform is None else transform(mb)
+        seen.append(mb)
+        return mb
+
+    output, reduce = make_forward_step(pack=pack, label_style="hf", transform=observe)(iter([batch]), model)
+    loss_sum = reduce(output)[0]
+    mb = seen[0]
+    full = output.detach()
+    if pack and ps.get_context_parallel_world_size() > 1:
+        full = gather_cp_tokens(full, mb.packed_seq_params.cu_seqlens_q_padded, ps.get_context_parallel_group())
+    return full[mb.loss_mask.bool()], loss_sum
+
+
+def _floored(mb):
+    """Bug made on purpose: fractional temporal positions cast to integers (floored)."""
+    return replace(mb, position_ids=mb.position_ids.floor())
+
+
+def _reference(cfg, samples):
+    """Each sample alone (pack=False, batch of one): losses at targets, summed grads, weights."""
+    from megatron_vlm_packing.bridge.build_omni import collate_omni
+
+    model = _build(cfg, cp=1)
+    rotary = _RotaryInputs(model)
+    losses, fractional = [], []
+    for sample in samples:
+        before = rotary.fractional()
+        loss, loss_sum = _step_losses(model, collate_omni([sample]), pack=False)
+        loss_sum.backward()
+        losses.append(loss)
+        fractional.append(rotary.fractional() - before)
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    state = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return dict(losses=losses, fractional=fractional, grads=grads, state=state)
+
+
+def _packed(cfg, samples, cp: int, state: dict) -> dict:
+    """The packed micro-batch at context-parallel size `cp`: losses, grads, fractional rotary positions,
+    and the losses with floored positions."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_vlm_packing.bridge.build_omni import collate_omni
+    from megatron_vlm_packing.testing.parity import full_gradients
+
+    model = _build(cfg, cp=cp)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(state[name])
+    rotary = _RotaryInputs(model)
+    batch = collate_omni(samples)
+    losses, loss_sum = _step_losses(model, batch, pack=True)
+    loss_sum.backward()
+    fractional = rotary.fractional()
+    grads = full_gradients(model, tp_group=ps.get_tensor_model_parallel_group(), cp_group=ps.get_context_parallel_group())
+    with torch.no_grad():
+        floored, _ = _step_losses(model, batch, pack=True, transform=_floored)
+    return dict(losses=losses, grads=grads, fractional=fractional, floored=floored,
+                audio_seqlens=batch["audio_seqlens"].tolist(), lengths=[len(s["input_ids"]) for s in samples])
+
+
+def run_omni_packed_vlm(rank: int, world_size: int) -> dict:
+    """Reference and packed at CP=1, packed at CP=2; errors as max |diff| (grads: relative)."""
+    from megatron_vlm_packing.testing.parity import max_relative_error
+
+    cfg = _omni_cfg()
+    samples = _samples(cfg)
+    truth = _reference(cfg, samples)
+    alone = torch.cat(truth["losses"])
+    out = dict(names=list(MEDIA), alone_fractional=truth["fractional"], tokens=[len(x) for x in truth["losses"]])
+    runs = {}
+    for cp in (1, 2):
+        run = _packed(cfg, samples, cp, truth["state"])
+        runs[cp] = run
+        out[f"cp{cp}"] = dict(
+            max_dloss=(run["losses"] - alone).abs().max().item(),
+            max_dloss_floored=(run["floored"] - alone).abs().max().item(),
+            max_rel_grad=max(max_relative_error(g, truth["grads"][n]) for n, g in run["grads"].items()),
+            towers_with_grad=sorted({n.split(".")[0] for n, g in run["grads"].items() if g.abs().sum() > 0}),
+            fractional=run["fractional"], tokens=len(run["losses"]), lengths=run["lengths"])
+    out["cp2_vs_cp1"] = (runs[2]["losses"] - runs[1]["losses"]).abs().max().item()
+    return out
+
+
+@pytest.fixture(scope="module")
+def result():
+    return run_distributed(run_omni_packed_vlm, 2, timeout_s=600)
+
+
+def test_samples_cover_the_mix(result):
+    """3+ samples of different lengths, one text-only, one audio-only, images with audio, a video."""
+    lengths = result["cp1"]["lengths"]
+    assert len(set(lengths)) == len(lengths) >= 3, lengths
+    assert result["names"] == ["text_only", "audio_only", "image_video_audio", "images_audio"]
+
+
+def test_fractional_positions_reach_the_rotary(result):
+    """The video's temporal positions (k * 0.5 s * 25 / s) are non-integers in the rotary's input,
+    alone (only the sample with the video) and packed."""
+    alone = dict(zip(result["names"], result["alone_fractional"]))
+    assert alone["image_video_audio"] > 0 and alone["text_only"] == alone["audio_only"] == 0, alone
+    assert result["cp1"]["fractional"] > 0 and result["cp2"]["fractional"] > 0
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_packed_equals_each_sample_alone(result, cp):
+    row = result[f"cp{cp}"]
+    assert row["tokens"] == sum(result["tokens"]), (row["tokens"], result["tokens"])
+    assert row["max_dloss"] < TOLERANCE, row
+    assert row["max_rel_grad"] < 1e-4, row
+    assert {"language_model", "vision", "audio"} <= set(row["towers_with_grad"]), row
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_floored_positions_break_parity(result, cp):
+    """The parity check bites: integer temporal positions (fractions dropped) change the losses."""
+    assert result[f"cp{cp}"]["max_dloss_floored"] > 10 * TOLERANCE, result[f"cp{cp}"]
+
+
+def test_cp2_equals_cp1(result):
+    assert result["cp2_vs_cp1"] < TOLERANCE, result["cp2_vs_cp1"]
