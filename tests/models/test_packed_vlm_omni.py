@@ -10,7 +10,8 @@ positions; the test checks that they reach the rotary in both runs, and that flo
 to integers, made on purpose) breaks the parity, so the check bites.
 
 One 2-process launch: the reference and the packed run at CP=1, then the packed run at CP=2
-(compared with the reference and with the CP=1 run).
+(compared with the reference and with the CP=1 run); each packed run also takes the batch with a
+collator's [3, B, S] float positions beside `audio_seqlens` / `use_audio_in_video` (refused before).
 """
 
 from __future__ import annotations
@@ -128,6 +129,21 @@ def _reference(cfg, samples):
     return dict(losses=losses, fractional=fractional, grads=grads, state=state)
 
 
+def _omni_batch_with_positions():
+    """The Omni batch with its `get_rope_index` float [3, B, S] positions, as a collator that computes
+    them writes it (the index's inputs `audio_seqlens` and `use_audio_in_video` stay in the batch)."""
+    from megatron_vlm_packing.bridge.build_omni import collate_omni
+    from megatron_vlm_packing.rope import get_rope_index
+
+    cfg = _omni_cfg()
+    batch = collate_omni(_samples(cfg))
+    positions = get_rope_index(batch["input_ids"], cfg.mrope_config(), image_grid_thw=batch["image_grid_thw"],
+                               video_grid_thw=batch["video_grid_thw"], attention_mask=batch["attention_mask"],
+                               audio_seqlens=batch["audio_seqlens"],
+                               second_per_grid_ts=batch["second_per_grid_ts"]).position_ids
+    return cfg, {**batch, "position_ids": positions, "use_audio_in_video": False}
+
+
 def _packed(cfg, samples, cp: int, state: dict) -> dict:
     """The packed micro-batch at context-parallel size `cp`: losses, grads, fractional rotary positions,
     and the losses with floored positions."""
@@ -148,7 +164,8 @@ def _packed(cfg, samples, cp: int, state: dict) -> dict:
     grads = full_gradients(model, tp_group=ps.get_tensor_model_parallel_group(), cp_group=ps.get_context_parallel_group())
     with torch.no_grad():
         floored, _ = _step_losses(model, batch, pack=True, transform=_floored)
-    return dict(losses=losses, grads=grads, fractional=fractional, floored=floored,
+        given, _ = _step_losses(model, _omni_batch_with_positions()[1], pack=True)
+    return dict(losses=losses, grads=grads, fractional=fractional, floored=floored, given=given,
                 audio_seqlens=batch["audio_seqlens"].tolist(), lengths=[len(s["input_ids"]) for s in samples])
 
 
@@ -168,6 +185,7 @@ def run_omni_packed_vlm(rank: int, world_size: int) -> dict:
         out[f"cp{cp}"] = dict(
             max_dloss=(run["losses"] - alone).abs().max().item(),
             max_dloss_floored=(run["floored"] - alone).abs().max().item(),
+            max_dloss_given_positions=(run["given"] - alone).abs().max().item(),
             max_rel_grad=max(max_relative_error(g, truth["grads"][n]) for n, g in run["grads"].items()),
             towers_with_grad=sorted({n.split(".")[0] for n, g in run["grads"].items() if g.abs().sum() > 0}),
             fractional=run["fractional"], tokens=len(run["losses"]), lengths=run["lengths"])
@@ -200,6 +218,7 @@ def test_packed_equals_each_sample_alone(result, cp):
     row = result[f"cp{cp}"]
     assert row["tokens"] == sum(result["tokens"]), (row["tokens"], result["tokens"])
     assert row["max_dloss"] < TOLERANCE, row
+    assert row["max_dloss_given_positions"] < TOLERANCE, row  # the collator's [3, B, S] positions, packed as given
     assert row["max_rel_grad"] < 1e-4, row
     assert {"language_model", "vision", "audio"} <= set(row["towers_with_grad"]), row
 
@@ -212,3 +231,23 @@ def test_floored_positions_break_parity(result, cp):
 
 def test_cp2_equals_cp1(result):
     assert result["cp2_vs_cp1"] < TOLERANCE, result["cp2_vs_cp1"]
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_given_omni_positions_beside_their_index_inputs_are_taken(pack):
+    """[3, B, S] positions given with `audio_seqlens` / `use_audio_in_video` (what they were computed
+    from) are packed as given: those keys were refused as 'read only by an mRoPE index, and no mrope=
+    was given', and with mrope= the positions were ('pass one of them'), so no such batch could pass."""
+    from megatron_vlm_packing.packing import pack_batch, pad_batch
+
+    cfg, batch = _omni_batch_with_positions()
+    ids = {k: cfg.token_ids[k] for k in ("image_token_id", "video_token_id", "audio_token_id")}
+    mb = (pack_batch if pack else pad_batch)(batch, label_style="hf", **ids)
+    expected = (pack_batch if pack else pad_batch)({k: v for k, v in batch.items() if k != "position_ids"},
+                                                   label_style="hf", mrope=cfg.mrope_config(), **ids)
+    assert mb.position_ids.dtype == torch.float32 and torch.equal(mb.position_ids, expected.position_ids)
+    assert (mb.position_ids != mb.position_ids.round()).any()
+    assert mb.audio.audio_lengths == expected.audio.audio_lengths
+    bad = {**batch, "audio_seqlens": batch["audio_seqlens"] + 1}  # still checked against feature_attention_mask
+    with pytest.raises(ValueError, match=r"audio_seqlens and feature_attention_mask disagree on audio 0"):
+        (pack_batch if pack else pad_batch)(bad, label_style="hf", **ids)
