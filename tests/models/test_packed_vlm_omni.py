@@ -11,7 +11,9 @@ to integers, made on purpose) breaks the parity, so the check bites.
 
 One 2-process launch: the reference and the packed run at CP=1, then the packed run at CP=2
 (compared with the reference and with the CP=1 run); each packed run also takes the batch with a
-collator's [3, B, S] float positions beside `audio_seqlens` / `use_audio_in_video` (refused before).
+collator's [3, B, S] float positions beside `audio_seqlens` / `use_audio_in_video` (refused before),
+and a second micro-batch with `use_audio_in_video` (a video and its audio track in one block, their
+positions merged by time) against its samples alone (losses only).
 """
 
 from __future__ import annotations
@@ -42,6 +44,42 @@ def _samples(cfg) -> list[dict]:
 
     rng = torch.Generator().manual_seed(SEED)
     return [omni_sample(rng, cfg, **counts) for counts in MEDIA.values()]
+
+
+def _with_audio_in_video(sample: dict, cfg, frames: int, rng) -> dict:
+    """`sample`'s one video with an audio track (Qwen3-Omni `use_audio_in_video`): `vision_start,
+    audio_start`, the clip's audio placeholders, the video's, `audio_end, vision_end`. The processor
+    interleaves the two kinds by time; positions only need the counts (the index is checked against
+    transformers' in tests/rope/test_omni.py) and each tower's embeddings go to its own kind in order."""
+    from megatron_vlm_packing.rope.omni import audio_output_length
+
+    ids = cfg.token_ids
+    tokens, labels = sample["input_ids"].tolist(), sample["labels"].tolist()
+    start = tokens.index(ids["vision_start_token_id"])
+    end = tokens.index(ids["vision_end_token_id"], start)
+    assert tokens[start + 1] == ids["video_token_id"], "the sample's first vision block must be its video"
+    audio = [ids["audio_start_token_id"]] + [ids["audio_token_id"]] * int(audio_output_length(torch.tensor(frames), 50))
+    tokens = tokens[:start + 1] + audio + tokens[start + 1:end] + [ids["audio_end_token_id"]] + tokens[end:]
+    labels = labels[:start + 1] + [-100] * len(audio) + labels[start + 1:end] + [-100] + labels[end:]
+    return dict(sample, input_ids=torch.tensor(tokens), labels=torch.tensor(labels),
+                audio_features=[torch.randn(cfg.num_mel_bins, frames, generator=rng)], audio_frames=[frames])
+
+
+def _audio_in_video_samples(cfg) -> list[dict]:
+    """A video with its audio track, a text-only sample, an image with a separate clip."""
+    from megatron_vlm_packing.bridge.build_omni import omni_sample
+
+    rng = torch.Generator().manual_seed(SEED + 1)
+    video = omni_sample(rng, cfg, images=0, videos=1, audios=0, text=8)
+    return [_with_audio_in_video(video, cfg, 120, rng), omni_sample(rng, cfg, images=0, videos=0, audios=0, text=6),
+            omni_sample(rng, cfg, images=1, videos=0, audios=1, text=10)]
+
+
+def _collate(samples: list[dict], *, audio_in_video: bool = False) -> dict:
+    from megatron_vlm_packing.bridge.build_omni import collate_omni
+
+    batch = collate_omni(samples)
+    return {**batch, "use_audio_in_video": True} if audio_in_video else batch
 
 
 def _build(cfg, cp: int):
@@ -113,20 +151,23 @@ def _floored(mb):
 
 def _reference(cfg, samples):
     """Each sample alone (pack=False, batch of one): losses at targets, summed grads, weights."""
-    from megatron_vlm_packing.bridge.build_omni import collate_omni
-
     model = _build(cfg, cp=1)
     rotary = _RotaryInputs(model)
     losses, fractional = [], []
     for sample in samples:
         before = rotary.fractional()
-        loss, loss_sum = _step_losses(model, collate_omni([sample]), pack=False)
+        loss, loss_sum = _step_losses(model, _collate([sample]), pack=False)
         loss_sum.backward()
         losses.append(loss)
         fractional.append(rotary.fractional() - before)
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     state = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return dict(losses=losses, fractional=fractional, grads=grads, state=state)
+    before, av = rotary.fractional(), []
+    with torch.no_grad():
+        for sample in _audio_in_video_samples(cfg):
+            av.append(_step_losses(model, _collate([sample], audio_in_video=True), pack=False)[0])
+    return dict(losses=losses, fractional=fractional, grads=grads, state=state, audio_in_video=torch.cat(av),
+                audio_in_video_fractional=rotary.fractional() - before)
 
 
 def _omni_batch_with_positions():
@@ -145,11 +186,10 @@ def _omni_batch_with_positions():
 
 
 def _packed(cfg, samples, cp: int, state: dict) -> dict:
-    """The packed micro-batch at context-parallel size `cp`: losses, grads, fractional rotary positions,
-    and the losses with floored positions."""
+    """The packed micro-batch at context-parallel size `cp`: losses, grads, fractional rotary positions;
+    then (no grad) the losses with floored positions, with given positions, and of the audio-in-video pack."""
     from megatron.core import parallel_state as ps
 
-    from megatron_vlm_packing.bridge.build_omni import collate_omni
     from megatron_vlm_packing.testing.parity import full_gradients
 
     model = _build(cfg, cp=cp)
@@ -157,16 +197,18 @@ def _packed(cfg, samples, cp: int, state: dict) -> dict:
         for name, param in model.named_parameters():
             param.copy_(state[name])
     rotary = _RotaryInputs(model)
-    batch = collate_omni(samples)
+    batch = _collate(samples)
     losses, loss_sum = _step_losses(model, batch, pack=True)
     loss_sum.backward()
     fractional = rotary.fractional()
-    grads = full_gradients(model, tp_group=ps.get_tensor_model_parallel_group(), cp_group=ps.get_context_parallel_group())
+    grads = full_gradients(model, tp_group=ps.get_tensor_model_parallel_group(),
+                           cp_group=ps.get_context_parallel_group())
     with torch.no_grad():
         floored, _ = _step_losses(model, batch, pack=True, transform=_floored)
         given, _ = _step_losses(model, _omni_batch_with_positions()[1], pack=True)
-    return dict(losses=losses, grads=grads, fractional=fractional, floored=floored, given=given,
-                audio_seqlens=batch["audio_seqlens"].tolist(), lengths=[len(s["input_ids"]) for s in samples])
+        av, _ = _step_losses(model, _collate(_audio_in_video_samples(cfg), audio_in_video=True), pack=True)
+    return dict(losses=losses, grads=grads, fractional=fractional, floored=floored, given=given, audio_in_video=av,
+                lengths=[len(s["input_ids"]) for s in samples])
 
 
 def run_omni_packed_vlm(rank: int, world_size: int) -> dict:
@@ -177,7 +219,8 @@ def run_omni_packed_vlm(rank: int, world_size: int) -> dict:
     samples = _samples(cfg)
     truth = _reference(cfg, samples)
     alone = torch.cat(truth["losses"])
-    out = dict(names=list(MEDIA), alone_fractional=truth["fractional"], tokens=[len(x) for x in truth["losses"]])
+    out = dict(names=list(MEDIA), alone_fractional=truth["fractional"], tokens=[len(x) for x in truth["losses"]],
+               audio_in_video_fractional=truth["audio_in_video_fractional"])
     runs = {}
     for cp in (1, 2):
         run = _packed(cfg, samples, cp, truth["state"])
@@ -186,6 +229,7 @@ def run_omni_packed_vlm(rank: int, world_size: int) -> dict:
             max_dloss=(run["losses"] - alone).abs().max().item(),
             max_dloss_floored=(run["floored"] - alone).abs().max().item(),
             max_dloss_given_positions=(run["given"] - alone).abs().max().item(),
+            max_dloss_audio_in_video=(run["audio_in_video"] - truth["audio_in_video"]).abs().max().item(),
             max_rel_grad=max(max_relative_error(g, truth["grads"][n]) for n, g in run["grads"].items()),
             towers_with_grad=sorted({n.split(".")[0] for n, g in run["grads"].items() if g.abs().sum() > 0}),
             fractional=run["fractional"], tokens=len(run["losses"]), lengths=run["lengths"])
@@ -211,6 +255,7 @@ def test_fractional_positions_reach_the_rotary(result):
     alone = dict(zip(result["names"], result["alone_fractional"]))
     assert alone["image_video_audio"] > 0 and alone["text_only"] == alone["audio_only"] == 0, alone
     assert result["cp1"]["fractional"] > 0 and result["cp2"]["fractional"] > 0
+    assert result["audio_in_video_fractional"] > 0
 
 
 @pytest.mark.parametrize("cp", [1, 2])
@@ -219,6 +264,7 @@ def test_packed_equals_each_sample_alone(result, cp):
     assert row["tokens"] == sum(result["tokens"]), (row["tokens"], result["tokens"])
     assert row["max_dloss"] < TOLERANCE, row
     assert row["max_dloss_given_positions"] < TOLERANCE, row  # the collator's [3, B, S] positions, packed as given
+    assert row["max_dloss_audio_in_video"] < TOLERANCE, row  # a second micro-batch: a video with its audio track
     assert row["max_rel_grad"] < 1e-4, row
     assert {"language_model", "vision", "audio"} <= set(row["towers_with_grad"]), row
 
