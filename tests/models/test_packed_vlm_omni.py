@@ -26,7 +26,7 @@ import torch
 from megatron_vlm_packing.testing.distributed import run_distributed
 
 SEED = 5
-TOLERANCE = 2e-5  # fp32, CPU: packing reorders no reduction within a sample, only its attention mask
+TOLERANCE = 2e-5  # fp32 on CPU; measured: 4.8e-7 (9.5e-7 with audio in video); flooring the positions: 1.2e-3
 MEDIA = {"text_only": dict(images=0, videos=0, audios=0, text=7),
          "audio_only": dict(images=0, videos=0, audios=1, text=5),
          "image_video_audio": dict(images=1, videos=1, audios=1, text=12),
