@@ -130,10 +130,15 @@ def check_keys(batch, *, extra_keys, mrope) -> None:
         raise ValueError(f"extra_keys {clash} are batch keys pack_batch/pad_batch already read; declare only other "
                          f"per-token tensors")
     known = builtin - set(ROPE_ONLY_KEYS) | set(extra_keys)
+    # Given [3, B, S] (or [B, 3, S]) positions were computed from these keys: they are taken as given
+    # (audio_seqlens is still checked against feature_attention_mask and the placeholders).
+    given = batch.get("position_ids")
+    positions_given = isinstance(given, torch.Tensor) and given.dim() == 3
     for key in batch:
         if key in ROPE_ONLY_KEYS and key not in known:
-            if mrope is None:
-                raise ValueError(f"batch key {key!r} is read only by an mRoPE index, and no mrope= was given")
+            if mrope is None and not positions_given:
+                raise ValueError(f"batch key {key!r} is read only by an mRoPE index, and no mrope= was given "
+                                 f"(nor [3, B, S] position_ids computed from it)")
             continue
         if key not in known:
             raise ValueError(

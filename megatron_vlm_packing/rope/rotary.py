@@ -116,6 +116,14 @@ class PackedMultimodalRotaryEmbedding(nn.Module):
         self.hooked = False  # installed by use_packed_mrope: its hooks tell THD calls apart
         self.hooked_calls = 0  # model calls in flight whose hooks ran (0: model.forward(...) called directly)
 
+    def _apply(self, fn, recurse=True):
+        """Module casts (Megatron's Float16Module calls `module.bfloat16()`) move inv_freq but keep it
+        float32, as Megatron-Core's rotary (a plain attribute) does: bf16 frequencies shift the angles."""
+        inv_freq = self.inv_freq
+        super()._apply(fn, recurse)
+        self.inv_freq = inv_freq.to(self.inv_freq.device)
+        return self
+
     def _frequencies(self, position_ids: torch.Tensor, mrope_section) -> torch.Tensor:
         return mrope_frequencies(position_ids, self.inv_freq, mrope_section, interleaved=self.interleaved,
                                  seq_len_interpolation_factor=self.seq_len_interpolation_factor)

@@ -430,3 +430,17 @@ def test_one_rotary_serves_changing_cp_layouts_and_micro_batches_with_no_leftove
         for rotary in (shared, fresh):
             rotary.is_thd_format, rotary.thd_params = params is not None, params
         assert torch.equal(shared(positions, [1, 0, 1], cp_group=group), fresh(positions, [1, 0, 1], cp_group=group))
+
+
+@pytest.mark.parametrize("cast", ["bfloat16", "half"])
+def test_module_casts_keep_inv_freq_float32_like_megatron_core(shims, cast):
+    """Megatron's Float16Module casts the model (`module.bfloat16()`); Megatron-Core's rotary keeps
+    its inv_freq float32 (a plain attribute), so ours must too: a bf16 inv_freq shifted the angles by
+    0.39 rad at position 4000 (fp16: 0.1), fractional positions included."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
+
+    megatron = MultimodalRotaryEmbedding(kv_channels=16, rotary_percent=1.0)
+    ours = getattr(torch.nn.Sequential(PackedMultimodalRotaryEmbedding(megatron.inv_freq)), cast)()[0]
+    positions = torch.arange(4000.).view(1, 1, -1).expand(3, 1, -1) + 0.5
+    assert ours.inv_freq.dtype == torch.float32
+    assert torch.equal(ours(positions, [2, 3, 3]), megatron(positions, [2, 3, 3]))
