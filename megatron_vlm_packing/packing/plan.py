@@ -109,12 +109,15 @@ class PackPlan:
                 f"PackPlan needs N >= 1 segments with matching lengths; got {n} rows, "
                 f"{len(self.real_lengths)} real and {len(self.physical_lengths)} physical lengths"
             )
-        for i, (real, phys) in enumerate(zip(self.real_lengths, self.physical_lengths)):
-            if real < 1 or phys < real or phys % self.multiples.segment:
-                raise ValueError(
-                    f"segment {i}: real length {real} must be >= 1 and physical length {phys} >= "
-                    f"real and a multiple of {self.multiples.segment}"
-                )
+        segment = self.multiples.segment
+        bad = [i for i, (real, phys) in enumerate(zip(self.real_lengths, self.physical_lengths))
+               if real < 1 or phys < real or phys % segment]
+        if bad:
+            i = bad[0]
+            raise ValueError(
+                f"segment {i}: real length {self.real_lengths[i]} must be >= 1 and physical length "
+                f"{self.physical_lengths[i]} >= real and a multiple of {segment}"
+            )
         if self.total % self.multiples.total:
             raise ValueError(f"total {self.total} is not a multiple of {self.multiples.total}")
 
@@ -185,15 +188,19 @@ def make_pack_plan(
         or not aligned (naming the numbers).
     """
     pad_to = checked_pad_to(pad_to)
-    lengths = tuple(int(n) for n in row_lengths)
-    out_of_range = [(b, n) for b, n in enumerate(lengths) if not 0 <= n <= row_capacity]
-    if out_of_range:
+    lengths = tuple(map(int, row_lengths))  # (comprehensions, not generators: a plan is made per micro-batch)
+    if lengths and (min(lengths) < 0 or max(lengths) > row_capacity):
+        out_of_range = [(b, n) for b, n in enumerate(lengths) if not 0 <= n <= row_capacity]
         raise ValueError(f"row lengths must lie in [0, {row_capacity}]; got (row, length) {out_of_range[:8]}")
-    rows = tuple(b for b, n in enumerate(lengths) if n > 0)
+    if all(lengths):
+        rows, real = tuple(range(len(lengths))), lengths
+    else:
+        rows = tuple([b for b, n in enumerate(lengths) if n > 0])
+        real = tuple([lengths[b] for b in rows])
     if not rows:
         raise ValueError(f"the batch has no real tokens ({len(lengths)} rows, all empty): nothing to pack")
-    real = tuple(lengths[b] for b in rows)
-    physical = [round_up(n, multiples.segment) for n in real] if multiples.segment > 1 else list(real)
+    segment = multiples.segment
+    physical = [-(-n // segment) * segment for n in real] if segment > 1 else list(real)
     aligned = round_up(sum(physical), multiples.total)
     if pad_to is not None:
         if pad_to % multiples.total:
