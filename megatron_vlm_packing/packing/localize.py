@@ -56,7 +56,7 @@ def check_packed_seq_params(micro_batch: MicroBatch) -> None:
     Raises:
         ValueError: `qkv_format` is not "thd" (Megatron-Core's attention and rotary then treat the pack
             as dense rows: it trains as one causal document), a boundary set that is missing, not a
-            one-dimensional integer tensor, or of another length than `cu_seqlens_q`; a `max_seqlen_*`
+            one-dimensional integer tensor, or of another length or device than `cu_seqlens_q`; a `max_seqlen_*`
             that is not a positive int (numpy's too) or a one-value integer tensor (the attention
             backends' rule, `attention.boundaries.check_max_seqlen_type`); or, when the boundaries are
             the plan's own, a `max_seqlen_*` below the plan's longest physical document (attention
@@ -69,14 +69,16 @@ def check_packed_seq_params(micro_batch: MicroBatch) -> None:
                          f"other format as dense rows, so the whole pack would train as one causal document")
     if params.cu_seqlens_q is None:
         raise ValueError("packed_seq_params.cu_seqlens_q is None: a packed micro-batch needs its real boundaries")
-    sizes = {}
+    sizes, devices = {}, {}
     for name in ("cu_seqlens_q", "cu_seqlens_q_padded", "cu_seqlens_kv", "cu_seqlens_kv_padded"):
         cu = getattr(params, name)
         if cu is not None:
             check_boundary_tensor(f"packed_seq_params.{name}", cu)
-            sizes[name] = cu.numel()
+            sizes[name], devices[name] = cu.numel(), str(cu.device)
     if len(set(sizes.values())) > 1:
         raise ValueError(f"packed_seq_params boundary sets must all have N+1 entries, got sizes {sizes}")
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"packed_seq_params boundary sets must all be on one device, got {devices}")
     # The attention backends' own rule (one function): what they take passes here, what they refuse fails here.
     check_max_seqlen_type(params, allow_tensor=True)
     indices = plan_indices_of(micro_batch)
@@ -140,23 +142,37 @@ def check_sequence_lengths(micro_batch: MicroBatch, needs: LocalizeNeeds, total:
                   source=source)
 
 
-def check_index_device(micro_batch: MicroBatch, needs: LocalizeNeeds, index: torch.Tensor, source: str) -> None:
-    """The CP index is on the device of every field it is applied to (metadata only, no host read).
-
-    Boundaries left on the CPU beside CUDA fields made `index_select` raise a RuntimeError far from
-    the cause (and a meta field passed silently). Checked: the fields `localize` cuts, the extras, and
-    `input_ids` even when kept full (the model selects its embeddings with `cp_index`).
+def check_field_devices(micro_batch: MicroBatch, needs: LocalizeNeeds, device: torch.device, what: str) -> None:
+    """Every field `localize` cuts, the extras, and `input_ids` even when kept full (the model selects
+    its embeddings with `cp_index`) are on `device`, the device of `what`. Metadata only (no host read).
 
     Raises:
-        ValueError: names the index's device, where it came from, and each field on another device.
+        ValueError: names `what`, its device, and each field on another device.
     """
     full = _kept_full(needs) - {"input_ids"}
     fields = {name: getattr(micro_batch, name) for name in _SEQUENCE_FIELDS if name not in full}
     fields.update({f"extras[{key!r}]": value for key, value in micro_batch.extras.items()})
-    wrong = {name: str(x.device) for name, x in fields.items() if x.device != index.device}
+    wrong = {name: str(x.device) for name, x in fields.items() if x.device != device}
     if wrong:
-        raise ValueError(f"the CP index (from {source}) is on {index.device} but {wrong} are on another device: "
+        raise ValueError(f"{what} is on {device} but {wrong} are on another device: "
                          f"put the boundaries and every sequence-aligned field on one device")
+
+
+def check_index_device(micro_batch: MicroBatch, needs: LocalizeNeeds, index: torch.Tensor, source: str) -> None:
+    """The CP index is on the device of every field it is applied to (`check_field_devices`).
+
+    Boundaries left on the CPU beside CUDA fields made `index_select` raise a RuntimeError far from
+    the cause (and a meta field passed silently).
+    """
+    check_field_devices(micro_batch, needs, index.device, f"the CP index (from {source})")
+
+
+def check_boundary_device(micro_batch: MicroBatch, needs: LocalizeNeeds) -> None:
+    """At CP = 1 (no index is built) the boundaries are on the fields' device (`check_field_devices`;
+    `check_packed_seq_params` put every boundary set on one device). A hand-built micro-batch with CPU
+    boundaries and CUDA fields failed deep inside TE's attention, or synced silently."""
+    name, cu = physical_boundary_set(micro_batch.packed_seq_params)
+    check_field_devices(micro_batch, needs, cu.device, f"packed_seq_params.{name}")
 
 
 def _slots_without_index(micro_batch: MicroBatch, needs: LocalizeNeeds) -> tuple[int, str] | None:
@@ -204,14 +220,17 @@ def localize(micro_batch: MicroBatch, layout: ParallelLayout, needs: LocalizeNee
         ValueError: the micro-batch was already localized, its length does not divide for CP, its
             `packed_seq_params` are malformed (`check_packed_seq_params`), a field it cuts does
             not hold the slots the index covers (`check_sequence_lengths`; at cp_size == 1 too,
-            against the plan's total or the first field it would cut), or the index is on another
-            device than the fields it is applied to (`check_index_device`).
+            against the plan's total or the first field it would cut), or the index (at cp_size == 1:
+            the boundaries) is on another device than the fields it is applied to (`check_index_device`,
+            `check_boundary_device`).
     """
     if micro_batch.cp_index is not None:
         raise ValueError("micro_batch is already localized to a CP rank (cp_index is set); localize it once")
     if micro_batch.is_packed:
         check_packed_seq_params(micro_batch)
     if layout.cp_size == 1:
+        if micro_batch.is_packed:
+            check_boundary_device(micro_batch, needs)
         slots = _slots_without_index(micro_batch, needs)
         if slots is not None:
             check_sequence_lengths(micro_batch, needs, *slots)

@@ -260,3 +260,40 @@ def test_one_field_on_another_device_is_named_and_full_ids_are_checked_too():
     dense = _dense(_packed(), labels=torch.zeros(2, 8, dtype=torch.long, device="meta"))
     with pytest.raises(ValueError, match=r"from input_ids' length, on its device\) is on cpu but \{'labels': 'meta'\}"):
         localize(dense, ParallelLayout(cp_size=2, cp_rank=1))
+
+
+# At CP = 1 no index is built, so nothing compared the boundaries' device with the fields': CPU boundaries
+# beside CUDA fields failed deep inside TE's attention (or synced silently). Meta stands in for CUDA.
+
+def _params_on(mb, device):
+    from dataclasses import replace
+
+    params = mb.packed_seq_params
+    moved = {name: getattr(params, name).to(device)
+             for name in ("cu_seqlens_q", "cu_seqlens_q_padded", "cu_seqlens_kv", "cu_seqlens_kv_padded")}
+    return replace(mb, packed_seq_params=replace(params, **moved))
+
+
+def test_cp1_refuses_boundaries_on_another_device_than_the_fields():
+    mb = _on(_packed(cp_size=1), "meta")  # the plan's boundaries stay on the CPU
+    with pytest.raises(ValueError, match=r"packed_seq_params.cu_seqlens_q_padded is on cpu but \{'input_ids': 'meta', "
+                                         r"'position_ids': 'meta'"):
+        localize(mb, ParallelLayout())
+    hand = _with_params(_packed(cp_size=1), **_all_boundaries([0, 5, 7, 10], [0, 5, 7, 10]))
+    with pytest.raises(ValueError, match=r"packed_seq_params.cu_seqlens_q_padded is on meta but \{'input_ids': 'cpu'"):
+        localize(_params_on(hand, "meta"), ParallelLayout())
+    # kept full, the ids are still what attention's query is built from
+    with pytest.raises(ValueError, match=r"is on cpu but \{'input_ids': 'meta'\} are on another device"):
+        localize(_on(_packed(cp_size=1), "meta", names=("input_ids",)), ParallelLayout(),
+                 LocalizeNeeds(full_input_ids=True))
+    on_meta = _params_on(_on(hand, "meta"), "meta")  # everything on one device passes as before
+    assert localize(on_meta, ParallelLayout()) is on_meta
+
+
+@pytest.mark.parametrize("cp_size", [1, 2])
+def test_boundary_sets_on_two_devices_are_refused(cp_size):
+    mb = _packed(cp_size=cp_size)
+    kv = _with_params(mb, cu_seqlens_kv=mb.packed_seq_params.cu_seqlens_kv.to("meta"))
+    with pytest.raises(ValueError, match=r"boundary sets must all be on one device, got \{'cu_seqlens_q': 'cpu', "
+                                         r"'cu_seqlens_q_padded': 'cpu', 'cu_seqlens_kv': 'meta'"):
+        localize(kv, ParallelLayout(cp_size=cp_size, cp_rank=0))
