@@ -116,6 +116,26 @@ def check_lengths(fields: dict[str, torch.Tensor], total: int, *, dim: int = -1,
                          f"length along dim {dim}: build every sequence-aligned field over the same {total} slots")
 
 
+def _not_one_row(name: str, x: torch.Tensor, dim: int) -> bool:
+    """A packed field that is not one row: [1, T] (`position_ids` [1, T] or mRoPE [3, 1, T]), or for an
+    extra (`dim` 1) [1, T, ...]. Shapes only."""
+    if dim == 1:
+        return x.dim() < 2 or x.shape[0] != 1
+    return x.dim() not in ((2, 3) if name == "position_ids" else (2,)) or x.shape[-2] != 1
+
+
+def check_one_row(fields: dict[str, torch.Tensor], *, dim: int = -1) -> None:
+    """A packed micro-batch is one row: its fields hold a batch dim of 1 (shapes only).
+
+    Only the token dim was compared, so a hand-built [2, T] field passed (its rows cut as one, or
+    broadcast against [1, T] ones) and [2, T/2] fields passed wherever T was taken from a field.
+    """
+    wrong = {name: tuple(x.shape) for name, x in fields.items() if _not_one_row(name, x, dim)}
+    if wrong:
+        raise ValueError(f"a packed micro-batch is one row of T slots: its fields are [1, T] (position_ids [1, T] "
+                         f"or mRoPE [3, 1, T], extras [1, T, ...]), but {wrong} have another batch dim or rank")
+
+
 _SEQUENCE_FIELDS = ("input_ids", "position_ids", "labels", "loss_mask", "padding_mask")
 
 
@@ -129,17 +149,21 @@ def _kept_full(needs: LocalizeNeeds) -> frozenset[str]:
 
 def check_sequence_lengths(micro_batch: MicroBatch, needs: LocalizeNeeds, total: int,
                            source: str = "the CP index") -> None:
-    """The fields `localize` cuts (all but those `needs` keeps full; extras along dim 1) hold `total` slots.
+    """The fields `localize` cuts (all but those `needs` keeps full; extras along dim 1) hold `total` slots,
+    and, packed, one row each (`check_one_row`).
 
     Shapes only (no host read): shared by the CP > 1 path (`total` from the index it applies) and the
     CP = 1 one (`total` from the plan or a field), so a micro-batch built or changed by hand fails here,
     naming the field, not deep in the model (or broadcast silently).
     """
     full = _kept_full(needs)
-    check_lengths({name: getattr(micro_batch, name) for name in _SEQUENCE_FIELDS if name not in full}, total,
-                  source=source)
-    check_lengths({f"extras[{key!r}]": value for key, value in micro_batch.extras.items()}, total, dim=1,
-                  source=source)
+    fields = {name: getattr(micro_batch, name) for name in _SEQUENCE_FIELDS if name not in full}
+    extras = {f"extras[{key!r}]": value for key, value in micro_batch.extras.items()}
+    if micro_batch.is_packed:
+        check_one_row(fields)
+        check_one_row(extras, dim=1)
+    check_lengths(fields, total, source=source)
+    check_lengths(extras, total, dim=1, source=source)
 
 
 def check_field_devices(micro_batch: MicroBatch, needs: LocalizeNeeds, device: torch.device, what: str) -> None:
@@ -218,8 +242,8 @@ def localize(micro_batch: MicroBatch, layout: ParallelLayout, needs: LocalizeNee
 
     Raises:
         ValueError: the micro-batch was already localized, its length does not divide for CP, its
-            `packed_seq_params` are malformed (`check_packed_seq_params`), a field it cuts does
-            not hold the slots the index covers (`check_sequence_lengths`; at cp_size == 1 too,
+            `packed_seq_params` are malformed (`check_packed_seq_params`), a field it cuts is not one
+            row (packed) or does not hold the slots the index covers (`check_sequence_lengths`; at cp_size == 1 too,
             against the plan's total or the first field it would cut), or the index (at cp_size == 1:
             the boundaries) is on another device than the fields it is applied to (`check_index_device`,
             `check_boundary_device`).

@@ -297,3 +297,37 @@ def test_boundary_sets_on_two_devices_are_refused(cp_size):
     with pytest.raises(ValueError, match=r"boundary sets must all be on one device, got \{'cu_seqlens_q': 'cpu', "
                                          r"'cu_seqlens_q_padded': 'cpu', 'cu_seqlens_kv': 'meta'"):
         localize(kv, ParallelLayout(cp_size=cp_size, cp_rank=0))
+
+
+# A packed micro-batch is one row: only the token dim was compared, so a hand-built [2, T] field passed
+# (at CP > 1 both rows were cut as if one) and [2, T/2] fields passed where T was taken from input_ids.
+
+@pytest.mark.parametrize("cp_size", [1, 2])
+@pytest.mark.parametrize("field, shape, message", [
+    ("labels", (2, 0), r"\{'labels': \(2, TOTAL\)\} have another batch dim or rank"),
+    ("loss_mask", (0,), r"\{'loss_mask': \(TOTAL,\)\} have another batch dim or rank"),
+    ("position_ids", (3, 2, 0), r"\{'position_ids': \(3, 2, TOTAL\)\}"),
+    ("input_ids", (1, 1, 0), r"\{'input_ids': \(1, 1, TOTAL\)\}"),
+    ("extras", (2, 0, 4), r"\{\"extras\['vision_embeds'\]\": \(2, TOTAL, 4\)\}"),
+])
+def test_a_packed_field_with_another_batch_dim_is_refused(cp_size, field, shape, message):
+    from dataclasses import replace
+
+    mb = _packed(cp_size=cp_size)
+    total = mb.input_ids.shape[-1]
+    value = torch.zeros(*(total if n == 0 else n for n in shape), dtype=torch.long)
+    mb = replace(mb, **{field: {"vision_embeds": value} if field == "extras" else value})
+    with pytest.raises(ValueError, match=r"a packed micro-batch is one row of T slots: .*" + message.replace("TOTAL", str(total))):
+        localize(mb, ParallelLayout(cp_size=cp_size, cp_rank=0))
+
+
+def test_hand_built_packed_fields_of_two_half_rows_are_refused_at_cp1():
+    from dataclasses import replace
+
+    hand = _with_params(_packed(cp_size=1), **_all_boundaries([0, 5, 7, 10], [0, 5, 7, 10]))
+    rows = {name: getattr(hand, name).reshape(*getattr(hand, name).shape[:-2], 2, 5)
+            for name in ("input_ids", "labels", "loss_mask", "position_ids", "padding_mask")}
+    with pytest.raises(ValueError, match=r"but \{'input_ids': \(2, 5\), 'position_ids': \(2, 5\), 'labels': \(2, 5\)"):
+        localize(replace(hand, **rows), ParallelLayout())
+    mrope = replace(hand, position_ids=torch.zeros(3, 1, 10, dtype=torch.long))  # [3, 1, T] is one row
+    assert localize(mrope, ParallelLayout()) is mrope
