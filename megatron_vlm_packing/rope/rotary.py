@@ -80,6 +80,13 @@ def mrope_frequencies(position_ids: torch.Tensor, inv_freq: torch.Tensor, mrope_
     """
     check_mrope_section(mrope_section, inv_freq.numel())
     check_position_ids(position_ids)
+    return _mrope_table(position_ids, inv_freq, mrope_section, interleaved=interleaved,
+                        seq_len_interpolation_factor=seq_len_interpolation_factor)
+
+
+def _mrope_table(position_ids: torch.Tensor, inv_freq: torch.Tensor, mrope_section, *, interleaved: bool,
+                 seq_len_interpolation_factor: float | None) -> torch.Tensor:
+    """`mrope_frequencies` with its arguments already checked: [3, B, S] -> [S, B, 1, D]."""
     positions = position_ids.to(inv_freq.device).float()
     if seq_len_interpolation_factor is not None:
         positions = positions * (1 / seq_len_interpolation_factor)
@@ -125,8 +132,10 @@ class PackedMultimodalRotaryEmbedding(nn.Module):
         return self
 
     def _frequencies(self, position_ids: torch.Tensor, mrope_section) -> torch.Tensor:
-        return mrope_frequencies(position_ids, self.inv_freq, mrope_section, interleaved=self.interleaved,
-                                 seq_len_interpolation_factor=self.seq_len_interpolation_factor)
+        """`mrope_frequencies` of positions `forward` has checked (`check_position_ids`, once per call)."""
+        check_mrope_section(mrope_section, self.inv_freq.numel())
+        return _mrope_table(position_ids, self.inv_freq, mrope_section, interleaved=self.interleaved,
+                            seq_len_interpolation_factor=self.seq_len_interpolation_factor)
 
     def _check_packed_positions(self, position_ids: torch.Tensor, cp_size: int) -> None:
         """ValueError for THD positions that are not the whole pack's [3, 1, T]; shapes and Python ints only."""

@@ -386,6 +386,21 @@ def test_the_checks_read_nothing_back_from_the_device():
     assert syncs.total == 0, syncs.report()
 
 
+@pytest.mark.parametrize("thd, cp_size", [(True, 2), (True, 1), (False, 2), (False, 1)])
+def test_the_positions_are_checked_once_per_call(monkeypatch, thd, cp_size):
+    """forward checked the positions' shape, then mrope_frequencies checked them again: twice per call."""
+    from megatron_vlm_packing.rope import rotary as rotary_module
+
+    calls = []
+    checked = rotary_module.check_position_ids
+    monkeypatch.setattr(rotary_module, "check_position_ids", lambda positions: calls.append(1) or checked(positions))
+    apply_thd_rotary()
+    rotary = _thd_rotary(cp_size)
+    rotary.is_thd_format = thd
+    table = rotary(torch.arange(12).expand(3, 1, 12), [1, 1, 0])
+    assert table.shape == (12 // cp_size, 1, 1, 4) and len(calls) == 1
+
+
 class RotaryCallingModel(TinyMropeModel):
     """Calls its rotary like GPTModel does, at CP=2 (a Bridge model calls `language_model.forward(...)`)."""
 
