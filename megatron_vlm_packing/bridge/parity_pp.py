@@ -109,7 +109,7 @@ def one_document_on_later_stages(micro_batch):
     if ps.is_pipeline_first_stage():
         return micro_batch
     total = micro_batch.input_ids.shape[-1]
-    cu = torch.tensor([0, total], dtype=torch.int32)
+    cu = torch.tensor([0, total], dtype=torch.int32, device=micro_batch.input_ids.device)
     one = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
                           cu_seqlens_kv_padded=cu, max_seqlen_q=total, max_seqlen_kv=total)
     return replace(micro_batch, packed_seq_params=one)

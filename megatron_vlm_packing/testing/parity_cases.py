@@ -127,7 +127,8 @@ def corrupt(case: ParityCase, mb: MicroBatch) -> MicroBatch:
     """Apply the case's one deliberate mistake to a full-length packed micro-batch."""
     params, total = mb.packed_seq_params, mb.stats.physical_tokens
     if case.corruption == "uniform_cu_seqlens":  # rows relaid at a fixed stride: boundaries ignore samples
-        cu = torch.tensor(list(range(0, total, ROW_LENGTH)) + [total], dtype=torch.int32)
+        cu = torch.tensor(list(range(0, total, ROW_LENGTH)) + [total], dtype=torch.int32,
+                          device=mb.input_ids.device)
         return replace(mb, packed_seq_params=_with_cu_seqlens(params, cu, cu))
     if case.corruption == "boundary_off_by_one":
         shift = torch.zeros_like(params.cu_seqlens_q)
