@@ -76,7 +76,8 @@ def dense_packed_seq_params(batch_size: int, seq_length: int, *, device=None) ->
     """THD `PackedSeqParams` for B dense rows of L slots each: cu_seqlens = [0, L, 2L, ...].
 
     Only for rows that are really full: with padded rows these boundaries make attention pay for
-    every pad token (bug class 4); use `pack_batch` instead.
+    every pad token (bug class 4); use `pack_batch` instead. The fields they go with are the B rows
+    laid end to end as one [1, B*L] row: THD is one row (`localize` refuses a packed [B, L] field).
     """
     if batch_size < 1 or seq_length < 1:
         raise ValueError(f"need batch_size >= 1 and seq_length >= 1, got {batch_size}, {seq_length}")
