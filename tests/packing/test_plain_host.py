@@ -233,3 +233,21 @@ def test_options_the_plain_path_does_not_take_go_to_the_general_path(kwargs):
         assert plain == general == device
     else:
         assert_identical(plain, general)
+
+
+def _any_outcome(call):
+    try:
+        return call()
+    except Exception as error:  # noqa: BLE001 (any exception: the plain path must raise none the general path does not)
+        return f"{type(error).__name__}: {error}"
+
+
+@pytest.mark.parametrize("kwargs", [dict(extra_keys=None), dict(extra_keys=0)], ids=repr)
+def test_options_the_general_path_refuses_with_any_error_are_not_packed_by_the_plain_path(kwargs):
+    """Not only ValueErrors: the general path's TypeError of `tuple(extra_keys)` too."""
+    taken = []
+    with plain_path_spied(taken):
+        plain = _any_outcome(lambda: pack_batch(_clean(), host_reads=True, **kwargs))
+    with plain_path_off():
+        general = _any_outcome(lambda: pack_batch(_clean(), host_reads=True, **kwargs))
+    assert isinstance(general, str) and plain == general and not any(taken)
