@@ -228,7 +228,9 @@ def _pack_plain(batch, media: MediaTokens, *, mrope, extra_keys, position_layout
                 sequence_parallel, fp8, pad_to, label_style, pad_token_id, vocab_size) -> PlainPack | None:
     """`plain_host.pack_plain_batch_on_host` when nothing but the batch's own keys is asked for (no mRoPE,
     media ids or extra keys; options the general path would accept), else None."""
-    if mrope is not None or extra_keys or position_layout not in (None, "3BS", "B3S") or not (
+    # extra_keys: only an empty tuple or list (None or 0 is the general path's TypeError, from tuple(extra_keys)).
+    if mrope is not None or type(extra_keys) not in (tuple, list) or extra_keys \
+            or position_layout not in (None, "3BS", "B3S") or not (
             media.image_token_id is None and media.video_token_id is None and media.audio_token_id is None):
         return None  # (known placeholder ids: the general path checks none is among the real tokens)
     try:

@@ -6,6 +6,7 @@ path, which packs it or names the fault. Held three ways on random and hostile b
 path, the general host path (plain path switched off) and the device path (`host_reads=False`).
 """
 
+import collections
 import contextlib
 import dataclasses
 from unittest import mock
@@ -233,3 +234,77 @@ def test_options_the_plain_path_does_not_take_go_to_the_general_path(kwargs):
         assert plain == general == device
     else:
         assert_identical(plain, general)
+
+
+def _any_outcome(call):
+    try:
+        return call()
+    except Exception as error:  # noqa: BLE001 (any exception: the plain path must raise none the general path does not)
+        return f"{type(error).__name__}: {error}"
+
+
+@pytest.mark.parametrize("kwargs", [dict(extra_keys=None), dict(extra_keys=0)], ids=repr)
+def test_options_the_general_path_refuses_with_any_error_are_not_packed_by_the_plain_path(kwargs):
+    """Not only ValueErrors: the general path's TypeError of `tuple(extra_keys)` too."""
+    taken = []
+    with plain_path_spied(taken):
+        plain = _any_outcome(lambda: pack_batch(_clean(), host_reads=True, **kwargs))
+    with plain_path_off():
+        general = _any_outcome(lambda: pack_batch(_clean(), host_reads=True, **kwargs))
+    assert isinstance(general, str) and plain == general and not any(taken)
+
+
+def _strided(tensor: torch.Tensor, form: str) -> torch.Tensor:
+    """The same values in another memory layout: column-major, a slice of a bigger tensor (storage offset,
+    row stride), every other column of one (column stride 2), or one row expanded (row stride 0)."""
+    if form == "column_major":
+        return tensor.t().contiguous().t()
+    if form == "expanded":
+        return tensor[:1].expand(tensor.shape)
+    rows, columns = tensor.shape
+    big = torch.zeros(rows + 2, 2 * columns + 3, dtype=tensor.dtype)
+    view = big[1:rows + 1, 3:] if form == "offset" else big[1:rows + 1, 3::2]
+    view = view[:, :columns]
+    view.copy_(tensor)
+    return view
+
+
+def _with(tensor: torch.Tensor, at: tuple[int, int], value) -> torch.Tensor:
+    tensor = tensor.clone()
+    tensor[at] = value
+    return tensor
+
+
+def _hostile_cases():
+    clean, weights = _clean(), _clean()["loss_mask"].double()
+    cases = {f"{form}_{key}": ({**clean, key: _strided(clean[key], form)}, {})
+             for form in ("column_major", "offset", "every_other_column") for key in clean}
+    cases.update({
+        "all_expanded_rows": ({k: _strided(v, "expanded") for k, v in clean.items()}, {}),
+        "ids_at_int64_max": ({**clean, "input_ids": _with(clean["input_ids"], (1, 1), 2 ** 63 - 1)}, {}),
+        "labels_all_ignored_hf_one_token_rows": (
+            {"input_ids": clean["input_ids"][:, :1], "labels": torch.full((2, 1), -100)}, dict(label_style="hf")),
+        "pad_token_at_vocab_size_in_pad_slots": (clean, dict(pad_token_id=10, vocab_size=10, pad_to=16)),
+        "float64_weight_above_float32_max_at_a_pad": ({**clean, "loss_mask": _with(weights, (0, 3), 1e300)}, {}),
+        "float64_weight_float32_max": (
+            {**clean, "loss_mask": _with(weights, (0, 1), torch.finfo(torch.float32).max)}, {}),
+        "float64_negative_subnormal_weight": ({**clean, "loss_mask": _with(weights, (0, 1), -1e-320)}, {}),
+        "uint8_weights_255": ({**clean, "loss_mask": (clean["loss_mask"] * 255).to(torch.uint8)}, {}),
+        "int8_weights": ({**clean, "loss_mask": clean["loss_mask"].to(torch.int8)}, {}),
+        "ordered_dict": (collections.OrderedDict(clean), {}),
+        "keys_reversed": (dict(reversed(list(clean.items()))), dict(extra_keys=[], position_layout="B3S")),
+    })
+    for dtype in (torch.int32, torch.uint8, torch.int8, torch.float16, torch.float64, torch.bool):
+        cases[f"positions_{dtype}"] = ({**clean, "position_ids": clean["position_ids"].to(dtype)}, {})
+    cases["positions_halves"] = ({**clean, "position_ids": clean["position_ids"] / 2}, {})
+    return cases
+
+
+@pytest.mark.parametrize("name", list(_hostile_cases()))
+def test_hostile_layouts_dtypes_and_extremes_are_the_same_three_ways(name):
+    """What the Hypothesis batches do not hold: strided tensors, other position / weight dtypes, extreme values."""
+    batch, kwargs = _hostile_cases()[name]
+    taken, packs = assert_same_three_ways(batch, **kwargs)
+    # Left to the general path: a test tripped by pad slots only, a weight < 0 that float32 makes -0.0, a dict subclass.
+    general_only = ("pad_token_at_vocab_size_in_pad_slots", "float64_negative_subnormal_weight", "ordered_dict")
+    assert taken == (packs and name not in general_only)
