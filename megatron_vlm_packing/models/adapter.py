@@ -15,8 +15,8 @@ Registering your own model (a few lines):
     class MyVLMAdapter(ModelAdapter):
         consumes = frozenset({"images"})
         needs = LocalizeNeeds(full_input_ids=True)
-        def forward(self, model, mb):
-            return model(mb.input_ids, mb.position_ids, labels=mb.labels, cp_index=mb.cp_index,
+        def forward(self, model, mb):  # tensors by keyword: Float16Module casts float32 positional inputs
+            return model(mb.input_ids, position_ids=mb.position_ids, labels=mb.labels, cp_index=mb.cp_index,
                          packed_seq_params=mb.packed_seq_params, pixel_values=mb.vision.pixel_values)
 
     register_adapter(MyVLM, MyVLMAdapter)

@@ -85,5 +85,7 @@ class GPTModelAdapter(ModelAdapter):
 
     def forward(self, model: nn.Module, micro_batch: MicroBatch):
         kwargs = {"padding_mask": micro_batch.padding_mask} if self.takes_padding_mask else {}
-        return model(micro_batch.input_ids, micro_batch.position_ids, None, labels=micro_batch.labels,
-                     packed_seq_params=micro_batch.packed_seq_params, **kwargs)
+        # position_ids by keyword: Megatron's Float16Module casts float32 positional inputs to bf16 / fp16,
+        # which would round Qwen3-Omni's fractional positions (300.25 -> 300, 325.25 -> 326).
+        return model(micro_batch.input_ids, position_ids=micro_batch.position_ids, attention_mask=None,
+                     labels=micro_batch.labels, packed_seq_params=micro_batch.packed_seq_params, **kwargs)

@@ -298,7 +298,9 @@ class PackedVLMAdapter(ModelAdapter):
             and all((kind, self.media_token_ids.get(f"{kind}_token_id")) in checked for kind, _ in kinds) \
             and (vision is None or vision.spatial_merge_size == self.media_token_ids.get("spatial_merge_size")) \
             and (audio is None or self._packing_counts_clips_like(model))
-        return model(micro_batch.input_ids, micro_batch.position_ids, micro_batch.labels,
+        # position_ids by keyword: Megatron's Float16Module casts float32 positional inputs to bf16 / fp16,
+        # which would round Qwen3-Omni's fractional positions.
+        return model(micro_batch.input_ids, position_ids=micro_batch.position_ids, labels=micro_batch.labels,
                      packed_seq_params=micro_batch.packed_seq_params, cp_index=micro_batch.cp_index,
                      padding_mask=micro_batch.padding_mask, placeholders_checked=micro_batch.placeholders_checked,
                      **media)
