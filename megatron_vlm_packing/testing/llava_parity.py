@@ -32,9 +32,11 @@ MICRO_BATCHES = (
 )
 
 
-def build_tiny_llava(seed: int, *, cp: int = 1, pp: int = 1, stage: int = 0, tp: int = 1, sp: bool = False):
+def build_tiny_llava(seed: int, *, cp: int = 1, pp: int = 1, stage: int = 0, tp: int = 1, sp: bool = False,
+                     params_dtype: torch.dtype = torch.float32):
     """A tiny LLaVA (CLIP-style ViT, MLP projector, rope GPT with the reference attention) for a PP
-    stage; `tp` shards every part, `sp` is the language model's sequence parallelism."""
+    stage; `tp` shards every part, `sp` is the language model's sequence parallelism; `params_dtype`
+    bfloat16 / float16 also sets the configs' bf16 / fp16 (for Megatron's `Float16Module`)."""
     from megatron.core.enums import ModelType
     from megatron.core.models.multimodal.llava_model import LLaVAModel
     from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
@@ -45,7 +47,7 @@ def build_tiny_llava(seed: int, *, cp: int = 1, pp: int = 1, stage: int = 0, tp:
     from megatron_vlm_packing.attention import layer_spec
     from megatron_vlm_packing.models.tiny_gpt import TinyGPTConfig, transformer_config
 
-    vision = transformer_config(TinyGPTConfig(num_query_groups=4, tensor_parallel=tp))
+    vision = transformer_config(TinyGPTConfig(num_query_groups=4, tensor_parallel=tp, params_dtype=params_dtype))
     vision.vision_model_type = "clip"
     vision_spec = copy.deepcopy(get_vit_layer_with_local_spec())
     vision_spec.submodules.input_layernorm = WrappedTorchNorm  # the local ViT spec's norm needs TE or apex
@@ -54,11 +56,13 @@ def build_tiny_llava(seed: int, *, cp: int = 1, pp: int = 1, stage: int = 0, tp:
     torch.manual_seed(seed)
     model = LLaVAModel(
         language_transformer_config=transformer_config(TinyGPTConfig(context_parallel=cp, pipeline_parallel=pp,
-                                                                     tensor_parallel=tp, sequence_parallel=sp)),
+                                                                     tensor_parallel=tp, sequence_parallel=sp,
+                                                                     params_dtype=params_dtype)),
         language_transformer_layer_spec=layer_spec("reference"), language_vocab_size=128,
         language_max_sequence_length=MAX_LENGTH, vision_transformer_config=vision,
         vision_transformer_layer_spec=vision_spec, drop_vision_class_token=True,
-        vision_projection_config=transformer_config(TinyGPTConfig(num_query_groups=4, tensor_parallel=tp)),
+        vision_projection_config=transformer_config(TinyGPTConfig(num_query_groups=4, tensor_parallel=tp,
+                                                                  params_dtype=params_dtype)),
         vision_projection_layer_spec=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
         language_position_embedding_type="rope", img_h=28, img_w=28, patch_dim=14, image_token_index=IMAGE_TOKEN,
         pre_process=first, post_process=last, add_encoder=first,
