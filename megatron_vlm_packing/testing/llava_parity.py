@@ -36,7 +36,7 @@ def build_tiny_llava(seed: int, *, cp: int = 1, pp: int = 1, stage: int = 0, tp:
                      params_dtype: torch.dtype = torch.float32):
     """A tiny LLaVA (CLIP-style ViT, MLP projector, rope GPT with the reference attention) for a PP
     stage; `tp` shards every part, `sp` is the language model's sequence parallelism; `params_dtype`
-    bfloat16 / float16 also sets the configs' bf16 / fp16 (for Megatron's `Float16Module`)."""
+    torch.bfloat16 also sets the configs' bf16 (for Megatron's `Float16Module`; `transformer_config`)."""
     from megatron.core.enums import ModelType
     from megatron.core.models.multimodal.llava_model import LLaVAModel
     from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
