@@ -21,11 +21,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-# Measured on CPU (torch reference attention; megatron-core 0.19 and 0.16.1): packed - alone is
-# exactly 0.0 for every adapter in bf16 (fp32 runs of the same models: 4.8e-7). The bound allows a
-# few bf16 steps of a loss near 6 (one step there is 2**-5) for other CPU kernels, and stays far
-# below a packing bug (tokens attending across samples moves losses by tenths).
-TOLERANCE = 2e-2
+# Measured on CPU (reference attention; megatron-core 0.19 and 0.16.1, 1 and 2 threads): packed - alone
+# is exactly 0.0 for every adapter in bf16 (the fp32 runs: 4.8e-7). The whole bf16 effect (bf16 vs fp32
+# losses of the same weights, PackedVLM with Qwen3-Omni media) is 6.0e-3 per token; the bound stays
+# below it, so an input that only one side rounds to bf16 shows, while one flipped bf16 rounding passes.
+TOLERANCE = 4e-3
 
 
 def _wrapped(model, config):
