@@ -1,5 +1,6 @@
-"""Packed vs each sample alone in bf16, each built-in adapter's model wrapped in a real Megatron-Core
-`Float16Module` (what Megatron's `get_model` does with `--bf16`), through the shipped `make_forward_step`.
+"""Packed vs each sample alone in bf16, each built-in adapter's model wrapped in real Megatron-Core
+`DistributedDataParallel(Float16Module(model))` (what Megatron's `get_model` does with `--bf16`),
+through the shipped `make_forward_step`.
 
 `Float16Module` calls `module.bfloat16()` on the whole model (towers included) and casts float32
 tensors passed positionally to bf16. Per adapter this checks that a packed step runs, that the
@@ -29,10 +30,13 @@ TOLERANCE = 4e-3
 
 
 def _wrapped(model, config):
+    """DDP(Float16Module(model)), as Megatron's `get_model` wraps it for bf16 training (fp32 grad reduce)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
     assert config.bf16 and config.params_dtype == torch.bfloat16
-    wrapped = Float16Module(config, model)
+    wrapped = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+                                      Float16Module(config, model))
     dtypes = {p.dtype for p in wrapped.parameters()}
     assert dtypes == {torch.bfloat16}, dtypes
     return wrapped
