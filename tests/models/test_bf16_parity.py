@@ -80,15 +80,8 @@ class _Inputs:
                                          with_kwargs=True)
 
 
-@pytest.fixture(scope="module")
-def single_process():
-    from megatron_vlm_packing.demo.main import setup_distributed
-
-    setup_distributed("cpu", 1, 1, 0)
-
-
 @pytest.mark.parametrize("rotary", ["rope", "mrope"])
-def test_gpt_adapter_bf16_packed_equals_alone(single_process, rotary):
+def test_gpt_adapter_bf16_packed_equals_alone(single_process_megatron, rotary):
     from megatron_vlm_packing.models.tiny_gpt import TinyGPTConfig, build_tiny_gpt
     from megatron_vlm_packing.rope import use_packed_mrope
     from megatron_vlm_packing.testing.parity import variable_batch
@@ -109,7 +102,7 @@ def test_gpt_adapter_bf16_packed_equals_alone(single_process, rotary):
         assert positions and all(p.dtype in (torch.long, torch.float32) for p in positions)
 
 
-def test_packed_vlm_bf16_images_videos_audio(single_process):
+def test_packed_vlm_bf16_images_videos_audio(single_process_megatron):
     from megatron_vlm_packing.demo.synthetic import collate, synthetic_samples
     from megatron_vlm_packing.testing.vlm_parity import LM, MEDIA, build_vlm
 
@@ -145,7 +138,7 @@ def _llava_rows(batch: dict) -> list[dict]:
     return rows
 
 
-def test_llava_bf16_packed_equals_alone(single_process):
+def test_llava_bf16_packed_equals_alone(single_process_megatron):
     from megatron_vlm_packing.patches import apply_llava_packed_boundaries
     from megatron_vlm_packing.testing.llava_parity import MICRO_BATCHES, build_tiny_llava, collated
 

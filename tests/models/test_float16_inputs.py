@@ -29,10 +29,8 @@ def _micro_batch():
 
 
 def _language_model(dtype):
-    from megatron_vlm_packing.demo.main import setup_distributed
     from megatron_vlm_packing.models.tiny_gpt import TinyGPTConfig, build_tiny_gpt
 
-    setup_distributed("cpu", 1, 1, 0)
     torch.manual_seed(0)
     flags = {"bf16": True} if dtype == torch.bfloat16 else {"fp16": True}
     return build_tiny_gpt(TinyGPTConfig(position_embedding_type="mrope", mrope_section=(1, 1, 2), params_dtype=dtype,
@@ -50,7 +48,7 @@ def _positions_seen(model: torch.nn.Module) -> list:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("adapter_of", ["gpt", "packed_vlm"])
-def test_fractional_positions_reach_the_model_unrounded_under_float16_module(adapter_of, dtype):
+def test_fractional_positions_reach_the_model_unrounded_under_float16_module(single_process_megatron, adapter_of, dtype):
     from megatron.core.transformer.module import Float16Module
 
     from megatron_vlm_packing.models.adapter import adapter_for
