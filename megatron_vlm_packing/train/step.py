@@ -287,7 +287,7 @@ def make_forward_step(*, pack: bool = True, label_style: str = "hf", pad_to: int
                       seq_length: int | None = None, fp8: bool = False, mrope=None,
                       broadcast_from_tp_rank0: bool = False, with_state: bool = False, adapter=None,
                       transform: Callable[[MicroBatch], MicroBatch] | None = None,
-                      parity_probe_every: int | None = None, parity_probe_tolerance: float = 1e-4) -> Callable:
+                      parity_probe_every: int | None = None, parity_probe_tolerance: float | None = None) -> Callable:
     """Build a Megatron forward step.
 
     Args:
@@ -304,7 +304,8 @@ def make_forward_step(*, pack: bool = True, label_style: str = "hf", pad_to: int
             observe micro-batches, or for tests that make one deliberate mistake).
         parity_probe_every: every N-th micro-batch also runs packed and each sample alone without
             gradients (`validate.StepProbe`); the per-token loss difference is printed and, above
-            `parity_probe_tolerance`, raises `validate.ParityProbeError` with the validator's report.
+            `parity_probe_tolerance`, raises `validate.ParityProbeError` with the validator's report
+            (None: 1e-4 for a float32 model, 5e-2 for bf16 / fp16 parameters, `validate.default_tolerance`).
             Needs cp = 1 and one pipeline stage.
 
     Returns:

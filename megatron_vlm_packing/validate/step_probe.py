@@ -60,18 +60,38 @@ def probe_model(model: torch.nn.Module, batch: dict, *, model_forward: Callable 
         model.train(was_training)
 
 
+FP32_TOLERANCE = 1e-4
+HALF_TOLERANCE = 5e-2  # bf16 / fp16: kernels differ between a pack and each sample alone (probe.parity_probe)
+
+
+def default_tolerance(model: torch.nn.Module) -> float:
+    """The probe's default bound for `model`: 1e-4 when its parameters are float32 (or it has none), 5e-2
+    when they are bf16 / fp16 (as Megatron's Float16Module makes them), where 1e-4 would stop a sound
+    run on rounding alone."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return FP32_TOLERANCE if dtype in (torch.float32, torch.float64) else HALF_TOLERANCE
+
+
+def _checked_tolerance(tolerance, name: str) -> float | None:
+    if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(tolerance, (int, float))
+                                  or not tolerance >= 0):
+        raise ValueError(f"{name} must be a number >= 0 or None (1e-4 for a float32 model, 5e-2 for bf16 / fp16), "
+                         f"got {tolerance!r}")
+    return tolerance
+
+
 class StepProbe:
     """The probe as a forward step runs it: counts micro-batches and probes every `every`-th.
 
     Called by the step with the collated batch, the full-length micro-batch it built, how it calls
     the model on a micro-batch and how it builds one (so each sample alone is built the same way).
+    `tolerance` None: `default_tolerance(model)`.
     """
 
-    def __init__(self, every: int, *, tolerance: float = 1e-4, on_result: Callable | None = print):
+    def __init__(self, every: int, *, tolerance: float | None = None, on_result: Callable | None = print):
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"parity_probe_every must be a positive int, got {every!r}")
-        if not tolerance >= 0:
-            raise ValueError(f"parity_probe_tolerance must be >= 0, got {tolerance!r}")
+        tolerance = _checked_tolerance(tolerance, "parity_probe_tolerance")
         self.every, self.tolerance, self.on_result, self.calls = every, tolerance, on_result, 0
 
     def __call__(self, model: torch.nn.Module, batch: dict, micro_batch, *, forward: Callable,
@@ -79,8 +99,8 @@ class StepProbe:
         call, self.calls = self.calls, self.calls + 1
         if call % self.every:
             return None
-        result = probe_model(model, batch, model_forward=forward, packed=micro_batch, pack=pack,
-                             tolerance=self.tolerance)
+        tolerance = default_tolerance(model) if self.tolerance is None else self.tolerance
+        result = probe_model(model, batch, model_forward=forward, packed=micro_batch, pack=pack, tolerance=tolerance)
         if self.on_result is not None:
             self.on_result(result)
         return result
@@ -100,11 +120,12 @@ class _Recorder:
         return self.last
 
 
-def with_parity_probe(forward_step: Callable, *, every: int, tolerance: float = 1e-4,
+def with_parity_probe(forward_step: Callable, *, every: int, tolerance: float | None = None,
                       model_forward: Callable | None = None, on_result: Callable[[ProbeResult], None] | None = print,
                       **probe_kwargs) -> Callable:
     """Wrap `forward_step(data_iterator, model)`: every `every`-th call (micro-batch), the batch it read
-    is probed (packed vs each sample alone, no gradients); `ParityProbeError` above `tolerance`.
+    is probed (packed vs each sample alone, no gradients); `ParityProbeError` above `tolerance` (None:
+    `default_tolerance(model)`, 1e-4 for a float32 model, 5e-2 for bf16 / fp16).
 
     Args:
         every: probe calls 0, every, 2*every, ... (with M micro-batches per step: every every/M steps).
@@ -116,6 +137,7 @@ def with_parity_probe(forward_step: Callable, *, every: int, tolerance: float = 
     """
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"every must be a positive int, got {every!r}")
+    tolerance = _checked_tolerance(tolerance, "tolerance")
     calls = [0]
 
     def probed_step(data_iterator, model):
@@ -126,7 +148,8 @@ def with_parity_probe(forward_step: Callable, *, every: int, tolerance: float = 
             if recorder.last is None:
                 raise ValueError("the wrapped forward step read no batch on this rank (TP broadcast?): the parity "
                                  "probe needs every rank to read its own batch")
-            result = probe_model(model, recorder.last, model_forward=model_forward, tolerance=tolerance, **probe_kwargs)
+            bound = default_tolerance(model) if tolerance is None else tolerance
+            result = probe_model(model, recorder.last, model_forward=model_forward, tolerance=bound, **probe_kwargs)
             if on_result is not None:
                 on_result(result)
         return output

@@ -189,3 +189,25 @@ def test_a_pack_with_a_different_number_of_documents_fails_before_any_forward():
     with pytest.raises(ParityProbeError, match="the pack has 1 documents for 4 samples") as err:
         parity_probe(never, batch, packed=foreign, label_style="hf")
     assert "tokens_vs_source" in err.value.report.failed_checks
+
+
+@pytest.mark.parametrize("dtype, expected", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2), (torch.float16, 5e-2)])
+def test_the_default_tolerance_follows_the_models_parameter_dtype(dtype, expected):
+    """1e-4 for a float32 model; bf16 / fp16 parameters (Float16Module) get 5e-2, where packed and each
+    sample alone differ by rounding alone and 1e-4 would stop a sound run."""
+    from megatron_vlm_packing.validate import StepProbe, default_tolerance
+
+    model = torch.nn.Sequential(torch.nn.Embedding(4, 2).to(dtype))
+    assert default_tolerance(model) == expected
+    assert default_tolerance(torch.nn.ReLU()) == 1e-4  # no parameters: float32's bound
+    assert StepProbe(1).tolerance is None and StepProbe(1, tolerance=0.3).tolerance == 0.3
+
+
+@pytest.mark.parametrize("tolerance", [-1.0, float("nan"), True, "1e-4"])
+def test_a_bad_tolerance_is_refused_when_the_probe_is_built(tolerance):
+    from megatron_vlm_packing.validate import StepProbe, with_parity_probe
+
+    with pytest.raises(ValueError, match="parity_probe_tolerance must be a number >= 0 or None"):
+        StepProbe(1, tolerance=tolerance)
+    with pytest.raises(ValueError, match="tolerance must be a number >= 0 or None"):
+        with_parity_probe(lambda iterator, model: None, every=1, tolerance=tolerance)
