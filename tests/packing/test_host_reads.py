@@ -95,6 +95,18 @@ BAD_VALUES = [("input_ids", -5), ("input_ids", VOCAB), ("input_ids", VOCAB + 40)
               ("position_ids", 0), ("position_ids", 7), ("position_ids", -1)]
 
 
+def with_bad_value(batch: dict, keep: torch.Tensor, key: str, value, *, at_pad: bool, slot: int) -> dict | None:
+    """`batch` with `batch[key]` (a copy) holding `value` at one real token (or one pad slot: `at_pad`),
+    chosen by `slot`; None when the rows have no such slot."""
+    where = torch.nonzero(~keep if at_pad else keep)
+    if not len(where):
+        return None
+    b, s = where[slot % len(where)].tolist()
+    batch[key] = batch[key].clone()
+    batch[key][b, s] = value
+    return batch
+
+
 @settings(max_examples=60, deadline=None)
 @given(**BATCHES, bad=st.sampled_from(BAD_VALUES), at_pad=st.booleans(), slot=st.integers(0, 10 ** 6))
 def test_a_bad_value_gives_the_same_error_or_result_on_the_host(lengths, style, loss_dtype, mask_form, cp, tp, vocab,
@@ -105,12 +117,9 @@ def test_a_bad_value_gives_the_same_error_or_result_on_the_host(lengths, style, 
         loss_dtype = torch.float32  # a NaN, negative or infinite weight needs a float loss_mask
     batch, keep = batch_of(lengths, 12, style=style, loss_dtype=loss_dtype, mask_form=mask_form, seed=seed,
                            positions=positions)
-    where = torch.nonzero(~keep if at_pad else keep)
-    if not len(where):
+    batch = with_bad_value(batch, keep, key, value, at_pad=at_pad, slot=slot)
+    if batch is None:
         return
-    b, s = where[slot % len(where)].tolist()
-    batch[key] = batch[key].clone()
-    batch[key][b, s] = value
     host, device = both_paths(batch, label_style=style, cp_size=cp, tp_size=tp, sequence_parallel=tp > 1,
                               vocab_size=vocab, extra_keys=("side",))
     if isinstance(device, str) or isinstance(host, str):

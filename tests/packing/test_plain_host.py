@@ -20,7 +20,7 @@ import megatron_vlm_packing.packing.batch as batch_module
 from megatron_vlm_packing.packing import pack_batch
 from megatron_vlm_packing.packing.plain_host import pack_plain_batch_on_host
 from megatron_vlm_packing.packing.plan import PackMultiples
-from tests.packing.test_host_reads import BAD_VALUES, VOCAB, batch_of
+from tests.packing.test_host_reads import BAD_VALUES, VOCAB, batch_of, with_bad_value
 
 PLAIN_MASKS = ("long", "bool", "int32", "none")  # the mask forms the plain path reads
 LOSS_DTYPES = (None, torch.float32, torch.float64, torch.float16, torch.bool, torch.int64, torch.bfloat16)
@@ -141,12 +141,9 @@ def test_a_bad_value_gives_the_same_error_or_result_three_ways(lengths, style, l
     if key == "loss_mask" and (loss_dtype is None or not loss_dtype.is_floating_point):
         loss_dtype = torch.float32  # a NaN, negative or infinite weight needs a float loss_mask
     batch, keep = plain_batch(lengths, style, loss_dtype, mask_form, seed, positions)
-    where = torch.nonzero(~keep if at_pad else keep)
-    if not len(where):
+    batch = with_bad_value(batch, keep, key, value, at_pad=at_pad, slot=slot)
+    if batch is None:
         return
-    b, s = where[slot % len(where)].tolist()
-    batch[key] = batch[key].clone()
-    batch[key][b, s] = value
     assert_same_three_ways(batch, **layout(cp, tp, fp8, vocab, style, keep.sum(1).tolist(), pad_extra))
 
 
