@@ -90,7 +90,10 @@ class PackedHostTokens:
                     loss_values=self.loss_values)
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """[1, T] ids, labels and float32 loss weights (the loss value at each target, else 0)."""
+        """[1, T] ids, labels and float32 loss weights (the loss value at each target, else 0).
+
+        Writes the weights over a float32 `loss_values` (no second [T] array): call it after the checks
+        (`check_arguments`), which must see the values as given."""
         # value * True / value * False in float32: the same bits as the device path's weights (written over
         # the packed float32 values, a fresh copy, instead of a second [T] array).
         values, is_target = self.loss_values, self.is_target

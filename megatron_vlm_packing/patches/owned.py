@@ -100,7 +100,8 @@ class OwnedAttributes:
 
     def original(self, name: str):
         """What `owner.name` gave before this patch first replaced `name` (the callable a patch wraps and
-        calls: a method the owner only inherits included), or None while nothing is set under `name`."""
+        calls: a method the owner only inherits included), or None while nothing is set under `name` or when
+        the owner had no such attribute. Matched by name alone: the first owner set under `name`."""
         before = next((s.before for s in self._set if s.name == name), None)
         return None if before is _ABSENT else before
 

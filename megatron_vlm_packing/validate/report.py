@@ -45,7 +45,7 @@ CHECKS: dict[str, Check] = {c.name: c for c in (
     Check("vision_placeholders", 10, None, "image / video placeholders do not match the grids per document"),
     Check("cp_partition", 5, None, "a CP rank's tokens are not TransformerEngine's per-document zigzag"),
     Check("shapes", 10, None, "tensor shapes do not agree with each other"),
-    Check("dtypes", 10, None, "token ids, labels or positions are not integers"),
+    Check("dtypes", 10, None, "token ids, labels or positions are not integers (mRoPE positions: or float32)"),
 )}
 
 

@@ -266,12 +266,43 @@ def test_shapes(vlm_pack):
     ("input_ids", lambda t: t.float()),            # equal values: only the dtype is wrong
     ("labels", lambda t: t.bool()),
     ("labels", lambda t: t.float()),
-    ("position_ids", lambda t: t.float() + 0.5),   # .long() truncated these back to the right positions
+    ("position_ids", lambda t: t.double() + 0.5),  # .long() truncated these back to the right positions
+    ("position_ids", lambda t: t.half()),
 ])
 def test_non_integer_ids_labels_positions_are_named(vlm_pack, name, change):
     fields = vlm_pack[1]
     report = only(validate_packed_batch(**clone(fields, **{name: change(fields[name])})), "dtypes")
     assert f"{name} has dtype" in str(report)
+
+
+def test_float32_mrope_positions_are_checked_untruncated(vlm_pack):
+    """Qwen3-Omni's fractional temporal positions are float32 [3, 1, T] (pack_batch packs them so):
+    whole-valued ones are clean, and half a position off is named by the position checks, not cut back."""
+    fields = vlm_pack[1]
+    positions = fields["position_ids"]
+    assert positions.dim() == 3 and not positions.is_floating_point()
+    assert validate_packed_batch(**clone(fields, position_ids=positions.float())).ok
+    report = validate_packed_batch(**clone(fields, position_ids=positions.float() + 0.5))
+    assert "dtypes" not in report.failed_checks and "positions_restart" in report.failed_checks
+    shifted = positions.float()
+    first_vision_slot = int((fields["input_ids"][0] == DATA.image_token_id).nonzero()[0])
+    shifted[0, 0, first_vision_slot] += 0.5  # one temporal position, not a document's first
+    report = only(validate_packed_batch(**clone(fields, position_ids=shifted)), "mrope_positions")
+    assert "where the model's index gives" in str(report)
+
+
+def test_a_qwen3_omni_pack_with_fractional_positions_is_clean():
+    from megatron_vlm_packing import pack_batch
+    from megatron_vlm_packing.bridge.build_omni import TinyOmniConfig, collate_omni, omni_sample
+
+    cfg = TinyOmniConfig()
+    rng = torch.Generator().manual_seed(0)
+    samples = [omni_sample(rng, cfg, images=1, videos=1, audios=1, text=12),
+               omni_sample(rng, cfg, images=0, videos=0, audios=0, text=7)]
+    packed = pack_batch(collate_omni(samples), mrope=cfg.mrope_config(), label_style="hf")
+    assert packed.position_ids.dtype == torch.float32 and bool((packed.position_ids % 1 != 0).any())
+    report = validate_packed_batch(packed)  # was: 'position_ids has dtype torch.float32' on every such pack
+    assert report.ok, report
 
 
 def test_boundaries_that_do_not_cover_the_slots_stop_before_per_token_checks(vlm_pack):
