@@ -8,6 +8,7 @@ keywords.
 
 from __future__ import annotations
 
+import numbers
 from typing import Callable, Iterator
 
 import torch
@@ -73,8 +74,8 @@ def default_tolerance(model: torch.nn.Module) -> float:
 
 
 def _checked_tolerance(tolerance, name: str) -> float | None:
-    if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(tolerance, (int, float))
-                                  or not tolerance >= 0):
+    if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(tolerance, numbers.Real)
+                                  or not tolerance >= 0):  # (numbers.Real: numpy scalars too)
         raise ValueError(f"{name} must be a number >= 0 or None (1e-4 for a float32 model, 5e-2 for bf16 / fp16), "
                          f"got {tolerance!r}")
     return tolerance

@@ -1,6 +1,7 @@
 """The sampled parity probe on a real tiny Megatron-Core GPTModel (CPU, one process, one launch): alone,
 wrapped around a forward step, and inside `make_forward_step(parity_probe_every=N)`."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -201,6 +202,7 @@ def test_the_default_tolerance_follows_the_models_parameter_dtype(dtype, expecte
     assert default_tolerance(model) == expected
     assert default_tolerance(torch.nn.ReLU()) == 1e-4  # no parameters: float32's bound
     assert StepProbe(1).tolerance is None and StepProbe(1, tolerance=0.3).tolerance == 0.3
+    assert StepProbe(1, tolerance=np.float32(0.25)).tolerance == 0.25  # a numpy scalar is a number too
 
 
 @pytest.mark.parametrize("tolerance", [-1.0, float("nan"), True, "1e-4"])
