@@ -188,19 +188,18 @@ def make_pack_plan(
         or not aligned (naming the numbers).
     """
     pad_to = checked_pad_to(pad_to)
-    lengths = tuple(map(int, row_lengths))  # (comprehensions, not generators: a plan is made per micro-batch)
+    lengths = tuple(map(int, row_lengths))
     if lengths and (min(lengths) < 0 or max(lengths) > row_capacity):
         out_of_range = [(b, n) for b, n in enumerate(lengths) if not 0 <= n <= row_capacity]
         raise ValueError(f"row lengths must lie in [0, {row_capacity}]; got (row, length) {out_of_range[:8]}")
     if all(lengths):
         rows, real = tuple(range(len(lengths))), lengths
-    else:
+    else:  # (comprehensions, not generators: a plan is made per micro-batch)
         rows = tuple([b for b, n in enumerate(lengths) if n > 0])
         real = tuple([lengths[b] for b in rows])
     if not rows:
         raise ValueError(f"the batch has no real tokens ({len(lengths)} rows, all empty): nothing to pack")
-    segment = multiples.segment
-    physical = [-(-n // segment) * segment for n in real] if segment > 1 else list(real)
+    physical = [round_up(n, multiples.segment) for n in real] if multiples.segment > 1 else list(real)
     aligned = round_up(sum(physical), multiples.total)
     if pad_to is not None:
         if pad_to % multiples.total:
