@@ -73,6 +73,11 @@ def default_tolerance(model: torch.nn.Module) -> float:
     return FP32_TOLERANCE if dtype in (torch.float32, torch.float64) else HALF_TOLERANCE
 
 
+def _tolerance_for(tolerance: float | None, model: torch.nn.Module) -> float:
+    """The bound a probe of `model` uses: `tolerance` when given, else `default_tolerance(model)`."""
+    return default_tolerance(model) if tolerance is None else tolerance
+
+
 def _checked_tolerance(tolerance, name: str) -> float | None:
     if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(tolerance, numbers.Real)
                                   or not tolerance >= 0):  # (numbers.Real: numpy scalars too)
@@ -100,8 +105,8 @@ class StepProbe:
         call, self.calls = self.calls, self.calls + 1
         if call % self.every:
             return None
-        tolerance = default_tolerance(model) if self.tolerance is None else self.tolerance
-        result = probe_model(model, batch, model_forward=forward, packed=micro_batch, pack=pack, tolerance=tolerance)
+        result = probe_model(model, batch, model_forward=forward, packed=micro_batch, pack=pack,
+                             tolerance=_tolerance_for(self.tolerance, model))
         if self.on_result is not None:
             self.on_result(result)
         return result
@@ -149,8 +154,8 @@ def with_parity_probe(forward_step: Callable, *, every: int, tolerance: float | 
             if recorder.last is None:
                 raise ValueError("the wrapped forward step read no batch on this rank (TP broadcast?): the parity "
                                  "probe needs every rank to read its own batch")
-            bound = default_tolerance(model) if tolerance is None else tolerance
-            result = probe_model(model, recorder.last, model_forward=model_forward, tolerance=bound, **probe_kwargs)
+            result = probe_model(model, recorder.last, model_forward=model_forward,
+                                 tolerance=_tolerance_for(tolerance, model), **probe_kwargs)
             if on_result is not None:
                 on_result(result)
         return output
