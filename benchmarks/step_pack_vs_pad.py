@@ -194,7 +194,8 @@ def build_model(preset: dict, rope: str, backend: str, device: str, *, seed: int
                            vocab_size=preset["vocab_size"], max_sequence_length=max(preset["seq_lengths"]),
                            params_dtype=preset["dtype"], position_embedding_type="mrope" if rope == "mrope" else "rope",
                            mrope_section=preset["mrope_section"], backend=backend,
-                           extra={"apply_rope_fusion": True} if rope_fusion and rope == "1d" and backend == "te" else {})
+                           extra={"apply_rope_fusion": True}
+                           if rope_fusion and rope == "1d" and backend == "te" else {})
     torch.manual_seed(seed)
     return build_tiny_gpt(config).to(device=device, dtype=preset["dtype"])
 

@@ -9,19 +9,20 @@ Python layers cost more than the numpy work itself.
 `pack_plain_batch_on_host` packs such a batch with the same pieces (`make_pack_plan`, `plan_indices`,
 `host_tokens.PackedHostTokens`) and the same tests (`lengths.right_padded_host_lengths`,
 `checks.packed_value_faults`, `positions.host_positions_differ`); `pack_batch` builds the same
-`MicroBatch` from its result as from the general path's. It raises nothing of its own: a batch it does not recognise as plain, or one that
-fails any test, returns None, and `pack_batch` takes its general path, which raises the error naming
-the field and the numbers (or, for a test tripped only by pad slots, packs it). So the errors are one
-code's, and tests/packing/test_plain_host.py holds the two paths equal on random and hostile batches.
+`MicroBatch` from its result as from the general path's. It raises nothing of its own: a batch it does
+not recognise as plain, or one that fails any test, returns None, and `pack_batch` takes its general
+path, which raises the error naming the field and the numbers (or, for a test tripped only by pad
+slots, packs it). So the errors are one code's, and tests/packing/test_plain_host.py holds the two
+paths equal on random and hostile batches.
 
 Shape legend: B = rows, S = row length, T = physical packed tokens.
 """
 
 from __future__ import annotations
 
-import torch
-
 from typing import NamedTuple
+
+import torch
 
 from megatron_vlm_packing.packing.checks import packed_value_faults
 from megatron_vlm_packing.packing.host_tokens import PackedHostTokens

@@ -11,6 +11,6 @@ from megatron_vlm_packing.validate.validate import run_checks, validate_packed_b
 
 __all__ = [
     "CHECKS", "Check", "PackedInputs", "ParityProbeError", "ProbeResult", "SAVED_KEYS", "SourceRows", "StepProbe",
-    "ValidationReport", "Violation", "build_inputs", "default_tolerance", "model_losses", "parity_probe", "probe_model", "run_checks",
-    "split_rows", "validate_packed_batch", "with_parity_probe",
+    "ValidationReport", "Violation", "build_inputs", "default_tolerance", "model_losses", "parity_probe", "probe_model",
+    "run_checks", "split_rows", "validate_packed_batch", "with_parity_probe",
 ]

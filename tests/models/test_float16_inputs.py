@@ -48,7 +48,8 @@ def _positions_seen(model: torch.nn.Module) -> list:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("adapter_of", ["gpt", "packed_vlm"])
-def test_fractional_positions_reach_the_model_unrounded_under_float16_module(single_process_megatron, adapter_of, dtype):
+def test_fractional_positions_reach_the_model_unrounded_under_float16_module(single_process_megatron, adapter_of,
+                                                                              dtype):
     from megatron.core.transformer.module import Float16Module
 
     from megatron_vlm_packing.models.adapter import adapter_for

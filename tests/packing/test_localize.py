@@ -317,7 +317,8 @@ def test_a_packed_field_with_another_batch_dim_is_refused(cp_size, field, shape,
     total = mb.input_ids.shape[-1]
     value = torch.zeros(*(total if n == 0 else n for n in shape), dtype=torch.long)
     mb = replace(mb, **{field: {"vision_embeds": value} if field == "extras" else value})
-    with pytest.raises(ValueError, match=r"a packed micro-batch is one row of T slots: .*" + message.replace("TOTAL", str(total))):
+    expected = r"a packed micro-batch is one row of T slots: .*" + message.replace("TOTAL", str(total))
+    with pytest.raises(ValueError, match=expected):
         localize(mb, ParallelLayout(cp_size=cp_size, cp_rank=0))
 
 

@@ -35,7 +35,8 @@ def test_step_breakdown_profiles_both_modes(tmp_path):
     out = tmp_path / "breakdown.md"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_breakdown.py"), "--preset", "smoke", "--steps", "1",
-                    "--top", "5", "--out", str(out)], check=True, env=env, cwd=tmp_path, capture_output=True, timeout=300)
+                    "--top", "5", "--out", str(out)], check=True, env=env, cwd=tmp_path, capture_output=True,
+                    timeout=300)
     text = out.read_text()
     assert "| padded to batch max |" in text and "| packed THD, ours |" in text
     op_rows = [line for line in text.splitlines() if line.startswith("| `")]
