@@ -103,3 +103,52 @@ def test_uint64_mask_is_refused(host_reads):
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]]).to(torch.uint64)
     with pytest.raises(ValueError, match=r"attention_mask has dtype torch.uint64"):
         pack_batch(rows_batch(mask), host_reads=host_reads)
+
+
+# -- 2. pad_token_id (and placeholder ids) beyond int64 --------------------------------------------------------------
+
+@pytest.mark.parametrize("host_reads, form", ROUTES)
+@pytest.mark.parametrize("pad_token_id, message", [(2**63, r"at most 2\*\*63 - 1 \(ids are int64\)"),
+                                                   (2**64 + 5, r"at most 2\*\*63 - 1 \(ids are int64\)"),
+                                                   (-2**63 - 1, r"a non-negative int \(the id written at pad slots\)")])
+def test_pad_token_id_beyond_int64_is_refused(host_reads, form, pad_token_id, message):
+    batch = rows_batch(torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]]))
+    with pytest.raises(ValueError, match=rf"pad_token_id must be {message}, got {pad_token_id}$"):
+        packed(batch, host_reads, form, pad_token_id=pad_token_id)
+
+
+@pytest.mark.parametrize("host_reads", [True, False])
+def test_pad_token_id_at_int64_max_is_written(host_reads):
+    batch = rows_batch(torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]]))
+    micro_batch = pack_batch(batch, host_reads=host_reads, pad_token_id=M, pad_to=8)
+    assert micro_batch.input_ids[0, 5:].tolist() == [M] * 3
+
+
+@pytest.mark.parametrize("host_reads", [True, False])
+@pytest.mark.parametrize("name", ["image_token_id", "video_token_id", "audio_token_id"])
+def test_placeholder_id_beyond_int64_is_refused(host_reads, name):
+    with pytest.raises(ValueError, match=rf"{name} must be a non-negative int \(at most 2\*\*63 - 1.*got {2**64}$"):
+        pack_batch(rows_batch(), host_reads=host_reads, **{name: 2**64})
+
+
+# -- 3. packed length T >= 2**31 (int32 cu_seqlens) -----------------------------------------------------------------
+
+def test_plan_of_2_to_the_31_tokens_is_refused():
+    """Checked from the lengths alone (no tensor is made): T = 2**31 would wrap cu_seqlens' int32."""
+    from megatron_vlm_packing.packing.plan import PackMultiples, make_pack_plan
+
+    with pytest.raises(ValueError, match=r"T = 2147483648 physical tokens \(2147483648 real\); its int32 cu_seqlens "
+                                         r"need T < 2\*\*31"):
+        make_pack_plan([2**30, 2**30], row_capacity=2**30)
+    with pytest.raises(ValueError, match=r"T = 2147483648 physical tokens \(2147483647 real\)"):
+        make_pack_plan([2**30, 2**30 - 1], row_capacity=2**30, multiples=PackMultiples(segment=2, total=2))
+    largest = make_pack_plan([2**30, 2**30 - 1], row_capacity=2**30)
+    assert largest.cu_seqlens_padded()[-1].item() == 2**31 - 1
+
+
+@pytest.mark.parametrize("host_reads, form", ROUTES)
+@pytest.mark.parametrize("pad_to", [2**31, 2**64])
+def test_pad_to_beyond_int32_is_refused(host_reads, form, pad_to):
+    batch = rows_batch(torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]]))
+    with pytest.raises(ValueError, match=rf"T = {pad_to} physical tokens \(5 real\); its int32 cu_seqlens"):
+        packed(batch, host_reads, form, pad_to=pad_to)
