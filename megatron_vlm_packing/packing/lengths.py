@@ -51,7 +51,7 @@ def lengths_from_keep_mask(keep: torch.Tensor, *, field: str = "attention_mask")
         values = (keep != 0).view(torch.uint8)
         low_high = torch.stack([torch.zeros_like(not_binary), not_binary]).long() * 2  # high 2: not 0/1
     else:
-        values = keep.view(torch.uint8) if keep.dtype == torch.bool else keep
+        values = comparable_mask(keep, field)
         low_high = torch.stack(values.aminmax()).long()
     # Three reductions, no [B, S] temporaries: a row of 0/1 values with n ones is 1...1 0...0
     # exactly when n == S or its first 0 (argmin: the first minimum) is at position n.
@@ -61,8 +61,7 @@ def lengths_from_keep_mask(keep: torch.Tensor, *, field: str = "attention_mask")
     row_lengths, first_zero = host[:batch], host[batch:2 * batch]
     bad_rows = [b for b in range(batch) if row_lengths[b] != row_length and first_zero[b] != row_lengths[b]]
     if host[-2] < 0 or host[-1] > 1:
-        not_binary = ((keep != 0) & (keep != 1)).any(dim=1)
-        raise ValueError(f"{field} row {int(torch.nonzero(not_binary)[0])} has values other than 0 and 1")
+        _raise_not_binary(keep, values, field)
     if bad_rows:
         b = bad_rows[0]
         raise ValueError(
@@ -70,6 +69,40 @@ def lengths_from_keep_mask(keep: torch.Tensor, *, field: str = "attention_mask")
             f"bad row(s) {bad_rows[:8]}; row {b}: {_describe_row((keep[b] != 0).cpu())}"
         )
     return row_lengths
+
+
+def _raise_not_binary(keep: torch.Tensor, values: torch.Tensor, field: str) -> None:
+    """The ValueError of a [B, S] mask holding a value other than 0 and 1, naming the first one's row, column
+    and value (error path only). `values`: `keep` as compared (a bool mask's bytes, an int64 copy)."""
+    if keep.is_floating_point() or keep.is_complex():
+        values = keep
+    b, c = torch.nonzero((values != 0) & (values != 1))[0].tolist()
+    value = keep[b, c].item()
+    if keep.dtype == torch.bool:  # a bool tensor made by .view(torch.bool) of other bytes: torch's ops disagree on it
+        raise ValueError(f"{field} row {b} has values other than 0 and 1: byte {int(values[b, c])} at column {c} of "
+                         f"a torch.bool tensor (made by .view(torch.bool) of other bytes?); pass a 0/1 or bool mask")
+    raise ValueError(f"{field} row {b} has values other than 0 and 1: {value} at column {c}")
+
+
+# torch has few kernels for these (no min, max or sum on the CPU): read as int64 (exact), uint64 refused.
+_WIDENED_UNSIGNED = tuple(getattr(torch, name) for name in ("uint16", "uint32") if hasattr(torch, name))
+_UINT64 = getattr(torch, "uint64", None)
+
+
+def comparable_mask(mask: torch.Tensor, field: str = "attention_mask") -> torch.Tensor:
+    """An integer or bool [B, S] mask as torch's reductions take it: a bool mask's bytes (uint8), uint16 and
+    uint32 as int64 (exact), any other integer dtype as given.
+
+    Raises:
+        ValueError: a uint64 mask (its values need not fit int64, and torch cannot reduce it to check them).
+    """
+    if mask.dtype == torch.bool:
+        return mask.view(torch.uint8)
+    if mask.dtype in _WIDENED_UNSIGNED:
+        return mask.long()
+    if mask.dtype == _UINT64:
+        raise ValueError(f"{field} has dtype torch.uint64, which torch cannot reduce; pass a bool or int64 0/1 mask")
+    return mask
 
 
 def keep_mask_from_4d(mask: torch.Tensor) -> torch.Tensor:
@@ -163,25 +196,33 @@ class DeferredKeep:
         return self._mask if self._mask is not None else self.keep
 
 
-def right_padded_reads(mask: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], Callable[[list], bool]]:
+def right_padded_reads(mask: torch.Tensor, field: str = "attention_mask") -> tuple[tuple[torch.Tensor, ...],
+                                                                                  Callable[[list], bool]]:
     """3 x [B] device numbers of a [B, S] integer or bool mask (row sums, row minima, first minimum of
-    each row) and the host test that fails unless every row is 1...1 0...0. Two reductions, no
-    [B, S] temporaries.
+    each row), for an int64 mask also its 0-dim maximum, and the host test that fails unless every row
+    is 1...1 0...0. Two reductions (three for int64), no [B, S] temporaries.
 
     Why it is exact: with row minimum m >= 0 and first minimum at z, the z values before z are >= 1.
     If m == 0 the row sum n is >= z, with equality exactly when those are all 1 and all after are 0;
-    if m >= 1 every value is >= 1 and n == S exactly when all are 1.
+    if m >= 1 every value is >= 1 and n == S exactly when all are 1. That needs exact sums: torch sums
+    narrower integers in int64, but int64 sums wrap (M + M + 5 == 3 for M = 2**63 - 1), so an int64
+    mask's maximum must be <= 1 as well.
     """
-    values = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+    values = comparable_mask(mask, field)
     minima, first_minimum = values.min(dim=1)
-    return (values.sum(dim=1), minima, first_minimum), _right_padded_test(*mask.shape)
+    reads = (values.sum(dim=1), minima, first_minimum)
+    if values.dtype == torch.int64:
+        reads += (values.amax(),)
+    return reads, _right_padded_test(*mask.shape)
 
 
 def _right_padded_test(batch: int, row_length: int) -> Callable[[list], bool]:
     """The host test of `right_padded_reads`' numbers (see there): True when some row is not 1...1 0...0."""
 
     def fails(host: list) -> bool:
-        return not _rows_right_padded(host[:batch], host[batch:2 * batch], host[2 * batch:], row_length)
+        if len(host) > 3 * batch and host[3 * batch] > 1:  # an int64 mask's maximum
+            return True
+        return not _rows_right_padded(host[:batch], host[batch:2 * batch], host[2 * batch:3 * batch], row_length)
 
     return fails
 
@@ -216,7 +257,13 @@ def right_padded_host_lengths(mask: torch.Tensor) -> list[int] | None:
     firsts = rows.argmin(axis=1).tolist()
     sums = rows.sum(axis=1).tolist()
     minima = rows.reshape(-1).take([b * row_length + z for b, z in enumerate(firsts)]).tolist()
-    return sums if _rows_right_padded(sums, minima, firsts, row_length) else None
+    if not _rows_right_padded(sums, minima, firsts, row_length):
+        return None
+    # numpy sums narrower integers in 64 bits, but 64-bit sums wrap (M + M + 5 == 3 for M = 2**63 - 1): the
+    # test holds for 0/1 values only when they are 0/1, which one OR over the mask confirms (~3 us at 4 x 2048).
+    if rows.dtype.itemsize == 8 and not 0 <= np.bitwise_or.reduce(rows, axis=None) <= 1:
+        return None
+    return sums
 
 
 def keep_mask_deferred(
@@ -255,6 +302,8 @@ def keep_mask_deferred(
             f"attention_mask covers {tuple(keep.shape)} tokens but input_ids is {(batch_size, row_length)}"
         )
     if attention_mask.dim() == 2 and not attention_mask.is_floating_point() and not attention_mask.is_complex():
+        if attention_mask.dtype in _WIDENED_UNSIGNED or attention_mask.dtype == _UINT64:
+            attention_mask = comparable_mask(attention_mask)  # int64 (uint64 refused)
         keep_fn = (lambda: attention_mask) if attention_mask.dtype == torch.bool else (lambda: attention_mask != 0)
         if on_host and attention_mask.is_cpu:
             return DeferredKeep(right_padded_lengths_on_host(attention_mask), None, None, keep_fn, mask=attention_mask)

@@ -56,8 +56,9 @@ class MediaTokens:
     def __post_init__(self) -> None:
         for name in ("image_token_id", "video_token_id", "audio_token_id"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-                raise ValueError(f"{name} must be a non-negative int or None, got {value!r}")
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**63):
+                raise ValueError(f"{name} must be a non-negative int (at most 2**63 - 1: ids are int64) or None, "
+                                 f"got {value!r}")
         for name in ("spatial_merge_size", "audio_n_window"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -37,7 +37,7 @@ def queue_audio_reads(batch: dict, input_ids: torch.Tensor, keep, tokens: MediaT
             and not mask.is_complex():
         from megatron_vlm_packing.packing.lengths import lengths_from_keep_mask, right_padded_reads
 
-        values, fails = right_padded_reads(mask.to(input_ids.device))
+        values, fails = right_padded_reads(mask.to(input_ids.device), "feature_attention_mask")
         entries["audio_frames"] = checks.add(
             values, fails, lambda: lengths_from_keep_mask(mask, field="feature_attention_mask"))
     return entries

@@ -136,6 +136,9 @@ class PackPlan:
             )
         if self.total % self.multiples.total:
             raise ValueError(f"total {self.total} is not a multiple of {self.multiples.total}")
+        if self.total >= 2**31:  # cu_seqlens are int32
+            raise ValueError(f"the pack would hold T = {self.total} physical tokens ({sum(self.real_lengths)} real); "
+                             f"its int32 cu_seqlens need T < 2**31 = 2147483648 (a smaller pad_to, or fewer rows per micro-batch)")
 
     @classmethod
     def _made_by_make_pack_plan(cls, **fields) -> "PackPlan":

@@ -212,7 +212,12 @@ def checked_loss_values(batch: Mapping, shape: tuple[int, int]) -> torch.Tensor 
 def check_pad_token_id(pad_token_id) -> int:
     if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or pad_token_id < 0:
         raise ValueError(f"pad_token_id must be a non-negative int (the id written at pad slots), got {pad_token_id!r}")
+    if pad_token_id > INT64_MAX:
+        raise ValueError(f"pad_token_id must be at most 2**63 - 1 (ids are int64), got {pad_token_id}")
     return pad_token_id
+
+
+INT64_MAX = 2**63 - 1
 
 
 def _extras(batch: Mapping, extra_keys, shape) -> dict:
