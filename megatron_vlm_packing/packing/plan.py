@@ -136,17 +136,16 @@ class PackPlan:
             )
         if self.total % self.multiples.total:
             raise ValueError(f"total {self.total} is not a multiple of {self.multiples.total}")
-        if self.total >= 2**31:  # cu_seqlens are int32
-            raise ValueError(f"the pack would hold T = {self.total} physical tokens ({sum(self.real_lengths)} real); "
-                             f"its int32 cu_seqlens need T < 2**31 = 2147483648 (a smaller pad_to, or fewer rows per micro-batch)")
+        check_int32_total(self.total, sum(self.real_lengths))
 
     @classmethod
     def _made_by_make_pack_plan(cls, **fields) -> "PackPlan":
         """The plan `make_pack_plan` computed, not checked a second time: its own checks imply every check
         of `__post_init__` (N >= 1 documents of >= 1 real tokens each, physical lengths rounded up to the
         segment multiple, the last one grown to a multiple of `total`, itself a multiple of `segment`).
-        The checks cost 10 us of a 4-row micro-batch's 300 in a DataLoader worker; tests/packing/test_plan.py
-        rebuilds random plans through the checking constructor and compares."""
+        (`check_int32_total` it makes itself). The checks cost 10 us of a 4-row micro-batch's 300 in a
+        DataLoader worker; tests/packing/test_plan.py rebuilds random plans through the checking constructor
+        and compares."""
         plan = object.__new__(cls)
         plan.__dict__.update(fields)
         return plan
@@ -241,6 +240,7 @@ def make_pack_plan(
             )
         aligned = pad_to
     physical[-1] += aligned - sum(physical)
+    check_int32_total(aligned, sum(real))
     return PackPlan._made_by_make_pack_plan(
         row_lengths=lengths,
         row_capacity=row_capacity,
@@ -249,6 +249,17 @@ def make_pack_plan(
         physical_lengths=tuple(physical),
         multiples=multiples,
     )
+
+
+def check_int32_total(total: int, real: int) -> None:
+    """A pack's boundaries are int32 `cu_seqlens`: T must stay below 2**31.
+
+    Raises:
+        ValueError: naming T and its real tokens.
+    """
+    if total >= 2**31:
+        raise ValueError(f"the pack would hold T = {total} physical tokens ({real} real); its int32 cu_seqlens need "
+                         f"T < 2**31 = 2147483648 (a smaller pad_to, or fewer rows per micro-batch)")
 
 
 def checked_pad_to(pad_to) -> int | None:
