@@ -134,17 +134,36 @@ def run_checks(inputs: PackedInputs) -> ValidationReport:
         skipped.append(("vision_placeholders", "no image_token_id / video_token_id given"))
     else:
         checked.append("vision_placeholders")
+    media_checked, media_skipped = _audio_checked(inputs)
+    checked += media_checked
+    skipped += media_skipped
     if inputs.position_ids is not None:
-        violations += check_positions(inputs, docs, items, failed)
+        found, unchecked = check_positions(inputs, docs, items, failed)
+        violations += found
         checked += ["positions_restart", "mrope_channels_identical"] + (["mrope_positions"] if inputs.mrope else [])
         if inputs.position_ids.dim() == 2 and not inputs.mrope:  # say so: an OK must not read as "mRoPE checked"
             skipped.append(("mrope_positions", "no mrope (MRopeConfig or the model's index) given: [3, T] positions "
                             "are checked for restarts and identical channels only"))
+        for reason in sorted(set(unchecked.values())):  # never an OK over documents the index was not asked about
+            ds = sorted(d for d, why in unchecked.items() if why == reason)
+            skipped.append(("mrope_positions", f"documents {ds[:16]}{' ...' if len(ds) > 16 else ''}: {reason}"))
     if inputs.cp_ranks:
         violations += check_cp_ranks(inputs, bounds)
         checked.append("cp_partition")
     return ValidationReport(tuple(violations), bounds.num_documents, inputs.total, sum(docs.real),
                             tuple(checked), tuple(skipped))
+
+
+def _audio_checked(inputs: PackedInputs) -> tuple[list[str], list[tuple[str, str]]]:
+    """Whether audio placeholders were checked against audio_seqlens, or why not (only when either is given)."""
+    lengths = inputs.audio_seqlens is not None
+    if inputs.audio_token_id is not None and lengths:
+        return ["audio_placeholders"], []
+    if inputs.audio_token_id is not None and bool((inputs.input_ids == inputs.audio_token_id).any()):
+        return [], [("audio_placeholders", "no audio_seqlens given")]
+    if lengths:
+        return [], [("audio_placeholders", "audio_seqlens given but no audio_token_id")]
+    return [], []
 
 
 def _settle_real_slots(inputs: PackedInputs, docs):
