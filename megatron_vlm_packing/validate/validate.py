@@ -3,7 +3,8 @@
 The checks run in this order, each on what the previous ones settled: boundary sets (well formed,
 consistent, aligned, max_seqlen) -> which slots are real (padding mask, source rows or pad id as
 evidence; uniform / wrong boundaries) -> targets (loss on pads, labels crossing documents, labels vs
-the source) -> vision placeholders per document -> positions -> CP partition.
+the source) -> image / video / audio placeholders per document -> positions (each document against
+the model's index with its own grids, seconds and audio lengths: `model_index`) -> CP partition.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ def validate_packed_batch(batch=None, **fields) -> ValidationReport:
         **fields: any `PackedInputs` field or saved key, overriding the batch's: `input_ids`,
             `labels`, `loss_mask`, `position_ids` ([1, T] or [3, 1, T]), `padding_mask`,
             `packed_seq_params` or `cu_seqlens` / `cu_seqlens_padded` / `max_seqlen`,
-            `image_grid_thw` + `image_token_id` (+ video), `spatial_merge_size`, `source`
+            `image_grid_thw` + `image_token_id` (+ video, `second_per_grid_ts`), Qwen3-Omni
+            `audio_seqlens` + `audio_token_id` (`audios_per_document`, `audio_n_window`,
+            `use_audio_in_video`), `spatial_merge_size`, `source`
             (`SourceRows`: the unpacked rows), the layout (`tp_size`, `cp_size`,
             `sequence_parallel`, `fp8`, or `layout=ParallelLayout`), `cp_ranks`
             ({rank: {"cp_index": ..., "labels": ...}}), `pad_token_id`, `mrope`

@@ -163,4 +163,11 @@ def check_vision(inputs: PackedInputs, docs: Documents) -> tuple[list[Violation]
         if v and not bad:  # a total mismatch: no document can be trusted
             failed |= set(range(docs.num_documents))
         items[kind] = per_doc
+    seconds, grid = inputs.second_per_grid_ts, inputs.video_grid_thw
+    videos = 0 if grid is None or grid.dim() != 2 else grid.shape[0]
+    if seconds is not None and seconds.numel() != videos:  # each video's index call takes its own entry
+        with_videos = {d for d, taken in enumerate(items["video"] or []) if taken} if videos else set()
+        out.append(Violation("vision_placeholders", f"second_per_grid_ts has {seconds.numel()} entries for "
+                             f"{videos} videos in video_grid_thw: one per video", tuple(sorted(with_videos))))
+        failed |= with_videos if items["video"] is not None else set(range(docs.num_documents))
     return out, items, failed

@@ -113,6 +113,19 @@ def test_swapped_audio_lengths_are_named(omni):
     assert report.violations[0].documents == (3,) and "placeholder runs" in str(report), str(report)
 
 
+def test_seconds_per_video_that_do_not_fit_the_videos_are_named(omni):
+    cfg, mrope, packs = omni
+    packed = packs["mix"]
+    seconds = packed.vision.second_per_grid_ts
+    assert seconds.numel() == 1
+    report = only(validate_packed_batch(packed, mrope=mrope, second_per_grid_ts=torch.cat([seconds, seconds])),
+                  "vision_placeholders")
+    assert "second_per_grid_ts has 2 entries for 1 videos in video_grid_thw" in str(report)
+    assert report.violations[0].documents == (2,), str(report)
+    half = only(validate_packed_batch(packed, mrope=mrope, second_per_grid_ts=seconds * 2), "mrope_positions")
+    assert half.violations[0].documents == (2,), str(half)  # the video's t positions step twice as far
+
+
 MIX_AUDIO_ONLY = 1  # _samples: text_only, audio_only, image_video_audio, images_audio
 
 
