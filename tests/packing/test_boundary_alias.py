@@ -31,7 +31,8 @@ def _check_thd_params(params: PackedSeqParams, *, aliased: bool, n_docs: int) ->
     assert type(params.max_seqlen_q) is int and type(params.max_seqlen_kv) is int
     if HAS_PAD_BETWEEN_SEQS:  # Megatron-Core >= 0.19 forwards it to TE: no inference there at all
         assert params.pad_between_seqs is (not aliased)
-    assert getattr(params, "total_tokens", None) is None  # set, it makes PackedSeqParams build seq_idx (repeat_interleave: a sync)
+    # Set, total_tokens makes PackedSeqParams build seq_idx with repeat_interleave (a sync on CUDA).
+    assert getattr(params, "total_tokens", None) is None
 
 
 def test_boundaries_are_one_tensor_without_pad_slots_on_every_device():
