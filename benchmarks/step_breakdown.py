@@ -190,7 +190,8 @@ def sync_lines(modes: dict, top: int, device: str) -> list[str]:
         events = sorted(result["syncs"].items(), key=lambda item: -item[1][0])
         lines += [f"| {name} | `{event}` | {calls:.1f} | {ms:.3f} |" for event, (calls, ms) in events] or \
             [f"| {name} | none | 0 | 0 |"]
-    lines += ["", "Where the syncs come from (the sync, then its callers; `--stack` adds the first Python frame outside torch):", "",
+    lines += ["", "Where the syncs come from (the sync, then its callers; `--stack` adds the first Python frame "
+              "outside torch):", "",
               "| mode | site | syncs/step |", "|---|---|---|"]
     for name, result in modes.items():
         sites = result["sites"].most_common(top)
@@ -211,6 +212,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=25, help="ops listed, largest difference first")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--attention-backend", choices=["auto", "flash", "fused", "unfused"], default="auto",
+                        help="with --backend te: TE's attention backend (Megatron-Core's config.attention_backend)")
     parser.add_argument("--stack", action="store_true",
                         help="record Python stacks: each sync site gets its file:line (slower profiled steps)")
     parser.add_argument("--out")
@@ -226,7 +229,12 @@ def main() -> None:
     from megatron_vlm_packing.demo.main import setup_distributed
 
     setup_distributed(device, 1, 1, args.seed)
-    model = build_model(preset, args.rope, args.backend, device, seed=args.seed)
+    extra = {}
+    if args.attention_backend != "auto":
+        from megatron.core.transformer.enums import AttnBackend
+
+        extra["attention_backend"] = AttnBackend[args.attention_backend]
+    model = build_model(preset, args.rope, args.backend, device, seed=args.seed, extra=extra)
     lengths = lognormal_lengths(preset["batch"], seq, args.seed + seq)  # step_pack_vs_pad's batch for this S
     batch = on(device, make_batch(lengths, seq, preset["vocab_size"], mrope=args.rope == "mrope", seed=args.seed + seq))
     dense = profile_step(lambda: dense_step(model, batch, max(lengths)), device, args.steps, stack=args.stack)
@@ -236,15 +244,16 @@ def main() -> None:
     packed = profile_step(lambda: packed_step(model, packed=prepacked), device, args.steps, stack=args.stack)
     undo()
     header = [f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu (1 thread)'}, torch "
-              f"{torch.__version__}, preset {args.preset}, rope {args.rope}, backend {args.backend}, S {seq}, batch "
-              f"{preset['batch']}: {len(lengths) * max(lengths)} slots padded to the batch max, {sum(lengths)} real "
-              f"tokens packed; {args.steps} profiled steps each", ""]
+              f"{torch.__version__}, preset {args.preset}, rope {args.rope}, backend {args.backend} (attention "
+              f"backend {args.attention_backend}), S {seq}, batch {preset['batch']}: {len(lengths) * max(lengths)} "
+              f"slots padded to the batch max, {sum(lengths)} real tokens packed; {args.steps} profiled steps each", ""]
     modes = {"padded to batch max": dense, "packed THD, ours": packed}
     text = "\n".join(header + breakdown_lines(dense, packed, args.top, device) + sync_lines(modes, args.top, device))
     print(text)
     if args.out:
         command = (f"python benchmarks/step_breakdown.py --preset {args.preset} --rope {args.rope} "
-                   f"--backend {args.backend} --seq {seq} --steps {args.steps}" + (" --stack" if args.stack else ""))
+                   f"--backend {args.backend} --seq {seq} --steps {args.steps} --attention-backend "
+                   f"{args.attention_backend}" + (" --stack" if args.stack else ""))
         with open(args.out, "w") as f:
             f.write(f"# Packed step vs padded to the batch max, op by op\n\n`{command}`\n\n{text}\n")
 
