@@ -155,21 +155,29 @@ def profile_step(step, device: str, steps: int, *, stack: bool = False) -> dict:
             spent = event.device_time_total if event.key.startswith(SYNC_COPY_MARKERS) else event.cpu_time_total
             syncs[event.key] = (event.count / steps, spent / 1e3 / steps)
     kernel_ms = sum(by_op.values()) if device == "cuda" else float("nan")
+    events = prof.events()
     return {"wall_ms": wall, "kernel_ms": kernel_ms, "launches": launches / steps, "by_op": by_op,
             "host_ms": unprofiled_host_ms, "cpu_by_op": cpu_by_op, "syncs": syncs,
-            "sites": sync_sites(prof.events(), device, steps)}
+            "sites": sync_sites(events, device, steps), "aten_calls": top_level_aten_calls(events) / steps}
+
+
+def top_level_aten_calls(events) -> int:
+    """aten ops called from Python (not from inside another aten op): the host's dispatches, a measure of its work
+    that does not depend on the device."""
+    return sum(1 for event in events if event.name.startswith("aten::")
+               and not (event.cpu_parent is not None and event.cpu_parent.name.startswith("aten::")))
 
 
 def breakdown_lines(dense: dict, packed: dict, top: int, device: str) -> list[str]:
     what = "kernel" if device == "cuda" else "own CPU"
     lines = ["| mode | wall ms/step | host ms/step (unprofiled) | kernel ms/step | kernel ms / wall ms | "
-             "kernel launches/step |", "|---|---|---|---|---|---|"]
+             "kernel launches/step | aten calls/step (top level) |", "|---|---|---|---|---|---|---|"]
     for name, result in (("padded to batch max", dense), ("packed THD, ours", packed)):
         nan = result["kernel_ms"] != result["kernel_ms"]
         kernel = "-" if nan else f"{result['kernel_ms']:.1f}"
         busy = "-" if nan else f"{result['kernel_ms'] / result['wall_ms']:.2f}"
         lines.append(f"| {name} | {result['wall_ms']:.1f} | {result['host_ms']:.1f} | {kernel} | {busy} | "
-                     f"{result['launches']:.0f} |")
+                     f"{result['launches']:.0f} | {result['aten_calls']:.0f} |")
     ops = set(dense["by_op"]) | set(packed["by_op"])
     diffs = sorted(ops, key=lambda op: -abs(packed["by_op"][op] - dense["by_op"][op]))[:top]
     lines += ["", f"| op | {what} ms/step, padded to batch max | {what} ms/step, packed | packed - padded |",
