@@ -97,11 +97,14 @@ def expanded_packed_seq_params(plan: LlavaPackPlan, collapsed: PackedSeqParams) 
         real.append(real[-1] + r)
         physical.append(physical[-1] + p)
     cu = collapsed.cu_seqlens_q
-    both = _to_device(torch.tensor([real, physical], dtype=cu.dtype), cu.device)  # [2, N+1]
+    both = _to_device(torch.tensor([real, physical] if real != physical else [real], dtype=cu.dtype), cu.device)
     fields = {f.name: getattr(collapsed, f.name) for f in dataclasses.fields(PackedSeqParams) if f.init}
     longest = max(plan.expanded_physical)
-    fields.update(cu_seqlens_q=both[0], cu_seqlens_kv=both[0], cu_seqlens_q_padded=both[1],
-                  cu_seqlens_kv_padded=both[1], max_seqlen_q=longest, max_seqlen_kv=longest)
+    # One tensor for both sets when no document has pad slots (as `PackIndices`: TE's pad_between_seqs check).
+    cu_real = both[0]
+    cu_padded = both[1] if real != physical else cu_real
+    fields.update(cu_seqlens_q=cu_real, cu_seqlens_kv=cu_real, cu_seqlens_q_padded=cu_padded,
+                  cu_seqlens_kv_padded=cu_padded, max_seqlen_q=longest, max_seqlen_kv=longest)
     return PackedSeqParams(**fields)
 
 

@@ -343,14 +343,19 @@ class PackIndices:
         self.plan, self.device = plan, device
         cu_real = (0, *itertools.accumulate(plan.real_lengths))
         cu_padded = (0, *itertools.accumulate(plan.physical_lengths)) if self.has_pad_slots else cu_real
+        # With no pad slots the two sets are one tensor on every device (nothing writes boundaries in
+        # place): Transformer Engine infers `pad_between_seqs` when Megatron-Core cannot pass it (no such
+        # PackedSeqParams field before 0.19) by identity (TE >= 2.18: distinct tensors disable FlashAttention)
+        # or `torch.equal` (TE <= 2.17: two host syncs per layer unless they are one tensor).
         if device.type == "cpu":  # numpy builds a small tensor at a third of torch's cost
             self.cu_seqlens = torch.from_numpy(np.array(cu_real, dtype=np.int32))
-            # With no pad slots the two sets are one tensor: nothing writes boundaries in place.
             self.cu_seqlens_padded = torch.from_numpy(np.array(cu_padded, dtype=np.int32)) \
                 if self.has_pad_slots else self.cu_seqlens
-        else:
+        elif self.has_pad_slots:
             both = _to_device(torch.tensor([cu_real, cu_padded], dtype=torch.int32), device)  # one small copy
             self.cu_seqlens, self.cu_seqlens_padded = both[0], both[1]
+        else:
+            self.cu_seqlens = self.cu_seqlens_padded = _to_device(torch.tensor(cu_real, dtype=torch.int32), device)
 
     def cp_index(self, cp_size: int, cp_rank: int) -> torch.Tensor:
         """[T/cp] long: the slots CP rank `cp_rank` keeps (`parallel.cp.cp_partition_index`), built
