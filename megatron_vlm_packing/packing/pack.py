@@ -99,6 +99,16 @@ def cat_documents_host(rows: np.ndarray, slices: DocumentSlices, pad_value) -> n
     return np.concatenate(pieces)
 
 
+def cat_row_prefixes(rows: np.ndarray, plan) -> np.ndarray:
+    """[sum of real lengths] every document's real tokens in order: the first `real_lengths[i]` values of
+    row `segment_rows[i]` of `rows` ([B, S] of the plan's B and S; any layout numpy can reshape so).
+
+    What `cat_documents_host` packs for a plan without pad slots, with no `DocumentSlices`: in a
+    DataLoader worker, building the spans costs more than the copies at a few rows."""
+    rows = rows.reshape(len(plan.row_lengths), plan.row_capacity)
+    return np.concatenate([rows[row, :n] for row, n in zip(plan.segment_rows, plan.real_lengths)])
+
+
 def _check_row_geometry(indices: PackIndices, batch_size: int, row_length: int, plan) -> None:
     """B and S must be the plan's: a wrong row length would scatter tokens into the wrong rows."""
     for name, value in (("batch_size", batch_size), ("row_length", row_length)):
