@@ -241,11 +241,12 @@ def check_full_devices(micro_batch: MicroBatch) -> None:
     """With every field kept full at CP > 1 (no index is built): every sequence field on the device of the
     boundaries (packed; `check_packed_seq_params` put every set on one), or of `input_ids` (dense).
     Metadata only."""
-    if micro_batch.is_packed:
-        name, cu = physical_boundary_set(micro_batch.packed_seq_params)
-        check_field_devices(micro_batch, LocalizeNeeds(), cu.device, f"packed_seq_params.{name}")
-    else:
-        check_field_devices(micro_batch, LocalizeNeeds(), micro_batch.input_ids.device, "input_ids")
+    name, cu = physical_boundary_set(micro_batch.packed_seq_params) if micro_batch.is_packed \
+        else ("input_ids", micro_batch.input_ids)
+    if all(getattr(micro_batch, field).device == cu.device for field in _SEQUENCE_FIELDS):
+        return  # the common case, without building the error's dicts
+    check_field_devices(micro_batch, LocalizeNeeds(), cu.device,
+                        f"packed_seq_params.{name}" if micro_batch.is_packed else name)
 
 
 def _slots_without_index(micro_batch: MicroBatch, needs: LocalizeNeeds) -> tuple[int, str] | None:

@@ -86,7 +86,7 @@ def _audio_unchecked(inputs: PackedInputs, docs: Documents) -> dict[int, str]:
             why = "audio_seqlens given but no audio_token_id: the clips cannot be split per document"
             return {d: why for d in range(docs.num_documents) if docs.real[d]}
         return {}
-    if inputs.audio_seqlens is not None and inputs.audio_seqlens.numel():
+    if inputs.audio_seqlens is not None:  # split per document (or, not fitting, named by audio_placeholders)
         return {}
     holds = torch.bincount(docs.doc_of_slot[(inputs.input_ids == inputs.audio_token_id) & docs.is_real],
                            minlength=docs.num_documents).tolist()

@@ -100,10 +100,9 @@ _OTHER = {"video": "audio", "audio": "video"}  # the kinds an audio-in-video blo
 def _item_sizes(inputs: PackedInputs, kind: str) -> tuple[list[int] | None, str | None, str]:
     """(placeholder tokens per item, or None when the kind's input is absent; a problem; the input's name)."""
     if kind == "audio":
-        given = inputs.audio_seqlens
-        if given is None:
+        if inputs.audio_seqlens is None:
             return None, None, "audio_seqlens"
-        return (*_audio_tokens_per_clip(inputs), "audio_seqlens") if given.numel() else (None, None, "audio_seqlens")
+        return (*_audio_tokens_per_clip(inputs), "audio_seqlens")  # [] for no clips: placeholders then fail
     grid = getattr(inputs, f"{kind}_grid_thw")
     if grid is None or grid.numel() == 0:
         return None, None, f"{kind}_grid_thw"

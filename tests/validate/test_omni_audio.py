@@ -182,3 +182,17 @@ def test_parity_with_transformers_index_on_audio_in_video():
     assert only(validate_packed_batch(packed, mrope=reference, position_ids=positions,
                                       image_token_id=config.image_token_id, video_token_id=config.video_token_id,
                                       audio_token_id=config.audio_token_id), "mrope_positions")
+
+
+@pytest.mark.parametrize("fields, words", [
+    (dict(audio_seqlens=torch.tensor([95.0, 98.0, 20.0, 30.0])), "integer raw lengths"),
+    (dict(audio_seqlens=torch.ones(2, 2, dtype=torch.long)), "integer raw lengths"),
+    (dict(audio_seqlens=torch.tensor([0, 98, 20, 30])), "are < 1"),
+    (dict(audio_seqlens=torch.tensor([], dtype=torch.long)), "does not fit 4 documents and 0 audios"),
+    (dict(audios_per_document=[1, 1, 1, 1]), "(0, [], [7])"),
+    (dict(audio_n_window=1), "audio_seqlens entries need"),
+])
+def test_bad_audio_inputs_are_named_not_raised(omni, fields, words):
+    cfg, mrope, packs = omni
+    report = only(validate_packed_batch(packs["mix"], mrope=mrope, **fields), "audio_placeholders")
+    assert words in str(report), str(report)
