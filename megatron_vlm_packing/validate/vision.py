@@ -40,7 +40,8 @@ def _audio_tokens_per_clip(inputs: PackedInputs) -> tuple[list[int], str | None]
     if bad:
         return [], f"audio_seqlens entries {bad[:4]} are < 1: such a clip has no encoder output"
     window = inputs.audio_n_window or 50
-    return [int(audio_output_length(torch.tensor(n), window)) for n in raw], None
+    # Python ints: exact for any window or length (a tensor overflowed int64 at 2 * window >= 2**63).
+    return [int(audio_output_length(n, window)) for n in raw], None
 
 
 def _runs(is_ph: torch.Tensor, docs: Documents, bridge: torch.Tensor | None = None) -> list[list[int]]:

@@ -191,6 +191,10 @@ def test_parity_with_transformers_index_on_audio_in_video():
     (dict(audio_seqlens=torch.tensor([], dtype=torch.long)), "does not fit 4 documents and 0 audios"),
     (dict(audios_per_document=[1, 1, 1, 1]), "(0, [], [7])"),
     (dict(audio_n_window=1), "audio_seqlens entries need"),
+    # beyond int64 once doubled (the encoder's chunk): was an OverflowError in the tensor arithmetic
+    (dict(audio_n_window=2**62), "audio_seqlens entries need"),
+    (dict(audio_n_window=2**70), "audio_seqlens entries need"),
+    (dict(audio_seqlens=torch.tensor([2**62, 98, 20, 30])), "audio_seqlens entries need"),
 ])
 def test_bad_audio_inputs_are_named_not_raised(omni, fields, words):
     cfg, mrope, packs = omni
