@@ -12,6 +12,7 @@ Shape legend: T = physical tokens of the whole pack, Tl = T / cp; dense rows [B,
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Mapping
 
 import torch
 
@@ -177,6 +178,25 @@ def check_dense_rows(micro_batch: MicroBatch) -> None:
 _SEQUENCE_FIELDS = ("input_ids", "position_ids", "labels", "loss_mask", "padding_mask")
 
 
+def check_field_types(micro_batch: MicroBatch) -> None:
+    """Every sequence field and extra is a tensor (metadata only): a hand-built micro-batch with None or a
+    list there was an AttributeError deep in a shape or device check.
+
+    Raises:
+        ValueError: naming each such field and its type.
+    """
+    wrong = {name: type(getattr(micro_batch, name)).__name__ for name in _SEQUENCE_FIELDS
+             if not isinstance(getattr(micro_batch, name), torch.Tensor)}
+    extras = micro_batch.extras
+    if not isinstance(extras, Mapping):
+        wrong["extras"] = type(extras).__name__
+    else:
+        wrong.update({f"extras[{key!r}]": type(x).__name__ for key, x in extras.items()
+                      if not isinstance(x, torch.Tensor)})
+    if wrong:
+        raise ValueError(f"a micro-batch's sequence fields and extras are tensors, but {wrong} are not")
+
+
 def _kept_full(needs: LocalizeNeeds) -> frozenset[str]:
     """The sequence fields `needs` keeps full length (`localize` neither cuts nor length-checks them)."""
     full = {"input_ids"} if needs.full_input_ids else set()
@@ -291,7 +311,8 @@ def localize(micro_batch: MicroBatch, layout: ParallelLayout, needs: LocalizeNee
         `cp_index` is the [T/cp] index used, and `full_fields` names what stayed full.
 
     Raises:
-        ValueError: the micro-batch was already localized, its length does not divide for CP, its
+        ValueError: the micro-batch was already localized, a sequence field or extra is not a tensor
+            (`check_field_types`), its length does not divide for CP, its
             `packed_seq_params` are malformed (`check_packed_seq_params`), a dense one's fields hold
             different row counts (`check_dense_rows`), a field it cuts is not one
             row (packed) or does not hold the slots the index covers (`check_sequence_lengths`; at cp_size == 1 too,
@@ -301,6 +322,7 @@ def localize(micro_batch: MicroBatch, layout: ParallelLayout, needs: LocalizeNee
     """
     if micro_batch.cp_index is not None:
         raise ValueError("micro_batch is already localized to a CP rank (cp_index is set); localize it once")
+    check_field_types(micro_batch)
     if micro_batch.is_packed:
         check_packed_seq_params(micro_batch)
         check_mrope_channels(micro_batch.position_ids)  # kept full or cut (`check_one_row` checks cut ones)

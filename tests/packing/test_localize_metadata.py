@@ -78,3 +78,20 @@ def test_dense_mrope_positions_need_three_channels_and_same_rows_pass():
     assert localize(dense, ParallelLayout(cp_size=2, cp_rank=1)).position_ids.shape == (3, 2, 4)
     with pytest.raises(ValueError, match=r"position_ids has shape \(2, 2, 8\)"):
         localize(_dense(_packed(), position_ids=torch.zeros(2, 2, 8, dtype=torch.long)), ParallelLayout())
+
+
+@pytest.mark.parametrize("cp_size", [1, 2])
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("change, named", [
+    (dict(padding_mask=None), "'padding_mask': 'NoneType'"),
+    (dict(loss_mask=[1, 2]), "'loss_mask': 'list'"),
+    (dict(position_ids=5), "'position_ids': 'int'"),
+    (dict(extras={"e": "x"}), "\"extras['e']\": 'str'"),
+])
+def test_a_field_that_is_not_a_tensor_is_named(cp_size, packed, change, named):
+    """Was an AttributeError in whichever shape or device check read it first (with every field kept
+    full at CP > 1, `check_full_devices`; dense, `check_dense_rows`)."""
+    mb = _packed(cp_size=cp_size) if packed else _dense(_packed())
+    for needs in (LocalizeNeeds(), EVERYTHING_FULL):
+        with pytest.raises(ValueError, match="sequence fields and extras are tensors, but .*" + named.replace("[", r"\[")):
+            localize(replace(mb, **change), ParallelLayout(cp_size=cp_size, cp_rank=0), needs)
