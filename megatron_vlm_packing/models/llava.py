@@ -161,7 +161,7 @@ def remap_packed_seq_params(params, input_ids: torch.Tensor, num_image_tiles, *,
     real = (cu_real[1:] - cu_real[:-1]) + grown
     physical = ((cu_padded[1:] - cu_padded[:-1]) + grown).tolist()
     target = check_expanded_total(physical, segment=segment_multiple, total_multiple=total_multiple, pad_to=pad_to,
-                             max_length=max_length)
+                                  max_length=max_length)
     physical[-1] += target - sum(physical)
     zero = cu_real.new_zeros(1)
     physical_t = torch.tensor(physical, dtype=torch.long, device=cu_real.device)

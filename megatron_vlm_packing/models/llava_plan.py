@@ -109,7 +109,7 @@ def expanded_packed_seq_params(plan: LlavaPackPlan, collapsed: PackedSeqParams) 
 
 
 def check_expanded_total(physical: list[int], *, segment: int, total_multiple: int, pad_to: int | None,
-                    max_length: int | None) -> int:
+                         max_length: int | None) -> int:
     """The expanded total after `pad_to`, checking every multiple; ValueError naming the numbers."""
     bad = [(i, n) for i, n in enumerate(physical) if n % segment]
     if bad:
@@ -165,7 +165,7 @@ def llava_pack_plan(row_lengths: list[int], *, row_capacity: int, row_expansion:
     if wanted is None:
         wanted = round_up(sum(expanded), space.total_multiple)
     target = check_expanded_total(expanded, segment=seg, total_multiple=space.total_multiple, pad_to=wanted,
-                             max_length=space.max_length)
+                                  max_length=space.max_length)
     physical[-1] += target - sum(expanded)
     return PackPlan(row_lengths=tuple(int(n) for n in row_lengths), row_capacity=row_capacity,
                     segment_rows=tuple(rows), real_lengths=tuple(row_lengths[b] for b in rows),

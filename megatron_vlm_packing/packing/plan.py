@@ -336,7 +336,8 @@ class PackIndices:
         source: [T] long, flat index b*S+s of each slot's source token (0 at pad slots).
         unpack_target: [T] long, `source` at real slots and B*S (a scratch row) at pad slots.
         cu_seqlens: [N+1] int32, real boundaries.
-        cu_seqlens_padded: [N+1] int32, physical boundaries.
+        cu_seqlens_padded: [N+1] int32, physical boundaries (the `cu_seqlens` tensor itself when no
+            document has pad slots: never write either in place).
     """
 
     def __init__(self, plan: PackPlan, device: torch.device):
@@ -481,8 +482,9 @@ def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 def plan_indices(plan: PackPlan, device: torch.device | str | None = None) -> PackIndices:
     """The index tensors of `plan` on `device`, built lazily with no host sync.
 
-    The boundaries (2 x (N+1) ints) cross to the device in one small copy now; every [T] tensor is
-    built on first use from the plan's host ints.
+    The boundaries (2 x (N+1) ints, or N+1 when no document has pad slots: one tensor for both sets)
+    cross to the device in one small copy now; every [T] tensor is built on first use from the plan's
+    host ints.
     """
     return PackIndices(plan, torch.device(device) if device is not None else _HOST)
 

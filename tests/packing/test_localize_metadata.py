@@ -92,6 +92,7 @@ def test_a_field_that_is_not_a_tensor_is_named(cp_size, packed, change, named):
     """Was an AttributeError in whichever shape or device check read it first (with every field kept
     full at CP > 1, `check_full_devices`; dense, `check_dense_rows`)."""
     mb = _packed(cp_size=cp_size) if packed else _dense(_packed())
+    pattern = "sequence fields and extras are tensors, but .*" + named.replace("[", r"\[")
     for needs in (LocalizeNeeds(), EVERYTHING_FULL):
-        with pytest.raises(ValueError, match="sequence fields and extras are tensors, but .*" + named.replace("[", r"\[")):
+        with pytest.raises(ValueError, match=pattern):
             localize(replace(mb, **change), ParallelLayout(cp_size=cp_size, cp_rank=0), needs)
