@@ -110,7 +110,8 @@ def expanded_packed_seq_params(plan: LlavaPackPlan, collapsed: PackedSeqParams) 
 
 def check_expanded_total(physical: list[int], *, segment: int, total_multiple: int, pad_to: int | None,
                          max_length: int | None) -> int:
-    """The expanded total after `pad_to`, checking every multiple; ValueError naming the numbers."""
+    """The expanded total after `pad_to`, checking every multiple and int32 boundaries (T < 2**31);
+    ValueError naming the numbers."""
     bad = [(i, n) for i, n in enumerate(physical) if n % segment]
     if bad:
         raise ValueError(f"expanded documents {[i for i, _ in bad][:8]} have physical lengths "
@@ -120,6 +121,9 @@ def check_expanded_total(physical: list[int], *, segment: int, total_multiple: i
     target = total if pad_to is None else pad_to
     if target < total:
         raise ValueError(f"the pack expands to {total} tokens but LLaVA pads rows to {pad_to}: it would truncate")
+    if target >= 2**31:  # the collapsed plan's own check (`plan.check_int32_total`) does not see the images
+        raise ValueError(f"the pack expands to T = {target} tokens; its int32 cu_seqlens need T < 2**31 = 2147483648 "
+                         f"(a smaller pad_to, or fewer rows or images per micro-batch)")
     if max_length is not None and target > max_length:
         raise ValueError(f"the pack expands to {target} tokens, more than language_max_sequence_length={max_length}: "
                          f"LLaVAModel would truncate it silently; split the micro-batch")

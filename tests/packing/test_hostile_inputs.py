@@ -158,3 +158,20 @@ def test_pad_to_beyond_int32_is_refused(host_reads, form, pad_to):
     batch = rows_batch(torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]]))
     with pytest.raises(ValueError, match=rf"T = {pad_to} physical tokens \(5 real\); its int32 cu_seqlens"):
         packed(batch, host_reads, form, pad_to=pad_to)
+
+
+@pytest.mark.parametrize("pad_to", [2**31, 2**31 + 6, 2**64])
+def test_llava_expanded_pack_beyond_int32_is_refused(pad_to):
+    """LLaVA's boundaries are expanded ones (each image token grows): the collapsed plan stays below 2**31
+    (PackPlan's check passes) while the expanded T reaches it, which was a RuntimeError (int32 overflow)
+    when the model's patch built the expanded cu_seqlens."""
+    from megatron_vlm_packing.models.llava import LlavaSpace, llava_pack_plan
+
+    space = LlavaSpace(img_seq_len=4, image_token_index=9)
+    with pytest.raises(ValueError, match=rf"the pack expands to T = {pad_to} tokens; its int32 cu_seqlens need "
+                                         r"T < 2\*\*31"):
+        llava_pack_plan([5, 3], row_capacity=8, row_expansion=[3, 3], opens_with_image=[False, False], space=space,
+                        pad_to=pad_to)
+    largest = llava_pack_plan([5, 3], row_capacity=8, row_expansion=[3, 3], opens_with_image=[False, False],
+                              space=space, pad_to=2**31 - 1)
+    assert largest.total == 2**31 - 1 - 6  # collapsed: the 6 expanded slots come from the images
