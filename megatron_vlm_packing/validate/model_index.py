@@ -42,7 +42,11 @@ def _callable_kwargs(mrope, kwargs: dict) -> tuple[dict, list[str]]:
 
 
 def _index_of(inputs: PackedInputs, ids: torch.Tensor, kwargs: dict) -> torch.Tensor:
-    """ids: [L] -> [3, L] positions of one sample alone from the model's index (`MRopeConfig` or callable)."""
+    """ids: [L] -> [3, L] positions of one sample alone from the model's index (`MRopeConfig` or callable).
+
+    Raises:
+        ValueError: the index refuses the sample, or gives something other than 3 x L positions.
+    """
     mrope = inputs.mrope
     if callable(mrope):
         if "attention_mask" in inspect.signature(mrope).parameters:  # the sample alone: every token real
@@ -53,6 +57,9 @@ def _index_of(inputs: PackedInputs, ids: torch.Tensor, kwargs: dict) -> torch.Te
 
         result = get_rope_index(ids[None], mrope, **kwargs)
     result = result[0] if isinstance(result, tuple) else result
+    if not isinstance(result, torch.Tensor) or result.numel() != 3 * ids.numel():  # a [3, 1, 1] broadcast silently
+        got = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
+        raise ValueError(f"the index gave {got} for {ids.numel()} tokens, not [3, 1, {ids.numel()}] positions")
     return result.reshape(3, -1)
 
 

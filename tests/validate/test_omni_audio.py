@@ -10,6 +10,8 @@ transformers' own Qwen3-Omni index, `tests/rope/test_omni.py`'s rows with audio 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -200,3 +202,19 @@ def test_bad_audio_inputs_are_named_not_raised(omni, fields, words):
     cfg, mrope, packs = omni
     report = only(validate_packed_batch(packs["mix"], mrope=mrope, **fields), "audio_placeholders")
     assert words in str(report), str(report)
+
+
+@pytest.mark.parametrize("result, named", [
+    (lambda ids: torch.zeros(3, 1, 1), r"\(3, 1, 1\)"),  # compared by broadcasting: an IndexError, or a pass
+    (lambda ids: torch.zeros(3, 1, ids.shape[-1] - 1), r"\(3, 1, \d+\)"),
+    (lambda ids: [0] * 3, "list"),  # an AttributeError
+])
+def test_an_index_callable_giving_the_wrong_positions_is_named(omni, result, named):
+    cfg, mrope, packs = omni
+
+    def index(input_ids, **kwargs):
+        return result(input_ids)
+
+    report = only(validate_packed_batch(packs["mix"], mrope=index), "mrope_positions")
+    assert "the model's index refuses it: the index gave" in str(report), str(report)
+    assert re.search(named + r" for \d+ tokens, not \[3, 1, \d+\] positions", str(report)), str(report)
