@@ -123,7 +123,8 @@ def pad_batch(
     if length < row_length:  # truncated: the last kept token's target may lie beyond the cut, which is fine
         labels = torch.where(keep, labels, IGNORE_INDEX)
     real = int(keep.sum()) if length < max(rows.lengths) else sum(rows.lengths)
-    loss_mask = pad_or_truncate_rows(rows.loss_weights, length) * keep
+    # where, not * keep: a pad slot's weight is never checked, and NaN or inf times 0 is NaN (a NaN loss sum)
+    loss_mask = torch.where(keep, pad_or_truncate_rows(rows.loss_weights, length), 0.0)
     return MicroBatch(
         input_ids=torch.where(keep, pad_or_truncate_rows(rows.input_ids, length), pad_token_id),
         labels=labels,

@@ -42,3 +42,21 @@ def test_dense_packed_seq_params_are_uniform():
     assert params.max_seqlen_q == 4 and params.qkv_format == "thd"
     with pytest.raises(ValueError, match="batch_size >= 1"):
         dense_packed_seq_params(0, 4)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("seq_length", [None, 8])
+def test_pad_batch_drops_the_loss_values_of_pad_slots(bad, seq_length):
+    """A pad slot's loss value is never checked (pack_batch drops it): pad_batch multiplied it by 0, and
+    NaN or inf times 0 is NaN, so one garbage value at a pad slot made the step's loss sum NaN."""
+    from megatron_vlm_packing.packing import pack_batch, pad_batch
+
+    ids = torch.tensor([[3, 4, 5, 0], [6, 7, 8, 9]])
+    loss = torch.ones(2, 4)
+    loss[0, 3] = bad  # the pad slot of row 0
+    batch = {"input_ids": ids, "labels": torch.where(ids != 0, ids, -100), "attention_mask": (ids != 0).long(),
+             "loss_mask": loss}
+    dense = pad_batch(batch, label_style="hf", seq_length=seq_length)
+    assert torch.isfinite(dense.loss_mask).all() and dense.loss_mask.dtype == torch.float32
+    assert dense.loss_mask[:, :4].tolist() == [[1, 1, 0, 0], [1, 1, 1, 0]]  # HF: no target after a row's last token
+    assert dense.loss_mask.sum() == pack_batch(batch, label_style="hf").loss_mask.sum()
