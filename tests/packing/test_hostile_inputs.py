@@ -12,7 +12,7 @@ import torch
 
 from megatron_vlm_packing.packing import pack_batch
 from megatron_vlm_packing.packing.lengths import lengths_from_keep_mask, right_padded_reads
-from tests.packing.test_plain_host import assert_identical, plain_path_spied
+from tests.packing.test_plain_host import assert_identical, plain_path_spied, three_ways
 
 M = 2**63 - 1  # int64's maximum: M + M + 5 wraps to 3
 ROUTES = [(True, "plain"), (True, "general"), (False, "plain"), (False, "general")]  # (host_reads, batch form)
@@ -273,3 +273,58 @@ def test_unknown_position_layout_is_refused(host_reads, form, positions, positio
     with pytest.raises(ValueError, match=rf"^position_layout must be '3BS' or 'B3S' \(or None\), got "
                                          rf"{position_layout!r}$"):
         packed(batch, host_reads, form, position_layout=position_layout)
+
+
+# -- the paths agree on random hostile masks ----------------------------------------------------------------------
+
+MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32)
+
+
+def _random_mask(rng: np.random.Generator):
+    """A [B, S] mask of a random dtype: right-padded 0/1 rows, some with extreme values or a flipped slot."""
+    batch_size, row_length = int(rng.integers(1, 4)), int(rng.integers(1, 7))
+    dtype = MASK_DTYPES[rng.integers(len(MASK_DTYPES))]
+    lengths = rng.integers(0, row_length + 1, batch_size)
+    rows = (np.arange(row_length)[None] < lengths[:, None]).astype(object)
+    for _ in range(int(rng.integers(0, 3))):
+        b, s = rng.integers(batch_size), rng.integers(row_length)
+        if dtype == torch.bool:
+            rows[b, s] = int(rng.choice([1 - rows[b, s], 2, 255]))  # bytes, viewed as bool below
+        else:
+            info = torch.iinfo(dtype)
+            rows[b, s] = int(rng.choice([1 - rows[b, s], info.max, info.min, 2, info.max // 2 + 3]))
+    if dtype == torch.int64 and row_length >= 3 and rng.random() < 0.3:  # a row whose sum wraps to its first zero
+        rows[0] = [M, M, 5] + [0] * (row_length - 3)
+    if dtype == torch.bool:
+        return torch.tensor(rows.astype(np.int64), dtype=torch.uint8).view(torch.bool)
+    return torch.tensor(rows.astype(np.int64)).to(dtype)
+
+
+def _true_lengths(mask: torch.Tensor):
+    """The rows' lengths by the definition (every value 0 or 1, each row 1...1 0...0), else None."""
+    values = (mask.view(torch.uint8) if mask.dtype == torch.bool else mask.long()).tolist()
+    if any(v not in (0, 1) for row in values for v in row):
+        return None
+    if any(row != sorted(row, reverse=True) for row in values):
+        return None
+    return [sum(row) for row in values]
+
+
+def test_paths_agree_on_random_hostile_masks():
+    """Plain, general host and step paths give the same micro-batch or the same ValueError, and pack exactly
+    the masks that are 0/1 and right-padded, at their true lengths."""
+    rng = np.random.default_rng(7)
+    for case in range(150):
+        mask = _random_mask(rng)
+        ids = torch.arange(1, mask.numel() + 1).reshape(mask.shape)
+        extra = {"token_type": torch.zeros(mask.shape)} if case % 3 == 0 else {}
+        plain, _, general, device = three_ways({"input_ids": ids, "labels": ids + 100, "attention_mask": mask, **extra},
+                                               extra_keys=tuple(extra))
+        lengths = _true_lengths(mask)
+        if isinstance(plain, str):
+            assert plain == general == device, (case, mask)
+            assert lengths is None or not any(lengths), (case, mask, plain)
+            continue
+        assert_identical(plain, general)
+        assert_identical(plain, device)
+        assert lengths is not None and list(plain.plan.real_lengths) == [n for n in lengths if n], (case, mask)
