@@ -192,8 +192,7 @@ def test_uint64_fields_are_refused(host_reads, field, positions_shape):
 
 def test_uint64_label_is_not_read_as_ignore_index():
     """2**64 - 100 wraps to -100 as int64: it was packed as an ignored target, silently."""
-    labels = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8]], dtype=torch.uint64)
-    labels[0, 1] = 2**64 - 100
+    labels = torch.from_numpy(np.array([[5, 2**64 - 100, 7, 8], [5, 6, 7, 8]], dtype=np.uint64))
     with pytest.raises(ValueError, match=r"^labels has dtype torch.uint64"):
         pack_batch(rows_batch(labels=labels), host_reads=False)
 
