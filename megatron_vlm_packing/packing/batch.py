@@ -126,7 +126,10 @@ def pack_batch(
             per-target weight, kept as given. Vision (`pixel_values`, `image_grid_thw`,
             `pixel_values_videos`, `video_grid_thw`, `second_per_grid_ts`) and audio
             (`input_features`, `feature_attention_mask`) become the typed `vision` / `audio`
-            fields. Any other key is a ValueError unless declared in `extra_keys`.
+            fields. Any other key is a ValueError unless declared in `extra_keys`. Tensors must be
+            dense (a sparse, nested or meta tensor is a ValueError); integer fields of dtype uint16 or
+            uint32 are read as int64, uint64 is refused; an attention_mask holds only 0 and 1 (a bool
+            mask only the bytes 0 and 1), any other value is a ValueError naming its row and column.
         tp_size, cp_size, sequence_parallel, fp8: parallel layout the pack must be aligned for.
         pad_to: exact packed length T (static shapes); must fit the batch.
         label_style: "megatron" (labels already aligned) or "hf" (shift inside each sample).
