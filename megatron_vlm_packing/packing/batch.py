@@ -281,7 +281,8 @@ def _check_on_host(batch: dict) -> None:
     if not isinstance(batch, Mapping):  # read_rows names what it is
         return
     for key, value in batch.items():
-        if isinstance(value, torch.Tensor) and (not value.is_cpu or value.layout is not torch.strided or value.is_nested):
+        if isinstance(value, torch.Tensor) and (not value.is_cpu or value.layout is not torch.strided
+                                                or value.is_nested):
             if value.layout is not torch.strided or value.is_nested:
                 refuse_undense(key, value)
             raise ValueError(f"host_reads=True packs a batch on the CPU (a DataLoader worker), but {key!r} is on "

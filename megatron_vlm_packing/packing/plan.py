@@ -121,8 +121,8 @@ class PackPlan:
         if self.total % self.multiples.total:
             raise ValueError(f"total {self.total} is not a multiple of {self.multiples.total}")
         if self.total >= 2**31:  # cu_seqlens are int32
-            raise ValueError(f"the pack would hold T = {self.total} physical tokens ({sum(self.real_lengths)} real); "
-                             f"its int32 cu_seqlens need T < 2**31 = 2147483648 (a smaller pad_to, or fewer rows per micro-batch)")
+            raise ValueError(f"the pack has {self.total} slots ({sum(self.real_lengths)} real tokens), more than int32 "
+                             f"cu_seqlens can hold (< 2**31): a smaller pad_to, or fewer rows per micro-batch")
 
     @property
     def num_segments(self) -> int:

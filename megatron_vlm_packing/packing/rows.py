@@ -29,8 +29,8 @@ from megatron_vlm_packing.packing.media import (
 from megatron_vlm_packing.packing.media_audio import AUDIO_KEYS, audio_inputs, check_audio_seqlens, queue_audio_reads
 from megatron_vlm_packing.packing.micro_batch import AudioInputs, VisionInputs
 from megatron_vlm_packing.packing.positions import (  # noqa: F401 (re-exported: callers import them from rows)
-    batch_positions, check_1d_positions, check_position_layout, normalize_positions, queue_position_checks, queue_rope_positions,
-    refuse_unread_rope_inputs, rope_positions,
+    batch_positions, check_1d_positions, check_position_layout, normalize_positions, queue_position_checks,
+    queue_rope_positions, refuse_unread_rope_inputs, rope_positions,
 )
 from megatron_vlm_packing.packing.pack import on_host_without_grad
 

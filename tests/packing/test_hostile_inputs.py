@@ -137,10 +137,10 @@ def test_plan_of_2_to_the_31_tokens_is_refused():
     """Checked from the lengths alone (no tensor is made): T = 2**31 would wrap cu_seqlens' int32."""
     from megatron_vlm_packing.packing.plan import PackMultiples, make_pack_plan
 
-    with pytest.raises(ValueError, match=r"T = 2147483648 physical tokens \(2147483648 real\); its int32 cu_seqlens "
-                                         r"need T < 2\*\*31"):
+    with pytest.raises(ValueError, match=r"the pack has 2147483648 slots \(2147483648 real tokens\), more than int32 "
+                                         r"cu_seqlens can hold \(< 2\*\*31\)"):
         make_pack_plan([2**30, 2**30], row_capacity=2**30)
-    with pytest.raises(ValueError, match=r"T = 2147483648 physical tokens \(2147483647 real\)"):
+    with pytest.raises(ValueError, match=r"the pack has 2147483648 slots \(2147483647 real tokens\)"):
         make_pack_plan([2**30, 2**30 - 1], row_capacity=2**30, multiples=PackMultiples(segment=2, total=2))
     largest = make_pack_plan([2**30, 2**30 - 1], row_capacity=2**30)
     assert largest.cu_seqlens_padded()[-1].item() == 2**31 - 1
@@ -150,7 +150,7 @@ def test_plan_of_2_to_the_31_tokens_is_refused():
 @pytest.mark.parametrize("pad_to", [2**31, 2**64])
 def test_pad_to_beyond_int32_is_refused(host_reads, form, pad_to):
     batch = rows_batch(torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]]))
-    with pytest.raises(ValueError, match=rf"T = {pad_to} physical tokens \(5 real\); its int32 cu_seqlens"):
+    with pytest.raises(ValueError, match=rf"the pack has {pad_to} slots \(5 real tokens\), more than int32"):
         packed(batch, host_reads, form, pad_to=pad_to)
 
 
