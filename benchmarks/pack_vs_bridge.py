@@ -1,7 +1,8 @@
 """`pack_batch` against Megatron-Bridge 0.6.2's row-loop packer, side by side, on CPU, one thread.
 
     python benchmarks/pack_vs_bridge.py [--batches 4 8 16 32 64] [--seqs 2048 4096 8192 16384 32768]
-                                        [--cp 1] [--repeats 7] [--out benchmarks/results/pack_vs_bridge.md]
+                                        [--cp 1] [--repeats 7] [--order fixed|shuffled] [--evict]
+                                        [--out benchmarks/results/pack_vs_bridge.md]
 
 The baseline is Megatron-Bridge's own
 `megatron.bridge.data.packing.in_batch.pack_right_padded_sequence_batch_to_mcore_thd` when
@@ -37,11 +38,19 @@ machine, and it stays honest on a shared machine where other processes take the 
 alternate (Bridge, re-implemented row loop, loader, step path, core, Bridge, ...) so that cache and
 frequency effects hit all alike; the table gives the median of each and the median of the
 per-round ratios.
+
+What ran just before a call moves its time, and not alike: at 4 x 2048 the loader path took 365 us
+after itself and 600 us after a numpy sort of 1.6 MB, Bridge's packer 635 and 814 us (one run, this
+project's 2-core machine). In the fixed order the loader always follows the re-implemented row
+loop, and Bridge our packing core. `--order shuffled` draws a new order each round, so each call
+follows each other one equally often; `--evict` writes 64 MiB before every timed call, so each
+starts with cold caches, as a packer in a DataLoader worker does after the dataset's own work.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 
@@ -185,17 +194,38 @@ def check_same(batch: dict, cp_size: int, installed=None) -> None:
             raise AssertionError(f"cu_seqlens differ between the packers (host_reads={host_reads})")
 
 
-def side_by_side(calls: list, repeats: int) -> list[list[float]]:
-    """Per-call ms of every call in `calls`, alternated (each once per round) after one warm-up of each."""
+def side_by_side(calls: list, repeats: int, shuffled: bool = False, evict: bool = False) -> list[list[float]]:
+    """Per-call ms of every call in `calls`, alternated (each once per round) after one warm-up of each:
+    in the given order every round, or (`shuffled`) in a new random order each round (seeded), so that
+    each call follows each other one equally often; with `evict`, every call starts with cold caches
+    (`evict_caches` first, untimed)."""
     for call in calls:
         call()
     samples = [[] for _ in calls]
+    order, rng = list(range(len(calls))), random.Random(0)
     for _ in range(repeats):
-        for call, timings in zip(calls, samples):
+        if shuffled:
+            rng.shuffle(order)
+        for index in order:
+            if evict:
+                evict_caches()
             start = time.thread_time()
-            call()
-            timings.append((time.thread_time() - start) * 1e3)
+            calls[index]()
+            samples[index].append((time.thread_time() - start) * 1e3)
     return samples
+
+
+_EVICTION_BUFFER = []
+
+
+def evict_caches() -> None:
+    """Write 64 MiB, more than this machine's caches hold: the next call finds none of its code or data
+    cached, like a packer in a DataLoader worker after the dataset's own work."""
+    if not _EVICTION_BUFFER:
+        import numpy as np
+
+        _EVICTION_BUFFER.append(np.zeros(8 * 2**20, dtype=np.int64))
+    _EVICTION_BUFFER[0] += 1
 
 
 def ratio(baseline: list[float], other: list[float]) -> float:
@@ -209,15 +239,20 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
     parser.add_argument("--cp", type=int, default=1, help="pack for this CP size (documents padded to 2*cp)")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--order", choices=["fixed", "shuffled"], default="fixed",
+                        help="call order in each round: fixed (Bridge, its re-implementation, loader, step path, "
+                             "core) or shuffled anew each round")
+    parser.add_argument("--evict", action="store_true", help="evict the caches before every timed call")
     parser.add_argument("--out", help="append the markdown table to this file")
     args = parser.parse_args()
     torch.set_num_threads(1)
     installed = installed_bridge_packer()
     multiple = 2 * args.cp if args.cp > 1 else 1
+    evicted = ", caches evicted before each call" if args.evict else ""
     if installed is None:
         baseline_name = "bridge row loop"
-        header = [f"cp={args.cp}, torch {torch.__version__}, 1 thread, megatron-bridge not installed: the "
-                  "re-implemented row loop is the baseline",
+        header = [f"cp={args.cp}, torch {torch.__version__}, 1 thread, {args.order} order{evicted}, megatron-bridge not "
+                  "installed: the re-implemented row loop is the baseline",
                   "| B x S | real tokens | bridge row loop ms | pack_batch (loader) ms | pack_batch (step path) ms "
                   "| packing core ms | loader speedup | step path speedup | core speedup |",
                   "|---|---|---|---|---|---|---|---|---|"]
@@ -225,8 +260,8 @@ def main() -> None:
         from megatron_vlm_packing.bridge.imports import bridge_version
 
         baseline_name = f"bridge {bridge_version()}"
-        header = [f"cp={args.cp}, torch {torch.__version__}, 1 thread, megatron-bridge {bridge_version()} installed: "
-                  "speedups are over its own packer",
+        header = [f"cp={args.cp}, torch {torch.__version__}, 1 thread, {args.order} order{evicted}, megatron-bridge "
+                  f"{bridge_version()} installed: speedups are over its own packer",
                   f"| B x S | real tokens | {baseline_name} ms | bridge row loop (re-implemented) ms | "
                   "pack_batch (loader) ms | pack_batch (step path) ms | packing core ms | loader speedup | "
                   "loader speedup over the re-implementation | step path speedup | core speedup |",
@@ -241,7 +276,7 @@ def main() -> None:
                  lambda: packing_core(batch, cp_size=args.cp)]
         if installed is not None:
             calls.insert(0, lambda: installed(batch, pad_to_multiple_of=multiple))
-        samples = side_by_side(calls, args.repeats)
+        samples = side_by_side(calls, args.repeats, shuffled=args.order == "shuffled", evict=args.evict)
         times = [statistics.median(t) for t in samples]
         loader, step, core = samples[-3:]
         ratios = [ratio(samples[0], loader)]

@@ -183,9 +183,10 @@ def table_rows(backend, seq, results, real):
     return rows
 
 
-def build_model(preset: dict, rope: str, backend: str, device: str, *, seed: int, rope_fusion: bool = False):
+def build_model(preset: dict, rope: str, backend: str, device: str, *, seed: int, rope_fusion: bool = False,
+                extra: dict | None = None):
     """The preset's GPTModel (`rope` "mrope" or "1d") with attention `backend`, on `device` in the preset's
-    dtype. Needs Megatron's parallel state (`demo.setup_distributed`)."""
+    dtype; `extra`: more TransformerConfig fields. Needs Megatron's parallel state (`demo.setup_distributed`)."""
     from megatron_vlm_packing.models.tiny_gpt import TinyGPTConfig, build_tiny_gpt
 
     config = TinyGPTConfig(num_layers=preset["num_layers"], hidden_size=preset["hidden_size"],
@@ -194,8 +195,8 @@ def build_model(preset: dict, rope: str, backend: str, device: str, *, seed: int
                            vocab_size=preset["vocab_size"], max_sequence_length=max(preset["seq_lengths"]),
                            params_dtype=preset["dtype"], position_embedding_type="mrope" if rope == "mrope" else "rope",
                            mrope_section=preset["mrope_section"], backend=backend,
-                           extra={"apply_rope_fusion": True}
-                           if rope_fusion and rope == "1d" and backend == "te" else {})
+                           extra={**({"apply_rope_fusion": True} if rope_fusion and rope == "1d" and backend == "te"
+                                     else {}), **(extra or {})})
     torch.manual_seed(seed)
     return build_tiny_gpt(config).to(device=device, dtype=preset["dtype"])
 

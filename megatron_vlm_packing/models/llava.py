@@ -26,12 +26,14 @@ from dataclasses import dataclass, replace
 import torch
 
 from megatron_vlm_packing.models.adapter import ModelAdapter
-from megatron_vlm_packing.models.llava_plan import (  # noqa: F401 (LlavaRows, expanded_packed_seq_params: re-exported)
-    LlavaPackPlan, LlavaRows, PlannedPackedSeqParams, expanded_packed_seq_params, planned_packed_seq_params,
+# LlavaRows, expanded_packed_seq_params and llava_pack_plan are re-exported.
+from megatron_vlm_packing.models.llava_plan import (  # noqa: F401
+    LlavaPackPlan, LlavaRows, PlannedPackedSeqParams, check_expanded_total, expanded_packed_seq_params, llava_pack_plan,
+    planned_packed_seq_params,
 )
 from megatron_vlm_packing.packing.localize import LocalizeNeeds
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
-from megatron_vlm_packing.packing.plan import PackMultiples, PackPlan, round_up
+from megatron_vlm_packing.packing.plan import PackMultiples
 
 
 @dataclass(frozen=True)
@@ -119,29 +121,9 @@ def llava_expanded_lengths(input_ids: torch.Tensor, seq_lens: list[int], num_ima
         input_ids: [B, S] collapsed ids; seq_lens: B real lengths; num_image_tiles: [I] tiles per image.
     """
     extra = image_expansion(input_ids, num_image_tiles, img_seq_len=img_seq_len, image_token_index=image_token_index)
-    keep = torch.arange(input_ids.shape[1], device=input_ids.device)[None] < torch.tensor(seq_lens, device=input_ids.device)[:, None]
+    device = input_ids.device
+    keep = torch.arange(input_ids.shape[1], device=device)[None] < torch.tensor(seq_lens, device=device)[:, None]
     return [n + int(e) for n, e in zip(seq_lens, (extra * keep).sum(1).tolist())]
-
-
-def _check_expanded(physical: list[int], *, segment: int, total_multiple: int, pad_to: int | None,
-                    max_length: int | None) -> int:
-    """The expanded total after `pad_to`, checking every multiple; ValueError naming the numbers."""
-    bad = [(i, n) for i, n in enumerate(physical) if n % segment]
-    if bad:
-        raise ValueError(f"expanded documents {[i for i, _ in bad][:8]} have physical lengths "
-                         f"{[n for _, n in bad][:8]} that do not divide by {segment}: plan the pack in expanded "
-                         f"space (models.llava_pack.pack_llava_batch)")
-    total = sum(physical)
-    target = total if pad_to is None else pad_to
-    if target < total:
-        raise ValueError(f"the pack expands to {total} tokens but LLaVA pads rows to {pad_to}: it would truncate")
-    if max_length is not None and target > max_length:
-        raise ValueError(f"the pack expands to {target} tokens, more than language_max_sequence_length={max_length}: "
-                         f"LLaVAModel would truncate it silently; split the micro-batch")
-    if target % total_multiple:
-        raise ValueError(f"the expanded pack has {target} tokens, not a multiple of LLaVA's shard factor "
-                         f"{total_multiple}: plan the pack in expanded space (models.llava_pack.pack_llava_batch)")
-    return target
 
 
 def remap_packed_seq_params(params, input_ids: torch.Tensor, num_image_tiles, *, img_seq_len: int,
@@ -178,7 +160,7 @@ def remap_packed_seq_params(params, input_ids: torch.Tensor, num_image_tiles, *,
     grown = before[cu_padded[1:]] - before[cu_padded[:-1]]  # [N] each document's own images
     real = (cu_real[1:] - cu_real[:-1]) + grown
     physical = ((cu_padded[1:] - cu_padded[:-1]) + grown).tolist()
-    target = _check_expanded(physical, segment=segment_multiple, total_multiple=total_multiple, pad_to=pad_to,
+    target = check_expanded_total(physical, segment=segment_multiple, total_multiple=total_multiple, pad_to=pad_to,
                              max_length=max_length)
     physical[-1] += target - sum(physical)
     zero = cu_real.new_zeros(1)
@@ -213,49 +195,6 @@ def leaking_documents(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, cu_seql
     if loss_mask is not None:
         weighted = (loss_mask[0].index_select(0, (starts - 1).to(loss_mask.device)) != 0).cpu()
     return (torch.nonzero(opens & no_pad & weighted).flatten() + 1).tolist()
-
-
-def llava_pack_plan(row_lengths: list[int], *, row_capacity: int, row_expansion: list[int],
-                    opens_with_image: list[bool], space: LlavaSpace, pad_to: int | None = None) -> PackPlan:
-    """A collapsed-space plan whose expansion is aligned and loses no token.
-
-    Each document i gets the fewest pad slots p_i such that
-    - (real_i + p_i + expansion_i) divides by `space.segment_multiple` (its expanded physical length),
-    - p_i >= 1 when document i+1 opens with an image (the slot LLaVA zeroes is then a pad),
-    and the last document grows so the expanded total is `pad_to`, else `space.pipeline_length`,
-    else the next multiple of `space.total_multiple`.
-
-    Args:
-        row_lengths: B collapsed real lengths; row_expansion: B extra embeddings of each row's images;
-        opens_with_image: B, whether row b's first token is an image.
-        pad_to: expanded total wanted (static shapes).
-
-    Returns:
-        PackPlan in collapsed space (`multiples` = 1: the multiples hold after expansion instead).
-
-    Example (img_seq_len 4, one tile each, 2*cp = 4): rows [A=3 text, B=[<image>, t]] ->
-        A gets 1 pad (B opens with an image), B expands 2 -> 5, padded to 8: physical (4, 5),
-        expanded (4, 8).
-    """
-    rows = [b for b, n in enumerate(row_lengths) if n > 0]
-    if not rows:
-        raise ValueError(f"the batch has no real tokens ({len(row_lengths)} rows, all empty): nothing to pack")
-    seg = space.segment_multiple
-    physical = []
-    for k, b in enumerate(rows):
-        next_opens = k + 1 < len(rows) and opens_with_image[rows[k + 1]]
-        collapsed = row_lengths[b] + (1 if next_opens else 0)
-        physical.append(collapsed + (-(collapsed + row_expansion[b])) % seg)
-    expanded = [p + row_expansion[b] for p, b in zip(physical, rows)]
-    wanted = pad_to if pad_to is not None else space.pipeline_length
-    if wanted is None:
-        wanted = round_up(sum(expanded), space.total_multiple)
-    target = _check_expanded(expanded, segment=seg, total_multiple=space.total_multiple, pad_to=wanted,
-                             max_length=space.max_length)
-    physical[-1] += target - sum(expanded)
-    return PackPlan(row_lengths=tuple(int(n) for n in row_lengths), row_capacity=row_capacity,
-                    segment_rows=tuple(rows), real_lengths=tuple(row_lengths[b] for b in rows),
-                    physical_lengths=tuple(physical), multiples=PackMultiples())
 
 
 class LLaVAAdapter(ModelAdapter):

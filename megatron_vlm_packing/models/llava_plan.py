@@ -1,6 +1,7 @@
 """What a LLaVA micro-batch's packer knew, kept as host ints: the adapter checks and the boundary
 patch expands from it without reading any tensor back (models/llava.py has the rules).
 
+`llava_pack_plan` plans a pack in LLaVA's expanded space (checked by `check_expanded_total`).
 `LlavaPackPlan` (packed, `pack_llava_batch`) and `LlavaRows` (dense, `pad_llava_batch`) are the
 micro-batch's `plan`; `PlannedPackedSeqParams` carries a `LlavaPackPlan` to the patch, which calls
 `expanded_packed_seq_params`.
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron_vlm_packing.packing.plan import PackPlan
+from megatron_vlm_packing.packing.plan import PackMultiples, PackPlan, round_up
 
 if TYPE_CHECKING:
     from megatron_vlm_packing.models.llava import LlavaSpace
@@ -96,9 +97,76 @@ def expanded_packed_seq_params(plan: LlavaPackPlan, collapsed: PackedSeqParams) 
         real.append(real[-1] + r)
         physical.append(physical[-1] + p)
     cu = collapsed.cu_seqlens_q
-    both = _to_device(torch.tensor([real, physical], dtype=cu.dtype), cu.device)  # [2, N+1]
+    both = _to_device(torch.tensor([real, physical] if real != physical else [real], dtype=cu.dtype), cu.device)
     fields = {f.name: getattr(collapsed, f.name) for f in dataclasses.fields(PackedSeqParams) if f.init}
     longest = max(plan.expanded_physical)
-    fields.update(cu_seqlens_q=both[0], cu_seqlens_kv=both[0], cu_seqlens_q_padded=both[1],
-                  cu_seqlens_kv_padded=both[1], max_seqlen_q=longest, max_seqlen_kv=longest)
+    # One tensor for both sets when no document has pad slots (as `PackIndices`: TE's pad_between_seqs check).
+    cu_real = both[0]
+    cu_padded = both[1] if real != physical else cu_real
+    fields.update(cu_seqlens_q=cu_real, cu_seqlens_kv=cu_real, cu_seqlens_q_padded=cu_padded,
+                  cu_seqlens_kv_padded=cu_padded, max_seqlen_q=longest, max_seqlen_kv=longest)
     return PackedSeqParams(**fields)
+
+
+def check_expanded_total(physical: list[int], *, segment: int, total_multiple: int, pad_to: int | None,
+                    max_length: int | None) -> int:
+    """The expanded total after `pad_to`, checking every multiple; ValueError naming the numbers."""
+    bad = [(i, n) for i, n in enumerate(physical) if n % segment]
+    if bad:
+        raise ValueError(f"expanded documents {[i for i, _ in bad][:8]} have physical lengths "
+                         f"{[n for _, n in bad][:8]} that do not divide by {segment}: plan the pack in expanded "
+                         f"space (models.llava_pack.pack_llava_batch)")
+    total = sum(physical)
+    target = total if pad_to is None else pad_to
+    if target < total:
+        raise ValueError(f"the pack expands to {total} tokens but LLaVA pads rows to {pad_to}: it would truncate")
+    if max_length is not None and target > max_length:
+        raise ValueError(f"the pack expands to {target} tokens, more than language_max_sequence_length={max_length}: "
+                         f"LLaVAModel would truncate it silently; split the micro-batch")
+    if target % total_multiple:
+        raise ValueError(f"the expanded pack has {target} tokens, not a multiple of LLaVA's shard factor "
+                         f"{total_multiple}: plan the pack in expanded space (models.llava_pack.pack_llava_batch)")
+    return target
+
+
+def llava_pack_plan(row_lengths: list[int], *, row_capacity: int, row_expansion: list[int],
+                    opens_with_image: list[bool], space: LlavaSpace, pad_to: int | None = None) -> PackPlan:
+    """A collapsed-space plan whose expansion is aligned and loses no token.
+
+    Each document i gets the fewest pad slots p_i such that
+    - (real_i + p_i + expansion_i) divides by `space.segment_multiple` (its expanded physical length),
+    - p_i >= 1 when document i+1 opens with an image (the slot LLaVA zeroes is then a pad),
+    and the last document grows so the expanded total is `pad_to`, else `space.pipeline_length`,
+    else the next multiple of `space.total_multiple`.
+
+    Args:
+        row_lengths: B collapsed real lengths; row_expansion: B extra embeddings of each row's images;
+        opens_with_image: B, whether row b's first token is an image.
+        pad_to: expanded total wanted (static shapes).
+
+    Returns:
+        PackPlan in collapsed space (`multiples` = 1: the multiples hold after expansion instead).
+
+    Example (img_seq_len 4, one tile each, 2*cp = 4): rows [A=3 text, B=[<image>, t]] ->
+        A gets 1 pad (B opens with an image), B expands 2 -> 5, padded to 8: physical (4, 5),
+        expanded (4, 8).
+    """
+    rows = [b for b, n in enumerate(row_lengths) if n > 0]
+    if not rows:
+        raise ValueError(f"the batch has no real tokens ({len(row_lengths)} rows, all empty): nothing to pack")
+    seg = space.segment_multiple
+    physical = []
+    for k, b in enumerate(rows):
+        next_opens = k + 1 < len(rows) and opens_with_image[rows[k + 1]]
+        collapsed = row_lengths[b] + (1 if next_opens else 0)
+        physical.append(collapsed + (-(collapsed + row_expansion[b])) % seg)
+    expanded = [p + row_expansion[b] for p, b in zip(physical, rows)]
+    wanted = pad_to if pad_to is not None else space.pipeline_length
+    if wanted is None:
+        wanted = round_up(sum(expanded), space.total_multiple)
+    target = check_expanded_total(expanded, segment=seg, total_multiple=space.total_multiple, pad_to=wanted,
+                             max_length=space.max_length)
+    physical[-1] += target - sum(expanded)
+    return PackPlan(row_lengths=tuple(int(n) for n in row_lengths), row_capacity=row_capacity,
+                    segment_rows=tuple(rows), real_lengths=tuple(row_lengths[b] for b in rows),
+                    physical_lengths=tuple(physical), multiples=PackMultiples())

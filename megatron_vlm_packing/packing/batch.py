@@ -24,8 +24,8 @@ from megatron_vlm_packing.packing.plan import (
     PackIndices, PackMultiples, PackPlan, checked_pad_to, make_pack_plan, plan_indices,
 )
 from megatron_vlm_packing.packing.rows import (  # noqa: F401
-    IGNORE_INDEX, Rows, check_pad_token_id, checked_extra_keys, loss_weights_of, raise_value_errors_first, read_rows,
-    refuse_undense, shift_labels_within_rows,
+    IGNORE_INDEX, INT64_MAX, Rows, check_pad_token_id, checked_extra_keys, loss_weights_of, raise_value_errors_first,
+    read_rows, refuse_undense, shift_labels_within_rows,
 )
 
 # Kept for callers of the first `PackedBatch`: the one typed micro-batch now.
@@ -161,6 +161,18 @@ def pack_batch(
     Returns:
         MicroBatch with [1, T] fields (positions [3, 1, T] for mRoPE), `plan` and `indices` set.
     """
+    # A plain batch on the host first, before any option handling of the general path: in a DataLoader
+    # worker every line run per micro-batch counts (`plain_host`; it defers anything it does not take).
+    if host_reads and mrope is None and image_token_id is None and video_token_id is None \
+            and audio_token_id is None and (spatial_merge_size is None or type(spatial_merge_size) is int
+                                            and spatial_merge_size >= 1):
+        plain = _pack_plain(batch, extra_keys=extra_keys, position_layout=position_layout, tp_size=tp_size,
+                            cp_size=cp_size, sequence_parallel=sequence_parallel, fp8=fp8, pad_to=pad_to,
+                            label_style=label_style, pad_token_id=pad_token_id, vocab_size=vocab_size)
+        if plain is not None:
+            return _packed_micro_batch(plain.plan, plain.indices, plain.input_ids, plain.labels, plain.loss_mask,
+                                       segment_positions(plain.indices),
+                                       row_tokens=len(plain.plan.row_lengths) * plain.plan.row_capacity)
     media = MediaTokens.resolve(mrope, image_token_id=image_token_id, video_token_id=video_token_id,
                                 audio_token_id=audio_token_id, spatial_merge_size=spatial_merge_size,
                                 require_counts=require_media_counts)
@@ -170,13 +182,6 @@ def pack_batch(
     check_position_layout(position_layout)
     if host_reads:
         _check_on_host(batch)
-        plain = _pack_plain(batch, media, mrope=mrope, extra_keys=extra_keys, position_layout=position_layout,
-                            tp_size=tp_size, cp_size=cp_size, sequence_parallel=sequence_parallel, fp8=fp8,
-                            pad_to=pad_to, label_style=label_style, pad_token_id=pad_token_id, vocab_size=vocab_size)
-        if plain is not None:
-            return _packed_micro_batch(plain.plan, plain.indices, plain.input_ids, plain.labels, plain.loss_mask,
-                                       segment_positions(plain.indices),
-                                       row_tokens=len(plain.plan.row_lengths) * plain.plan.row_capacity)
     rows = read_rows(batch, label_style=label_style, mrope=mrope, media=media, extra_keys=extra_keys,
                      vocab_size=vocab_size, position_layout=position_layout, on_host=host_reads)
     batch_size, row_length = rows.input_ids.shape
@@ -229,14 +234,16 @@ def _packed_micro_batch(plan: PackPlan, indices: PackIndices, input_ids: torch.T
     )
 
 
-def _pack_plain(batch, media: MediaTokens, *, mrope, extra_keys, position_layout, tp_size, cp_size,
-                sequence_parallel, fp8, pad_to, label_style, pad_token_id, vocab_size) -> PlainPack | None:
-    """`plain_host.pack_plain_batch_on_host` when nothing but the batch's own keys is asked for (no mRoPE,
-    media ids or extra keys; options the general path would accept), else None."""
-    if mrope is not None or extra_keys \
-            or position_layout not in (None, "3BS", "B3S") or not (
-            media.image_token_id is None and media.video_token_id is None and media.audio_token_id is None):
-        return None  # (known placeholder ids: the general path checks none is among the real tokens)
+def _pack_plain(batch, *, extra_keys, position_layout, tp_size, cp_size, sequence_parallel, fp8, pad_to, label_style,
+                pad_token_id, vocab_size) -> PlainPack | None:
+    """`plain_host.pack_plain_batch_on_host` when the options are ones the general path accepts and ask for
+    nothing but the batch's own keys (the caller checked: no mRoPE, no media ids), else None."""
+    # extra_keys: only an empty tuple or list (None or 0 is the general path's TypeError, from tuple(extra_keys)).
+    # pad_token_id and pad_to: plain ints the general path's checks pass (else it names the error).
+    if type(extra_keys) not in (tuple, list) or extra_keys or position_layout not in (None, "3BS", "B3S") \
+            or type(pad_token_id) is not int or not 0 <= pad_token_id <= INT64_MAX \
+            or not (pad_to is None or type(pad_to) is int):
+        return None
     try:
         multiples = PackMultiples.for_parallel(tp_size=tp_size, cp_size=cp_size, sequence_parallel=sequence_parallel,
                                                fp8=fp8)

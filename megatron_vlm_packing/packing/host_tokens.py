@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from megatron_vlm_packing.packing.checks import IGNORE_INDEX, check_packed_values
-from megatron_vlm_packing.packing.pack import cat_documents_host, on_host_without_grad
+from megatron_vlm_packing.packing.pack import cat_documents_host, cat_row_prefixes, on_host_without_grad
 from megatron_vlm_packing.packing.plan import PackIndices
 
 
@@ -73,10 +73,14 @@ class PackedHostTokens:
         """Pack [B, S] `input_ids`, labels as given (Megatron targets, or HF labels shifted inside each
         document) and `loss_values` (or None); every tensor one numpy can view (`packs_on_host`)."""
         plan = indices.plan
+        hf = label_style == "hf"
+        if not (hf or indices.has_pad_slots):  # each document's real tokens as they are: row prefixes
+            ids, labels = cat_row_prefixes(input_ids.numpy(), plan), cat_row_prefixes(raw_labels.numpy(), plan)
+            values = None if loss_values is None else cat_row_prefixes(loss_values.numpy(), plan)
+            return cls(ids, labels, values, labels != IGNORE_INDEX, None)
         flat_length = len(plan.row_lengths) * plan.row_capacity
         raw = raw_labels.numpy().reshape(flat_length)
         ids = cat_documents_host(input_ids.numpy().reshape(flat_length), indices.row_slices, pad_token_id)
-        hf = label_style == "hf"
         labels = cat_documents_host(raw, indices.next_token_slices if hf else indices.row_slices, IGNORE_INDEX)
         values = None if loss_values is None else \
             cat_documents_host(loss_values.numpy().reshape(flat_length), indices.row_slices, 0)

@@ -56,7 +56,8 @@ def check_packed_seq_params(micro_batch: MicroBatch) -> None:
     Raises:
         ValueError: `qkv_format` is not "thd" (Megatron-Core's attention and rotary then treat the pack
             as dense rows: it trains as one causal document), a boundary set that is missing, not a
-            one-dimensional integer tensor, or of another length or device than `cu_seqlens_q`; a `max_seqlen_*`
+            one-dimensional integer tensor, or of another length or device than `cu_seqlens_q`; a
+            `rope_cu_seqlens` that is not a one-dimensional integer tensor or on another device; a `max_seqlen_*`
             that is not a positive int (numpy's too) or a one-value integer tensor (the attention
             backends' rule, `attention.boundaries.check_max_seqlen_type`); or, when the boundaries are
             the plan's own, a `max_seqlen_*` below the plan's longest physical document (attention
@@ -77,8 +78,13 @@ def check_packed_seq_params(micro_batch: MicroBatch) -> None:
             sizes[name], devices[name] = cu.numel(), str(cu.device)
     if len(set(sizes.values())) > 1:
         raise ValueError(f"packed_seq_params boundary sets must all have N+1 entries, got sizes {sizes}")
+    rope = micro_batch.rope_cu_seqlens  # where the rotary restarts: read on the boundaries' device
+    if rope is not None:
+        check_boundary_tensor("rope_cu_seqlens", rope)
+        devices["rope_cu_seqlens"] = str(rope.device)
     if len(set(devices.values())) > 1:
-        raise ValueError(f"packed_seq_params boundary sets must all be on one device, got {devices}")
+        raise ValueError(f"packed_seq_params boundary sets must all be on one device, got {devices} "
+                         f"(rope_cu_seqlens, where the rotary restarts, too)")
     # The attention backends' own rule (one function): what they take passes here, what they refuse fails here.
     check_max_seqlen_type(params, allow_tensor=True)
     indices = plan_indices_of(micro_batch)
@@ -124,16 +130,48 @@ def _not_one_row(name: str, x: torch.Tensor, dim: int) -> bool:
     return x.dim() not in ((2, 3) if name == "position_ids" else (2,)) or x.shape[-2] != 1
 
 
+def check_mrope_channels(position_ids: torch.Tensor | None) -> None:
+    """3D positions ([3, 1, T] packed, [3, B, L] dense) hold the 3 mRoPE channels t, h, w (shapes only).
+
+    A [1, 1, T] or [4, 1, T] tensor passed the one-row check: the rotary then broadcast one channel to
+    all three (bug class 1) or read a channel that is not there.
+    """
+    if position_ids is not None and position_ids.dim() == 3 and position_ids.shape[0] != 3:
+        raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}: 3D positions are mRoPE's [3, 1, T] "
+                         f"(dense [3, B, L]), one channel each for t, h, w, not {position_ids.shape[0]}")
+
+
 def check_one_row(fields: dict[str, torch.Tensor], *, dim: int = -1) -> None:
-    """A packed micro-batch is one row: its fields hold a batch dim of 1 (shapes only).
+    """A packed micro-batch is one row: its fields hold a batch dim of 1, mRoPE positions 3 channels
+    (`check_mrope_channels`) (shapes only).
 
     Only the token dim was compared, so a hand-built [2, T] field passed (its rows cut as one, or
     broadcast against [1, T] ones) and [2, T/2] fields passed wherever T was taken from a field.
     """
+    check_mrope_channels(fields.get("position_ids"))
     wrong = {name: tuple(x.shape) for name, x in fields.items() if _not_one_row(name, x, dim)}
     if wrong:
         raise ValueError(f"a packed micro-batch is one row of T slots: its fields are [1, T] (position_ids [1, T] "
                          f"or mRoPE [3, 1, T], extras [1, T, ...]), but {wrong} have another batch dim or rank")
+
+
+def check_dense_rows(micro_batch: MicroBatch) -> None:
+    """A dense micro-batch's fields hold the same B rows: [B, L] (position_ids [B, L] or [3, B, L],
+    extras [B, L, ...]), and 3D positions 3 channels (shapes only).
+
+    Only the token dim was compared, so a [2, L] labels beside [4, L] ids reached the model, broadcast
+    or cut against the other rows.
+
+    Raises:
+        ValueError: naming each field and its row count (or a field with no row dim).
+    """
+    check_mrope_channels(micro_batch.position_ids)
+    fields = {name: getattr(micro_batch, name) for name in _SEQUENCE_FIELDS}
+    rows = {name: x.shape[-2] if x.dim() >= 2 else None for name, x in fields.items() if x is not None}
+    rows.update({f"extras[{key!r}]": x.shape[0] if x.dim() >= 2 else None for key, x in micro_batch.extras.items()})
+    if len(set(rows.values())) > 1 or None in rows.values():
+        raise ValueError(f"a dense micro-batch's fields must all hold the same rows ([B, L]; position_ids [B, L] "
+                         f"or [3, B, L]; extras [B, L, ...]), got rows {rows} (None: no row dim)")
 
 
 _SEQUENCE_FIELDS = ("input_ids", "position_ids", "labels", "loss_mask", "padding_mask")
@@ -199,6 +237,18 @@ def check_boundary_device(micro_batch: MicroBatch, needs: LocalizeNeeds) -> None
     check_field_devices(micro_batch, needs, cu.device, f"packed_seq_params.{name}")
 
 
+def check_full_devices(micro_batch: MicroBatch) -> None:
+    """With every field kept full at CP > 1 (no index is built): every sequence field on the device of the
+    boundaries (packed; `check_packed_seq_params` put every set on one), or of `input_ids` (dense).
+    Metadata only."""
+    name, cu = physical_boundary_set(micro_batch.packed_seq_params) if micro_batch.is_packed \
+        else ("input_ids", micro_batch.input_ids)
+    if all(getattr(micro_batch, field).device == cu.device for field in _SEQUENCE_FIELDS):
+        return  # the common case, without building the error's dicts
+    check_field_devices(micro_batch, LocalizeNeeds(), cu.device,
+                        f"packed_seq_params.{name}" if micro_batch.is_packed else name)
+
+
 def _slots_without_index(micro_batch: MicroBatch, needs: LocalizeNeeds) -> tuple[int, str] | None:
     """T and where it comes from at CP = 1, from host ints and shapes only: the plan's total when the
     boundaries are the plan's own, else `input_ids`' length (dense rows, or ids that `localize` would
@@ -242,16 +292,20 @@ def localize(micro_batch: MicroBatch, layout: ParallelLayout, needs: LocalizeNee
 
     Raises:
         ValueError: the micro-batch was already localized, its length does not divide for CP, its
-            `packed_seq_params` are malformed (`check_packed_seq_params`), a field it cuts is not one
+            `packed_seq_params` are malformed (`check_packed_seq_params`), a dense one's fields hold
+            different row counts (`check_dense_rows`), a field it cuts is not one
             row (packed) or does not hold the slots the index covers (`check_sequence_lengths`; at cp_size == 1 too,
             against the plan's total or the first field it would cut), or the index (at cp_size == 1:
             the boundaries) is on another device than the fields it is applied to (`check_index_device`,
-            `check_boundary_device`).
+            `check_boundary_device`; with every field kept full at cp_size > 1, `check_full_devices`).
     """
     if micro_batch.cp_index is not None:
         raise ValueError("micro_batch is already localized to a CP rank (cp_index is set); localize it once")
     if micro_batch.is_packed:
         check_packed_seq_params(micro_batch)
+        check_mrope_channels(micro_batch.position_ids)  # kept full or cut (`check_one_row` checks cut ones)
+    else:
+        check_dense_rows(micro_batch)
     if layout.cp_size == 1:
         if micro_batch.is_packed:
             check_boundary_device(micro_batch, needs)
@@ -261,7 +315,9 @@ def localize(micro_batch: MicroBatch, layout: ParallelLayout, needs: LocalizeNee
         return micro_batch
     if _kept_full(needs) == frozenset(_SEQUENCE_FIELDS) and not micro_batch.extras:
         # The model selects its CP tokens itself, in a space of its own (LLaVA: after expanding
-        # images), so no index of this micro-batch's slots applies.
+        # images), so no index of this micro-batch's slots applies; its fields and boundaries must
+        # still be on one device (metadata only).
+        check_full_devices(micro_batch)
         return replace(micro_batch, full_fields=frozenset(_SEQUENCE_FIELDS))
     index, source = _cp_index(micro_batch, layout)
     check_index_device(micro_batch, needs, index, source)

@@ -26,6 +26,22 @@ def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+def host_ramp(length: int) -> np.ndarray:
+    """[length] read-only int64 0, 1, ..., length-1, a view of one array shared by every caller.
+
+    Offsets within documents are slices of one ramp; `np.arange` per micro-batch cost 10 to 20 us
+    at S = 2k to 32k on one core. Read-only, so a caller that returned a view by mistake could not let
+    a later micro-batch's writes reach it (outputs are copies: `np.concatenate` of its slices)."""
+    return _ramp_of_size(1 << max(length - 1, 0).bit_length())[:length]
+
+
+@functools.lru_cache(maxsize=8)
+def _ramp_of_size(size: int) -> np.ndarray:
+    ramp = np.arange(size, dtype=np.int64)
+    ramp.flags.writeable = False
+    return ramp
+
+
 @dataclass(frozen=True)
 class PackMultiples:
     """Alignment that parallelism imposes on a packed sequence.
@@ -120,9 +136,19 @@ class PackPlan:
             )
         if self.total % self.multiples.total:
             raise ValueError(f"total {self.total} is not a multiple of {self.multiples.total}")
-        if self.total >= 2**31:  # cu_seqlens are int32
-            raise ValueError(f"the pack has {self.total} slots ({sum(self.real_lengths)} real tokens), more than int32 "
-                             f"cu_seqlens can hold (< 2**31): a smaller pad_to, or fewer rows per micro-batch")
+        check_int32_total(self.total, sum(self.real_lengths))
+
+    @classmethod
+    def _made_by_make_pack_plan(cls, **fields) -> "PackPlan":
+        """The plan `make_pack_plan` computed, not checked a second time: its own checks imply every check
+        of `__post_init__` (N >= 1 documents of >= 1 real tokens each, physical lengths rounded up to the
+        segment multiple, the last one grown to a multiple of `total`, itself a multiple of `segment`).
+        (`check_int32_total` it makes itself). The checks cost 10 us of a 4-row micro-batch's 300 in a
+        DataLoader worker; tests/packing/test_plan.py rebuilds random plans through the checking constructor
+        and compares."""
+        plan = object.__new__(cls)
+        plan.__dict__.update(fields)
+        return plan
 
     @property
     def num_segments(self) -> int:
@@ -214,7 +240,8 @@ def make_pack_plan(
             )
         aligned = pad_to
     physical[-1] += aligned - sum(physical)
-    return PackPlan(
+    check_int32_total(aligned, sum(real))
+    return PackPlan._made_by_make_pack_plan(
         row_lengths=lengths,
         row_capacity=row_capacity,
         segment_rows=rows,
@@ -222,6 +249,17 @@ def make_pack_plan(
         physical_lengths=tuple(physical),
         multiples=multiples,
     )
+
+
+def check_int32_total(total: int, real: int) -> None:
+    """A pack's boundaries are int32 `cu_seqlens`: T must stay below 2**31.
+
+    Raises:
+        ValueError: naming T and its real tokens.
+    """
+    if total >= 2**31:
+        raise ValueError(f"the pack has {total} slots ({real} real tokens), more than int32 cu_seqlens can hold "
+                         f"(< 2**31): a smaller pad_to, or fewer rows per micro-batch")
 
 
 def checked_pad_to(pad_to) -> int | None:
@@ -305,14 +343,19 @@ class PackIndices:
         self.plan, self.device = plan, device
         cu_real = (0, *itertools.accumulate(plan.real_lengths))
         cu_padded = (0, *itertools.accumulate(plan.physical_lengths)) if self.has_pad_slots else cu_real
+        # With no pad slots the two sets are one tensor on every device (nothing writes boundaries in
+        # place): Transformer Engine infers `pad_between_seqs` when Megatron-Core cannot pass it (no such
+        # PackedSeqParams field before 0.19) by identity (TE >= 2.18: distinct tensors disable FlashAttention)
+        # or `torch.equal` (TE <= 2.17: two host syncs per layer unless they are one tensor).
         if device.type == "cpu":  # numpy builds a small tensor at a third of torch's cost
             self.cu_seqlens = torch.from_numpy(np.array(cu_real, dtype=np.int32))
-            # With no pad slots the two sets are one tensor: nothing writes boundaries in place.
             self.cu_seqlens_padded = torch.from_numpy(np.array(cu_padded, dtype=np.int32)) \
                 if self.has_pad_slots else self.cu_seqlens
-        else:
+        elif self.has_pad_slots:
             both = _to_device(torch.tensor([cu_real, cu_padded], dtype=torch.int32), device)  # one small copy
             self.cu_seqlens, self.cu_seqlens_padded = both[0], both[1]
+        else:
+            self.cu_seqlens = self.cu_seqlens_padded = _to_device(torch.tensor(cu_real, dtype=torch.int32), device)
 
     def cp_index(self, cp_size: int, cp_rank: int) -> torch.Tensor:
         """[T/cp] long: the slots CP rank `cp_rank` keeps (`parallel.cp.cp_partition_index`), built
@@ -365,7 +408,7 @@ class PackIndices:
     def offset_in_segment_host(self) -> np.ndarray:
         """[T] int64 numpy `offset_in_segment`, for indices on the CPU (a slice costs numpy a fraction of
         a microsecond, torch several; `pack.segment_positions` views it without a second crossing)."""
-        ramp = np.arange(self.plan.max_seqlen, dtype=np.int64)
+        ramp = host_ramp(self.plan.max_seqlen)
         return np.concatenate([ramp[:n] for n in self.plan.physical_lengths])
 
     @functools.cached_property
@@ -441,4 +484,7 @@ def plan_indices(plan: PackPlan, device: torch.device | str | None = None) -> Pa
     The boundaries (2 x (N+1) ints) cross to the device in one small copy now; every [T] tensor is
     built on first use from the plan's host ints.
     """
-    return PackIndices(plan, torch.device(device) if device is not None else torch.device("cpu"))
+    return PackIndices(plan, torch.device(device) if device is not None else _HOST)
+
+
+_HOST = torch.device("cpu")

@@ -15,6 +15,8 @@ import torch
 
 from megatron_vlm_packing.packing.checks import DeferredChecks, _first_bad, token_place
 from megatron_vlm_packing.packing.lengths import DeferredKeep, any_true, widened_unsigned
+from megatron_vlm_packing.packing.pack import cat_row_prefixes
+from megatron_vlm_packing.packing.plan import host_ramp
 
 _ROPE_INPUT_KEYS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts", "mm_token_type_ids",
                     "audio_seqlens", "feature_attention_mask", "use_audio_in_video")
@@ -149,10 +151,9 @@ def host_positions_differ(given: torch.Tensor, indices) -> bool:
     """`check_1d_positions_on_host`'s test alone (same arguments), nothing raised: True when some real
     token's position is not its offset in its document."""
     plan = indices.plan
-    flat = given.numpy().reshape(-1)
-    real = np.concatenate([flat[start:stop] for start, stop in indices.row_slices.spans])
+    real = cat_row_prefixes(given.numpy(), plan)
     if indices.has_pad_slots:
-        ramp = np.arange(max(plan.real_lengths), dtype=np.int64)
+        ramp = host_ramp(max(plan.real_lengths))
         expected = np.concatenate([ramp[:n] for n in plan.real_lengths])
     else:
         expected = indices.offset_in_segment_host  # every slot real: 0..n-1 per document

@@ -180,9 +180,10 @@ class PackedMropeHandle:
     `model.rotary_pos_emb` (a wrapper around ours), it raises RuntimeError naming it and changes nothing.
     """
 
-    def __init__(self, model, original, hooks, owned: OwnedAttributes, *, interleaved: bool):
-        self.model, self.original, self.hooks, self.owned = model, original, hooks, owned
+    def __init__(self, model, original, rotary, hooks, owned: OwnedAttributes, *, interleaved: bool):
+        self.model, self.original, self.rotary, self.hooks, self.owned = model, original, rotary, hooks, owned
         self.interleaved = interleaved
+        self.saved_modes: list[tuple[bool, object]] = []  # the rotary's mode before each hooked call, innermost last
 
     @property
     def active(self) -> bool:
@@ -267,25 +268,29 @@ def use_packed_mrope(model, *, interleaved: bool = False) -> PackedMropeHandle:
         original.inv_freq, interleaved=interleaved, cp_group=getattr(original, "cp_group", None),
         seq_len_interpolation_factor=getattr(original, "seq_len_interpolation_factor", None))
     forward_signature = inspect.signature(model.forward)
-    saved: list[tuple[bool, object]] = []
 
+    # The hooks reach the rotary through the model they run on (its handle), never a closure: a deep copy
+    # of the model (an EMA or teacher copy) shares these hook functions, and must set its own rotary's mode.
     def enter(module, args, kwargs):
         params = _packed_seq_params_of(forward_signature, args, kwargs)
-        saved.append((rotary.is_thd_format, rotary.thd_params))
+        handle = module._packed_mrope_handle
+        rotary = handle.rotary
+        handle.saved_modes.append((rotary.is_thd_format, rotary.thd_params))
         rotary.hooked_calls += 1
         rotary.is_thd_format = params is not None and params.qkv_format == "thd"
         rotary.thd_params = params if rotary.is_thd_format else None
 
     def leave(module, args, kwargs, output=None):
-        if saved:  # empty only if an earlier pre-hook raised before ours ran
-            rotary.is_thd_format, rotary.thd_params = saved.pop()
-            rotary.hooked_calls -= 1
+        handle = module._packed_mrope_handle
+        if handle.saved_modes:  # empty only if an earlier pre-hook raised before ours ran
+            handle.rotary.is_thd_format, handle.rotary.thd_params = handle.saved_modes.pop()
+            handle.rotary.hooked_calls -= 1
 
     rotary.hooked = True
     owned = OwnedAttributes(f"{__name__}.use_packed_mrope")
     owned.set(model, "rotary_pos_emb", rotary)
     hooks = [model.register_forward_pre_hook(enter, with_kwargs=True),
              model.register_forward_hook(leave, with_kwargs=True, always_call=True)]
-    handle = PackedMropeHandle(model, original, hooks, owned, interleaved=interleaved)
+    handle = PackedMropeHandle(model, original, rotary, hooks, owned, interleaved=interleaved)
     owned.set(model, "_packed_mrope_handle", handle)
     return handle

@@ -31,6 +31,12 @@ SAVED_KEYS = {
     "video_grid_thw": "[V, 3] per video", "video_token_id": "int placeholder id",
     "spatial_merge_size": "int, vision tokens per side merged into one placeholder (default 2)",
     "images_per_document": "N ints (optional)", "videos_per_document": "N ints (optional)",
+    "second_per_grid_ts": "[V] seconds per video temporal grid step (Qwen2.5-VL, Qwen3-Omni)",
+    "audio_seqlens": "[A] raw audio feature lengths per clip in token order (Qwen3-Omni)",
+    "audio_token_id": "int audio placeholder id", "audios_per_document": "N ints (optional)",
+    "use_audio_in_video": "bool, passed to an mrope callable that takes it (default: told per document "
+                          "by audio and video placeholders in one block)",
+    "audio_n_window": "int, audio encoder window that sets each clip's tokens (default: the mrope config's, else 50)",
     "source_input_ids": "[B, S] the unpacked rows", "source_labels": "[B, S]",
     "source_attention_mask": "[B, S] 1 = real token", "source_loss_mask": "[B, S] (optional)",
     "label_style": "'hf' (source labels unshifted) or 'megatron' (already next-token)",
@@ -84,7 +90,14 @@ class PackedInputs:
         multiples: alignment the layout needs; cp_size: for the CP partition check.
         cp_index: [T/cp] when the batch was already localized to one CP rank.
         cp_rank: the rank `cp_index` belongs to, when known.
-        mrope: an `MRopeConfig` or callable(ids [1, L], image_grid_thw=, video_grid_thw=) -> [3, 1, L].
+        second_per_grid_ts: [V] float seconds per video temporal grid step, or None.
+        audio_seqlens: [A] long raw audio lengths per clip (token order), or None; audio_token_id,
+            audios_per_document and audio_n_window (None: the mrope config's, else 50) split them per document.
+        use_audio_in_video: given to an mrope callable that takes it; None = told per document.
+        mrope: an `MRopeConfig` or callable(ids [1, L], image_grid_thw=, video_grid_thw=, ...) -> [3, 1, L]
+            (a callable gets the inputs its signature names: second_per_grid_ts / second_per_grids,
+            audio_seqlens, use_audio_in_video). With an `MRopeConfig`, placeholder ids and the merge size
+            not given are the config's.
     """
 
     input_ids: torch.Tensor
@@ -105,6 +118,12 @@ class PackedInputs:
     spatial_merge_size: int = 2
     images_per_document: tuple[int, ...] | None = None
     videos_per_document: tuple[int, ...] | None = None
+    second_per_grid_ts: torch.Tensor | None = None
+    audio_seqlens: torch.Tensor | None = None
+    audio_token_id: int | None = None
+    audios_per_document: tuple[int, ...] | None = None
+    audio_n_window: int | None = None
+    use_audio_in_video: bool | None = None
     source: SourceRows | None = None
     multiples: PackMultiples = PackMultiples()
     cp_size: int = 1
@@ -191,8 +210,17 @@ def _from_micro_batch(batch) -> dict:
 
     if vision is not None:
         out.update(image_grid_thw=vision.image_grid_thw, video_grid_thw=vision.video_grid_thw,
+                   second_per_grid_ts=vision.second_per_grid_ts,
                    images_per_document=per_document(vision.images_per_sample),
                    videos_per_document=per_document(vision.videos_per_sample))
+        if getattr(vision, "spatial_merge_size", None) is not None:  # what packing counted the grids with
+            out["spatial_merge_size"] = vision.spatial_merge_size
+    audio = getattr(batch, "audio", None)
+    if audio is not None:  # the clips' real frames: what the mRoPE index read as audio_seqlens
+        out.update(audio_seqlens=torch.tensor(audio.audio_lengths, dtype=torch.long),
+                   audios_per_document=per_document(audio.audios_per_sample))
+    # the ids packing checked the placeholders of (kind "image" / "video" / "audio")
+    out.update({f"{kind}_token_id": token for kind, token in getattr(batch, "placeholders_checked", ())})
     passthrough = getattr(batch, "passthrough", None) or {}
     for key in ("image_grid_thw", "video_grid_thw"):
         if passthrough.get(key) is not None:
@@ -242,6 +270,19 @@ def _from_mapping(batch: Mapping) -> dict:
     return out
 
 
+def _defaults_from_mrope(values: dict) -> None:
+    """Placeholder ids, merge size and audio window not given: the `MRopeConfig`'s (the model's own ids), so
+    the grids and audio lengths can be split per document for its index. A callable names none."""
+    from megatron_vlm_packing.rope import MRopeConfig
+
+    config = values.get("mrope")
+    if not isinstance(config, MRopeConfig):
+        return
+    for name in ("image_token_id", "video_token_id", "audio_token_id", "spatial_merge_size", "audio_n_window"):
+        if values.get(name) is None and getattr(config, name, None) is not None:
+            values[name] = getattr(config, name)
+
+
 def build_inputs(batch=None, **overrides) -> PackedInputs:
     """Normalise `batch` (MicroBatch / PackedBatch / mapping / None) plus keyword overrides.
 
@@ -281,11 +322,12 @@ def build_inputs(batch=None, **overrides) -> PackedInputs:
         raise ValueError("the packed batch needs input_ids (or tokens)")
     for name in ("input_ids", "labels", "loss_mask", "position_ids", "padding_mask"):
         values[name] = flat_tokens(values.get(name), name)
+    _defaults_from_mrope(values)
     for name in ("cu_seqlens", "cu_seqlens_padded", "cu_seqlens_kv", "cu_seqlens_kv_padded", "image_grid_thw",
-                 "video_grid_thw", "cp_index"):
+                 "video_grid_thw", "cp_index", "second_per_grid_ts", "audio_seqlens"):
         if values.get(name) is not None:
             values[name] = _tensor(values[name], name)
-    for name in ("images_per_document", "videos_per_document"):
+    for name in ("images_per_document", "videos_per_document", "audios_per_document"):
         if values.get(name) is not None:
             counts = _tensor(values[name], name)
             if counts.dim() != 1 or counts.is_floating_point() or bool((counts < 0).any()):
@@ -293,9 +335,12 @@ def build_inputs(batch=None, **overrides) -> PackedInputs:
             values[name] = tuple(counts.tolist())
     # scalars a check divides by, compares with or indexes by: ints, or a ValueError naming them
     for name, minimum in (("image_token_id", None), ("video_token_id", None), ("pad_token_id", None),
-                          ("ignore_index", None), ("cp_rank", 0), ("spatial_merge_size", 1)):
+                          ("ignore_index", None), ("cp_rank", 0), ("spatial_merge_size", 1), ("audio_token_id", None),
+                          ("audio_n_window", 1)):
         if values.get(name) is not None:
             values[name] = _int(values[name], name, minimum)
+    if values.get("use_audio_in_video") is not None:
+        values["use_audio_in_video"] = _flag(values["use_audio_in_video"], "use_audio_in_video")
     ranks = values.get("cp_ranks")
     if ranks is not None and (not isinstance(ranks, Mapping) or
                               not all(isinstance(r, Mapping) for r in ranks.values())):

@@ -9,6 +9,7 @@ import torch
 
 from megatron_vlm_packing.validate.documents import Documents
 from megatron_vlm_packing.validate.inputs import PackedInputs
+from megatron_vlm_packing.validate.model_index import against_model_index
 from megatron_vlm_packing.validate.report import Violation
 
 
@@ -52,8 +53,10 @@ def check_positions_1d(inputs: PackedInputs, docs: Documents) -> list[Violation]
     return out
 
 
-def check_positions_3d(inputs: PackedInputs, docs: Documents, vision_items: dict, vision_failed: set[int]) -> list[Violation]:
-    """[3, T] positions: restart at 0, distinct channels on vision documents, equal to the model's index."""
+def check_positions_3d(inputs: PackedInputs, docs: Documents, vision_items: dict,
+                       vision_failed: set[int]) -> tuple[list[Violation], dict[int, str]]:
+    """[3, T] positions: restart at 0, distinct channels on vision documents, equal to the model's index
+    (`validate.model_index`). Returns the violations and the documents the index could not check, with why."""
     positions = inputs.position_ids
     out, flagged = [], set()
     starts = [d for d in range(docs.num_documents) if docs.real[d] and
@@ -73,54 +76,15 @@ def check_positions_3d(inputs: PackedInputs, docs: Documents, vision_items: dict
         out.append(Violation("mrope_channels_identical", f"the 3 channels are equal on every token of documents "
                              f"{identical[:8]}, which hold image / video placeholders", tuple(identical)))
         flagged |= set(identical)
-    if inputs.mrope is not None:
-        out += _against_model_index(inputs, docs, vision_items, flagged | vision_failed)
-    return out
+    if inputs.mrope is None:
+        return out, {}
+    found, unchecked = against_model_index(inputs, docs, vision_items, flagged | vision_failed)
+    return out + found, unchecked
 
 
-def _index_of(inputs: PackedInputs, ids: torch.Tensor, grids: dict) -> torch.Tensor:
-    """[3, L] positions of one sample alone from the model's index (`MRopeConfig` or callable)."""
-    mrope = inputs.mrope
-    kwargs = {k: v for k, v in grids.items() if v is not None}
-    if callable(mrope):
-        result = mrope(ids[None], **kwargs)
-    else:
-        from megatron_vlm_packing.rope import get_rope_index
-
-        result = get_rope_index(ids[None], mrope, **kwargs)
-    result = result[0] if isinstance(result, tuple) else result
-    return result.reshape(3, -1)
-
-
-def _against_model_index(inputs: PackedInputs, docs: Documents, vision_items: dict, skip: set[int]) -> list[Violation]:
-    bad = []
-    for d in range(docs.num_documents):
-        if d in skip or docs.real[d] == 0:
-            continue
-        grids = {}
-        for kind in ("image", "video"):
-            items, grid = vision_items.get(kind), getattr(inputs, f"{kind}_grid_thw")
-            if items is not None and grid is not None and items[d]:
-                grids[f"{kind}_grid_thw"] = grid[items[d]]
-        slots = docs.real_slots(d)
-        try:
-            expected = _index_of(inputs, inputs.input_ids[slots], grids)
-        except ValueError as err:  # the model's own index refuses this document
-            bad.append((d, 0, "refused", str(err)))
-            continue
-        got = inputs.position_ids[:, slots]
-        differs = got.double() != expected.double()  # float32 positions (Qwen3-Omni) compared untruncated
-        if bool(differs.any()):
-            k = int(differs.any(0).nonzero()[0])
-            bad.append((d, k, got[:, k].tolist(), expected[:, k].tolist()))
-    if not bad:
-        return []
-    detail = [f"document {d}: the model's index refuses it: {e}" if g == "refused" else
-              f"document {d} token {k}: {g} where the model's index gives {e}" for d, k, g, e in bad[:4]]
-    return [Violation("mrope_positions", "; ".join(detail), tuple(d for d, *_ in bad))]
-
-
-def check_positions(inputs: PackedInputs, docs: Documents, vision_items: dict, vision_failed: set[int]) -> list[Violation]:
+def check_positions(inputs: PackedInputs, docs: Documents, vision_items: dict,
+                    vision_failed: set[int]) -> tuple[list[Violation], dict[int, str]]:
+    """Violations, and {document: why the model's index could not check it}."""
     if inputs.position_ids.dim() == 1:
-        return check_positions_1d(inputs, docs)
+        return check_positions_1d(inputs, docs), {}
     return check_positions_3d(inputs, docs, vision_items, vision_failed)

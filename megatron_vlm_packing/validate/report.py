@@ -43,6 +43,7 @@ CHECKS: dict[str, Check] = {c.name: c for c in (
     Check("labels_vs_source", 1, None, "labels / loss mask differ from the source sample's, shifted inside it"),
     Check("tokens_vs_source", 1, 9, "a source sample dropped, truncated or altered in the pack"),
     Check("vision_placeholders", 10, None, "image / video placeholders do not match the grids per document"),
+    Check("audio_placeholders", 10, None, "audio placeholders do not match audio_seqlens per document"),
     Check("cp_partition", 5, None, "a CP rank's tokens are not TransformerEngine's per-document zigzag"),
     Check("shapes", 10, None, "tensor shapes do not agree with each other"),
     Check("dtypes", 10, None, "token ids, labels or positions are not integers (mRoPE positions: or float32)"),

@@ -3,7 +3,8 @@
 The checks run in this order, each on what the previous ones settled: boundary sets (well formed,
 consistent, aligned, max_seqlen) -> which slots are real (padding mask, source rows or pad id as
 evidence; uniform / wrong boundaries) -> targets (loss on pads, labels crossing documents, labels vs
-the source) -> vision placeholders per document -> positions -> CP partition.
+the source) -> image / video / audio placeholders per document -> positions (each document against
+the model's index with its own grids, seconds and audio lengths: `model_index`) -> CP partition.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ def validate_packed_batch(batch=None, **fields) -> ValidationReport:
         **fields: any `PackedInputs` field or saved key, overriding the batch's: `input_ids`,
             `labels`, `loss_mask`, `position_ids` ([1, T] or [3, 1, T]), `padding_mask`,
             `packed_seq_params` or `cu_seqlens` / `cu_seqlens_padded` / `max_seqlen`,
-            `image_grid_thw` + `image_token_id` (+ video), `spatial_merge_size`, `source`
+            `image_grid_thw` + `image_token_id` (+ video, `second_per_grid_ts`), Qwen3-Omni
+            `audio_seqlens` + `audio_token_id` (`audios_per_document`, `audio_n_window`,
+            `use_audio_in_video`), `spatial_merge_size`, `source`
             (`SourceRows`: the unpacked rows), the layout (`tp_size`, `cp_size`,
             `sequence_parallel`, `fp8`, or `layout=ParallelLayout`), `cp_ranks`
             ({rank: {"cp_index": ..., "labels": ...}}), `pad_token_id`, `mrope`
@@ -134,17 +137,36 @@ def run_checks(inputs: PackedInputs) -> ValidationReport:
         skipped.append(("vision_placeholders", "no image_token_id / video_token_id given"))
     else:
         checked.append("vision_placeholders")
+    media_checked, media_skipped = _audio_checked(inputs)
+    checked += media_checked
+    skipped += media_skipped
     if inputs.position_ids is not None:
-        violations += check_positions(inputs, docs, items, failed)
+        found, unchecked = check_positions(inputs, docs, items, failed)
+        violations += found
         checked += ["positions_restart", "mrope_channels_identical"] + (["mrope_positions"] if inputs.mrope else [])
         if inputs.position_ids.dim() == 2 and not inputs.mrope:  # say so: an OK must not read as "mRoPE checked"
             skipped.append(("mrope_positions", "no mrope (MRopeConfig or the model's index) given: [3, T] positions "
                             "are checked for restarts and identical channels only"))
+        for reason in sorted(set(unchecked.values())):  # never an OK over documents the index was not asked about
+            ds = sorted(d for d, why in unchecked.items() if why == reason)
+            skipped.append(("mrope_positions", f"documents {ds[:16]}{' ...' if len(ds) > 16 else ''}: {reason}"))
     if inputs.cp_ranks:
         violations += check_cp_ranks(inputs, bounds)
         checked.append("cp_partition")
     return ValidationReport(tuple(violations), bounds.num_documents, inputs.total, sum(docs.real),
                             tuple(checked), tuple(skipped))
+
+
+def _audio_checked(inputs: PackedInputs) -> tuple[list[str], list[tuple[str, str]]]:
+    """Whether audio placeholders were checked against audio_seqlens, or why not (only when either is given)."""
+    lengths = inputs.audio_seqlens is not None
+    if inputs.audio_token_id is not None and lengths:
+        return ["audio_placeholders"], []
+    if inputs.audio_token_id is not None and bool((inputs.input_ids == inputs.audio_token_id).any()):
+        return [], [("audio_placeholders", "no audio_seqlens given")]
+    if lengths:
+        return [], [("audio_placeholders", "audio_seqlens given but no audio_token_id")]
+    return [], []
 
 
 def _settle_real_slots(inputs: PackedInputs, docs):

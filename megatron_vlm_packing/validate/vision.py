@@ -1,10 +1,13 @@
-"""Image / video placeholders against their grids, document by document (contract item 10).
+"""Image / video / audio placeholders against their grids and lengths, document by document (contract item 10).
 
-Each image (video) takes `t*h*w / merge**2` placeholder tokens. Items are assigned to documents in
+Each image (video) takes `t*h*w / merge**2` placeholder tokens, each audio clip
+`rope.omni.audio_output_length(audio_seqlens entry, n_window)`. Items are assigned to documents in
 order: by the given per-document counts, else greedily (consecutive items filling each document's
-placeholders exactly); a document whose placeholders no run of items fills is named.
+placeholders exactly); a document whose placeholders no run of items fills is named. A Qwen3-Omni
+video with its audio track holds both kinds in one block (interleaved by time): video and audio
+placeholders bridge each other's runs there.
 
-Shape legend: N = documents, I = images (or videos).
+Shape legend: N = documents, I = images (or videos, or audio clips), A = audio clips.
 """
 
 from __future__ import annotations
@@ -26,19 +29,35 @@ def _tokens_per_item(grid: torch.Tensor, merge: int, kind: str) -> tuple[list[in
     return [t * h * w // (merge * merge) for t, h, w in rows], None
 
 
-def _runs(is_ph: torch.Tensor, docs: Documents) -> list[list[int]]:
-    """Lengths of the contiguous placeholder runs of every document, in order."""
+def _audio_tokens_per_clip(inputs: PackedInputs) -> tuple[list[int], str | None]:
+    from megatron_vlm_packing.rope.omni import audio_output_length
+
+    lengths = inputs.audio_seqlens
+    if lengths.dim() != 1 or lengths.is_floating_point() or lengths.dtype == torch.bool:
+        return [], f"audio_seqlens must be [A] integer raw lengths, got {tuple(lengths.shape)} {lengths.dtype}"
+    raw = lengths.long().tolist()
+    bad = [(i, n) for i, n in enumerate(raw) if n < 1]
+    if bad:
+        return [], f"audio_seqlens entries {bad[:4]} are < 1: such a clip has no encoder output"
+    window = inputs.audio_n_window or 50
+    return [int(audio_output_length(torch.tensor(n), window)) for n in raw], None
+
+
+def _runs(is_ph: torch.Tensor, docs: Documents, bridge: torch.Tensor | None = None) -> list[list[int]]:
+    """Placeholder counts of the contiguous runs of every document, in order; slots in `bridge`
+    (the other kind of an audio-in-video block) continue a run without counting."""
     runs: list[list[int]] = [[] for _ in range(docs.num_documents)]
-    slots = is_ph.nonzero().flatten().tolist()
+    either = is_ph if bridge is None else is_ph | bridge
+    slots = either.nonzero().flatten().tolist()
     prev = None
     for slot in slots:
-        d = int(docs.doc_of_slot[slot])
+        d, counted = int(docs.doc_of_slot[slot]), int(is_ph[slot])
         if prev is not None and slot == prev + 1 and int(docs.doc_of_slot[prev]) == d:
-            runs[d][-1] += 1
+            runs[d][-1] += counted
         else:
-            runs[d].append(1)
+            runs[d].append(counted)
         prev = slot
-    return runs
+    return [[n for n in doc if n] for doc in runs]
 
 
 def _fits(runs: list[int], sizes: list[int]) -> bool:
@@ -75,11 +94,27 @@ def _assign(counts: list[int], sizes: list[int], per_doc: tuple[int, ...] | None
     return items, bad
 
 
-def check_kind(inputs: PackedInputs, docs: Documents, kind: str) -> tuple[list[Violation], list[list[int]] | None, set[int]]:
-    """Returns violations, items per document (None when unchecked) and the documents that failed."""
-    token_id = getattr(inputs, f"{kind}_token_id")
+_OTHER = {"video": "audio", "audio": "video"}  # the kinds an audio-in-video block interleaves
+
+
+def _item_sizes(inputs: PackedInputs, kind: str) -> tuple[list[int] | None, str | None, str]:
+    """(placeholder tokens per item, or None when the kind's input is absent; a problem; the input's name)."""
+    if kind == "audio":
+        if inputs.audio_seqlens is None:
+            return None, None, "audio_seqlens"
+        return (*_audio_tokens_per_clip(inputs), "audio_seqlens")  # [] for no clips: placeholders then fail
     grid = getattr(inputs, f"{kind}_grid_thw")
+    if grid is None or grid.numel() == 0:
+        return None, None, f"{kind}_grid_thw"
+    return (*_tokens_per_item(grid, inputs.spatial_merge_size, kind), f"{kind}_grid_thw")
+
+
+def check_kind(inputs: PackedInputs, docs: Documents, kind: str) -> tuple[list[Violation], list[list[int]] | None, set[int]]:
+    """Returns violations, items per document (None when unchecked) and the documents that failed.
+    Audio placeholders with no audio_seqlens given fail nothing: `model_index` reports them unchecked."""
+    token_id = getattr(inputs, f"{kind}_token_id")
     per_doc = getattr(inputs, f"{kind}s_per_document")
+    check = "audio_placeholders" if kind == "audio" else "vision_placeholders"
     if token_id is None:
         return [], None, set()
     is_ph = inputs.input_ids == token_id
@@ -88,40 +123,50 @@ def check_kind(inputs: PackedInputs, docs: Documents, kind: str) -> tuple[list[V
     out = []
     on_pads = (is_ph & ~real).nonzero().flatten()
     if on_pads.numel():
-        out.append(Violation("vision_placeholders", f"{on_pads.numel()} {kind} placeholders (id {token_id}) on pad "
+        out.append(Violation(check, f"{on_pads.numel()} {kind} placeholders (id {token_id}) on pad "
                              f"slots, e.g. {on_pads[:8].tolist()}", tuple(docs.doc_of_slot[on_pads].unique().tolist())))
-    if grid is None or grid.numel() == 0:
-        if sum(counts):
-            docs_with = tuple(d for d, c in enumerate(counts) if c)
-            out.append(Violation("vision_placeholders", f"{sum(counts)} {kind} placeholders but no {kind}_grid_thw", docs_with))
-        return out, [[] for _ in counts], set(d for d, c in enumerate(counts) if c)
-    sizes, problem = _tokens_per_item(grid, inputs.spatial_merge_size, kind)
+    sizes, problem, source = _item_sizes(inputs, kind)
+    if sizes is None and problem is None:
+        docs_with = tuple(d for d, c in enumerate(counts) if c)
+        if kind == "audio":  # lengths only the mRoPE index reads: reported as not checked there
+            return out, [[] for _ in counts], set()
+        if docs_with:
+            out.append(Violation(check, f"{sum(counts)} {kind} placeholders but no {source}", docs_with))
+        return out, [[] for _ in counts], set(docs_with)
     if problem:
-        return out + [Violation("vision_placeholders", problem)], None, set(range(docs.num_documents))
+        return out + [Violation(check, problem)], None, set(range(docs.num_documents))
     if per_doc is not None and (len(per_doc) != docs.num_documents or sum(per_doc) != len(sizes)):
-        out.append(Violation("vision_placeholders", f"{kind}s_per_document {list(per_doc)[:8]} does not fit "
+        out.append(Violation(check, f"{kind}s_per_document {list(per_doc)[:8]} does not fit "
                              f"{docs.num_documents} documents and {len(sizes)} {kind}s"))
         return out, None, set(range(docs.num_documents))
     if sum(counts) != sum(sizes):
-        out.append(Violation("vision_placeholders", f"{sum(counts)} {kind} placeholders (id {token_id}) in real "
-                             f"tokens but the {len(sizes)} grids need {sum(sizes)} ({sizes[:8]})"))
-    runs = _runs(is_ph & real, docs)
+        out.append(Violation(check, f"{sum(counts)} {kind} placeholders (id {token_id}) in real "
+                             f"tokens but the {len(sizes)} {source} entries need {sum(sizes)} ({sizes[:8]})"))
+    other = getattr(inputs, f"{_OTHER[kind]}_token_id", None) if kind in _OTHER else None
+    runs = _runs(is_ph & real, docs, None if other is None else (inputs.input_ids == other) & real)
     items, bad = _assign(counts, sizes, per_doc, runs)
     if bad and sum(counts) == sum(sizes):
         detail = [(d, runs[d], [sizes[i] for i in items[d]]) for d in bad[:6]]
-        out.append(Violation("vision_placeholders", f"placeholder runs per document do not match consecutive {kind} "
-                             f"grids: (document, placeholder runs, grid tokens assigned) {detail}", tuple(bad)))
+        out.append(Violation(check, f"placeholder runs per document do not match consecutive {source} "
+                             f"entries: (document, placeholder runs, tokens assigned) {detail}", tuple(bad)))
     return out, items, set(bad) if bad else set()
 
 
 def check_vision(inputs: PackedInputs, docs: Documents) -> tuple[list[Violation], dict, set[int]]:
-    """Both kinds; returns violations, {kind: items per document}, the failed documents."""
+    """Every kind; returns violations, {kind: items per document}, the failed documents."""
     out, items, failed = [], {}, set()
-    for kind in ("image", "video"):
+    for kind in ("image", "video", "audio"):
         v, per_doc, bad = check_kind(inputs, docs, kind)
         out += v
         failed |= bad
         if v and not bad:  # a total mismatch: no document can be trusted
             failed |= set(range(docs.num_documents))
         items[kind] = per_doc
+    seconds, grid = inputs.second_per_grid_ts, inputs.video_grid_thw
+    videos = 0 if grid is None or grid.dim() != 2 else grid.shape[0]
+    if seconds is not None and seconds.numel() != videos:  # each video's index call takes its own entry
+        with_videos = {d for d, taken in enumerate(items["video"] or []) if taken} if videos else set()
+        out.append(Violation("vision_placeholders", f"second_per_grid_ts has {seconds.numel()} entries for "
+                             f"{videos} videos in video_grid_thw: one per video", tuple(sorted(with_videos))))
+        failed |= with_videos if items["video"] is not None else set(range(docs.num_documents))
     return out, items, failed

@@ -144,6 +144,12 @@ def test_plan_of_2_to_the_31_tokens_is_refused():
         make_pack_plan([2**30, 2**30 - 1], row_capacity=2**30, multiples=PackMultiples(segment=2, total=2))
     largest = make_pack_plan([2**30, 2**30 - 1], row_capacity=2**30)
     assert largest.cu_seqlens_padded()[-1].item() == 2**31 - 1
+    # A plan built by hand is checked by PackPlan itself (make_pack_plan's skips that second check).
+    from megatron_vlm_packing.packing.plan import PackPlan
+
+    with pytest.raises(ValueError, match=r"the pack has 2147483648 slots \(2147483648 real tokens\)"):
+        PackPlan(row_lengths=(2**30, 2**30), row_capacity=2**30, segment_rows=(0, 1), real_lengths=(2**30, 2**30),
+                 physical_lengths=(2**30, 2**30), multiples=PackMultiples())
 
 
 @pytest.mark.parametrize("host_reads, form", ROUTES)

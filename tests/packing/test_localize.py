@@ -271,7 +271,7 @@ def _params_on(mb, device):
     params = mb.packed_seq_params
     moved = {name: getattr(params, name).to(device)
              for name in ("cu_seqlens_q", "cu_seqlens_q_padded", "cu_seqlens_kv", "cu_seqlens_kv_padded")}
-    return replace(mb, packed_seq_params=replace(params, **moved))
+    return replace(mb, packed_seq_params=replace(params, **moved), rope_cu_seqlens=mb.rope_cu_seqlens.to(device))
 
 
 def test_cp1_refuses_boundaries_on_another_device_than_the_fields():

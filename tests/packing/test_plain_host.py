@@ -240,15 +240,26 @@ def _any_outcome(call):
         return f"{type(error).__name__}: {error}"
 
 
-@pytest.mark.parametrize("kwargs", [dict(extra_keys=None), dict(extra_keys=0)], ids=repr)
+@pytest.mark.parametrize("kwargs", [dict(extra_keys=None), dict(extra_keys=0), dict(pad_token_id=-1),
+                                    dict(pad_token_id=2**63), dict(pad_token_id=True), dict(pad_token_id=1.0),
+                                    dict(pad_to=True), dict(pad_to=48.0), dict(pad_to=-4), dict(spatial_merge_size=0),
+                                    dict(spatial_merge_size=True)], ids=repr)
 def test_options_the_general_path_refuses_with_any_error_are_not_packed_by_the_plain_path(kwargs):
-    """Not only ValueErrors: the general path's TypeError of `tuple(extra_keys)` too."""
+    """Not only ValueErrors: the general path's TypeError of `tuple(extra_keys)` too. `pack_batch` tries the
+    plain path before its own option checks, so the plain path's gate must defer every option they refuse."""
     taken = []
     with plain_path_spied(taken):
         plain = _any_outcome(lambda: pack_batch(_clean(), host_reads=True, **kwargs))
     with plain_path_off():
         general = _any_outcome(lambda: pack_batch(_clean(), host_reads=True, **kwargs))
     assert isinstance(general, str) and plain == general and not any(taken)
+
+
+@pytest.mark.parametrize("kwargs", [dict(spatial_merge_size=2), dict(pad_token_id=2**63 - 1), dict(pad_to=48),
+                                    dict(require_media_counts=False), dict(position_layout="3BS")], ids=repr)
+def test_options_a_plain_batch_ignores_or_takes_pack_the_same_on_the_plain_path(kwargs):
+    taken, packs = assert_same_three_ways(_clean(), **kwargs)
+    assert taken and packs
 
 
 def _strided(tensor: torch.Tensor, form: str) -> torch.Tensor:

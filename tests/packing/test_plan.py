@@ -1,3 +1,5 @@
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -5,8 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_vlm_packing.packing import (
-    PackMultiples, make_pack_plan, pack_positions, pack_rows, plan_indices, segment_positions, unpack_rows,
+    PackMultiples, PackPlan, make_pack_plan, pack_positions, pack_rows, plan_indices, segment_positions, unpack_rows,
 )
+from megatron_vlm_packing.packing.plan import host_ramp
 
 parallel_configs = st.tuples(
     st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 3, 4]), st.booleans(), st.booleans()
@@ -108,6 +111,11 @@ def test_plan_contract(lengths, config, extra, use_pad_to):
     # Only the last segment takes total-level padding.
     assert plan.physical_lengths[:-1] == natural.physical_lengths[:-1]
     assert plan.max_seqlen >= max(plan.physical_lengths)
+    # make_pack_plan skips PackPlan's own checks: the checking constructor takes the same fields.
+    rebuilt = PackPlan(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(PackPlan)})
+    assert rebuilt == plan and type(plan) is PackPlan
+    assert (rebuilt.total, rebuilt.max_seqlen, rebuilt.num_real_tokens) == (plan.total, plan.max_seqlen,
+                                                                            plan.num_real_tokens)
 
 
 @settings(max_examples=60, deadline=None)
@@ -155,3 +163,22 @@ def test_pack_keeps_autograd():
     rows = torch.randn(2, 3, 4, requires_grad=True)
     pack_rows(rows, idx).sum().backward()
     assert rows.grad[0, 2].abs().sum() == 0 and rows.grad[0, :2].eq(1).all() and rows.grad[1].eq(1).all()
+
+
+@pytest.mark.parametrize("length", [0, 1, 2, 3, 5, 1024, 1025, 40000])
+def test_host_ramp_is_a_read_only_arange(length):
+    ramp = host_ramp(length)
+    assert ramp.dtype == np.int64 and np.array_equal(ramp, np.arange(length))
+    assert not ramp.flags.writeable
+    with pytest.raises(ValueError):
+        ramp[:1] = 7
+
+
+def test_host_offsets_and_positions_are_copies_of_the_shared_ramp():
+    # Offsets are slices of one shared ramp: what leaves the plan must be its own array, so a caller that
+    # writes its positions in place reaches neither the ramp nor the next micro-batch.
+    plan = make_pack_plan([5], row_capacity=8)  # one document: the one case a concatenation could skip
+    positions = segment_positions(plan_indices(plan))
+    positions.add_(100)
+    assert segment_positions(plan_indices(plan)).tolist() == [[0, 1, 2, 3, 4]]
+    assert host_ramp(5).tolist() == [0, 1, 2, 3, 4]

@@ -41,6 +41,10 @@ def test_step_breakdown_profiles_both_modes(tmp_path):
     assert "| padded to batch max |" in text and "| packed THD, ours |" in text
     op_rows = [line for line in text.splitlines() if line.startswith("| `")]
     assert len(op_rows) == 5
+    for mode in ("padded to batch max", "packed THD, ours"):  # sync events, their sites, top CPU ops: each mode
+        rows = [line.split(" | ") for line in text.split("Sync events per step")[1].splitlines()
+                if line.startswith(f"| {mode} | ")]
+        assert len(rows) >= 3 and all(float(row[-1].rstrip(" |")) >= 0 for row in rows)
 
 
 @pytest.mark.parametrize("cp", [1, 2])

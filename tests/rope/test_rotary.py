@@ -459,3 +459,28 @@ def test_module_casts_keep_inv_freq_float32_like_megatron_core(shims, cast):
     positions = torch.arange(4000.).view(1, 1, -1).expand(3, 1, -1) + 0.5
     assert ours.inv_freq.dtype == torch.float32
     assert torch.equal(ours(positions, [2, 3, 3]), megatron(positions, [2, 3, 3]))
+
+
+def test_a_deep_copy_switches_its_own_rotary_and_undoes_only_itself():
+    """`copy.deepcopy` copies a module's hook dicts but not the hook functions: hooks that closed over the
+    rotary switched the original's rotary while the copy ran. (Megatron-Core's GPTModel holds process
+    groups and cannot be deep-copied; a model that can, like this one, must still pack correctly.)"""
+    import copy
+
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    model = TinyMropeModel()
+    handle = use_packed_mrope(model)
+    twin = copy.deepcopy(model)
+    assert twin.rotary_pos_emb is not model.rotary_pos_emb
+    thd = PackedSeqParams(qkv_format="thd")
+    twin(None, None, None, packed_seq_params=thd)
+    twin(None, None, None)
+    assert twin.seen == [True, False] and model.seen == []
+    assert model.rotary_pos_emb.hooked_calls == 0 and twin.rotary_pos_emb.hooked_calls == 0
+    twin._packed_mrope_handle.undo()
+    assert not twin._forward_pre_hooks and type(twin.rotary_pos_emb) is type(handle.original)
+    model(None, None, None, packed_seq_params=thd)
+    assert model.seen == [True]
+    handle.undo()
+    assert model.rotary_pos_emb is handle.original

@@ -1,0 +1,129 @@
+"""mRoPE positions of every document against the model's own index for that sample alone (contract item 3).
+
+Each document is given its own inputs, split by `validate.vision` (which items each document
+holds): image and video grids, seconds per video grid step (Qwen2.5-VL, Qwen3-Omni), and audio
+lengths (Qwen3-Omni `audio_seqlens`; `use_audio_in_video` is told per document by an audio
+placeholder next to a video one, unless given). A document the index cannot be asked about (audio
+placeholders with no audio lengths, or an input the index callable takes under no name) is
+returned as unchecked with the reason, never passed.
+
+Shape legend: T = physical packed slots, L = one document's real tokens.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from megatron_vlm_packing.validate.documents import Documents
+from megatron_vlm_packing.validate.inputs import PackedInputs
+from megatron_vlm_packing.validate.report import Violation
+
+_ITEMS = (("image", "image_grid_thw"), ("video", "video_grid_thw"), ("audio", "audio_seqlens"))
+
+
+def _callable_kwargs(mrope, kwargs: dict) -> tuple[dict, list[str]]:
+    """The inputs an index callable takes by name (all of them with **kwargs); seconds go as
+    `second_per_grid_ts` or `second_per_grids` (transformers' Qwen3-Omni name). Returns (kwargs, the
+    given inputs it takes under no name; `use_audio_in_video` is never one: the tokens tell it)."""
+    params = inspect.signature(mrope).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return kwargs, []
+    out, unread = {}, []
+    for name, value in kwargs.items():
+        if name == "second_per_grid_ts" and name not in params and "second_per_grids" in params:
+            out["second_per_grids"] = value
+        elif name in params:
+            out[name] = value
+        elif name != "use_audio_in_video":
+            unread.append(name)
+    return out, unread
+
+
+def _index_of(inputs: PackedInputs, ids: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    """ids: [L] -> [3, L] positions of one sample alone from the model's index (`MRopeConfig` or callable)."""
+    mrope = inputs.mrope
+    if callable(mrope):
+        if "attention_mask" in inspect.signature(mrope).parameters:  # the sample alone: every token real
+            kwargs = {**kwargs, "attention_mask": torch.ones_like(ids[None])}
+        result = mrope(ids[None], **kwargs)
+    else:
+        from megatron_vlm_packing.rope import get_rope_index
+
+        result = get_rope_index(ids[None], mrope, **kwargs)
+    result = result[0] if isinstance(result, tuple) else result
+    return result.reshape(3, -1)
+
+
+def _audio_in_video(inputs: PackedInputs, ids: torch.Tensor) -> bool:
+    """`use_audio_in_video` for one document (ids: [L]): as given, else whether a video placeholder
+    sits next to an audio placeholder (a video with its audio track in one block)."""
+    if inputs.use_audio_in_video is not None or inputs.audio_token_id is None or inputs.video_token_id is None:
+        return bool(inputs.use_audio_in_video)
+    kinds = (ids == inputs.video_token_id).long() - (ids == inputs.audio_token_id).long()  # 1 video, -1 audio
+    return bool((kinds[1:] * kinds[:-1] < 0).any())
+
+
+def document_inputs(inputs: PackedInputs, ids: torch.Tensor, items: dict, d: int) -> dict:
+    """The index's keywords for document `d` alone (ids: [L]): its grids, seconds and audio lengths."""
+    kwargs = {}
+    for kind, name in _ITEMS:
+        given = getattr(inputs, name)
+        if items.get(kind) is not None and given is not None and items[kind][d]:
+            kwargs[name] = given[items[kind][d]]
+            if kind == "video" and inputs.second_per_grid_ts is not None:
+                kwargs["second_per_grid_ts"] = inputs.second_per_grid_ts.reshape(-1)[items[kind][d]]
+    if "audio_seqlens" in kwargs:
+        kwargs["use_audio_in_video"] = _audio_in_video(inputs, ids)
+    return kwargs
+
+
+def _audio_unchecked(inputs: PackedInputs, docs: Documents) -> dict[int, str]:
+    """Documents whose audio the index would need lengths for that were not given (or not split)."""
+    if inputs.audio_token_id is None:
+        if inputs.audio_seqlens is not None and inputs.audio_seqlens.numel():
+            why = "audio_seqlens given but no audio_token_id: the clips cannot be split per document"
+            return {d: why for d in range(docs.num_documents) if docs.real[d]}
+        return {}
+    if inputs.audio_seqlens is not None:  # split per document (or, not fitting, named by audio_placeholders)
+        return {}
+    holds = torch.bincount(docs.doc_of_slot[(inputs.input_ids == inputs.audio_token_id) & docs.is_real],
+                           minlength=docs.num_documents).tolist()
+    return {d: "audio placeholders but no audio_seqlens given" for d, n in enumerate(holds) if n}
+
+
+def against_model_index(inputs: PackedInputs, docs: Documents, items: dict,
+                        skip: set[int]) -> tuple[list[Violation], dict[int, str]]:
+    """Each document's real positions ([3, L] of `inputs.position_ids`) equal to the index's for it alone.
+
+    Returns the violation (naming the first differing token of up to 4 documents) and {document: why
+    it could not be checked}. Documents in `skip` (already reported) are not asked about.
+    """
+    bad, unchecked = [], _audio_unchecked(inputs, docs)
+    for d in range(docs.num_documents):
+        if d in skip or d in unchecked or docs.real[d] == 0:
+            continue
+        slots = docs.real_slots(d)
+        ids = inputs.input_ids[slots]
+        kwargs = document_inputs(inputs, ids, items, d)
+        if callable(inputs.mrope):
+            kwargs, unread = _callable_kwargs(inputs.mrope, kwargs)
+            if unread:
+                unchecked[d] = f"the mrope callable takes none of {unread} by name"
+                continue
+        try:
+            expected = _index_of(inputs, ids, kwargs)
+        except ValueError as err:  # the model's own index refuses this document
+            bad.append((d, 0, "refused", str(err)))
+            continue
+        got = inputs.position_ids[:, slots]
+        differs = got.double() != expected.double()  # float32 positions (Qwen3-Omni) compared untruncated
+        if bool(differs.any()):
+            k = int(differs.any(0).nonzero()[0])
+            bad.append((d, k, got[:, k].tolist(), expected[:, k].tolist()))
+    if not bad:
+        return [], unchecked
+    detail = [f"document {d}: the model's index refuses it: {e}" if g == "refused" else
+              f"document {d} token {k}: {g} where the model's index gives {e}" for d, k, g, e in bad[:4]]
+    return [Violation("mrope_positions", "; ".join(detail), tuple(d for d, *_ in bad))], unchecked
