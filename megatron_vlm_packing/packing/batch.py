@@ -185,12 +185,12 @@ def pack_batch(
     rows = read_rows(batch, label_style=label_style, mrope=mrope, media=media, extra_keys=extra_keys,
                      vocab_size=vocab_size, position_layout=position_layout, on_host=host_reads)
     batch_size, row_length = rows.input_ids.shape
-    multiples = PackMultiples.for_parallel(
-        tp_size=tp_size, cp_size=cp_size, sequence_parallel=sequence_parallel, fp8=fp8
-    )
-    # host_reads: a bad value is named before a pad_to that does not fit, as the device path (which has
-    # read the values by now) names it.
+    # host_reads: a bad value is named before a parallel option or a pad_to that does not fit, as the device
+    # path (which has read the values by now) names it.
     try:
+        multiples = PackMultiples.for_parallel(
+            tp_size=tp_size, cp_size=cp_size, sequence_parallel=sequence_parallel, fp8=fp8
+        )
         plan = make_pack_plan(rows.lengths, row_capacity=row_length, multiples=multiples, pad_to=pad_to)
     except ValueError:
         raise_value_errors_first(rows.unchecked_values, label_style, vocab_size, rows.unchecked_positions)

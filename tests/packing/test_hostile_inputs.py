@@ -333,3 +333,13 @@ def test_paths_agree_on_random_hostile_masks():
         assert_identical(plain, general)
         assert_identical(plain, device)
         assert lengths is not None and list(plain.plan.real_lengths) == [n for n in lengths if n], (case, mask)
+
+
+@pytest.mark.parametrize("host_reads, form", ROUTES)
+@pytest.mark.parametrize("option", [{"tp_size": 0}, {"sequence_parallel": 1}])
+def test_bad_value_is_named_before_a_bad_parallel_option(host_reads, form, option):
+    """Both faults: every path names the batch's (the step path reads values before the parallel layout; the host
+    paths check them last, so they raise them first on any later error)."""
+    batch = rows_batch(torch.tensor(MASK), position_ids=torch.tensor([[0, 1, 5, 3], [0, 1, 2, 3]]))
+    with pytest.raises(ValueError, match=r"^position_ids row 0 position 2 is 5, expected 2"):
+        packed(batch, host_reads, form, **option)
