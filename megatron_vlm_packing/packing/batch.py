@@ -238,11 +238,11 @@ def _pack_plain(batch, *, extra_keys, position_layout, tp_size, cp_size, sequenc
                 pad_token_id, vocab_size) -> PlainPack | None:
     """`plain_host.pack_plain_batch_on_host` when the options are ones the general path accepts and ask for
     nothing but the batch's own keys (the caller checked: no mRoPE, no media ids), else None."""
-    # extra_keys: only an empty tuple or list (None or 0 is the general path's TypeError, from tuple(extra_keys)).
-    # pad_token_id and pad_to: plain ints the general path's checks pass (else it names the error).
+    # extra_keys: only an empty tuple or list (None or 0 is the general path's ValueError, checked_extra_keys).
+    # pad_token_id, pad_to, vocab_size: plain ints the general path's checks pass (else it names the error).
     if type(extra_keys) not in (tuple, list) or extra_keys or position_layout not in (None, "3BS", "B3S") \
             or type(pad_token_id) is not int or not 0 <= pad_token_id <= INT64_MAX \
-            or not (pad_to is None or type(pad_to) is int):
+            or not (pad_to is None or type(pad_to) is int) or (type(vocab_size) is int and vocab_size > INT64_MAX):
         return None
     try:
         multiples = PackMultiples.for_parallel(tp_size=tp_size, cp_size=cp_size, sequence_parallel=sequence_parallel,

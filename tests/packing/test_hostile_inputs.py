@@ -343,3 +343,12 @@ def test_bad_value_is_named_before_a_bad_parallel_option(host_reads, form, optio
     batch = rows_batch(torch.tensor(MASK), position_ids=torch.tensor([[0, 1, 5, 3], [0, 1, 2, 3]]))
     with pytest.raises(ValueError, match=r"^position_ids row 0 position 2 is 5, expected 2"):
         packed(batch, host_reads, form, **option)
+
+
+@pytest.mark.parametrize("host_reads, form", ROUTES)
+@pytest.mark.parametrize("option", [{}, {"tp_size": 0}, {"pad_to": 2**64}])
+def test_vocab_size_beyond_int64_is_refused(host_reads, form, option):
+    """Ids are compared with it as int64 (an OverflowError on the error path before); with a second fault the
+    vocab_size is named first, as every option before the batch."""
+    with pytest.raises(ValueError, match=rf"^vocab_size must be at most 2\*\*63 - 1 \(ids are int64\), got {2**64}$"):
+        packed(rows_batch(torch.tensor(MASK)), host_reads, form, vocab_size=2**64, **option)
