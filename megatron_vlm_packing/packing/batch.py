@@ -185,12 +185,12 @@ def pack_batch(
     rows = read_rows(batch, label_style=label_style, mrope=mrope, media=media, extra_keys=extra_keys,
                      vocab_size=vocab_size, position_layout=position_layout, on_host=host_reads)
     batch_size, row_length = rows.input_ids.shape
-    multiples = PackMultiples.for_parallel(
-        tp_size=tp_size, cp_size=cp_size, sequence_parallel=sequence_parallel, fp8=fp8
-    )
-    # host_reads: a bad value is named before a pad_to that does not fit, as the device path (which has
-    # read the values by now) names it.
+    # host_reads: a bad value is named before a parallel option or a pad_to that does not fit, as the device
+    # path (which has read the values by now) names it.
     try:
+        multiples = PackMultiples.for_parallel(
+            tp_size=tp_size, cp_size=cp_size, sequence_parallel=sequence_parallel, fp8=fp8
+        )
         plan = make_pack_plan(rows.lengths, row_capacity=row_length, multiples=multiples, pad_to=pad_to)
     except ValueError:
         raise_value_errors_first(rows.unchecked_values, label_style, vocab_size, rows.unchecked_positions)
@@ -238,11 +238,11 @@ def _pack_plain(batch, *, extra_keys, position_layout, tp_size, cp_size, sequenc
                 pad_token_id, vocab_size) -> PlainPack | None:
     """`plain_host.pack_plain_batch_on_host` when the options are ones the general path accepts and ask for
     nothing but the batch's own keys (the caller checked: no mRoPE, no media ids), else None."""
-    # extra_keys: only an empty tuple or list (None or 0 is the general path's TypeError, from tuple(extra_keys)).
-    # pad_token_id and pad_to: plain ints the general path's checks pass (else it names the error).
+    # extra_keys: only an empty tuple or list (None or 0 is the general path's ValueError, checked_extra_keys).
+    # pad_token_id, pad_to, vocab_size: plain ints the general path's checks pass (else it names the error).
     if type(extra_keys) not in (tuple, list) or extra_keys or position_layout not in (None, "3BS", "B3S") \
             or type(pad_token_id) is not int or not 0 <= pad_token_id <= INT64_MAX \
-            or not (pad_to is None or type(pad_to) is int):
+            or not (pad_to is None or type(pad_to) is int) or (type(vocab_size) is int and vocab_size > INT64_MAX):
         return None
     try:
         multiples = PackMultiples.for_parallel(tp_size=tp_size, cp_size=cp_size, sequence_parallel=sequence_parallel,
@@ -288,7 +288,8 @@ def _check_on_host(batch: dict) -> None:
     if not isinstance(batch, Mapping):  # read_rows names what it is
         return
     for key, value in batch.items():
-        if isinstance(value, torch.Tensor) and (not value.is_cpu or value.layout is not torch.strided or value.is_nested):
+        if isinstance(value, torch.Tensor) and (not value.is_cpu or value.layout is not torch.strided
+                                                or value.is_nested):
             if value.layout is not torch.strided or value.is_nested:
                 refuse_undense(key, value)
             raise ValueError(f"host_reads=True packs a batch on the CPU (a DataLoader worker), but {key!r} is on "

@@ -29,8 +29,8 @@ from megatron_vlm_packing.packing.media import (
 from megatron_vlm_packing.packing.media_audio import AUDIO_KEYS, audio_inputs, check_audio_seqlens, queue_audio_reads
 from megatron_vlm_packing.packing.micro_batch import AudioInputs, VisionInputs
 from megatron_vlm_packing.packing.positions import (  # noqa: F401 (re-exported: callers import them from rows)
-    batch_positions, check_1d_positions, check_position_layout, normalize_positions, queue_position_checks, queue_rope_positions,
-    refuse_unread_rope_inputs, rope_positions,
+    batch_positions, check_1d_positions, check_position_layout, normalize_positions, queue_position_checks,
+    queue_rope_positions, refuse_unread_rope_inputs, rope_positions,
 )
 from megatron_vlm_packing.packing.pack import on_host_without_grad
 
@@ -355,6 +355,8 @@ def read_rows(batch, *, label_style: str, mrope, media: MediaTokens, extra_keys=
     check_keys(batch, extra_keys=extra_keys, mrope=mrope)
     if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
         raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
+    if vocab_size is not None and vocab_size > INT64_MAX:  # ids are compared with it as int64
+        raise ValueError(f"vocab_size must be at most 2**63 - 1 (ids are int64), got {vocab_size}")
     name, input_ids = input_ids_of(batch)
     source_shape = tuple(input_ids.shape)
     for key in ("labels", "loss_mask"):

@@ -137,17 +137,17 @@ def test_plan_of_2_to_the_31_tokens_is_refused():
     """Checked from the lengths alone (no tensor is made): T = 2**31 would wrap cu_seqlens' int32."""
     from megatron_vlm_packing.packing.plan import PackMultiples, make_pack_plan
 
-    with pytest.raises(ValueError, match=r"T = 2147483648 physical tokens \(2147483648 real\); its int32 cu_seqlens "
-                                         r"need T < 2\*\*31"):
+    with pytest.raises(ValueError, match=r"the pack has 2147483648 slots \(2147483648 real tokens\), more than int32 "
+                                         r"cu_seqlens can hold \(< 2\*\*31\)"):
         make_pack_plan([2**30, 2**30], row_capacity=2**30)
-    with pytest.raises(ValueError, match=r"T = 2147483648 physical tokens \(2147483647 real\)"):
+    with pytest.raises(ValueError, match=r"the pack has 2147483648 slots \(2147483647 real tokens\)"):
         make_pack_plan([2**30, 2**30 - 1], row_capacity=2**30, multiples=PackMultiples(segment=2, total=2))
     largest = make_pack_plan([2**30, 2**30 - 1], row_capacity=2**30)
     assert largest.cu_seqlens_padded()[-1].item() == 2**31 - 1
     # A plan built by hand is checked by PackPlan itself (make_pack_plan's skips that second check).
     from megatron_vlm_packing.packing.plan import PackPlan
 
-    with pytest.raises(ValueError, match=r"T = 2147483648 physical tokens \(2147483648 real\)"):
+    with pytest.raises(ValueError, match=r"the pack has 2147483648 slots \(2147483648 real tokens\)"):
         PackPlan(row_lengths=(2**30, 2**30), row_capacity=2**30, segment_rows=(0, 1), real_lengths=(2**30, 2**30),
                  physical_lengths=(2**30, 2**30), multiples=PackMultiples())
 
@@ -156,7 +156,7 @@ def test_plan_of_2_to_the_31_tokens_is_refused():
 @pytest.mark.parametrize("pad_to", [2**31, 2**64])
 def test_pad_to_beyond_int32_is_refused(host_reads, form, pad_to):
     batch = rows_batch(torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]]))
-    with pytest.raises(ValueError, match=rf"T = {pad_to} physical tokens \(5 real\); its int32 cu_seqlens"):
+    with pytest.raises(ValueError, match=rf"the pack has {pad_to} slots \(5 real tokens\), more than int32"):
         packed(batch, host_reads, form, pad_to=pad_to)
 
 
@@ -333,3 +333,22 @@ def test_paths_agree_on_random_hostile_masks():
         assert_identical(plain, general)
         assert_identical(plain, device)
         assert lengths is not None and list(plain.plan.real_lengths) == [n for n in lengths if n], (case, mask)
+
+
+@pytest.mark.parametrize("host_reads, form", ROUTES)
+@pytest.mark.parametrize("option", [{"tp_size": 0}, {"sequence_parallel": 1}])
+def test_bad_value_is_named_before_a_bad_parallel_option(host_reads, form, option):
+    """Both faults: every path names the batch's (the step path reads values before the parallel layout; the host
+    paths check them last, so they raise them first on any later error)."""
+    batch = rows_batch(torch.tensor(MASK), position_ids=torch.tensor([[0, 1, 5, 3], [0, 1, 2, 3]]))
+    with pytest.raises(ValueError, match=r"^position_ids row 0 position 2 is 5, expected 2"):
+        packed(batch, host_reads, form, **option)
+
+
+@pytest.mark.parametrize("host_reads, form", ROUTES)
+@pytest.mark.parametrize("option", [{}, {"tp_size": 0}, {"pad_to": 2**64}])
+def test_vocab_size_beyond_int64_is_refused(host_reads, form, option):
+    """Ids are compared with it as int64 (an OverflowError on the error path before); with a second fault the
+    vocab_size is named first, as every option before the batch."""
+    with pytest.raises(ValueError, match=rf"^vocab_size must be at most 2\*\*63 - 1 \(ids are int64\), got {2**64}$"):
+        packed(rows_batch(torch.tensor(MASK)), host_reads, form, vocab_size=2**64, **option)
