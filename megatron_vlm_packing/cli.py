@@ -47,9 +47,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     int32_max = 2**31 - 1
     if max(args.lengths + [capacity, args.pad_to or 0]) > int32_max:
         raise ValueError(f"lengths, --seq and --pad-to must be <= {int32_max} (cu_seqlens are int32)")
-    plan = make_pack_plan(args.lengths, row_capacity=capacity, multiples=multiples, pad_to=args.pad_to)
-    if plan.total > int32_max:
-        raise ValueError(f"the pack has {plan.total} slots, more than cu_seqlens (int32) can hold ({int32_max})")
+    plan = make_pack_plan(args.lengths, row_capacity=capacity, multiples=multiples, pad_to=args.pad_to)  # T < 2**31
     print(f"multiples: segment {multiples.segment}, total {multiples.total}")
     print(f"cu_seqlens         {plan.cu_seqlens().tolist()}")
     print(f"cu_seqlens_padded  {plan.cu_seqlens_padded().tolist()}")
@@ -76,14 +74,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     """Validate a saved packed batch: exit 0 clean, 1 on violations (2 unreadable, from main)."""
     from megatron_vlm_packing.validate import validate_packed_batch
-    from megatron_vlm_packing.validate.saved import load_saved_batch
+    from megatron_vlm_packing.validate.saved import index_note, load_hf_mrope_config, load_saved_batch
 
     batch = load_saved_batch(args.file)
-    layout = {k: v for k, v in (("tp_size", args.tp), ("cp_size", args.cp), ("pad_token_id", args.pad_token_id))
-              if v is not None}
+    mrope = load_hf_mrope_config(args.hf_config) if args.hf_config is not None else None
+    layout = {k: v for k, v in (("tp_size", args.tp), ("cp_size", args.cp), ("pad_token_id", args.pad_token_id),
+                                ("mrope", mrope)) if v is not None}
     layout.update({k: True for k, v in (("sequence_parallel", args.sp), ("fp8", args.fp8)) if v})
     report = validate_packed_batch({**batch, **layout})
     print(report)
+    note = index_note(report, batch, mrope, args.hf_config)
+    if note:
+        print(note)
     return 0 if report.ok else 1
 
 
@@ -131,14 +133,21 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="validate a saved packed batch from any packer",
                            formatter_class=argparse.RawDescriptionHelpFormatter,
                            description="Exit status 0 when clean, 1 on violations, 2 when the file (or one of "
-                                       "its fields) cannot be read.\nFILE is torch.save of a dict with these keys:\n"
-                                       + saved_keys_help())
+                                       "its fields, or --hf-config) cannot be read.\nWith --hf-config, each "
+                                       "document's mRoPE positions are compared with the model's own index for "
+                                       "that sample alone\n(Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-Omni); the "
+                                       "report says when they were and which documents could not be.\n"
+                                       "FILE is torch.save of a dict with these keys:\n" + saved_keys_help())
     check.add_argument("file", help="torch.save'd dict (see the keys above)")
     check.add_argument("--tp", type=int, default=None, help="tensor-parallel size (overrides tp_size in FILE)")
     check.add_argument("--cp", type=int, default=None, help="context-parallel size (overrides cp_size)")
     check.add_argument("--sp", action="store_true", help="sequence parallelism")
     check.add_argument("--fp8", action="store_true", help="FP8 alignment")
     check.add_argument("--pad-token-id", type=int, default=None)
+    check.add_argument("--hf-config", default=None, metavar="PATH",
+                       help="the model's Hugging Face config.json (or its directory), read with transformers: "
+                            "compare mRoPE positions with its index; its placeholder ids and merge size are "
+                            "used where FILE gives none")
     check.set_defaults(func=cmd_check)
     return parser
 

@@ -129,6 +129,16 @@ def test_check_a_meta_tensor_exits_2(tmp_path, capsys):
     assert "labels must be a dense tensor with data" in capsys.readouterr().err
 
 
+def test_check_hf_config_without_transformers_exits_2(tmp_path, monkeypatch, capsys):
+    import sys
+
+    path, _ = _saved_pack(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2_5_vl"}')
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
+    assert main(["check", str(path), "--hf-config", str(tmp_path)]) == 2
+    assert "--hf-config needs the transformers package" in capsys.readouterr().err
+
+
 def test_demo_on_cuda_without_a_cuda_device_is_a_clear_error(monkeypatch, capsys):
     import torch
 

@@ -122,8 +122,8 @@ def check_expanded_total(physical: list[int], *, segment: int, total_multiple: i
     if target < total:
         raise ValueError(f"the pack expands to {total} tokens but LLaVA pads rows to {pad_to}: it would truncate")
     if target >= 2**31:  # the collapsed plan's own check (`plan.check_int32_total`) does not see the images
-        raise ValueError(f"the pack expands to T = {target} tokens; its int32 cu_seqlens need T < 2**31 = 2147483648 "
-                         f"(a smaller pad_to, or fewer rows or images per micro-batch)")
+        raise ValueError(f"the pack expands to {target} slots, more than int32 cu_seqlens can hold (< 2**31): a "
+                         f"smaller pad_to, or fewer rows or images per micro-batch")
     if max_length is not None and target > max_length:
         raise ValueError(f"the pack expands to {target} tokens, more than language_max_sequence_length={max_length}: "
                          f"LLaVAModel would truncate it silently; split the micro-batch")

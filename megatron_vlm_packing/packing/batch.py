@@ -19,13 +19,13 @@ from megatron_vlm_packing.packing.media import MediaTokens, checked_placeholders
 from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch
 from megatron_vlm_packing.packing.plain_host import PlainPack, pack_plain_batch_on_host
 from megatron_vlm_packing.packing.pack import pack_next_token_labels, pack_positions, pack_rows, segment_positions
-from megatron_vlm_packing.packing.positions import check_1d_positions_on_host
+from megatron_vlm_packing.packing.positions import check_1d_positions_on_host, check_position_layout
 from megatron_vlm_packing.packing.plan import (
     PackIndices, PackMultiples, PackPlan, checked_pad_to, make_pack_plan, plan_indices,
 )
 from megatron_vlm_packing.packing.rows import (  # noqa: F401
-    IGNORE_INDEX, INT64_MAX, Rows, check_pad_token_id, loss_weights_of, raise_value_errors_first, read_rows,
-    shift_labels_within_rows,
+    IGNORE_INDEX, INT64_MAX, Rows, check_pad_token_id, checked_extra_keys, loss_weights_of, raise_value_errors_first,
+    read_rows, refuse_undense, shift_labels_within_rows,
 )
 
 # Kept for callers of the first `PackedBatch`: the one typed micro-batch now.
@@ -126,7 +126,10 @@ def pack_batch(
             per-target weight, kept as given. Vision (`pixel_values`, `image_grid_thw`,
             `pixel_values_videos`, `video_grid_thw`, `second_per_grid_ts`) and audio
             (`input_features`, `feature_attention_mask`) become the typed `vision` / `audio`
-            fields. Any other key is a ValueError unless declared in `extra_keys`.
+            fields. Any other key is a ValueError unless declared in `extra_keys`. Tensors must be
+            dense (a sparse, nested or meta tensor is a ValueError); integer fields of dtype uint16 or
+            uint32 are read as int64, uint64 is refused; an attention_mask holds only 0 and 1 (a bool
+            mask only the bytes 0 and 1), any other value is a ValueError naming its row and column.
         tp_size, cp_size, sequence_parallel, fp8: parallel layout the pack must be aligned for.
         pad_to: exact packed length T (static shapes); must fit the batch.
         label_style: "megatron" (labels already aligned) or "hf" (shift inside each sample).
@@ -175,17 +178,19 @@ def pack_batch(
                                 require_counts=require_media_counts)
     check_pad_token_id(pad_token_id)
     pad_to = checked_pad_to(pad_to)  # an option error is named before any batch error
+    extra_keys = checked_extra_keys(extra_keys)
+    check_position_layout(position_layout)
     if host_reads:
         _check_on_host(batch)
-    rows = read_rows(batch, label_style=label_style, mrope=mrope, media=media, extra_keys=tuple(extra_keys),
+    rows = read_rows(batch, label_style=label_style, mrope=mrope, media=media, extra_keys=extra_keys,
                      vocab_size=vocab_size, position_layout=position_layout, on_host=host_reads)
     batch_size, row_length = rows.input_ids.shape
-    multiples = PackMultiples.for_parallel(
-        tp_size=tp_size, cp_size=cp_size, sequence_parallel=sequence_parallel, fp8=fp8
-    )
-    # host_reads: a bad value is named before a pad_to that does not fit, as the device path (which has
-    # read the values by now) names it.
+    # host_reads: a bad value is named before a parallel option or a pad_to that does not fit, as the device
+    # path (which has read the values by now) names it.
     try:
+        multiples = PackMultiples.for_parallel(
+            tp_size=tp_size, cp_size=cp_size, sequence_parallel=sequence_parallel, fp8=fp8
+        )
         plan = make_pack_plan(rows.lengths, row_capacity=row_length, multiples=multiples, pad_to=pad_to)
     except ValueError:
         raise_value_errors_first(rows.unchecked_values, label_style, vocab_size, rows.unchecked_positions)
@@ -233,11 +238,11 @@ def _pack_plain(batch, *, extra_keys, position_layout, tp_size, cp_size, sequenc
                 pad_token_id, vocab_size) -> PlainPack | None:
     """`plain_host.pack_plain_batch_on_host` when the options are ones the general path accepts and ask for
     nothing but the batch's own keys (the caller checked: no mRoPE, no media ids), else None."""
-    # extra_keys: only an empty tuple or list (None or 0 is the general path's TypeError, from tuple(extra_keys)).
-    # pad_token_id and pad_to: plain ints the general path's checks pass (else it names the error).
+    # extra_keys: only an empty tuple or list (None or 0 is the general path's ValueError, checked_extra_keys).
+    # pad_token_id, pad_to, vocab_size: plain ints the general path's checks pass (else it names the error).
     if type(extra_keys) not in (tuple, list) or extra_keys or position_layout not in (None, "3BS", "B3S") \
             or type(pad_token_id) is not int or not 0 <= pad_token_id <= INT64_MAX \
-            or not (pad_to is None or type(pad_to) is int):
+            or not (pad_to is None or type(pad_to) is int) or (type(vocab_size) is int and vocab_size > INT64_MAX):
         return None
     try:
         multiples = PackMultiples.for_parallel(tp_size=tp_size, cp_size=cp_size, sequence_parallel=sequence_parallel,
@@ -277,11 +282,18 @@ def tensor_off_host(batch) -> str | None:
 
 
 def _check_on_host(batch: dict) -> None:
-    """host_reads=True packs on the CPU: a tensor elsewhere would make every read a host sync."""
-    key = tensor_off_host(batch)
-    if key is not None:
-        raise ValueError(f"host_reads=True packs a batch on the CPU (a DataLoader worker), but {key!r} is on "
-                         f"{batch[key].device}: leave host_reads False for a batch on an accelerator")
+    """host_reads=True packs on the CPU: a tensor elsewhere (a meta tensor included) would make every read a host
+    sync. A sparse or nested tensor is refused as on the step path (`rows.check_dense_tensors`): the plain path
+    reads every tensor with numpy."""
+    if not isinstance(batch, Mapping):  # read_rows names what it is
+        return
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and (not value.is_cpu or value.layout is not torch.strided
+                                                or value.is_nested):
+            if value.layout is not torch.strided or value.is_nested:
+                refuse_undense(key, value)
+            raise ValueError(f"host_reads=True packs a batch on the CPU (a DataLoader worker), but {key!r} is on "
+                             f"{value.device}: leave host_reads False for a batch on an accelerator")
 
 
 _PACK_BATCH_KEYWORDS = tuple(name for name in inspect.signature(pack_batch).parameters if name != "batch")

@@ -106,7 +106,7 @@ def pad_batch(
                                 audio_token_id=audio_token_id, spatial_merge_size=spatial_merge_size,
                                 require_counts=require_media_counts)
     check_pad_token_id(pad_token_id)
-    rows = read_rows(batch, label_style=label_style, mrope=mrope, media=media, extra_keys=tuple(extra_keys),
+    rows = read_rows(batch, label_style=label_style, mrope=mrope, media=media, extra_keys=extra_keys,
                      vocab_size=vocab_size, position_layout=position_layout)
     _refuse_documents(rows)
     batch_size, row_length = rows.input_ids.shape

@@ -84,25 +84,31 @@ def _raise_not_binary(keep: torch.Tensor, values: torch.Tensor, field: str) -> N
     raise ValueError(f"{field} row {b} has values other than 0 and 1: {value} at column {c}")
 
 
-# torch has few kernels for these (no min, max or sum on the CPU): read as int64 (exact), uint64 refused.
+# torch has few kernels for these (no min, max or sum on the CPU, no promotion with int64): read as int64.
 _WIDENED_UNSIGNED = tuple(getattr(torch, name) for name in ("uint16", "uint32") if hasattr(torch, name))
 _UINT64 = getattr(torch, "uint64", None)
 
 
-def comparable_mask(mask: torch.Tensor, field: str = "attention_mask") -> torch.Tensor:
-    """An integer or bool [B, S] mask as torch's reductions take it: a bool mask's bytes (uint8), uint16 and
-    uint32 as int64 (exact), any other integer dtype as given.
+def widened_unsigned(tensor: torch.Tensor, field: str) -> torch.Tensor:
+    """`tensor` in a dtype torch can reduce and compare: uint16 and uint32 (which it cannot) as int64, exact;
+    any other dtype as given (no copy). Input ids and labels of these dtypes are read the same way.
 
     Raises:
-        ValueError: a uint64 mask (its values need not fit int64, and torch cannot reduce it to check them).
+        ValueError: a uint64 tensor: its values need not fit int64 (2**64 - 100 would read as -100, an
+        ignored label) and torch cannot reduce it to check them.
     """
-    if mask.dtype == torch.bool:
-        return mask.view(torch.uint8)
-    if mask.dtype in _WIDENED_UNSIGNED:
-        return mask.long()
-    if mask.dtype == _UINT64:
-        raise ValueError(f"{field} has dtype torch.uint64, which torch cannot reduce; pass a bool or int64 0/1 mask")
-    return mask
+    if tensor.dtype in _WIDENED_UNSIGNED:
+        return tensor.long()
+    if tensor.dtype == _UINT64:
+        raise ValueError(f"{field} has dtype torch.uint64, whose values need not fit int64 and which torch cannot "
+                         f"reduce to check them; pass int64")
+    return tensor
+
+
+def comparable_mask(mask: torch.Tensor, field: str = "attention_mask") -> torch.Tensor:
+    """An integer or bool [B, S] mask as torch's reductions take it: a bool mask's bytes (uint8), uint16 and
+    uint32 as int64 (`widened_unsigned`: uint64 is a ValueError), any other integer dtype as given."""
+    return mask.view(torch.uint8) if mask.dtype == torch.bool else widened_unsigned(mask, field)
 
 
 def keep_mask_from_4d(mask: torch.Tensor) -> torch.Tensor:
@@ -302,8 +308,7 @@ def keep_mask_deferred(
             f"attention_mask covers {tuple(keep.shape)} tokens but input_ids is {(batch_size, row_length)}"
         )
     if attention_mask.dim() == 2 and not attention_mask.is_floating_point() and not attention_mask.is_complex():
-        if attention_mask.dtype in _WIDENED_UNSIGNED or attention_mask.dtype == _UINT64:
-            attention_mask = comparable_mask(attention_mask)  # int64 (uint64 refused)
+        attention_mask = widened_unsigned(attention_mask, "attention_mask")
         keep_fn = (lambda: attention_mask) if attention_mask.dtype == torch.bool else (lambda: attention_mask != 0)
         if on_host and attention_mask.is_cpu:
             return DeferredKeep(right_padded_lengths_on_host(attention_mask), None, None, keep_fn, mask=attention_mask)

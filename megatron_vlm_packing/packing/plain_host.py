@@ -107,6 +107,6 @@ def _plain_rows(batch, label_style: str, vocab_size):
                                          and on_host_without_grad(optional)):
             return None
     if mask is not None and not (isinstance(mask, torch.Tensor) and mask.shape == shape
-                                 and mask.dtype in _INTEGER_MASK_DTYPES and mask.is_cpu):
+                                 and mask.dtype in _INTEGER_MASK_DTYPES and on_host_without_grad(mask)):
         return None
     return ids, labels, loss_values, mask, positions

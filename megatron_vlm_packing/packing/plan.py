@@ -258,8 +258,8 @@ def check_int32_total(total: int, real: int) -> None:
         ValueError: naming T and its real tokens.
     """
     if total >= 2**31:
-        raise ValueError(f"the pack would hold T = {total} physical tokens ({real} real); its int32 cu_seqlens need "
-                         f"T < 2**31 = 2147483648 (a smaller pad_to, or fewer rows per micro-batch)")
+        raise ValueError(f"the pack has {total} slots ({real} real tokens), more than int32 cu_seqlens can hold "
+                         f"(< 2**31): a smaller pad_to, or fewer rows per micro-batch")
 
 
 def checked_pad_to(pad_to) -> int | None:

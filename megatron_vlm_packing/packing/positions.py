@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from megatron_vlm_packing.packing.checks import DeferredChecks, _first_bad, token_place
-from megatron_vlm_packing.packing.lengths import DeferredKeep, any_true
+from megatron_vlm_packing.packing.lengths import DeferredKeep, any_true, widened_unsigned
 from megatron_vlm_packing.packing.pack import cat_row_prefixes
 from megatron_vlm_packing.packing.plan import host_ramp
 
@@ -65,6 +65,15 @@ def rope_positions(batch: Mapping, input_ids: torch.Tensor, keep: torch.Tensor, 
     return positions
 
 
+def check_position_layout(position_layout) -> None:
+    """`position_layout` is None, "3BS" or "B3S" (checked with or without position_ids in the batch)."""
+    if position_layout is not None and position_layout not in POSITION_LAYOUTS:
+        raise ValueError(f"position_layout must be '3BS' or 'B3S' (or None), got {position_layout!r}")
+
+
+POSITION_LAYOUTS = ("3BS", "B3S")
+
+
 def normalize_positions(batch: Mapping, shape: tuple[int, int], position_layout: str | None) -> dict:
     """The batch with `position_ids` as [B, S] or [3, B, S] (a [B, 3, S] tensor is transposed).
 
@@ -76,9 +85,11 @@ def normalize_positions(batch: Mapping, shape: tuple[int, int], position_layout:
         return dict(batch)
     if not isinstance(given, torch.Tensor):
         raise ValueError(f"position_ids must be a tensor, got {type(given).__name__}")
-    if position_layout not in (None, "3BS", "B3S"):
-        raise ValueError(f"position_layout must be '3BS' or 'B3S', got {position_layout!r}")
+    check_position_layout(position_layout)
     batch_size, row_length = shape
+    widened = widened_unsigned(given, "position_ids")  # uint16 / uint32 as int64; uint64 refused
+    if widened is not given:
+        return normalize_positions({**batch, "position_ids": widened}, shape, position_layout)
     if given.dim() == 2:
         if tuple(given.shape) != shape:
             raise ValueError(f"position_ids has shape {tuple(given.shape)} but input_ids is {shape}")

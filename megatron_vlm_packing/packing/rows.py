@@ -11,7 +11,7 @@ Shape legend: B = rows, S = row length.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import numpy as np
 import torch
@@ -22,15 +22,15 @@ from megatron_vlm_packing.packing.checks import (  # noqa: F401 (re-exported: ca
     real_target_differs, refuse_hf_labels_as_megatron, token_place,
 )
 from megatron_vlm_packing.packing.documents import DOCUMENT_KEY, split_documents
-from megatron_vlm_packing.packing.lengths import DeferredKeep, keep_mask_deferred, real_lengths
+from megatron_vlm_packing.packing.lengths import DeferredKeep, keep_mask_deferred, real_lengths, widened_unsigned
 from megatron_vlm_packing.packing.media import (
     VISION_KEYS, MediaHost, MediaTokens, queue_media_reads, row_label, vision_inputs,
 )
 from megatron_vlm_packing.packing.media_audio import AUDIO_KEYS, audio_inputs, check_audio_seqlens, queue_audio_reads
 from megatron_vlm_packing.packing.micro_batch import AudioInputs, VisionInputs
 from megatron_vlm_packing.packing.positions import (  # noqa: F401 (re-exported: callers import them from rows)
-    batch_positions, check_1d_positions, normalize_positions, queue_position_checks, queue_rope_positions,
-    refuse_unread_rope_inputs, rope_positions,
+    batch_positions, check_1d_positions, check_position_layout, normalize_positions, queue_position_checks,
+    queue_rope_positions, refuse_unread_rope_inputs, rope_positions,
 )
 from megatron_vlm_packing.packing.pack import on_host_without_grad
 
@@ -147,6 +147,27 @@ def check_keys(batch, *, extra_keys, mrope) -> None:
             )
 
 
+def check_dense_tensors(batch: Mapping) -> None:
+    """Every tensor of the batch holds dense values: a ValueError naming the first sparse or nested tensor (its
+    layout) or meta tensor (no values), which numpy and most of torch's kernels cannot read."""
+    if not isinstance(batch, Mapping):  # check_keys names what it is
+        return
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and (value.layout is not torch.strided or value.is_nested or value.is_meta):
+            refuse_undense(key, value)
+
+
+def refuse_undense(key: str, value: torch.Tensor) -> None:
+    """The ValueError of `check_dense_tensors` for `batch[key]`."""
+    if value.is_meta:
+        raise ValueError(f"{key} is a meta tensor: it holds no values to pack")
+    if value.is_nested:
+        raise ValueError(f"{key} is a nested tensor (layout {value.layout}): pack_batch/pad_batch read dense (strided) "
+                         f"tensors; pad its rows (torch.nested.to_padded_tensor) and give an attention_mask")
+    raise ValueError(f"{key} has layout {value.layout}: pack_batch/pad_batch read dense (strided) tensors; pass "
+                     f"{key}.to_dense()")
+
+
 def input_ids_of(batch: Mapping) -> tuple[str, torch.Tensor]:
     """(name, [B, S] integer ids) from exactly one of `input_ids` / `tokens`."""
     keys = [k for k in ("input_ids", "tokens") if batch.get(k) is not None]
@@ -159,7 +180,7 @@ def input_ids_of(batch: Mapping) -> tuple[str, torch.Tensor]:
         raise ValueError(f"{keys[0]} must hold integer token ids, got dtype {ids.dtype}")
     if ids.shape[0] == 0 or ids.shape[1] == 0:
         raise ValueError(f"{keys[0]} is empty: shape {tuple(ids.shape)}")
-    return keys[0], ids if ids.dtype == torch.int64 else ids.long()
+    return keys[0], ids if ids.dtype == torch.int64 else widened_unsigned(ids, keys[0]).long()
 
 
 def row_tensor(batch: Mapping, name: str, shape: tuple[int, int]) -> torch.Tensor | None:
@@ -199,14 +220,14 @@ def checked_labels(batch: Mapping, shape: tuple[int, int], label_style: str) -> 
         raise ValueError(f"labels must hold integer token ids (-100 = ignore), got dtype {labels.dtype}")
     if label_style not in ("hf", "megatron"):
         raise ValueError(f"label_style must be 'megatron' or 'hf', got {label_style!r}")
-    return labels if labels.dtype == torch.int64 else labels.long()
+    return labels if labels.dtype == torch.int64 else widened_unsigned(labels, "labels").long()
 
 
 def checked_loss_values(batch: Mapping, shape: tuple[int, int]) -> torch.Tensor | None:
     loss_mask = row_tensor(batch, "loss_mask", shape)
     if loss_mask is not None and loss_mask.is_complex():
         raise ValueError(f"loss_mask must be real weights, got dtype {loss_mask.dtype}")
-    return loss_mask
+    return None if loss_mask is None else widened_unsigned(loss_mask, "loss_mask")
 
 
 def check_pad_token_id(pad_token_id) -> int:
@@ -218,6 +239,20 @@ def check_pad_token_id(pad_token_id) -> int:
 
 
 INT64_MAX = 2**63 - 1
+
+
+def checked_extra_keys(extra_keys) -> tuple:
+    """`extra_keys` (a tuple, list, set or other iterable of batch key names) as a tuple.
+
+    Raises:
+        ValueError: `extra_keys` is not an iterable (None, 0) or is one string (read as its characters).
+    """
+    if type(extra_keys) is tuple:
+        return extra_keys
+    if isinstance(extra_keys, (str, bytes)) or not isinstance(extra_keys, Iterable):
+        raise ValueError(f"extra_keys must be a tuple of batch key names (the per-token tensors to pack), "
+                         f"got {extra_keys!r}")
+    return tuple(extra_keys)
 
 
 def _extras(batch: Mapping, extra_keys, shape) -> dict:
@@ -314,9 +349,14 @@ def read_rows(batch, *, label_style: str, mrope, media: MediaTokens, extra_keys=
     With `document_lengths` in the batch every document becomes a row of its own first
     (`documents.split_documents`); `Rows.document_rows` then names each one's source row.
     """
+    check_dense_tensors(batch)  # first, as pack_batch(host_reads=True) checks it
+    extra_keys = checked_extra_keys(extra_keys)
+    check_position_layout(position_layout)
     check_keys(batch, extra_keys=extra_keys, mrope=mrope)
     if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
         raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
+    if vocab_size is not None and vocab_size > INT64_MAX:  # ids are compared with it as int64
+        raise ValueError(f"vocab_size must be at most 2**63 - 1 (ids are int64), got {vocab_size}")
     name, input_ids = input_ids_of(batch)
     source_shape = tuple(input_ids.shape)
     for key in ("labels", "loss_mask"):

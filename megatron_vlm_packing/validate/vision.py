@@ -3,7 +3,8 @@
 Each image (video) takes `t*h*w / merge**2` placeholder tokens, each audio clip
 `rope.omni.audio_output_length(audio_seqlens entry, n_window)`. Items are assigned to documents in
 order: by the given per-document counts, else greedily (consecutive items filling each document's
-placeholders exactly); a document whose placeholders no run of items fills is named. A Qwen3-Omni
+placeholders exactly); a document whose placeholders no run of items fills is named. A Qwen3-VL video
+puts each frame in its own block (timestamp text between), so its runs may end at any frame. A Qwen3-Omni
 video with its audio track holds both kinds in one block (interleaved by time): video and audio
 placeholders bridge each other's runs there.
 
@@ -76,8 +77,9 @@ def _fits(runs: list[int], sizes: list[int]) -> bool:
 
 
 def _assign(counts: list[int], sizes: list[int], per_doc: tuple[int, ...] | None,
-            runs: list[list[int]]) -> tuple[list[list[int]], list[int]]:
-    """Items per document, and the documents whose placeholder runs the items do not fill exactly."""
+            runs: list[list[int]], pieces: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """Items per document, and the documents whose placeholder runs the items do not fill exactly
+    (pieces[i]: item i's tokens as the blocks it may be laid out in, e.g. one per Qwen3-VL frame)."""
     items, bad, j = [], [], 0
     for d, need in enumerate(counts):
         take, total = [], 0
@@ -90,9 +92,17 @@ def _assign(counts: list[int], sizes: list[int], per_doc: tuple[int, ...] | None
                 take.append(j + len(take))
         j += len(take)
         items.append(take)
-        if total != need or not _fits(runs[d], [sizes[i] for i in take]):
+        if total != need or not _fits(runs[d], [n for i in take for n in pieces[i]]):
             bad.append(d)
     return items, bad
+
+
+def _frames_apart(inputs: PackedInputs, kind: str) -> bool:
+    """Whether a video's frames may be separate blocks: Qwen3-VL's layout, told by the `MRopeConfig`'s
+    family; without one (or with the model's index callable) allowed, as either layout is some model's."""
+    from megatron_vlm_packing.rope import MRopeConfig
+
+    return kind == "video" and (not isinstance(inputs.mrope, MRopeConfig) or inputs.mrope.family == "qwen3_vl")
 
 
 _OTHER = {"video": "audio", "audio": "video"}  # the kinds an audio-in-video block interleaves
@@ -145,7 +155,10 @@ def check_kind(inputs: PackedInputs, docs: Documents, kind: str) -> tuple[list[V
                              f"tokens but the {len(sizes)} {source} entries need {sum(sizes)} ({sizes[:8]})"))
     other = getattr(inputs, f"{_OTHER[kind]}_token_id", None) if kind in _OTHER else None
     runs = _runs(is_ph & real, docs, None if other is None else (inputs.input_ids == other) & real)
-    items, bad = _assign(counts, sizes, per_doc, runs)
+    pieces = [[n] for n in sizes]
+    if _frames_apart(inputs, kind):  # t frames of h*w / merge**2 tokens each
+        pieces = [[n // t] * t for n, t in zip(sizes, inputs.video_grid_thw[:, 0].long().tolist())]
+    items, bad = _assign(counts, sizes, per_doc, runs, pieces)
     if bad and sum(counts) == sum(sizes):
         detail = [(d, runs[d], [sizes[i] for i in items[d]]) for d in bad[:6]]
         out.append(Violation(check, f"placeholder runs per document do not match consecutive {source} "

@@ -12,7 +12,7 @@ import torch
 
 from megatron_vlm_packing.packing import pack_batch
 from megatron_vlm_packing.packing.lengths import lengths_from_keep_mask, right_padded_reads
-from tests.packing.test_plain_host import assert_identical, plain_path_spied
+from tests.packing.test_plain_host import assert_identical, plain_path_spied, three_ways
 
 M = 2**63 - 1  # int64's maximum: M + M + 5 wraps to 3
 ROUTES = [(True, "plain"), (True, "general"), (False, "plain"), (False, "general")]  # (host_reads, batch form)
@@ -137,17 +137,17 @@ def test_plan_of_2_to_the_31_tokens_is_refused():
     """Checked from the lengths alone (no tensor is made): T = 2**31 would wrap cu_seqlens' int32."""
     from megatron_vlm_packing.packing.plan import PackMultiples, make_pack_plan
 
-    with pytest.raises(ValueError, match=r"T = 2147483648 physical tokens \(2147483648 real\); its int32 cu_seqlens "
-                                         r"need T < 2\*\*31"):
+    with pytest.raises(ValueError, match=r"the pack has 2147483648 slots \(2147483648 real tokens\), more than int32 "
+                                         r"cu_seqlens can hold \(< 2\*\*31\)"):
         make_pack_plan([2**30, 2**30], row_capacity=2**30)
-    with pytest.raises(ValueError, match=r"T = 2147483648 physical tokens \(2147483647 real\)"):
+    with pytest.raises(ValueError, match=r"the pack has 2147483648 slots \(2147483647 real tokens\)"):
         make_pack_plan([2**30, 2**30 - 1], row_capacity=2**30, multiples=PackMultiples(segment=2, total=2))
     largest = make_pack_plan([2**30, 2**30 - 1], row_capacity=2**30)
     assert largest.cu_seqlens_padded()[-1].item() == 2**31 - 1
     # A plan built by hand is checked by PackPlan itself (make_pack_plan's skips that second check).
     from megatron_vlm_packing.packing.plan import PackPlan
 
-    with pytest.raises(ValueError, match=r"T = 2147483648 physical tokens \(2147483648 real\)"):
+    with pytest.raises(ValueError, match=r"the pack has 2147483648 slots \(2147483648 real tokens\)"):
         PackPlan(row_lengths=(2**30, 2**30), row_capacity=2**30, segment_rows=(0, 1), real_lengths=(2**30, 2**30),
                  physical_lengths=(2**30, 2**30), multiples=PackMultiples())
 
@@ -156,10 +156,202 @@ def test_plan_of_2_to_the_31_tokens_is_refused():
 @pytest.mark.parametrize("pad_to", [2**31, 2**64])
 def test_pad_to_beyond_int32_is_refused(host_reads, form, pad_to):
     batch = rows_batch(torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]]))
-    with pytest.raises(ValueError, match=rf"T = {pad_to} physical tokens \(5 real\); its int32 cu_seqlens"):
+    with pytest.raises(ValueError, match=rf"the pack has {pad_to} slots \(5 real tokens\), more than int32"):
         packed(batch, host_reads, form, pad_to=pad_to)
 
 
+# -- 4. unsigned dtypes torch cannot reduce or compare (uint16, uint32, uint64) --------------------------------------
+# Read as int64 (exact) in every field, as input_ids and labels always were; uint64 is refused in every field: its
+# values need not fit int64 (a label 2**64 - 100 read as -100 would be ignored) and torch cannot reduce it.
+
+MASK = [[1, 1, 1, 0], [1, 1, 0, 0]]
+
+
+@pytest.mark.parametrize("host_reads", [True, False])
+@pytest.mark.parametrize("dtype_name", ["uint16", "uint32"])
+@pytest.mark.parametrize("field", ["position_ids", "loss_mask", "input_ids", "labels"])
+def test_wide_unsigned_fields_pack_as_int64(host_reads, dtype_name, field):
+    batch = rows_batch(torch.tensor(MASK), position_ids=torch.arange(4).expand(2, 4), loss_mask=torch.ones(2, 4))
+    expected = pack_batch({**batch, field: batch[field].long()}, host_reads=host_reads)
+    unsigned = pack_batch({**batch, field: batch[field].to(getattr(torch, dtype_name))}, host_reads=host_reads)
+    assert_identical(unsigned, expected)
+
+
+@pytest.mark.parametrize("host_reads", [True, False])
+def test_wide_unsigned_mrope_positions_pack_as_int64(host_reads):
+    positions = torch.arange(4).expand(3, 2, 4)
+    batch = rows_batch(torch.tensor(MASK))
+    expected = pack_batch({**batch, "position_ids": positions}, host_reads=host_reads)
+    unsigned = pack_batch({**batch, "position_ids": positions.to(torch.uint32)}, host_reads=host_reads)
+    assert_identical(unsigned, expected)
+
+
+@pytest.mark.parametrize("host_reads", [True, False])
+@pytest.mark.parametrize("field", ["position_ids", "loss_mask", "input_ids", "labels", "attention_mask"])
+@pytest.mark.parametrize("positions_shape", [(2, 4), (3, 2, 4)])
+def test_uint64_fields_are_refused(host_reads, field, positions_shape):
+    batch = rows_batch(torch.tensor(MASK), position_ids=torch.arange(4).expand(positions_shape),
+                       loss_mask=torch.ones(2, 4))
+    with pytest.raises(ValueError, match=rf"^{field} has dtype torch.uint64"):
+        pack_batch({**batch, field: batch[field].to(torch.uint64)}, host_reads=host_reads)
+
+
+def test_uint64_label_is_not_read_as_ignore_index():
+    """2**64 - 100 wraps to -100 as int64: it was packed as an ignored target, silently."""
+    labels = torch.from_numpy(np.array([[5, 2**64 - 100, 7, 8], [5, 6, 7, 8]], dtype=np.uint64))
+    with pytest.raises(ValueError, match=r"^labels has dtype torch.uint64"):
+        pack_batch(rows_batch(labels=labels), host_reads=False)
+
+
+# -- 5. sparse, nested and meta tensors ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("host_reads, form", ROUTES)
+@pytest.mark.parametrize("field", ["input_ids", "labels", "attention_mask", "loss_mask", "position_ids"])
+@pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr"])
+def test_sparse_tensor_is_refused_naming_field_and_layout(host_reads, form, field, layout):
+    batch = rows_batch(torch.tensor(MASK), position_ids=torch.arange(4).expand(2, 4).contiguous(),
+                       loss_mask=torch.ones(2, 4))
+    sparse = batch[field].to_sparse() if layout == "sparse_coo" else batch[field].to_sparse_csr()
+    with pytest.raises(ValueError, match=rf"^{field} has layout torch.{layout}: .* pass {field}.to_dense\(\)"):
+        packed({**batch, field: sparse}, host_reads, form)
+
+
+@pytest.mark.parametrize("host_reads", [True, False])
+def test_sparse_extra_key_is_refused(host_reads):
+    batch = rows_batch(torch.tensor(MASK), token_type=torch.ones(2, 4).to_sparse())
+    with pytest.raises(ValueError, match=r"^token_type has layout torch.sparse_coo"):
+        pack_batch(batch, host_reads=host_reads, extra_keys=("token_type",))
+
+
+@pytest.mark.parametrize("host_reads", [True, False])
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
+def test_nested_ids_are_refused(host_reads, layout):
+    ids = torch.nested.nested_tensor([torch.arange(1, 5), torch.arange(1, 4)], layout=layout) \
+        if layout is torch.jagged else torch.nested.nested_tensor([torch.arange(1, 5), torch.arange(1, 5)])
+    with pytest.raises(ValueError, match=rf"^input_ids is a nested tensor \(layout {layout}\)"):
+        pack_batch({"input_ids": ids, "labels": torch.ones(2, 4, dtype=torch.long)}, host_reads=host_reads)
+
+
+@pytest.mark.parametrize("field", ["input_ids", "attention_mask"])
+def test_meta_tensor_is_refused(field):
+    """The step path names it; host_reads=True refuses it as a tensor off the host (tests/packing/test_host_reads)."""
+    batch = rows_batch(torch.tensor(MASK))
+    with pytest.raises(ValueError, match=rf"^{field} is a meta tensor: it holds no values to pack"):
+        pack_batch({**batch, field: batch[field].to("meta")}, host_reads=False)
+
+
+# -- 6. extra_keys of the wrong type --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("host_reads", [True, False])
+@pytest.mark.parametrize("extra_keys", [None, 0, "token_type", b"token_type"])
+def test_extra_keys_not_a_collection_of_names_is_refused(host_reads, extra_keys):
+    batch = rows_batch(torch.tensor(MASK), token_type=torch.zeros(2, 4))
+    with pytest.raises(ValueError, match=rf"^extra_keys must be a tuple of batch key names .*, got {extra_keys!r}$"):
+        pack_batch(batch, host_reads=host_reads, extra_keys=extra_keys)
+
+
+@pytest.mark.parametrize("host_reads", [True, False])
+def test_extra_keys_as_list_or_set_pack_as_tuple(host_reads):
+    batch = rows_batch(torch.tensor(MASK), token_type=torch.arange(8).reshape(2, 4))
+    expected = pack_batch(batch, host_reads=host_reads, extra_keys=("token_type",))
+    for keys in (["token_type"], {"token_type"}, iter(["token_type"])):
+        assert_identical(pack_batch(batch, host_reads=host_reads, extra_keys=keys), expected)
+
+
+def test_pad_batch_refuses_extra_keys_none():
+    from megatron_vlm_packing.packing.dense_batch import pad_batch
+
+    with pytest.raises(ValueError, match=r"^extra_keys must be a tuple of batch key names"):
+        pad_batch(rows_batch(torch.tensor(MASK)), extra_keys=None)
+
+
+# -- 7. position_layout ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("host_reads, form", ROUTES)
+@pytest.mark.parametrize("positions", [None, "1d", "3d"])
+@pytest.mark.parametrize("position_layout", ["bogus", "3bs", 5])
+def test_unknown_position_layout_is_refused(host_reads, form, positions, position_layout):
+    """Refused with or without position_ids in the batch, listing the valid values."""
+    fields = {} if positions is None else {
+        "position_ids": torch.arange(4).expand((2, 4) if positions == "1d" else (3, 2, 4))}
+    batch = rows_batch(torch.tensor(MASK), **fields)
+    with pytest.raises(ValueError, match=rf"^position_layout must be '3BS' or 'B3S' \(or None\), got "
+                                         rf"{position_layout!r}$"):
+        packed(batch, host_reads, form, position_layout=position_layout)
+
+
+# -- the paths agree on random hostile masks ----------------------------------------------------------------------
+
+MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32)
+
+
+def _random_mask(rng: np.random.Generator):
+    """A [B, S] mask of a random dtype: right-padded 0/1 rows, some with extreme values or a flipped slot."""
+    batch_size, row_length = int(rng.integers(1, 4)), int(rng.integers(1, 7))
+    dtype = MASK_DTYPES[rng.integers(len(MASK_DTYPES))]
+    lengths = rng.integers(0, row_length + 1, batch_size)
+    rows = (np.arange(row_length)[None] < lengths[:, None]).astype(object)
+    for _ in range(int(rng.integers(0, 3))):
+        b, s = rng.integers(batch_size), rng.integers(row_length)
+        if dtype == torch.bool:
+            rows[b, s] = int(rng.choice([1 - rows[b, s], 2, 255]))  # bytes, viewed as bool below
+        else:
+            info = torch.iinfo(dtype)
+            rows[b, s] = int(rng.choice([1 - rows[b, s], info.max, info.min, 2, info.max // 2 + 3]))
+    if dtype == torch.int64 and row_length >= 3 and rng.random() < 0.3:  # a row whose sum wraps to its first zero
+        rows[0] = [M, M, 5] + [0] * (row_length - 3)
+    if dtype == torch.bool:
+        return torch.tensor(rows.astype(np.int64), dtype=torch.uint8).view(torch.bool)
+    return torch.tensor(rows.astype(np.int64)).to(dtype)
+
+
+def _true_lengths(mask: torch.Tensor):
+    """The rows' lengths by the definition (every value 0 or 1, each row 1...1 0...0), else None."""
+    values = (mask.view(torch.uint8) if mask.dtype == torch.bool else mask.long()).tolist()
+    if any(v not in (0, 1) for row in values for v in row):
+        return None
+    if any(row != sorted(row, reverse=True) for row in values):
+        return None
+    return [sum(row) for row in values]
+
+
+def test_paths_agree_on_random_hostile_masks():
+    """Plain, general host and step paths give the same micro-batch or the same ValueError, and pack exactly
+    the masks that are 0/1 and right-padded, at their true lengths."""
+    rng = np.random.default_rng(7)
+    for case in range(150):
+        mask = _random_mask(rng)
+        ids = torch.arange(1, mask.numel() + 1).reshape(mask.shape)
+        extra = {"token_type": torch.zeros(mask.shape)} if case % 3 == 0 else {}
+        plain, _, general, device = three_ways({"input_ids": ids, "labels": ids + 100, "attention_mask": mask, **extra},
+                                               extra_keys=tuple(extra))
+        lengths = _true_lengths(mask)
+        if isinstance(plain, str):
+            assert plain == general == device, (case, mask)
+            assert lengths is None or not any(lengths), (case, mask, plain)
+            continue
+        assert_identical(plain, general)
+        assert_identical(plain, device)
+        assert lengths is not None and list(plain.plan.real_lengths) == [n for n in lengths if n], (case, mask)
+
+
+@pytest.mark.parametrize("host_reads, form", ROUTES)
+@pytest.mark.parametrize("option", [{"tp_size": 0}, {"sequence_parallel": 1}])
+def test_bad_value_is_named_before_a_bad_parallel_option(host_reads, form, option):
+    """Both faults: every path names the batch's (the step path reads values before the parallel layout; the host
+    paths check them last, so they raise them first on any later error)."""
+    batch = rows_batch(torch.tensor(MASK), position_ids=torch.tensor([[0, 1, 5, 3], [0, 1, 2, 3]]))
+    with pytest.raises(ValueError, match=r"^position_ids row 0 position 2 is 5, expected 2"):
+        packed(batch, host_reads, form, **option)
+
+
+@pytest.mark.parametrize("host_reads, form", ROUTES)
+@pytest.mark.parametrize("option", [{}, {"tp_size": 0}, {"pad_to": 2**64}])
+def test_vocab_size_beyond_int64_is_refused(host_reads, form, option):
+    """Ids are compared with it as int64 (an OverflowError on the error path before); with a second fault the
+    vocab_size is named first, as every option before the batch."""
+    with pytest.raises(ValueError, match=rf"^vocab_size must be at most 2\*\*63 - 1 \(ids are int64\), got {2**64}$"):
+        packed(rows_batch(torch.tensor(MASK)), host_reads, form, vocab_size=2**64, **option)
 @pytest.mark.parametrize("pad_to", [2**31, 2**31 + 6, 2**64])
 def test_llava_expanded_pack_beyond_int32_is_refused(pad_to):
     """LLaVA's boundaries are expanded ones (each image token grows): the collapsed plan stays below 2**31
@@ -168,8 +360,8 @@ def test_llava_expanded_pack_beyond_int32_is_refused(pad_to):
     from megatron_vlm_packing.models.llava import LlavaSpace, llava_pack_plan
 
     space = LlavaSpace(img_seq_len=4, image_token_index=9)
-    with pytest.raises(ValueError, match=rf"the pack expands to T = {pad_to} tokens; its int32 cu_seqlens need "
-                                         r"T < 2\*\*31"):
+    with pytest.raises(ValueError, match=rf"the pack expands to {pad_to} slots, more than int32 cu_seqlens can "
+                                         r"hold \(< 2\*\*31\)"):
         llava_pack_plan([5, 3], row_capacity=8, row_expansion=[3, 3], opens_with_image=[False, False], space=space,
                         pad_to=pad_to)
     largest = llava_pack_plan([5, 3], row_capacity=8, row_expansion=[3, 3], opens_with_image=[False, False],
