@@ -77,3 +77,26 @@ def test_llava_expanded_boundaries_are_one_tensor_without_pad_slots():
         expanded = expanded_packed_seq_params(plan, collapsed)
         _check_thd_params(expanded, aliased=aliased, n_docs=2)
         assert expanded.max_seqlen_q == max(plan.expanded_physical)
+
+
+def test_a_loader_micro_batch_keeps_the_boundaries_one_tensor_through_the_worker_and_the_move():
+    """The collator lays the micro-batch out in one buffer, a worker pickles it, the step moves the buffer and
+    rebuilds the views: the one boundary tensor must come back as one tensor (else TE sees two sets)."""
+    import io
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    from megatron_vlm_packing.packing.collate import PackingCollator, micro_batch_to
+    from megatron_vlm_packing.packing.localize import localize
+    from megatron_vlm_packing.parallel.layout import ParallelLayout
+
+    ids = torch.tensor([[3, 4, 5, 6], [6, 7, 8, 9]])
+    for cp_size in (1, 2):
+        packed = PackingCollator(label_style="hf", cp_size=cp_size)({"input_ids": ids, "labels": ids})
+        sent = io.BytesIO()
+        ForkingPickler(sent, pickle.HIGHEST_PROTOCOL).dump(packed)
+        moved = micro_batch_to(pickle.loads(sent.getvalue()), torch.device("meta"))
+        _check_thd_params(moved.packed_seq_params, aliased=True, n_docs=2)
+        assert moved.rope_cu_seqlens is moved.packed_seq_params.cu_seqlens_q is moved.indices.cu_seqlens_padded
+        local = localize(moved, ParallelLayout(cp_size=cp_size, cp_rank=0))
+        _check_thd_params(local.packed_seq_params, aliased=True, n_docs=2)
