@@ -23,12 +23,22 @@ from megatron_vlm_packing.validate.report import Violation
 _ITEMS = (("image", "image_grid_thw"), ("video", "video_grid_thw"), ("audio", "audio_seqlens"))
 
 
+def _parameters(mrope) -> dict | None:
+    """The index callable's parameters by name, or None when it has no signature to read (a builtin or
+    extension callable: inspect raises ValueError or TypeError); it is then given every input."""
+    try:
+        return inspect.signature(mrope).parameters
+    except (TypeError, ValueError):
+        return None
+
+
 def _callable_kwargs(mrope, kwargs: dict) -> tuple[dict, list[str]]:
     """The inputs an index callable takes by name (all of them with **kwargs); seconds go as
-    `second_per_grid_ts` or `second_per_grids` (transformers' Qwen3-Omni name). Returns (kwargs, the
-    given inputs it takes under no name; `use_audio_in_video` is never one: the tokens tell it)."""
-    params = inspect.signature(mrope).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+    `second_per_grid_ts` or `second_per_grids` (transformers' Qwen3-Omni name); one whose signature cannot be
+    read is given them all. Returns (kwargs, the given inputs it takes under no name; `use_audio_in_video` is
+    never one: the tokens tell it)."""
+    params = _parameters(mrope)
+    if params is None or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return kwargs, []
     out, unread = {}, []
     for name, value in kwargs.items():
@@ -49,7 +59,7 @@ def _index_of(inputs: PackedInputs, ids: torch.Tensor, kwargs: dict) -> torch.Te
     """
     mrope = inputs.mrope
     if callable(mrope):
-        if "attention_mask" in inspect.signature(mrope).parameters:  # the sample alone: every token real
+        if "attention_mask" in (_parameters(mrope) or ()):  # the sample alone: every token real
             kwargs = {**kwargs, "attention_mask": torch.ones_like(ids[None])}
         result = mrope(ids[None], **kwargs)
     else:

@@ -218,3 +218,23 @@ def test_an_index_callable_giving_the_wrong_positions_is_named(omni, result, nam
     report = only(validate_packed_batch(packs["mix"], mrope=index), "mrope_positions")
     assert "the model's index refuses it: the index gave" in str(report), str(report)
     assert re.search(named + r" for \d+ tokens, not \[3, 1, \d+\] positions", str(report)), str(report)
+
+
+def test_an_index_callable_without_a_readable_signature_is_given_every_input(omni):
+    """inspect.signature raises ValueError for a builtin or extension callable: that escaped
+    validate_packed_batch ('no signature found'); such an index is now called with every input."""
+    from megatron_vlm_packing.rope import get_rope_index
+
+    cfg, mrope, packs = omni
+
+    class Opaque:  # as a C-implemented index: no signature to read
+        @property
+        def __signature__(self):
+            raise ValueError("no signature found for builtin")
+
+        def __call__(self, input_ids, **kwargs):
+            return get_rope_index(input_ids, mrope, **kwargs)
+
+    report = validate_packed_batch(packs["mix"], mrope=Opaque())
+    assert report.ok and "mrope_positions" in report.checked, str(report)
+    assert not [s for s in report.skipped if s[0] == "mrope_positions"], report
