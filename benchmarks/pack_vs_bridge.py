@@ -251,8 +251,8 @@ def main() -> None:
     evicted = ", caches evicted before each call" if args.evict else ""
     if installed is None:
         baseline_name = "bridge row loop"
-        header = [f"cp={args.cp}, torch {torch.__version__}, 1 thread, {args.order} order{evicted}, megatron-bridge not "
-                  "installed: the re-implemented row loop is the baseline",
+        header = [f"cp={args.cp}, torch {torch.__version__}, 1 thread, {args.order} order{evicted}, megatron-bridge "
+                  "not installed: the re-implemented row loop is the baseline",
                   "| B x S | real tokens | bridge row loop ms | pack_batch (loader) ms | pack_batch (step path) ms "
                   "| packing core ms | loader speedup | step path speedup | core speedup |",
                   "|---|---|---|---|---|---|---|---|---|"]
