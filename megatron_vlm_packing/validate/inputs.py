@@ -272,15 +272,27 @@ def _from_mapping(batch: Mapping) -> dict:
 
 def _defaults_from_mrope(values: dict) -> None:
     """Placeholder ids, merge size and audio window not given: the `MRopeConfig`'s (the model's own ids), so
-    the grids and audio lengths can be split per document for its index. A callable names none."""
+    the grids and audio lengths can be split per document for its index. A callable names none.
+
+    Raises:
+        ValueError: a value given (or carried by the micro-batch) that contradicts the config's: the
+            placeholders would be counted with one value and the index asked with the other.
+    """
     from megatron_vlm_packing.rope import MRopeConfig
 
     config = values.get("mrope")
     if not isinstance(config, MRopeConfig):
         return
     for name in ("image_token_id", "video_token_id", "audio_token_id", "spatial_merge_size", "audio_n_window"):
-        if values.get(name) is None and getattr(config, name, None) is not None:
-            values[name] = getattr(config, name)
+        known = getattr(config, name, None)
+        if known is None:
+            continue
+        given = values.get(name)
+        if given is None:
+            values[name] = known
+        elif given != known:
+            raise ValueError(f"{name}={given!r} contradicts the mrope config's {name}={known!r}: the placeholders "
+                             f"would be counted with one and the model's index asked with the other")
 
 
 def build_inputs(batch=None, **overrides) -> PackedInputs:

@@ -44,7 +44,8 @@ def validate_packed_batch(batch=None, **fields) -> ValidationReport:
         A `ValidationReport`; `.ok` is True when nothing is violated. Never raises for bad data.
 
     Raises:
-        ValueError: inputs that cannot be read as a packed batch at all (no input_ids, unknown keys).
+        ValueError: inputs that cannot be read as a packed batch at all (no input_ids, unknown keys), or a
+            placeholder id, merge size or audio window that contradicts the `MRopeConfig` given as `mrope`.
     """
     return run_checks(build_inputs(batch, **fields))
 

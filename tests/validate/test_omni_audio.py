@@ -200,8 +200,21 @@ def test_parity_with_transformers_index_on_audio_in_video():
 ])
 def test_bad_audio_inputs_are_named_not_raised(omni, fields, words):
     cfg, mrope, packs = omni
-    report = only(validate_packed_batch(packs["mix"], mrope=mrope, **fields), "audio_placeholders")
+    # A window other than the config's contradicts it (below): bad windows are given without the config.
+    report = only(validate_packed_batch(packs["mix"], mrope=None if "audio_n_window" in fields else mrope, **fields),
+                  "audio_placeholders")
     assert words in str(report), str(report)
+
+
+@pytest.mark.parametrize("name", ["audio_n_window", "audio_token_id", "spatial_merge_size"])
+def test_a_value_contradicting_the_mrope_config_is_refused(omni, name):
+    """Counted with one value and the index asked with the other, the report would blame the pack."""
+    cfg, mrope, packs = omni
+    other = getattr(mrope, name) + 1
+    with pytest.raises(ValueError, match=rf"{name}={other} contradicts the mrope config's {name}="
+                                         rf"{getattr(mrope, name)}"):
+        validate_packed_batch(packs["mix"], mrope=mrope, **{name: other})
+    assert validate_packed_batch(packs["mix"], mrope=mrope, **{name: getattr(mrope, name)}).ok
 
 
 @pytest.mark.parametrize("result, named", [
