@@ -288,10 +288,11 @@ def _check_on_host(batch: dict) -> None:
     if not isinstance(batch, Mapping):  # read_rows names what it is
         return
     for key, value in batch.items():
-        if isinstance(value, torch.Tensor) and (not value.is_cpu or value.layout is not torch.strided
-                                                or value.is_nested):
-            if value.layout is not torch.strided or value.is_nested:
-                refuse_undense(key, value)
+        if not isinstance(value, torch.Tensor):
+            continue
+        if value.layout is not torch.strided or value.is_nested:
+            refuse_undense(key, value)
+        if not value.is_cpu:
             raise ValueError(f"host_reads=True packs a batch on the CPU (a DataLoader worker), but {key!r} is on "
                              f"{value.device}: leave host_reads False for a batch on an accelerator")
 
