@@ -143,13 +143,12 @@ def check_mrope_channels(position_ids: torch.Tensor | None) -> None:
 
 
 def check_one_row(fields: dict[str, torch.Tensor], *, dim: int = -1) -> None:
-    """A packed micro-batch is one row: its fields hold a batch dim of 1, mRoPE positions 3 channels
-    (`check_mrope_channels`) (shapes only).
+    """A packed micro-batch is one row: its fields hold a batch dim of 1 (shapes only; `localize` checks
+    mRoPE positions' 3 channels first, `check_mrope_channels`).
 
     Only the token dim was compared, so a hand-built [2, T] field passed (its rows cut as one, or
     broadcast against [1, T] ones) and [2, T/2] fields passed wherever T was taken from a field.
     """
-    check_mrope_channels(fields.get("position_ids"))
     wrong = {name: tuple(x.shape) for name, x in fields.items() if _not_one_row(name, x, dim)}
     if wrong:
         raise ValueError(f"a packed micro-batch is one row of T slots: its fields are [1, T] (position_ids [1, T] "
@@ -325,7 +324,7 @@ def localize(micro_batch: MicroBatch, layout: ParallelLayout, needs: LocalizeNee
     check_field_types(micro_batch)
     if micro_batch.is_packed:
         check_packed_seq_params(micro_batch)
-        check_mrope_channels(micro_batch.position_ids)  # kept full or cut (`check_one_row` checks cut ones)
+        check_mrope_channels(micro_batch.position_ids)  # kept full or cut
     else:
         check_dense_rows(micro_batch)
     if layout.cp_size == 1:
