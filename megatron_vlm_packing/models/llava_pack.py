@@ -259,7 +259,7 @@ def pad_llava_batch(batch: dict, space: LlavaSpace, *, label_style: str = "megat
             expansion than LLaVA keeps (it would truncate it silently).
     """
     from megatron_vlm_packing.models.llava import LlavaRows
-    from megatron_vlm_packing.packing.plan import _to_device
+    from megatron_vlm_packing.packing.indices import _to_device
     from megatron_vlm_packing.packing.rows import check_pad_token_id
 
     check_pad_token_id(pad_token_id)

@@ -90,7 +90,7 @@ def expanded_packed_seq_params(plan: LlavaPackPlan, collapsed: PackedSeqParams) 
     Equal to `remap_packed_seq_params(collapsed, ...)` for the plan's micro-batch; every field other
     than the boundaries and `max_seqlen_*` is `collapsed`'s.
     """
-    from megatron_vlm_packing.packing.plan import _to_device
+    from megatron_vlm_packing.packing.indices import _to_device
 
     real, physical = [0], [0]
     for r, p in zip(plan.expanded_real, plan.expanded_physical):

@@ -10,7 +10,8 @@ from megatron_vlm_packing.packing.dense import (
 )
 from megatron_vlm_packing.packing.lengths import keep_mask_from_4d, lengths_from_keep_mask, real_lengths
 from megatron_vlm_packing.packing.pack import pack_positions, pack_rows, segment_positions, unpack_rows
-from megatron_vlm_packing.packing.plan import PackIndices, PackMultiples, PackPlan, make_pack_plan, plan_indices
+from megatron_vlm_packing.packing.indices import PackIndices, plan_indices
+from megatron_vlm_packing.packing.plan import PackMultiples, PackPlan, make_pack_plan
 
 __all__ = [
     "AudioInputs", "BatchStats", "MediaTokens", "MicroBatch", "VisionInputs", "pad_batch",

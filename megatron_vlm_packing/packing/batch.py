@@ -20,9 +20,8 @@ from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch
 from megatron_vlm_packing.packing.plain_host import PlainPack, pack_plain_batch_on_host
 from megatron_vlm_packing.packing.pack import pack_next_token_labels, pack_positions, pack_rows, segment_positions
 from megatron_vlm_packing.packing.positions import check_1d_positions_on_host, check_position_layout
-from megatron_vlm_packing.packing.plan import (
-    PackIndices, PackMultiples, PackPlan, checked_pad_to, make_pack_plan, plan_indices,
-)
+from megatron_vlm_packing.packing.indices import PackIndices, plan_indices
+from megatron_vlm_packing.packing.plan import PackMultiples, PackPlan, checked_pad_to, make_pack_plan
 from megatron_vlm_packing.packing.rows import (  # noqa: F401
     IGNORE_INDEX, INT64_MAX, Rows, check_pad_token_id, checked_extra_keys, loss_weights_of, raise_value_errors_first,
     read_rows, refuse_undense, shift_labels_within_rows,

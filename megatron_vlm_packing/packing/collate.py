@@ -27,7 +27,8 @@ import torch
 
 from megatron_vlm_packing.packing.arena import LARGE_BYTES, arena_of, byte_offset, into_one_storage, nbytes, view_at
 from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch
-from megatron_vlm_packing.packing.plan import PackIndices, PackMultiples, PackPlan, apply_once
+from megatron_vlm_packing.packing.indices import PackIndices, apply_once
+from megatron_vlm_packing.packing.plan import PackMultiples, PackPlan
 
 
 class LoaderMicroBatch(MicroBatch):

@@ -19,7 +19,7 @@ import torch
 
 from megatron_vlm_packing.packing.checks import IGNORE_INDEX, check_packed_values
 from megatron_vlm_packing.packing.pack import cat_documents_host, cat_row_prefixes, on_host_without_grad
-from megatron_vlm_packing.packing.plan import PackIndices
+from megatron_vlm_packing.packing.indices import PackIndices
 
 
 def packs_on_host(rows) -> bool:

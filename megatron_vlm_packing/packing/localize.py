@@ -18,7 +18,7 @@ import torch
 
 from megatron_vlm_packing.attention.boundaries import check_max_seqlen_type, physical_boundary_set
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
-from megatron_vlm_packing.packing.plan import PackIndices
+from megatron_vlm_packing.packing.indices import PackIndices
 from megatron_vlm_packing.parallel.cp import check_boundary_tensor, cp_partition_index, dense_cp_partition_index
 from megatron_vlm_packing.parallel.layout import ParallelLayout
 

@@ -94,7 +94,10 @@ class MicroBatch:
 
     Sequence-aligned fields are [1, T] when packed and [B, L] when dense. After `localize` with
     CP > 1 they hold this rank's tokens (`cp_index` says which), except the fields the adapter
-    asked to keep full (`full_fields`).
+    asked to keep full (`full_fields`). Fields share memory with the pack's own tensors where a copy
+    would cost a pass per micro-batch (1D `position_ids` on the CPU view `indices.offset_in_segment`,
+    the boundary sets are the indices' own): replace a field (`dataclasses.replace`), never write one
+    in place.
 
     Attributes:
         input_ids: [1, T] / [B, L] long, token ids (pad slots hold the pad id; never read as a mask).

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from megatron_vlm_packing.packing.plan import DocumentSlices, PackIndices
+from megatron_vlm_packing.packing.indices import DocumentSlices, PackIndices
 
 
 def pack_rows(rows: torch.Tensor, indices: PackIndices, *, pad_value=0) -> torch.Tensor:

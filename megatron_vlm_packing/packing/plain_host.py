@@ -28,7 +28,8 @@ from megatron_vlm_packing.packing.checks import packed_value_faults
 from megatron_vlm_packing.packing.host_tokens import PackedHostTokens
 from megatron_vlm_packing.packing.lengths import right_padded_host_lengths
 from megatron_vlm_packing.packing.pack import on_host_without_grad
-from megatron_vlm_packing.packing.plan import PackIndices, PackMultiples, PackPlan, make_pack_plan, plan_indices
+from megatron_vlm_packing.packing.indices import PackIndices, plan_indices
+from megatron_vlm_packing.packing.plan import PackMultiples, PackPlan, make_pack_plan
 from megatron_vlm_packing.packing.positions import host_positions_differ
 
 PLAIN_KEYS = frozenset({"input_ids", "tokens", "labels", "loss_mask", "attention_mask", "position_ids"})

@@ -16,7 +16,7 @@ import torch
 from megatron_vlm_packing.packing.checks import DeferredChecks, _first_bad, token_place
 from megatron_vlm_packing.packing.lengths import DeferredKeep, any_true, widened_unsigned
 from megatron_vlm_packing.packing.pack import cat_row_prefixes
-from megatron_vlm_packing.packing.plan import host_ramp
+from megatron_vlm_packing.packing.indices import host_ramp
 
 _ROPE_INPUT_KEYS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts", "mm_token_type_ids",
                     "audio_seqlens", "feature_attention_mask", "use_audio_in_video")

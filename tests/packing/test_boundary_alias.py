@@ -16,7 +16,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron_vlm_packing.packing import PackMultiples, pack_batch
 from megatron_vlm_packing.packing.batch import make_packed_seq_params
 from megatron_vlm_packing.packing.collate import map_tensors
-from megatron_vlm_packing.packing.plan import make_pack_plan, plan_indices
+from megatron_vlm_packing.packing.indices import plan_indices
+from megatron_vlm_packing.packing.plan import make_pack_plan
 
 HAS_PAD_BETWEEN_SEQS = "pad_between_seqs" in {f.name for f in dataclasses.fields(PackedSeqParams)}
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from megatron_vlm_packing.packing import (
     PackMultiples, PackPlan, make_pack_plan, pack_positions, pack_rows, plan_indices, segment_positions, unpack_rows,
 )
-from megatron_vlm_packing.packing.plan import host_ramp
+from megatron_vlm_packing.packing.indices import host_ramp
 
 parallel_configs = st.tuples(
     st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 3, 4]), st.booleans(), st.booleans()
