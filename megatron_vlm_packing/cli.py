@@ -76,8 +76,12 @@ def cmd_check(args: argparse.Namespace) -> int:
     from megatron_vlm_packing.validate import validate_packed_batch
     from megatron_vlm_packing.validate.saved import index_note, load_hf_mrope_config, load_saved_batch
 
+    if args.text_offset is not None and args.hf_config is None:
+        raise ValueError(f"--text-offset {args.text_offset} chooses the index rule of --hf-config's model: give "
+                         f"--hf-config PATH too")
     batch = load_saved_batch(args.file)
-    mrope = load_hf_mrope_config(args.hf_config) if args.hf_config is not None else None
+    mrope = load_hf_mrope_config(args.hf_config, text_offset=args.text_offset or "max_hw") \
+        if args.hf_config is not None else None
     layout = {k: v for k, v in (("tp_size", args.tp), ("cp_size", args.cp), ("pad_token_id", args.pad_token_id),
                                 ("mrope", mrope)) if v is not None}
     layout.update({k: True for k, v in (("sequence_parallel", args.sp), ("fp8", args.fp8)) if v})
@@ -148,6 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the model's Hugging Face config.json (or its directory), read with transformers: "
                             "compare mRoPE positions with its index; its placeholder ids and merge size are "
                             "used where FILE gives none")
+    check.add_argument("--text-offset", choices=("max_hw", "max_position"), default=None,
+                       help="with --hf-config: where text resumes after an image or video block in the index "
+                            "compared with. max_hw (default): start + max(h, w) / merge, as transformers 5.x; "
+                            "max_position: 1 + the block's largest position, as transformers 4.57 (differs "
+                            "only after videos whose time positions outrun h and w)")
     check.set_defaults(func=cmd_check)
     return parser
 

@@ -44,11 +44,12 @@ def saved_keys_help() -> str:
     return "\n".join(f"  {key}: {meaning}" for key, meaning in SAVED_KEYS.items())
 
 
-def load_hf_mrope_config(path: str | os.PathLike):
+def load_hf_mrope_config(path: str | os.PathLike, *, text_offset: str = "max_hw"):
     """The `MRopeConfig` of the Hugging Face config at `path`: a config.json, or a model directory holding one.
 
     Read with transformers' `AutoConfig`, from local files only (a path that does not exist is never
-    looked up on the Hub as a model name).
+    looked up on the Hub as a model name). `text_offset`: where text resumes after a vision block, as
+    `MRopeConfig` takes it ("max_position" for positions made by transformers 4.57).
 
     Raises:
         ValueError: transformers is not installed; `path` is missing, a directory without config.json, or
@@ -77,7 +78,7 @@ def load_hf_mrope_config(path: str | os.PathLike):
         raise ValueError(f"{path}: model_type {model_type!r} is not an mRoPE model; --hf-config takes the config of "
                          f"one of {sorted(_MODEL_TYPES)} (a model with 1D positions needs no index: leave it out)")
     try:
-        return MRopeConfig.from_hf_config(config)
+        return MRopeConfig.from_hf_config(config, text_offset=text_offset)
     except (AttributeError, TypeError, ValueError) as err:  # e.g. a field missing or of the wrong type
         raise ValueError(f"{path}: cannot read the mRoPE settings of this {model_type} config "
                          f"({type(err).__name__}: {err})") from None
@@ -105,6 +106,8 @@ def index_note(report, batch: Mapping, mrope, source) -> str | None:
         return ("  positions: not compared with the model's index (give --hf-config PATH, the model's config.json "
                 "or directory, for Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3-Omni)")
     index = f"the {mrope.family} index of {source}"
+    if mrope.text_offset == "max_position":
+        index += " (text resuming after the block's largest position, as transformers 4.57)"
     if "mrope_positions" in report.checked and batch.get("position_ids") is not None:
         if not _is_mrope_positions(batch["position_ids"]):
             return (f"  positions: 1D; {index} needs [3, 1, T] mRoPE positions, so documents with image / video "

@@ -178,3 +178,27 @@ def test_configs_that_cannot_give_an_index_exit_2(qwen25, configs, tmp_path, cap
     (tmp_path / "bad.json").write_text("{not json")
     status, out = check(capsys, path, "--hf-config", tmp_path / "bad.json")
     assert status == 2 and "not a Hugging Face config transformers can read" in out, out
+
+
+def test_text_offset_picks_the_transformers_4_57_rule(configs, tmp_path, capsys):
+    """Positions made by transformers 4.57 (text resumes at the video block's largest position + 1) fail
+    against the default rule after a video whose time positions outrun h and w, and pass with
+    `--text-offset max_position`; the flag without --hf-config exits 2."""
+    config = transformers.AutoConfig.from_pretrained(str(configs["qwen2_5_vl"]))  # 2 tokens per second
+    video = [5, 151652] + [VIDEO] * 16 + [151653, 7, 8]  # grid [4, 4, 4], merge 2: 16 tokens, t up to 6
+    ids = torch.tensor([video, [9, 10, 11] + [0] * (len(video) - 3)])
+    mask = (ids != 0).long()
+    batch = dict(input_ids=ids, labels=ids.clone(), attention_mask=mask, video_grid_thw=torch.tensor([[4, 4, 4]]),
+                 second_per_grid_ts=torch.tensor([1.0]))
+    old_rule = MRopeConfig.from_hf_config(config, text_offset="max_position")
+    packed = pack_batch(batch, label_style="hf", mrope=old_rule)
+    assert not torch.equal(packed.position_ids, pack_batch(batch, label_style="hf",
+                                                           mrope=MRopeConfig.from_hf_config(config)).position_ids)
+    path = tmp_path / "qwen2_5_vl_457.pt"
+    torch.save(saved(packed, batch), path)
+    status, out = check(capsys, path, "--hf-config", configs["qwen2_5_vl"])
+    assert status == 1 and "[mrope_positions]" in out and "document 0" in out, out
+    status, out = check(capsys, path, "--hf-config", configs["qwen2_5_vl"], "--text-offset", "max_position")
+    assert status == 0 and "compared with the qwen2_5_vl index" in out and "transformers 4.57" in out, out
+    status, out = check(capsys, path, "--text-offset", "max_position")
+    assert status == 2 and "give --hf-config PATH too" in out, out
