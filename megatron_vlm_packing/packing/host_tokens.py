@@ -18,7 +18,9 @@ import numpy as np
 import torch
 
 from megatron_vlm_packing.packing.checks import IGNORE_INDEX, check_packed_values
-from megatron_vlm_packing.packing.pack import cat_documents_host, cat_row_prefixes, on_host_without_grad
+from megatron_vlm_packing.packing.pack import (
+    cat_documents_host, cat_row_next_tokens, cat_row_prefixes, on_host_without_grad,
+)
 from megatron_vlm_packing.packing.indices import PackIndices
 
 
@@ -74,18 +76,19 @@ class PackedHostTokens:
         document) and `loss_values` (or None); every tensor one numpy can view (`packs_on_host`)."""
         plan = indices.plan
         hf = label_style == "hf"
-        if not (hf or indices.has_pad_slots):  # each document's real tokens as they are: row prefixes
-            ids, labels = cat_row_prefixes(input_ids.numpy(), plan), cat_row_prefixes(raw_labels.numpy(), plan)
-            values = None if loss_values is None else cat_row_prefixes(loss_values.numpy(), plan)
-            return cls(ids, labels, values, labels != IGNORE_INDEX, None)
         flat_length = len(plan.row_lengths) * plan.row_capacity
         raw = raw_labels.numpy().reshape(flat_length)
+        # Hugging Face: no shifted target holds a document's first label, checked all the same.
+        first_labels = raw[[row * plan.row_capacity for row in plan.segment_rows]] if hf else None
+        if not indices.has_pad_slots:  # each document's real tokens as they are: row prefixes (labels shifted)
+            ids = cat_row_prefixes(input_ids.numpy(), plan)
+            labels = cat_row_next_tokens(raw, plan, IGNORE_INDEX) if hf else cat_row_prefixes(raw, plan)
+            values = None if loss_values is None else cat_row_prefixes(loss_values.numpy(), plan)
+            return cls(ids, labels, values, labels != IGNORE_INDEX, first_labels)
         ids = cat_documents_host(input_ids.numpy().reshape(flat_length), indices.row_slices, pad_token_id)
         labels = cat_documents_host(raw, indices.next_token_slices if hf else indices.row_slices, IGNORE_INDEX)
         values = None if loss_values is None else \
             cat_documents_host(loss_values.numpy().reshape(flat_length), indices.row_slices, 0)
-        # Hugging Face: no shifted target holds a document's first label, checked all the same.
-        first_labels = raw[[row * plan.row_capacity for row in plan.segment_rows]] if hf else None
         return cls(ids, labels, values, labels != IGNORE_INDEX, first_labels)
 
     def check_arguments(self) -> dict:

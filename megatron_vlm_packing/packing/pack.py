@@ -110,6 +110,19 @@ def cat_row_prefixes(rows: np.ndarray, plan) -> np.ndarray:
     return np.concatenate([rows[row, :n] for row, n in zip(plan.segment_rows, plan.real_lengths)])
 
 
+def cat_row_next_tokens(rows: np.ndarray, plan, fill) -> np.ndarray:
+    """[sum of real lengths] every document's values 1..n-1 of its row, each document's followed by one
+    `fill`: Hugging Face labels packed as next-token targets for a plan without pad slots (`rows` [B, S]
+    as in `cat_row_prefixes`). What `cat_documents_host` packs with `next_token_slices`, with no
+    `DocumentSlices`."""
+    rows = rows.reshape(len(plan.row_lengths), plan.row_capacity)
+    end = np.full(1, fill, dtype=rows.dtype)
+    pieces = []
+    for row, n in zip(plan.segment_rows, plan.real_lengths):
+        pieces += (rows[row, 1:n], end)
+    return np.concatenate(pieces)
+
+
 def _check_row_geometry(indices: PackIndices, batch_size: int, row_length: int, plan) -> None:
     """B and S must be the plan's: a wrong row length would scatter tokens into the wrong rows."""
     for name, value in (("batch_size", batch_size), ("row_length", row_length)):
