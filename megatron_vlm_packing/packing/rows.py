@@ -16,6 +16,7 @@ from typing import Callable, Iterable, Mapping
 import numpy as np
 import torch
 
+from megatron_vlm_packing.packing.bounds import INT64_MAX  # also batch's, through rows
 from megatron_vlm_packing.packing.checks import (  # noqa: F401 (re-exported: callers import them from rows)
     COPY_WINDOW, EXACT_COPY_CHECK_SLOTS, IGNORE_INDEX, DeferredChecks, ValueInputs, _first_bad, check_ids,
     check_label_values, check_loss_weights, check_row_values, is_integer_tensor, queue_value_checks,
@@ -236,9 +237,6 @@ def check_pad_token_id(pad_token_id) -> int:
     if pad_token_id > INT64_MAX:
         raise ValueError(f"pad_token_id must be at most 2**63 - 1 (ids are int64), got {pad_token_id}")
     return pad_token_id
-
-
-INT64_MAX = 2**63 - 1
 
 
 def checked_extra_keys(extra_keys) -> tuple:

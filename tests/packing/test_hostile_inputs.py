@@ -131,6 +131,21 @@ def test_placeholder_id_beyond_int64_is_refused(host_reads, name):
         pack_batch(rows_batch(), host_reads=host_reads, **{name: 2**64})
 
 
+def test_placeholder_ids_and_pad_token_id_share_int64s_bound():
+    """MediaTokens and pad_token_id are bounded by the one INT64_MAX (packing/bounds.py): its value is accepted
+    by both, one more is refused by both."""
+    from megatron_vlm_packing.packing.bounds import INT64_MAX
+    from megatron_vlm_packing.packing.media import MediaTokens
+    from megatron_vlm_packing.packing.rows import check_pad_token_id
+
+    assert INT64_MAX == torch.iinfo(torch.int64).max == M
+    assert MediaTokens(image_token_id=INT64_MAX).image_token_id == check_pad_token_id(INT64_MAX) == INT64_MAX
+    with pytest.raises(ValueError, match=rf"image_token_id must be .* got {2**63}$"):
+        MediaTokens(image_token_id=INT64_MAX + 1)
+    with pytest.raises(ValueError, match=rf"pad_token_id must be at most 2\*\*63 - 1 .* got {2**63}$"):
+        check_pad_token_id(INT64_MAX + 1)
+
+
 # -- 3. packed length T >= 2**31 (int32 cu_seqlens) -----------------------------------------------------------------
 
 def test_plan_of_2_to_the_31_tokens_is_refused():
