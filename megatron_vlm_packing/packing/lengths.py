@@ -126,8 +126,7 @@ def keep_mask_from_4d(mask: torch.Tensor) -> torch.Tensor:
         raise ValueError(
             f"4D attention_mask must be bool with True = masked (Megatron convention), got {mask.dtype}"
         )
-    # Its bytes compared with 0, not `~`: a bool tensor viewed from other bytes (refused by `check_4d_is_causal`
-    # and `keep_mask_deferred`'s read) then still gives a 0/1 keep-mask, whatever a kernel makes of `~2`.
+    # Bytes compared with 0, not `~`: 0/1 whatever a kernel makes of `~2` (other bytes are refused, not read).
     return torch.diagonal(mask.view(torch.uint8)[:, 0], dim1=-2, dim2=-1) == 0
 
 
@@ -149,12 +148,11 @@ def _raise_4d_not_binary(mask: torch.Tensor) -> None:
 
 
 def check_4d_is_causal(mask: torch.Tensor, keep: torch.Tensor) -> None:
-    """A 4D bool mask holds bytes 0 and 1 only, and between real tokens it is plain causal (row i sees
-    columns 0..i). One host read.
+    """A 4D bool mask holds bytes 0 and 1 only (not a .view(torch.bool) of others), and between real tokens
+    it is plain causal (row i sees columns 0..i). One host read.
 
-    A byte other than 0/1 (a tensor made by .view(torch.bool)) is True to some of torch's ops and 2 to
-    others. A block-diagonal mask (several documents in a row) or any other pattern would be replaced
-    by causal attention per row without a word; documents are declared with `document_lengths`.
+    A block-diagonal mask (several documents in a row) or any other pattern would be replaced by
+    causal attention per row without a word; documents are declared with `document_lengths`.
 
     Raises:
         ValueError: naming the row and the first byte other than 0/1 with its (query, key), else the

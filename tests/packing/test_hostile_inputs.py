@@ -106,16 +106,19 @@ BYTES_4D = [(2, (1, 3, 3)), (255, (0, 3, 0)), (2, (0, 0, 1)), (7, (0, 2, 2))]
 def test_4d_bool_mask_holding_other_bytes_is_refused_on_every_path(byte, at):
     """A 4D bool mask viewed from bytes other than 0/1 was read as if each were 1 (masked) by the ops of the
     4D path, unchecked: now the same ValueError naming the row, (query, key) and byte on pack_batch's
-    host and step paths, pad_batch, real_lengths and the parity probe's split_rows."""
+    host and step paths, pad_batch, real_lengths, the parity probe's split_rows and pack_llava_batch."""
+    from megatron_vlm_packing.models.llava import LlavaSpace
+    from megatron_vlm_packing.models.llava_pack import pack_llava_batch
     from megatron_vlm_packing.packing import pad_batch
     from megatron_vlm_packing.validate.probe import split_rows
 
     mask = bool_4d_holding(byte, at)
     message = (rf"^4D attention_mask row {at[0]} has values other than 0 and 1: byte {byte} at \(query {at[1]}, "
                rf"key {at[2]}\) of a torch.bool tensor")
+    llava = LlavaSpace(img_seq_len=4, image_token_index=127)
     entries = [lambda batch: pack_batch(batch, host_reads=True), lambda batch: pack_batch(batch, host_reads=False),
-               pad_batch, lambda batch: real_lengths(batch_size=2, row_length=4, attention_mask=batch["attention_mask"]),
-               split_rows]
+               pad_batch, split_rows, lambda batch: pack_llava_batch(batch, llava),
+               lambda batch: real_lengths(batch_size=2, row_length=4, attention_mask=batch["attention_mask"])]
     for entry in entries:
         with pytest.raises(ValueError, match=message):
             entry(rows_batch(mask))
