@@ -34,6 +34,7 @@ from megatron_vlm_packing.models.llava_plan import (  # noqa: F401
 from megatron_vlm_packing.packing.localize import LocalizeNeeds
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
 from megatron_vlm_packing.packing.plan import PackMultiples
+from megatron_vlm_packing.packing.rows import is_undense, refuse_undense
 
 
 @dataclass(frozen=True)
@@ -223,6 +224,8 @@ class LLaVAAdapter(ModelAdapter):
         vision = micro_batch.vision
         images = vision.pixel_values if vision is not None and vision.has_images else None
         if images is not None:
+            if is_undense(images):  # a micro-batch built by hand: the packers refuse these in the batch
+                refuse_undense("images (vision.pixel_values)", images, "LLaVAModel's vision tower and this adapter")
             check_image_dtype(images, "images (vision.pixel_values)")
         tiles = default_image_tiles(vision.num_image_tiles if vision is not None else None, n_images, ids.device)
         if tiles.numel() != n_images:

@@ -25,6 +25,7 @@ from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch, Vis
 
 _IMAGE_KEYS = ("images", "pixel_values")
 IGNORE_INDEX = -100
+READER = "pack_llava_batch/pad_llava_batch"  # who reads a LLaVA batch, in `rows.check_dense_tensors`' errors
 
 
 def _images(batch: dict) -> torch.Tensor | None:
@@ -108,8 +109,9 @@ def _read_rows(batch: dict, space: LlavaSpace, label_style: str):
         (ids [B, S] long, labels [B, S] next-token targets, weights [B, S] float, row lengths,
         `_llava_rows`'s tuple).
     """
-    from megatron_vlm_packing.packing.rows import Rows, input_ids_of, queue_row_reads
+    from megatron_vlm_packing.packing.rows import Rows, check_dense_tensors, input_ids_of, queue_row_reads
 
+    check_dense_tensors(batch, READER)  # first, as pack_batch: a sparse or meta image packed, unread
     images = _images(batch)  # refused (shape, dtype) before the read
     name, ids = input_ids_of(batch)
     shape = tuple(ids.shape)
@@ -325,12 +327,14 @@ class LlavaPackingCollator:
     def __call__(self, samples):
         from megatron_vlm_packing.models.llava import aligned_space
         from megatron_vlm_packing.packing.collate import for_the_loader
+        from megatron_vlm_packing.packing.rows import check_dense_tensors
 
         batch = self.collate(samples) if self.collate is not None else samples
         # Any mapping, as pack_llava_batch takes: a Hugging Face processor's BatchFeature is a UserDict.
         if not isinstance(batch, Mapping):
             raise ValueError(f"LlavaPackingCollator got {type(batch).__name__}: give collate= (samples -> batch "
                              f"dict), or let the dataset yield batch dicts")
+        check_dense_tensors(batch, READER)  # before .cpu(): of a meta tensor a NotImplementedError
         on_host = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         packed = pack_llava_batch(on_host, aligned_space(self.space, fp8=self.fp8), label_style=self.label_style,
                                   pad_to=self.pad_to, pad_token_id=self.pad_token_id)

@@ -126,17 +126,37 @@ def keep_mask_from_4d(mask: torch.Tensor) -> torch.Tensor:
         raise ValueError(
             f"4D attention_mask must be bool with True = masked (Megatron convention), got {mask.dtype}"
         )
-    return ~torch.diagonal(mask[:, 0], dim1=-2, dim2=-1)
+    # Bytes compared with 0, not `~`: 0/1 whatever a kernel makes of `~2` (other bytes are refused, not read).
+    return torch.diagonal(mask.view(torch.uint8)[:, 0], dim1=-2, dim2=-1) == 0
+
+
+def largest_byte(mask: torch.Tensor) -> torch.Tensor:
+    """0-dim uint8: the largest byte of a bool tensor (0 or 1 unless it was viewed from other bytes); no host read."""
+    if mask.numel() == 0:
+        return torch.zeros((), dtype=torch.uint8, device=mask.device)
+    return mask.view(torch.uint8).amax()
+
+
+def _raise_4d_not_binary(mask: torch.Tensor) -> None:
+    """The ValueError of a [B, 1, S, S] bool mask holding a byte other than 0 and 1, naming the first one's row,
+    (query, key) and byte (error path only)."""
+    values = mask.view(torch.uint8)
+    b, _, i, j = torch.nonzero(values > 1)[0].tolist()
+    raise ValueError(f"4D attention_mask row {b} has values other than 0 and 1: byte {int(values[b, 0, i, j])} at "
+                     f"(query {i}, key {j}) of a torch.bool tensor (made by .view(torch.bool) of other bytes?); "
+                     f"pass a bool mask")
 
 
 def check_4d_is_causal(mask: torch.Tensor, keep: torch.Tensor) -> None:
-    """Between real tokens a 4D mask must be plain causal (row i sees columns 0..i).
+    """A 4D bool mask holds bytes 0 and 1 only (not a .view(torch.bool) of others), and between real tokens
+    it is plain causal (row i sees columns 0..i). One host read.
 
     A block-diagonal mask (several documents in a row) or any other pattern would be replaced by
     causal attention per row without a word; documents are declared with `document_lengths`.
 
     Raises:
-        ValueError: naming the row and the first real (query, key) pair that differs.
+        ValueError: naming the row and the first byte other than 0/1 with its (query, key), else the
+        first real (query, key) pair that differs.
     """
     if mask.shape[-1] != keep.shape[-1]:
         return  # the shape check in real_lengths reports this
@@ -144,7 +164,10 @@ def check_4d_is_causal(mask: torch.Tensor, keep: torch.Tensor) -> None:
     causal = torch.ones(size, size, dtype=torch.bool, device=mask.device).tril()
     real_pair = keep[:, :, None] & keep[:, None, :]  # [B, S, S]
     bad = real_pair & (~mask[:, 0] != causal)
-    if bool(bad.any()):
+    top, non_causal = torch.stack([largest_byte(mask), any_true(bad)]).tolist()  # the one host read
+    if top > 1:
+        _raise_4d_not_binary(mask)
+    if non_causal:
         b, i, j = torch.nonzero(bad)[0].tolist()
         what = "masks" if j <= i else "lets"
         raise ValueError(
@@ -320,7 +343,9 @@ def keep_mask_deferred(
     if attention_mask.dim() == 4:
         size = attention_mask.shape[-1]
         causal = torch.ones(size, size, dtype=torch.bool, device=attention_mask.device).tril()
-        other = any_true(keep[:, :, None] & keep[:, None, :] & (~attention_mask[:, 0] != causal))
+        # A byte other than 0/1 fails too: one more reduction (the mask's largest byte) on the same read.
+        other = any_true(keep[:, :, None] & keep[:, None, :] & (~attention_mask[:, 0] != causal)) \
+            | (largest_byte(attention_mask) > 1)
     else:
         other = any_true((attention_mask != 0) & (attention_mask != 1))
         keep = attention_mask != 0

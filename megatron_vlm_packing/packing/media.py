@@ -29,6 +29,7 @@ from typing import Callable
 
 import torch
 
+from megatron_vlm_packing.packing.bounds import INT64_MAX
 from megatron_vlm_packing.packing.micro_batch import VisionInputs
 
 VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
@@ -56,7 +57,8 @@ class MediaTokens:
     def __post_init__(self) -> None:
         for name in ("image_token_id", "video_token_id", "audio_token_id"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**63):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or not 0 <= value <= INT64_MAX):
                 raise ValueError(f"{name} must be a non-negative int (at most 2**63 - 1: ids are int64) or None, "
                                  f"got {value!r}")
         for name in ("spatial_merge_size", "audio_n_window"):

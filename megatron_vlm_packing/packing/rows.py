@@ -16,6 +16,7 @@ from typing import Callable, Iterable, Mapping
 import numpy as np
 import torch
 
+from megatron_vlm_packing.packing.bounds import INT64_MAX  # also batch's, through rows
 from megatron_vlm_packing.packing.checks import (  # noqa: F401 (re-exported: callers import them from rows)
     COPY_WINDOW, EXACT_COPY_CHECK_SLOTS, IGNORE_INDEX, DeferredChecks, ValueInputs, _first_bad, check_ids,
     check_label_values, check_loss_weights, check_row_values, is_integer_tensor, queue_value_checks,
@@ -147,24 +148,30 @@ def check_keys(batch, *, extra_keys, mrope) -> None:
             )
 
 
-def check_dense_tensors(batch: Mapping) -> None:
+def check_dense_tensors(batch: Mapping, reader: str = "pack_batch/pad_batch") -> None:
     """Every tensor of the batch holds dense values: a ValueError naming the first sparse or nested tensor (its
-    layout) or meta tensor (no values), which numpy and most of torch's kernels cannot read."""
+    layout) or meta tensor (no values), which numpy and most of torch's kernels cannot read. `reader`: who
+    reads the batch, for the error (LLaVA's packers give theirs)."""
     if not isinstance(batch, Mapping):  # check_keys names what it is
         return
     for key, value in batch.items():
-        if isinstance(value, torch.Tensor) and (value.layout is not torch.strided or value.is_nested or value.is_meta):
-            refuse_undense(key, value)
+        if isinstance(value, torch.Tensor) and is_undense(value):
+            refuse_undense(key, value, reader)
 
 
-def refuse_undense(key: str, value: torch.Tensor) -> None:
+def is_undense(value: torch.Tensor) -> bool:
+    """A sparse, nested or meta tensor: one `check_dense_tensors` refuses."""
+    return value.layout is not torch.strided or value.is_nested or value.is_meta
+
+
+def refuse_undense(key: str, value: torch.Tensor, reader: str = "pack_batch/pad_batch") -> None:
     """The ValueError of `check_dense_tensors` for `batch[key]`."""
     if value.is_meta:
         raise ValueError(f"{key} is a meta tensor: it holds no values to pack")
     if value.is_nested:
-        raise ValueError(f"{key} is a nested tensor (layout {value.layout}): pack_batch/pad_batch read dense (strided) "
+        raise ValueError(f"{key} is a nested tensor (layout {value.layout}): {reader} read dense (strided) "
                          f"tensors; pad its rows (torch.nested.to_padded_tensor) and give an attention_mask")
-    raise ValueError(f"{key} has layout {value.layout}: pack_batch/pad_batch read dense (strided) tensors; pass "
+    raise ValueError(f"{key} has layout {value.layout}: {reader} read dense (strided) tensors; pass "
                      f"{key}.to_dense()")
 
 
@@ -236,9 +243,6 @@ def check_pad_token_id(pad_token_id) -> int:
     if pad_token_id > INT64_MAX:
         raise ValueError(f"pad_token_id must be at most 2**63 - 1 (ids are int64), got {pad_token_id}")
     return pad_token_id
-
-
-INT64_MAX = 2**63 - 1
 
 
 def checked_extra_keys(extra_keys) -> tuple:

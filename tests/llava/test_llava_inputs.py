@@ -92,3 +92,44 @@ def test_pack_llava_batch_and_the_loader_share_the_pp_check():
         pack_llava_batch(_batch(torch.zeros(1, 3, 2, 2)), PIPED, pad_to=32)
     with pytest.raises(ValueError, match="pad_to=32 but under pipeline parallelism"):
         LlavaPackingCollator(space=PIPED, pad_to=32)(_batch(torch.zeros(1, 3, 2, 2)))
+
+
+# Each kind of tensor without dense values, and the start of the ValueError naming it (`rows.check_dense_tensors`).
+UNDENSE = {
+    "sparse_coo": (lambda t: t.to_sparse(), r"has layout torch.sparse_coo: pack_llava_batch/pad_llava_batch read dense "
+                                            r"\(strided\) tensors; pass {field}.to_dense\(\)"),
+    "sparse_csr": (lambda t: t.to_sparse_csr() if t.dim() == 2 else t.to_sparse(), r"has layout torch.sparse_"),
+    "nested": (lambda t: torch.nested.nested_tensor(list(t)), r"is a nested tensor \(layout torch.strided\): "
+                                                              r"pack_llava_batch/pad_llava_batch read dense"),
+    "meta": (lambda t: t.to("meta"), r"is a meta tensor: it holds no values to pack"),
+}
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRIES))
+@pytest.mark.parametrize("kind", sorted(UNDENSE))
+def test_sparse_nested_and_meta_tensors_are_refused_where_they_enter(entry, kind):
+    """Every tensor input of LLaVA's packers: a sparse or meta image was packed unread (and reached the vision
+    tower), the others failed deep in torch (NotImplementedError, RuntimeError); now pack_batch's ValueError."""
+    ids = torch.tensor([[5, 6, 7], [IMG, 8, 9]])
+    batch = {"input_ids": ids, "labels": ids + 1, "loss_mask": torch.ones(2, 3), "attention_mask": torch.ones_like(ids),
+             "images": torch.zeros(1, 3, 2, 2), "num_image_tiles": torch.tensor([1])}
+    make, message = UNDENSE[kind]
+    for field in ("input_ids", "labels", "loss_mask", "attention_mask", "images", "num_image_tiles"):
+        with pytest.raises(ValueError, match="^" + field + " " + message.replace("{field}", field)):
+            ENTRIES[entry]({**batch, field: make(batch[field])})
+    pixels = {k: v for k, v in batch.items() if k != "images"}
+    with pytest.raises(ValueError, match=r"^pixel_values " + message.replace("{field}", "pixel_values")):
+        ENTRIES[entry]({**pixels, "pixel_values": make(batch["images"])})
+    with pytest.raises(ValueError, match=r"^seq_lens "):
+        ENTRIES[entry]({**pixels, "attention_mask": None, "seq_lens": make(torch.tensor([3, 3])),
+                        "pixel_values": batch["images"]})
+    assert ENTRIES[entry](batch).vision.pixel_values.layout is torch.strided  # the dense batch packs
+
+
+@pytest.mark.parametrize("kind", sorted(UNDENSE))
+def test_the_step_refuses_undense_images_in_a_micro_batch_built_by_hand(kind):
+    adapter = _adapter()
+    packed = pack_llava_batch(_batch(torch.zeros(1, 3, 2, 2)), SPACE)
+    undense = replace(packed, vision=replace(packed.vision, pixel_values=UNDENSE[kind][0](torch.zeros(1, 3, 2, 2))))
+    with pytest.raises(ValueError, match=r"^images \(vision.pixel_values\) (has layout|is a)"):
+        adapter.check(undense)

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from megatron_vlm_packing.packing import pack_batch
-from megatron_vlm_packing.packing.lengths import lengths_from_keep_mask, right_padded_reads
+from megatron_vlm_packing.packing.lengths import (
+    keep_mask_from_4d, lengths_from_keep_mask, real_lengths, right_padded_reads,
+)
 from tests.packing.test_plain_host import assert_identical, plain_path_spied, three_ways
 
 M = 2**63 - 1  # int64's maximum: M + M + 5 wraps to 3
@@ -85,6 +87,66 @@ def test_bool_mask_holding_other_bytes_is_refused(host_reads, form):
         packed(rows_batch(mask), host_reads, form)
 
 
+def bool_4d_holding(byte: int, at: tuple[int, int, int], lengths=(3, 2), size: int = 4) -> torch.Tensor:
+    """A Megatron [B, 1, S, S] bool mask (True = masked) of right-padded rows of `lengths`, with `byte` at
+    (row, query, key) `at`: a torch.bool tensor viewed from its bytes."""
+    causal = torch.ones(size, size, dtype=torch.bool).tril()
+    keep = torch.arange(size)[None] < torch.tensor(lengths)[:, None]
+    data = (~(causal[None] & keep[:, :, None] & keep[:, None, :]))[:, None].view(torch.uint8).clone()
+    data[at[0], 0, at[1], at[2]] = byte
+    return data.view(torch.bool)
+
+
+# (byte, (row, query, key)): on a pad slot's diagonal and a pad pair (read as masked, packed as if 1); on a
+# masked real pair; on the diagonal of row 0's last real token (read as masked: the row packed 2 tokens, not 3).
+BYTES_4D = [(2, (1, 3, 3)), (255, (0, 3, 0)), (2, (0, 0, 1)), (7, (0, 2, 2))]
+
+
+@pytest.mark.parametrize("byte, at", BYTES_4D)
+def test_4d_bool_mask_holding_other_bytes_is_refused_on_every_path(byte, at):
+    """A 4D bool mask viewed from bytes other than 0/1 was read as if each were 1 (masked) by the ops of the
+    4D path, unchecked: now the same ValueError naming the row, (query, key) and byte on pack_batch's
+    host and step paths, pad_batch, real_lengths, the parity probe's split_rows and pack_llava_batch."""
+    from megatron_vlm_packing.models.llava import LlavaSpace
+    from megatron_vlm_packing.models.llava_pack import pack_llava_batch
+    from megatron_vlm_packing.packing import pad_batch
+    from megatron_vlm_packing.validate.probe import split_rows
+
+    mask = bool_4d_holding(byte, at)
+    message = (rf"^4D attention_mask row {at[0]} has values other than 0 and 1: byte {byte} at \(query {at[1]}, "
+               rf"key {at[2]}\) of a torch.bool tensor")
+    llava = LlavaSpace(img_seq_len=4, image_token_index=127)
+    entries = [lambda batch: pack_batch(batch, host_reads=True), lambda batch: pack_batch(batch, host_reads=False),
+               pad_batch, split_rows, lambda batch: pack_llava_batch(batch, llava),
+               lambda batch: real_lengths(batch_size=2, row_length=4, attention_mask=batch["attention_mask"])]
+    for entry in entries:
+        with pytest.raises(ValueError, match=message):
+            entry(rows_batch(mask))
+    clean = bool_4d_holding(1, at)  # the same mask with a 1 there: packs (or names its own fault) as before
+    assert keep_mask_from_4d(mask).tolist() == keep_mask_from_4d(clean).tolist()
+
+
+def test_4d_bool_mask_bytes_ride_the_step_paths_one_read():
+    """The byte check adds no host read: a clean 4D mask packs on the step path with one (as a 2D mask's pack)."""
+    from megatron_vlm_packing.testing.sync_counter import count_host_syncs
+
+    with count_host_syncs() as syncs:
+        micro_batch = pack_batch(rows_batch(bool_4d_holding(1, (1, 3, 3))), host_reads=False)
+    assert syncs.total == 1, syncs.report()
+    assert_identical(micro_batch, pack_batch(rows_batch(torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])), host_reads=False))
+
+
+def test_4d_bool_mask_bytes_are_checked_before_its_other_faults():
+    """A byte other than 0/1 and a non-causal real pair: the byte is named first, on both read paths."""
+    mask = bool_4d_holding(2, (1, 3, 3)).view(torch.uint8).clone()
+    mask[0, 0, 0, 1] = 0  # real token 0 sees token 1
+    for host_reads in (True, False):
+        with pytest.raises(ValueError, match=r"^4D attention_mask row 1 has values other than 0 and 1: byte 2"):
+            pack_batch(rows_batch(mask.view(torch.bool)), host_reads=host_reads)
+        with pytest.raises(ValueError, match=r"^4D attention_mask row 0 lets real token 0 see real token 1"):
+            pack_batch(rows_batch(bool_4d_holding(0, (0, 0, 1))), host_reads=host_reads)
+
+
 @pytest.mark.parametrize("host_reads", [True, False])
 @pytest.mark.parametrize("dtype_name", ["uint16", "uint32"])
 def test_wide_unsigned_mask_packs_as_int64(host_reads, dtype_name):
@@ -129,6 +191,21 @@ def test_pad_token_id_at_int64_max_is_written(host_reads):
 def test_placeholder_id_beyond_int64_is_refused(host_reads, name):
     with pytest.raises(ValueError, match=rf"{name} must be a non-negative int \(at most 2\*\*63 - 1.*got {2**64}$"):
         pack_batch(rows_batch(), host_reads=host_reads, **{name: 2**64})
+
+
+def test_placeholder_ids_and_pad_token_id_share_int64s_bound():
+    """MediaTokens and pad_token_id are bounded by the one INT64_MAX (packing/bounds.py): its value is accepted
+    by both, one more is refused by both."""
+    from megatron_vlm_packing.packing.bounds import INT64_MAX
+    from megatron_vlm_packing.packing.media import MediaTokens
+    from megatron_vlm_packing.packing.rows import check_pad_token_id
+
+    assert INT64_MAX == torch.iinfo(torch.int64).max == M
+    assert MediaTokens(image_token_id=INT64_MAX).image_token_id == check_pad_token_id(INT64_MAX) == INT64_MAX
+    with pytest.raises(ValueError, match=rf"image_token_id must be .* got {2**63}$"):
+        MediaTokens(image_token_id=INT64_MAX + 1)
+    with pytest.raises(ValueError, match=rf"pad_token_id must be at most 2\*\*63 - 1 .* got {2**63}$"):
+        check_pad_token_id(INT64_MAX + 1)
 
 
 # -- 3. packed length T >= 2**31 (int32 cu_seqlens) -----------------------------------------------------------------
