@@ -271,8 +271,8 @@ def check_full_devices(micro_batch: MicroBatch) -> None:
 def _slots_without_index(micro_batch: MicroBatch, needs: LocalizeNeeds) -> tuple[int, str] | None:
     """T and where it comes from at CP = 1, from host ints and shapes only: the plan's total when the
     boundaries are the plan's own, else `input_ids`' length (dense rows, or ids that `localize` would
-    cut), else the first field it would cut (hand-built boundaries are not read: a host sync). None:
-    every field stays full."""
+    cut), else the first field it would cut (hand-built boundaries are not read: a host sync; a 0-d field
+    counts 0 slots, and `check_one_row` names it). None: every field stays full."""
     indices = plan_indices_of(micro_batch) if micro_batch.is_packed else None
     if indices is not None:
         return indices.plan.total, "the pack plan"
@@ -282,7 +282,8 @@ def _slots_without_index(micro_batch: MicroBatch, needs: LocalizeNeeds) -> tuple
     name = next((name for name in _SEQUENCE_FIELDS if name not in full), None)
     if name is None:
         return None
-    return getattr(micro_batch, name).shape[-1], name
+    field = getattr(micro_batch, name)
+    return (field.shape[-1] if field.dim() else 0), name  # 0-d: not one row, as check_sequence_lengths says
 
 
 def _cp_index(micro_batch: MicroBatch, layout: ParallelLayout) -> tuple[torch.Tensor, str]:
