@@ -114,8 +114,8 @@ def run_checks(inputs: PackedInputs) -> ValidationReport:
     """Every check on `inputs` (from `build_inputs`), in the module's order, each on what the previous settled.
 
     The per-token checks run only when the boundaries can be read, the batch is not localized to one CP
-    rank (its `cp_index` is checked instead) and the documents lay out exactly the T slots; otherwise the
-    report says in `skipped` why they did not run.
+    rank (its `cp_index` is checked instead), the documents lay out exactly the T slots and the ids are
+    numbers (not bool or complex: their dtype is reported); otherwise the report says in `skipped` why not.
     """
     inputs, violations = _readable(inputs)
     checked = ["malformed_boundaries", "real_vs_padded", "zero_length_segment"]
@@ -130,6 +130,9 @@ def run_checks(inputs: PackedInputs) -> ValidationReport:
     if not _documents_fill_slots(bounds, inputs.total):
         return _report(inputs, bounds, sum(bounds.real), so_far,
                        ("per-token checks", "the boundaries do not lay the documents out over the T slots"))
+    if inputs.input_ids.dtype == torch.bool or inputs.input_ids.is_complex():  # torch.isin refuses both
+        return _report(inputs, bounds, sum(bounds.real), so_far, (
+            "per-token checks", f"input_ids are {inputs.input_ids.dtype}, not token ids the checks can read"))
     docs, per_token = _per_token_checks(inputs, bounds)
     return _report(inputs, bounds, sum(docs.real), so_far.then(per_token))
 
