@@ -230,8 +230,9 @@ def _defaults_from_mrope(values: dict) -> None:
     the grids and audio lengths can be split per document for its index. A callable names none.
 
     Raises:
-        ValueError: a value given (or carried by the micro-batch) that contradicts the config's: the
-            placeholders would be counted with one value and the index asked with the other.
+        ValueError: a value given (or carried by the micro-batch) that is not an int (`int_field`, checked
+            first), or that contradicts the config's: the placeholders would be counted with one value and
+            the index asked with the other.
     """
     from megatron_vlm_packing.rope import MRopeConfig
 
@@ -245,7 +246,7 @@ def _defaults_from_mrope(values: dict) -> None:
         given = values.get(name)
         if given is None:
             values[name] = known
-        elif given != known:
+        elif int_field(given, name, dict(_INT_FIELDS)[name]) != known:  # a [2] tensor: no truth value
             raise ValueError(f"{name}={given!r} contradicts the mrope config's {name}={known!r}: the placeholders "
                              f"would be counted with one and the model's index asked with the other")
 
