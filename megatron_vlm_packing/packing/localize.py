@@ -271,8 +271,8 @@ def check_full_devices(micro_batch: MicroBatch) -> None:
 def _slots_without_index(micro_batch: MicroBatch, needs: LocalizeNeeds) -> tuple[int, str] | None:
     """T and where it comes from at CP = 1, from host ints and shapes only: the plan's total when the
     boundaries are the plan's own, else `input_ids`' length (dense rows, or ids that `localize` would
-    cut), else the first field it would cut (hand-built boundaries are not read: a host sync). None:
-    every field stays full."""
+    cut), else the first field it would cut (hand-built boundaries are not read: a host sync; a 0-d field
+    counts 0 slots, and `check_one_row` names it). None: every field stays full."""
     indices = plan_indices_of(micro_batch) if micro_batch.is_packed else None
     if indices is not None:
         return indices.plan.total, "the pack plan"
@@ -282,7 +282,8 @@ def _slots_without_index(micro_batch: MicroBatch, needs: LocalizeNeeds) -> tuple
     name = next((name for name in _SEQUENCE_FIELDS if name not in full), None)
     if name is None:
         return None
-    return getattr(micro_batch, name).shape[-1], name
+    field = getattr(micro_batch, name)
+    return (field.shape[-1] if field.dim() else 0), name  # 0-d: not one row, as check_sequence_lengths says
 
 
 def _cp_index(micro_batch: MicroBatch, layout: ParallelLayout) -> tuple[torch.Tensor, str]:
@@ -294,6 +295,53 @@ def _cp_index(micro_batch: MicroBatch, layout: ParallelLayout) -> tuple[torch.Te
         return index, "input_ids' length, on its device"
     name, _ = physical_boundary_set(micro_batch.packed_seq_params)
     return packed_cp_index(micro_batch, layout), f"packed_seq_params.{name}"
+
+
+def _check_localizable(micro_batch: MicroBatch) -> None:
+    """The checks every path of `localize` makes first, in this order (metadata and shapes only): not
+    localized yet (`cp_index` None), every sequence field and extra a tensor (`check_field_types`), and
+    packed: well-formed `packed_seq_params` and 3-channel mRoPE positions, kept full or cut; dense:
+    the same B rows in every field (`check_dense_rows`)."""
+    if micro_batch.cp_index is not None:
+        raise ValueError("micro_batch is already localized to a CP rank (cp_index is set); localize it once")
+    check_field_types(micro_batch)
+    if micro_batch.is_packed:
+        check_packed_seq_params(micro_batch)
+        check_mrope_channels(micro_batch.position_ids)  # kept full or cut
+    else:
+        check_dense_rows(micro_batch)
+
+
+def _check_without_index(micro_batch: MicroBatch, needs: LocalizeNeeds) -> None:
+    """At CP = 1 (no index is built): packed boundaries on the fields' device (`check_boundary_device`),
+    then the fields `localize` would cut hold the T slots of `_slots_without_index` (host ints and shapes
+    only; nothing to check when every field stays full)."""
+    if micro_batch.is_packed:
+        check_boundary_device(micro_batch, needs)
+    slots = _slots_without_index(micro_batch, needs)
+    if slots is not None:
+        check_sequence_lengths(micro_batch, needs, *slots)
+
+
+def _model_selects_its_tokens(micro_batch: MicroBatch, needs: LocalizeNeeds) -> bool:
+    """Every sequence field kept full and no extras: the model selects its CP tokens itself, in a space of
+    its own (LLaVA: after expanding images), so no index of this micro-batch's slots applies."""
+    return _kept_full(needs) == frozenset(_SEQUENCE_FIELDS) and not micro_batch.extras
+
+
+def _cut_to_rank(micro_batch: MicroBatch, needs: LocalizeNeeds, index: torch.Tensor) -> MicroBatch:
+    """`micro_batch` with `index` ([Tl] long, this rank's slots) applied to every sequence field but those
+    `needs` keeps full ([.., T] -> [.., Tl]) and to every extra along dim 1 ([B, T, ..] -> [B, Tl, ..]);
+    `cp_index` set to `index` and `full_fields` to the fields kept full. Fields already checked."""
+    full = _kept_full(needs)
+    fields = {name: getattr(micro_batch, name) for name in _SEQUENCE_FIELDS}
+    return replace(
+        micro_batch,
+        **{name: x if name in full else x.index_select(-1, index) for name, x in fields.items()},  # [.., T] -> [.., Tl]
+        extras={key: x.index_select(1, index) for key, x in micro_batch.extras.items()},  # [B, T, ..] -> [B, Tl, ..]
+        cp_index=index,
+        full_fields=full,
+    )
 
 
 def localize(micro_batch: MicroBatch, layout: ParallelLayout, needs: LocalizeNeeds = LocalizeNeeds()) -> MicroBatch:
@@ -319,36 +367,14 @@ def localize(micro_batch: MicroBatch, layout: ParallelLayout, needs: LocalizeNee
             the boundaries) is on another device than the fields it is applied to (`check_index_device`,
             `check_boundary_device`; with every field kept full at cp_size > 1, `check_full_devices`).
     """
-    if micro_batch.cp_index is not None:
-        raise ValueError("micro_batch is already localized to a CP rank (cp_index is set); localize it once")
-    check_field_types(micro_batch)
-    if micro_batch.is_packed:
-        check_packed_seq_params(micro_batch)
-        check_mrope_channels(micro_batch.position_ids)  # kept full or cut
-    else:
-        check_dense_rows(micro_batch)
+    _check_localizable(micro_batch)
     if layout.cp_size == 1:
-        if micro_batch.is_packed:
-            check_boundary_device(micro_batch, needs)
-        slots = _slots_without_index(micro_batch, needs)
-        if slots is not None:
-            check_sequence_lengths(micro_batch, needs, *slots)
+        _check_without_index(micro_batch, needs)
         return micro_batch
-    if _kept_full(needs) == frozenset(_SEQUENCE_FIELDS) and not micro_batch.extras:
-        # The model selects its CP tokens itself, in a space of its own (LLaVA: after expanding
-        # images), so no index of this micro-batch's slots applies; its fields and boundaries must
-        # still be on one device (metadata only).
-        check_full_devices(micro_batch)
+    if _model_selects_its_tokens(micro_batch, needs):
+        check_full_devices(micro_batch)  # its fields and boundaries must still be on one device (metadata only)
         return replace(micro_batch, full_fields=frozenset(_SEQUENCE_FIELDS))
     index, source = _cp_index(micro_batch, layout)
     check_index_device(micro_batch, needs, index, source)
     check_sequence_lengths(micro_batch, needs, index.numel() * layout.cp_size)  # T, a shape: no host read
-    full = _kept_full(needs)
-    fields = {name: getattr(micro_batch, name) for name in _SEQUENCE_FIELDS}
-    return replace(
-        micro_batch,
-        **{name: x if name in full else x.index_select(-1, index) for name, x in fields.items()},  # [.., T] -> [.., Tl]
-        extras={key: x.index_select(1, index) for key, x in micro_batch.extras.items()},  # [B, T, ..] -> [B, Tl, ..]
-        cp_index=index,
-        full_fields=full,
-    )
+    return _cut_to_rank(micro_batch, needs, index)

@@ -1,8 +1,9 @@
 """What the validator reads: a packed micro-batch from any packer, normalised to flat tensors.
 
-`PackedInputs.build(...)` takes a `MicroBatch`, our `PackedBatch`, a mapping with the saved-batch
+`build_inputs(...)` takes a `MicroBatch`, our `PackedBatch`, a mapping with the saved-batch
 keys (see `SAVED_KEYS`), or keywords, and flattens every sequence-aligned tensor to [T] ([3, T] for
-mRoPE positions) on the host. Nothing here judges the data; the checks do.
+mRoPE positions) on the host (each loose value made a tensor, int or bool by `validate.coerce`, or a
+ValueError naming it). Nothing here judges the data; the checks do.
 
 Shape legend: T = physical packed slots, N = documents, B = source rows, S = source row length.
 """
@@ -15,6 +16,7 @@ from typing import Any, Mapping
 import torch
 
 from megatron_vlm_packing.packing.plan import PackMultiples
+from megatron_vlm_packing.validate.coerce import bool_field, count_field, dense_tensor, flat_tokens, int_field
 
 # Keys a saved batch (`torch.save` of a dict) may hold; see `megatron-vlm-packing check --help`.
 SAVED_KEYS = {
@@ -141,53 +143,6 @@ class PackedInputs:
         return self.localized_total if self.localized_total is not None else self.input_ids.numel()
 
 
-def _cpu(x):
-    return x.detach().cpu() if isinstance(x, torch.Tensor) else x
-
-
-def _tensor(x, name: str) -> torch.Tensor:
-    """`x` as a dense CPU tensor; ValueError naming `name` when it cannot be one (a string, a ragged
-    list, a meta or sparse tensor), instead of torch's TypeError / RuntimeError deep in a check."""
-    if isinstance(x, torch.Tensor) and (x.layout != torch.strided or x.is_meta):
-        raise ValueError(f"{name} must be a dense tensor with data, got a {x.layout} tensor on {x.device}")
-    try:
-        return _cpu(torch.as_tensor(x))
-    except (TypeError, ValueError, RuntimeError) as err:
-        raise ValueError(f"{name} must be a tensor, got {type(x).__name__} ({err})") from None
-
-
-def _int(x, name: str, minimum: int | None = None) -> int:
-    """An int field (a python int or a one-element integer tensor); ValueError naming `name` otherwise."""
-    if isinstance(x, torch.Tensor) and x.numel() == 1 and not (x.is_floating_point() or x.dtype == torch.bool):
-        x = x.item()
-    if isinstance(x, bool) or not isinstance(x, int):
-        raise ValueError(f"{name} must be an int, got {x!r} ({type(x).__name__})")
-    if minimum is not None and x < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {x}")
-    return x
-
-
-def _flag(x, name: str) -> bool:
-    """A bool field (a python bool, or 0 / 1); ValueError naming `name` otherwise (bool("no") is True)."""
-    if isinstance(x, bool) or (type(x) is int and x in (0, 1)):
-        return bool(x)
-    raise ValueError(f"{name} must be a bool, got {x!r} ({type(x).__name__})")
-
-
-def flat_tokens(x: torch.Tensor | None, name: str) -> torch.Tensor | None:
-    """[1, T] / [T] -> [T]; [3, 1, T] / [3, T] positions -> [3, T]."""
-    if x is None:
-        return None
-    x = _tensor(x, name)
-    if x.dim() == 3 and x.shape[1] == 1:  # [C, 1, T]
-        return x[:, 0]
-    if x.dim() == 2 and x.shape[0] == 1:
-        return x[0]
-    if x.dim() == 1 or (x.dim() == 2 and name == "position_ids"):
-        return x
-    raise ValueError(f"{name} must be [1, T] (or [3, 1, T] for position_ids), got shape {tuple(x.shape)}")
-
-
 def _params_fields(params) -> dict:
     """cu_seqlens sets and max_seqlen from a PackedSeqParams (or a dict with its field names)."""
     get = params.get if isinstance(params, Mapping) else (lambda k, d=None: getattr(params, k, d))
@@ -258,7 +213,7 @@ def _from_mapping(batch: Mapping) -> dict:
     if batch.get("source_input_ids") is not None:
         # the source rows are the reference the pack is judged against: every one must be the
         # [B, S] of source_input_ids, or the per-row comparisons index out of range
-        rows = {k: _tensor(batch[f"source_{k}"], f"source_{k}") for k in
+        rows = {k: dense_tensor(batch[f"source_{k}"], f"source_{k}") for k in
                 ("input_ids", "attention_mask", "labels", "loss_mask") if batch.get(f"source_{k}") is not None}
         if rows["input_ids"].dim() != 2:
             raise ValueError(f"source_input_ids must be [B, S], got shape {tuple(rows['input_ids'].shape)}")
@@ -275,8 +230,9 @@ def _defaults_from_mrope(values: dict) -> None:
     the grids and audio lengths can be split per document for its index. A callable names none.
 
     Raises:
-        ValueError: a value given (or carried by the micro-batch) that contradicts the config's: the
-            placeholders would be counted with one value and the index asked with the other.
+        ValueError: a value given (or carried by the micro-batch) that is not an int (`int_field`, checked
+            first), or that contradicts the config's: the placeholders would be counted with one value and
+            the index asked with the other.
     """
     from megatron_vlm_packing.rope import MRopeConfig
 
@@ -290,9 +246,128 @@ def _defaults_from_mrope(values: dict) -> None:
         given = values.get(name)
         if given is None:
             values[name] = known
-        elif given != known:
+        elif int_field(given, name, dict(_INT_FIELDS)[name]) != known:  # a [2] tensor: no truth value
             raise ValueError(f"{name}={given!r} contradicts the mrope config's {name}={known!r}: the placeholders "
                              f"would be counted with one and the model's index asked with the other")
+
+
+_SEQUENCE_FIELDS = ("input_ids", "labels", "loss_mask", "position_ids", "padding_mask")
+_TENSOR_FIELDS = ("cu_seqlens", "cu_seqlens_padded", "cu_seqlens_kv", "cu_seqlens_kv_padded", "image_grid_thw",
+                  "video_grid_thw", "cp_index", "second_per_grid_ts", "audio_seqlens")
+_COUNT_FIELDS = ("images_per_document", "videos_per_document", "audios_per_document")
+# scalars a check divides by, compares with or indexes by: ints (>= the minimum, when one), or a ValueError naming them
+_INT_FIELDS = (("image_token_id", None), ("video_token_id", None), ("pad_token_id", None), ("ignore_index", None),
+               ("cp_rank", 0), ("spatial_merge_size", 1), ("audio_token_id", None), ("audio_n_window", 1))
+
+
+def _gathered(batch, overrides: dict) -> dict:
+    """The raw values: `batch`'s (a mapping of saved keys, or a micro-batch's attributes), then every override
+    that is not None; `packed_seq_params` split into its boundary fields, a `source` mapping made `SourceRows`."""
+    values: dict = {}
+    if isinstance(batch, Mapping):
+        values.update(_from_mapping(batch))
+    elif batch is not None:
+        values.update(_from_micro_batch(batch))
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    if values.get("packed_seq_params") is not None:
+        values.update(_params_fields(values.pop("packed_seq_params")))
+    values.pop("packed_seq_params", None)
+    if isinstance(values.get("source"), Mapping):
+        values["source"] = SourceRows(**values["source"])
+    return values
+
+
+def _layout_values(values: dict) -> dict:
+    """`values` with the layout (`layout=ParallelLayout`, or `tp_size`, `cp_size`, `sequence_parallel`, `fp8`;
+    `fp8` is also read beside a layout) replaced by the alignment `multiples` and `cp_size` it implies, and
+    `cp_rank` a layout's unless given. Without any layout value, `values` unchanged (a copy).
+
+    Raises:
+        ValueError: a layout value that is not an int (sizes) or a bool (flags).
+    """
+    values = dict(values)
+    layout = values.pop("layout", None)
+    layout_keys = {k: values.pop(k) for k in ("tp_size", "cp_size", "sequence_parallel", "fp8") if k in values}
+    if layout is not None:
+        layout_keys = dict(tp_size=layout.tp_size, cp_size=layout.cp_size,
+                           sequence_parallel=layout.sequence_parallel, fp8=layout_keys.get("fp8", False))
+        values.setdefault("cp_rank", layout.cp_rank)
+    if layout_keys:
+        # int_field: int(2.5) would check a cp_size of 2 silently
+        layout_keys = {k: (bool_field(v, k) if k in ("sequence_parallel", "fp8") else int_field(v, k))
+                       for k, v in layout_keys.items()}
+        values["multiples"] = PackMultiples.for_parallel(**layout_keys)
+        values["cp_size"] = layout_keys.get("cp_size", 1)
+    return values
+
+
+def _paired_max_seqlen(values: dict) -> dict:
+    """`values` with a single `max_seqlen` made the (q, kv) pair, kv from `max_seqlen_kv` (taken out) or q."""
+    if values.get("max_seqlen") is None or isinstance(values["max_seqlen"], tuple):
+        return values
+    values = dict(values)
+    values["max_seqlen"] = (values["max_seqlen"], values.pop("max_seqlen_kv", values["max_seqlen"]))
+    return values
+
+
+def _flat_sequences(values: dict) -> dict:
+    """The five sequence fields flattened (`flat_tokens`: [T], positions [T] or [3, T]; None when not given).
+
+    Raises:
+        ValueError: no `input_ids`, or a field that is not a tensor of a packed batch's shape.
+    """
+    if values.get("input_ids") is None:
+        raise ValueError("the packed batch needs input_ids (or tokens)")
+    return {name: flat_tokens(values.get(name), name) for name in _SEQUENCE_FIELDS}
+
+
+def _tensor_values(values: dict) -> dict:
+    """Boundaries, grids, `cp_index`, seconds and audio lengths given, as dense CPU tensors (`dense_tensor`)."""
+    return {name: dense_tensor(values[name], name) for name in _TENSOR_FIELDS if values.get(name) is not None}
+
+
+def _count_values(values: dict) -> dict:
+    """The images / videos / audios per document given, as tuples of ints (`count_field`)."""
+    return {name: count_field(values[name], name) for name in _COUNT_FIELDS if values.get(name) is not None}
+
+
+def _scalar_values(values: dict) -> dict:
+    """The int fields given (`_INT_FIELDS`, each checked against its minimum) and `use_audio_in_video` as a bool."""
+    out = {name: int_field(values[name], name, minimum)
+           for name, minimum in _INT_FIELDS if values.get(name) is not None}
+    if values.get("use_audio_in_video") is not None:
+        out["use_audio_in_video"] = bool_field(values["use_audio_in_video"], "use_audio_in_video")
+    return out
+
+
+def _cp_ranks_value(ranks) -> dict[int, dict[str, torch.Tensor]]:
+    """{rank: {name: tensor}} with int ranks and dense CPU tensors (None entries left out).
+
+    Raises:
+        ValueError: `ranks` is not a mapping of mappings, a rank is not an int, or an entry not a tensor.
+    """
+    if not isinstance(ranks, Mapping) or not all(isinstance(r, Mapping) for r in ranks.values()):
+        raise ValueError(f"cp_ranks must be {{rank: {{'cp_index': ..., 'labels': ..., ...}}}} (a dict of tensors "
+                         f"per rank), got {str(ranks)[:80]}")
+    return {int_field(r, "a cp_ranks rank"): {k: dense_tensor(v, f"cp_ranks[{r}][{k!r}]")
+                                              for k, v in received.items() if v is not None}
+            for r, received in ranks.items()}
+
+
+def _check_mrope(mrope) -> None:
+    """`mrope` is None, an `MRopeConfig` or the model's index callable; ValueError otherwise."""
+    from megatron_vlm_packing.rope import MRopeConfig
+
+    if mrope is not None and not callable(mrope) and not isinstance(mrope, MRopeConfig):
+        raise ValueError(f"mrope must be an MRopeConfig or the model's index callable, got {type(mrope).__name__}")
+
+
+def _check_known(values: dict) -> None:
+    """Every key of `values` is a `PackedInputs` field; ValueError naming the others and the known ones."""
+    known = {f.name for f in fields(PackedInputs)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown inputs {unknown}; known: {sorted(known)}")
 
 
 def build_inputs(batch=None, **overrides) -> PackedInputs:
@@ -305,70 +380,15 @@ def build_inputs(batch=None, **overrides) -> PackedInputs:
     Raises:
         ValueError: no input_ids, an unknown key, or a tensor whose shape cannot be a packed batch.
     """
-    values: dict = {}
-    if isinstance(batch, Mapping):
-        values.update(_from_mapping(batch))
-    elif batch is not None:
-        values.update(_from_micro_batch(batch))
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    if values.get("packed_seq_params") is not None:
-        values.update(_params_fields(values.pop("packed_seq_params")))
-    values.pop("packed_seq_params", None)
-    if isinstance(values.get("source"), Mapping):
-        values["source"] = SourceRows(**values["source"])
-    layout = values.pop("layout", None)
-    layout_keys = {k: values.pop(k) for k in ("tp_size", "cp_size", "sequence_parallel", "fp8") if k in values}
-    if layout is not None:
-        layout_keys = dict(tp_size=layout.tp_size, cp_size=layout.cp_size,
-                           sequence_parallel=layout.sequence_parallel, fp8=layout_keys.get("fp8", False))
-        values.setdefault("cp_rank", layout.cp_rank)
-    if layout_keys:
-        # _int: int(2.5) would check a cp_size of 2 silently
-        layout_keys = {k: (_flag(v, k) if k in ("sequence_parallel", "fp8") else _int(v, k))
-                       for k, v in layout_keys.items()}
-        values["multiples"] = PackMultiples.for_parallel(**layout_keys)
-        values["cp_size"] = layout_keys.get("cp_size", 1)
-    if values.get("max_seqlen") is not None and not isinstance(values["max_seqlen"], tuple):
-        values["max_seqlen"] = (values["max_seqlen"], values.pop("max_seqlen_kv", values["max_seqlen"]))
-    if values.get("input_ids") is None:
-        raise ValueError("the packed batch needs input_ids (or tokens)")
-    for name in ("input_ids", "labels", "loss_mask", "position_ids", "padding_mask"):
-        values[name] = flat_tokens(values.get(name), name)
+    values = _layout_values(_gathered(batch, overrides))
+    values = _paired_max_seqlen(values)
+    values.update(_flat_sequences(values))
     _defaults_from_mrope(values)
-    for name in ("cu_seqlens", "cu_seqlens_padded", "cu_seqlens_kv", "cu_seqlens_kv_padded", "image_grid_thw",
-                 "video_grid_thw", "cp_index", "second_per_grid_ts", "audio_seqlens"):
-        if values.get(name) is not None:
-            values[name] = _tensor(values[name], name)
-    for name in ("images_per_document", "videos_per_document", "audios_per_document"):
-        if values.get(name) is not None:
-            counts = _tensor(values[name], name)
-            if counts.dim() != 1 or counts.is_floating_point() or bool((counts < 0).any()):
-                raise ValueError(f"{name} must be N counts >= 0, got {values[name]!r}")
-            values[name] = tuple(counts.tolist())
-    # scalars a check divides by, compares with or indexes by: ints, or a ValueError naming them
-    for name, minimum in (("image_token_id", None), ("video_token_id", None), ("pad_token_id", None),
-                          ("ignore_index", None), ("cp_rank", 0), ("spatial_merge_size", 1), ("audio_token_id", None),
-                          ("audio_n_window", 1)):
-        if values.get(name) is not None:
-            values[name] = _int(values[name], name, minimum)
-    if values.get("use_audio_in_video") is not None:
-        values["use_audio_in_video"] = _flag(values["use_audio_in_video"], "use_audio_in_video")
-    ranks = values.get("cp_ranks")
-    if ranks is not None and (not isinstance(ranks, Mapping) or
-                              not all(isinstance(r, Mapping) for r in ranks.values())):
-        raise ValueError(f"cp_ranks must be {{rank: {{'cp_index': ..., 'labels': ..., ...}}}} (a dict of tensors "
-                         f"per rank), got {str(ranks)[:80]}")
-    if ranks is not None:
-        values["cp_ranks"] = {_int(r, "a cp_ranks rank"): {k: _tensor(v, f"cp_ranks[{r}][{k!r}]") for k, v in
-                                                           received.items() if v is not None}
-                              for r, received in ranks.items()}
-    mrope = values.get("mrope")
-    from megatron_vlm_packing.rope import MRopeConfig
-
-    if mrope is not None and not callable(mrope) and not isinstance(mrope, MRopeConfig):
-        raise ValueError(f"mrope must be an MRopeConfig or the model's index callable, got {type(mrope).__name__}")
-    known = {f.name for f in fields(PackedInputs)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ValueError(f"unknown inputs {unknown}; known: {sorted(known)}")
+    values.update(_tensor_values(values))
+    values.update(_count_values(values))
+    values.update(_scalar_values(values))
+    if values.get("cp_ranks") is not None:
+        values["cp_ranks"] = _cp_ranks_value(values["cp_ranks"])
+    _check_mrope(values.get("mrope"))
+    _check_known(values)
     return PackedInputs(**values)

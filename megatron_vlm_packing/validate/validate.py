@@ -9,12 +9,14 @@ the model's index with its own grids, seconds and audio lengths: `model_index`) 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from megatron_vlm_packing.packing.checks import is_integer_tensor
-from megatron_vlm_packing.validate.boundaries import check_alignment, check_boundaries, check_max_seqlen
+from megatron_vlm_packing.validate.boundaries import Boundaries, check_alignment, check_boundaries, check_max_seqlen
 from megatron_vlm_packing.validate.cp import check_cp_index, check_cp_ranks
-from megatron_vlm_packing.validate.documents import check_padding_mask, make_documents, suspect_pad_tails
+from megatron_vlm_packing.validate.documents import Documents, check_padding_mask, make_documents, suspect_pad_tails
 from megatron_vlm_packing.validate.inputs import PackedInputs, build_inputs
 from megatron_vlm_packing.validate.positions import check_positions
 from megatron_vlm_packing.validate.report import ValidationReport, Violation
@@ -95,67 +97,130 @@ def _dtype_checked(inputs: PackedInputs) -> tuple[PackedInputs, list[Violation]]
     return replace(inputs, **changed), out
 
 
+class _Findings(NamedTuple):
+    """What a run of checks found: `violations` in check order, the names of the checks that ran
+    (`checked`), and (check, reason) pairs for those that could not run (`skipped`)."""
+
+    violations: list[Violation]
+    checked: list[str]
+    skipped: list[tuple[str, str]]
+
+    def then(self, more: _Findings) -> _Findings:
+        """These findings followed by `more` (each list kept in check order)."""
+        return _Findings(self.violations + more.violations, self.checked + more.checked, self.skipped + more.skipped)
+
+
 def run_checks(inputs: PackedInputs) -> ValidationReport:
+    """Every check on `inputs` (from `build_inputs`), in the module's order, each on what the previous settled.
+
+    The per-token checks run only when the boundaries can be read, the batch is not localized to one CP
+    rank (its `cp_index` is checked instead), the documents lay out exactly the T slots and the ids are
+    numbers (not bool or complex: their dtype is reported); otherwise the report says in `skipped` why not.
+    """
+    inputs, violations = _readable(inputs)
+    checked = ["malformed_boundaries", "real_vs_padded", "zero_length_segment"]
+    found, bounds = check_boundaries(inputs)
+    if bounds is None:
+        return ValidationReport(tuple(violations + found), 0, inputs.total, 0, tuple(checked),
+                                (("the rest", "the boundaries cannot be read"),))
+    so_far = _Findings(violations + found + check_alignment(inputs, bounds) + check_max_seqlen(inputs, bounds),
+                       checked + ["alignment", "max_seqlen"], [])
+    if inputs.cp_index is not None:
+        return _localized_report(inputs, bounds, so_far)
+    if not _documents_fill_slots(bounds, inputs.total):
+        return _report(inputs, bounds, sum(bounds.real), so_far,
+                       ("per-token checks", "the boundaries do not lay the documents out over the T slots"))
+    if inputs.input_ids.dtype == torch.bool or inputs.input_ids.is_complex():  # torch.isin refuses both
+        return _report(inputs, bounds, sum(bounds.real), so_far, (
+            "per-token checks", f"input_ids are {inputs.input_ids.dtype}, not token ids the checks can read"))
+    docs, per_token = _per_token_checks(inputs, bounds)
+    return _report(inputs, bounds, sum(docs.real), so_far.then(per_token))
+
+
+def _readable(inputs: PackedInputs) -> tuple[PackedInputs, list[Violation]]:
+    """`inputs` with the fields the checks cannot read dropped (`_dtype_checked`, then, unless localized to
+    one CP rank, `_shape_checked`), and the violations that say so."""
     inputs, violations = _dtype_checked(inputs)
     if inputs.cp_index is None:
         inputs, found = _shape_checked(inputs)
         violations += found
-    checked, skipped = ["malformed_boundaries", "real_vs_padded", "zero_length_segment"], []
-    found, bounds = check_boundaries(inputs)
-    violations += found
-    if bounds is None:
-        return ValidationReport(tuple(violations), 0, inputs.total, 0, tuple(checked),
-                                (("the rest", "the boundaries cannot be read"),))
-    violations += check_alignment(inputs, bounds) + check_max_seqlen(inputs, bounds)
-    checked += ["alignment", "max_seqlen"]
-    if inputs.cp_index is not None:
-        cp_size = inputs.total // max(inputs.cp_index.numel(), 1)
-        violations += check_cp_index(inputs.cp_index, bounds, cp_size, inputs.cp_rank)
-        return ValidationReport(tuple(violations), bounds.num_documents, inputs.total, sum(bounds.real),
-                                tuple(checked + ["cp_partition"]),
-                                (("per-token checks", "the batch is localized to one CP rank: validate it "
-                                  "before localize, with cp_ranks for what each rank received"),))
-    if sum(bounds.physical) != inputs.total or any(r > p for r, p in zip(bounds.real, bounds.physical)):
-        return ValidationReport(tuple(violations), bounds.num_documents, inputs.total, sum(bounds.real),
-                                tuple(checked), (("per-token checks", "the boundaries do not lay the documents "
-                                                  "out over the T slots"),))
-    docs = make_documents(bounds, inputs.total)
-    docs, more, skip = _settle_real_slots(inputs, docs)
-    violations += more
-    checked += ["uniform_boundaries", "padding_mask"]
-    skipped += skip
-    violations += check_loss_on_pad(inputs, docs) + check_labels_cross_documents(inputs, docs)
-    checked += ["loss_on_pad", "labels_cross_documents"]
-    if inputs.source is not None:
-        skip_slots = {slot for _, slot, _ in crossing_slots(inputs, docs)}
-        violations += check_labels_vs_source(inputs, docs, skip_slots)
-        checked += ["tokens_vs_source", "labels_vs_source"]
-    else:
-        skipped.append(("tokens_vs_source, labels_vs_source", "no source rows given"))
-    found, items, failed = check_vision(inputs, docs)
-    violations += found
-    if inputs.image_token_id is None and inputs.video_token_id is None:
-        skipped.append(("vision_placeholders", "no image_token_id / video_token_id given"))
-    else:
-        checked.append("vision_placeholders")
-    media_checked, media_skipped = _audio_checked(inputs)
-    checked += media_checked
-    skipped += media_skipped
-    if inputs.position_ids is not None:
-        found, unchecked = check_positions(inputs, docs, items, failed)
-        violations += found
-        checked += ["positions_restart", "mrope_channels_identical"] + (["mrope_positions"] if inputs.mrope else [])
-        if inputs.position_ids.dim() == 2 and not inputs.mrope:  # say so: an OK must not read as "mRoPE checked"
-            skipped.append(("mrope_positions", "no mrope (MRopeConfig or the model's index) given: [3, T] positions "
-                            "are checked for restarts and identical channels only"))
-        for reason in sorted(set(unchecked.values())):  # never an OK over documents the index was not asked about
-            ds = sorted(d for d, why in unchecked.items() if why == reason)
-            skipped.append(("mrope_positions", f"documents {ds[:16]}{' ...' if len(ds) > 16 else ''}: {reason}"))
+    return inputs, violations
+
+
+def _documents_fill_slots(bounds: Boundaries, total: int) -> bool:
+    """The physical documents cover exactly the `total` slots, each holding its real tokens (host ints)."""
+    return sum(bounds.physical) == total and not any(r > p for r, p in zip(bounds.real, bounds.physical))
+
+
+def _report(inputs: PackedInputs, bounds: Boundaries, real_tokens: int, findings: _Findings,
+            skip_rest: tuple[str, str] | None = None) -> ValidationReport:
+    """The report of `findings` over the documents of `bounds`; `skip_rest`: (checks, why) that did not run."""
+    skipped = findings.skipped + ([skip_rest] if skip_rest is not None else [])
+    return ValidationReport(tuple(findings.violations), bounds.num_documents, inputs.total, real_tokens,
+                            tuple(findings.checked), tuple(skipped))
+
+
+def _localized_report(inputs: PackedInputs, bounds: Boundaries, so_far: _Findings) -> ValidationReport:
+    """A batch localized to one CP rank: its `cp_index` ([T/cp]) against TE's partition of the boundaries;
+    its sequence tensors hold T/cp slots, so no per-token check runs."""
+    cp_size = inputs.total // max(inputs.cp_index.numel(), 1)
+    found = _Findings(check_cp_index(inputs.cp_index, bounds, cp_size, inputs.cp_rank), ["cp_partition"], [])
+    return _report(inputs, bounds, sum(bounds.real), so_far.then(found),
+                   ("per-token checks", "the batch is localized to one CP rank: validate it before localize, "
+                    "with cp_ranks for what each rank received"))
+
+
+def _per_token_checks(inputs: PackedInputs, bounds: Boundaries) -> tuple[Documents, _Findings]:
+    """The checks that read the T slots, in order: which slots are real, targets, the source rows, the
+    placeholders, the positions, what each CP rank received. Returns the documents with their real slots
+    settled, and the findings."""
+    docs, found, skipped = _settle_real_slots(inputs, make_documents(bounds, inputs.total))
+    findings = _Findings(found, ["uniform_boundaries", "padding_mask"], skipped)
+    targets = check_loss_on_pad(inputs, docs) + check_labels_cross_documents(inputs, docs)
+    findings = findings.then(_Findings(targets, ["loss_on_pad", "labels_cross_documents"], []))
+    findings = findings.then(_source_checks(inputs, docs))
+    vision, items, failed = _vision_checks(inputs, docs)
+    findings = findings.then(vision).then(_Findings([], *_audio_checked(inputs)))
+    findings = findings.then(_position_checks(inputs, docs, items, failed))
     if inputs.cp_ranks:
-        violations += check_cp_ranks(inputs, bounds)
-        checked.append("cp_partition")
-    return ValidationReport(tuple(violations), bounds.num_documents, inputs.total, sum(docs.real),
-                            tuple(checked), tuple(skipped))
+        findings = findings.then(_Findings(check_cp_ranks(inputs, bounds), ["cp_partition"], []))
+    return docs, findings
+
+
+def _source_checks(inputs: PackedInputs, docs: Documents) -> _Findings:
+    """Tokens and labels against the unpacked source rows (slots whose label crosses a document are
+    skipped: reported already), or why not."""
+    if inputs.source is None:
+        return _Findings([], [], [("tokens_vs_source, labels_vs_source", "no source rows given")])
+    skip_slots = {slot for _, slot, _ in crossing_slots(inputs, docs)}
+    return _Findings(check_labels_vs_source(inputs, docs, skip_slots), ["tokens_vs_source", "labels_vs_source"], [])
+
+
+def _vision_checks(inputs: PackedInputs, docs: Documents) -> tuple[_Findings, dict, set[int]]:
+    """Placeholders per document (`check_vision`); also its {kind: items per document} and failed
+    documents, for the position checks."""
+    found, items, failed = check_vision(inputs, docs)
+    if inputs.image_token_id is None and inputs.video_token_id is None:
+        skipped = [("vision_placeholders", "no image_token_id / video_token_id given")]
+        return _Findings(found, [], skipped), items, failed
+    return _Findings(found, ["vision_placeholders"], []), items, failed
+
+
+def _position_checks(inputs: PackedInputs, docs: Documents, items: dict, failed: set[int]) -> _Findings:
+    """Positions per document (`check_positions`) when given; `skipped` says what the model's index did not
+    check (never an OK over documents it was not asked about)."""
+    if inputs.position_ids is None:
+        return _Findings([], [], [])
+    found, unchecked = check_positions(inputs, docs, items, failed)
+    checked = ["positions_restart", "mrope_channels_identical"] + (["mrope_positions"] if inputs.mrope else [])
+    skipped = []
+    if inputs.position_ids.dim() == 2 and not inputs.mrope:  # say so: an OK must not read as "mRoPE checked"
+        skipped.append(("mrope_positions", "no mrope (MRopeConfig or the model's index) given: [3, T] positions "
+                        "are checked for restarts and identical channels only"))
+    for reason in sorted(set(unchecked.values())):
+        ds = sorted(d for d, why in unchecked.items() if why == reason)
+        skipped.append(("mrope_positions", f"documents {ds[:16]}{' ...' if len(ds) > 16 else ''}: {reason}"))
+    return _Findings(found, checked, skipped)
 
 
 def _audio_checked(inputs: PackedInputs) -> tuple[list[str], list[tuple[str, str]]]:

@@ -332,3 +332,15 @@ def test_hand_built_packed_fields_of_two_half_rows_are_refused_at_cp1():
         localize(replace(hand, **rows), ParallelLayout())
     mrope = replace(hand, position_ids=torch.zeros(3, 1, 10, dtype=torch.long))  # [3, 1, T] is one row
     assert localize(mrope, ParallelLayout()) is mrope
+
+
+@pytest.mark.parametrize("field, needs", [("input_ids", LocalizeNeeds()),
+                                          ("labels", LocalizeNeeds(full_input_ids=True, full_position_ids=True))])
+def test_cp1_hand_built_boundaries_beside_a_0d_field_name_it(field, needs):
+    # at CP = 1 with boundaries that are not the plan's, T is the length of the first field localize would cut:
+    # a 0-d one raised IndexError ('tuple index out of range') before the one-row check could name it
+    from dataclasses import replace
+
+    hand = _with_params(_packed(cp_size=1), **_all_boundaries([0, 5, 7, 10], [0, 5, 7, 10]))
+    with pytest.raises(ValueError, match=rf"one row of T slots: .* but \{{'{field}': \(\)\}} have another batch dim"):
+        localize(replace(hand, **{field: torch.tensor(1)}), ParallelLayout(), needs)

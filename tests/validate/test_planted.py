@@ -275,6 +275,27 @@ def test_non_integer_ids_labels_positions_are_named(vlm_pack, name, change):
     assert f"{name} has dtype" in str(report)
 
 
+@pytest.mark.parametrize("change", [lambda t: t.bool(), lambda t: t.to(torch.complex64)])
+def test_input_ids_that_are_not_real_numbers_are_named_not_raised(vlm_pack, change):
+    """bool / complex ids reached torch.isin in the placeholder and position checks: a RuntimeError out of
+    a function that never raises for bad data. The dtype is reported, and the per-token checks say why not."""
+    fields = vlm_pack[1]
+    report = only(validate_packed_batch(**clone(fields, input_ids=change(fields["input_ids"]))), "dtypes")
+    assert "input_ids has dtype" in str(report)
+    assert [check for check, _ in report.skipped] == ["per-token checks"], report.skipped
+
+
+@pytest.mark.parametrize("name", ["image_token_id", "spatial_merge_size"])
+def test_a_many_valued_id_beside_an_mrope_config_is_named(vlm_pack, name):
+    """Compared with the config's value before its int check, a [2] tensor was a RuntimeError ('Boolean
+    value of Tensor with more than one value is ambiguous'); a one-value tensor equal to it still passes."""
+    fields = vlm_pack[1]
+    assert fields["mrope"] is not None
+    with pytest.raises(ValueError, match=rf"{name} must be an int, got tensor\(\[2, 2\]\)"):
+        validate_packed_batch(**clone(fields, **{name: torch.tensor([2, 2])}))
+    assert validate_packed_batch(**clone(fields, **{name: torch.tensor(getattr(fields["mrope"], name))})).ok
+
+
 def test_float32_mrope_positions_are_checked_untruncated(vlm_pack):
     """Qwen3-Omni's fractional temporal positions are float32 [3, 1, T] (pack_batch packs them so):
     whole-valued ones are clean, and half a position off is named by the position checks, not cut back."""
