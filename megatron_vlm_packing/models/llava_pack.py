@@ -324,6 +324,15 @@ class LlavaPackingCollator:
     pad_to: int | None = None
     pad_token_id: int = 0
 
+    def __post_init__(self) -> None:
+        from megatron_vlm_packing.packing.collate import check_collate
+
+        # Else an AttributeError ('total_multiple') / TypeError (not callable) in a worker at the first batch.
+        if not isinstance(self.space, LlavaSpace):
+            raise ValueError(f"LlavaPackingCollator's space must be a LlavaSpace (LlavaSpace.of(model)), "
+                             f"got {type(self.space).__name__}")
+        check_collate(self.collate, "LlavaPackingCollator")
+
     def __call__(self, samples):
         from megatron_vlm_packing.models.llava import aligned_space
         from megatron_vlm_packing.packing.collate import for_the_loader

@@ -65,6 +65,7 @@ class PackingCollator:
     def __post_init__(self) -> None:
         from megatron_vlm_packing.packing.batch import check_pack_options
 
+        check_collate(self.collate, "PackingCollator")
         PackMultiples.for_parallel(tp_size=self.tp_size, cp_size=self.cp_size,
                                    sequence_parallel=self.sequence_parallel, fp8=self.fp8)  # checks the sizes
         own = tuple(f.name for f in dataclasses.fields(self) if f.name not in ("collate", "pack_options"))
@@ -83,12 +84,28 @@ class PackingCollator:
         if not isinstance(batch, Mapping):
             raise ValueError(f"PackingCollator got {type(batch).__name__}: give collate= (samples -> batch dict), "
                              f"or let the dataset yield batch dicts")
-        on_host = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        on_host = {k: _on_host(k, v) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         packed = pack_batch(on_host, tp_size=self.tp_size, cp_size=self.cp_size,
                             sequence_parallel=self.sequence_parallel, fp8=self.fp8, pad_to=self.pad_to,
                             label_style=self.label_style, mrope=self.mrope, pad_token_id=self.pad_token_id,
                             extra_keys=self.extra_keys, **{"host_reads": True, **self.pack_options})
         return for_the_loader(packed, self.cp_size)
+
+
+def check_collate(collate, owner: str) -> None:
+    """A collator's `collate` is a callable or None: anything else was a TypeError in a DataLoader worker
+    at the first batch ('int' object is not callable)."""
+    if collate is not None and not callable(collate):
+        raise ValueError(f"{owner}'s collate must be a callable (samples -> batch dict) or None, got {collate!r}")
+
+
+def _on_host(key, value: torch.Tensor) -> torch.Tensor:
+    """`value` on the CPU; a meta tensor (no values: `.cpu()` was a NotImplementedError) is named."""
+    if value.is_meta:
+        from megatron_vlm_packing.packing.rows import refuse_undense
+
+        refuse_undense(key, value)
+    return value.cpu()
 
 
 def for_the_loader(packed: MicroBatch, cp_size: int) -> LoaderMicroBatch:

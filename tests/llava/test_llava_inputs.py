@@ -94,6 +94,17 @@ def test_pack_llava_batch_and_the_loader_share_the_pp_check():
         LlavaPackingCollator(space=PIPED, pad_to=32)(_batch(torch.zeros(1, 3, 2, 2)))
 
 
+@pytest.mark.parametrize("options, message", [
+    (dict(space=SPACE, collate=3), r"LlavaPackingCollator's collate must be a callable \(samples -> batch dict\) or "
+                                   r"None, got 3"),
+    (dict(space=None), r"LlavaPackingCollator's space must be a LlavaSpace \(LlavaSpace.of\(model\)\), got NoneType"),
+])
+def test_the_llava_collator_refuses_a_bad_collate_or_space_when_built(options, message):
+    """Were a TypeError (not callable) / AttributeError ('total_multiple') in a worker at the first batch."""
+    with pytest.raises(ValueError, match=message):
+        LlavaPackingCollator(**options)
+
+
 # Each kind of tensor without dense values, and the start of the ValueError naming it (`rows.check_dense_tensors`).
 UNDENSE = {
     "sparse_coo": (lambda t: t.to_sparse(), r"has layout torch.sparse_coo: pack_llava_batch/pad_llava_batch read dense "

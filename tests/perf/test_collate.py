@@ -115,6 +115,22 @@ def test_collator_options_are_checked_when_it_is_built(options, message):
         PackingCollator(pack_options=options)
 
 
+@pytest.mark.parametrize("collate", [3, "my_collate", [len]])
+def test_a_collate_that_cannot_be_called_is_refused_when_the_collator_is_built(collate):
+    """Was a TypeError ('int' object is not callable) in a DataLoader worker at the first batch."""
+    with pytest.raises(ValueError, match=r"PackingCollator.s collate must be a callable \(samples -> batch dict\) or None, got "):
+        PackingCollator(collate=collate)
+
+
+@pytest.mark.parametrize("key", ["input_ids", "labels"])
+def test_a_meta_tensor_in_the_collated_batch_is_named(key):
+    """Was a NotImplementedError ('Cannot copy out of meta tensor') from the collator's move to the host."""
+    batch = collate(synthetic_samples(2, seed=1, cfg=DATA))
+    batch[key] = batch[key].to("meta")
+    with pytest.raises(ValueError, match=f"{key} is a meta tensor: it holds no values to pack"):
+        PackingCollator(label_style="megatron", pack_options=dict(image_token_id=DATA.image_token_id))(batch)
+
+
 def test_the_collator_needs_a_batch_dict():
     with pytest.raises(ValueError, match="give collate="):
         PackingCollator()(synthetic_samples(2, seed=1, cfg=DATA))
