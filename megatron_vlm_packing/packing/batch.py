@@ -23,7 +23,7 @@ from megatron_vlm_packing.packing.positions import check_1d_positions_on_host, c
 from megatron_vlm_packing.packing.indices import PackIndices, plan_indices
 from megatron_vlm_packing.packing.plan import PackMultiples, PackPlan, checked_pad_to, make_pack_plan
 from megatron_vlm_packing.packing.rows import (  # noqa: F401
-    IGNORE_INDEX, INT64_MAX, Rows, check_pad_token_id, checked_extra_keys, loss_weights_of, raise_value_errors_first,
+    IGNORE_INDEX, INT64_MAX, Rows, check_flags, check_pad_token_id, checked_extra_keys, loss_weights_of, raise_value_errors_first,
     read_rows, refuse_undense, shift_labels_within_rows,
 )
 
@@ -160,6 +160,8 @@ def pack_batch(
     Returns:
         MicroBatch with [1, T] fields (positions [3, 1, T] for mRoPE), `plan` and `indices` set.
     """
+    if type(host_reads) is not bool or type(require_media_counts) is not bool:  # "no" must not switch them on
+        check_flags(host_reads=host_reads, require_media_counts=require_media_counts)
     # A plain batch on the host first, before any option handling of the general path: in a DataLoader
     # worker every line run per micro-batch counts (`plain_host`; it defers anything it does not take).
     if host_reads and mrope is None and image_token_id is None and video_token_id is None \

@@ -15,7 +15,9 @@ from megatron_vlm_packing.packing.dense import pad_or_truncate_positions, pad_or
 from megatron_vlm_packing.packing.media import MediaTokens, checked_placeholders
 from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch
 from megatron_vlm_packing.packing.plan import PackMultiples, round_up
-from megatron_vlm_packing.packing.rows import IGNORE_INDEX, Rows, check_pad_token_id, read_rows
+from megatron_vlm_packing.packing.rows import (
+    IGNORE_INDEX, Rows, check_flags, check_pad_token_id, read_rows,
+)
 
 
 def dense_row_length(row_length: int, longest: int, multiple: int, *, seq_length: int | None, truncate: bool) -> int:
@@ -102,6 +104,7 @@ def pad_batch(
         MicroBatch with [B, L] fields (positions [B, L], or [3, B, L] for mRoPE; pad slots continue
         after each row's largest position), `padding_mask` True at pad slots.
     """
+    check_flags(truncate=truncate, require_media_counts=require_media_counts)  # truncate="no" cut rows
     media = MediaTokens.resolve(mrope, image_token_id=image_token_id, video_token_id=video_token_id,
                                 audio_token_id=audio_token_id, spatial_merge_size=spatial_merge_size,
                                 require_counts=require_media_counts)

@@ -65,6 +65,8 @@ class MediaTokens:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(self.require_counts, bool):  # "no" read as True
+            raise ValueError(f"require_media_counts must be a bool, got {self.require_counts!r}")
 
     @classmethod
     def resolve(cls, mrope=None, *, image_token_id=None, video_token_id=None, audio_token_id=None,
@@ -96,7 +98,7 @@ class MediaTokens:
             if chosen is not None:
                 values[name] = int(chosen) if isinstance(chosen, (int, float)) and not isinstance(chosen, bool) \
                     else chosen
-        return cls(**values, require_counts=bool(require_counts))
+        return cls(**values, require_counts=require_counts)
 
 
 @functools.lru_cache(maxsize=64)

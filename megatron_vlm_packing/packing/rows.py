@@ -245,6 +245,17 @@ def check_pad_token_id(pad_token_id) -> int:
     return pad_token_id
 
 
+def check_flags(**flags) -> None:
+    """Each of `flags` is a bool: a truthy string ("no", "False") or None must not switch an option on or off.
+
+    Raises:
+        ValueError: naming the first flag that is not a bool, and its value.
+    """
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be a bool, got {value!r}")
+
+
 def checked_extra_keys(extra_keys) -> tuple:
     """`extra_keys` (a tuple, list, set or other iterable of batch key names) as a tuple.
 

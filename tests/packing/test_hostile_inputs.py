@@ -444,3 +444,18 @@ def test_llava_expanded_pack_beyond_int32_is_refused(pad_to):
     largest = llava_pack_plan([5, 3], row_capacity=8, row_expansion=[3, 3], opens_with_image=[False, False],
                               space=space, pad_to=2**31 - 1)
     assert largest.total == 2**31 - 1 - 6  # collapsed: the 6 expanded slots come from the images
+
+
+# -- 5. options: flags, placeholder ids and merge sizes given as floats, extra_keys ----------------------------------
+
+@pytest.mark.parametrize("pack, flag", [(True, "host_reads"), (True, "require_media_counts"),
+                                        (False, "require_media_counts"), (False, "truncate")])
+@pytest.mark.parametrize("value", ["no", None, 1])
+def test_a_flag_that_is_not_a_bool_is_refused(pack, flag, value):
+    """A truthy string switched the option on: truncate='no' cut rows, host_reads='False' read on the host."""
+    from megatron_vlm_packing.packing import pad_batch
+
+    batch = rows_batch(torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]]))
+    options = dict(seq_length=2) if flag == "truncate" else {}
+    with pytest.raises(ValueError, match=rf"{flag} must be a bool, got {value!r}$"):
+        (pack_batch if pack else pad_batch)(batch, **{flag: value}, **options)
