@@ -96,8 +96,9 @@ class MediaTokens:
                 raise ValueError(f"{name}={value} contradicts the mrope config's {name}={known}")
             chosen = value if value is not None else known
             if chosen is not None:
-                values[name] = int(chosen) if isinstance(chosen, (int, float)) and not isinstance(chosen, bool) \
-                    else chosen
+                # An integral float (8.0) is read as its int; 3.7, inf and nan are left for __post_init__ to name.
+                integral = isinstance(chosen, int) or isinstance(chosen, float) and chosen.is_integer()
+                values[name] = int(chosen) if integral and not isinstance(chosen, bool) else chosen
         return cls(**values, require_counts=require_counts)
 
 

@@ -459,3 +459,14 @@ def test_a_flag_that_is_not_a_bool_is_refused(pack, flag, value):
     options = dict(seq_length=2) if flag == "truncate" else {}
     with pytest.raises(ValueError, match=rf"{flag} must be a bool, got {value!r}$"):
         (pack_batch if pack else pad_batch)(batch, **{flag: value}, **options)
+
+
+@pytest.mark.parametrize("host_reads", [True, False])
+@pytest.mark.parametrize("name, value", [("image_token_id", 3.7), ("video_token_id", float("inf")),
+                                         ("audio_token_id", float("nan")), ("spatial_merge_size", 1.5)])
+def test_a_placeholder_id_or_merge_size_that_is_not_an_integer_is_refused(host_reads, name, value):
+    """3.7 was read as 3 and 1.5 as 1 (int() truncates), inf was an OverflowError, nan an unnamed ValueError."""
+    with pytest.raises(ValueError, match=rf"{name} must be a .*, got {value!r}$"):
+        pack_batch(rows_batch(), host_reads=host_reads, **{name: value})
+    integral = 1000.0 if name.endswith("_id") else 8.0  # read as its int, as before (no id 1000 in the batch)
+    assert pack_batch(rows_batch(), host_reads=host_reads, **{name: integral}).plan is not None
