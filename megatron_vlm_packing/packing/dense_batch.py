@@ -16,7 +16,7 @@ from megatron_vlm_packing.packing.media import MediaTokens, checked_placeholders
 from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch
 from megatron_vlm_packing.packing.plan import PackMultiples, round_up
 from megatron_vlm_packing.packing.rows import (
-    IGNORE_INDEX, Rows, check_flags, check_pad_token_id, read_rows,
+    IGNORE_INDEX, Rows, check_flags, check_pad_token_id, checked_extra_keys, read_rows,
 )
 
 
@@ -109,6 +109,7 @@ def pad_batch(
                                 audio_token_id=audio_token_id, spatial_merge_size=spatial_merge_size,
                                 require_counts=require_media_counts)
     check_pad_token_id(pad_token_id)
+    extra_keys = checked_extra_keys(extra_keys)
     rows = read_rows(batch, label_style=label_style, mrope=mrope, media=media, extra_keys=extra_keys,
                      vocab_size=vocab_size, position_layout=position_layout)
     _refuse_documents(rows)

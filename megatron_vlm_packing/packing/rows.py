@@ -267,7 +267,11 @@ def checked_extra_keys(extra_keys) -> tuple:
     if isinstance(extra_keys, (str, bytes)) or not isinstance(extra_keys, Iterable):
         raise ValueError(f"extra_keys must be a tuple of batch key names (the per-token tensors to pack), "
                          f"got {extra_keys!r}")
-    return tuple(extra_keys)
+    try:
+        return tuple(extra_keys)
+    except TypeError:  # an iterable type that cannot iterate this value (a 0-d tensor, a 0-d numpy array)
+        raise ValueError(f"extra_keys must be a tuple of batch key names (the per-token tensors to pack), "
+                         f"got {extra_keys!r}") from None
 
 
 def _extras(batch: Mapping, extra_keys, shape) -> dict:

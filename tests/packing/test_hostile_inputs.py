@@ -470,3 +470,12 @@ def test_a_placeholder_id_or_merge_size_that_is_not_an_integer_is_refused(host_r
         pack_batch(rows_batch(), host_reads=host_reads, **{name: value})
     integral = 1000.0 if name.endswith("_id") else 8.0  # read as its int, as before (no id 1000 in the batch)
     assert pack_batch(rows_batch(), host_reads=host_reads, **{name: integral}).plan is not None
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_extra_keys_that_cannot_be_iterated_are_named(pack):
+    """A 0-d tensor was a TypeError ('iteration over a 0-d tensor'); pad_batch did not check extra_keys at all."""
+    from megatron_vlm_packing.packing import pad_batch
+
+    with pytest.raises(ValueError, match=r"extra_keys must be a tuple of batch key names .* got tensor\(3\)$"):
+        (pack_batch if pack else pad_batch)(rows_batch(), extra_keys=torch.tensor(3))
