@@ -5,6 +5,8 @@ Shape legend: B = rows, S = current row length, L = target row length.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -79,13 +81,32 @@ def dense_packed_seq_params(batch_size: int, seq_length: int, *, device=None) ->
     every pad token (bug class 4); use `pack_batch` instead. The fields they go with are the B rows
     laid end to end as one [1, B*L] row: THD is one row (`localize` refuses a packed [B, L] field).
     """
+    batch_size, seq_length = _int_sizes(batch_size, seq_length)
     if batch_size < 1 or seq_length < 1:
         raise ValueError(f"need batch_size >= 1 and seq_length >= 1, got {batch_size}, {seq_length}")
+    if batch_size * seq_length >= 2**31:  # else the int32 arange wraps: [0, 2**30, -2**31]
+        raise ValueError(f"{batch_size} rows of {seq_length} slots are {batch_size * seq_length} tokens, more than "
+                         f"int32 cu_seqlens can hold (< 2**31)")
     cu = torch.arange(0, (batch_size + 1) * seq_length, seq_length, dtype=torch.int32, device=device)
     return PackedSeqParams(
         qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
         cu_seqlens_kv_padded=cu, max_seqlen_q=seq_length, max_seqlen_kv=seq_length,
     )
+
+
+def _int_sizes(batch_size, seq_length) -> tuple[int, int]:
+    """Both sizes as Python ints (an integer scalar, numpy or 0-d tensor, is read as its int).
+
+    Raises:
+        ValueError: a bool, float or other non-integer size (naming both).
+    """
+    try:
+        if not isinstance(batch_size, bool) and not isinstance(seq_length, bool):
+            return operator.index(batch_size), operator.index(seq_length)
+    except TypeError:
+        pass
+    raise ValueError(f"dense_packed_seq_params needs int batch_size and seq_length, got batch_size={batch_size!r}, "
+                     f"seq_length={seq_length!r}")
 
 
 def right_pad_samples(samples, row_length: int, pad_token_id: int = 0):

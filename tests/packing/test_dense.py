@@ -44,6 +44,25 @@ def test_dense_packed_seq_params_are_uniform():
         dense_packed_seq_params(0, 4)
 
 
+@pytest.mark.parametrize("batch_size, seq_length", [(2, 2**30), (1, 2**31), (2**62, 4)])
+def test_dense_boundaries_past_int32_are_refused(batch_size, seq_length):
+    """cu_seqlens are int32: [0, 2**30, 2**31] was written as [0, 1073741824, -2147483648], silently; 2**62 rows
+    were an OverflowError."""
+    with pytest.raises(ValueError, match=rf"{batch_size} rows of {seq_length} slots are {batch_size * seq_length} "
+                                         rf"tokens, more than int32 cu_seqlens can hold \(< 2\*\*31\)"):
+        dense_packed_seq_params(batch_size, seq_length)
+    assert dense_packed_seq_params(1, 2**31 - 1).cu_seqlens_q.tolist() == [0, 2**31 - 1]
+
+
+@pytest.mark.parametrize("batch_size, seq_length", [(2, 4.0), (2.5, 4), (True, 4), ("2", 4), (None, 4)])
+def test_dense_boundaries_need_int_sizes(batch_size, seq_length):
+    """A float or bool size was taken (max_seqlen 4.0; 2.5 rows gave 3 boundaries); a str was a TypeError."""
+    with pytest.raises(ValueError, match=r"dense_packed_seq_params needs int batch_size and seq_length, got "):
+        dense_packed_seq_params(batch_size, seq_length)
+    params = dense_packed_seq_params(2, torch.tensor(4))  # an integer scalar is read as its int, as pad_to is
+    assert type(params.max_seqlen_q) is int and params.cu_seqlens_q.tolist() == [0, 4, 8]
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 @pytest.mark.parametrize("seq_length", [None, 8])
 def test_pad_batch_drops_the_loss_values_of_pad_slots(bad, seq_length):
