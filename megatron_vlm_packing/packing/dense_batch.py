@@ -16,7 +16,7 @@ from megatron_vlm_packing.packing.media import MediaTokens, checked_placeholders
 from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch
 from megatron_vlm_packing.packing.plan import PackMultiples, round_up
 from megatron_vlm_packing.packing.rows import (
-    IGNORE_INDEX, Rows, check_flags, check_pad_token_id, checked_extra_keys, read_rows,
+    IGNORE_INDEX, INT64_MAX, Rows, check_flags, check_pad_token_id, checked_extra_keys, read_rows,
 )
 
 
@@ -117,6 +117,9 @@ def pad_batch(
     multiple = PackMultiples.for_parallel(tp_size=tp_size, cp_size=cp_size, sequence_parallel=sequence_parallel,
                                           fp8=fp8).total
     length = dense_row_length(row_length, max(rows.lengths), multiple, seq_length=seq_length, truncate=truncate)
+    if batch_size * length > INT64_MAX:  # else a TypeError / RuntimeError from allocating the rows
+        raise ValueError(f"{batch_size} rows of {length} slots: more than torch can index (int64); seq_length="
+                         f"{seq_length}, the layout's row multiple {multiple}")
     _cut_media_check(rows, length)
     keep = pad_or_truncate_rows(rows.keep, length, pad_value=False)
     if rows.positions is None:

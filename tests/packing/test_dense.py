@@ -63,6 +63,17 @@ def test_dense_boundaries_need_int_sizes(batch_size, seq_length):
     assert type(params.max_seqlen_q) is int and params.cu_seqlens_q.tolist() == [0, 4, 8]
 
 
+def test_a_dense_row_length_past_int64_is_named():
+    """Was a TypeError ('Overflow when unpacking long long') from allocating the rows."""
+    from megatron_vlm_packing.packing import pad_batch
+
+    batch = {"input_ids": torch.ones(2, 4, dtype=torch.long), "labels": torch.full((2, 4), 2)}
+    with pytest.raises(ValueError, match=rf"2 rows of {2**70} slots: more than torch can index \(int64\)"):
+        pad_batch(batch, seq_length=2**70)
+    with pytest.raises(ValueError, match=rf"2 rows of {2**71} slots: more than torch can index"):
+        pad_batch(batch, cp_size=2**70)
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 @pytest.mark.parametrize("seq_length", [None, 8])
 def test_pad_batch_drops_the_loss_values_of_pad_slots(bad, seq_length):
