@@ -12,10 +12,14 @@ trailing feature dims.
 
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 import torch
 
+from megatron_vlm_packing.packing.bounds import INT64_MAX
 from megatron_vlm_packing.packing.indices import DocumentSlices, PackIndices
+from megatron_vlm_packing.packing.plan import PackPlan
 
 
 def pack_rows(rows: torch.Tensor, indices: PackIndices, *, pad_value=0) -> torch.Tensor:
@@ -128,6 +132,9 @@ def _check_row_geometry(indices: PackIndices, batch_size: int, row_length: int, 
     for name, value in (("batch_size", batch_size), ("row_length", row_length)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if batch_size * row_length > INT64_MAX:  # else a TypeError from allocating the rows (no pad slot to compare)
+        raise ValueError(f"unpack_rows got (batch_size, row_length) = {(batch_size, row_length)}, B*S = "
+                         f"{batch_size * row_length}, more than torch can index (int64)")
     if plan is not None:
         expected = (len(plan.row_lengths), plan.row_capacity)
         if (batch_size, row_length) != expected:
@@ -141,6 +148,35 @@ def _check_row_geometry(indices: PackIndices, batch_size: int, row_length: int, 
         raise ValueError(f"unpack_rows got (batch_size, row_length) = {(batch_size, row_length)}, B*S = {limit}, "
                          f"but the plan's indices {'put pads at slot' if has_pad else 'reach slot'} {top}: pass the "
                          f"B and S the plan was made for (or plan=)")
+
+
+def _check_unpack_arguments(packed, indices, pad_value, plan) -> None:
+    """`unpack_rows`' arguments are what it reads: else an AttributeError, a TypeError or RuntimeError from
+    torch, or a pad_value the rows' dtype cannot hold silently cast (1.5 written as 1 into integer rows).
+
+    Raises:
+        ValueError: naming the argument and what it got.
+    """
+    if not isinstance(packed, torch.Tensor):
+        raise ValueError(f"unpack_rows' packed must be a [1, T, ...] tensor, got {type(packed).__name__}")
+    if not isinstance(indices, PackIndices):
+        raise ValueError(f"unpack_rows' indices must be the PackIndices of the pack (micro_batch.indices), "
+                         f"got {type(indices).__name__}")
+    if plan is not None and not isinstance(plan, PackPlan):
+        raise ValueError(f"unpack_rows' plan must be the PackPlan of the pack (micro_batch.plan) or None, "
+                         f"got {type(plan).__name__}")
+    if packed.device != indices.device:
+        raise ValueError(f"unpack_rows' packed is on {packed.device} but the indices are on {indices.device}")
+    if not isinstance(pad_value, numbers.Complex if packed.is_complex() else numbers.Real):  # a bool is Real
+        raise ValueError(f"unpack_rows' pad_value must be a real number (the value of the rows' pad slots), "
+                         f"got {pad_value!r}")
+    if packed.is_floating_point() or packed.is_complex():
+        return
+    low, high = (0, 1) if packed.dtype == torch.bool else (torch.iinfo(packed.dtype).min, torch.iinfo(packed.dtype).max)
+    if not (float(pad_value).is_integer() and low <= pad_value <= high):
+        kind = "booleans" if packed.dtype == torch.bool else "integers"
+        raise ValueError(f"pad_value={pad_value!r} cannot be held by the packed {packed.dtype} values "
+                         f"({kind} in [{low}, {high}])")
 
 
 def unpack_rows(
@@ -157,6 +193,7 @@ def unpack_rows(
         rows: [B, S, ...], real tokens back in place, `pad_value` everywhere else (empty rows are
         all `pad_value`).
     """
+    _check_unpack_arguments(packed, indices, pad_value, plan)
     total = indices.source.numel()
     if packed.dim() < 2 or packed.shape[0] != 1 or packed.shape[1] != total:
         raise ValueError(f"packed must be [1, {total}, ...] (the plan's T), got shape {tuple(packed.shape)}")

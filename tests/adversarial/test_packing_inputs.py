@@ -296,6 +296,27 @@ ERRORS = [
      r"unpack_rows got \(batch_size, row_length\) = \(2, 5\), B\*S = 10, but the plan's indices put pads at slot 8"),
     ("unpack_rows_against_plan", lambda: _unpack(row_length=3, with_plan=True),
      r"unpack_rows got \(batch_size, row_length\) = \(2, 3\) but the plan was made for \(2, 4\)"),
+    # unpack_rows' other arguments: were AttributeErrors, TypeErrors from torch.full, a RuntimeError from index_copy,
+    # and pad_value=1.5 silently written as 1 into integer rows
+    ("unpack_rows_packed_not_a_tensor", lambda: _unpack_with(packed=np.zeros((1, 6))),
+     r"unpack_rows' packed must be a \[1, T, ...\] tensor, got ndarray"),
+    ("unpack_rows_indices_not_pack_indices", lambda: _unpack_with(indices=None),
+     r"unpack_rows' indices must be the PackIndices of the pack \(micro_batch.indices\), got NoneType"),
+    ("unpack_rows_plan_not_a_plan", lambda: _unpack_with(plan={}),
+     r"unpack_rows' plan must be the PackPlan of the pack \(micro_batch.plan\) or None, got dict"),
+    ("unpack_rows_packed_on_another_device", lambda: _unpack_with(packed=torch.zeros(1, 6, device="meta")),
+     r"unpack_rows' packed is on meta but the indices are on cpu"),
+    ("unpack_rows_fractional_pad_value", lambda: _unpack_with(pad_value=1.5),
+     r"pad_value=1.5 cannot be held by the packed torch.int64 values \(integers in \[-9223372036854775808, "
+     r"9223372036854775807\]\)"),
+    ("unpack_rows_pad_value_past_int64", lambda: _unpack_with(pad_value=2**70),
+     r"pad_value=1180591620717411303424 cannot be held by the packed torch.int64 values"),
+    ("unpack_rows_nan_pad_value_for_ids", lambda: _unpack_with(pad_value=float("nan")),
+     r"pad_value=nan cannot be held by the packed torch.int64 values"),
+    ("unpack_rows_pad_value_not_a_number", lambda: _unpack_with(pad_value="pad"),
+     r"unpack_rows' pad_value must be a real number \(the value of the rows' pad slots\), got 'pad'"),
+    ("unpack_rows_rows_past_int64", lambda: _unpack_with(batch_size=2**70),
+     r"unpack_rows got \(batch_size, row_length\) = \(1180591620717411303424, 4\), B\*S = 4722366482869645213696"),
     # the dense path checks what the packed path checks
     ("dense_left_padding", lambda: pad_batch(with_(hf_batch(), attention_mask=torch.tensor([[0, 1, 1, 1], [1, 1, 0, 0]])),
                                              label_style="hf"),
@@ -324,6 +345,13 @@ def _unpack(row_length, with_plan=False):
     packed = pack_batch(hf_batch(), label_style="hf", cp_size=2)  # documents padded: 4 + 2 slots
     extra = {"plan": packed.plan} if with_plan else {}
     return packing.unpack_rows(packed.input_ids, packed.indices, batch_size=2, row_length=row_length, **extra)
+
+
+def _unpack_with(**kwargs):
+    """unpack_rows of a pack without pad slots (cp = 1), with `kwargs` replacing its arguments."""
+    packed = pack_batch(hf_batch(), label_style="hf")
+    args = {**dict(packed=packed.input_ids, indices=packed.indices, batch_size=2, row_length=4), **kwargs}
+    return packing.unpack_rows(args.pop("packed"), args.pop("indices"), **args)
 
 
 @pytest.mark.parametrize("name, call, message", ERRORS, ids=[e[0] for e in ERRORS])
