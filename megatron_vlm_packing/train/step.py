@@ -321,6 +321,9 @@ def make_forward_step(*, pack: bool = True, label_style: str = "hf", pad_to: int
     if transform is not None and not callable(transform):
         raise ValueError(f"transform must be a callable MicroBatch -> MicroBatch or None, got {transform!r}")
     adapters = _Adapters(adapter)
+    if parity_probe_every is None and parity_probe_tolerance is not None:  # else accepted (any value) and unused
+        raise ValueError(f"parity_probe_tolerance={parity_probe_tolerance!r} is the parity probe's bound, but no probe "
+                         f"runs: give parity_probe_every=N too, or drop parity_probe_tolerance")
     probe = None if parity_probe_every is None else StepProbe(parity_probe_every, tolerance=parity_probe_tolerance)
 
     def forward_step(data_iterator, model):

@@ -213,3 +213,14 @@ def test_a_bad_tolerance_is_refused_when_the_probe_is_built(tolerance):
         StepProbe(1, tolerance=tolerance)
     with pytest.raises(ValueError, match="tolerance must be a number >= 0 or None"):
         with_parity_probe(lambda iterator, model: None, every=1, tolerance=tolerance)
+
+
+@pytest.mark.parametrize("tolerance", [1e-3, "1e-4", -1.0])
+def test_a_tolerance_without_a_probe_is_refused(tolerance):
+    """make_forward_step(parity_probe_tolerance=...) without parity_probe_every was accepted (any value, a str
+    included) and never used: no probe ran."""
+    from megatron_vlm_packing import make_forward_step
+
+    with pytest.raises(ValueError, match=rf"parity_probe_tolerance={tolerance!r} is the parity probe's bound, but "
+                                         r"no probe runs: give parity_probe_every=N too"):
+        make_forward_step(parity_probe_tolerance=tolerance)
