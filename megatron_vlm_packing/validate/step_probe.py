@@ -86,6 +86,27 @@ def _checked_tolerance(tolerance, name: str) -> float | None:
     return tolerance
 
 
+def _check_callable(value, name: str, what: str) -> None:
+    """`value` is callable or None: else a TypeError when the first probe calls it, after the step ran."""
+    if value is not None and not callable(value):
+        raise ValueError(f"{name} must be {what}, or None, got {value!r}")
+
+
+def _check_probe_kwargs(probe_kwargs: dict) -> None:
+    """`with_parity_probe`'s extra keywords name `parity_probe` / `pack_batch` settings: else a TypeError (an
+    unexpected keyword) at the first probed call."""
+    import inspect
+
+    from megatron_vlm_packing.packing.batch import _PACK_BATCH_KEYWORDS
+
+    taken = {"forward", "batch", "tolerance", "pack_kwargs"}  # with_parity_probe passes these itself
+    known = (set(inspect.signature(parity_probe).parameters) - taken) | set(_PACK_BATCH_KEYWORDS)
+    unknown = sorted(set(probe_kwargs) - known)
+    if unknown:
+        raise ValueError(f"{unknown} are not parity_probe / pack_batch keywords; with_parity_probe passes on any "
+                         f"of {sorted(known)}")
+
+
 class StepProbe:
     """The probe as a forward step runs it: counts micro-batches and probes every `every`-th.
 
@@ -98,6 +119,7 @@ class StepProbe:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"parity_probe_every must be a positive int, got {every!r}")
         tolerance = _checked_tolerance(tolerance, "parity_probe_tolerance")
+        _check_callable(on_result, "on_result", "a callable taking each ProbeResult")
         self.every, self.tolerance, self.on_result, self.calls = every, tolerance, on_result, 0
 
     def __call__(self, model: torch.nn.Module, batch: dict, micro_batch, *, forward: Callable,
@@ -141,9 +163,14 @@ def with_parity_probe(forward_step: Callable, *, every: int, tolerance: float | 
 
     Every rank must read its own batch (the probe's forward uses the TP group on every TP rank).
     """
+    if not callable(forward_step):
+        raise ValueError(f"with_parity_probe wraps a forward_step(data_iterator, model), got {forward_step!r}")
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"every must be a positive int, got {every!r}")
     tolerance = _checked_tolerance(tolerance, "tolerance")
+    _check_callable(on_result, "on_result", "a callable taking each ProbeResult")
+    _check_callable(model_forward, "model_forward", "a callable micro_batch -> per-token losses")
+    _check_probe_kwargs(probe_kwargs)
     calls = [0]
 
     def probed_step(data_iterator, model):

@@ -224,3 +224,20 @@ def test_a_tolerance_without_a_probe_is_refused(tolerance):
     with pytest.raises(ValueError, match=rf"parity_probe_tolerance={tolerance!r} is the parity probe's bound, but "
                                          r"no probe runs: give parity_probe_every=N too"):
         make_forward_step(parity_probe_tolerance=tolerance)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(forward_step=3), r"with_parity_probe wraps a forward_step\(data_iterator, model\), got 3"),
+    (dict(on_result=3), r"on_result must be a callable taking each ProbeResult, or None, got 3"),
+    (dict(model_forward="fwd"), r"model_forward must be a callable micro_batch -> per-token losses, or None, got 'fwd'"),
+    (dict(lable_style="hf"), r"\['lable_style'\] are not parity_probe / pack_batch keywords; with_parity_probe "
+                             r"passes on any of \[.*'label_style'"),
+])
+def test_with_parity_probe_refuses_what_it_cannot_call_when_it_wraps(options, message):
+    """Were TypeErrors at the first probed call ('int' object is not callable, an unexpected keyword), after the
+    wrapped step had run."""
+    from megatron_vlm_packing.validate import with_parity_probe
+
+    forward_step = options.pop("forward_step", lambda iterator, model: None)
+    with pytest.raises(ValueError, match=message):
+        with_parity_probe(forward_step, every=1, **options)
