@@ -229,7 +229,8 @@ def test_a_tolerance_without_a_probe_is_refused(tolerance):
 @pytest.mark.parametrize("options, message", [
     (dict(forward_step=3), r"with_parity_probe wraps a forward_step\(data_iterator, model\), got 3"),
     (dict(on_result=3), r"on_result must be a callable taking each ProbeResult, or None, got 3"),
-    (dict(model_forward="fwd"), r"model_forward must be a callable micro_batch -> per-token losses, or None, got 'fwd'"),
+    (dict(model_forward="fwd"), r"model_forward must be a callable micro_batch -> per-token losses, or None, "
+                                r"got 'fwd'"),
     (dict(lable_style="hf"), r"\['lable_style'\] are not parity_probe / pack_batch keywords; with_parity_probe "
                              r"passes on any of \[.*'label_style'"),
 ])
