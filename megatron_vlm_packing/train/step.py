@@ -62,6 +62,27 @@ class StepOptions:
         if not self.pack and self.pad_to is not None:
             raise ValueError(f"pad_to={self.pad_to} is the fixed packed length (pack=True); "
                              f"with pack=False use seq_length")
+        self._check_values()
+
+    def _check_values(self) -> None:
+        """fp8, pad_to, seq_length and mrope as the packers take them, checked when the step is made, not at its
+        first micro-batch (from the DataLoader, pad_to="8" was compared with the pack's length as it was)."""
+        from megatron_vlm_packing.packing.plan import checked_pad_to
+        from megatron_vlm_packing.rope import MRopeConfig
+
+        if not isinstance(self.fp8, bool):
+            raise ValueError(f"fp8 must be a bool, got {self.fp8!r} (for Megatron's fp8 format: "
+                             f"fp8=config.fp8 is not None)")
+        pad_to = checked_pad_to(self.pad_to)
+        if pad_to is not None and pad_to < 1:
+            raise ValueError(f"pad_to must be a positive int (the packed length T) or None, got {pad_to!r}")
+        object.__setattr__(self, "pad_to", pad_to)  # an integer scalar as its int, as pack_batch reads it
+        if self.seq_length is not None and (isinstance(self.seq_length, bool) or not isinstance(self.seq_length, int)
+                                            or self.seq_length < 1):
+            raise ValueError(f"seq_length must be a positive int (the dense row length) or None, "
+                             f"got {self.seq_length!r}")
+        if self.mrope is not None and not callable(self.mrope) and not isinstance(self.mrope, MRopeConfig):
+            raise ValueError(f"mrope must be an MRopeConfig, a callable or None, got {type(self.mrope).__name__}")
 
 
 def _iterator(data_iterator) -> Iterator:
@@ -320,6 +341,8 @@ def make_forward_step(*, pack: bool = True, label_style: str = "hf", pad_to: int
             raise ValueError(f"{name} must be a bool, got {value!r}")
     if transform is not None and not callable(transform):
         raise ValueError(f"transform must be a callable MicroBatch -> MicroBatch or None, got {transform!r}")
+    if adapter is not None and not isinstance(adapter, ModelAdapter) and not callable(adapter):
+        raise ValueError(f"adapter must be a ModelAdapter or a factory model -> ModelAdapter, got {adapter!r}")
     adapters = _Adapters(adapter)
     if parity_probe_every is None and parity_probe_tolerance is not None:  # else accepted (any value) and unused
         raise ValueError(f"parity_probe_tolerance={parity_probe_tolerance!r} is the parity probe's bound, but no probe "

@@ -39,6 +39,14 @@ def test_step_options_refuse_the_other_paths_length():
     (dict(with_state="False"), r"with_state must be a bool, got 'False'"),  # gave the 3-argument form
     (dict(broadcast_from_tp_rank0=1), r"broadcast_from_tp_rank0 must be a bool, got 1"),
     (dict(transform=5), r"transform must be a callable .* got 5"),  # a TypeError at the first call
+    # Each below was accepted here and refused only at the first step (from a micro-batch packed in the
+    # DataLoader, pad_to="8" was compared with the pack's length: "has length 8 but ... pad_to=8")
+    (dict(fp8="no"), r"fp8 must be a bool, got 'no'"),
+    (dict(pad_to="8"), r"pad_to must be an int \(the packed length T\) or None, got '8'"),
+    (dict(pad_to=0), r"pad_to must be a positive int \(the packed length T\) or None, got 0"),
+    (dict(pack=False, seq_length=8.0), r"seq_length must be a positive int \(the dense row length\) or None, got 8.0"),
+    (dict(mrope="qwen2_vl"), r"mrope must be an MRopeConfig, a callable or None, got str"),
+    (dict(adapter=3), r"adapter must be a ModelAdapter or a factory model -> ModelAdapter, got 3"),
 ])
 def test_make_forward_step_refuses_options_of_the_wrong_type(kwargs, message):
     with pytest.raises(ValueError, match=message):
