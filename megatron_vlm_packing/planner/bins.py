@@ -43,6 +43,11 @@ class BinLayout:
     oversize: str = "error"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.multiples, PackMultiples):  # else an AttributeError ('total') below
+            raise ValueError(f"multiples must be a PackMultiples (PackMultiples.for_parallel(...)), "
+                             f"got {type(self.multiples).__name__}")
+        if not isinstance(self.static_shapes, bool):  # "no" padded every bin to the capacity
+            raise ValueError(f"static_shapes must be a bool, got {self.static_shapes!r}")
         if isinstance(self.capacity, bool) or not isinstance(self.capacity, (int, np.integer)):
             # 4096.0 was accepted and made every bin's physical length a float
             raise ValueError(f"capacity must be an int, got {self.capacity!r}")

@@ -143,3 +143,14 @@ class CostModel:
     def bin_cost(self, physical_tokens: int | np.ndarray, extra_sum: float | np.ndarray):
         """Cost of bins of `physical_tokens` (T, pads included) whose samples' extras sum to `extra_sum`."""
         return self.lm_linear * np.asarray(physical_tokens, dtype=np.float64) + extra_sum
+
+
+def check_cost_model(cost_model) -> None:
+    """`cost_model` is a `CostModel` or quacks like one (the planner reads `extra_costs` and `lm_linear`).
+
+    Raises:
+        ValueError: naming its type (a class given for an instance included).
+    """
+    if isinstance(cost_model, type) or not all(hasattr(cost_model, a) for a in ("extra_costs", "lm_linear")):
+        raise ValueError(f"cost_model must be a CostModel (or have extra_costs and lm_linear), got "
+                         f"{type(cost_model).__name__}")

@@ -35,7 +35,7 @@ from megatron_vlm_packing.packing.collate import for_the_loader
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
 from megatron_vlm_packing.packing.plan import PackMultiples
 from megatron_vlm_packing.planner.bins import BinLayout, balanced_fit
-from megatron_vlm_packing.planner.cost import CostModel
+from megatron_vlm_packing.planner.cost import CostModel, check_cost_model
 from megatron_vlm_packing.planner.metadata import ExpandedTokens, SampleMetadata, SampleTable, TokenCounter, count_array
 
 _PARALLEL_KEYS = ("tp_size", "cp_size", "sequence_parallel", "fp8")
@@ -67,10 +67,7 @@ class EnergonPackingHooks:
                 raise ValueError(f"{name} must be callable, got {type(getattr(self, name)).__name__}")
         if not isinstance(self.layout, BinLayout):
             raise ValueError(f"layout must be a BinLayout, got {type(self.layout).__name__}")
-        cost_model = self.cost_model
-        if isinstance(cost_model, type) or not all(hasattr(cost_model, a) for a in ("extra_costs", "lm_linear")):
-            raise ValueError(f"cost_model must be a CostModel (or have extra_costs and lm_linear), got "
-                             f"{type(self.cost_model).__name__}")
+        check_cost_model(self.cost_model)
         if "pad_to" in self.pack_kwargs:
             raise ValueError("pack_kwargs must not set pad_to: bins are padded to the layout's capacity")
         check_pack_options(self.pack_kwargs, "EnergonPackingHooks", taken=("pad_to",))

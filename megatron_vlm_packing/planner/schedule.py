@@ -27,7 +27,7 @@ import numpy as np
 
 from megatron_vlm_packing.planner.balance import assign_to_ranks, group_into_steps, imbalance
 from megatron_vlm_packing.planner.bins import Bin, BinLayout, balanced_fit, best_fit_decreasing, split_to_count
-from megatron_vlm_packing.planner.cost import CostModel
+from megatron_vlm_packing.planner.cost import CostModel, check_cost_model
 from megatron_vlm_packing.planner.metadata import ExpandedTokens, SampleTable, TokenCounter, count_array
 from megatron_vlm_packing.planner.progress import Progress
 
@@ -67,10 +67,22 @@ class PlannerConfig:
     expanded_tokens: ExpandedTokens = field(default_factory=TokenCounter)
 
     def __post_init__(self) -> None:
+        # Checked here, not as an AttributeError / TypeError at planning; True was 1 and "no" a truthy flag.
+        if not isinstance(self.layout, BinLayout):
+            raise ValueError(f"layout must be a BinLayout, got {type(self.layout).__name__}")
+        check_cost_model(self.cost_model)
+        if not callable(self.expanded_tokens):
+            raise ValueError(f"expanded_tokens must be callable (table -> [N] tokens), got "
+                             f"{type(self.expanded_tokens).__name__}")
+        for name in ("shuffle", "balance"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("dp_size", "micro_batches_per_rank", "window_steps"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
-        if self.samples_per_step is not None and (not isinstance(self.samples_per_step, int)
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.samples_per_step is not None and (isinstance(self.samples_per_step, bool)
+                                                  or not isinstance(self.samples_per_step, int)
                                                   or self.samples_per_step < self.dp_size):
             raise ValueError(f"samples_per_step must be an int >= dp_size={self.dp_size}, got {self.samples_per_step!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0:

@@ -235,3 +235,27 @@ def test_fixed_samples_oversize_sample_is_one_of_the_steps_bins():
         assert sorted(sorted(b.samples) for step in plan.steps[:1] for r in step.ranks for b in r) == [[0], [1, 2]]
         assert sorted(s for b in plan.bins() for s in b.samples) == list(range(6)) and plan.carried == ()
         assert [len(step.ranks[0]) for step in plan.steps] == [1, 1]
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(shuffle="no"), r"shuffle must be a bool, got 'no'"),  # shuffled
+    (dict(balance=None), r"balance must be a bool, got None"),  # did not balance
+    (dict(dp_size=True), r"dp_size must be a positive int, got True"),  # planned for 1 rank
+    (dict(samples_per_step=True), r"samples_per_step must be an int >= dp_size=1, got True"),
+    (dict(layout=256), r"layout must be a BinLayout, got int"),  # AttributeError ('slot_sizes') at planning
+    (dict(cost_model=None), r"cost_model must be a CostModel \(or have extra_costs and lm_linear\), got NoneType"),
+    (dict(expanded_tokens=2), r"expanded_tokens must be callable \(table -> \[N\] tokens\), got int"),  # TypeError
+])
+def test_planner_config_fields_of_the_wrong_type_are_refused_when_built(options, message):
+    with pytest.raises(ValueError, match=message):
+        PlannerConfig(**{"layout": BinLayout(capacity=64), **options})
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(static_shapes="no"), r"static_shapes must be a bool, got 'no'"),  # padded every bin to the capacity
+    (dict(multiples=2), r"multiples must be a PackMultiples \(PackMultiples.for_parallel\(...\)\), got int"),
+])
+def test_bin_layout_fields_of_the_wrong_type_are_refused(options, message):
+    """static_shapes='no' was truthy (static bins); multiples=2 was an AttributeError ('total')."""
+    with pytest.raises(ValueError, match=message):
+        BinLayout(capacity=64, **options)
