@@ -49,7 +49,8 @@ def count_array(values, name: str) -> np.ndarray:
     if array.dtype.kind == "f":
         bad = np.flatnonzero(~np.isfinite(flat) | (flat != np.round(flat)))
         raise ValueError(f"{name} must hold whole numbers; entry {int(bad[0])} is {flat[bad[0]].item()!r}")
-    raise ValueError(f"{name} must hold integers, got dtype {array.dtype} (e.g. {flat[0].item()!r})")
+    first = flat[0].item() if hasattr(flat[0], "item") else flat[0]  # an object array holds Python values
+    raise ValueError(f"{name} must hold integers, got dtype {array.dtype} (e.g. {first!r})")
 
 
 def _grid_array(grids: list, name: str) -> np.ndarray:
@@ -83,7 +84,10 @@ class SampleTable:
 
     def __post_init__(self) -> None:
         for name in ("text_tokens", "image_owner", "video_owner", "audio_frames", "audio_owner"):
-            object.__setattr__(self, name, count_array(getattr(self, name), name).reshape(-1))
+            column = count_array(getattr(self, name), name)
+            if column.ndim > 1:  # [2, 2] was flattened into 4 samples
+                raise ValueError(f"{name} must be one count per sample ([N]), got shape {column.shape}")
+            object.__setattr__(self, name, column.reshape(-1))
         for name in ("image_grids", "video_grids"):
             object.__setattr__(self, name, _grid_array(getattr(self, name), name))
         n = len(self.text_tokens)
@@ -108,6 +112,10 @@ class SampleTable:
         """Column-wise table of `samples` (in order)."""
         images, image_owner, videos, video_owner, audio, audio_owner = [], [], [], [], [], []
         for i, s in enumerate(samples):
+            if not isinstance(s, SampleMetadata):
+                raise ValueError(f"sample {i} is {type(s).__name__}, not a SampleMetadata")
+            if np.ndim(s.audio_frames) != 1:  # an int was a TypeError below
+                raise ValueError(f"sample {i}: audio_frames must be a tuple of frame counts; got {s.audio_frames!r}")
             for name in ("image_grids", "video_grids"):  # a flat (t, h, w) would become 3 images
                 if any(np.ndim(g) != 1 or len(g) != 3 for g in getattr(s, name)):
                     raise ValueError(f"sample {i}: {name} must be a tuple of (t, h, w) triples; got "

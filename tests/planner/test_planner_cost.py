@@ -114,3 +114,20 @@ def test_progress_line_only_when_enabled():
     quiet = io.StringIO()
     Progress(200, enabled=False, stream=quiet).close()
     assert quiet.getvalue() == ""
+
+
+def test_counts_numpy_cannot_hold_and_tables_of_the_wrong_shape_are_named():
+    """[2**70] and [None] (object arrays) were an AttributeError ('int' object has no attribute 'item') raised while
+    building the error; a [2, 2] text_tokens was flattened into 4 samples; from_samples took audio_frames=5 (a
+    TypeError: 'int' object is not iterable) and None for a sample (an AttributeError)."""
+    with pytest.raises(ValueError, match=rf"text_tokens must hold integers, got dtype object \(e.g. {2**70}\)"):
+        SampleTable(text_tokens=[2**70])
+    with pytest.raises(ValueError, match=r"text_tokens must hold integers, got dtype object \(e.g. None\)"):
+        SampleTable(text_tokens=[None])
+    with pytest.raises(ValueError, match=r"text_tokens must be one count per sample \(\[N\]\), got shape \(2, 2\)"):
+        SampleTable(text_tokens=[[1, 2], [3, 4]])
+    with pytest.raises(ValueError, match=r"sample 0: audio_frames must be a tuple of frame counts; got 5"):
+        SampleTable.from_samples([SampleMetadata(3, audio_frames=5)])
+    with pytest.raises(ValueError, match=r"sample 1 is NoneType, not a SampleMetadata"):
+        SampleTable.from_samples([SampleMetadata(3), None])
+    assert SampleTable(text_tokens=5).text_tokens.tolist() == [5]  # one sample's count as a scalar, as before
