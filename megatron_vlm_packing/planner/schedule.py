@@ -319,11 +319,16 @@ def plan_epoch(table: SampleTable, config: PlannerConfig, *, epoch: int = 0, car
     if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
         raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
     carried_arr = np.asarray(carried_in)
+    if carried_arr.ndim != 1:  # None, a string, [[1]]: a TypeError or numpy's error further on
+        raise ValueError(f"carried_in must be a sequence of sample indices, got {carried_in!r}")
     if len(carried_arr) and (carried_arr.dtype.kind not in "iu" or carried_arr.min() < 0
                              or carried_arr.max() >= len(table)):
         # A negative index would be planned (and handed to the dataset) as sample N + i; one past
         # the end raised an IndexError; 1.5 was cast to sample 1.
         raise ValueError(f"carried_in must hold sample indices in [0, {len(table)}); got {carried_arr[:8].tolist()}")
+    values, counts = np.unique(carried_arr, return_counts=True)
+    if (counts > 1).any():  # it would be planned once more per repeat
+        raise ValueError(f"carried_in holds sample {int(values[counts > 1][0])} twice: each sample is carried once")
     cols = _columns(table, config)
     rng = np.random.default_rng([config.seed, epoch])
     order = rng.permutation(len(table)) if config.shuffle else np.arange(len(table))

@@ -259,3 +259,13 @@ def test_bin_layout_fields_of_the_wrong_type_are_refused(options, message):
     """static_shapes='no' was truthy (static bins); multiples=2 was an AttributeError ('total')."""
     with pytest.raises(ValueError, match=message):
         BinLayout(capacity=64, **options)
+
+
+@pytest.mark.parametrize("carried, message", [
+    (None, r"carried_in must be a sequence of sample indices, got None"),  # TypeError: len() of unsized object
+    ([[1]], r"carried_in must be a sequence of sample indices, got \[\[1\]\]"),  # numpy's concatenate error
+    ([1, 3, 1], r"carried_in holds sample 1 twice: each sample is carried once"),  # planned three times
+])
+def test_carried_in_that_is_not_a_list_of_distinct_indices_is_refused(carried, message):
+    with pytest.raises(ValueError, match=message):
+        plan_epoch(SampleTable(text_tokens=[5] * 4), PlannerConfig(layout=BinLayout(capacity=64)), carried_in=carried)
