@@ -158,6 +158,25 @@ class PackedVLM(nn.Module):
         self._refuse_orphan_placeholders(input_ids, present, frozenset(placeholders_checked))
         if not any(present.values()):
             return emb
+        self._check_media_inputs(present, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw,
+                                 feature_attention_mask)
+        bounds = None if media_checked else sample_boundaries(input_ids, packed_seq_params)
+        flat = emb.transpose(0, 1).reshape(-1, emb.shape[-1])  # [B*S, H], row-major like input_ids
+        if present["image"]:
+            flat = self._merge_vision(flat, input_ids, bounds, "image", pixel_values, image_grid_thw,
+                                      images_per_sample, media_checked)
+        if present["video"]:
+            flat = self._merge_vision(flat, input_ids, bounds, "video", pixel_values_videos, video_grid_thw,
+                                      videos_per_sample, media_checked)
+        if present["audio"]:
+            flat = self._merge_audio(flat, input_ids, bounds, input_features, feature_attention_mask,
+                                     audios_per_sample, audio_lengths)
+        return flat.reshape(emb.shape[1], emb.shape[0], -1).transpose(0, 1)
+
+    def _check_media_inputs(self, present: dict, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw,
+                            feature_attention_mask) -> None:
+        """ValueError for media this model has no tower for, patches without their grid, or audio
+        features without their mask (reads nothing)."""
         if (present["image"] or present["video"]) and self.vision is None:
             raise ValueError("the micro-batch has images or videos but this PackedVLM has no vision tower")
         if present["audio"] and self.audio is None:
@@ -168,29 +187,23 @@ class PackedVLM(nn.Module):
                 raise ValueError(f"{pixels.shape[0]} patches given without {field}: the tower cannot split them")
         if present["audio"] and feature_attention_mask is None:
             raise ValueError("input_features given without feature_attention_mask: audio lengths are unknown")
-        bounds = None if media_checked else sample_boundaries(input_ids, packed_seq_params)
-        flat = emb.transpose(0, 1).reshape(-1, emb.shape[-1])  # [B*S, H], row-major like input_ids
-        merge = self.spatial_merge_size
-        if present["image"]:
-            flat = self._merge(flat, input_ids, bounds, token_id=self.image_token_id, field="image",
-                               embeddings=self._vision_embeddings(pixel_values, image_grid_thw, media_checked),
-                               tokens_per_item=lambda: _tokens_per_grid(image_grid_thw, merge),
-                               per_sample=images_per_sample)
-        if present["video"]:
-            flat = self._merge(flat, input_ids, bounds, token_id=self.video_token_id, field="video",
-                               embeddings=self._vision_embeddings(pixel_values_videos, video_grid_thw, media_checked),
-                               tokens_per_item=lambda: _tokens_per_grid(video_grid_thw, merge),
-                               per_sample=videos_per_sample)
-        if present["audio"]:
-            from megatron_vlm_packing.models.audio import audio_tokens_per_clip
 
-            flat = self._merge(flat, input_ids, bounds, token_id=self.audio_token_id, field="audio",
-                               embeddings=self._audio_embeddings(input_features, feature_attention_mask,
-                                                                 audio_lengths),
-                               tokens_per_item=lambda: audio_tokens_per_clip(feature_attention_mask,
-                                                                             self.audio.n_window),
-                               per_sample=audios_per_sample)
-        return flat.reshape(emb.shape[1], emb.shape[0], -1).transpose(0, 1)
+    def _merge_vision(self, flat, input_ids, bounds, field: str, pixels, grid, per_sample, checked: bool):
+        """`flat` [B*S, H] with the vision tower's embeddings of `field` ("image" or "video") placed:
+        pixels [P, C] and grid [I, 3] of that kind, `per_sample` its items per sample."""
+        merge = self.spatial_merge_size
+        return self._merge(flat, input_ids, bounds, token_id=getattr(self, f"{field}_token_id"), field=field,
+                           embeddings=self._vision_embeddings(pixels, grid, checked),
+                           tokens_per_item=lambda: _tokens_per_grid(grid, merge), per_sample=per_sample)
+
+    def _merge_audio(self, flat, input_ids, bounds, features, mask, per_sample, audio_lengths):
+        """`flat` [B*S, H] with the audio tower's embeddings placed: features [A, F, L], mask [A, L]."""
+        from megatron_vlm_packing.models.audio import audio_tokens_per_clip
+
+        return self._merge(flat, input_ids, bounds, token_id=self.audio_token_id, field="audio",
+                           embeddings=self._audio_embeddings(features, mask, audio_lengths),
+                           tokens_per_item=lambda: audio_tokens_per_clip(mask, self.audio.n_window),
+                           per_sample=per_sample)
 
     def _decoder_input(self, input_ids, cp_index, media: dict, packed_seq_params):
         emb = self.embed(input_ids, packed_seq_params=packed_seq_params, **media)

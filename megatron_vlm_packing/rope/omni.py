@@ -242,58 +242,104 @@ def _kept_token_place(queued: QueuedOmniIndex, row: int, first: int, token: int)
     return queued.where(row, int(queued.slots[first + token]) % queued.input_ids.shape[1])
 
 
+@dataclass(frozen=True)
+class _Row:
+    """One row's kept tokens (host ids) and what its blocks read: `inputs` (`_host_inputs`), `used`
+    (images, videos and audio entries taken so far, updated in place), `place(i)` (names kept token i)."""
+
+    tokens: list[int]
+    config: MRopeConfig
+    inputs: dict
+    used: list[int]
+    place: Callable[[int], str]
+
+
+def _next_start(pieces: list[torch.Tensor]):
+    """Where the next piece starts: 1 + the largest position of the last piece (0 for the first)."""
+    return pieces[-1].max() + 1 if pieces else 0
+
+
 def _row_positions(tokens: list[int], config: MRopeConfig, inputs: dict, used: list[int],
                    place: Callable[[int], str]) -> torch.Tensor:
     """[3, L] float positions of one row's kept tokens (host ids); `used` counts the images, videos
     and audio entries taken so far (updated in place); `place(i)` names kept token i in errors."""
-    merge, pps = config.spatial_merge_size, config.position_id_per_seconds
+    row = _Row(tokens, config, inputs, used, place)
     # Every block opens with a vision-start or audio-start token.
     opens = _openers(tokens, {config.vision_start_token_id, config.audio_start_token_id})
     pieces, cursor = [], 0
-    next_start = lambda: pieces[-1].max() + 1 if pieces else 0  # noqa: E731
     for at in opens:
         if at < cursor:  # the audio-start inside an audio-in-video block, already consumed
             continue
         if at > cursor:
-            pieces.append(_text(at - cursor, next_start()))
-        if at + 1 == len(tokens) and tokens[at] == config.vision_start_token_id:
-            # A vision-start as the row's last kept token opens no block: reading the token after it was
-            # an IndexError here (and in the reference).
-            raise ValueError(f"input_ids {place(at)} is a vision_start_token_id ({config.vision_start_token_id}) "
-                             f"with no image or video placeholder after it: the row's last kept token")
-        audio_in_video = tokens[at] == config.vision_start_token_id and at + 1 < len(tokens) \
-            and tokens[at + 1] == config.audio_start_token_id
-        wrap = 2 if audio_in_video else 1
-        pieces.append(_text(wrap, next_start()))
-        start = next_start()  # right after the opening tokens
-        if tokens[at] == config.audio_start_token_id:
-            length = _audio_tokens(inputs, used[2], place, at, config.audio_n_window)
-            _check_block(tokens, at + wrap, length, {config.audio_token_id}, place=place, what="audio")
-            pieces.append(_text(length, start))
-            cursor, used[2] = at + wrap + length + wrap, used[2] + 1
-        elif not audio_in_video and tokens[at + 1] == config.image_token_id:
-            t, h, w = _take(inputs["image_grid_thw"], used[0], "image_grid_thw", place, at)
-            _check_block(tokens, at + wrap, t * h * w // merge ** 2, {config.image_token_id}, place=place, what="image")
-            pieces.append(_vision(start, torch.arange(t) * 1 * pps, h // merge, w // merge))
-            cursor, used[0] = at + wrap + t * h * w // merge ** 2 + wrap, used[0] + 1
-        else:
-            t, h, w = _take(inputs["video_grid_thw"], used[1], "video_grid_thw", place, at)
-            seconds = torch.tensor(_take(inputs["seconds"], used[1], "second_per_grid_ts", place, at),
-                                   dtype=torch.float64)
-            video = _vision(start, torch.arange(t) * seconds.float() * pps, h // merge, w // merge)
-            tokens_in = t * h * w // merge ** 2
-            if audio_in_video:
-                length = _audio_tokens(inputs, used[2], place, at, config.audio_n_window)
-                _check_block(tokens, at + wrap, length + tokens_in, {config.video_token_id, config.audio_token_id},
-                             place=place, what="video with audio")
-                merged, last_max = _interleave_by_time(video, _text(length, start))
-                pieces += [merged, _text(wrap, last_max + 1)]
-                cursor, used[1], used[2] = at + wrap + length + tokens_in + wrap, used[1] + 1, used[2] + 1
-                continue
-            _check_block(tokens, at + wrap, tokens_in, {config.video_token_id}, place=place, what="video")
-            pieces.append(video)
-            cursor, used[1] = at + wrap + tokens_in + wrap, used[1] + 1
-        pieces.append(_text(wrap, next_start()))
+            pieces.append(_text(at - cursor, _next_start(pieces)))
+        cursor = _block_positions(row, at, pieces)
     if cursor < len(tokens):
-        pieces.append(_text(len(tokens) - cursor, next_start()))
+        pieces.append(_text(len(tokens) - cursor, _next_start(pieces)))
     return torch.cat(pieces, dim=1)
+
+
+def _block_positions(row: _Row, at: int, pieces: list[torch.Tensor]) -> int:
+    """Append the positions of the block opening at kept token `at` (its wrapper tokens included) to
+    `pieces`; returns the kept token after the block."""
+    tokens, config = row.tokens, row.config
+    if at + 1 == len(tokens) and tokens[at] == config.vision_start_token_id:
+        # A vision-start as the row's last kept token opens no block: reading the token after it was
+        # an IndexError here (and in the reference).
+        raise ValueError(f"input_ids {row.place(at)} is a vision_start_token_id ({config.vision_start_token_id}) "
+                         f"with no image or video placeholder after it: the row's last kept token")
+    audio_in_video = tokens[at] == config.vision_start_token_id and at + 1 < len(tokens) \
+        and tokens[at + 1] == config.audio_start_token_id
+    wrap = 2 if audio_in_video else 1
+    pieces.append(_text(wrap, _next_start(pieces)))
+    start = _next_start(pieces)  # right after the opening tokens
+    if tokens[at] == config.audio_start_token_id:
+        return _audio_block(row, at, wrap, start, pieces)
+    if not audio_in_video and tokens[at + 1] == config.image_token_id:
+        return _image_block(row, at, start, pieces)
+    return _video_block(row, at, start, pieces, audio_in_video=audio_in_video)
+
+
+def _audio_block(row: _Row, at: int, wrap: int, start, pieces: list[torch.Tensor]) -> int:
+    """An audio block (`wrap` wrapper tokens each side: 1, or 2 where the audio-start id is also the
+    vision-start id and repeats): 1D text positions over its placeholders."""
+    config, used = row.config, row.used
+    length = _audio_tokens(row.inputs, used[2], row.place, at, config.audio_n_window)
+    _check_block(row.tokens, at + wrap, length, {config.audio_token_id}, place=row.place, what="audio")
+    pieces.append(_text(length, start))
+    used[2] += 1
+    pieces.append(_text(wrap, _next_start(pieces)))
+    return at + wrap + length + wrap
+
+
+def _image_block(row: _Row, at: int, start, pieces: list[torch.Tensor]) -> int:
+    """An image block (one wrapper token each side): its merged grid, t stepping by position_id_per_seconds."""
+    config, used, merge = row.config, row.used, row.config.spatial_merge_size
+    t, h, w = _take(row.inputs["image_grid_thw"], used[0], "image_grid_thw", row.place, at)
+    _check_block(row.tokens, at + 1, t * h * w // merge ** 2, {config.image_token_id}, place=row.place, what="image")
+    pieces.append(_vision(start, torch.arange(t) * 1 * config.position_id_per_seconds, h // merge, w // merge))
+    used[0] += 1
+    pieces.append(_text(1, _next_start(pieces)))
+    return at + 1 + t * h * w // merge ** 2 + 1
+
+
+def _video_block(row: _Row, at: int, start, pieces: list[torch.Tensor], *, audio_in_video: bool) -> int:
+    """A video block: its merged grid, t stepping by seconds * position_id_per_seconds; with its audio
+    (`audio_in_video`, two wrapper tokens each side) the two runs merged by time."""
+    config, inputs, used, place, merge = row.config, row.inputs, row.used, row.place, row.config.spatial_merge_size
+    t, h, w = _take(inputs["video_grid_thw"], used[1], "video_grid_thw", place, at)
+    seconds = torch.tensor(_take(inputs["seconds"], used[1], "second_per_grid_ts", place, at), dtype=torch.float64)
+    video = _vision(start, torch.arange(t) * seconds.float() * config.position_id_per_seconds, h // merge, w // merge)
+    tokens_in = t * h * w // merge ** 2
+    if not audio_in_video:
+        _check_block(row.tokens, at + 1, tokens_in, {config.video_token_id}, place=place, what="video")
+        pieces.append(video)
+        used[1] += 1
+        pieces.append(_text(1, _next_start(pieces)))
+        return at + 1 + tokens_in + 1
+    length = _audio_tokens(inputs, used[2], place, at, config.audio_n_window)
+    _check_block(row.tokens, at + 2, length + tokens_in, {config.video_token_id, config.audio_token_id},
+                 place=place, what="video with audio")
+    merged, last_max = _interleave_by_time(video, _text(length, start))
+    pieces += [merged, _text(2, last_max + 1)]
+    used[1], used[2] = used[1] + 1, used[2] + 1
+    return at + 2 + length + tokens_in + 2

@@ -254,12 +254,8 @@ def use_packed_mrope(model, *, interleaved: bool = False) -> PackedMropeHandle:
     CP chunks from the full table (`megatron_thd.thd_rope_takes_document_chunks`). The model must be
     called as `model(...)` (the hooks run in `__call__`); at CP > 1 the rotary refuses a direct `model.forward`.
     """
-    existing = getattr(model, "_packed_mrope_handle", None)
-    if existing is not None and existing.active:
-        if existing.interleaved != interleaved:
-            raise ValueError(f"use_packed_mrope was already applied to this {type(model).__name__} with "
-                             f"interleaved={existing.interleaved}, now asked for interleaved={interleaved}: "
-                             f"call handle.undo() first to change the mRoPE layout")
+    existing = _existing_handle(model, interleaved)
+    if existing is not None:
         return existing
     _refuse_unservable(model)
     _patch_thd_rope_or_refuse()
@@ -267,10 +263,34 @@ def use_packed_mrope(model, *, interleaved: bool = False) -> PackedMropeHandle:
     rotary = PackedMultimodalRotaryEmbedding(
         original.inv_freq, interleaved=interleaved, cp_group=getattr(original, "cp_group", None),
         seq_len_interpolation_factor=getattr(original, "seq_len_interpolation_factor", None))
-    forward_signature = inspect.signature(model.forward)
+    enter = _mode_hook(inspect.signature(model.forward))
+    rotary.hooked = True
+    owned = OwnedAttributes(f"{__name__}.use_packed_mrope")
+    owned.set(model, "rotary_pos_emb", rotary)
+    hooks = [model.register_forward_pre_hook(enter, with_kwargs=True),
+             model.register_forward_hook(_restore_mode, with_kwargs=True, always_call=True)]
+    handle = PackedMropeHandle(model, original, rotary, hooks, owned, interleaved=interleaved)
+    owned.set(model, "_packed_mrope_handle", handle)
+    return handle
 
-    # The hooks reach the rotary through the model they run on (its handle), never a closure: a deep copy
-    # of the model (an EMA or teacher copy) shares these hook functions, and must set its own rotary's mode.
+
+def _existing_handle(model, interleaved: bool) -> PackedMropeHandle | None:
+    """The active handle of an earlier `use_packed_mrope` on `model` (None: none), or ValueError when it
+    was applied with another `interleaved`."""
+    existing = getattr(model, "_packed_mrope_handle", None)
+    if existing is not None and existing.active:
+        if existing.interleaved != interleaved:
+            raise ValueError(f"use_packed_mrope was already applied to this {type(model).__name__} with "
+                             f"interleaved={existing.interleaved}, now asked for interleaved={interleaved}: "
+                             f"call handle.undo() first to change the mRoPE layout")
+        return existing
+    return None
+
+
+# The hooks reach the rotary through the model they run on (its handle), never a closure: a deep copy
+# of the model (an EMA or teacher copy) shares these hook functions, and must set its own rotary's mode.
+def _mode_hook(forward_signature: inspect.Signature):
+    """The forward pre-hook: save the rotary's mode, then set it from the call's `packed_seq_params`."""
     def enter(module, args, kwargs):
         params = _packed_seq_params_of(forward_signature, args, kwargs)
         handle = module._packed_mrope_handle
@@ -280,17 +300,12 @@ def use_packed_mrope(model, *, interleaved: bool = False) -> PackedMropeHandle:
         rotary.is_thd_format = params is not None and params.qkv_format == "thd"
         rotary.thd_params = params if rotary.is_thd_format else None
 
-    def leave(module, args, kwargs, output=None):
-        handle = module._packed_mrope_handle
-        if handle.saved_modes:  # empty only if an earlier pre-hook raised before ours ran
-            handle.rotary.is_thd_format, handle.rotary.thd_params = handle.saved_modes.pop()
-            handle.rotary.hooked_calls -= 1
+    return enter
 
-    rotary.hooked = True
-    owned = OwnedAttributes(f"{__name__}.use_packed_mrope")
-    owned.set(model, "rotary_pos_emb", rotary)
-    hooks = [model.register_forward_pre_hook(enter, with_kwargs=True),
-             model.register_forward_hook(leave, with_kwargs=True, always_call=True)]
-    handle = PackedMropeHandle(model, original, rotary, hooks, owned, interleaved=interleaved)
-    owned.set(model, "_packed_mrope_handle", handle)
-    return handle
+
+def _restore_mode(module, args, kwargs, output=None):
+    """The forward hook (always called, exceptions included): restore the mode the pre-hook saved."""
+    handle = module._packed_mrope_handle
+    if handle.saved_modes:  # empty only if an earlier pre-hook raised before ours ran
+        handle.rotary.is_thd_format, handle.rotary.thd_params = handle.saved_modes.pop()
+        handle.rotary.hooked_calls -= 1
