@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 
 def grid_per_run(run_type, image_grid_thw, video_grid_thw, device, *, video_frames: bool = False
-                  ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """([K, 3] grid of every run in order (zeros for text and for blocks beyond the grid's rows),
     [image blocks, video blocks] as 0-dim device counts for the caller's one read). Reads nothing:
     the k-th block of a kind takes row k of its grid through a running count. `video_frames`
