@@ -131,3 +131,19 @@ def test_counts_numpy_cannot_hold_and_tables_of_the_wrong_shape_are_named():
     with pytest.raises(ValueError, match=r"sample 1 is NoneType, not a SampleMetadata"):
         SampleTable.from_samples([SampleMetadata(3), None])
     assert SampleTable(text_tokens=5).text_tokens.tolist() == [5]  # one sample's count as a scalar, as before
+
+
+def test_cost_coefficients_and_shapes_of_the_wrong_type_are_named():
+    """CostModel(lm_linear='1') and None were TypeErrors ('>=' not supported), True and inf were taken;
+    TransformerShape took anything (hidden=0 or 1.5 priced every token wrong, '2' was a TypeError in the FLOPs)."""
+    from megatron_vlm_packing.planner import TransformerShape
+
+    for value in ("1", None, True, float("inf")):
+        with pytest.raises(ValueError, match=rf"cost coefficients must be finite numbers >= 0; got \{{'lm_linear': "
+                                             rf"{value!r}\}}"):
+            CostModel(lm_linear=value, lm_attention=1.0)
+    assert CostModel(lm_linear=np.float64(2.0), lm_attention=0).lm_linear == 2.0  # numpy numbers as before
+    shape = dict(hidden=8, layers=2, heads=2, head_dim=4, kv_groups=1, ffn=16)
+    for name, value in (("hidden", 0), ("layers", 1.5), ("heads", "2"), ("vocab", -1), ("gated", "no")):
+        with pytest.raises(ValueError, match=rf"TransformerShape.{name} must be .*, got {value!r}$"):
+            TransformerShape(**{**shape, name: value})
