@@ -80,3 +80,15 @@ def test_pack_batch_builds_the_bins_plan():
     assert packed.plan.physical_lengths == planned.plan(layout).physical_lengths
     assert packed.input_ids.shape == (1, layout.capacity) and torch.equal(
         packed.packed_seq_params.cu_seqlens_q_padded, planned.plan(layout).cu_seqlens_padded())
+
+
+@pytest.mark.parametrize("slots, capacity, message", [
+    ([9, 3], 8, r"best_fit_decreasing's slots must lie in \[1, 8\] \(the capacity\); item 0 is 9"),  # a bin of 9
+    ([-1, 3], 8, r"slots must lie in \[1, 8\] \(the capacity\); item 0 is -1"),
+    ([3, 4], 0, r"best_fit_decreasing's capacity must be a positive int, got 0"),  # bins over it
+    ([3.5, 4], 8, r"best_fit_decreasing's slots must be a 1-D array of ints, got float64 \(2,\)"),
+])
+def test_best_fit_decreasing_refuses_items_it_cannot_place_within_capacity(slots, capacity, message):
+    """Each was packed into bins larger than the capacity (or of fractional size), silently."""
+    with pytest.raises(ValueError, match=message):
+        best_fit_decreasing(np.asarray(slots), capacity)
