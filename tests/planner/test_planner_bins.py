@@ -92,3 +92,15 @@ def test_best_fit_decreasing_refuses_items_it_cannot_place_within_capacity(slots
     """Each was packed into bins larger than the capacity (or of fractional size), silently."""
     with pytest.raises(ValueError, match=message):
         best_fit_decreasing(np.asarray(slots), capacity)
+
+
+@pytest.mark.parametrize("costs, ranks, per_rank, message", [
+    ([1.0, 2.0], -1, -2, r"num_ranks and per_rank must be positive ints, got -1 and -2"),  # IndexError
+    ([1.0, 2.0], True, 2, r"num_ranks and per_rank must be positive ints, got True and 2"),
+    ([float("nan"), 1.0], 2, 1, r"costs must be finite and >= 0; bin 0 costs nan"),  # placed as if free
+])
+def test_assign_to_ranks_refuses_what_it_cannot_balance(costs, ranks, per_rank, message):
+    from megatron_vlm_packing.planner import assign_to_ranks
+
+    with pytest.raises(ValueError, match=message):
+        assign_to_ranks(np.asarray(costs), ranks, per_rank)
