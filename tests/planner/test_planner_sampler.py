@@ -241,6 +241,10 @@ def test_energon_hooks_select_and_pack(samples):
                             pack_kwargs={"cp_size": 2})
     with pytest.raises(ValueError, match=r"\['cp'\] are not pack_batch keywords; EnergonPackingHooks passes on"):
         EnergonPackingHooks(metadata=metadata, collate=collate, layout=BinLayout(capacity=96), pack_kwargs={"cp": 2})
+    for not_a_dict in (None, 3):  # was a TypeError ("argument of type 'NoneType' is not iterable")
+        with pytest.raises(ValueError, match=r"EnergonPackingHooks's options must be a dict of pack_batch keywords"):
+            EnergonPackingHooks(metadata=metadata, collate=collate, layout=BinLayout(capacity=96),
+                                pack_kwargs=not_a_dict)
 
 
 def test_energon_hooks_build_every_cp_rank_index_in_the_worker(samples):
