@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -115,9 +115,21 @@ def read_micro_batch(data_iterator: Iterator, *, broadcast_from_tp_rank0: bool) 
     return batch
 
 
-def to_device(batch: dict, device: torch.device) -> dict:
-    """Tensors of the batch on `device` (non-tensor values as they are)."""
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+def to_device(batch: Mapping, device: torch.device) -> dict:
+    """Tensors of the batch on `device` (non-tensor values as they are), as a dict.
+
+    Raises:
+        ValueError: a meta tensor (no values to move: `.to()` was a NotImplementedError), naming its key.
+    """
+    return {k: _moved(k, v, device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def _moved(key, value: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if value.is_meta:
+        from megatron_vlm_packing.packing.rows import refuse_undense
+
+        refuse_undense(key, value)
+    return value.to(device, non_blocking=True)
 
 
 def resolve_mrope(options: StepOptions, adapter: ModelAdapter, batch: dict | None = None):

@@ -262,6 +262,13 @@ def batch_not_a_dict(m):
 
 
 @case
+def batch_with_a_meta_tensor(m):
+    """Was a NotImplementedError ('Cannot copy out of meta tensor') from moving the batch to the model's device."""
+    batch = text_batch()
+    return loss(make_forward_step(), m["gpt"], {**batch, "labels": batch["labels"].to("meta")})
+
+
+@case
 def data_iterator_none(m):
     """A pipeline stage given no iterator (None): was TypeError 'NoneType' object is not an iterator."""
     return make_forward_step()(None, m["gpt"])
