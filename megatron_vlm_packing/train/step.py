@@ -109,7 +109,8 @@ def read_micro_batch(data_iterator: Iterator, *, broadcast_from_tp_rank0: bool) 
         dist.broadcast_object_list(holder, src=ps.get_tensor_model_parallel_src_rank(),
                                    group=ps.get_tensor_model_parallel_group())
         batch = holder[0]
-    if not isinstance(batch, (dict, MicroBatch)):
+    # Any mapping, as pack_batch and the collators take: a Hugging Face processor's BatchFeature is a UserDict.
+    if not isinstance(batch, (Mapping, MicroBatch)):
         raise ValueError(f"the data iterator must yield a dict of tensors (a collated batch) or a packed "
                          f"MicroBatch, got {type(batch).__name__}")
     return batch
