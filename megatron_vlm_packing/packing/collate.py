@@ -190,8 +190,10 @@ def map_tensors(micro_batch: MicroBatch, fn: Callable[[torch.Tensor], torch.Tens
     outside the buffer are moved one by one.
 
     Raises:
-        ValueError: `fn` did not return a uint8 tensor of the buffer's shape (a cast, a slice).
+        ValueError: `fn` did not return a uint8 tensor of the buffer's shape (a cast, a slice), or
+            `micro_batch` is not a MicroBatch.
     """
+    _check_micro_batch(micro_batch, "map_tensors")
     arena = arena_of(tensors_of(micro_batch))
     if arena is None:
         return _map_each(micro_batch, fn)
@@ -212,13 +214,20 @@ def own_storages(micro_batch: MicroBatch) -> MicroBatch:
     The collators lay a micro-batch's small tensors out as views of one byte buffer (`in_one_storage`),
     and `torch.save` refuses tensors of different dtypes that view one storage ("Cannot save multiple
     tensors or storages that view the same data as different types"). The views are copied out (tensors
-    shared between fields stay shared); a micro-batch without a buffer is returned as it is.
+    shared between fields stay shared); a micro-batch without a buffer is returned as it is. Anything but a
+    `MicroBatch` is a ValueError (a dict of its fields came back as it was, its views still refused).
     """
+    _check_micro_batch(micro_batch, "own_storages")
     arena = arena_of(tensors_of(micro_batch))
     if arena is None:
         return micro_batch
     _, inside = arena
     return _map_each(micro_batch, lambda t: t.clone() if id(t) in inside else t)
+
+
+def _check_micro_batch(value, owner: str) -> None:
+    if not isinstance(value, MicroBatch):
+        raise ValueError(f"{owner} takes a MicroBatch (what the collators return), got {type(value).__name__}")
 
 
 def _map_each(micro_batch: MicroBatch, fn: Callable[[torch.Tensor], torch.Tensor]) -> MicroBatch:

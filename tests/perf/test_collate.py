@@ -131,6 +131,19 @@ def test_a_meta_tensor_in_the_collated_batch_is_named(key):
         PackingCollator(label_style="megatron", pack_options=dict(image_token_id=DATA.image_token_id))(batch)
 
 
+@pytest.mark.parametrize("value", [None, {"input_ids": torch.zeros(1, 4)}])
+def test_moving_or_saving_something_that_is_not_a_micro_batch_is_named(value):
+    """micro_batch_to / map_tensors were AttributeErrors ('indices'); own_storages returned it as it was, so
+    torch.save of a dict of a micro-batch's fields still refused its views."""
+    from megatron_vlm_packing.packing.collate import map_tensors
+
+    message = rf"takes a MicroBatch \(what the collators return\), got {type(value).__name__}"
+    for call in (lambda: micro_batch_to(value, torch.device("cpu")), lambda: map_tensors(value, lambda t: t),
+                 lambda: own_storages(value)):
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
 def test_the_collator_needs_a_batch_dict():
     with pytest.raises(ValueError, match="give collate="):
         PackingCollator()(synthetic_samples(2, seed=1, cfg=DATA))
