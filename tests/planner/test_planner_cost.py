@@ -147,3 +147,16 @@ def test_cost_coefficients_and_shapes_of_the_wrong_type_are_named():
     for name, value in (("hidden", 0), ("layers", 1.5), ("heads", "2"), ("vocab", -1), ("gated", "no")):
         with pytest.raises(ValueError, match=rf"TransformerShape.{name} must be .*, got {value!r}$"):
             TransformerShape(**{**shape, name: value})
+
+
+def test_token_counts_past_int64_are_refused_not_wrapped():
+    """A (2**40)^3 video grid wrapped int64's product to 0 (the sample was planned as 5 tokens), four 2**62-token
+    LLaVA images wrapped to 0 extra tokens, and a float sum past int64 became -2**63."""
+    huge_video = SampleTable.from_samples([SampleMetadata(3, video_grids=((2**40, 2**40, 2**40),)), SampleMetadata(5)])
+    with pytest.raises(ValueError, match=r"sample 0 takes about 3.3e\+35 tokens: more than 2\*\*53, which the planner "
+                                         r"cannot count exactly"):
+        TokenCounter()(huge_video)
+    images = SampleTable.from_samples([SampleMetadata(3, image_grids=((1, 2, 2),) * 4)])
+    with pytest.raises(ValueError, match=r"sample 0 takes about 1.8e\+19 tokens: more than 2\*\*53"):
+        llava_tokens(2**62)(images)
+    assert TokenCounter()(SampleTable.from_samples([SampleMetadata(3, video_grids=((2, 4, 4),))])).tolist() == [13]
