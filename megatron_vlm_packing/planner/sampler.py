@@ -166,6 +166,8 @@ class PackedBatchSampler(torch.utils.data.Sampler):
             raise ValueError(f"table must be a SampleTable, got {type(table).__name__}")
         if not isinstance(config, PlannerConfig):
             raise ValueError(f"config must be a PlannerConfig, got {type(config).__name__}")
+        if not isinstance(progress, bool):  # checked here, not when the first epoch is planned
+            raise ValueError(f"progress must be a bool, got {progress!r}")
         if isinstance(dp_rank, bool) or not isinstance(dp_rank, (int, np.integer)) or not 0 <= dp_rank < config.dp_size:
             raise ValueError(f"dp_rank={dp_rank!r} must lie in [0, {config.dp_size})")
         self.table, self.config, self.dp_rank, self.progress = table, config, dp_rank, progress

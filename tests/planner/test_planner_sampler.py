@@ -497,3 +497,7 @@ def test_a_sampler_refuses_arguments_of_the_wrong_type(samples):
         PackedBatchSampler([5, 6], _config(), dp_rank=0)  # an AttributeError when planning
     with pytest.raises(ValueError, match=r"config must be a PlannerConfig, got NoneType"):
         PackedBatchSampler(table, None, dp_rank=0)  # an AttributeError ('dp_size')
+    with pytest.raises(ValueError, match=r"progress must be a bool, got 'no'"):
+        PackedBatchSampler(table, _config(), dp_rank=0, progress="no")  # drew the progress line
+    with pytest.raises(ValueError, match=r"progress must be a bool, got 'no'"):
+        plan_epoch(table, _config(), progress="no")
