@@ -66,6 +66,7 @@ class PackingCollator:
         from megatron_vlm_packing.packing.batch import check_pack_options
 
         check_collate(self.collate, "PackingCollator")
+        _check_pack_fields(self)
         PackMultiples.for_parallel(tp_size=self.tp_size, cp_size=self.cp_size,
                                    sequence_parallel=self.sequence_parallel, fp8=self.fp8)  # checks the sizes
         own = tuple(f.name for f in dataclasses.fields(self) if f.name not in ("collate", "pack_options"))
@@ -90,6 +91,22 @@ class PackingCollator:
                             label_style=self.label_style, mrope=self.mrope, pad_token_id=self.pad_token_id,
                             extra_keys=self.extra_keys, **{"host_reads": True, **self.pack_options})
         return for_the_loader(packed, self.cp_size)
+
+
+def _check_pack_fields(collator: PackingCollator) -> None:
+    """The collator's own pack_batch options, checked when it is built as pack_batch checks them (not in a
+    DataLoader worker at the first batch)."""
+    from megatron_vlm_packing.packing.plan import checked_pad_to
+    from megatron_vlm_packing.packing.rows import check_pad_token_id, checked_extra_keys
+    from megatron_vlm_packing.rope import MRopeConfig
+
+    if collator.label_style not in ("hf", "megatron"):
+        raise ValueError(f"label_style must be 'megatron' or 'hf', got {collator.label_style!r}")
+    checked_pad_to(collator.pad_to)
+    check_pad_token_id(collator.pad_token_id)
+    checked_extra_keys(collator.extra_keys)
+    if collator.mrope is not None and not callable(collator.mrope) and not isinstance(collator.mrope, MRopeConfig):
+        raise ValueError(f"mrope must be an MRopeConfig, a callable or None, got {type(collator.mrope).__name__}")
 
 
 def check_collate(collate, owner: str) -> None:

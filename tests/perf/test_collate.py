@@ -115,6 +115,19 @@ def test_collator_options_are_checked_when_it_is_built(options, message):
         PackingCollator(pack_options=options)
 
 
+@pytest.mark.parametrize("options, message", [
+    (dict(label_style="HF"), r"label_style must be 'megatron' or 'hf', got 'HF'"),
+    (dict(pad_to="64"), r"pad_to must be an int \(the packed length T\) or None, got '64'"),
+    (dict(pad_token_id=-1), r"pad_token_id must be a non-negative int \(the id written at pad slots\), got -1"),
+    (dict(extra_keys=None), r"extra_keys must be a tuple of batch key names"),
+    (dict(mrope="qwen2_vl"), r"mrope must be an MRopeConfig, a callable or None, got str"),
+])
+def test_collator_fields_are_checked_when_it_is_built(options, message):
+    """Each was accepted here and refused only in a DataLoader worker, at the first batch."""
+    with pytest.raises(ValueError, match=message):
+        PackingCollator(**options)
+
+
 @pytest.mark.parametrize("collate", [3, "my_collate", [len]])
 def test_a_collate_that_cannot_be_called_is_refused_when_the_collator_is_built(collate):
     """Was a TypeError ('int' object is not callable) in a DataLoader worker at the first batch."""
