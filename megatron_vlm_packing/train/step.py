@@ -357,6 +357,9 @@ def make_forward_step(*, pack: bool = True, label_style: str = "hf", pad_to: int
     if adapter is not None and not isinstance(adapter, ModelAdapter) and not callable(adapter):
         raise ValueError(f"adapter must be a ModelAdapter or a factory model -> ModelAdapter, got {adapter!r}")
     adapters = _Adapters(adapter)
+    if parity_probe_every is not None and not pack:  # else an AttributeError at the first probe (no boundaries)
+        raise ValueError("parity_probe_every compares a pack with each sample alone: it needs pack=True (the step "
+                         "was made with pack=False)")
     if parity_probe_every is None and parity_probe_tolerance is not None:  # else accepted (any value) and unused
         raise ValueError(f"parity_probe_tolerance={parity_probe_tolerance!r} is the parity probe's bound, but no probe "
                          f"runs: give parity_probe_every=N too, or drop parity_probe_tolerance")
