@@ -107,7 +107,7 @@ def _check_items(slots: np.ndarray, capacity: int) -> None:
     """`best_fit_decreasing`'s preconditions, O(N) in numpy (see its Raises)."""
     if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
         raise ValueError(f"best_fit_decreasing's capacity must be a positive int, got {capacity!r}")
-    if not isinstance(slots, np.ndarray) or slots.ndim != 1 or slots.dtype.kind not in "iu":
+    if not isinstance(slots, np.ndarray) or slots.ndim != 1 or (slots.dtype.kind not in "iu" and slots.size):
         got = f"{slots.dtype} {slots.shape}" if isinstance(slots, np.ndarray) else type(slots).__name__
         raise ValueError(f"best_fit_decreasing's slots must be a 1-D array of ints, got {got}")
     bad = np.flatnonzero((slots < 1) | (slots > capacity))

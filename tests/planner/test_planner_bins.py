@@ -92,6 +92,7 @@ def test_best_fit_decreasing_refuses_items_it_cannot_place_within_capacity(slots
     """Each was packed into bins larger than the capacity (or of fractional size), silently."""
     with pytest.raises(ValueError, match=message):
         best_fit_decreasing(np.asarray(slots), capacity)
+    assert best_fit_decreasing(np.asarray([]), 8) == []  # no items (numpy's empty array is float64), as before
 
 
 @pytest.mark.parametrize("costs, ranks, per_rank, message", [
