@@ -66,6 +66,7 @@ class PackingCollator:
         from megatron_vlm_packing.packing.batch import check_pack_options
 
         check_collate(self.collate, "PackingCollator")
+        _check_pack_fields(self)
         PackMultiples.for_parallel(tp_size=self.tp_size, cp_size=self.cp_size,
                                    sequence_parallel=self.sequence_parallel, fp8=self.fp8)  # checks the sizes
         own = tuple(f.name for f in dataclasses.fields(self) if f.name not in ("collate", "pack_options"))
@@ -90,6 +91,22 @@ class PackingCollator:
                             label_style=self.label_style, mrope=self.mrope, pad_token_id=self.pad_token_id,
                             extra_keys=self.extra_keys, **{"host_reads": True, **self.pack_options})
         return for_the_loader(packed, self.cp_size)
+
+
+def _check_pack_fields(collator: PackingCollator) -> None:
+    """The collator's own pack_batch options, checked when it is built as pack_batch checks them (not in a
+    DataLoader worker at the first batch)."""
+    from megatron_vlm_packing.packing.plan import checked_pad_to
+    from megatron_vlm_packing.packing.rows import check_pad_token_id, checked_extra_keys
+    from megatron_vlm_packing.rope import MRopeConfig
+
+    if collator.label_style not in ("hf", "megatron"):
+        raise ValueError(f"label_style must be 'megatron' or 'hf', got {collator.label_style!r}")
+    checked_pad_to(collator.pad_to)
+    check_pad_token_id(collator.pad_token_id)
+    checked_extra_keys(collator.extra_keys)
+    if collator.mrope is not None and not callable(collator.mrope) and not isinstance(collator.mrope, MRopeConfig):
+        raise ValueError(f"mrope must be an MRopeConfig, a callable or None, got {type(collator.mrope).__name__}")
 
 
 def check_collate(collate, owner: str) -> None:
@@ -190,8 +207,10 @@ def map_tensors(micro_batch: MicroBatch, fn: Callable[[torch.Tensor], torch.Tens
     outside the buffer are moved one by one.
 
     Raises:
-        ValueError: `fn` did not return a uint8 tensor of the buffer's shape (a cast, a slice).
+        ValueError: `fn` did not return a uint8 tensor of the buffer's shape (a cast, a slice), or
+            `micro_batch` is not a MicroBatch.
     """
+    _check_micro_batch(micro_batch, "map_tensors")
     arena = arena_of(tensors_of(micro_batch))
     if arena is None:
         return _map_each(micro_batch, fn)
@@ -212,13 +231,20 @@ def own_storages(micro_batch: MicroBatch) -> MicroBatch:
     The collators lay a micro-batch's small tensors out as views of one byte buffer (`in_one_storage`),
     and `torch.save` refuses tensors of different dtypes that view one storage ("Cannot save multiple
     tensors or storages that view the same data as different types"). The views are copied out (tensors
-    shared between fields stay shared); a micro-batch without a buffer is returned as it is.
+    shared between fields stay shared); a micro-batch without a buffer is returned as it is. Anything but a
+    `MicroBatch` is a ValueError (a dict of its fields came back as it was, its views still refused).
     """
+    _check_micro_batch(micro_batch, "own_storages")
     arena = arena_of(tensors_of(micro_batch))
     if arena is None:
         return micro_batch
     _, inside = arena
     return _map_each(micro_batch, lambda t: t.clone() if id(t) in inside else t)
+
+
+def _check_micro_batch(value, owner: str) -> None:
+    if not isinstance(value, MicroBatch):
+        raise ValueError(f"{owner} takes a MicroBatch (what the collators return), got {type(value).__name__}")
 
 
 def _map_each(micro_batch: MicroBatch, fn: Callable[[torch.Tensor], torch.Tensor]) -> MicroBatch:

@@ -103,6 +103,19 @@ class Bin:
                               pad_to=self.physical if layout.static_shapes else None)
 
 
+def _check_items(slots: np.ndarray, capacity: int) -> None:
+    """`best_fit_decreasing`'s preconditions, O(N) in numpy (see its Raises)."""
+    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
+        raise ValueError(f"best_fit_decreasing's capacity must be a positive int, got {capacity!r}")
+    if not isinstance(slots, np.ndarray) or slots.ndim != 1 or (slots.dtype.kind not in "iu" and slots.size):
+        got = f"{slots.dtype} {slots.shape}" if isinstance(slots, np.ndarray) else type(slots).__name__
+        raise ValueError(f"best_fit_decreasing's slots must be a 1-D array of ints, got {got}")
+    bad = np.flatnonzero((slots < 1) | (slots > capacity))
+    if len(bad):
+        raise ValueError(f"best_fit_decreasing's slots must lie in [1, {capacity}] (the capacity); item {int(bad[0])} "
+                         f"is {int(slots[bad[0]])}")
+
+
 def best_fit_decreasing(slots: np.ndarray, capacity: int) -> list[list[int]]:
     """Bin packing: each item, largest first, goes to the fullest bin it fits (best fit).
 
@@ -114,7 +127,12 @@ def best_fit_decreasing(slots: np.ndarray, capacity: int) -> list[list[int]]:
 
     Items above capacity/2 each open a bin (no earlier bin, which holds an item at least as large,
     has room), so only the smaller ones walk the sorted list of free space.
+
+    Raises:
+        ValueError: `capacity` not a positive int, or `slots` not 1-D ints in [1, capacity] (an item over the
+            capacity, or of a fractional size, was packed into a bin larger than it, silently).
     """
+    _check_items(slots, capacity)
     order = np.argsort(-slots, kind="stable")
     sizes = slots[order].tolist()
     order = order.tolist()

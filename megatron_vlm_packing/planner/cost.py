@@ -29,6 +29,9 @@ Shape legend: N = samples.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +51,16 @@ class TransformerShape:
     ffn: int
     gated: bool = True
     vocab: int = 0  # output projection (LM head); 0 for encoders
+
+    def __post_init__(self) -> None:
+        # Unchecked, hidden=0 or 1.5 priced every token wrong and "2" was a TypeError in the FLOP count.
+        for f in dataclasses.fields(self):
+            value, least = getattr(self, f.name), 0 if f.name == "vocab" else 1
+            if f.name == "gated":
+                if not isinstance(value, bool):
+                    raise ValueError(f"TransformerShape.gated must be a bool, got {value!r}")
+            elif isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+                raise ValueError(f"TransformerShape.{f.name} must be an int >= {least}, got {value!r}")
 
     def linear_flops_per_token(self) -> float:
         """Forward + backward GEMM FLOPs per token: 6 x parameters touched per token."""
@@ -75,9 +88,10 @@ class CostModel:
     audio_attention: float = 0.0
 
     def __post_init__(self) -> None:
-        bad = {k: v for k, v in vars(self).items() if not v >= 0}
-        if bad:
-            raise ValueError(f"cost coefficients must be >= 0; got {bad}")
+        bad = {k: v for k, v in vars(self).items()
+               if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 <= v < math.inf}
+        if bad:  # "1" and None were TypeErrors from the comparison
+            raise ValueError(f"cost coefficients must be finite numbers >= 0; got {bad}")
 
     @classmethod
     def from_shapes(cls, lm: TransformerShape, *, vision: TransformerShape | None = None,

@@ -68,7 +68,7 @@ class EnergonPackingHooks:
         if not isinstance(self.layout, BinLayout):
             raise ValueError(f"layout must be a BinLayout, got {type(self.layout).__name__}")
         check_cost_model(self.cost_model)
-        if "pad_to" in self.pack_kwargs:
+        if isinstance(self.pack_kwargs, dict) and "pad_to" in self.pack_kwargs:  # (not a dict: named below)
             raise ValueError("pack_kwargs must not set pad_to: bins are padded to the layout's capacity")
         check_pack_options(self.pack_kwargs, "EnergonPackingHooks", taken=("pad_to",))
         multiples = PackMultiples.for_parallel(**{k: self.pack_kwargs[k] for k in _PARALLEL_KEYS

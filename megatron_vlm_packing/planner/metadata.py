@@ -179,20 +179,36 @@ class TokenCounter:
                 owner = getattr(table, name.replace("grids", "owner"))
                 raise ValueError(f"{name} of sample {int(owner[bad[0]])} is {grids[bad[0]].tolist()}: h and w must be "
                                  f"multiples of spatial_merge={self.spatial_merge} ({len(bad)} such grid(s))")
-        merge = self.spatial_merge ** 2
-        image = np.prod(table.image_grids, axis=1) // merge + self.vision_wrappers
-        video = np.prod(table.video_grids, axis=1) // merge + self.vision_wrappers
+        # t * (h / merge) * (w / merge) = t*h*w // merge**2 (h and w divide), in float64: exact below 2**53, where
+        # int64's t*h*w wrapped (a (2**40)^3 grid counted 0 tokens); larger totals are refused.
+        def vision(grids: np.ndarray) -> np.ndarray:
+            merged = np.concatenate([grids[:, :1], grids[:, 1:] // self.spatial_merge], axis=1)
+            return np.prod(merged.astype(np.float64), axis=1) + self.vision_wrappers
+
         audio = -(-table.audio_frames // self.audio_pool) + self.audio_wrappers
         total = table.text_tokens.astype(np.float64)
-        total += table.per_sample_sum(image, table.image_owner)
-        total += table.per_sample_sum(video, table.video_owner)
+        total += table.per_sample_sum(vision(table.image_grids), table.image_owner)
+        total += table.per_sample_sum(vision(table.video_grids), table.video_owner)
         total += table.per_sample_sum(audio, table.audio_owner)
+        refuse_uncountable(total)
         return total.astype(np.int64)
 
 
 ExpandedTokens = Callable[[SampleTable], np.ndarray]
 """A hook: table -> [N] int64 tokens per sample in the space attention sees (e.g. LLaVA's
 `text_tokens + images * tokens_per_image`). `TokenCounter()` is the Qwen-VL default."""
+
+
+def refuse_uncountable(tokens: np.ndarray) -> None:
+    """[N] float64 token counts must stay below 2**53, where float64 (and the planner's sums) are exact.
+
+    Raises:
+        ValueError: naming the first sample at or above it and its count.
+    """
+    big = np.flatnonzero(~(tokens < 2**53))
+    if len(big):
+        raise ValueError(f"sample {int(big[0])} takes about {float(tokens[big[0]]):.2g} tokens: more than 2**53, which "
+                         f"the planner cannot count exactly")
 
 
 def llava_tokens(tokens_per_image: int) -> ExpandedTokens:
@@ -205,6 +221,7 @@ def llava_tokens(tokens_per_image: int) -> ExpandedTokens:
 
     def expanded_tokens(table: SampleTable) -> np.ndarray:
         images = np.bincount(table.image_owner, minlength=len(table)).astype(np.int64)
+        refuse_uncountable(table.text_tokens + images * float(tokens_per_image))  # int64 wrapped past 2**63
         return table.text_tokens + images * tokens_per_image
 
     return expanded_tokens

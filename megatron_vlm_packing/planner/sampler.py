@@ -121,6 +121,28 @@ def _cost_model_record(cost_model) -> dict:
     return {"cost_model": f"{type(cost_model).__module__}.{type(cost_model).__qualname__}"}
 
 
+def _state_fields(state) -> tuple[int, int, tuple[int, ...]]:
+    """(epoch, position, carried) of a saved sampler state, each checked: int() truncated 1.5 to 1 (another
+    epoch, position or sample), and None or a count where a list goes was a TypeError.
+
+    Raises:
+        ValueError: `state` is not a dict, or a field is missing or of the wrong type (naming it and its value).
+    """
+    if not isinstance(state, dict):
+        raise ValueError(f"the sampler state must be a dict (what state_dict() saved), got {type(state).__name__}")
+
+    def is_int(value) -> bool:
+        return not isinstance(value, bool) and isinstance(value, (int, np.integer))
+
+    for key in ("epoch", "position"):
+        if not is_int(state.get(key)) or state[key] < 0:
+            raise ValueError(f"sampler state has {_shown(state, key)}: it must be an int >= 0")
+    carried = state.get("carried")
+    if not isinstance(carried, (list, tuple)) or not all(is_int(i) for i in carried):
+        raise ValueError(f"sampler state has {_shown(state, 'carried')}: it must be a list of sample indices")
+    return int(state["epoch"]), int(state["position"]), tuple(int(i) for i in carried)
+
+
 def _planning_fields(record: dict) -> dict:
     """`record` less the cost model under balance=False: states saved before it was left out there
     recorded it, and it moves no sample."""
@@ -140,6 +162,12 @@ class PackedBatchSampler(torch.utils.data.Sampler):
     """
 
     def __init__(self, table: SampleTable, config: PlannerConfig, *, dp_rank: int, progress: bool = False) -> None:
+        if not isinstance(table, SampleTable):  # else an AttributeError when the first plan is built
+            raise ValueError(f"table must be a SampleTable, got {type(table).__name__}")
+        if not isinstance(config, PlannerConfig):
+            raise ValueError(f"config must be a PlannerConfig, got {type(config).__name__}")
+        if not isinstance(progress, bool):  # checked here, not when the first epoch is planned
+            raise ValueError(f"progress must be a bool, got {progress!r}")
         if isinstance(dp_rank, bool) or not isinstance(dp_rank, (int, np.integer)) or not 0 <= dp_rank < config.dp_size:
             raise ValueError(f"dp_rank={dp_rank!r} must lie in [0, {config.dp_size})")
         self.table, self.config, self.dp_rank, self.progress = table, config, dp_rank, progress
@@ -260,6 +288,8 @@ class PackedBatchSampler(torch.utils.data.Sampler):
         """
         epoch, position, carried = self._epoch, self._position, self._carried
         if consumed is not None:
+            if isinstance(consumed, bool) or not isinstance(consumed, (int, np.integer)):  # int(1.5) was 1
+                raise ValueError(f"consumed must be an int (micro-batches trained) or None, got {consumed!r}")
             consumed = int(consumed)
             if 0 <= consumed <= position:
                 position = consumed
@@ -295,9 +325,8 @@ class PackedBatchSampler(torch.utils.data.Sampler):
         before the iterator finished) resumes at the start of the next epoch. A state of format 1
         (before the layout was recorded) still loads, with a warning: only its seed, dataset size and
         DP size can be checked."""
+        epoch, position, carried = _state_fields(state)
         self._check_layout(state)
-        epoch, position = int(state["epoch"]), int(state["position"])
-        carried = tuple(int(i) for i in state["carried"])
         plan = self._plan_of(epoch, carried)
         length = len(plan.micro_batches(self.dp_rank))
         if not 0 <= position <= length:
@@ -312,6 +341,8 @@ class PackedBatchSampler(torch.utils.data.Sampler):
     def _check_layout(self, state: dict) -> None:
         """ValueError if `state` was saved under another layout than this sampler's."""
         version = state.get("format", 1)
+        if isinstance(version, bool):  # True == 1: read as format 1
+            raise ValueError(f"sampler state has format={version!r}; this version reads formats 1 and {STATE_FORMAT}")
         if version == 1:
             saved = {key: state.get(key) for key in ("num_samples", "dp_size", "seed")}
             warnings.warn("sampler state of format 1 records only num_samples, dp_size and seed: a change of "
@@ -319,6 +350,9 @@ class PackedBatchSampler(torch.utils.data.Sampler):
                           "saved goes unnoticed (and resumes at other samples); the next state_dict() records them",
                           stacklevel=3)
         elif version == STATE_FORMAT:
+            if not isinstance(state.get("layout"), dict):  # else an AttributeError ('get')
+                raise ValueError(f"sampler state has {_shown(state, 'layout')}: it must be a dict (what state_dict() "
+                                 f"saved)")
             saved = _planning_fields(state["layout"])
         else:
             raise ValueError(f"sampler state has format={version!r}; this version reads formats 1 and {STATE_FORMAT}")

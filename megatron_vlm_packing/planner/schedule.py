@@ -318,6 +318,8 @@ def plan_epoch(table: SampleTable, config: PlannerConfig, *, epoch: int = 0, car
         raise ValueError("the sample table is empty: there is nothing to plan")
     if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
         raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
+    if not isinstance(progress, bool):  # "no" drew the progress line
+        raise ValueError(f"progress must be a bool, got {progress!r}")
     carried_arr = np.asarray(carried_in)
     if carried_arr.ndim != 1:  # None, a string, [[1]]: a TypeError or numpy's error further on
         raise ValueError(f"carried_in must be a sequence of sample indices, got {carried_in!r}")

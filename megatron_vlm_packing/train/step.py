@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -109,15 +109,28 @@ def read_micro_batch(data_iterator: Iterator, *, broadcast_from_tp_rank0: bool) 
         dist.broadcast_object_list(holder, src=ps.get_tensor_model_parallel_src_rank(),
                                    group=ps.get_tensor_model_parallel_group())
         batch = holder[0]
-    if not isinstance(batch, (dict, MicroBatch)):
+    # Any mapping, as pack_batch and the collators take: a Hugging Face processor's BatchFeature is a UserDict.
+    if not isinstance(batch, (Mapping, MicroBatch)):
         raise ValueError(f"the data iterator must yield a dict of tensors (a collated batch) or a packed "
                          f"MicroBatch, got {type(batch).__name__}")
     return batch
 
 
-def to_device(batch: dict, device: torch.device) -> dict:
-    """Tensors of the batch on `device` (non-tensor values as they are)."""
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+def to_device(batch: Mapping, device: torch.device) -> dict:
+    """Tensors of the batch on `device` (non-tensor values as they are), as a dict.
+
+    Raises:
+        ValueError: a meta tensor (no values to move: `.to()` was a NotImplementedError), naming its key.
+    """
+    return {k: _moved(k, v, device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def _moved(key, value: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if value.is_meta:
+        from megatron_vlm_packing.packing.rows import refuse_undense
+
+        refuse_undense(key, value)
+    return value.to(device, non_blocking=True)
 
 
 def resolve_mrope(options: StepOptions, adapter: ModelAdapter, batch: dict | None = None):
@@ -344,6 +357,9 @@ def make_forward_step(*, pack: bool = True, label_style: str = "hf", pad_to: int
     if adapter is not None and not isinstance(adapter, ModelAdapter) and not callable(adapter):
         raise ValueError(f"adapter must be a ModelAdapter or a factory model -> ModelAdapter, got {adapter!r}")
     adapters = _Adapters(adapter)
+    if parity_probe_every is not None and not pack:  # else an AttributeError at the first probe (no boundaries)
+        raise ValueError("parity_probe_every compares a pack with each sample alone: it needs pack=True (the step "
+                         "was made with pack=False)")
     if parity_probe_every is None and parity_probe_tolerance is not None:  # else accepted (any value) and unused
         raise ValueError(f"parity_probe_tolerance={parity_probe_tolerance!r} is the parity probe's bound, but no probe "
                          f"runs: give parity_probe_every=N too, or drop parity_probe_tolerance")

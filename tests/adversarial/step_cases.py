@@ -262,6 +262,23 @@ def batch_not_a_dict(m):
 
 
 @case
+def batch_a_mapping_not_a_dict(m):
+    """A Hugging Face processor's BatchFeature is a UserDict, which pack_batch and the collators take: the step
+    refused it ('must yield a dict of tensors ... got UserDict')."""
+    from collections import UserDict
+
+    return loss(make_forward_step(), m["gpt"], UserDict(text_batch())) == loss(make_forward_step(), m["gpt"],
+                                                                              text_batch())
+
+
+@case
+def batch_with_a_meta_tensor(m):
+    """Was a NotImplementedError ('Cannot copy out of meta tensor') from moving the batch to the model's device."""
+    batch = text_batch()
+    return loss(make_forward_step(), m["gpt"], {**batch, "labels": batch["labels"].to("meta")})
+
+
+@case
 def data_iterator_none(m):
     """A pipeline stage given no iterator (None): was TypeError 'NoneType' object is not an iterator."""
     return make_forward_step()(None, m["gpt"])

@@ -98,6 +98,11 @@ def test_pack_llava_batch_and_the_loader_share_the_pp_check():
     (dict(space=SPACE, collate=3), r"LlavaPackingCollator's collate must be a callable \(samples -> batch dict\) or "
                                    r"None, got 3"),
     (dict(space=None), r"LlavaPackingCollator's space must be a LlavaSpace \(LlavaSpace.of\(model\)\), got NoneType"),
+    # these were refused only at the first batch, in a worker
+    (dict(space=SPACE, fp8="yes"), r"fp8 must be a bool, got 'yes'"),
+    (dict(space=SPACE, label_style="x"), r"label_style must be 'megatron' or 'hf', got 'x'"),
+    (dict(space=SPACE, pad_to="x"), r"pad_to must be an int \(the packed length T\) or None, got 'x'"),
+    (dict(space=SPACE, pad_token_id=-1), r"pad_token_id must be a non-negative int"),
 ])
 def test_the_llava_collator_refuses_a_bad_collate_or_space_when_built(options, message):
     """Were a TypeError (not callable) / AttributeError ('total_multiple') in a worker at the first batch."""

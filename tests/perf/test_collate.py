@@ -115,6 +115,19 @@ def test_collator_options_are_checked_when_it_is_built(options, message):
         PackingCollator(pack_options=options)
 
 
+@pytest.mark.parametrize("options, message", [
+    (dict(label_style="HF"), r"label_style must be 'megatron' or 'hf', got 'HF'"),
+    (dict(pad_to="64"), r"pad_to must be an int \(the packed length T\) or None, got '64'"),
+    (dict(pad_token_id=-1), r"pad_token_id must be a non-negative int \(the id written at pad slots\), got -1"),
+    (dict(extra_keys=None), r"extra_keys must be a tuple of batch key names"),
+    (dict(mrope="qwen2_vl"), r"mrope must be an MRopeConfig, a callable or None, got str"),
+])
+def test_collator_fields_are_checked_when_it_is_built(options, message):
+    """Each was accepted here and refused only in a DataLoader worker, at the first batch."""
+    with pytest.raises(ValueError, match=message):
+        PackingCollator(**options)
+
+
 @pytest.mark.parametrize("collate", [3, "my_collate", [len]])
 def test_a_collate_that_cannot_be_called_is_refused_when_the_collator_is_built(collate):
     """Was a TypeError ('int' object is not callable) in a DataLoader worker at the first batch."""
@@ -129,6 +142,19 @@ def test_a_meta_tensor_in_the_collated_batch_is_named(key):
     batch[key] = batch[key].to("meta")
     with pytest.raises(ValueError, match=f"{key} is a meta tensor: it holds no values to pack"):
         PackingCollator(label_style="megatron", pack_options=dict(image_token_id=DATA.image_token_id))(batch)
+
+
+@pytest.mark.parametrize("value", [None, {"input_ids": torch.zeros(1, 4)}])
+def test_moving_or_saving_something_that_is_not_a_micro_batch_is_named(value):
+    """micro_batch_to / map_tensors were AttributeErrors ('indices'); own_storages returned it as it was, so
+    torch.save of a dict of a micro-batch's fields still refused its views."""
+    from megatron_vlm_packing.packing.collate import map_tensors
+
+    message = rf"takes a MicroBatch \(what the collators return\), got {type(value).__name__}"
+    for call in (lambda: micro_batch_to(value, torch.device("cpu")), lambda: map_tensors(value, lambda t: t),
+                 lambda: own_storages(value)):
+        with pytest.raises(ValueError, match=message):
+            call()
 
 
 def test_the_collator_needs_a_batch_dict():

@@ -80,3 +80,28 @@ def test_pack_batch_builds_the_bins_plan():
     assert packed.plan.physical_lengths == planned.plan(layout).physical_lengths
     assert packed.input_ids.shape == (1, layout.capacity) and torch.equal(
         packed.packed_seq_params.cu_seqlens_q_padded, planned.plan(layout).cu_seqlens_padded())
+
+
+@pytest.mark.parametrize("slots, capacity, message", [
+    ([9, 3], 8, r"best_fit_decreasing's slots must lie in \[1, 8\] \(the capacity\); item 0 is 9"),  # a bin of 9
+    ([-1, 3], 8, r"slots must lie in \[1, 8\] \(the capacity\); item 0 is -1"),
+    ([3, 4], 0, r"best_fit_decreasing's capacity must be a positive int, got 0"),  # bins over it
+    ([3.5, 4], 8, r"best_fit_decreasing's slots must be a 1-D array of ints, got float64 \(2,\)"),
+])
+def test_best_fit_decreasing_refuses_items_it_cannot_place_within_capacity(slots, capacity, message):
+    """Each was packed into bins larger than the capacity (or of fractional size), silently."""
+    with pytest.raises(ValueError, match=message):
+        best_fit_decreasing(np.asarray(slots), capacity)
+    assert best_fit_decreasing(np.asarray([]), 8) == []  # no items (numpy's empty array is float64), as before
+
+
+@pytest.mark.parametrize("costs, ranks, per_rank, message", [
+    ([1.0, 2.0], -1, -2, r"num_ranks and per_rank must be positive ints, got -1 and -2"),  # IndexError
+    ([1.0, 2.0], True, 2, r"num_ranks and per_rank must be positive ints, got True and 2"),
+    ([float("nan"), 1.0], 2, 1, r"costs must be finite and >= 0; bin 0 costs nan"),  # placed as if free
+])
+def test_assign_to_ranks_refuses_what_it_cannot_balance(costs, ranks, per_rank, message):
+    from megatron_vlm_packing.planner import assign_to_ranks
+
+    with pytest.raises(ValueError, match=message):
+        assign_to_ranks(np.asarray(costs), ranks, per_rank)

@@ -131,3 +131,32 @@ def test_counts_numpy_cannot_hold_and_tables_of_the_wrong_shape_are_named():
     with pytest.raises(ValueError, match=r"sample 1 is NoneType, not a SampleMetadata"):
         SampleTable.from_samples([SampleMetadata(3), None])
     assert SampleTable(text_tokens=5).text_tokens.tolist() == [5]  # one sample's count as a scalar, as before
+
+
+def test_cost_coefficients_and_shapes_of_the_wrong_type_are_named():
+    """CostModel(lm_linear='1') and None were TypeErrors ('>=' not supported), True and inf were taken;
+    TransformerShape took anything (hidden=0 or 1.5 priced every token wrong, '2' was a TypeError in the FLOPs)."""
+    from megatron_vlm_packing.planner import TransformerShape
+
+    for value in ("1", None, True, float("inf")):
+        with pytest.raises(ValueError, match=rf"cost coefficients must be finite numbers >= 0; got \{{'lm_linear': "
+                                             rf"{value!r}\}}"):
+            CostModel(lm_linear=value, lm_attention=1.0)
+    assert CostModel(lm_linear=np.float64(2.0), lm_attention=0).lm_linear == 2.0  # numpy numbers as before
+    shape = dict(hidden=8, layers=2, heads=2, head_dim=4, kv_groups=1, ffn=16)
+    for name, value in (("hidden", 0), ("layers", 1.5), ("heads", "2"), ("vocab", -1), ("gated", "no")):
+        with pytest.raises(ValueError, match=rf"TransformerShape.{name} must be .*, got {value!r}$"):
+            TransformerShape(**{**shape, name: value})
+
+
+def test_token_counts_past_int64_are_refused_not_wrapped():
+    """A (2**40)^3 video grid wrapped int64's product to 0 (the sample was planned as 5 tokens), four 2**62-token
+    LLaVA images wrapped to 0 extra tokens, and a float sum past int64 became -2**63."""
+    huge_video = SampleTable.from_samples([SampleMetadata(3, video_grids=((2**40, 2**40, 2**40),)), SampleMetadata(5)])
+    with pytest.raises(ValueError, match=r"sample 0 takes about 3.3e\+35 tokens: more than 2\*\*53, which the planner "
+                                         r"cannot count exactly"):
+        TokenCounter()(huge_video)
+    images = SampleTable.from_samples([SampleMetadata(3, image_grids=((1, 2, 2),) * 4)])
+    with pytest.raises(ValueError, match=r"sample 0 takes about 1.8e\+19 tokens: more than 2\*\*53"):
+        llava_tokens(2**62)(images)
+    assert TokenCounter()(SampleTable.from_samples([SampleMetadata(3, video_grids=((2, 4, 4),))])).tolist() == [13]

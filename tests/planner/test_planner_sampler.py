@@ -241,6 +241,10 @@ def test_energon_hooks_select_and_pack(samples):
                             pack_kwargs={"cp_size": 2})
     with pytest.raises(ValueError, match=r"\['cp'\] are not pack_batch keywords; EnergonPackingHooks passes on"):
         EnergonPackingHooks(metadata=metadata, collate=collate, layout=BinLayout(capacity=96), pack_kwargs={"cp": 2})
+    for not_a_dict in (None, 3):  # was a TypeError ("argument of type 'NoneType' is not iterable")
+        with pytest.raises(ValueError, match=r"EnergonPackingHooks's options must be a dict of pack_batch keywords"):
+            EnergonPackingHooks(metadata=metadata, collate=collate, layout=BinLayout(capacity=96),
+                                pack_kwargs=not_a_dict)
 
 
 def test_energon_hooks_build_every_cp_rank_index_in_the_worker(samples):
@@ -463,3 +467,37 @@ def test_set_epoch_leaves_an_earlier_iterator_without_more_micro_batches(samples
     assert sampler.state_dict()["epoch"] == 3 and sampler.state_dict()["position"] == 0
     sampler.set_epoch(0)
     assert list(sampler) == reference
+
+
+@pytest.mark.parametrize("edit, message", [
+    (dict(epoch=1.5), r"sampler state has epoch=1.5: it must be an int >= 0"),  # resumed epoch 1
+    (dict(position=True), r"sampler state has position=True: it must be an int >= 0"),  # resumed at 1
+    (dict(epoch=None), r"sampler state has epoch=None: it must be an int >= 0"),  # TypeError from int()
+    (dict(carried=[1.5]), r"sampler state has carried=\[1.5\]: it must be a list of sample indices"),  # sample 1
+    (dict(carried=3), r"sampler state has carried=3: it must be a list of sample indices"),  # TypeError
+    (dict(layout="x"), r"sampler state has layout='x': it must be a dict \(what state_dict\(\) saved\)"),
+    (dict(format=True), r"sampler state has format=True; this version reads formats 1 and 2"),  # read as format 1
+])
+def test_a_state_with_fields_of_the_wrong_type_is_refused_not_truncated(samples, edit, message):
+    table = SampleTable.from_samples([metadata(s) for s in samples])
+    sampler = PackedBatchSampler(table, _config(), dp_rank=0)
+    state = {**sampler.state_dict(), **edit}
+    with pytest.raises(ValueError, match=message):
+        PackedBatchSampler(table, _config(), dp_rank=0).load_state_dict(state)
+
+
+def test_a_sampler_refuses_arguments_of_the_wrong_type(samples):
+    table = SampleTable.from_samples([metadata(s) for s in samples])
+    sampler = PackedBatchSampler(table, _config(), dp_rank=0)
+    with pytest.raises(ValueError, match=r"the sampler state must be a dict \(what state_dict\(\) saved\), got NoneType"):
+        sampler.load_state_dict(None)  # was an AttributeError ('get')
+    with pytest.raises(ValueError, match=r"consumed must be an int \(micro-batches trained\) or None, got 1.5"):
+        sampler.state_dict(consumed=1.5)  # was read as 1
+    with pytest.raises(ValueError, match=r"table must be a SampleTable, got list"):
+        PackedBatchSampler([5, 6], _config(), dp_rank=0)  # an AttributeError when planning
+    with pytest.raises(ValueError, match=r"config must be a PlannerConfig, got NoneType"):
+        PackedBatchSampler(table, None, dp_rank=0)  # an AttributeError ('dp_size')
+    with pytest.raises(ValueError, match=r"progress must be a bool, got 'no'"):
+        PackedBatchSampler(table, _config(), dp_rank=0, progress="no")  # drew the progress line
+    with pytest.raises(ValueError, match=r"progress must be a bool, got 'no'"):
+        plan_epoch(table, _config(), progress="no")

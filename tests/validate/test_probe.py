@@ -242,3 +242,13 @@ def test_with_parity_probe_refuses_what_it_cannot_call_when_it_wraps(options, me
     forward_step = options.pop("forward_step", lambda iterator, model: None)
     with pytest.raises(ValueError, match=message):
         with_parity_probe(forward_step, every=1, **options)
+
+
+def test_a_probe_of_dense_rows_is_refused_when_the_step_is_made():
+    """make_forward_step(pack=False, parity_probe_every=N) was accepted, and the first probed micro-batch was an
+    AttributeError ('NoneType' object has no attribute 'cu_seqlens_q_padded'): the probe compares a pack."""
+    from megatron_vlm_packing import make_forward_step
+
+    with pytest.raises(ValueError, match=r"parity_probe_every compares a pack with each sample alone: it needs "
+                                         r"pack=True \(the step was made with pack=False\)"):
+        make_forward_step(pack=False, parity_probe_every=2)
