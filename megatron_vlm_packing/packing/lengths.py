@@ -3,6 +3,9 @@
 Token values are never looked at: a pad id that equals eos or 0 would otherwise mask real tokens
 (bug class 7 in the design notes).
 
+The 4D-mask rules (a Megatron [B, 1, S, S] mask's diagonal, its causal and byte checks) live in
+`lengths_4d`; their public names are importable from here too.
+
 Shape legend: B = rows, S = row length (padded).
 """
 
@@ -14,6 +17,10 @@ from typing import Callable
 
 import numpy as np
 import torch
+
+from megatron_vlm_packing.packing.lengths_4d import (  # noqa: F401 (re-exported: callers import them from lengths)
+    any_true, check_4d_is_causal, deferred_4d_failure, keep_mask_from_4d, largest_byte,
+)
 
 
 def _describe_row(keep_row: torch.Tensor) -> str:
@@ -111,71 +118,6 @@ def comparable_mask(mask: torch.Tensor, field: str = "attention_mask") -> torch.
     return mask.view(torch.uint8) if mask.dtype == torch.bool else widened_unsigned(mask, field)
 
 
-def keep_mask_from_4d(mask: torch.Tensor) -> torch.Tensor:
-    """Keep-mask of a Megatron 4D attention mask: a token is real when it may attend to itself.
-
-    Args:
-        mask: [B, 1, S, S] bool, True = masked (Megatron convention).
-
-    Returns:
-        keep: [B, S] bool, True = real token.
-    """
-    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != mask.shape[3]:
-        raise ValueError(f"4D attention_mask must be [B, 1, S, S], got shape {tuple(mask.shape)}")
-    if mask.dtype != torch.bool:
-        raise ValueError(
-            f"4D attention_mask must be bool with True = masked (Megatron convention), got {mask.dtype}"
-        )
-    # Bytes compared with 0, not `~`: 0/1 whatever a kernel makes of `~2` (other bytes are refused, not read).
-    return torch.diagonal(mask.view(torch.uint8)[:, 0], dim1=-2, dim2=-1) == 0
-
-
-def largest_byte(mask: torch.Tensor) -> torch.Tensor:
-    """0-dim uint8: the largest byte of a bool tensor (0 or 1 unless it was viewed from other bytes); no host read."""
-    if mask.numel() == 0:
-        return torch.zeros((), dtype=torch.uint8, device=mask.device)
-    return mask.view(torch.uint8).amax()
-
-
-def _raise_4d_not_binary(mask: torch.Tensor) -> None:
-    """The ValueError of a [B, 1, S, S] bool mask holding a byte other than 0 and 1, naming the first one's row,
-    (query, key) and byte (error path only)."""
-    values = mask.view(torch.uint8)
-    b, _, i, j = torch.nonzero(values > 1)[0].tolist()
-    raise ValueError(f"4D attention_mask row {b} has values other than 0 and 1: byte {int(values[b, 0, i, j])} at "
-                     f"(query {i}, key {j}) of a torch.bool tensor (made by .view(torch.bool) of other bytes?); "
-                     f"pass a bool mask")
-
-
-def check_4d_is_causal(mask: torch.Tensor, keep: torch.Tensor) -> None:
-    """A 4D bool mask holds bytes 0 and 1 only (not a .view(torch.bool) of others), and between real tokens
-    it is plain causal (row i sees columns 0..i). One host read.
-
-    A block-diagonal mask (several documents in a row) or any other pattern would be replaced by
-    causal attention per row without a word; documents are declared with `document_lengths`.
-
-    Raises:
-        ValueError: naming the row and the first byte other than 0/1 with its (query, key), else the
-        first real (query, key) pair that differs.
-    """
-    if mask.shape[-1] != keep.shape[-1]:
-        return  # the shape check in real_lengths reports this
-    size = mask.shape[-1]
-    causal = torch.ones(size, size, dtype=torch.bool, device=mask.device).tril()
-    real_pair = keep[:, :, None] & keep[:, None, :]  # [B, S, S]
-    bad = real_pair & (~mask[:, 0] != causal)
-    top, non_causal = torch.stack([largest_byte(mask), any_true(bad)]).tolist()  # the one host read
-    if top > 1:
-        _raise_4d_not_binary(mask)
-    if non_causal:
-        b, i, j = torch.nonzero(bad)[0].tolist()
-        what = "masks" if j <= i else "lets"
-        raise ValueError(
-            f"4D attention_mask row {b} {what} real token {i} {'from' if j <= i else 'see'} real token {j}: between "
-            f"real tokens it must be causal; several documents in a row are declared with document_lengths"
-        )
-
-
 def _seq_lens_list(seq_lens) -> list:
     """`seq_lens` ([B] tensor or numpy array, or a list of ints, numpy ints included) as a list of Python
     ints; fractional, bool or non-numeric entries are a ValueError."""
@@ -193,13 +135,6 @@ def _seq_lens_list(seq_lens) -> list:
                 or (not isinstance(n, numbers.Integral) and not float(n).is_integer()):
             raise ValueError(f"seq_lens row {b} is {n!r}: lengths must be whole numbers of tokens")
     return [int(n) for n in values]
-
-
-def any_true(flags: torch.Tensor) -> torch.Tensor:
-    """0-dim: 1 when any element of a bool tensor is True (a uint8 max, which CPUs vectorise; no host read)."""
-    if flags.numel() == 0:
-        return torch.zeros((), dtype=torch.uint8, device=flags.device)
-    return flags.view(torch.uint8).amax()
 
 
 class DeferredKeep:
@@ -318,34 +253,51 @@ def keep_mask_deferred(
     if attention_mask is None:
         lengths = real_lengths(batch_size=batch_size, row_length=row_length, seq_lens=seq_lens)
         return DeferredKeep(lengths, None, None, lambda: keep_from_lengths(lengths, row_length, device))
+    keep = _keep_of(attention_mask)
+    _check_mask_covers(keep, batch_size, row_length)
+    if attention_mask.dim() == 2 and not attention_mask.is_floating_point() and not attention_mask.is_complex():
+        return _deferred_integer_mask(attention_mask, device, on_host)
+    return _deferred_rare_mask(attention_mask, keep, device)
+
+
+def _keep_of(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, S]: a 2D mask as given, a 4D mask's keep-mask (`keep_mask_from_4d`); any other rank is a ValueError."""
     if attention_mask.dim() == 4:
-        keep = keep_mask_from_4d(attention_mask)
-    elif attention_mask.dim() == 2:
-        keep = attention_mask
-    else:
-        raise ValueError(
-            f"attention_mask must be [B, S] or [B, 1, S, S], got shape {tuple(attention_mask.shape)}"
-        )
+        return keep_mask_from_4d(attention_mask)
+    if attention_mask.dim() == 2:
+        return attention_mask
+    raise ValueError(
+        f"attention_mask must be [B, S] or [B, 1, S, S], got shape {tuple(attention_mask.shape)}"
+    )
+
+
+def _check_mask_covers(keep: torch.Tensor, batch_size: int, row_length: int) -> None:
+    """The mask's [B, S] (`keep`) is input_ids' (batch_size, row_length), else a ValueError naming both."""
     if tuple(keep.shape) != (batch_size, row_length):
         raise ValueError(
             f"attention_mask covers {tuple(keep.shape)} tokens but input_ids is {(batch_size, row_length)}"
         )
-    if attention_mask.dim() == 2 and not attention_mask.is_floating_point() and not attention_mask.is_complex():
-        attention_mask = widened_unsigned(attention_mask, "attention_mask")
-        keep_fn = (lambda: attention_mask) if attention_mask.dtype == torch.bool else (lambda: attention_mask != 0)
-        if on_host and attention_mask.is_cpu:
-            return DeferredKeep(right_padded_lengths_on_host(attention_mask), None, None, keep_fn, mask=attention_mask)
-        values, fails = right_padded_reads(attention_mask)
-        if device is not None and attention_mask.device != torch.device(device):  # read with the ids' values
-            values = tuple(v.to(device) for v in values)
-        return DeferredKeep(None, values, fails, keep_fn, mask=attention_mask)
-    # Rare forms, checked the longer way: a float 0/1 mask, a 4D mask (its diagonal; causal between real tokens).
+
+
+def _deferred_integer_mask(attention_mask: torch.Tensor, device, on_host: bool) -> DeferredKeep:
+    """`keep_mask_deferred` of a [B, S] integer or bool mask: read now on the host (`on_host` and a CPU mask),
+    else its `right_padded_reads` left to the caller's read (moved to `device` when it is elsewhere)."""
+    attention_mask = widened_unsigned(attention_mask, "attention_mask")
+    keep_fn = (lambda: attention_mask) if attention_mask.dtype == torch.bool else (lambda: attention_mask != 0)
+    if on_host and attention_mask.is_cpu:
+        return DeferredKeep(right_padded_lengths_on_host(attention_mask), None, None, keep_fn, mask=attention_mask)
+    values, fails = right_padded_reads(attention_mask)
+    if device is not None and attention_mask.device != torch.device(device):  # read with the ids' values
+        values = tuple(v.to(device) for v in values)
+    return DeferredKeep(None, values, fails, keep_fn, mask=attention_mask)
+
+
+def _deferred_rare_mask(attention_mask: torch.Tensor, keep: torch.Tensor, device) -> DeferredKeep:
+    """`keep_mask_deferred` of the rare forms, checked the longer way: a float 0/1 [B, S] mask, or a 4D mask
+    (`keep` its diagonal; causal between real tokens, `lengths_4d.deferred_4d_failure`). Its right-padding
+    reads and one more 0-dim value (nonzero: the mask fails) are left to the caller's read."""
     if attention_mask.dim() == 4:
-        size = attention_mask.shape[-1]
-        causal = torch.ones(size, size, dtype=torch.bool, device=attention_mask.device).tril()
-        # A byte other than 0/1 fails too: one more reduction (the mask's largest byte) on the same read.
-        other = any_true(keep[:, :, None] & keep[:, None, :] & (~attention_mask[:, 0] != causal)) \
-            | (largest_byte(attention_mask) > 1)
+        other = deferred_4d_failure(attention_mask, keep)
     else:
         other = any_true((attention_mask != 0) & (attention_mask != 1))
         keep = attention_mask != 0
@@ -384,30 +336,25 @@ def real_lengths(
     if attention_mask is not None and seq_lens is not None:
         raise ValueError("give either attention_mask or seq_lens, not both")
     if seq_lens is not None:
-        lengths = _seq_lens_list(seq_lens)
-        if len(lengths) != batch_size:
-            raise ValueError(f"seq_lens has {len(lengths)} entries but input_ids has {batch_size} rows")
-        out_of_range = [(b, n) for b, n in enumerate(lengths) if not 0 <= int(n) <= row_length]
-        if out_of_range:
-            raise ValueError(
-                f"seq_lens must lie in [0, {row_length}] (the row length of input_ids); "
-                f"out of range (row, length): {out_of_range[:8]}"
-            )
-        return [int(n) for n in lengths]
+        return _checked_seq_lens(seq_lens, batch_size, row_length)
     if attention_mask is None:
         return [row_length] * batch_size
+    keep = _keep_of(attention_mask)
     if attention_mask.dim() == 4:
-        keep = keep_mask_from_4d(attention_mask)
         check_4d_is_causal(attention_mask, keep)
-    elif attention_mask.dim() == 2:
-        keep = attention_mask
-    else:
-        raise ValueError(
-            f"attention_mask must be [B, S] or [B, 1, S, S], got shape {tuple(attention_mask.shape)}"
-        )
-    if tuple(keep.shape) != (batch_size, row_length):
-        raise ValueError(
-            f"attention_mask covers {tuple(keep.shape)} tokens but input_ids is "
-            f"{(batch_size, row_length)}"
-        )
+    _check_mask_covers(keep, batch_size, row_length)
     return lengths_from_keep_mask(keep)
+
+
+def _checked_seq_lens(seq_lens, batch_size: int, row_length: int) -> list[int]:
+    """`seq_lens` as B Python ints, each in [0, row_length]; else a ValueError naming the rows."""
+    lengths = _seq_lens_list(seq_lens)
+    if len(lengths) != batch_size:
+        raise ValueError(f"seq_lens has {len(lengths)} entries but input_ids has {batch_size} rows")
+    out_of_range = [(b, n) for b, n in enumerate(lengths) if not 0 <= int(n) <= row_length]
+    if out_of_range:
+        raise ValueError(
+            f"seq_lens must lie in [0, {row_length}] (the row length of input_ids); "
+            f"out of range (row, length): {out_of_range[:8]}"
+        )
+    return [int(n) for n in lengths]
