@@ -4,6 +4,8 @@
 loss weights, positions (mRoPE per row alone, or None for 1D positions restarting per document),
 typed vision/audio inputs with per-row counts and declared per-token extras. Every key of the
 batch is accounted for: an unknown key is a ValueError naming it, never sorted into a side dict.
+The checks of single fields and options (keys, dense tensors, [B, S] shapes, dtypes) live in
+`row_fields`; their public names are importable from here too.
 
 Shape legend: B = rows, S = row length.
 """
@@ -11,33 +13,38 @@ Shape legend: B = rows, S = row length.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 import torch
 
-from megatron_vlm_packing.packing.bounds import INT64_MAX  # also batch's, through rows
+from megatron_vlm_packing.packing.bounds import INT64_MAX  # noqa: F401 (also batch's, through rows)
 from megatron_vlm_packing.packing.checks import (  # noqa: F401 (re-exported: callers import them from rows)
     COPY_WINDOW, EXACT_COPY_CHECK_SLOTS, IGNORE_INDEX, DeferredChecks, ValueInputs, _first_bad, check_ids,
     check_label_values, check_loss_weights, check_row_values, is_integer_tensor, queue_value_checks,
     real_target_differs, refuse_hf_labels_as_megatron, token_place,
 )
 from megatron_vlm_packing.packing.documents import DOCUMENT_KEY, split_documents
-from megatron_vlm_packing.packing.lengths import DeferredKeep, keep_mask_deferred, real_lengths, widened_unsigned
-from megatron_vlm_packing.packing.media import (
+from megatron_vlm_packing.packing.lengths import (  # noqa: F401 (widened_unsigned re-exported)
+    DeferredKeep, keep_mask_deferred, real_lengths, widened_unsigned,
+)
+from megatron_vlm_packing.packing.media import (  # noqa: F401 (VISION_KEYS re-exported)
     VISION_KEYS, MediaHost, MediaTokens, queue_media_reads, row_label, vision_inputs,
 )
-from megatron_vlm_packing.packing.media_audio import AUDIO_KEYS, audio_inputs, check_audio_seqlens, queue_audio_reads
+from megatron_vlm_packing.packing.media_audio import (  # noqa: F401 (AUDIO_KEYS re-exported)
+    AUDIO_KEYS, audio_inputs, check_audio_seqlens, queue_audio_reads,
+)
 from megatron_vlm_packing.packing.micro_batch import AudioInputs, VisionInputs
 from megatron_vlm_packing.packing.positions import (  # noqa: F401 (re-exported: callers import them from rows)
     batch_positions, check_1d_positions, check_position_layout, normalize_positions, queue_position_checks,
     queue_rope_positions, refuse_unread_rope_inputs, rope_positions,
 )
 from megatron_vlm_packing.packing.pack import on_host_without_grad
-
-SEQUENCE_KEYS = ("input_ids", "tokens", "labels", "loss_mask", "attention_mask", "position_ids", "seq_lens")
-# Read only by an mRoPE index (`mrope=`): accepted only when one is given.
-ROPE_ONLY_KEYS = ("mm_token_type_ids", "use_audio_in_video", "audio_seqlens")
+from megatron_vlm_packing.packing.row_fields import (  # noqa: F401 (re-exported: callers import them from rows)
+    ROPE_ONLY_KEYS, SEQUENCE_KEYS, check_dense_tensors, check_flags, check_keys, check_pad_token_id,
+    check_vocab_size, checked_extra_keys, checked_labels, checked_loss_values, input_ids_of, is_undense,
+    per_token_extras, refuse_undense, row_tensor,
+)
 
 
 @dataclass(frozen=True)
@@ -115,93 +122,6 @@ def loss_weights_of(labels: torch.Tensor, loss_values: torch.Tensor | None) -> t
     return (loss_values if loss_values.dtype == torch.float32 else loss_values.float()).mul(is_target)
 
 
-_BUILTIN_KEYS = frozenset(SEQUENCE_KEYS) | set(VISION_KEYS) | set(AUDIO_KEYS) | {DOCUMENT_KEY} | set(ROPE_ONLY_KEYS)
-_KNOWN_KEYS = _BUILTIN_KEYS - set(ROPE_ONLY_KEYS)  # keys read without mrope= or extra_keys=
-
-
-def check_keys(batch, *, extra_keys, mrope) -> None:
-    """The batch is a dict whose every key is understood; ValueError naming the first that is not."""
-    if not isinstance(batch, dict) and not isinstance(batch, Mapping):
-        raise ValueError(f"batch must be a dict of tensors, got {type(batch).__name__}")
-    if not extra_keys and batch.keys() <= _KNOWN_KEYS:  # the common batch: only keys every call takes
-        return
-    builtin = _BUILTIN_KEYS
-    clash = sorted(set(extra_keys) & builtin)
-    if clash:
-        raise ValueError(f"extra_keys {clash} are batch keys pack_batch/pad_batch already read; declare only other "
-                         f"per-token tensors")
-    known = builtin - set(ROPE_ONLY_KEYS) | set(extra_keys)
-    # Given [3, B, S] (or [B, 3, S]) positions were computed from these keys: they are taken as given
-    # (audio_seqlens is still checked against feature_attention_mask and the placeholders).
-    given = batch.get("position_ids")
-    positions_given = isinstance(given, torch.Tensor) and given.dim() == 3
-    for key in batch:
-        if key in ROPE_ONLY_KEYS and key not in known:
-            if mrope is None and not positions_given:
-                raise ValueError(f"batch key {key!r} is read only by an mRoPE index, and no mrope= was given "
-                                 f"(nor [3, B, S] position_ids computed from it)")
-            continue
-        if key not in known:
-            raise ValueError(
-                f"unknown batch key {key!r}: pack_batch/pad_batch take {sorted(SEQUENCE_KEYS)}, {DOCUMENT_KEY!r}, "
-                f"vision {sorted(VISION_KEYS)}, audio {sorted(AUDIO_KEYS)}; declare per-token tensors with extra_keys="
-            )
-
-
-def check_dense_tensors(batch: Mapping, reader: str = "pack_batch/pad_batch") -> None:
-    """Every tensor of the batch holds dense values: a ValueError naming the first sparse or nested tensor (its
-    layout) or meta tensor (no values), which numpy and most of torch's kernels cannot read. `reader`: who
-    reads the batch, for the error (LLaVA's packers give theirs)."""
-    if not isinstance(batch, Mapping):  # check_keys names what it is
-        return
-    for key, value in batch.items():
-        if isinstance(value, torch.Tensor) and is_undense(value):
-            refuse_undense(key, value, reader)
-
-
-def is_undense(value: torch.Tensor) -> bool:
-    """A sparse, nested or meta tensor: one `check_dense_tensors` refuses."""
-    return value.layout is not torch.strided or value.is_nested or value.is_meta
-
-
-def refuse_undense(key: str, value: torch.Tensor, reader: str = "pack_batch/pad_batch") -> None:
-    """The ValueError of `check_dense_tensors` for `batch[key]`."""
-    if value.is_meta:
-        raise ValueError(f"{key} is a meta tensor: it holds no values to pack")
-    if value.is_nested:
-        raise ValueError(f"{key} is a nested tensor (layout {value.layout}): {reader} read dense (strided) "
-                         f"tensors; pad its rows (torch.nested.to_padded_tensor) and give an attention_mask")
-    raise ValueError(f"{key} has layout {value.layout}: {reader} read dense (strided) tensors; pass "
-                     f"{key}.to_dense()")
-
-
-def input_ids_of(batch: Mapping) -> tuple[str, torch.Tensor]:
-    """(name, [B, S] integer ids) from exactly one of `input_ids` / `tokens`."""
-    keys = [k for k in ("input_ids", "tokens") if batch.get(k) is not None]
-    if len(keys) != 1:
-        raise ValueError(f"the batch needs exactly one of 'input_ids' or 'tokens', found {keys or 'neither'}")
-    ids = batch[keys[0]]
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
-        raise ValueError(f"{keys[0]} must be a [B, S] tensor, got {getattr(ids, 'shape', type(ids).__name__)}")
-    if not is_integer_tensor(ids):
-        raise ValueError(f"{keys[0]} must hold integer token ids, got dtype {ids.dtype}")
-    if ids.shape[0] == 0 or ids.shape[1] == 0:
-        raise ValueError(f"{keys[0]} is empty: shape {tuple(ids.shape)}")
-    return keys[0], ids if ids.dtype == torch.int64 else widened_unsigned(ids, keys[0]).long()
-
-
-def row_tensor(batch: Mapping, name: str, shape: tuple[int, int]) -> torch.Tensor | None:
-    """batch[name] when given, checked to be a [B, S] tensor."""
-    value = batch.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, torch.Tensor):
-        raise ValueError(f"{name} must be a [B, S] tensor like input_ids {shape}, got {type(value).__name__}")
-    if tuple(value.shape) != shape:
-        raise ValueError(f"{name} has shape {tuple(value.shape)} but input_ids is {shape}")
-    return value
-
-
 def shift_labels_within_rows(labels: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """Hugging Face labels (unshifted) to next-token targets, shifted inside each row.
 
@@ -216,75 +136,6 @@ def shift_labels_within_rows(labels: torch.Tensor, keep: torch.Tensor) -> torch.
     shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)
     next_is_real = torch.cat([keep[:, 1:], torch.zeros_like(keep[:, :1])], dim=1)
     return torch.where(next_is_real, shifted, IGNORE_INDEX)
-
-
-def checked_labels(batch: Mapping, shape: tuple[int, int], label_style: str) -> torch.Tensor:
-    """[B, S] long labels as given (Megatron next-token targets or HF unshifted labels), type-checked."""
-    labels = row_tensor(batch, "labels", shape)
-    if labels is None:
-        raise ValueError("the batch has no 'labels': pack_batch/pad_batch build training micro-batches")
-    if not is_integer_tensor(labels):
-        raise ValueError(f"labels must hold integer token ids (-100 = ignore), got dtype {labels.dtype}")
-    if label_style not in ("hf", "megatron"):
-        raise ValueError(f"label_style must be 'megatron' or 'hf', got {label_style!r}")
-    return labels if labels.dtype == torch.int64 else widened_unsigned(labels, "labels").long()
-
-
-def checked_loss_values(batch: Mapping, shape: tuple[int, int]) -> torch.Tensor | None:
-    loss_mask = row_tensor(batch, "loss_mask", shape)
-    if loss_mask is not None and loss_mask.is_complex():
-        raise ValueError(f"loss_mask must be real weights, got dtype {loss_mask.dtype}")
-    return None if loss_mask is None else widened_unsigned(loss_mask, "loss_mask")
-
-
-def check_pad_token_id(pad_token_id) -> int:
-    if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or pad_token_id < 0:
-        raise ValueError(f"pad_token_id must be a non-negative int (the id written at pad slots), got {pad_token_id!r}")
-    if pad_token_id > INT64_MAX:
-        raise ValueError(f"pad_token_id must be at most 2**63 - 1 (ids are int64), got {pad_token_id}")
-    return pad_token_id
-
-
-def check_flags(**flags) -> None:
-    """Each of `flags` is a bool: a truthy string ("no", "False") or None must not switch an option on or off.
-
-    Raises:
-        ValueError: naming the first flag that is not a bool, and its value.
-    """
-    for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise ValueError(f"{name} must be a bool, got {value!r}")
-
-
-def checked_extra_keys(extra_keys) -> tuple:
-    """`extra_keys` (a tuple, list, set or other iterable of batch key names) as a tuple.
-
-    Raises:
-        ValueError: `extra_keys` is not an iterable (None, 0) or is one string (read as its characters).
-    """
-    if type(extra_keys) is tuple:
-        return extra_keys
-    if isinstance(extra_keys, (str, bytes)) or not isinstance(extra_keys, Iterable):
-        raise ValueError(f"extra_keys must be a tuple of batch key names (the per-token tensors to pack), "
-                         f"got {extra_keys!r}")
-    try:
-        return tuple(extra_keys)
-    except TypeError:  # an iterable type that cannot iterate this value (a 0-d tensor, a 0-d numpy array)
-        raise ValueError(f"extra_keys must be a tuple of batch key names (the per-token tensors to pack), "
-                         f"got {extra_keys!r}") from None
-
-
-def _extras(batch: Mapping, extra_keys, shape) -> dict:
-    extras = {}
-    for key in extra_keys:
-        value = batch.get(key)
-        if value is None:
-            continue
-        if not isinstance(value, torch.Tensor) or value.dim() < 2 or tuple(value.shape[:2]) != shape:
-            raise ValueError(f"extra key {key!r} must be a per-token [B, S, ...] tensor with [B, S] = {shape}, "
-                             f"got {tuple(getattr(value, 'shape', ())) or type(value).__name__}")
-        extras[key] = value
-    return extras
 
 
 @dataclass(frozen=True)
@@ -368,35 +219,18 @@ def read_rows(batch, *, label_style: str, mrope, media: MediaTokens, extra_keys=
     With `document_lengths` in the batch every document becomes a row of its own first
     (`documents.split_documents`); `Rows.document_rows` then names each one's source row.
     """
-    check_dense_tensors(batch)  # first, as pack_batch(host_reads=True) checks it
-    extra_keys = checked_extra_keys(extra_keys)
-    check_position_layout(position_layout)
-    check_keys(batch, extra_keys=extra_keys, mrope=mrope)
-    if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
-        raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
-    if vocab_size is not None and vocab_size > INT64_MAX:  # ids are compared with it as int64
-        raise ValueError(f"vocab_size must be at most 2**63 - 1 (ids are int64), got {vocab_size}")
+    extra_keys = _check_batch(batch, extra_keys, position_layout, mrope, vocab_size)
     name, input_ids = input_ids_of(batch)
     source_shape = tuple(input_ids.shape)
     for key in ("labels", "loss_mask"):
         row_tensor(batch, key, source_shape)
-    _extras(batch, extra_keys, source_shape)
+    per_token_extras(batch, extra_keys, source_shape)
     batch = normalize_positions(batch, source_shape, position_layout)
-    document_rows, where, row_name = None, token_place, row_label
-    if batch.get(DOCUMENT_KEY) is not None:
-        batch, places = split_documents(batch, name, extra_keys)
-        document_rows, where, row_name = list(places.rows), places.where, places.row_name
-        input_ids = batch[name].long()
-    shape = tuple(input_ids.shape)
+    batch, input_ids, documents = _rows_of_documents(batch, name, input_ids, extra_keys)
+    document_rows, where, row_name = documents
     queued = queue_row_reads(batch, input_ids, name, label_style, vocab_size, on_host=on_host, where=where)
-    deferred, raw_labels, loss_values, checks = queued.mask, queued.raw_labels, queued.loss_values, queued.checks
-    given_positions = batch.get("position_ids")
-    if on_host and isinstance(given_positions, torch.Tensor) and given_positions.dim() == 2 \
-            and on_host_without_grad(given_positions):
-        unchecked_positions = given_positions  # checked over the real tokens with numpy, after the value checks
-    else:
-        unchecked_positions = None
-        queue_position_checks(batch, lambda: deferred.keep, mrope, checks, where)
+    deferred, checks = queued.mask, queued.checks
+    unchecked_positions = _queue_positions(batch, deferred, mrope, checks, where, on_host)
     media_entries = queue_media_reads(batch, input_ids, lambda: deferred.keep, media, checks, row_name)
     media_entries |= queue_audio_reads(batch, input_ids, lambda: deferred.keep, media, checks,
                                        counted="audio" in media_entries)
@@ -412,8 +246,42 @@ def read_rows(batch, *, label_style: str, mrope, media: MediaTokens, extra_keys=
     except ValueError:
         raise_value_errors_first(queued.unchecked_values, label_style, vocab_size, unchecked_positions)
         raise
-    return Rows(input_ids=input_ids, mask=deferred, lengths=lengths, raw_labels=raw_labels, label_style=label_style,
-                loss_values=loss_values, positions=positions,
-                vision=vision, audio=audio, extras=_extras(batch, extra_keys, shape),
+    return Rows(input_ids=input_ids, mask=deferred, lengths=lengths, raw_labels=queued.raw_labels,
+                label_style=label_style, loss_values=queued.loss_values, positions=positions,
+                vision=vision, audio=audio, extras=per_token_extras(batch, extra_keys, tuple(input_ids.shape)),
                 row_tokens=source_shape[0] * source_shape[1], document_rows=document_rows,
                 unchecked_values=queued.unchecked_values, unchecked_positions=unchecked_positions)
+
+
+def _check_batch(batch, extra_keys, position_layout: str | None, mrope, vocab_size) -> tuple:
+    """`read_rows`' checks of the batch as a whole and of its options, in this order: dense tensors (first, as
+    `pack_batch(host_reads=True)` checks them), `extra_keys` (returned as a tuple), `position_layout`, every
+    key understood, `vocab_size`."""
+    check_dense_tensors(batch)
+    extra_keys = checked_extra_keys(extra_keys)
+    check_position_layout(position_layout)
+    check_keys(batch, extra_keys=extra_keys, mrope=mrope)
+    check_vocab_size(vocab_size)
+    return extra_keys
+
+
+def _rows_of_documents(batch: Mapping, name: str, input_ids: torch.Tensor, extra_keys: tuple):
+    """(batch, [B', S] long ids, (document rows, where, row name)): with `document_lengths` every document a
+    row of its own (`documents.split_documents`), else the batch and ids as given, no document rows and the
+    plain token and row names of errors."""
+    if batch.get(DOCUMENT_KEY) is None:
+        return batch, input_ids, (None, token_place, row_label)
+    batch, places = split_documents(batch, name, extra_keys)
+    return batch, batch[name].long(), (list(places.rows), places.where, places.row_name)
+
+
+def _queue_positions(batch: Mapping, deferred: DeferredKeep, mrope, checks: DeferredChecks,
+                     where: Callable[[int, int], str], on_host: bool) -> torch.Tensor | None:
+    """[B, S] `position_ids` left unchecked for the caller (`on_host`, CPU, no autograd: checked over the real
+    tokens with numpy, after the value checks), else None with the positions' checks queued on `checks`."""
+    given_positions = batch.get("position_ids")
+    if on_host and isinstance(given_positions, torch.Tensor) and given_positions.dim() == 2 \
+            and on_host_without_grad(given_positions):
+        return given_positions
+    queue_position_checks(batch, lambda: deferred.keep, mrope, checks, where)
+    return None
