@@ -113,14 +113,26 @@ def pad_batch(
     rows = read_rows(batch, label_style=label_style, mrope=mrope, media=media, extra_keys=extra_keys,
                      vocab_size=vocab_size, position_layout=position_layout)
     _refuse_documents(rows)
-    batch_size, row_length = rows.input_ids.shape
     multiple = PackMultiples.for_parallel(tp_size=tp_size, cp_size=cp_size, sequence_parallel=sequence_parallel,
                                           fp8=fp8).total
+    length = _checked_dense_length(rows, multiple, seq_length=seq_length, truncate=truncate)
+    return _dense_micro_batch(rows, length, pad_token_id, batch, media)
+
+
+def _checked_dense_length(rows: Rows, multiple: int, *, seq_length: int | None, truncate: bool) -> int:
+    """L of `rows` (`dense_row_length`), checked: B * L slots torch can index, and no vision/audio rows cut."""
+    batch_size, row_length = rows.input_ids.shape
     length = dense_row_length(row_length, max(rows.lengths), multiple, seq_length=seq_length, truncate=truncate)
     if batch_size * length > INT64_MAX:  # else a TypeError / RuntimeError from allocating the rows
         raise ValueError(f"{batch_size} rows of {length} slots: more than torch can index (int64); seq_length="
                          f"{seq_length}, the layout's row multiple {multiple}")
     _cut_media_check(rows, length)
+    return length
+
+
+def _dense_micro_batch(rows: Rows, length: int, pad_token_id: int, batch, media: MediaTokens) -> MicroBatch:
+    """`pad_batch`'s `MicroBatch` of `rows` padded (or cut, with `truncate`) to [B, L] (L = `length`)."""
+    batch_size, row_length = rows.input_ids.shape
     keep = pad_or_truncate_rows(rows.keep, length, pad_value=False)
     if rows.positions is None:
         positions = torch.arange(length, device=keep.device).expand(batch_size, length)
