@@ -61,8 +61,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+# The demo's training flags and their defaults: `--planner` trains nothing, so it refuses any of them set.
+_DEMO_TRAINING_FLAGS = {"steps": 40, "no_pack": False, "device": "auto", "micro_batch_size": 8}
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.planner:  # dataset-level packing: per-rank cost with and without balancing, no training
+        unused = [f"--{name.replace('_', '-')}" + ("" if value is True else f" {value}")
+                  for name, default in _DEMO_TRAINING_FLAGS.items() if (value := getattr(args, name)) != default]
+        if unused:  # --steps 0 or --no-pack were silently ignored
+            raise ValueError(f"--planner trains nothing, so {', '.join(unused)} would be ignored: drop "
+                             f"{'it' if len(unused) == 1 else 'them'} (--tp, --cp, --sp, --seed are used)")
         from megatron_vlm_packing.planner.report import plan_args_from, run_plan
 
         return run_plan(plan_args_from(args))
@@ -104,13 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="train a tiny VLM on embedded synthetic data with packing")
-    demo.add_argument("--steps", type=int, default=40, help="optimizer steps (default 40)")
+    defaults = _DEMO_TRAINING_FLAGS
+    demo.add_argument("--steps", type=int, default=defaults["steps"], help="optimizer steps (default 40)")
     demo.add_argument("--no-pack", action="store_true", help="pad rows densely instead of packing")
     demo.add_argument("--tp", type=int, default=1, help="tensor-parallel size (under torchrun)")
     demo.add_argument("--cp", type=int, default=1, help="context-parallel size (under torchrun)")
     demo.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
-    demo.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    demo.add_argument("--micro-batch-size", type=int, default=8)
+    demo.add_argument("--device", choices=["auto", "cpu", "cuda"], default=defaults["device"])
+    demo.add_argument("--micro-batch-size", type=int, default=defaults["micro_batch_size"])
     demo.add_argument("--seed", type=int, default=1234)
     demo.add_argument("--planner", action="store_true",
                       help="show dataset-level packing instead: per-rank cost with and without balancing")

@@ -145,3 +145,25 @@ def test_demo_on_cuda_without_a_cuda_device_is_a_clear_error(monkeypatch, capsys
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(["demo", "--device", "cuda", "--steps", "1"]) == 2  # was torch's "no NVIDIA driver" traceback
     assert "--device cuda, but torch sees no CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--steps", "0"], "--steps 0"), (["--no-pack"], "--no-pack"), (["--device", "cpu"], "--device cpu"),
+    (["--micro-batch-size", "3", "--steps", "5"], "--steps 5, --micro-batch-size 3"),
+])
+def test_demo_planner_refuses_the_training_flags_it_does_not_use(flags, named, capsys):
+    """`demo --planner` trains nothing: --steps 0 (or -1), --no-pack, --device and --micro-batch-size were
+    accepted and silently ignored."""
+    assert main(["demo", "--planner", *flags]) == 2
+    assert f"--planner trains nothing, so {named} would be ignored" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field", ["input_ids", "labels", "loss_mask"])
+def test_check_a_token_row_with_an_extra_dimension_exits_2(tmp_path, capsys, field):
+    """[1, 1, T] token ids / labels were taken for [3, 1, T] positions and the check was an IndexError traceback."""
+    path, packed = _saved_pack(tmp_path)
+    import torch
+
+    torch.save({**torch.load(path, weights_only=False), field: getattr(packed, field)[None]}, path)
+    assert main(["check", str(path)]) == 2
+    assert f"{field} must be [1, T] (or [3, 1, T] for position_ids), got shape (1, 1, " in capsys.readouterr().err

@@ -164,18 +164,28 @@ def register_adapter(model_type: type | str, factory: AdapterFactory) -> None:
         factory: a `ModelAdapter` subclass or any callable `model -> ModelAdapter`.
     Overrides a built-in adapter for the same class.
     """
-    if not isinstance(model_type, (type, str)):  # a model instance was an AttributeError (__qualname__)
-        raise ValueError(f"model_type must be a model class or its qualified name, got {type(model_type).__name__} "
-                         f"{model_type!r:.80}: register_adapter(type(model), ...)")
-    name = model_type if isinstance(model_type, str) else qualified_name(model_type)
+    name = _registry_name(model_type)
     if not callable(factory):
         raise ValueError(f"factory for {name} must be callable (a ModelAdapter subclass), got {factory!r}")
+    if isinstance(factory, type) and not issubclass(factory, ModelAdapter):  # int: a TypeError in adapter_for
+        raise ValueError(f"factory for {name} is the class {factory.__qualname__}, not a ModelAdapter subclass")
     _REGISTERED[name] = factory
 
 
 def unregister_adapter(model_type: type | str) -> None:
-    name = model_type if isinstance(model_type, str) else qualified_name(model_type)
-    _REGISTERED.pop(name, None)
+    _REGISTERED.pop(_registry_name(model_type), None)
+
+
+def _registry_name(model_type) -> str:
+    """The qualified name a model class is registered under. A model instance was an AttributeError
+    (__qualname__); "" or "ClassName" (no module) never matched a model's qualified name."""
+    if isinstance(model_type, type):
+        return qualified_name(model_type)
+    if isinstance(model_type, str) and "." in model_type and model_type.strip() and not any(
+            c.isspace() for c in model_type):
+        return model_type
+    raise ValueError(f"model_type must be a model class or its qualified name (\"package.module.ClassName\"), got "
+                     f"{type(model_type).__name__} {model_type!r:.80}: register_adapter(type(model), ...)")
 
 
 def _resolve(path: str) -> AdapterFactory:
@@ -193,7 +203,11 @@ def adapter_for(model: nn.Module) -> ModelAdapter:
     for cls in type(inner).__mro__:
         name = qualified_name(cls)
         if name in _REGISTERED:
-            return _REGISTERED[name](inner)
+            adapter = _REGISTERED[name](inner)
+            if not isinstance(adapter, ModelAdapter):  # else handed back as "the adapter" and failing later
+                raise ValueError(f"the adapter factory for {name} returned {type(adapter).__name__} {adapter!r:.80}, "
+                                 f"not a ModelAdapter")
+            return adapter
         if name in _BUILTIN:
             return _resolve(_BUILTIN[name])(inner)
     known = sorted(set(_REGISTERED) | set(_BUILTIN))

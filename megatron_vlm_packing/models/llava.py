@@ -57,6 +57,20 @@ class LlavaSpace:
     pipeline_length: int | None = None
     max_length: int | None = None
 
+    def __post_init__(self) -> None:
+        # 0 / -2 / 2.5 embeddings per image were accepted (plans for another expanded sequence), a multiple of
+        # 0 a ZeroDivisionError, True an image token of 1.
+        if isinstance(self.image_token_index, bool) or not isinstance(self.image_token_index, int):  # may be < 0
+            raise ValueError(f"image_token_index must be an int (LLaVA's default is -200), got {self.image_token_index!r}")
+        for name, least, optional in (("img_seq_len", 1, False),
+                                      ("segment_multiple", 1, False), ("total_multiple", 1, False),
+                                      ("pipeline_length", 1, True), ("max_length", 1, True)):
+            value = getattr(self, name)
+            if optional and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be {'None or ' if optional else ''}an int >= {least}, got {value!r}")
+
     @classmethod
     def of(cls, model) -> "LlavaSpace":
         """Read from a built `LLaVAModel` (its own shard factor, as `_process_embedding_token_parallel` has it)."""

@@ -39,6 +39,35 @@ def _takes(module: nn.Module, keyword: str) -> bool:
     return keyword in inspect.signature(type(module).forward).parameters
 
 
+def _check_arguments(language_model, vision, audio, merge, mrope, token_ids: dict) -> None:
+    """PackedVLM's arguments, before any is used: each a ValueError naming it (True was token id 1, a lambda
+    tower's weights no parameters of the model, one id for two kinds each kind's embeddings in the other's slots)."""
+    from megatron.core.transformer.module import MegatronModule
+
+    from megatron_vlm_packing.rope.config import MRopeConfig
+
+    if not isinstance(language_model, MegatronModule) or not hasattr(language_model, "config"):
+        raise ValueError(f"language_model must be a Megatron-Core GPTModel, got {type(language_model).__name__}")
+    for name, tower in (("vision", vision), ("audio", audio)):
+        if tower is not None and not isinstance(tower, nn.Module):
+            raise ValueError(f"{name} must be None or an nn.Module (its weights train with the model), got "
+                             f"{type(tower).__name__} {tower!r:.40}")
+    for name, value in token_ids.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63):
+            raise ValueError(f"{name} must be None or an int >= 0 that fits int64, got {value!r}")
+    given = [(name, value) for name, value in token_ids.items() if value is not None]
+    for i, (name, value) in enumerate(given):
+        for other, other_value in given[i + 1:]:
+            if value == other_value:
+                raise ValueError(f"{name} and {other} are both {value}: each kind needs its own placeholder id")
+    if vision is not None and token_ids["image_token_id"] is None and token_ids["video_token_id"] is None:
+        raise ValueError("a vision tower needs image_token_id or video_token_id (the placeholders it fills)")
+    if isinstance(merge, bool) or not isinstance(merge, int) or merge < 1:
+        raise ValueError(f"spatial_merge_size must be an int >= 1, got {merge!r}")
+    if mrope is not None and not isinstance(mrope, MRopeConfig):
+        raise ValueError(f"mrope must be a rope.MRopeConfig or None, got {type(mrope).__name__} {mrope!r:.40}")
+
+
 class PackedVLM(nn.Module):
     """Language model + vision / audio towers with packing-exact merge, CP selection and SP scatter.
 
@@ -66,6 +95,9 @@ class PackedVLM(nn.Module):
                  video_token_id: int | None = None, audio: nn.Module | None = None, audio_token_id: int | None = None,
                  mrope=None, spatial_merge_size: int = 2):
         super().__init__()
+        _check_arguments(language_model, vision, audio, spatial_merge_size, mrope,
+                         {"image_token_id": image_token_id, "video_token_id": video_token_id,
+                          "audio_token_id": audio_token_id})
         embedding = getattr(language_model, "embedding", None)
         if embedding is not None and getattr(embedding, "scatter_to_sequence_parallel", False) \
                 and language_model.config.sequence_parallel:
@@ -92,10 +124,10 @@ class PackedVLM(nn.Module):
         if kind != "mrope":
             raise ValueError(f"mrope={type(mrope).__name__} given but the language model's rotary is {kind!r} (1D): "
                              f"build it with position_embedding_type='mrope' or drop mrope=")
-        for name in ("image_token_id", "video_token_id"):
-            ours = getattr(self, name)
-            if ours is not None and ours != getattr(mrope, name):
-                raise ValueError(f"{name}={ours} but the mRoPE config says {getattr(mrope, name)}")
+        for name in ("image_token_id", "video_token_id", "audio_token_id", "spatial_merge_size"):
+            ours, theirs = getattr(self, name), getattr(mrope, name)
+            if ours is not None and theirs is not None and ours != theirs:
+                raise ValueError(f"{name}={ours} but the mRoPE config says {theirs}")
         from megatron_vlm_packing.rope import use_packed_mrope
 
         use_packed_mrope(self.language_model, interleaved=mrope.mrope_interleaved)

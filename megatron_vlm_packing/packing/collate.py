@@ -273,7 +273,17 @@ def _map_each(micro_batch: MicroBatch, fn: Callable[[torch.Tensor], torch.Tensor
 
 def micro_batch_to(micro_batch: MicroBatch, device: torch.device) -> MicroBatch:
     """Every tensor of the micro-batch on `device`, copied with `non_blocking=True` (asynchronous
-    from pinned memory); nothing is read back to the host."""
+    from pinned memory); nothing is read back to the host.
+
+    Raises:
+        ValueError: `device` is no device (torch.device() refuses it; `Tensor.to(None)` moved nothing).
+    """
+    if not isinstance(device, torch.device):
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device must be a torch.device or a device string such as 'cpu' or 'cuda:0', "
+                             f"got {device!r}") from None
     return map_tensors(micro_batch, lambda t: t.to(device, non_blocking=True))
 
 

@@ -61,6 +61,16 @@ def rank_costs(costs: np.ndarray, ranks: list[list[int]]) -> np.ndarray:
 
 
 def imbalance(per_rank: np.ndarray) -> float:
-    """max / mean of per-rank costs (1.0 is perfect)."""
+    """max / mean of per-rank costs (1.0 is perfect).
+
+    Raises:
+        ValueError: no ranks, or a cost that is NaN, infinite or negative (naming the rank).
+    """
+    per_rank = np.asarray(per_rank, dtype=np.float64)
+    if per_rank.size == 0:
+        raise ValueError("per_rank must hold at least one rank's cost, got none")
+    bad = np.flatnonzero(~np.isfinite(per_rank) | (per_rank < 0))
+    if bad.size:
+        raise ValueError(f"per_rank costs must be finite and >= 0; rank {int(bad[0])} has {float(per_rank[bad[0]])!r}")
     mean = float(np.mean(per_rank))
     return float(np.max(per_rank)) / mean if mean > 0 else 1.0

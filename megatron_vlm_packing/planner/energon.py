@@ -137,10 +137,17 @@ class PlannedPackingMixin:
     packing_hooks: EnergonPackingHooks
 
     def select_samples_to_pack(self, samples: list) -> list[list]:
-        return self.packing_hooks.select_samples_to_pack(samples)
+        return self._packing_hooks().select_samples_to_pack(samples)
 
     def pack_selected_samples(self, samples: list) -> MicroBatch:
-        return self.packing_hooks.pack_selected_samples(samples)
+        return self._packing_hooks().pack_selected_samples(samples)
+
+    def _packing_hooks(self) -> EnergonPackingHooks:
+        hooks = getattr(self, "packing_hooks", None)  # unset: an AttributeError at the first buffer
+        if not isinstance(hooks, EnergonPackingHooks):
+            raise ValueError(f"{type(self).__name__}.packing_hooks must be an EnergonPackingHooks (set it on the "
+                             f"class or in __init__), got {'nothing' if hooks is None else repr(hooks)}")
+        return hooks
 
     # What Energon's @stateless sets (without importing Energon): both are pure functions of the samples
     # (no RNG, no state), so Energon may restore a pack from its restore key.

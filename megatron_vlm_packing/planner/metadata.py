@@ -41,6 +41,11 @@ def count_array(values, name: str) -> np.ndarray:
     """`values` as int64; ValueError naming `name` for counts that are not whole numbers (a cast
     would truncate 10.7 tokens to 10 and the bin would be laid out for the wrong length)."""
     array = np.asarray(values)
+    if array.dtype.kind in "iu" and isinstance(values, (list, tuple)):  # [True, 5] is an int64 array
+        flat = list(_flatten(values))
+        bad = next((i for i, v in enumerate(flat) if isinstance(v, (bool, np.bool_))), None)
+        if bad is not None:
+            raise ValueError(f"{name} must hold integers, not bools; entry {bad} is {flat[bad]!r}")
     if array.dtype.kind in "iu" or array.size == 0:
         return array.astype(np.int64)
     if array.dtype.kind == "f" and np.isfinite(array).all() and (array == np.round(array)).all():
@@ -51,6 +56,14 @@ def count_array(values, name: str) -> np.ndarray:
         raise ValueError(f"{name} must hold whole numbers; entry {int(bad[0])} is {flat[bad[0]].item()!r}")
     first = flat[0].item() if hasattr(flat[0], "item") else flat[0]  # an object array holds Python values
     raise ValueError(f"{name} must hold integers, got dtype {array.dtype} (e.g. {first!r})")
+
+
+def _flatten(values):
+    for value in values:
+        if isinstance(value, (list, tuple)):
+            yield from _flatten(value)
+        else:
+            yield value
 
 
 def _grid_array(grids: list, name: str) -> np.ndarray:

@@ -15,7 +15,7 @@ from megatron_vlm_packing.planner.synthetic import synthetic_table
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--samples", type=int, default=20000, help="synthetic samples (default 20000)")
+    parser.add_argument("--samples", type=int_at_least(1), default=20000, help="synthetic samples (default 20000)")
     parser.add_argument("--capacity", type=int, default=32768, help="physical tokens per bin")
     parser.add_argument("--dp", type=int, default=8, help="data-parallel ranks")
     parser.add_argument("--micro-batches", type=int, default=1, help="micro-batches per rank per step")
@@ -23,7 +23,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cp", type=int, default=1)
     parser.add_argument("--sp", action="store_true")
     parser.add_argument("--fp8", action="store_true")
-    parser.add_argument("--steps-shown", type=int, default=2, help="steps whose per-rank cost is printed")
+    parser.add_argument("--steps-shown", type=int_at_least(0), default=2,  # -1 sliced off the last step
+                        help="steps whose per-rank cost is printed")
     parser.add_argument("--seed", type=int_at_least(0), default=0,
                         help="epoch shuffle seed, >= 0 (default 0; numpy takes no negative seed)")
     parser.add_argument("--progress", action="store_true", help="progress line on stderr while planning")
@@ -45,6 +46,10 @@ def run_plan(args: argparse.Namespace) -> int:
                                balance=balance, seed=args.seed)
         start = time.process_time()
         plans[name] = (plan_epoch(table, config, progress=args.progress), time.process_time() - start)
+        if not plans[name][0].steps:  # else numpy's "zero-size array to reduction operation maximum"
+            raise ValueError(f"the epoch has no full step: its {args.samples} samples fill fewer bins than a step's "
+                             f"{args.dp * args.micro_batches} (--dp {args.dp} x --micro-batches {args.micro_batches}): "
+                             f"raise --samples or lower --dp / --micro-batches")
     print(f"planner: {args.samples} synthetic samples (lognormal text, 0-8 images, videos, audio); bins of "
           f"{args.capacity} tokens (segment {multiples.segment}, total {multiples.total}); DP {args.dp} x "
           f"{args.micro_batches} micro-batch(es) per step; cost model Qwen2.5-VL-7B FLOPs")

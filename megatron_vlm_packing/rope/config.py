@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import math
+import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+import numpy as np
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_omni")
 _MODEL_TYPES = {
@@ -77,11 +81,12 @@ class MRopeConfig:
             raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")
         if self.text_offset not in ("max_hw", "max_position"):
             raise ValueError(f"text_offset must be 'max_hw' or 'max_position', got {self.text_offset!r}")
-        if self.spatial_merge_size < 1 or len(self.mrope_section) != 3:
-            raise ValueError(f"need spatial_merge_size >= 1 and 3 mrope sections, got "
-                             f"{self.spatial_merge_size}, {self.mrope_section}")
-        if any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in self.mrope_section):
-            raise ValueError(f"mrope_section must be 3 positive ints, got {self.mrope_section}")
+        section = self.mrope_section
+        if not isinstance(section, (tuple, list)) or len(section) != 3 or any(
+                isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in section):
+            raise ValueError(f"mrope_section must be 3 positive ints, got {section}")
+        if not isinstance(self.mrope_interleaved, bool):  # a truthy "no" was read as True
+            raise ValueError(f"mrope_interleaved must be True or False, got {self.mrope_interleaved!r}")
         for name in ("image_token_id", "video_token_id", "vision_start_token_id"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -98,7 +103,7 @@ class MRopeConfig:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         for name in ("position_id_per_seconds", "tokens_per_second"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
     @classmethod
@@ -113,29 +118,72 @@ class MRopeConfig:
         model_type = getattr(hf_config, "model_type", None)
         top = hf_config
         if model_type == "qwen3_omni_moe":
-            hf_config = hf_config.thinker_config
-            model_type = hf_config.model_type
-        family = _MODEL_TYPES.get(model_type)
+            hf_config = _part(hf_config, "thinker_config", f"hf_config of model_type {model_type!r}")
+            model_type = getattr(hf_config, "model_type", None)
+        family = _MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
         if family is None:
             raise ValueError(f"unsupported model_type {model_type!r}; supported: {sorted(_MODEL_TYPES)}")
         text = getattr(hf_config, "text_config", None) or hf_config
-        vision = hf_config.vision_config
-        rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
-        section = rope.get("mrope_section") or DEFAULT_MROPE_SECTION[family]
+        vision = _part(hf_config, "vision_config", "hf_config")
+        rope_name = "rope_parameters" if getattr(text, "rope_parameters", None) else "rope_scaling"
+        rope = getattr(text, rope_name, None) or {}
+        if not isinstance(rope, Mapping):
+            raise ValueError(f"hf_config {rope_name} must be a dict, got {rope!r}")
+        interleaved = rope.get("mrope_interleaved", family in ("qwen3_vl", "qwen3_omni"))
+        if interleaved is not None and not isinstance(interleaved, (bool, np.bool_)):  # bool("false") is True
+            raise ValueError(f"hf_config {rope_name} mrope_interleaved must be true or false, got {interleaved!r}")
         talker = getattr(top, "talker_config", None)
         return cls(
             family=family,
-            spatial_merge_size=int(vision.spatial_merge_size),
-            image_token_id=int(hf_config.image_token_id),
-            video_token_id=int(hf_config.video_token_id),
-            vision_start_token_id=int(_first_attr((hf_config, top, talker), "vision_start_token_id",
-                                                  QWEN_VISION_START_TOKEN_ID)),
+            spatial_merge_size=_int("vision_config.spatial_merge_size", getattr(vision, "spatial_merge_size", None)),
+            image_token_id=_int("image_token_id", getattr(hf_config, "image_token_id", None)),
+            video_token_id=_int("video_token_id", getattr(hf_config, "video_token_id", None)),
+            vision_start_token_id=_int("vision_start_token_id", _first_attr(
+                (hf_config, top, talker), "vision_start_token_id", QWEN_VISION_START_TOKEN_ID)),
             audio_token_id=getattr(hf_config, "audio_token_id", None),
             audio_start_token_id=getattr(hf_config, "audio_start_token_id", None),
-            position_id_per_seconds=float(getattr(hf_config, "position_id_per_seconds", 25.0)),
-            audio_n_window=int(getattr(getattr(hf_config, "audio_config", None), "n_window", 50)),
-            tokens_per_second=float(getattr(vision, "tokens_per_second", 1.0) or 1.0),
-            mrope_section=tuple(int(x) for x in section),
-            mrope_interleaved=bool(rope.get("mrope_interleaved", family in ("qwen3_vl", "qwen3_omni"))),
+            position_id_per_seconds=_number("position_id_per_seconds",
+                                            getattr(hf_config, "position_id_per_seconds", None), 25.0),
+            audio_n_window=_int("audio_config.n_window",
+                                getattr(getattr(hf_config, "audio_config", None), "n_window", None), 50),
+            tokens_per_second=_number("vision_config.tokens_per_second", getattr(vision, "tokens_per_second", None),
+                                      1.0),
+            mrope_section=_section(rope.get("mrope_section"), DEFAULT_MROPE_SECTION[family]),
+            mrope_interleaved=bool(interleaved),
             text_offset=text_offset,
         )
+
+
+# Readers of one config field: a JSON config may write an int as 2.0 (kept, as int() did), but 2.5, True or "2"
+# were truncated or coerced by int() / float() into a different model's numbers; they are ValueErrors now.
+def _part(config, name: str, where: str):
+    value = getattr(config, name, None)
+    if value is None:
+        raise ValueError(f"{where} has no {name}")
+    return value
+
+
+def _int(name: str, value, default: int | None = None) -> int:
+    if value is None and default is not None:
+        return default
+    if isinstance(value, (float, np.floating)) and math.isfinite(value) and float(value).is_integer():
+        return int(value)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"hf_config {name} must be an int, got {value!r}")
+    return int(value)
+
+
+def _number(name: str, value, default: float) -> float:
+    if value is None:  # transformers writes None for an unset field
+        return default
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise ValueError(f"hf_config {name} must be a number, got {value!r}")
+    return float(value)  # range (finite, > 0) checked by MRopeConfig
+
+
+def _section(value, default: tuple[int, ...]) -> tuple[int, ...]:
+    if value is None:
+        return default
+    if not isinstance(value, (list, tuple)) or len(value) != 3:
+        raise ValueError(f"hf_config mrope_section must be a list of 3 ints, got {value!r}")
+    return tuple(_int(f"mrope_section entry {i}", x) for i, x in enumerate(value))

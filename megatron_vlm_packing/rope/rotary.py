@@ -114,6 +114,7 @@ class PackedMultimodalRotaryEmbedding(nn.Module):
     def __init__(self, inv_freq: torch.Tensor, *, interleaved: bool = False, cp_group=None,
                  seq_len_interpolation_factor: float | None = None):
         super().__init__()
+        _check_interleaved(interleaved)
         self.register_buffer("inv_freq", inv_freq.detach().float().clone(), persistent=False)
         self.interleaved = interleaved
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
@@ -214,6 +215,12 @@ def _packed_seq_params_of(forward_signature: inspect.Signature, args, kwargs):
     return bound.arguments.get("packed_seq_params")
 
 
+def _check_interleaved(interleaved) -> None:
+    """'no' or 1 chose the Qwen3 interleaved layout (truthy), None the contiguous one."""
+    if not isinstance(interleaved, bool):
+        raise ValueError(f"interleaved must be True or False, got {interleaved!r}")
+
+
 def _refuse_unservable(model) -> None:
     """ValueError/RuntimeError for a model whose rotary this module cannot replace exactly."""
     if getattr(model, "position_embedding_type", None) != "mrope":
@@ -254,6 +261,7 @@ def use_packed_mrope(model, *, interleaved: bool = False) -> PackedMropeHandle:
     CP chunks from the full table (`megatron_thd.thd_rope_takes_document_chunks`). The model must be
     called as `model(...)` (the hooks run in `__call__`); at CP > 1 the rotary refuses a direct `model.forward`.
     """
+    _check_interleaved(interleaved)
     existing = _existing_handle(model, interleaved)
     if existing is not None:
         return existing

@@ -44,11 +44,12 @@ def bool_field(x, name: str) -> bool:
 
 
 def flat_tokens(x: torch.Tensor | None, name: str) -> torch.Tensor | None:
-    """[1, T] / [T] -> [T]; [3, 1, T] / [3, T] positions -> [3, T]."""
+    """[1, T] / [T] -> [T]; [3, 1, T] / [3, T] positions -> [3, T] (positions only: [1, 1, T] token ids were
+    taken for positions, a 2-D row, and the checks indexing it raised IndexError)."""
     if x is None:
         return None
     x = dense_tensor(x, name)
-    if x.dim() == 3 and x.shape[1] == 1:  # [C, 1, T]
+    if x.dim() == 3 and x.shape[1] == 1 and name == "position_ids":  # [C, 1, T]
         return x[:, 0]
     if x.dim() == 2 and x.shape[0] == 1:
         return x[0]

@@ -11,6 +11,8 @@ Shape legend: B = rows, S = row length, T = physical packed slots, n = one sampl
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Callable, Sequence
@@ -200,6 +202,8 @@ def parity_probe(
         ValueError: cp_size > 1 or a localized pack (each sample alone runs on one rank's view), or
             a batch the probe cannot split per sample.
     """
+    if not is_tolerance(tolerance):  # inf: the probe could never raise; a str: a TypeError after the forwards
+        raise ValueError(f"tolerance must be a finite number >= 0, got {tolerance!r}")
     if pack_kwargs.get("cp_size", 1) != 1 or getattr(packed, "cp_index", None) is not None:
         raise ValueError("the parity probe compares full-length packs: cp_size must be 1 and packed not localized")
     if pack is None:
@@ -225,6 +229,11 @@ def parity_probe(
         raise ParityProbeError(result, _report(packed, batch, image_token_id, spatial_merge_size, pack_kwargs),
                                f"worst: document {worst} (row {rows[worst][0]}), |dloss| {per_doc[worst]:.3e}")
     return result
+
+
+def is_tolerance(value) -> bool:
+    """A finite real >= 0 (numpy scalars too), not a bool: inf would accept every difference, NaN none."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value) and value >= 0
 
 
 def _report(packed, batch: dict, image_token_id, merge: int, pack_kwargs: dict) -> ValidationReport:

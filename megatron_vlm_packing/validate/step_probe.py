@@ -8,12 +8,11 @@ keywords.
 
 from __future__ import annotations
 
-import numbers
 from typing import Callable, Iterator
 
 import torch
 
-from megatron_vlm_packing.validate.probe import ProbeResult, parity_probe
+from megatron_vlm_packing.validate.probe import ProbeResult, is_tolerance, parity_probe
 
 _VISION = ("pixel_values", "image_grid_thw")
 
@@ -79,10 +78,9 @@ def _tolerance_for(tolerance: float | None, model: torch.nn.Module) -> float:
 
 
 def _checked_tolerance(tolerance, name: str) -> float | None:
-    if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(tolerance, numbers.Real)
-                                  or not tolerance >= 0):  # (numbers.Real: numpy scalars too)
-        raise ValueError(f"{name} must be a number >= 0 or None (1e-4 for a float32 model, 5e-2 for bf16 / fp16), "
-                         f"got {tolerance!r}")
+    if tolerance is not None and not is_tolerance(tolerance):
+        raise ValueError(f"{name} must be a finite number >= 0 or None (1e-4 for a float32 model, 5e-2 for bf16 / "
+                         f"fp16), got {tolerance!r}")
     return tolerance
 
 

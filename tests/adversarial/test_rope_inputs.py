@@ -131,6 +131,18 @@ ERRORS = [
      r"audio_start_token_id must be None or a non-negative int, got -1"),
     ("config_zero_position_per_seconds", lambda: MRopeConfig(family="qwen3_omni", position_id_per_seconds=0),
      r"position_id_per_seconds must be a finite number > 0, got 0"),
+    # each was accepted and read as a number / truth value (a string "no" interleaved, True a rate of 1), or a
+    # TypeError from comparing None / a str with 1
+    ("config_str_interleaved", lambda: MRopeConfig(family="qwen2_vl", mrope_interleaved="no"),
+     r"mrope_interleaved must be True or False, got 'no'"),
+    ("config_bool_tokens_per_second", lambda: MRopeConfig(family="qwen2_5_vl", tokens_per_second=True),
+     r"tokens_per_second must be a finite number > 0, got True"),
+    ("config_bool_position_per_seconds", lambda: MRopeConfig(family="qwen3_omni", position_id_per_seconds=True),
+     r"position_id_per_seconds must be a finite number > 0, got True"),
+    ("config_str_merge", lambda: MRopeConfig(family="qwen2_vl", spatial_merge_size="2"),
+     r"spatial_merge_size must be a positive int, got '2'"),
+    ("config_none_section", lambda: MRopeConfig(family="qwen2_vl", mrope_section=None),
+     r"mrope_section must be 3 positive ints, got None"),
 ]
 
 
@@ -180,6 +192,69 @@ def test_transformers_default_configs_are_read_with_transformers_default_section
     ours = MRopeConfig.from_hf_config(config)
     assert ours.mrope_section == section and ours.mrope_interleaved is interleaved
     assert ours.vision_start_token_id == 151652 and ours.image_token_id == 151655
+
+
+def _qwen25(**edits):
+    config = transformers.Qwen2_5_VLConfig()
+    for path, value in edits.items():
+        *owners, name = path.split("__")
+        target = config
+        for owner in owners:
+            target = getattr(target, owner)
+        fields = target if isinstance(target, dict) else vars(target)  # past transformers' strict setattr
+        if value is _DELETE:
+            del fields[name]
+        else:
+            fields[name] = value
+    return config
+
+
+_DELETE = object()
+_SECTION = "text_config__rope_parameters__mrope_section"
+
+
+@pytest.mark.parametrize("edits, message", [
+    # silently wrong before: int() / float() / bool() truncated or coerced each of these
+    ({"vision_config__spatial_merge_size": 2.5}, r"vision_config.spatial_merge_size must be an int, got 2\.5"),
+    ({"vision_config__spatial_merge_size": True}, r"vision_config.spatial_merge_size must be an int, got True"),
+    ({"vision_config__spatial_merge_size": "2"}, r"vision_config.spatial_merge_size must be an int, got '2'"),
+    ({"image_token_id": 151655.5}, r"image_token_id must be an int, got 151655\.5"),
+    ({"image_token_id": True}, r"image_token_id must be an int, got True"),
+    ({"vision_start_token_id": 1.5}, r"vision_start_token_id must be an int, got 1\.5"),
+    ({"vision_config__tokens_per_second": 0}, r"tokens_per_second must be a finite number > 0, got 0"),
+    ({"vision_config__tokens_per_second": "2"}, r"vision_config.tokens_per_second must be a number, got '2'"),
+    ({"vision_config__tokens_per_second": True}, r"vision_config.tokens_per_second must be a number, got True"),
+    ({_SECTION: [16.5, 24, 24]}, r"mrope_section entry 0 must be an int, got 16\.5"),
+    ({_SECTION: ["16", "24", "24"]}, r"mrope_section entry 0 must be an int, got '16'"),
+    ({_SECTION: [True, 24, 24]}, r"mrope_section entry 0 must be an int, got True"),
+    ({_SECTION: "162"}, r"mrope_section must be a list of 3 ints, got '162'"),
+    ({_SECTION: []}, r"mrope_section must be a list of 3 ints, got \[\]"),
+    ({"text_config__rope_parameters__mrope_interleaved": "false"},
+     r"mrope_interleaved must be true or false, got 'false'"),
+    ({"position_id_per_seconds": True}, r"position_id_per_seconds must be a number, got True"),
+    ({"position_id_per_seconds": "25"}, r"position_id_per_seconds must be a number, got '25'"),
+    # AttributeError / TypeError before
+    ({"text_config__rope_parameters": "x"}, r"rope_parameters must be a dict, got 'x'"),
+    ({"vision_config__spatial_merge_size": None}, r"vision_config.spatial_merge_size must be an int, got None"),
+    ({"image_token_id": None}, r"image_token_id must be an int, got None"),
+], ids=lambda v: repr(v)[:40] if isinstance(v, dict) else "")
+def test_from_hf_config_refuses_odd_fields_naming_them(edits, message):
+    with pytest.raises(ValueError, match=message):
+        MRopeConfig.from_hf_config(_qwen25(**edits))
+
+
+def test_from_hf_config_keeps_integral_float_ids_and_refuses_configs_without_parts():
+    ours = MRopeConfig.from_hf_config(_qwen25(vision_config__spatial_merge_size=2.0, image_token_id=151655.0))
+    assert (ours.spatial_merge_size, ours.image_token_id) == (2, 151655)
+    assert ours.tokens_per_second == 4.0 and isinstance(ours.tokens_per_second, float)
+    with pytest.raises(ValueError, match=r"hf_config has no vision_config"):
+        MRopeConfig.from_hf_config(_qwen25(vision_config=_DELETE))
+    with pytest.raises(ValueError, match=r"model_type \['x'\]"):
+        MRopeConfig.from_hf_config(_qwen25(model_type=["x"]))
+    omni = transformers.Qwen3OmniMoeConfig()
+    del vars(omni)["thinker_config"]
+    with pytest.raises(ValueError, match=r"hf_config of model_type 'qwen3_omni_moe' has no thinker_config"):
+        MRopeConfig.from_hf_config(omni)
 
 
 def test_default_omni_thinker_never_gets_vision_start_minus_one():

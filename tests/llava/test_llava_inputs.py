@@ -149,3 +149,22 @@ def test_the_step_refuses_undense_images_in_a_micro_batch_built_by_hand(kind):
     undense = replace(packed, vision=replace(packed.vision, pixel_values=UNDENSE[kind][0](torch.zeros(1, 3, 2, 2))))
     with pytest.raises(ValueError, match=r"^images \(vision.pixel_values\) (has layout|is a)"):
         adapter.check(undense)
+
+
+@pytest.mark.parametrize("fields, message", [
+    # accepted and packed as if images expanded to 0 / -2 / 1 / 2.5 embeddings: a plan for another sequence
+    (dict(img_seq_len=0), r"img_seq_len must be an int >= 1, got 0"),
+    (dict(img_seq_len=-2), r"img_seq_len must be an int >= 1, got -2"),
+    (dict(img_seq_len=True), r"img_seq_len must be an int >= 1, got True"),
+    (dict(img_seq_len=2.5), r"img_seq_len must be an int >= 1, got 2\.5"),
+    (dict(image_token_index=True), r"image_token_index must be an int .*, got True"),  # matched token 1
+    (dict(image_token_index=9.0), r"image_token_index must be an int .*, got 9\.0"),
+    (dict(segment_multiple=0), r"segment_multiple must be an int >= 1, got 0"),  # ZeroDivisionError
+    (dict(total_multiple=True), r"total_multiple must be an int >= 1, got True"),
+    (dict(pipeline_length=0), r"pipeline_length must be None or an int >= 1, got 0"),
+    (dict(max_length=2.5), r"max_length must be None or an int >= 1, got 2\.5"),
+])
+def test_a_llava_space_of_nonsense_numbers_is_refused_when_built(fields, message):
+    with pytest.raises(ValueError, match=message):
+        LlavaSpace(**{"img_seq_len": 4, "image_token_index": IMG, **fields})
+    assert LlavaSpace(img_seq_len=4, image_token_index=-200).image_token_index == -200  # LLaVA's default id

@@ -101,3 +101,27 @@ def test_model_type_must_be_a_class_or_a_name():
     for bad in (ToyLM(), None, 3):
         with pytest.raises(ValueError, match="model_type must be a model class or its qualified name"):
             register_adapter(bad, ToyAdapter)
+
+
+def test_a_class_that_is_no_adapter_and_names_that_match_no_class_are_refused():
+    # int / dict were registered and adapter_for(model) was a TypeError ("int() argument must be ...")
+    for bad in (int, dict, ToyLM):
+        with pytest.raises(ValueError, match=rf"factory for .*ToyLM is the class {bad.__qualname__}, not a ModelAdapter"):
+            register_adapter(ToyLM, bad)
+    # "" or a bare class name never matched a model: adapter_for fell back silently to another adapter
+    for bad in ("", "  ", "ToyLM", "a.b c"):
+        with pytest.raises(ValueError, match=r"model_type must be a model class or its qualified name"):
+            register_adapter(bad, ToyAdapter)
+    for bad in (ToyLM(), None, 3):  # unregister_adapter: an AttributeError on __qualname__ / __module__
+        with pytest.raises(ValueError, match=r"model_type must be a model class or its qualified name"):
+            unregister_adapter(bad)
+
+
+def test_a_factory_returning_no_adapter_is_named_by_adapter_for():
+    """A callable factory returning a non-adapter was handed back by adapter_for (1 as 'the adapter')."""
+    register_adapter(ToyLM, lambda model: 1)
+    try:
+        with pytest.raises(ValueError, match=r"the adapter factory for .*ToyLM returned int 1, not a ModelAdapter"):
+            adapter_for(Wrapper(ToyLM()))
+    finally:
+        unregister_adapter(ToyLM)

@@ -47,6 +47,19 @@ def test_moving_keeps_the_boundaries_shared_and_the_type():
     assert torch.equal(moved.indices.cp_index(2, 1), packed.indices.cp_index(2, 1))
 
 
+@pytest.mark.parametrize("device, message", [
+    ("nope", r"device must be a torch.device or a device string such as 'cpu' or 'cuda:0', got 'nope'"),  # torch's
+    (None, r"got None"),  # Tensor.to(None) returned each tensor where it was: nothing moved   # RuntimeError
+    (2.5, r"got 2\.5"), (True, r"got True"), ("cuda:x", r"got 'cuda:x'"), (-1, r"got -1"),
+])
+def test_moving_to_what_is_no_device_is_a_value_error(device, message):
+    ids = torch.ones(1, 4, dtype=torch.long)
+    packed = pack_batch({"input_ids": ids, "labels": ids}, label_style="hf")
+    with pytest.raises(ValueError, match=message):
+        micro_batch_to(packed, device)
+    assert micro_batch_to(packed, "cpu").input_ids.device == torch.device("cpu")
+
+
 def test_host_arrays_of_the_indices_stay_in_the_worker():
     """numpy caches of `PackIndices` (rebuilt from the plan) are not pickled by value next to the tensors
     that share their memory, nor carried to a device; a copy rebuilds them equal."""

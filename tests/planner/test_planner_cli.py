@@ -27,3 +27,18 @@ def test_plan_command_refuses_a_negative_seed(capsys):
         main(["plan", "--samples", "100", "--seed", "-1"])
     assert exit_info.value.code == 2
     assert "argument --seed: must be an int >= 0, got -1" in capsys.readouterr().err
+
+
+def test_plan_command_refuses_counts_it_cannot_show_naming_them(capsys):
+    """--steps-shown -1 printed every step but the last (a slice); --samples -5 and an epoch with no full step
+    exited with numpy's words ('negative dimensions are not allowed', 'zero-size array to reduction ...')."""
+    import pytest
+
+    for flag, value, words in (("--steps-shown", "-1", "argument --steps-shown: must be an int >= 0, got -1"),
+                               ("--samples", "-5", "argument --samples: must be a positive int (>= 1), got -5")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["plan", "--samples", "100", flag, value])
+        assert exit_info.value.code == 2 and words in capsys.readouterr().err
+    assert main(["plan", "--samples", "3", "--dp", "8"]) == 2
+    assert ("the epoch has no full step: its 3 samples fill fewer bins than a step's 8 (--dp 8 x --micro-batches 1)"
+            in capsys.readouterr().err)

@@ -81,6 +81,13 @@ def test_float_counts_are_refused_not_truncated():
     with pytest.raises(ValueError, match=r"sample 0: image_grids must be a tuple of \(t, h, w\) triples"):
         SampleTable.from_samples([SampleMetadata(1, image_grids=(1, 2, 4))])  # one grid, not a tuple of them
     assert SampleTable(text_tokens=np.asarray([3.0, 4.0])).text_tokens.tolist() == [3, 4]  # whole floats are fine
+    # a bool beside ints made an int64 array and True was read as 1 token / a side of 1 patch
+    with pytest.raises(ValueError, match="text_tokens must hold integers, not bools; entry 1 is True"):
+        SampleTable.from_samples([SampleMetadata(3), SampleMetadata(text_tokens=True)])
+    with pytest.raises(ValueError, match="image_grids must hold integers, not bools; entry 1 is True"):
+        SampleTable.from_samples([SampleMetadata(1, image_grids=((1, True, 4),))])
+    with pytest.raises(ValueError, match="text_tokens must hold integers, not bools; entry 0 is False"):
+        SampleTable(text_tokens=[False, 2])
     table = SampleTable(text_tokens=[5, 5, 5])
     half = PlannerConfig(layout=BinLayout(capacity=128), expanded_tokens=lambda t: t.text_tokens * 1.5)
     with pytest.raises(ValueError, match="expanded_tokens must hold whole numbers; entry 0 is 7.5"):

@@ -96,3 +96,23 @@ def test_the_mixin_methods_are_marked_stateless():
     from its restore key; the hooks are pure functions of the samples."""
     for name in ("select_samples_to_pack", "pack_selected_samples"):
         assert getattr(getattr(PlannedPackingMixin, name), "__stateless__", False) is True
+
+
+@pytest.mark.parametrize("hooks", [None, 3, "hooks"])
+def test_the_mixin_without_packing_hooks_is_a_value_error_naming_them(samples, hooks):
+    """An encoder that never set packing_hooks was an AttributeError ('... has no attribute packing_hooks')
+    at the first buffer, and one set to a non-hooks value an AttributeError on that value."""
+    class Encoder(PlannedPackingMixin):
+        pass
+
+    if hooks is not None:
+        Encoder.packing_hooks = hooks
+    for method in (Encoder().select_samples_to_pack, Encoder().pack_selected_samples):
+        with pytest.raises(ValueError, match=r"Encoder.packing_hooks must be an EnergonPackingHooks .*got "
+                                             + ("nothing" if hooks is None else repr(hooks))):
+            method(samples[:2])
+
+    class Good(PlannedPackingMixin):
+        packing_hooks = _hooks(layout=BinLayout(capacity=64, oversize="own_bin"))
+
+    assert sum(map(len, Good().select_samples_to_pack(samples[:3]))) == 3

@@ -173,6 +173,20 @@ def test_balancing_beats_unbalanced_on_a_skewed_input():
     assert mean(balanced) < 1.02 and balanced.fill() > 0.99
 
 
+@pytest.mark.parametrize("costs, message", [
+    ([1.0, float("nan")], r"per_rank costs must be finite and >= 0; rank 1 has nan"),  # returned nan
+    ([float("inf"), 1.0], r"per_rank costs must be finite and >= 0; rank 0 has inf"),  # returned nan
+    ([3.0, -1.0], r"per_rank costs must be finite and >= 0; rank 1 has -1\.0"),  # returned 3.0
+    ([], r"per_rank must hold at least one rank's cost"),  # returned 1.0 with a numpy warning
+])
+def test_imbalance_of_costs_that_are_not_costs_is_a_value_error(costs, message):
+    from megatron_vlm_packing.planner import imbalance
+
+    with pytest.raises(ValueError, match=message):
+        imbalance(np.asarray(costs, dtype=np.float64))
+    assert imbalance(np.asarray([1.0, 3.0])) == 1.5 and imbalance(np.zeros(2)) == 1.0
+
+
 def test_fixed_samples_per_step_varies_micro_batches():
     table = synthetic_table(400, seed=4)
     config = PlannerConfig(layout=BinLayout(capacity=16384, oversize="own_bin"), dp_size=4, samples_per_step=40)

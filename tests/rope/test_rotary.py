@@ -317,6 +317,18 @@ def test_applying_twice_returns_the_handle_and_refuses_another_layout():
     handle.undo()
 
 
+@pytest.mark.parametrize("interleaved", ["no", 1, None])
+def test_an_interleaved_that_is_no_bool_is_refused(interleaved):
+    """'no' / 1 installed the Qwen3 interleaved layout (truthy) and None the contiguous one: silently a layout."""
+    model = TinyMropeModel()
+    original = model.rotary_pos_emb
+    with pytest.raises(ValueError, match=rf"interleaved must be True or False, got {interleaved!r}"):
+        use_packed_mrope(model, interleaved=interleaved)
+    with pytest.raises(ValueError, match=rf"interleaved must be True or False, got {interleaved!r}"):
+        PackedMultimodalRotaryEmbedding(torch.ones(2), interleaved=interleaved)
+    assert model.rotary_pos_emb is original
+
+
 def _thd_rotary(cp_size: int):
     from megatron.core.packed_seq_params import PackedSeqParams
 

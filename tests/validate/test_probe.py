@@ -1,6 +1,8 @@
 """The sampled parity probe on a real tiny Megatron-Core GPTModel (CPU, one process, one launch): alone,
 wrapped around a forward step, and inside `make_forward_step(parity_probe_every=N)`."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -205,14 +207,18 @@ def test_the_default_tolerance_follows_the_models_parameter_dtype(dtype, expecte
     assert StepProbe(1, tolerance=np.float32(0.25)).tolerance == 0.25  # a numpy scalar is a number too
 
 
-@pytest.mark.parametrize("tolerance", [-1.0, float("nan"), True, "1e-4"])
+@pytest.mark.parametrize("tolerance", [-1.0, float("nan"), True, "1e-4", float("inf")])
 def test_a_bad_tolerance_is_refused_when_the_probe_is_built(tolerance):
-    from megatron_vlm_packing.validate import StepProbe, with_parity_probe
+    """inf was accepted: every difference is <= inf, so the probe could never raise."""
+    from megatron_vlm_packing.validate import StepProbe, parity_probe, with_parity_probe
 
-    with pytest.raises(ValueError, match="parity_probe_tolerance must be a number >= 0 or None"):
+    with pytest.raises(ValueError, match="parity_probe_tolerance must be a finite number >= 0 or None"):
         StepProbe(1, tolerance=tolerance)
-    with pytest.raises(ValueError, match="tolerance must be a number >= 0 or None"):
+    with pytest.raises(ValueError, match="tolerance must be a finite number >= 0 or None"):
         with_parity_probe(lambda iterator, model: None, every=1, tolerance=tolerance)
+    never = lambda micro_batch: pytest.fail("the forward ran before the tolerance was checked")  # noqa: E731
+    with pytest.raises(ValueError, match=rf"tolerance must be a finite number >= 0, got {re.escape(repr(tolerance))}"):
+        parity_probe(never, {"input_ids": torch.ones(1, 4, dtype=torch.long)}, tolerance=tolerance, label_style="hf")
 
 
 @pytest.mark.parametrize("tolerance", [1e-3, "1e-4", -1.0])
