@@ -61,10 +61,15 @@ def qwen25_vl_mrope(model):
     from megatron_vlm_packing.rope import MRopeConfig
 
     config, vision = model.config, model.config.vision_config
+    # As the model's own index reads it (`vision_config.tokens_per_second`, no default): a fallback would give
+    # video positions the model never computes (0 or None became 1.0); MRopeConfig names a value that is not > 0.
+    tokens_per_second = getattr(vision, "tokens_per_second", None)
+    if tokens_per_second is None:
+        raise ValueError("the Qwen2.5-VL model's vision_config has no tokens_per_second, which its get_rope_index "
+                         "reads for video time positions: set it in the provider's vision_config")
     return MRopeConfig(family="qwen2_5_vl", spatial_merge_size=int(vision.spatial_merge_size),
                        image_token_id=int(config.image_token_id), video_token_id=int(config.video_token_id),
-                       vision_start_token_id=int(config.vision_start_token_id),
-                       tokens_per_second=float(getattr(vision, "tokens_per_second", 1.0) or 1.0),
+                       vision_start_token_id=int(config.vision_start_token_id), tokens_per_second=tokens_per_second,
                        mrope_section=tuple(int(x) for x in config.mrope_section), mrope_interleaved=False)
 
 

@@ -1,6 +1,8 @@
 """Small pure pieces: SwiGLU-aware TP sharding, labels handed back full length, the Bridge patches'
 defect checks, idempotence and undo."""
 
+import types
+
 import pytest
 import torch
 
@@ -178,3 +180,25 @@ def test_tiny_qwen_vl_and_omni_share_one_base_config_and_language_fields():
     assert omni_provider.pipeline_model_parallel_size == 2 and omni_provider.pipeline_dtype == torch.float32
     with pytest.raises(ValueError, match="mrope_section"):
         TinyOmniConfig(mrope_section=(1, 1, 1))
+
+
+@pytest.mark.bridge
+@pytest.mark.parametrize("tokens_per_second, expected", [(2, 2), (0.5, 0.5), (0, "finite number > 0, got 0"),
+                                                          (None, "has no tokens_per_second")])
+def test_qwen25_vl_rotary_reads_tokens_per_second_as_the_models_own_index(tokens_per_second, expected):
+    """`qwen25_vl_mrope` takes `vision_config.tokens_per_second` as Bridge's model reads it (HF's get_rope_index,
+    no default): 0 and None were read as 1.0, video time positions the model never computes."""
+    from megatron_vlm_packing.bridge.adapters import qwen25_vl_mrope
+    from megatron_vlm_packing.bridge.imports import import_bridge_module
+    from megatron_vlm_packing.patches.bridge_qwen25_vl_cp import QWEN25_VL_MODEL
+
+    model = torch.nn.Module.__new__(import_bridge_module(QWEN25_VL_MODEL).Qwen25VLModel)  # only its config is read
+    torch.nn.Module.__init__(model)
+    vision = types.SimpleNamespace(spatial_merge_size=2, tokens_per_second=tokens_per_second)
+    model.config = types.SimpleNamespace(vision_config=vision, image_token_id=151655, video_token_id=151656,
+                                         vision_start_token_id=151652, mrope_section=[16, 24, 24])
+    if isinstance(expected, str):
+        with pytest.raises(ValueError, match=expected):
+            qwen25_vl_mrope(model)
+    else:
+        assert qwen25_vl_mrope(model).tokens_per_second == expected
