@@ -19,12 +19,14 @@ from megatron_vlm_packing.packing.media import MediaTokens, checked_placeholders
 from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch
 from megatron_vlm_packing.packing.plain_host import PlainPack, pack_plain_batch_on_host
 from megatron_vlm_packing.packing.pack import pack_next_token_labels, pack_positions, pack_rows, segment_positions
-from megatron_vlm_packing.packing.positions import check_1d_positions_on_host, check_position_layout
+from megatron_vlm_packing.packing.positions import (
+    POSITION_LAYOUTS, check_1d_positions_on_host, check_position_layout,
+)
 from megatron_vlm_packing.packing.indices import PackIndices, plan_indices
 from megatron_vlm_packing.packing.plan import PackMultiples, PackPlan, checked_pad_to, make_pack_plan
 from megatron_vlm_packing.packing.rows import (  # noqa: F401
-    IGNORE_INDEX, INT64_MAX, Rows, check_flags, check_pad_token_id, checked_extra_keys, loss_weights_of, raise_value_errors_first,
-    read_rows, refuse_undense, shift_labels_within_rows,
+    IGNORE_INDEX, INT64_MAX, Rows, check_flags, check_pad_token_id, checked_extra_keys, loss_weights_of,
+    raise_value_errors_first, read_rows, refuse_undense, shift_labels_within_rows,
 )
 
 # Kept for callers of the first `PackedBatch`: the one typed micro-batch now.
@@ -241,7 +243,8 @@ def _pack_plain(batch, *, extra_keys, position_layout, tp_size, cp_size, sequenc
     nothing but the batch's own keys (the caller checked: no mRoPE, no media ids), else None."""
     # extra_keys: only an empty tuple or list (None or 0 is the general path's ValueError, checked_extra_keys).
     # pad_token_id, pad_to, vocab_size: plain ints the general path's checks pass (else it names the error).
-    if type(extra_keys) not in (tuple, list) or extra_keys or position_layout not in (None, "3BS", "B3S") \
+    if type(extra_keys) not in (tuple, list) or extra_keys \
+            or position_layout is not None and position_layout not in POSITION_LAYOUTS \
             or type(pad_token_id) is not int or not 0 <= pad_token_id <= INT64_MAX \
             or not (pad_to is None or type(pad_to) is int) or (type(vocab_size) is int and vocab_size > INT64_MAX):
         return None
