@@ -30,13 +30,14 @@ def assign_to_ranks(costs: np.ndarray, num_ranks: int, per_rank: int) -> list[li
     """
     if any(isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1 for n in (num_ranks, per_rank)):
         raise ValueError(f"num_ranks and per_rank must be positive ints, got {num_ranks!r} and {per_rank!r}")
-    finite = np.isfinite(np.asarray(costs, dtype=np.float64)) & (np.asarray(costs, dtype=np.float64) >= 0)
+    values = np.asarray(costs, dtype=np.float64)
+    finite = np.isfinite(values) & (values >= 0)
     if not finite.all():  # a NaN compares as neither more nor less: its bin was placed as if free
         bad = int(np.flatnonzero(~finite)[0])
         raise ValueError(f"costs must be finite and >= 0; bin {bad} costs {float(costs[bad])}")
     if len(costs) != num_ranks * per_rank:
         raise ValueError(f"{len(costs)} bins cannot be split into {num_ranks} ranks x {per_rank} bins")
-    order = np.argsort(-np.asarray(costs, dtype=np.float64), kind="stable")
+    order = np.argsort(-values, kind="stable")
     ranks: list[list[int]] = [[] for _ in range(num_ranks)]
     heap = [(0.0, r) for r in range(num_ranks)]
     for pos in order:

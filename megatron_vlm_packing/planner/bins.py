@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_vlm_packing.packing.plan import PackMultiples, PackPlan, make_pack_plan, round_up
+from megatron_vlm_packing.packing.row_fields import check_flags
 
 OVERSIZE_POLICIES = ("error", "own_bin")
 
@@ -46,8 +47,7 @@ class BinLayout:
         if not isinstance(self.multiples, PackMultiples):  # else an AttributeError ('total') below
             raise ValueError(f"multiples must be a PackMultiples (PackMultiples.for_parallel(...)), "
                              f"got {type(self.multiples).__name__}")
-        if not isinstance(self.static_shapes, bool):  # "no" padded every bin to the capacity
-            raise ValueError(f"static_shapes must be a bool, got {self.static_shapes!r}")
+        check_flags(static_shapes=self.static_shapes)  # "no" padded every bin to the capacity
         if isinstance(self.capacity, bool) or not isinstance(self.capacity, (int, np.integer)):
             # 4096.0 was accepted and made every bin's physical length a float
             raise ValueError(f"capacity must be an int, got {self.capacity!r}")

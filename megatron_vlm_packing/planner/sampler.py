@@ -51,6 +51,7 @@ from typing import Iterator
 import numpy as np
 import torch.utils.data
 
+from megatron_vlm_packing.packing.row_fields import check_flags
 from megatron_vlm_packing.planner.metadata import SampleTable, count_array
 from megatron_vlm_packing.planner.schedule import EpochPlan, PlannerConfig, plan_epoch
 
@@ -166,8 +167,7 @@ class PackedBatchSampler(torch.utils.data.Sampler):
             raise ValueError(f"table must be a SampleTable, got {type(table).__name__}")
         if not isinstance(config, PlannerConfig):
             raise ValueError(f"config must be a PlannerConfig, got {type(config).__name__}")
-        if not isinstance(progress, bool):  # checked here, not when the first epoch is planned
-            raise ValueError(f"progress must be a bool, got {progress!r}")
+        check_flags(progress=progress)  # checked here, not when the first epoch is planned
         if isinstance(dp_rank, bool) or not isinstance(dp_rank, (int, np.integer)) or not 0 <= dp_rank < config.dp_size:
             raise ValueError(f"dp_rank={dp_rank!r} must lie in [0, {config.dp_size})")
         self.table, self.config, self.dp_rank, self.progress = table, config, dp_rank, progress

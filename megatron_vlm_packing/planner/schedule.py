@@ -25,6 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
+from megatron_vlm_packing.packing.row_fields import check_flags
 from megatron_vlm_packing.planner.balance import assign_to_ranks, group_into_steps, imbalance
 from megatron_vlm_packing.planner.bins import Bin, BinLayout, balanced_fit, best_fit_decreasing, split_to_count
 from megatron_vlm_packing.planner.cost import CostModel, check_cost_model
@@ -74,9 +75,7 @@ class PlannerConfig:
         if not callable(self.expanded_tokens):
             raise ValueError(f"expanded_tokens must be callable (table -> [N] tokens), got "
                              f"{type(self.expanded_tokens).__name__}")
-        for name in ("shuffle", "balance"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        check_flags(shuffle=self.shuffle, balance=self.balance)
         for name in ("dp_size", "micro_batches_per_rank", "window_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -318,8 +317,7 @@ def plan_epoch(table: SampleTable, config: PlannerConfig, *, epoch: int = 0, car
         raise ValueError("the sample table is empty: there is nothing to plan")
     if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
         raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
-    if not isinstance(progress, bool):  # "no" drew the progress line
-        raise ValueError(f"progress must be a bool, got {progress!r}")
+    check_flags(progress=progress)  # "no" drew the progress line
     carried_arr = np.asarray(carried_in)
     if carried_arr.ndim != 1:  # None, a string, [[1]]: a TypeError or numpy's error further on
         raise ValueError(f"carried_in must be a sequence of sample indices, got {carried_in!r}")
