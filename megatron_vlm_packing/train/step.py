@@ -35,6 +35,7 @@ from torch import nn
 from megatron_vlm_packing.models.adapter import ModelAdapter, adapter_for, unwrap_model
 from megatron_vlm_packing.packing.localize import localize
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
+from megatron_vlm_packing.packing.row_fields import check_flags
 from megatron_vlm_packing.parallel.layout import ParallelLayout
 from megatron_vlm_packing.train.loss import loss_func
 from megatron_vlm_packing.validate.step_probe import StepProbe
@@ -271,6 +272,8 @@ class _Adapters:
     """The adapter of each model the step is called with, built once per model object."""
 
     def __init__(self, given):
+        if given is not None and not isinstance(given, ModelAdapter) and not callable(given):
+            raise ValueError(f"adapter must be a ModelAdapter or a factory model -> ModelAdapter, got {given!r}")
         self.given, self.built = given, {}
 
     def __call__(self, model: nn.Module) -> ModelAdapter:
@@ -280,11 +283,8 @@ class _Adapters:
                 adapter = adapter_for(model)
             elif isinstance(self.given, ModelAdapter):
                 adapter = self.given
-            elif callable(self.given):
+            else:  # a factory (`__init__` refused anything else)
                 adapter = self.given(unwrap_model(model))
-            else:
-                raise ValueError(f"adapter must be a ModelAdapter or a factory model -> ModelAdapter, "
-                                 f"got {self.given!r}")
             if not isinstance(adapter, ModelAdapter):
                 raise ValueError(f"the adapter factory returned {type(adapter).__name__}, not a ModelAdapter")
             self.built[key] = (model, adapter)  # the model is held so its id is never reused
@@ -349,13 +349,9 @@ def make_forward_step(*, pack: bool = True, label_style: str = "hf", pad_to: int
                           mrope=mrope)
     # Checked here, not at the first call: a truthy string ("False") would pick the other form or
     # reader, and a non-callable transform was a TypeError inside the step.
-    for name, value in (("with_state", with_state), ("broadcast_from_tp_rank0", broadcast_from_tp_rank0)):
-        if not isinstance(value, bool):
-            raise ValueError(f"{name} must be a bool, got {value!r}")
+    check_flags(with_state=with_state, broadcast_from_tp_rank0=broadcast_from_tp_rank0)
     if transform is not None and not callable(transform):
         raise ValueError(f"transform must be a callable MicroBatch -> MicroBatch or None, got {transform!r}")
-    if adapter is not None and not isinstance(adapter, ModelAdapter) and not callable(adapter):
-        raise ValueError(f"adapter must be a ModelAdapter or a factory model -> ModelAdapter, got {adapter!r}")
     adapters = _Adapters(adapter)
     if parity_probe_every is not None and not pack:  # else an AttributeError at the first probe (no boundaries)
         raise ValueError("parity_probe_every compares a pack with each sample alone: it needs pack=True (the step "
