@@ -29,6 +29,7 @@ from megatron_vlm_packing.packing.arena import LARGE_BYTES, arena_of, byte_offse
 from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch
 from megatron_vlm_packing.packing.indices import PackIndices, apply_once
 from megatron_vlm_packing.packing.plan import PackMultiples, PackPlan
+from megatron_vlm_packing.packing.row_fields import check_dense_tensors
 
 
 class LoaderMicroBatch(MicroBatch):
@@ -85,7 +86,8 @@ class PackingCollator:
         if not isinstance(batch, Mapping):
             raise ValueError(f"PackingCollator got {type(batch).__name__}: give collate= (samples -> batch dict), "
                              f"or let the dataset yield batch dicts")
-        on_host = {k: _on_host(k, v) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        check_dense_tensors(batch)  # before .cpu(): of a meta tensor a NotImplementedError
+        on_host = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         packed = pack_batch(on_host, tp_size=self.tp_size, cp_size=self.cp_size,
                             sequence_parallel=self.sequence_parallel, fp8=self.fp8, pad_to=self.pad_to,
                             label_style=self.label_style, mrope=self.mrope, pad_token_id=self.pad_token_id,
@@ -114,15 +116,6 @@ def check_collate(collate, owner: str) -> None:
     at the first batch ('int' object is not callable)."""
     if collate is not None and not callable(collate):
         raise ValueError(f"{owner}'s collate must be a callable (samples -> batch dict) or None, got {collate!r}")
-
-
-def _on_host(key, value: torch.Tensor) -> torch.Tensor:
-    """`value` on the CPU; a meta tensor (no values: `.cpu()` was a NotImplementedError) is named."""
-    if value.is_meta:
-        from megatron_vlm_packing.packing.rows import refuse_undense
-
-        refuse_undense(key, value)
-    return value.cpu()
 
 
 def for_the_loader(packed: MicroBatch, cp_size: int) -> LoaderMicroBatch:

@@ -35,7 +35,7 @@ from torch import nn
 from megatron_vlm_packing.models.adapter import ModelAdapter, adapter_for, unwrap_model
 from megatron_vlm_packing.packing.localize import localize
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
-from megatron_vlm_packing.packing.row_fields import check_flags
+from megatron_vlm_packing.packing.row_fields import check_dense_tensors, check_flags
 from megatron_vlm_packing.parallel.layout import ParallelLayout
 from megatron_vlm_packing.train.loss import loss_func
 from megatron_vlm_packing.validate.step_probe import StepProbe
@@ -121,17 +121,11 @@ def to_device(batch: Mapping, device: torch.device) -> dict:
     """Tensors of the batch on `device` (non-tensor values as they are), as a dict.
 
     Raises:
-        ValueError: a meta tensor (no values to move: `.to()` was a NotImplementedError), naming its key.
+        ValueError: a sparse, nested or meta tensor (a meta tensor has no values to move: `.to()` was a
+            NotImplementedError; the packers refuse the others), naming its key (`row_fields.check_dense_tensors`).
     """
-    return {k: _moved(k, v, device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-
-def _moved(key, value: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if value.is_meta:
-        from megatron_vlm_packing.packing.rows import refuse_undense
-
-        refuse_undense(key, value)
-    return value.to(device, non_blocking=True)
+    check_dense_tensors(batch)
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 def resolve_mrope(options: StepOptions, adapter: ModelAdapter, batch: dict | None = None):
