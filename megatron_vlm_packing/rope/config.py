@@ -146,8 +146,7 @@ class MRopeConfig:
                                             getattr(hf_config, "position_id_per_seconds", None), 25.0),
             audio_n_window=_int("audio_config.n_window",
                                 getattr(getattr(hf_config, "audio_config", None), "n_window", None), 50),
-            tokens_per_second=_number("vision_config.tokens_per_second", getattr(vision, "tokens_per_second", None),
-                                      1.0),
+            tokens_per_second=_tokens_per_second(family, getattr(vision, "tokens_per_second", None)),
             mrope_section=_section(rope.get("mrope_section"), DEFAULT_MROPE_SECTION[family]),
             mrope_interleaved=bool(interleaved),
             text_offset=text_offset,
@@ -179,6 +178,19 @@ def _number(name: str, value, default: float) -> float:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise ValueError(f"hf_config {name} must be a number, got {value!r}")
     return float(value)  # range (finite, > 0) checked by MRopeConfig
+
+
+def _tokens_per_second(family: str, value) -> float:
+    """Qwen2.5-VL's `vision_config.tokens_per_second`: its video t positions step by it. transformers'
+    config class fills 4 when the field is absent, and its own `get_rope_index` fails on null, so a
+    null here (or a config object without the field) is not read as any number. The other families
+    have no such field: their videos step by 1."""
+    if family != "qwen2_5_vl":
+        return _number("vision_config.tokens_per_second", value, 1.0)
+    if value is None:
+        raise ValueError("hf_config vision_config.tokens_per_second is null or missing: a Qwen2.5-VL config needs it "
+                         "(its videos' t positions step by it; transformers' config class writes 4 when absent)")
+    return _number("vision_config.tokens_per_second", value, 1.0)
 
 
 def _section(value, default: tuple[int, ...]) -> tuple[int, ...]:

@@ -233,6 +233,8 @@ _SECTION = "text_config__rope_parameters__mrope_section"
      r"mrope_interleaved must be true or false, got 'false'"),
     ({"position_id_per_seconds": True}, r"position_id_per_seconds must be a number, got True"),
     ({"position_id_per_seconds": "25"}, r"position_id_per_seconds must be a number, got '25'"),
+    # read as 1.0 before: video t positions transformers' own index never computes (it fails on null)
+    ({"vision_config__tokens_per_second": None}, r"vision_config.tokens_per_second is null or missing"),
     # AttributeError / TypeError before
     ({"text_config__rope_parameters": "x"}, r"rope_parameters must be a dict, got 'x'"),
     ({"vision_config__spatial_merge_size": None}, r"vision_config.spatial_merge_size must be an int, got None"),
@@ -295,3 +297,10 @@ def test_an_index_of_no_tokens_is_empty_in_every_family(config, grids, shape):
     """Qwen3-Omni's was an IndexError (a max over no columns) or a RuntimeError (a stack of no rows)."""
     index = get_rope_index(torch.zeros(shape, dtype=torch.long), config, **grids)
     assert index.position_ids.shape == (3, *shape) and index.deltas.shape == (shape[0], 1)
+
+
+def test_from_hf_config_reads_no_tokens_per_second_for_families_without_one():
+    """Qwen2-VL's videos step by 1: its config has no tokens_per_second, and none is needed."""
+    qwen2 = transformers.Qwen2VLConfig()
+    assert getattr(qwen2.vision_config, "tokens_per_second", None) is None
+    assert MRopeConfig.from_hf_config(qwen2).tokens_per_second == 1.0
