@@ -23,7 +23,8 @@ carried in from the previous epoch, and the layout the plan was made under (`lay
 dataset's size and fingerprints, every planner setting that moves samples between bins); the plan is
 rebuilt from the seed and iteration resumes at the next micro-batch. `load_state_dict` refuses a
 state saved under another layout (a ValueError naming the field and both values): its position
-would point at other samples. The state is plain Python values (`torch.save` / `torch.load` with
+would point at other samples; and one holding a key no format saves (a typo, or another object's
+state). The state is plain Python values (`torch.save` / `torch.load` with
 `weights_only=True` read it), and every rank saves the same state at the same count. A state of
 the earlier format (no layout) still loads, with a warning that only its seed, dataset size and DP
 size were checked.
@@ -120,6 +121,11 @@ def _cost_model_record(cost_model) -> dict:
         return {f"cost_model.{f.name}": getattr(cost_model, f.name) for f in dataclasses.fields(cost_model)}
     # a duck-typed cost model: its type is all that can be compared
     return {"cost_model": f"{type(cost_model).__module__}.{type(cost_model).__qualname__}"}
+
+
+# The keys each state format saves: 1 before the layout was recorded, STATE_FORMAT by state_dict().
+_STATE_KEYS = {1: frozenset({"format", "epoch", "position", "carried", "seed", "num_samples", "dp_size"}),
+               STATE_FORMAT: frozenset({"format", "epoch", "position", "carried", "layout"})}
 
 
 def _state_fields(state) -> tuple[int, int, tuple[int, ...]]:
@@ -356,6 +362,12 @@ class PackedBatchSampler(torch.utils.data.Sampler):
             saved = _planning_fields(state["layout"])
         else:
             raise ValueError(f"sampler state has format={version!r}; this version reads formats 1 and {STATE_FORMAT}")
+        # A key no format saves is read by nothing here: a typo ("postion") or another object's state
+        # resumed as if it were this one's.
+        unread = sorted(map(repr, set(state) - _STATE_KEYS[version]))
+        if unread:
+            raise ValueError(f"sampler state of format {version} has key(s) {', '.join(unread)} that no sampler "
+                             f"saves (it saves {sorted(_STATE_KEYS[version])}): is it this sampler's state_dict()?")
         mine = self.layout() if version == STATE_FORMAT else {key: self.layout()[key] for key in saved}
         for key in [*mine, *(k for k in saved if k not in mine)]:
             if key not in saved or key not in mine or saved[key] != mine[key]:

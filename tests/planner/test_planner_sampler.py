@@ -486,6 +486,22 @@ def test_a_state_with_fields_of_the_wrong_type_is_refused_not_truncated(samples,
         PackedBatchSampler(table, _config(), dp_rank=0).load_state_dict(state)
 
 
+def test_a_state_with_keys_no_sampler_saves_is_refused(samples):
+    """A key nothing reads (a typo of a field, or another object's state) was ignored and the state resumed."""
+    table = SampleTable.from_samples([metadata(s) for s in samples])
+    sampler = PackedBatchSampler(table, _config(), dp_rank=0)
+    state = sampler.state_dict()
+    with pytest.raises(ValueError, match=r"sampler state of format 2 has key\(s\) 'postion' that no sampler saves"):
+        PackedBatchSampler(table, _config(), dp_rank=0).load_state_dict({**state, "postion": 3})
+    old = {"epoch": 0, "position": 3, "carried": [], "seed": 3, "num_samples": len(samples), "dp_size": 2}
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match=r"format 1 has key\(s\) 'layout', 'tail'"):
+        PackedBatchSampler(table, _config(), dp_rank=0).load_state_dict({**old, "tail": "carry", "layout": {}})
+    resumed = PackedBatchSampler(table, _config(), dp_rank=0)
+    with pytest.warns(UserWarning):
+        resumed.load_state_dict({**old, "format": 1})  # format 1 written out loads as before
+    assert resumed.state_dict()["position"] == 3
+
+
 def test_a_sampler_refuses_arguments_of_the_wrong_type(samples):
     table = SampleTable.from_samples([metadata(s) for s in samples])
     sampler = PackedBatchSampler(table, _config(), dp_rank=0)
