@@ -9,16 +9,19 @@
 2. `apply_sp_padding_mask_scatter()`: when the caller supplies `decoder_input`, Megatron-Core
    (0.16-0.19) leaves `padding_mask` full length while the decoder sees T/tp tokens per rank, so
    the MoE router's mask no longer lines up with its tokens. The patch scatters a full-length mask,
-   and leaves one that is already local alone (never scatters twice). Delete it once upstream
-   scatters the mask on the decoder_input path too.
+   and leaves one that is already local alone (never scatters twice); it applies only while that
+   path leaves the mask untouched (`upstream_scatters_mask_with_decoder_input`). Delete it once
+   upstream scatters the mask on the decoder_input path too.
 
 Both are explicit, idempotent and reversible; neither runs on import.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
+import textwrap
 
 import torch
 
@@ -36,6 +39,31 @@ def upstream_scatters_standalone_embeddings() -> bool:
     GPTModel = _gpt_model()
     source = "".join(inspect.getsource(fn) for fn in (GPTModel.forward, getattr(GPTModel, "_preprocess", GPTModel.forward)))
     return "not self.embedding.scatter_to_sequence_parallel" in source
+
+
+def upstream_scatters_mask_with_decoder_input() -> bool:
+    """Feature check: does GPTModel touch `padding_mask` in the branch it takes when `decoder_input` is
+    given (`if decoder_input is not None:` in `_preprocess`, or `forward` before it existed)?
+
+    Megatron-Core 0.16-0.19 leave that branch empty of it (the mask stays full length there). A
+    version that scatters or checks the mask there would see a mask this patch already scattered,
+    so the patch stands down. A source without that branch (rewritten upstream) reads as the defect
+    present: the patch then applies, and still leaves a mask already local alone.
+    """
+    GPTModel = _gpt_model()
+    tree = ast.parse(textwrap.dedent(inspect.getsource(getattr(GPTModel, "_preprocess", GPTModel.forward))))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and _tests_decoder_input_given(node.test):
+            return any(isinstance(name, ast.Name) and name.id == "padding_mask"
+                       for statement in node.body for name in ast.walk(statement))
+    return False
+
+
+def _tests_decoder_input_given(test: ast.expr) -> bool:
+    """`decoder_input is not None`."""
+    return isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "decoder_input" \
+        and [type(op) for op in test.ops] == [ast.IsNot] \
+        and isinstance(test.comparators[0], ast.Constant) and test.comparators[0].value is None
 
 
 def scatter_sequence(x: torch.Tensor, seq_dim: int) -> torch.Tensor:
@@ -111,7 +139,10 @@ def undo_sp_embedding_scatter() -> None:
 
 
 def apply_sp_padding_mask_scatter() -> bool:
-    """Scatter a full-length padding_mask under SP when decoder_input is given. Returns True."""
+    """Scatter a full-length padding_mask under SP when decoder_input is given, where Megatron-Core
+    does not (`upstream_scatters_mask_with_decoder_input`). Returns whether the patch is active."""
+    if upstream_scatters_mask_with_decoder_input():
+        return False
     if "padding_mask" not in _APPLIED:
         _install()
         _APPLIED.append("padding_mask")

@@ -20,3 +20,38 @@ def test_sp_patches():
     assert r["mask_unpatched"] == (1, 2 * local)
     assert r["mask_patched"] == (1, local) and r["mask_already_local"] == (1, local)
     assert r["was_wrapped"] and r["restored"]
+
+
+def test_padding_mask_patch_detects_the_defect_not_a_version(monkeypatch):
+    """The installed megatron-core leaves padding_mask alone when decoder_input is given (the SP test
+    above sees it full length), so the patch applies; a GPTModel whose decoder_input branch handles the
+    mask itself makes it stand down, and so does not install."""
+    from megatron_vlm_packing.patches import gpt_model_forward as patch
+
+    assert patch.upstream_scatters_mask_with_decoder_input() is False
+
+    class FixedUpstream:
+        def _preprocess(self, input_ids, decoder_input=None, padding_mask=None):
+            if decoder_input is not None:
+                if padding_mask is not None and self.config.sequence_parallel:
+                    padding_mask = scatter(padding_mask)  # noqa: F821 (read as source, never run)
+            return decoder_input, padding_mask
+
+        def forward(self, *args, **kwargs):
+            return self._preprocess(*args, **kwargs)
+
+    class UntouchedUpstream(FixedUpstream):
+        def _preprocess(self, input_ids, decoder_input=None, padding_mask=None):
+            if decoder_input is not None:
+                pass
+            elif padding_mask is not None:
+                padding_mask = padding_mask[:, :1]
+            return decoder_input, padding_mask
+
+    monkeypatch.setattr(patch, "_gpt_model", lambda: FixedUpstream)
+    assert patch.upstream_scatters_mask_with_decoder_input() is True
+    assert patch.apply_sp_padding_mask_scatter() is False
+    assert "padding_mask" not in patch._APPLIED and FixedUpstream.forward.__name__ == "forward" \
+        and not hasattr(FixedUpstream.forward, "__wrapped__")
+    monkeypatch.setattr(patch, "_gpt_model", lambda: UntouchedUpstream)
+    assert patch.upstream_scatters_mask_with_decoder_input() is False  # a mask read only on the other branch
