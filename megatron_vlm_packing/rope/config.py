@@ -155,12 +155,12 @@ class MRopeConfig:
 
 
 # The fields `get_rope_index` reads for each family: the positions it gives depend on these and on no
-# other field (tests/rope/test_position_fields.py changes every other field and sees the same positions,
-# and each of these and sees them change). `mrope_section` and `mrope_interleaved` are never among them:
-# they lay the rotary's frequencies out over (t, h, w) inside the model, from the model's own settings,
-# after the positions are made. `vision_start_token_id`, the audio fields and `position_id_per_seconds`
-# are read by Qwen3-Omni's rule only, `tokens_per_second` by Qwen2.5-VL's only, `text_offset` by all but
-# Qwen3-Omni's (rope/omni.py resumes text by its own rule).
+# other field (tests/rope/test_position_fields.py: changing any other field leaves every position as it
+# was; changing one of these changes some, or makes the index refuse the rows). `mrope_section` and
+# `mrope_interleaved` are never among them: they lay the rotary's frequencies out over (t, h, w) inside
+# the model, from the model's own settings, after the positions are made. `vision_start_token_id`, the
+# audio fields and `position_id_per_seconds` are read by Qwen3-Omni's rule only, `tokens_per_second` by
+# Qwen2.5-VL's only, `text_offset` by all but Qwen3-Omni's (rope/omni.py resumes text by its own rule).
 _BLOCK_FIELDS = ("family", "spatial_merge_size", "image_token_id", "video_token_id")
 POSITION_FIELDS: dict[str, tuple[str, ...]] = {
     "qwen2_vl": _BLOCK_FIELDS + ("text_offset",),
