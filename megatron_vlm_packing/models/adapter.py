@@ -128,6 +128,34 @@ def check_loader_kind(micro_batch: MicroBatch, options) -> None:
                          f"pack={options.pack}: make_forward_step(pack={micro_batch.is_packed}) or build it the other way")
 
 
+def check_loader_mrope(micro_batch: MicroBatch, mrope, source: str) -> None:
+    """A micro-batch packed before the step (a `PackingCollator`, `pack_batch` / `pad_batch` by hand) whose
+    mRoPE positions an `MRopeConfig` made (`micro_batch.mrope_config`) must have been made with the
+    model's config `mrope` (what `train.step.resolve_mrope` gives): else every image and video token
+    trains at positions the model never computes, silently. Only the fields that make positions are
+    compared (`rope.config.position_differences`: not `mrope_section` / `mrope_interleaved`, which lay
+    out the model's rotary from its own config). Nothing is compared when the micro-batch records no
+    config (positions given in the batch or made by a callable) or `mrope` is no `MRopeConfig` (a
+    callable, or None: a model that takes positions as given). Reads no tensor value.
+
+    Raises:
+        ValueError: naming each differing field with both values, and `source` (where the model's
+            config came from).
+    """
+    from megatron_vlm_packing.rope import MRopeConfig
+    from megatron_vlm_packing.rope.config import position_differences
+
+    made_with = micro_batch.mrope_config
+    if made_with is None or not isinstance(mrope, MRopeConfig) or micro_batch.position_ids.dim() != 3:
+        return
+    differences = position_differences(made_with, mrope)
+    if differences:
+        named = ", ".join(f"{name}={made!r} where the model's is {wanted!r}" for name, made, wanted in differences)
+        raise ValueError(f"the micro-batch from the data iterator has mRoPE positions made with another MRopeConfig "
+                         f"than the model's ({source}): {named}; build the PackingCollator (or pack_batch / "
+                         f"pad_batch) with mrope= the model's MRopeConfig")
+
+
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The model inside DDP / Float16Module / similar wrappers (each holds it as `.module`)."""
     seen = 0

@@ -20,7 +20,7 @@ from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch
 from megatron_vlm_packing.packing.plain_host import PlainPack, pack_plain_batch_on_host
 from megatron_vlm_packing.packing.pack import pack_next_token_labels, pack_positions, pack_rows, segment_positions
 from megatron_vlm_packing.packing.positions import (
-    POSITION_LAYOUTS, check_1d_positions_on_host, check_position_layout,
+    POSITION_LAYOUTS, check_1d_positions_on_host, check_position_layout, positions_config,
 )
 from megatron_vlm_packing.packing.indices import PackIndices, plan_indices
 from megatron_vlm_packing.packing.plan import PackMultiples, PackPlan, checked_pad_to, make_pack_plan
@@ -211,12 +211,13 @@ def pack_batch(
     return _packed_micro_batch(plan, indices, input_ids, labels, loss_mask, positions, row_tokens=rows.row_tokens,
                                vision=rows.vision, audio=rows.audio,
                                extras={key: pack_rows(value, indices) for key, value in rows.extras.items()},
-                               placeholders_checked=checked_placeholders(batch, media))
+                               placeholders_checked=checked_placeholders(batch, media),
+                               mrope_config=positions_config(mrope))
 
 
 def _packed_micro_batch(plan: PackPlan, indices: PackIndices, input_ids: torch.Tensor, labels: torch.Tensor,
                         loss_mask: torch.Tensor, positions: torch.Tensor, *, row_tokens: int, vision=None, audio=None,
-                        extras=None, placeholders_checked=()) -> MicroBatch:
+                        extras=None, placeholders_checked=(), mrope_config=None) -> MicroBatch:
     """The `MicroBatch` of a pack (both of `pack_batch`'s paths): [1, T] fields, boundaries, stats."""
     return MicroBatch(
         input_ids=input_ids,
@@ -234,6 +235,7 @@ def _packed_micro_batch(plan: PackPlan, indices: PackIndices, input_ids: torch.T
         plan=plan,
         indices=indices,
         placeholders_checked=placeholders_checked,
+        mrope_config=mrope_config,
     )
 
 

@@ -15,7 +15,10 @@ value back to the host (checked by `testing.sync_counter`: 0 syncs for a packed 
     forward_step = make_forward_step()  # packs in the step only when the iterator yields dicts
 
 The collator packs for one parallel layout (tp/cp/sp/fp8): the step refuses a micro-batch whose
-alignment does not match the model's layout (a ValueError naming both).
+alignment does not match the model's layout (a ValueError naming both). Likewise for mRoPE: the micro-batch
+records the `MRopeConfig` that made its positions (`MicroBatch.mrope_config`), and the step refuses one
+made with another config than the model's (`make_forward_step(mrope=)`, else the model's own, e.g.
+`PackedVLM(mrope=)`), naming each differing field that makes positions.
 """
 
 from __future__ import annotations
@@ -49,6 +52,12 @@ class PackingCollator:
         tp_size, cp_size, sequence_parallel, fp8, pad_to: the layout the pack is aligned for.
         label_style, mrope, pad_token_id, extra_keys, pack_options: passed to `pack_batch`
             (`pack_options`: any other keyword of it, e.g. image_token_id).
+        mrope: give the model's own `MRopeConfig` (the one `make_forward_step(mrope=)` or the model's
+            adapter holds): each micro-batch records it (`MicroBatch.mrope_config`) and the step refuses
+            one whose config differs from the model's in a field that makes positions (merge size,
+            placeholder ids, tokens_per_second, text_offset, family, ...; not mrope_section /
+            mrope_interleaved, which only lay out the model's rotary). Positions from a callable record
+            nothing and are not checked (a callable cannot be compared with the model's config).
     """
 
     collate: Callable[[list], dict] | None = None

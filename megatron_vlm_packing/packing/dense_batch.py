@@ -15,6 +15,7 @@ from megatron_vlm_packing.packing.dense import pad_or_truncate_positions, pad_or
 from megatron_vlm_packing.packing.media import MediaTokens, checked_placeholders
 from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch
 from megatron_vlm_packing.packing.plan import PackMultiples, round_up
+from megatron_vlm_packing.packing.positions import positions_config
 from megatron_vlm_packing.packing.rows import (
     IGNORE_INDEX, INT64_MAX, Rows, check_flags, check_pad_token_id, checked_extra_keys, read_rows,
 )
@@ -116,7 +117,7 @@ def pad_batch(
     multiple = PackMultiples.for_parallel(tp_size=tp_size, cp_size=cp_size, sequence_parallel=sequence_parallel,
                                           fp8=fp8).total
     length = _checked_dense_length(rows, multiple, seq_length=seq_length, truncate=truncate)
-    return _dense_micro_batch(rows, length, pad_token_id, batch, media)
+    return _dense_micro_batch(rows, length, pad_token_id, batch, media, mrope_config=positions_config(mrope))
 
 
 def _checked_dense_length(rows: Rows, multiple: int, *, seq_length: int | None, truncate: bool) -> int:
@@ -130,8 +131,10 @@ def _checked_dense_length(rows: Rows, multiple: int, *, seq_length: int | None, 
     return length
 
 
-def _dense_micro_batch(rows: Rows, length: int, pad_token_id: int, batch, media: MediaTokens) -> MicroBatch:
-    """`pad_batch`'s `MicroBatch` of `rows` padded (or cut, with `truncate`) to [B, L] (L = `length`)."""
+def _dense_micro_batch(rows: Rows, length: int, pad_token_id: int, batch, media: MediaTokens, *,
+                       mrope_config=None) -> MicroBatch:
+    """`pad_batch`'s `MicroBatch` of `rows` padded (or cut, with `truncate`) to [B, L] (L = `length`);
+    `mrope_config`: the `MRopeConfig` that made its positions (`positions.positions_config`)."""
     batch_size, row_length = rows.input_ids.shape
     keep = pad_or_truncate_rows(rows.keep, length, pad_value=False)
     if rows.positions is None:
@@ -158,4 +161,5 @@ def _dense_micro_batch(rows: Rows, length: int, pad_token_id: int, batch, media:
         audio=rows.audio,
         extras={key: pad_or_truncate_rows(value, length) for key, value in rows.extras.items()},
         placeholders_checked=checked_placeholders(batch, media),
+        mrope_config=mrope_config,
     )

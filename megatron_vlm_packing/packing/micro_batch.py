@@ -14,9 +14,12 @@ L = audio frames.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import torch
+
+if TYPE_CHECKING:  # rope imports packing: imported at run time here it would be a cycle
+    from megatron_vlm_packing.rope import MRopeConfig
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,13 @@ class MicroBatch:
             its read, set by `pack_batch` / `pad_batch` / LLaVA's packers (kept by moves and `replace`);
             a micro-batch whose `loss_mask` is another tensor (built or changed by hand) is checked by
             the step (`train.step.check_unpacked_loss_weights`, one host sync then only).
+        mrope_config: the `rope.MRopeConfig` that made the mRoPE `position_ids` (`pack_batch` / `pad_batch`
+            / `PackingCollator` given `mrope=` a config; kept by `localize`, the moves and `replace`). None
+            when the positions are 1D, were given in the batch, or came from a callable `mrope`: a callable
+            cannot be compared with a model's config (nor kept by identity: a DataLoader worker pickles it),
+            so such positions are taken as they are. The step refuses a micro-batch from the data iterator
+            whose config differs from the model's in a field that makes positions
+            (`models.adapter.check_loader_mrope`, `rope.config.POSITION_FIELDS`).
     """
 
     input_ids: torch.Tensor
@@ -141,6 +151,7 @@ class MicroBatch:
     full_fields: frozenset[str] = frozenset()
     placeholders_checked: tuple[tuple[str, int], ...] = ()
     checked_loss_mask: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    mrope_config: MRopeConfig | None = None
 
     @property
     def loss_weights_checked(self) -> bool:

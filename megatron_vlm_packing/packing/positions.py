@@ -65,6 +65,17 @@ def rope_positions(batch: Mapping, input_ids: torch.Tensor, keep: torch.Tensor, 
     return positions
 
 
+def positions_config(mrope):
+    """What a micro-batch records as the config of its positions (`MicroBatch.mrope_config`): `mrope` when it
+    is an `MRopeConfig` (it made the positions), else None (1D positions, positions given in the batch, or a
+    callable's, which cannot be compared with a model's config)."""
+    if mrope is None:
+        return None
+    from megatron_vlm_packing.rope import MRopeConfig
+
+    return mrope if isinstance(mrope, MRopeConfig) else None
+
+
 def check_position_layout(position_layout) -> None:
     """`position_layout` is None, "3BS" or "B3S" (checked with or without position_ids in the batch)."""
     if position_layout is not None and position_layout not in POSITION_LAYOUTS:

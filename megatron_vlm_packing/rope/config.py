@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -151,6 +151,36 @@ class MRopeConfig:
             mrope_interleaved=bool(interleaved),
             text_offset=text_offset,
         )
+
+
+# The fields `get_rope_index` reads for each family: the positions it gives depend on these and on no
+# other field (tests/rope/test_position_fields.py: changing any other field leaves every position as it
+# was; changing one of these changes some, or makes the index refuse the rows). `mrope_section` and
+# `mrope_interleaved` are never among them: they lay the rotary's frequencies out over (t, h, w) inside
+# the model, from the model's own settings, after the positions are made. `vision_start_token_id`, the
+# audio fields and `position_id_per_seconds` are read by Qwen3-Omni's rule only, `tokens_per_second` by
+# Qwen2.5-VL's only, `text_offset` by all but Qwen3-Omni's (rope/omni.py resumes text by its own rule).
+_BLOCK_FIELDS = ("family", "spatial_merge_size", "image_token_id", "video_token_id")
+POSITION_FIELDS: dict[str, tuple[str, ...]] = {
+    "qwen2_vl": _BLOCK_FIELDS + ("text_offset",),
+    "qwen2_5_vl": _BLOCK_FIELDS + ("tokens_per_second", "text_offset"),
+    "qwen3_vl": _BLOCK_FIELDS + ("text_offset",),
+    "qwen3_omni": _BLOCK_FIELDS + ("vision_start_token_id", "audio_token_id", "audio_start_token_id",
+                                   "position_id_per_seconds", "audio_n_window"),
+}
+
+
+def position_differences(made_with: MRopeConfig, wanted: MRopeConfig) -> tuple[tuple[str, object, object], ...]:
+    """(field, `made_with`'s value, `wanted`'s value) of each field that makes positions (`POSITION_FIELDS` of
+    either config's family) and differs, in the dataclass's field order; empty when the positions `made_with`
+    gives are the ones `wanted` gives, whatever the rows.
+
+    MRopeConfig(family="qwen2_5_vl", tokens_per_second=1.0, mrope_section=(1, 1, 2)) against
+    MRopeConfig(family="qwen2_5_vl", tokens_per_second=2.0) -> (("tokens_per_second", 1.0, 2.0),)
+    """
+    compared = set(POSITION_FIELDS[made_with.family]) | set(POSITION_FIELDS[wanted.family])
+    return tuple((f.name, getattr(made_with, f.name), getattr(wanted, f.name)) for f in fields(MRopeConfig)
+                 if f.name in compared and getattr(made_with, f.name) != getattr(wanted, f.name))
 
 
 # Readers of one config field: a JSON config may write an int as 2.0 (kept, as int() did), but 2.5, True or "2"

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 from torch import nn
 
-from megatron_vlm_packing.models.adapter import ModelAdapter, adapter_for, unwrap_model
+from megatron_vlm_packing.models.adapter import ModelAdapter, adapter_for, check_loader_mrope, unwrap_model
 from megatron_vlm_packing.packing.localize import localize
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
 from megatron_vlm_packing.packing.row_fields import check_dense_tensors, check_flags
@@ -232,14 +232,18 @@ def micro_batch_for_model(item: dict | MicroBatch, adapter: ModelAdapter, layout
         probing: the parity probe will re-pack the batch sample by sample.
 
     Raises:
-        ValueError: probing a micro-batch the probe cannot re-pack (loader- or adapter-built), or
-            `mrope=` for a model whose rotary is 1D.
+        ValueError: probing a micro-batch the probe cannot re-pack (loader- or adapter-built),
+            `mrope=` for a model whose rotary is 1D, or a loader micro-batch whose mRoPE positions
+            another config made (`check_loader_mrope`).
     """
     if isinstance(item, MicroBatch):  # packed in the DataLoader: only moved here
         if probing:
             raise ValueError("parity_probe_every needs collated batches (it re-packs each sample alone); "
                              "the data iterator yielded micro-batches packed in the DataLoader")
-        resolve_mrope(options, adapter)  # refuses mrope= for a 1D model here too
+        mrope = resolve_mrope(options, adapter)  # refuses mrope= for a 1D model here too
+        source = "make_forward_step(mrope=...)" if options.mrope is not None \
+            else f"{adapter.model_name}'s own, {type(adapter).__name__}.mrope"
+        check_loader_mrope(item, mrope, source)
         return BuiltMicroBatch(adapter.micro_batch_from_loader(item, layout, options, device))
     batch = to_device(item, device)
     mrope_used = resolve_mrope(options, adapter, batch)

@@ -41,6 +41,19 @@ def test_adapter_needs_keep_ids_and_positions_full():
     assert local.full_fields == {"input_ids", "position_ids"}
 
 
+@pytest.mark.parametrize("rank, needs", [(0, LocalizeNeeds()), (1, LocalizeNeeds(full_input_ids=True,
+                                                                                   full_position_ids=True))])
+def test_the_config_that_made_mrope_positions_is_kept_on_every_rank(rank, needs):
+    """`mrope_config` (what the step compares with the model's) survives the CP cut, positions cut or full."""
+    from megatron_vlm_packing.rope import MRopeConfig
+
+    rope = MRopeConfig(family="qwen2_vl", image_token_id=900, video_token_id=901)
+    mb = pack_batch(batch(), cp_size=2, label_style="hf", mrope=rope)
+    local = localize(mb, ParallelLayout(cp_size=2, cp_rank=rank), needs)
+    assert local.cp_index is not None and local.position_ids.dim() == 3
+    assert local.mrope_config is rope
+
+
 def test_localizing_twice_is_refused():
     mb = pack_batch(batch(), cp_size=2, label_style="hf")
     once = localize(mb, ParallelLayout(cp_size=2, cp_rank=0))

@@ -1,6 +1,8 @@
 """PackingCollator in a real DataLoader worker: the same micro-batch as pack_batch, every CP rank's
 index built in the worker, pinning and moving keep shared boundaries shared, layouts checked."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -31,10 +33,36 @@ def test_a_worker_packs_what_pack_batch_packs_with_every_cp_index():
             assert torch.equal(getattr(packed, name), getattr(expected, name)), name
         assert torch.equal(packed.vision.pixel_values, expected.vision.pixel_values)
         assert packed.position_ids.shape[0] == 3  # mRoPE positions computed in the worker
+        assert packed.mrope_config == ROPE  # the config that made them, pickled back with them
         cu = expected.packed_seq_params.cu_seqlens_q_padded
         cached = packed.indices.__dict__["_cp_indices"]  # built in the worker, not in the step
         for rank in (0, 1):
             assert torch.equal(cached[(2, rank)], cp_partition_index(cu, 2, rank))
+
+
+def test_the_config_that_made_the_positions_travels_with_the_micro_batch():
+    """`mrope_config` (what the step compares with the model's) survives every move and the CP cut; None when
+    no MRopeConfig made the positions (1D, or a callable's: it cannot be compared)."""
+    from functools import partial
+
+    from megatron_vlm_packing.packing.collate import map_tensors
+    from megatron_vlm_packing.packing.localize import LocalizeNeeds, localize
+    from megatron_vlm_packing.parallel.layout import ParallelLayout
+    from megatron_vlm_packing.rope import get_rope_index
+
+    batch = collate(synthetic_samples(4, seed=8, cfg=DATA))
+    packed = PackingCollator(cp_size=2, mrope=ROPE)(batch)
+    moved = micro_batch_to(packed, torch.device("cpu"))
+    for copy in (moved, map_tensors(packed, lambda t: t.clone()), own_storages(packed),
+                 dataclasses.replace(packed, labels=packed.labels.clone())):
+        assert copy.mrope_config == ROPE
+    for rank, needs in ((0, LocalizeNeeds(full_input_ids=True, full_position_ids=True)), (1, LocalizeNeeds())):
+        local = localize(moved, ParallelLayout(cp_size=2, cp_rank=rank), needs)
+        assert local.cp_index is not None and local.mrope_config == ROPE
+    ids = dict(image_token_id=DATA.image_token_id)
+    assert PackingCollator(pack_options=ids)(batch).mrope_config is None
+    by_callable = PackingCollator(mrope=partial(get_rope_index, config=ROPE), pack_options=ids)(batch)
+    assert by_callable.position_ids.dim() == 3 and by_callable.mrope_config is None
 
 
 def test_moving_keeps_the_boundaries_shared_and_the_type():
