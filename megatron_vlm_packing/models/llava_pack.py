@@ -326,19 +326,15 @@ class LlavaPackingCollator:
 
     def __post_init__(self) -> None:
         from megatron_vlm_packing.packing.collate import check_collate
-        from megatron_vlm_packing.packing.plan import checked_pad_to
-        from megatron_vlm_packing.packing.rows import check_flags, check_pad_token_id
+        from megatron_vlm_packing.packing.rows import check_pack_arguments
 
         # Else an AttributeError ('total_multiple') / TypeError (not callable) in a worker at the first batch.
         if not isinstance(self.space, LlavaSpace):
             raise ValueError(f"LlavaPackingCollator's space must be a LlavaSpace (LlavaSpace.of(model)), "
                              f"got {type(self.space).__name__}")
         check_collate(self.collate, "LlavaPackingCollator")
-        check_flags(fp8=self.fp8)
-        if self.label_style not in ("hf", "megatron"):
-            raise ValueError(f"label_style must be 'megatron' or 'hf', got {self.label_style!r}")
-        checked_pad_to(self.pad_to)
-        check_pad_token_id(self.pad_token_id)
+        check_pack_arguments(fp8=self.fp8, label_style=self.label_style, pad_to=self.pad_to,
+                             pad_token_id=self.pad_token_id)
 
     def __call__(self, samples):
         from megatron_vlm_packing.models.llava import aligned_space

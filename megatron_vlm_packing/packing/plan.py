@@ -67,10 +67,9 @@ class PackMultiples:
         for name, value in (("tp_size", tp_size), ("cp_size", cp_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        for name, value in (("sequence_parallel", sequence_parallel), ("fp8", fp8)):
-            if not isinstance(value, bool):  # a truthy string ("false") must not switch alignment on
-                hint = " (for Megatron's fp8 format: fp8=config.fp8 is not None)" if name == "fp8" else ""
-                raise ValueError(f"{name} must be a bool, got {value!r}{hint}")
+        if not isinstance(sequence_parallel, bool):  # a truthy string ("false") must not switch alignment on
+            raise ValueError(f"sequence_parallel must be a bool, got {sequence_parallel!r}")
+        check_fp8(fp8)
         segment = 2 * cp_size if cp_size > 1 else 1
         per_rank = cp_size * (tp_size if sequence_parallel else 1)
         total = math.lcm(segment, per_rank * (16 if fp8 else 1))
@@ -242,6 +241,17 @@ def check_int32_total(total: int, real: int) -> None:
     if total >= 2**31:
         raise ValueError(f"the pack has {total} slots ({real} real tokens), more than int32 cu_seqlens can hold "
                          f"(< 2**31): a smaller pad_to, or fewer rows per micro-batch")
+
+
+def check_fp8(fp8) -> None:
+    """`fp8` is a bool: a truthy string ("false") or Megatron's fp8 format ("e4m3") must not switch FP8's
+    alignment on.
+
+    Raises:
+        ValueError: `fp8` is not a bool (naming it).
+    """
+    if not isinstance(fp8, bool):
+        raise ValueError(f"fp8 must be a bool, got {fp8!r} (for Megatron's fp8 format: fp8=config.fp8 is not None)")
 
 
 def checked_pad_to(pad_to) -> int | None:

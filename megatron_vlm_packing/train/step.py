@@ -35,7 +35,7 @@ from torch import nn
 from megatron_vlm_packing.models.adapter import ModelAdapter, adapter_for, unwrap_model
 from megatron_vlm_packing.packing.localize import localize
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
-from megatron_vlm_packing.packing.row_fields import check_dense_tensors, check_flags
+from megatron_vlm_packing.packing.row_fields import check_dense_tensors, check_flags, check_pack_arguments
 from megatron_vlm_packing.parallel.layout import ParallelLayout
 from megatron_vlm_packing.train.loss import loss_func
 from megatron_vlm_packing.validate.step_probe import StepProbe
@@ -55,8 +55,6 @@ class StepOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.pack, bool):  # pack=None ran dense and pack="no" packed, silently
             raise ValueError(f"pack must be a bool, got {self.pack!r}")
-        if self.label_style not in ("hf", "megatron"):
-            raise ValueError(f"label_style must be 'hf' or 'megatron', got {self.label_style!r}")
         if self.pack and self.seq_length is not None:
             raise ValueError(f"seq_length={self.seq_length} is the dense row length (pack=False); "
                              f"with pack=True use pad_to for a fixed packed length")
@@ -66,15 +64,9 @@ class StepOptions:
         self._check_values()
 
     def _check_values(self) -> None:
-        """fp8, pad_to, seq_length and mrope as the packers take them, checked when the step is made, not at its
-        first micro-batch (from the DataLoader, pad_to="8" was compared with the pack's length as it was)."""
-        from megatron_vlm_packing.packing.plan import checked_pad_to
-        from megatron_vlm_packing.rope import MRopeConfig
-
-        if not isinstance(self.fp8, bool):
-            raise ValueError(f"fp8 must be a bool, got {self.fp8!r} (for Megatron's fp8 format: "
-                             f"fp8=config.fp8 is not None)")
-        pad_to = checked_pad_to(self.pad_to)
+        """label_style, fp8, pad_to, seq_length and mrope as the packers take them, checked when the step is made,
+        not at its first micro-batch (from the DataLoader, pad_to="8" was compared with the pack's length as it was)."""
+        pad_to = check_pack_arguments(fp8=self.fp8, label_style=self.label_style, pad_to=self.pad_to, mrope=self.mrope)
         if pad_to is not None and pad_to < 1:
             raise ValueError(f"pad_to must be a positive int (the packed length T) or None, got {pad_to!r}")
         object.__setattr__(self, "pad_to", pad_to)  # an integer scalar as its int, as pack_batch reads it
@@ -82,8 +74,6 @@ class StepOptions:
                                             or self.seq_length < 1):
             raise ValueError(f"seq_length must be a positive int (the dense row length) or None, "
                              f"got {self.seq_length!r}")
-        if self.mrope is not None and not callable(self.mrope) and not isinstance(self.mrope, MRopeConfig):
-            raise ValueError(f"mrope must be an MRopeConfig, a callable or None, got {type(self.mrope).__name__}")
 
 
 def _iterator(data_iterator) -> Iterator:
