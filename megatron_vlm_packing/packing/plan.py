@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_vlm_packing.packing.bounds import is_int
+
 
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
@@ -65,8 +67,9 @@ class PackMultiples:
           each rank multiplies to be a multiple of 16.
         """
         for name, value in (("tp_size", tp_size), ("cp_size", cp_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        tp_size, cp_size = int(tp_size), int(cp_size)  # numpy ints: the multiples are Python ints
         if not isinstance(sequence_parallel, bool):  # a truthy string ("false") must not switch alignment on
             raise ValueError(f"sequence_parallel must be a bool, got {sequence_parallel!r}")
         check_fp8(fp8)

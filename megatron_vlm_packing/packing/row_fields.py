@@ -15,7 +15,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from megatron_vlm_packing.packing.bounds import INT64_MAX
+from megatron_vlm_packing.packing.bounds import INT64_MAX, is_int
 from megatron_vlm_packing.packing.checks import is_integer_tensor
 from megatron_vlm_packing.packing.documents import DOCUMENT_KEY
 from megatron_vlm_packing.packing.lengths import widened_unsigned
@@ -135,12 +135,12 @@ def checked_loss_values(batch: Mapping, shape: tuple[int, int]) -> torch.Tensor 
 
 
 def check_pad_token_id(pad_token_id) -> int:
-    """`pad_token_id` as given: a ValueError unless it is an int in [0, 2**63 - 1] (not a bool)."""
-    if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or pad_token_id < 0:
+    """`pad_token_id` as a Python int: a ValueError unless it is an int in [0, 2**63 - 1] (`bounds.is_int`)."""
+    if not is_int(pad_token_id) or pad_token_id < 0:
         raise ValueError(f"pad_token_id must be a non-negative int (the id written at pad slots), got {pad_token_id!r}")
     if pad_token_id > INT64_MAX:
         raise ValueError(f"pad_token_id must be at most 2**63 - 1 (ids are int64), got {pad_token_id}")
-    return pad_token_id
+    return int(pad_token_id)
 
 
 def check_label_style(label_style) -> None:
@@ -218,7 +218,7 @@ def per_token_extras(batch: Mapping, extra_keys, shape) -> dict:
 def check_vocab_size(vocab_size) -> None:
     """`vocab_size` is None or a positive int at most 2**63 - 1 (ids are compared with it as int64), else a
     ValueError naming it."""
-    if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
+    if vocab_size is not None and (not is_int(vocab_size) or vocab_size < 1):
         raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
     if vocab_size is not None and vocab_size > INT64_MAX:  # ids are compared with it as int64
         raise ValueError(f"vocab_size must be at most 2**63 - 1 (ids are int64), got {vocab_size}")

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from megatron_vlm_packing.models.adapter import ModelAdapter, adapter_for, unwrap_model
+from megatron_vlm_packing.packing.bounds import is_int
 from megatron_vlm_packing.packing.localize import localize
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
 from megatron_vlm_packing.packing.row_fields import check_dense_tensors, check_flags, check_pack_arguments
@@ -70,10 +71,11 @@ class StepOptions:
         if pad_to is not None and pad_to < 1:
             raise ValueError(f"pad_to must be a positive int (the packed length T) or None, got {pad_to!r}")
         object.__setattr__(self, "pad_to", pad_to)  # an integer scalar as its int, as pack_batch reads it
-        if self.seq_length is not None and (isinstance(self.seq_length, bool) or not isinstance(self.seq_length, int)
-                                            or self.seq_length < 1):
+        if self.seq_length is not None and (not is_int(self.seq_length) or self.seq_length < 1):
             raise ValueError(f"seq_length must be a positive int (the dense row length) or None, "
                              f"got {self.seq_length!r}")
+        if self.seq_length is not None:
+            object.__setattr__(self, "seq_length", int(self.seq_length))  # a numpy int as its int, as pad_to
 
 
 def _iterator(data_iterator) -> Iterator:
