@@ -108,3 +108,20 @@ def test_numpy_options_pack_as_python_ints():
         assert all(type(n) is int for n in as_numpy.plan.physical_lengths + (as_numpy.plan.multiples.total,))
     dense = pad_batch(dict(batch), pad_token_id=np.int64(3), seq_length=np.int64(6))
     assert torch.equal(dense.input_ids, pad_batch(dict(batch), pad_token_id=3, seq_length=6).input_ids)
+
+
+def test_unpack_rows_takes_numpy_sizes_as_python_ints():
+    """unpack_rows refused a numpy B or S; as Python ints B*S cannot wrap in the int64 bound check."""
+    from megatron_vlm_packing.packing import make_pack_plan, pack_rows, plan_indices, unpack_rows
+
+    rows = torch.tensor([[1, 2, 3, 0], [4, 5, 0, 0]])
+    plan = make_pack_plan([3, 2], row_capacity=4)
+    indices = plan_indices(plan, "cpu")
+    packed = pack_rows(rows, indices)
+    for given_plan in (plan, None):
+        back = unpack_rows(packed, indices, batch_size=np.int64(2), row_length=np.int32(4), plan=given_plan)
+        assert torch.equal(back, rows)
+    with pytest.raises(ValueError, match=r"B\*S = 85070591730234615847396907784232501249, more than torch can index"):
+        unpack_rows(packed, indices, batch_size=np.int64(2**63 - 1), row_length=np.int64(2**63 - 1))
+    with pytest.raises(ValueError, match=r"row_length must be a positive int, got np.True_"):
+        unpack_rows(packed, indices, batch_size=2, row_length=np.bool_(True))
