@@ -12,6 +12,7 @@ arithmetic where a Python int does not.
 """
 
 import numbers
+import operator
 
 INT64_MAX = 2**63 - 1  # torch.iinfo(torch.int64).max
 
@@ -19,6 +20,18 @@ INT64_MAX = 2**63 - 1  # torch.iinfo(torch.int64).max
 def is_int(value) -> bool:
     """`value` is a Python int or a numpy integer (any `numbers.Integral`), not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def integer_scalar(value) -> int | None:
+    """`value` as a Python int when it is an integer scalar: a Python or numpy int, or an integer tensor of one
+    element (`operator.index`), not a bool; else None. For lengths that may come out of a tensor (`pad_to`,
+    dense B and S), where `is_int` takes no tensor."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def checked_int(value, name: str, *, least: int | None = None, optional: bool = False) -> int | None:

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
 from dataclasses import dataclass
 
 import torch
 
-from megatron_vlm_packing.packing.bounds import is_int
+from megatron_vlm_packing.packing.bounds import integer_scalar, is_int
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -235,15 +234,17 @@ def make_pack_plan(
     )
 
 
-def check_int32_total(total: int, real: int) -> None:
-    """A pack's boundaries are int32 `cu_seqlens`: T must stay below 2**31.
+def check_int32_total(total: int, real: int | None = None) -> None:
+    """A pack's boundaries are int32 `cu_seqlens`: T must stay below 2**31 (the one check of it: the collapsed
+    plan, LLaVA's expanded total, dense rows laid end to end).
 
     Raises:
-        ValueError: naming T and its real tokens.
+        ValueError: naming T and, when given, its real tokens.
     """
     if total >= 2**31:
-        raise ValueError(f"the pack has {total} slots ({real} real tokens), more than int32 cu_seqlens can hold "
-                         f"(< 2**31): a smaller pad_to, or fewer rows per micro-batch")
+        of_which = "" if real is None else f" ({real} real tokens)"
+        raise ValueError(f"the pack has {total} slots{of_which}, more than int32 cu_seqlens can hold (< 2**31): "
+                         f"a smaller pad_to or seq_length, or fewer rows or images per micro-batch")
 
 
 def check_fp8(fp8) -> None:
@@ -267,9 +268,7 @@ def checked_pad_to(pad_to) -> int | None:
     """
     if pad_to is None or type(pad_to) is int:
         return pad_to
-    if not isinstance(pad_to, bool):
-        try:
-            return operator.index(pad_to)
-        except TypeError:
-            pass
-    raise ValueError(f"pad_to must be an int (the packed length T) or None, got {pad_to!r}")
+    scalar = integer_scalar(pad_to)
+    if scalar is None:
+        raise ValueError(f"pad_to must be an int (the packed length T) or None, got {pad_to!r}")
+    return scalar

@@ -125,3 +125,19 @@ def test_unpack_rows_takes_numpy_sizes_as_python_ints():
         unpack_rows(packed, indices, batch_size=np.int64(2**63 - 1), row_length=np.int64(2**63 - 1))
     with pytest.raises(ValueError, match=r"row_length must be a positive int, got np.True_"):
         unpack_rows(packed, indices, batch_size=2, row_length=np.bool_(True))
+
+
+def test_integer_scalar_is_the_length_rule_of_pad_to_and_dense_sizes():
+    """`integer_scalar` also reads a one-element integer tensor (a length computed on the host as a tensor)."""
+    from megatron_vlm_packing.packing.bounds import integer_scalar
+    from megatron_vlm_packing.packing.dense import dense_packed_seq_params
+    from megatron_vlm_packing.packing.plan import checked_pad_to
+
+    for value in (8, np.int64(8), np.uint8(8), torch.tensor(8), torch.tensor([8])):
+        assert integer_scalar(value) == 8 and type(integer_scalar(value)) is int
+        assert type(checked_pad_to(value)) is int
+        assert dense_packed_seq_params(value, value).max_seqlen_q == 8
+    for value in (True, np.bool_(True), 8.0, torch.tensor(8.0), "8", None, [8]):
+        assert integer_scalar(value) is None
+        with pytest.raises(ValueError, match="dense_packed_seq_params needs int batch_size and seq_length"):
+            dense_packed_seq_params(2, value)
