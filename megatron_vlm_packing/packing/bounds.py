@@ -1,5 +1,5 @@
 """Integer bounds the packer checks Python ints against, and the one rule for an integer option, in one
-place (no package imports: any module may use it).
+place (no imports from this package: any module may use it).
 
 Token ids, placeholder ids and the pad id are written into int64 tensors: a larger Python int would
 overflow there (or wrap), so the modules that take such ids (`media.MediaTokens`, `rows`, `batch`)
@@ -14,6 +14,8 @@ arithmetic where a Python int does not.
 import numbers
 import operator
 
+import torch
+
 INT64_MAX = 2**63 - 1  # torch.iinfo(torch.int64).max
 
 
@@ -24,9 +26,9 @@ def is_int(value) -> bool:
 
 def integer_scalar(value) -> int | None:
     """`value` as a Python int when it is an integer scalar: a Python or numpy int, or an integer tensor of one
-    element (`operator.index`), not a bool; else None. For lengths that may come out of a tensor (`pad_to`,
-    dense B and S), where `is_int` takes no tensor."""
-    if isinstance(value, bool):
+    element (`operator.index`), not a bool nor a bool tensor (which `operator.index` reads as 0 / 1); else None.
+    For lengths that may come out of a tensor (`pad_to`, dense B and S), where `is_int` takes no tensor."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
         return None
     try:
         return operator.index(value)

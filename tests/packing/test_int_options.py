@@ -137,7 +137,23 @@ def test_integer_scalar_is_the_length_rule_of_pad_to_and_dense_sizes():
         assert integer_scalar(value) == 8 and type(integer_scalar(value)) is int
         assert type(checked_pad_to(value)) is int
         assert dense_packed_seq_params(value, value).max_seqlen_q == 8
-    for value in (True, np.bool_(True), 8.0, torch.tensor(8.0), "8", None, [8]):
+    for value in (True, np.bool_(True), 8.0, torch.tensor(8.0), torch.tensor(True), torch.tensor([True]), "8", None,
+                  [8]):
         assert integer_scalar(value) is None
         with pytest.raises(ValueError, match="dense_packed_seq_params needs int batch_size and seq_length"):
             dense_packed_seq_params(2, value)
+
+
+@pytest.mark.parametrize("flag", [torch.tensor(True), torch.tensor([True])], ids=["0-d", "1-element"])
+def test_a_bool_tensor_is_no_length(flag):
+    """operator.index reads a bool tensor as 1: pad_to=tensor(True) was taken as T = 1, and a bool tensor B or S
+    of dense_packed_seq_params as 1 row / slot."""
+    from megatron_vlm_packing.packing.dense import dense_packed_seq_params
+    from megatron_vlm_packing.packing.plan import checked_pad_to
+
+    with pytest.raises(ValueError, match=r"pad_to must be an int \(the packed length T\) or None, got tensor"):
+        checked_pad_to(flag)
+    with pytest.raises(ValueError, match=r"pad_to must be an int"):
+        StepOptions(pad_to=flag)
+    with pytest.raises(ValueError, match="dense_packed_seq_params needs int batch_size and seq_length"):
+        dense_packed_seq_params(flag, 8)
