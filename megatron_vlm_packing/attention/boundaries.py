@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
+from megatron_vlm_packing.packing.bounds import is_int
 from megatron_vlm_packing.parallel.cp import check_boundary_tensor
 
 _SHOWN = 8  # offending documents named in a message
@@ -90,7 +90,7 @@ def check_max_seqlen_type(params, *, allow_tensor: bool) -> None:
                 continue
             # a tensor's repr shows its values (a host read): name it by metadata
             shown = f"Tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
-        elif isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value > 0:
+        elif is_int(value) and value > 0:
             continue
         else:
             shown = f"{type(value).__name__} {value!r}"

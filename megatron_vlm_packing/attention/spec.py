@@ -13,6 +13,8 @@ import copy
 
 import torch
 
+from megatron_vlm_packing.packing.bounds import is_int
+
 BACKENDS = ("auto", "reference", "torch", "te")
 
 
@@ -27,21 +29,22 @@ def te_available() -> bool:
 
 
 def check_context_parallel_size(size) -> int:
-    """`size` when it is a positive Python int, else ValueError naming `context_parallel_size` and the value.
+    """`size` as a Python int when it is a positive int (`bounds.is_int`: a numpy int too), else ValueError naming
+    `context_parallel_size` and the value.
 
     A bool is not one (True compared equal to 1 and ran as CP = 1), nor is a float or a tensor; as
     `ParallelLayout` and `PackMultiples` check it.
     """
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+    if not is_int(size) or size < 1:
         raise ValueError(f"context_parallel_size must be a positive int, got {size!r} ({type(size).__name__})")
-    return size
+    return int(size)
 
 
 def resolve_backend(backend: str, *, context_parallel_size: int = 1) -> str:
     """The backend that `backend` means here ("auto" resolved).
 
     Raises:
-        ValueError: an unknown name, a `context_parallel_size` that is not a positive Python int (a
+        ValueError: an unknown name, a `context_parallel_size` that is not a positive int (a
             bool is not: True compared equal to 1 and ran as CP = 1; as `ParallelLayout` and
             `PackMultiples` check it), or a backend that cannot run here (names what is missing).
     """

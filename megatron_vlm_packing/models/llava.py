@@ -31,6 +31,7 @@ from megatron_vlm_packing.models.llava_plan import (  # noqa: F401
     LlavaPackPlan, LlavaRows, PlannedPackedSeqParams, check_expanded_total, expanded_packed_seq_params, llava_pack_plan,
     planned_packed_seq_params,
 )
+from megatron_vlm_packing.packing.bounds import checked_int, is_int
 from megatron_vlm_packing.packing.localize import LocalizeNeeds
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
 from megatron_vlm_packing.packing.plan import PackMultiples
@@ -60,16 +61,12 @@ class LlavaSpace:
     def __post_init__(self) -> None:
         # 0 / -2 / 2.5 embeddings per image were accepted (plans for another expanded sequence), a multiple of
         # 0 a ZeroDivisionError, True an image token of 1.
-        if isinstance(self.image_token_index, bool) or not isinstance(self.image_token_index, int):  # may be < 0
+        if not is_int(self.image_token_index):  # may be < 0
             raise ValueError(f"image_token_index must be an int (LLaVA's default is -200), got {self.image_token_index!r}")
-        for name, least, optional in (("img_seq_len", 1, False),
-                                      ("segment_multiple", 1, False), ("total_multiple", 1, False),
-                                      ("pipeline_length", 1, True), ("max_length", 1, True)):
-            value = getattr(self, name)
-            if optional and value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(f"{name} must be {'None or ' if optional else ''}an int >= {least}, got {value!r}")
+        object.__setattr__(self, "image_token_index", int(self.image_token_index))
+        for name, optional in (("img_seq_len", False), ("segment_multiple", False), ("total_multiple", False),
+                               ("pipeline_length", True), ("max_length", True)):
+            object.__setattr__(self, name, checked_int(getattr(self, name), name, least=1, optional=optional))
 
     @classmethod
     def of(cls, model) -> "LlavaSpace":

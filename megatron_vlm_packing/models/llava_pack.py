@@ -21,6 +21,7 @@ from megatron_vlm_packing.models.llava import (
     LlavaPackPlan, LlavaSpace, check_image_dtype, image_expansion, llava_pack_plan,
 )
 from megatron_vlm_packing.packing.checks import is_integer_tensor
+from megatron_vlm_packing.packing.bounds import is_int
 from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch, VisionInputs
 
 _IMAGE_KEYS = ("images", "pixel_values")
@@ -195,7 +196,7 @@ def pack_llava_batch(batch: dict, space: LlavaSpace, *, label_style: str = "mega
     from megatron_vlm_packing.packing import make_packed_seq_params, pack_rows, plan_indices, segment_positions
     from megatron_vlm_packing.packing.rows import check_pad_token_id
 
-    check_pad_token_id(pad_token_id)
+    pad_token_id = check_pad_token_id(pad_token_id)
     if pad_token_id == space.image_token_index:
         raise ValueError(f"pad_token_id={pad_token_id} is LLaVA's image token: pad slots would become images")
     pad_to = llava_pad_to(pad_to, space)
@@ -232,13 +233,13 @@ def _dense_length(width: int, longest_real: int, most_expansion: int, shard: int
     SP / CP path asserts it; 0.19 pads them itself, to the same effect)."""
     if seq_length is None:
         return width + (-(width + most_expansion)) % shard
-    if isinstance(seq_length, bool) or not isinstance(seq_length, int) or seq_length < longest_real:
+    if not is_int(seq_length) or seq_length < longest_real:
         raise ValueError(f"seq_length={seq_length!r} must be an int >= the longest row's {longest_real} real tokens")
     if (seq_length + most_expansion) % shard:
         raise ValueError(f"seq_length={seq_length} expands to {seq_length + most_expansion} tokens per row, not a "
                          f"multiple of LLaVA's shard factor {shard}: use a seq_length with (seq_length + "
                          f"{most_expansion}) % {shard} == 0, or leave it None")
-    return seq_length
+    return int(seq_length)
 
 
 def pad_llava_batch(batch: dict, space: LlavaSpace, *, label_style: str = "megatron", seq_length: int | None = None,
@@ -264,7 +265,7 @@ def pad_llava_batch(batch: dict, space: LlavaSpace, *, label_style: str = "megat
     from megatron_vlm_packing.packing.indices import _to_device
     from megatron_vlm_packing.packing.rows import check_pad_token_id
 
-    check_pad_token_id(pad_token_id)
+    pad_token_id = check_pad_token_id(pad_token_id)
     if pad_token_id == space.image_token_index:
         raise ValueError(f"pad_token_id={pad_token_id} is LLaVA's image token: pad slots would become images")
     ids, labels, weights, row_lengths, llava = _read_rows(batch, space, label_style)
@@ -326,19 +327,15 @@ class LlavaPackingCollator:
 
     def __post_init__(self) -> None:
         from megatron_vlm_packing.packing.collate import check_collate
-        from megatron_vlm_packing.packing.plan import checked_pad_to
-        from megatron_vlm_packing.packing.rows import check_flags, check_pad_token_id
+        from megatron_vlm_packing.packing.rows import check_pack_arguments
 
         # Else an AttributeError ('total_multiple') / TypeError (not callable) in a worker at the first batch.
         if not isinstance(self.space, LlavaSpace):
             raise ValueError(f"LlavaPackingCollator's space must be a LlavaSpace (LlavaSpace.of(model)), "
                              f"got {type(self.space).__name__}")
         check_collate(self.collate, "LlavaPackingCollator")
-        check_flags(fp8=self.fp8)
-        if self.label_style not in ("hf", "megatron"):
-            raise ValueError(f"label_style must be 'megatron' or 'hf', got {self.label_style!r}")
-        checked_pad_to(self.pad_to)
-        check_pad_token_id(self.pad_token_id)
+        check_pack_arguments(fp8=self.fp8, label_style=self.label_style, pad_to=self.pad_to,
+                             pad_token_id=self.pad_token_id)
 
     def __call__(self, samples):
         from megatron_vlm_packing.models.llava import aligned_space

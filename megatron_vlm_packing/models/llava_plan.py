@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron_vlm_packing.packing.plan import PackMultiples, PackPlan, round_up
+from megatron_vlm_packing.packing.plan import PackMultiples, PackPlan, check_int32_total, round_up
 
 if TYPE_CHECKING:
     from megatron_vlm_packing.models.llava import LlavaSpace
@@ -121,9 +121,7 @@ def check_expanded_total(physical: list[int], *, segment: int, total_multiple: i
     target = total if pad_to is None else pad_to
     if target < total:
         raise ValueError(f"the pack expands to {total} tokens but LLaVA pads rows to {pad_to}: it would truncate")
-    if target >= 2**31:  # the collapsed plan's own check (`plan.check_int32_total`) does not see the images
-        raise ValueError(f"the pack expands to {target} slots, more than int32 cu_seqlens can hold (< 2**31): a "
-                         f"smaller pad_to, or fewer rows or images per micro-batch")
+    check_int32_total(target)  # the collapsed plan's own check does not see the images
     if max_length is not None and target > max_length:
         raise ValueError(f"the pack expands to {target} tokens, more than language_max_sequence_length={max_length}: "
                          f"LLaVAModel would truncate it silently; split the micro-batch")

@@ -26,6 +26,7 @@ from megatron_vlm_packing.models.adapter import ModelAdapter, unwrap_model
 from megatron_vlm_packing.models.gpt_adapter import check_position_kind
 from megatron_vlm_packing.models.merge import (check_placeholders_per_sample, merge_vision_embeddings,
                                                place_checked_embeddings, sample_boundaries)
+from megatron_vlm_packing.packing.bounds import checked_int, is_int
 from megatron_vlm_packing.packing.localize import LocalizeNeeds
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
 
@@ -53,7 +54,7 @@ def _check_arguments(language_model, vision, audio, merge, mrope, token_ids: dic
             raise ValueError(f"{name} must be None or an nn.Module (its weights train with the model), got "
                              f"{type(tower).__name__} {tower!r:.40}")
     for name, value in token_ids.items():
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63):
+        if value is not None and (not is_int(value) or not 0 <= value < 2**63):
             raise ValueError(f"{name} must be None or an int >= 0 that fits int64, got {value!r}")
     given = [(name, value) for name, value in token_ids.items() if value is not None]
     for i, (name, value) in enumerate(given):
@@ -62,8 +63,7 @@ def _check_arguments(language_model, vision, audio, merge, mrope, token_ids: dic
                 raise ValueError(f"{name} and {other} are both {value}: each kind needs its own placeholder id")
     if vision is not None and token_ids["image_token_id"] is None and token_ids["video_token_id"] is None:
         raise ValueError("a vision tower needs image_token_id or video_token_id (the placeholders it fills)")
-    if isinstance(merge, bool) or not isinstance(merge, int) or merge < 1:
-        raise ValueError(f"spatial_merge_size must be an int >= 1, got {merge!r}")
+    checked_int(merge, "spatial_merge_size", least=1)
     if mrope is not None and not isinstance(mrope, MRopeConfig):
         raise ValueError(f"mrope must be a rope.MRopeConfig or None, got {type(mrope).__name__} {mrope!r:.40}")
 
@@ -106,8 +106,10 @@ class PackedVLM(nn.Module):
         if audio is not None and audio_token_id is None:
             raise ValueError("an audio tower needs audio_token_id (the placeholder its embeddings replace)")
         self.language_model, self.vision, self.audio = language_model, vision, audio
-        self.image_token_id, self.video_token_id, self.audio_token_id = image_token_id, video_token_id, audio_token_id
-        self.spatial_merge_size = spatial_merge_size
+        # numpy ints (accepted) kept as Python ints
+        self.image_token_id, self.video_token_id, self.audio_token_id = (
+            None if token_id is None else int(token_id) for token_id in (image_token_id, video_token_id, audio_token_id))
+        self.spatial_merge_size = int(spatial_merge_size)
         self.config = language_model.config
         self.model_type = language_model.model_type  # read by Megatron's schedules
         self.mrope = mrope

@@ -1,8 +1,53 @@
-"""Integer bounds the packer checks Python ints against, in one place (no imports: any module may use it).
+"""Integer bounds the packer checks Python ints against, and the one rule for an integer option, in one
+place (no imports from this package: any module may use it).
 
 Token ids, placeholder ids and the pad id are written into int64 tensors: a larger Python int would
 overflow there (or wrap), so the modules that take such ids (`media.MediaTokens`, `rows`, `batch`)
 refuse it against `INT64_MAX`.
+
+An integer option (a size, a count, a seed, an id) is a Python int or a numpy integer (`is_int`): not a
+bool (True compared equal to 1 and ran as a count of 1), nor a float (int(2.5) is 2), a string or a
+tensor. What holds it keeps it as a Python int (`checked_int`): a numpy int64 wraps silently in
+arithmetic where a Python int does not.
 """
 
+import numbers
+import operator
+
+import torch
+
 INT64_MAX = 2**63 - 1  # torch.iinfo(torch.int64).max
+
+
+def is_int(value) -> bool:
+    """`value` is a Python int or a numpy integer (any `numbers.Integral`), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def integer_scalar(value) -> int | None:
+    """`value` as a Python int when it is an integer scalar: a Python or numpy int, or an integer tensor of one
+    element (`operator.index`), not a bool nor a bool tensor (which `operator.index` reads as 0 / 1); else None.
+    For lengths that may come out of a tensor (`pad_to`, dense B and S), where `is_int` takes no tensor."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def checked_int(value, name: str, *, least: int | None = None, optional: bool = False) -> int | None:
+    """`value` as a Python int (`is_int`), at least `least`; None when `optional` and `value` is None.
+
+    Example: checked_int(np.int64(4), "img_seq_len", least=1) -> 4; checked_int(True, "img_seq_len", least=1)
+    -> ValueError "img_seq_len must be an int >= 1, got True".
+
+    Raises:
+        ValueError: "{name} must be [None or ]an int[ >= least], got {value!r}".
+    """
+    if optional and value is None:
+        return None
+    if not is_int(value) or (least is not None and value < least):
+        bound = "" if least is None else f" >= {least}"
+        raise ValueError(f"{name} must be {'None or ' if optional else ''}an int{bound}, got {value!r}")
+    return int(value)

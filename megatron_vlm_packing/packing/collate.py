@@ -106,18 +106,12 @@ class PackingCollator:
 
 def _check_pack_fields(collator: PackingCollator) -> None:
     """The collator's own pack_batch options, checked when it is built as pack_batch checks them (not in a
-    DataLoader worker at the first batch)."""
-    from megatron_vlm_packing.packing.plan import checked_pad_to
-    from megatron_vlm_packing.packing.rows import check_pad_token_id, checked_extra_keys
-    from megatron_vlm_packing.rope import MRopeConfig
+    DataLoader worker at the first batch). fp8 is checked with the sizes, by `PackMultiples.for_parallel`."""
+    from megatron_vlm_packing.packing.rows import check_pack_arguments, checked_extra_keys
 
-    if collator.label_style not in ("hf", "megatron"):
-        raise ValueError(f"label_style must be 'megatron' or 'hf', got {collator.label_style!r}")
-    checked_pad_to(collator.pad_to)
-    check_pad_token_id(collator.pad_token_id)
+    check_pack_arguments(label_style=collator.label_style, pad_to=collator.pad_to, pad_token_id=collator.pad_token_id,
+                         mrope=collator.mrope)
     checked_extra_keys(collator.extra_keys)
-    if collator.mrope is not None and not callable(collator.mrope) and not isinstance(collator.mrope, MRopeConfig):
-        raise ValueError(f"mrope must be an MRopeConfig, a callable or None, got {type(collator.mrope).__name__}")
 
 
 def check_collate(collate, owner: str) -> None:

@@ -5,12 +5,11 @@ Shape legend: B = rows, S = current row length, L = target row length.
 
 from __future__ import annotations
 
-import operator
-
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron_vlm_packing.packing.plan import round_up
+from megatron_vlm_packing.packing.bounds import integer_scalar
+from megatron_vlm_packing.packing.plan import check_int32_total, round_up
 
 
 def padded_length(seq_len: int, multiple: int = 1, *, seq_length: int | None = None) -> int:
@@ -84,9 +83,7 @@ def dense_packed_seq_params(batch_size: int, seq_length: int, *, device=None) ->
     batch_size, seq_length = _int_sizes(batch_size, seq_length)
     if batch_size < 1 or seq_length < 1:
         raise ValueError(f"need batch_size >= 1 and seq_length >= 1, got {batch_size}, {seq_length}")
-    if batch_size * seq_length >= 2**31:  # else the int32 arange wraps: [0, 2**30, -2**31]
-        raise ValueError(f"{batch_size} rows of {seq_length} slots are {batch_size * seq_length} tokens, more than "
-                         f"int32 cu_seqlens can hold (< 2**31)")
+    check_int32_total(batch_size * seq_length)  # else the int32 arange wraps: [0, 2**30, -2**31]
     cu = torch.arange(0, (batch_size + 1) * seq_length, seq_length, dtype=torch.int32, device=device)
     return PackedSeqParams(
         qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
@@ -100,13 +97,11 @@ def _int_sizes(batch_size, seq_length) -> tuple[int, int]:
     Raises:
         ValueError: a bool, float or other non-integer size (naming both).
     """
-    try:
-        if not isinstance(batch_size, bool) and not isinstance(seq_length, bool):
-            return operator.index(batch_size), operator.index(seq_length)
-    except TypeError:
-        pass
-    raise ValueError(f"dense_packed_seq_params needs int batch_size and seq_length, got batch_size={batch_size!r}, "
-                     f"seq_length={seq_length!r}")
+    sizes = integer_scalar(batch_size), integer_scalar(seq_length)
+    if None in sizes:
+        raise ValueError(f"dense_packed_seq_params needs int batch_size and seq_length, got batch_size={batch_size!r}, "
+                         f"seq_length={seq_length!r}")
+    return sizes
 
 
 def right_pad_samples(samples, row_length: int, pad_token_id: int = 0):

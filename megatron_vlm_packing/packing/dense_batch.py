@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_vlm_packing.packing.bounds import is_int
 from megatron_vlm_packing.packing.dense import pad_or_truncate_positions, pad_or_truncate_rows
 from megatron_vlm_packing.packing.media import MediaTokens, checked_placeholders
 from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch
@@ -30,13 +31,13 @@ def dense_row_length(row_length: int, longest: int, multiple: int, *, seq_length
     """
     if seq_length is None:
         return round_up(row_length, multiple)
-    if isinstance(seq_length, bool) or not isinstance(seq_length, int) or seq_length < 1 or seq_length % multiple:
+    if not is_int(seq_length) or seq_length < 1 or seq_length % multiple:
         raise ValueError(f"seq_length={seq_length!r} must be a positive multiple of {multiple} "
                          f"(the parallel layout's alignment)")
     if seq_length < longest and not truncate:
         raise ValueError(f"seq_length={seq_length} is shorter than the longest row's {longest} real tokens; "
                          f"pass truncate=True to cut rows, nothing is truncated silently")
-    return seq_length
+    return int(seq_length)
 
 
 def pad_positions_after_real(positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -109,7 +110,7 @@ def pad_batch(
     media = MediaTokens.resolve(mrope, image_token_id=image_token_id, video_token_id=video_token_id,
                                 audio_token_id=audio_token_id, spatial_merge_size=spatial_merge_size,
                                 require_counts=require_media_counts)
-    check_pad_token_id(pad_token_id)
+    pad_token_id = check_pad_token_id(pad_token_id)
     extra_keys = checked_extra_keys(extra_keys)
     rows = read_rows(batch, label_style=label_style, mrope=mrope, media=media, extra_keys=extra_keys,
                      vocab_size=vocab_size, position_layout=position_layout)

@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from megatron_vlm_packing.packing.bounds import INT64_MAX
+from megatron_vlm_packing.packing.bounds import INT64_MAX, is_int
 from megatron_vlm_packing.packing.micro_batch import VisionInputs
 
 VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
@@ -57,14 +57,15 @@ class MediaTokens:
     def __post_init__(self) -> None:
         for name in ("image_token_id", "video_token_id", "audio_token_id"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                      or not 0 <= value <= INT64_MAX):
+            if value is not None and (not is_int(value) or not 0 <= value <= INT64_MAX):
                 raise ValueError(f"{name} must be a non-negative int (at most 2**63 - 1: ids are int64) or None, "
                                  f"got {value!r}")
+            object.__setattr__(self, name, None if value is None else int(value))  # a numpy int as its int
         for name in ("spatial_merge_size", "audio_n_window"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+            object.__setattr__(self, name, int(value))
         if not isinstance(self.require_counts, bool):  # "no" read as True
             raise ValueError(f"require_media_counts must be a bool, got {self.require_counts!r}")
 

@@ -17,7 +17,7 @@ import numbers
 import numpy as np
 import torch
 
-from megatron_vlm_packing.packing.bounds import INT64_MAX
+from megatron_vlm_packing.packing.bounds import INT64_MAX, is_int
 from megatron_vlm_packing.packing.indices import DocumentSlices, PackIndices
 from megatron_vlm_packing.packing.plan import PackPlan
 
@@ -127,11 +127,13 @@ def cat_row_next_tokens(rows: np.ndarray, plan, fill) -> np.ndarray:
     return np.concatenate(pieces)
 
 
-def _check_row_geometry(indices: PackIndices, batch_size: int, row_length: int, plan) -> None:
-    """B and S must be the plan's: a wrong row length would scatter tokens into the wrong rows."""
+def _checked_row_geometry(indices: PackIndices, batch_size: int, row_length: int, plan) -> tuple[int, int]:
+    """(B, S) as Python ints (a numpy int's B*S would wrap), which must be the plan's: a wrong row length would
+    scatter tokens into the wrong rows."""
     for name, value in (("batch_size", batch_size), ("row_length", row_length)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_int(value) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+    batch_size, row_length = int(batch_size), int(row_length)
     if batch_size * row_length > INT64_MAX:  # else a TypeError from allocating the rows (no pad slot to compare)
         raise ValueError(f"unpack_rows got (batch_size, row_length) = {(batch_size, row_length)}, B*S = "
                          f"{batch_size * row_length}, more than torch can index (int64)")
@@ -140,7 +142,7 @@ def _check_row_geometry(indices: PackIndices, batch_size: int, row_length: int, 
         if (batch_size, row_length) != expected:
             raise ValueError(f"unpack_rows got (batch_size, row_length) = {(batch_size, row_length)} but the plan "
                              f"was made for {expected}")
-        return
+        return batch_size, row_length
     # Pad slots point at the scratch slot B*S of the plan's rows; real slots at b*S + s < B*S.
     top, has_pad = torch.stack([indices.unpack_target.max(), (~indices.is_real).any().long()]).tolist()  # one sync
     limit = batch_size * row_length
@@ -148,6 +150,7 @@ def _check_row_geometry(indices: PackIndices, batch_size: int, row_length: int, 
         raise ValueError(f"unpack_rows got (batch_size, row_length) = {(batch_size, row_length)}, B*S = {limit}, "
                          f"but the plan's indices {'put pads at slot' if has_pad else 'reach slot'} {top}: pass the "
                          f"B and S the plan was made for (or plan=)")
+    return batch_size, row_length
 
 
 def _check_unpack_arguments(packed, indices, pad_value, plan) -> None:
@@ -197,7 +200,7 @@ def unpack_rows(
     total = indices.source.numel()
     if packed.dim() < 2 or packed.shape[0] != 1 or packed.shape[1] != total:
         raise ValueError(f"packed must be [1, {total}, ...] (the plan's T), got shape {tuple(packed.shape)}")
-    _check_row_geometry(indices, batch_size, row_length, plan)
+    batch_size, row_length = _checked_row_geometry(indices, batch_size, row_length, plan)
     values = packed[0]  # [T, ...]
     out = torch.full(
         (batch_size * row_length + 1, *values.shape[1:]), pad_value, dtype=values.dtype, device=values.device

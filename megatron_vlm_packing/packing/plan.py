@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
 from dataclasses import dataclass
 
 import torch
+
+from megatron_vlm_packing.packing.bounds import integer_scalar, is_int
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -65,12 +66,12 @@ class PackMultiples:
           each rank multiplies to be a multiple of 16.
         """
         for name, value in (("tp_size", tp_size), ("cp_size", cp_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        for name, value in (("sequence_parallel", sequence_parallel), ("fp8", fp8)):
-            if not isinstance(value, bool):  # a truthy string ("false") must not switch alignment on
-                hint = " (for Megatron's fp8 format: fp8=config.fp8 is not None)" if name == "fp8" else ""
-                raise ValueError(f"{name} must be a bool, got {value!r}{hint}")
+        tp_size, cp_size = int(tp_size), int(cp_size)  # numpy ints: the multiples are Python ints
+        if not isinstance(sequence_parallel, bool):  # a truthy string ("false") must not switch alignment on
+            raise ValueError(f"sequence_parallel must be a bool, got {sequence_parallel!r}")
+        check_fp8(fp8)
         segment = 2 * cp_size if cp_size > 1 else 1
         per_rank = cp_size * (tp_size if sequence_parallel else 1)
         total = math.lcm(segment, per_rank * (16 if fp8 else 1))
@@ -233,15 +234,28 @@ def make_pack_plan(
     )
 
 
-def check_int32_total(total: int, real: int) -> None:
-    """A pack's boundaries are int32 `cu_seqlens`: T must stay below 2**31.
+def check_int32_total(total: int, real: int | None = None) -> None:
+    """A pack's boundaries are int32 `cu_seqlens`: T must stay below 2**31 (the one check of it: the collapsed
+    plan, LLaVA's expanded total, dense rows laid end to end).
 
     Raises:
-        ValueError: naming T and its real tokens.
+        ValueError: naming T and, when given, its real tokens.
     """
     if total >= 2**31:
-        raise ValueError(f"the pack has {total} slots ({real} real tokens), more than int32 cu_seqlens can hold "
-                         f"(< 2**31): a smaller pad_to, or fewer rows per micro-batch")
+        of_which = "" if real is None else f" ({real} real tokens)"
+        raise ValueError(f"the pack has {total} slots{of_which}, more than int32 cu_seqlens can hold (< 2**31): "
+                         f"a smaller pad_to or seq_length, or fewer rows or images per micro-batch")
+
+
+def check_fp8(fp8) -> None:
+    """`fp8` is a bool: a truthy string ("false") or Megatron's fp8 format ("e4m3") must not switch FP8's
+    alignment on.
+
+    Raises:
+        ValueError: `fp8` is not a bool (naming it).
+    """
+    if not isinstance(fp8, bool):
+        raise ValueError(f"fp8 must be a bool, got {fp8!r} (for Megatron's fp8 format: fp8=config.fp8 is not None)")
 
 
 def checked_pad_to(pad_to) -> int | None:
@@ -254,9 +268,7 @@ def checked_pad_to(pad_to) -> int | None:
     """
     if pad_to is None or type(pad_to) is int:
         return pad_to
-    if not isinstance(pad_to, bool):
-        try:
-            return operator.index(pad_to)
-        except TypeError:
-            pass
-    raise ValueError(f"pad_to must be an int (the packed length T) or None, got {pad_to!r}")
+    scalar = integer_scalar(pad_to)
+    if scalar is None:
+        raise ValueError(f"pad_to must be an int (the packed length T) or None, got {pad_to!r}")
+    return scalar

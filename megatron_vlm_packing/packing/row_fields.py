@@ -2,7 +2,8 @@
 
 Every key must be understood (`check_keys`), every tensor dense (`check_dense_tensors`); ids, labels,
 loss weights and declared per-token extras are [B, S] like the ids; the options pack_batch and
-pad_batch share (`pad_token_id`, flags, `extra_keys`, `vocab_size`) are checked here too. Every
+pad_batch share (`pad_token_id`, `label_style`, flags, `extra_keys`, `vocab_size`) are checked here too, and
+`check_pack_arguments` checks those a collator or the step holds when it is built. Every
 public name here is importable from `rows` as well.
 
 Shape legend: B = rows, S = row length.
@@ -14,12 +15,13 @@ from typing import Iterable, Mapping
 
 import torch
 
-from megatron_vlm_packing.packing.bounds import INT64_MAX
+from megatron_vlm_packing.packing.bounds import INT64_MAX, is_int
 from megatron_vlm_packing.packing.checks import is_integer_tensor
 from megatron_vlm_packing.packing.documents import DOCUMENT_KEY
 from megatron_vlm_packing.packing.lengths import widened_unsigned
 from megatron_vlm_packing.packing.media import VISION_KEYS
 from megatron_vlm_packing.packing.media_audio import AUDIO_KEYS
+from megatron_vlm_packing.packing.plan import check_fp8, checked_pad_to
 
 SEQUENCE_KEYS = ("input_ids", "tokens", "labels", "loss_mask", "attention_mask", "position_ids", "seq_lens")
 # Read only by an mRoPE index (`mrope=`): accepted only when one is given.
@@ -120,8 +122,7 @@ def checked_labels(batch: Mapping, shape: tuple[int, int], label_style: str) -> 
         raise ValueError("the batch has no 'labels': pack_batch/pad_batch build training micro-batches")
     if not is_integer_tensor(labels):
         raise ValueError(f"labels must hold integer token ids (-100 = ignore), got dtype {labels.dtype}")
-    if label_style not in ("hf", "megatron"):
-        raise ValueError(f"label_style must be 'megatron' or 'hf', got {label_style!r}")
+    check_label_style(label_style)
     return labels if labels.dtype == torch.int64 else widened_unsigned(labels, "labels").long()
 
 
@@ -134,12 +135,41 @@ def checked_loss_values(batch: Mapping, shape: tuple[int, int]) -> torch.Tensor 
 
 
 def check_pad_token_id(pad_token_id) -> int:
-    """`pad_token_id` as given: a ValueError unless it is an int in [0, 2**63 - 1] (not a bool)."""
-    if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or pad_token_id < 0:
+    """`pad_token_id` as a Python int: a ValueError unless it is an int in [0, 2**63 - 1] (`bounds.is_int`)."""
+    if not is_int(pad_token_id) or pad_token_id < 0:
         raise ValueError(f"pad_token_id must be a non-negative int (the id written at pad slots), got {pad_token_id!r}")
     if pad_token_id > INT64_MAX:
         raise ValueError(f"pad_token_id must be at most 2**63 - 1 (ids are int64), got {pad_token_id}")
-    return pad_token_id
+    return int(pad_token_id)
+
+
+def check_label_style(label_style) -> None:
+    """`label_style` is "megatron" (labels already aligned) or "hf" (unshifted, shifted inside each sample),
+    else a ValueError naming it."""
+    if label_style not in ("hf", "megatron"):
+        raise ValueError(f"label_style must be 'megatron' or 'hf', got {label_style!r}")
+
+
+def check_pack_arguments(*, fp8=False, label_style="megatron", pad_to=None, pad_token_id=0, mrope=None) -> int | None:
+    """The `pack_batch` options a collator or the step holds, checked as the packers check them, when the
+    collator or step is built (not in a DataLoader worker, or at the first step). An option an owner does
+    not hold is left at its default.
+
+    Returns:
+        `pad_to` as a Python int (`plan.checked_pad_to`: a numpy or 0-dim tensor integer read as its int), or None.
+
+    Raises:
+        ValueError: naming the first bad option, in the order fp8, label_style, pad_to, pad_token_id, mrope.
+    """
+    from megatron_vlm_packing.rope.config import MRopeConfig  # imported only when used (the rope package)
+
+    check_fp8(fp8)
+    check_label_style(label_style)
+    pad_to = checked_pad_to(pad_to)
+    check_pad_token_id(pad_token_id)
+    if mrope is not None and not callable(mrope) and not isinstance(mrope, MRopeConfig):
+        raise ValueError(f"mrope must be an MRopeConfig, a callable or None, got {type(mrope).__name__}")
+    return pad_to
 
 
 def check_flags(**flags) -> None:
@@ -188,7 +218,7 @@ def per_token_extras(batch: Mapping, extra_keys, shape) -> dict:
 def check_vocab_size(vocab_size) -> None:
     """`vocab_size` is None or a positive int at most 2**63 - 1 (ids are compared with it as int64), else a
     ValueError naming it."""
-    if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
+    if vocab_size is not None and (not is_int(vocab_size) or vocab_size < 1):
         raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
     if vocab_size is not None and vocab_size > INT64_MAX:  # ids are compared with it as int64
         raise ValueError(f"vocab_size must be at most 2**63 - 1 (ids are int64), got {vocab_size}")

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_vlm_packing.packing.bounds import is_int
+
 
 @dataclass(frozen=True)
 class ParallelLayout:
@@ -25,10 +27,12 @@ class ParallelLayout:
     def __post_init__(self) -> None:
         for name in ("tp_size", "cp_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"ParallelLayout.{name} must be a positive int, got {value!r}")
-        if not isinstance(self.cp_rank, int) or isinstance(self.cp_rank, bool) or not 0 <= self.cp_rank < self.cp_size:
+            object.__setattr__(self, name, int(value))  # a numpy int as its int
+        if not is_int(self.cp_rank) or not 0 <= self.cp_rank < self.cp_size:
             raise ValueError(f"ParallelLayout.cp_rank must be in [0, {self.cp_size}), got {self.cp_rank!r}")
+        object.__setattr__(self, "cp_rank", int(self.cp_rank))
 
     @classmethod
     def from_megatron(cls, config) -> "ParallelLayout":

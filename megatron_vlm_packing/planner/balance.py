@@ -18,6 +18,8 @@ import heapq
 
 import numpy as np
 
+from megatron_vlm_packing.packing.bounds import is_int
+
 
 def assign_to_ranks(costs: np.ndarray, num_ranks: int, per_rank: int) -> list[list[int]]:
     """Split B = num_ranks * per_rank bins over ranks, balancing the sum of costs.
@@ -28,7 +30,7 @@ def assign_to_ranks(costs: np.ndarray, num_ranks: int, per_rank: int) -> list[li
     Returns:
         R lists of M positions into `costs`. Deterministic: ties go to the lower rank / position.
     """
-    if any(isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1 for n in (num_ranks, per_rank)):
+    if any(not is_int(n) or n < 1 for n in (num_ranks, per_rank)):
         raise ValueError(f"num_ranks and per_rank must be positive ints, got {num_ranks!r} and {per_rank!r}")
     values = np.asarray(costs, dtype=np.float64)
     finite = np.isfinite(values) & (values >= 0)

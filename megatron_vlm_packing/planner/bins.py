@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megatron_vlm_packing.packing.bounds import is_int
 from megatron_vlm_packing.packing.plan import PackMultiples, PackPlan, make_pack_plan, round_up
 from megatron_vlm_packing.packing.row_fields import check_flags
 
@@ -48,7 +49,7 @@ class BinLayout:
             raise ValueError(f"multiples must be a PackMultiples (PackMultiples.for_parallel(...)), "
                              f"got {type(self.multiples).__name__}")
         check_flags(static_shapes=self.static_shapes)  # "no" padded every bin to the capacity
-        if isinstance(self.capacity, bool) or not isinstance(self.capacity, (int, np.integer)):
+        if not is_int(self.capacity):
             # 4096.0 was accepted and made every bin's physical length a float
             raise ValueError(f"capacity must be an int, got {self.capacity!r}")
         if self.capacity < 1 or self.capacity % self.multiples.total:
@@ -105,7 +106,7 @@ class Bin:
 
 def _check_items(slots: np.ndarray, capacity: int) -> None:
     """`best_fit_decreasing`'s preconditions, O(N) in numpy (see its Raises)."""
-    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
+    if not is_int(capacity) or capacity < 1:
         raise ValueError(f"best_fit_decreasing's capacity must be a positive int, got {capacity!r}")
     if not isinstance(slots, np.ndarray) or slots.ndim != 1 or (slots.dtype.kind not in "iu" and slots.size):
         got = f"{slots.dtype} {slots.shape}" if isinstance(slots, np.ndarray) else type(slots).__name__

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megatron_vlm_packing.packing.bounds import checked_int
 from megatron_vlm_packing.planner.metadata import SampleTable
 
 
@@ -59,8 +60,8 @@ class TransformerShape:
             if f.name == "gated":
                 if not isinstance(value, bool):
                     raise ValueError(f"TransformerShape.gated must be a bool, got {value!r}")
-            elif isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
-                raise ValueError(f"TransformerShape.{f.name} must be an int >= {least}, got {value!r}")
+            else:
+                checked_int(value, f"TransformerShape.{f.name}", least=least)
 
     def linear_flops_per_token(self) -> float:
         """Forward + backward GEMM FLOPs per token: 6 x parameters touched per token."""

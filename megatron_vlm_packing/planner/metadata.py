@@ -19,6 +19,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from megatron_vlm_packing.packing.bounds import checked_int
+
 
 @dataclass(frozen=True)
 class SampleMetadata:
@@ -178,9 +180,7 @@ class TokenCounter:
 
     def __post_init__(self) -> None:
         for name, least in (("spatial_merge", 1), ("audio_pool", 1), ("vision_wrappers", 0), ("audio_wrappers", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
-                raise ValueError(f"TokenCounter.{name} must be an int >= {least}, got {value!r}")
+            checked_int(getattr(self, name), f"TokenCounter.{name}", least=least)
 
     def __call__(self, table: SampleTable) -> np.ndarray:
         """[N] int64 expanded token counts. ValueError for a grid whose h or w the merge does not
@@ -229,8 +229,7 @@ def llava_tokens(tokens_per_image: int) -> ExpandedTokens:
 
     `text_tokens` must then count the text only (the placeholders are replaced).
     """
-    if isinstance(tokens_per_image, bool) or not isinstance(tokens_per_image, (int, np.integer)) or tokens_per_image < 1:
-        raise ValueError(f"tokens_per_image must be an int >= 1, got {tokens_per_image!r}")
+    checked_int(tokens_per_image, "tokens_per_image", least=1)
 
     def expanded_tokens(table: SampleTable) -> np.ndarray:
         images = np.bincount(table.image_owner, minlength=len(table)).astype(np.int64)

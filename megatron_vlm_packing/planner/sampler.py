@@ -52,6 +52,7 @@ from typing import Iterator
 import numpy as np
 import torch.utils.data
 
+from megatron_vlm_packing.packing.bounds import checked_int, is_int
 from megatron_vlm_packing.packing.row_fields import check_flags
 from megatron_vlm_packing.planner.metadata import SampleTable, count_array
 from megatron_vlm_packing.planner.schedule import EpochPlan, PlannerConfig, plan_epoch
@@ -138,9 +139,6 @@ def _state_fields(state) -> tuple[int, int, tuple[int, ...]]:
     if not isinstance(state, dict):
         raise ValueError(f"the sampler state must be a dict (what state_dict() saved), got {type(state).__name__}")
 
-    def is_int(value) -> bool:
-        return not isinstance(value, bool) and isinstance(value, (int, np.integer))
-
     for key in ("epoch", "position"):
         if not is_int(state.get(key)) or state[key] < 0:
             raise ValueError(f"sampler state has {_shown(state, key)}: it must be an int >= 0")
@@ -174,7 +172,7 @@ class PackedBatchSampler(torch.utils.data.Sampler):
         if not isinstance(config, PlannerConfig):
             raise ValueError(f"config must be a PlannerConfig, got {type(config).__name__}")
         check_flags(progress=progress)  # checked here, not when the first epoch is planned
-        if isinstance(dp_rank, bool) or not isinstance(dp_rank, (int, np.integer)) or not 0 <= dp_rank < config.dp_size:
+        if not is_int(dp_rank) or not 0 <= dp_rank < config.dp_size:
             raise ValueError(f"dp_rank={dp_rank!r} must lie in [0, {config.dp_size})")
         self.table, self.config, self.dp_rank, self.progress = table, config, dp_rank, progress
         self._epoch, self._position, self._carried = 0, 0, ()
@@ -276,8 +274,7 @@ class PackedBatchSampler(torch.utils.data.Sampler):
     def set_epoch(self, epoch: int) -> None:
         """Start epoch `epoch` from its beginning (samples carried so far stay carried); the epoch a
         `load_state_dict` resumed keeps its place instead (its first micro-batches were trained)."""
-        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
-            raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
+        checked_int(epoch, "epoch", least=0)
         if self._resumed and int(epoch) == self._epoch:
             return
         self._epoch, self._position, self._resumed, self._previous = int(epoch), 0, False, None
@@ -294,7 +291,7 @@ class PackedBatchSampler(torch.utils.data.Sampler):
         """
         epoch, position, carried = self._epoch, self._position, self._carried
         if consumed is not None:
-            if isinstance(consumed, bool) or not isinstance(consumed, (int, np.integer)):  # int(1.5) was 1
+            if not is_int(consumed):  # int(1.5) was 1
                 raise ValueError(f"consumed must be an int (micro-batches trained) or None, got {consumed!r}")
             consumed = int(consumed)
             if 0 <= consumed <= position:

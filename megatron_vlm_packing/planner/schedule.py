@@ -25,6 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
+from megatron_vlm_packing.packing.bounds import checked_int, is_int
 from megatron_vlm_packing.packing.row_fields import check_flags
 from megatron_vlm_packing.planner.balance import assign_to_ranks, group_into_steps, imbalance
 from megatron_vlm_packing.planner.bins import Bin, BinLayout, balanced_fit, best_fit_decreasing, split_to_count
@@ -78,13 +79,15 @@ class PlannerConfig:
         check_flags(shuffle=self.shuffle, balance=self.balance)
         for name in ("dp_size", "micro_batches_per_rank", "window_steps"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.samples_per_step is not None and (isinstance(self.samples_per_step, bool)
-                                                  or not isinstance(self.samples_per_step, int)
+            object.__setattr__(self, name, int(value))  # a numpy int kept as a Python int
+        if self.samples_per_step is not None and (not is_int(self.samples_per_step)
                                                   or self.samples_per_step < self.dp_size):
             raise ValueError(f"samples_per_step must be an int >= dp_size={self.dp_size}, got {self.samples_per_step!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
+        if self.samples_per_step is not None:
+            object.__setattr__(self, "samples_per_step", int(self.samples_per_step))
+        if not is_int(self.seed) or self.seed < 0:
             # numpy's generator takes no negative seed: the error came at planning, naming no field
             raise ValueError(f"seed must be an int >= 0, got {self.seed!r}")
         if self.tail not in ("short_step", "carry"):
@@ -315,8 +318,7 @@ def plan_epoch(table: SampleTable, config: PlannerConfig, *, epoch: int = 0, car
     """
     if len(table) == 0:  # an epoch of no micro-batches: a loop cycling epochs would spin forever
         raise ValueError("the sample table is empty: there is nothing to plan")
-    if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
-        raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
+    checked_int(epoch, "epoch", least=0)
     check_flags(progress=progress)  # "no" drew the progress line
     carried_arr = np.asarray(carried_in)
     if carried_arr.ndim != 1:  # None, a string, [[1]]: a TypeError or numpy's error further on

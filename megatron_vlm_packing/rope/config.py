@@ -9,6 +9,8 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
+from megatron_vlm_packing.packing.bounds import is_int
+
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_omni")
 _MODEL_TYPES = {
     "qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl",
@@ -82,25 +84,30 @@ class MRopeConfig:
         if self.text_offset not in ("max_hw", "max_position"):
             raise ValueError(f"text_offset must be 'max_hw' or 'max_position', got {self.text_offset!r}")
         section = self.mrope_section
-        if not isinstance(section, (tuple, list)) or len(section) != 3 or any(
-                isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in section):
+        if not isinstance(section, (tuple, list)) or len(section) != 3 or any(not is_int(x) or x < 1 for x in section):
             raise ValueError(f"mrope_section must be 3 positive ints, got {section}")
+        # numpy ints (accepted) kept as Python ints, here and below
+        ints = [int(x) for x in section]
+        object.__setattr__(self, "mrope_section", tuple(ints) if isinstance(section, tuple) else ints)
         if not isinstance(self.mrope_interleaved, bool):  # a truthy "no" was read as True
             raise ValueError(f"mrope_interleaved must be True or False, got {self.mrope_interleaved!r}")
         for name in ("image_token_id", "video_token_id", "vision_start_token_id"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if not is_int(value) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+            object.__setattr__(self, name, int(value))
         for name in ("audio_token_id", "audio_start_token_id"):  # None: a family without audio
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            if value is not None and (not is_int(value) or value < 0):
                 raise ValueError(f"{name} must be None or a non-negative int, got {value!r}")
+            object.__setattr__(self, name, None if value is None else int(value))
         # Token counts are computed from these: 2.0 was a TypeError at the first image (a slice), True a
         # merge of 1, audio_n_window=0 a ZeroDivisionError at the first audio, -1 or 2.5 a wrong audio length.
         for name in ("spatial_merge_size", "audio_n_window"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+            object.__setattr__(self, name, int(value))
         for name in ("position_id_per_seconds", "tokens_per_second"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:

@@ -33,9 +33,10 @@ import torch
 from torch import nn
 
 from megatron_vlm_packing.models.adapter import ModelAdapter, adapter_for, check_loader_mrope, unwrap_model
+from megatron_vlm_packing.packing.bounds import is_int
 from megatron_vlm_packing.packing.localize import localize
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
-from megatron_vlm_packing.packing.row_fields import check_dense_tensors, check_flags
+from megatron_vlm_packing.packing.row_fields import check_dense_tensors, check_flags, check_pack_arguments
 from megatron_vlm_packing.parallel.layout import ParallelLayout
 from megatron_vlm_packing.train.loss import loss_func
 from megatron_vlm_packing.validate.step_probe import StepProbe
@@ -55,8 +56,6 @@ class StepOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.pack, bool):  # pack=None ran dense and pack="no" packed, silently
             raise ValueError(f"pack must be a bool, got {self.pack!r}")
-        if self.label_style not in ("hf", "megatron"):
-            raise ValueError(f"label_style must be 'hf' or 'megatron', got {self.label_style!r}")
         if self.pack and self.seq_length is not None:
             raise ValueError(f"seq_length={self.seq_length} is the dense row length (pack=False); "
                              f"with pack=True use pad_to for a fixed packed length")
@@ -66,24 +65,17 @@ class StepOptions:
         self._check_values()
 
     def _check_values(self) -> None:
-        """fp8, pad_to, seq_length and mrope as the packers take them, checked when the step is made, not at its
-        first micro-batch (from the DataLoader, pad_to="8" was compared with the pack's length as it was)."""
-        from megatron_vlm_packing.packing.plan import checked_pad_to
-        from megatron_vlm_packing.rope import MRopeConfig
-
-        if not isinstance(self.fp8, bool):
-            raise ValueError(f"fp8 must be a bool, got {self.fp8!r} (for Megatron's fp8 format: "
-                             f"fp8=config.fp8 is not None)")
-        pad_to = checked_pad_to(self.pad_to)
+        """label_style, fp8, pad_to, seq_length and mrope as the packers take them, checked when the step is made,
+        not at its first micro-batch (from the DataLoader, pad_to="8" was compared with the pack's length as it was)."""
+        pad_to = check_pack_arguments(fp8=self.fp8, label_style=self.label_style, pad_to=self.pad_to, mrope=self.mrope)
         if pad_to is not None and pad_to < 1:
             raise ValueError(f"pad_to must be a positive int (the packed length T) or None, got {pad_to!r}")
         object.__setattr__(self, "pad_to", pad_to)  # an integer scalar as its int, as pack_batch reads it
-        if self.seq_length is not None and (isinstance(self.seq_length, bool) or not isinstance(self.seq_length, int)
-                                            or self.seq_length < 1):
+        if self.seq_length is not None and (not is_int(self.seq_length) or self.seq_length < 1):
             raise ValueError(f"seq_length must be a positive int (the dense row length) or None, "
                              f"got {self.seq_length!r}")
-        if self.mrope is not None and not callable(self.mrope) and not isinstance(self.mrope, MRopeConfig):
-            raise ValueError(f"mrope must be an MRopeConfig, a callable or None, got {type(self.mrope).__name__}")
+        if self.seq_length is not None:
+            object.__setattr__(self, "seq_length", int(self.seq_length))  # a numpy int as its int, as pad_to
 
 
 def _iterator(data_iterator) -> Iterator:

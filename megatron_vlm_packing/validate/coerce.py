@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron_vlm_packing.packing.bounds import is_int
+
 
 def _cpu(x):
     """A tensor detached and on the CPU; anything else as is."""
@@ -26,14 +28,15 @@ def dense_tensor(x, name: str) -> torch.Tensor:
 
 
 def int_field(x, name: str, minimum: int | None = None) -> int:
-    """An int field (a python int or a one-element integer tensor); ValueError naming `name` otherwise."""
+    """An int field (a python or numpy int, `bounds.is_int`, or a one-element integer tensor) as a Python int;
+    ValueError naming `name` otherwise."""
     if isinstance(x, torch.Tensor) and x.numel() == 1 and not (x.is_floating_point() or x.dtype == torch.bool):
         x = x.item()
-    if isinstance(x, bool) or not isinstance(x, int):
+    if not is_int(x):
         raise ValueError(f"{name} must be an int, got {x!r} ({type(x).__name__})")
     if minimum is not None and x < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {x}")
-    return x
+    return int(x)
 
 
 def bool_field(x, name: str) -> bool:

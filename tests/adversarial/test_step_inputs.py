@@ -87,7 +87,7 @@ EXPECTED = {
     # options
     "pack_with_seq_length": (ERR, "ValueError", r"seq_length=16 is the dense row length"),
     "dense_with_pad_to": (ERR, "ValueError", r"pad_to=16 is the fixed packed length"),
-    "bad_label_style": (ERR, "ValueError", r"label_style must be 'hf' or 'megatron', got 'shifted'"),
+    "bad_label_style": (ERR, "ValueError", r"label_style must be 'megatron' or 'hf', got 'shifted'"),
 }
 
 

@@ -48,8 +48,8 @@ def test_dense_packed_seq_params_are_uniform():
 def test_dense_boundaries_past_int32_are_refused(batch_size, seq_length):
     """cu_seqlens are int32: [0, 2**30, 2**31] was written as [0, 1073741824, -2147483648], silently; 2**62 rows
     were an OverflowError."""
-    with pytest.raises(ValueError, match=rf"{batch_size} rows of {seq_length} slots are {batch_size * seq_length} "
-                                         rf"tokens, more than int32 cu_seqlens can hold \(< 2\*\*31\)"):
+    with pytest.raises(ValueError, match=rf"the pack has {batch_size * seq_length} slots, more than int32 "
+                                         rf"cu_seqlens can hold \(< 2\*\*31\): a smaller pad_to or seq_length"):
         dense_packed_seq_params(batch_size, seq_length)
     assert dense_packed_seq_params(1, 2**31 - 1).cu_seqlens_q.tolist() == [0, 2**31 - 1]
 

@@ -437,8 +437,8 @@ def test_llava_expanded_pack_beyond_int32_is_refused(pad_to):
     from megatron_vlm_packing.models.llava import LlavaSpace, llava_pack_plan
 
     space = LlavaSpace(img_seq_len=4, image_token_index=9)
-    with pytest.raises(ValueError, match=rf"the pack expands to {pad_to} slots, more than int32 cu_seqlens can "
-                                         r"hold \(< 2\*\*31\)"):
+    with pytest.raises(ValueError, match=rf"the pack has {pad_to} slots, more than int32 cu_seqlens can hold "
+                                         r"\(< 2\*\*31\): a smaller pad_to or seq_length, or fewer rows or images"):
         llava_pack_plan([5, 3], row_capacity=8, row_expansion=[3, 3], opens_with_image=[False, False], space=space,
                         pad_to=pad_to)
     largest = llava_pack_plan([5, 3], row_capacity=8, row_expansion=[3, 3], opens_with_image=[False, False],

@@ -29,7 +29,7 @@ def test_step_options_refuse_the_other_paths_length():
         StepOptions(pack=True, seq_length=8)
     with pytest.raises(ValueError, match=r"pad_to=8 is the fixed packed length"):
         StepOptions(pack=False, pad_to=8)
-    with pytest.raises(ValueError, match=r"label_style must be 'hf' or 'megatron', got 'HF'"):
+    with pytest.raises(ValueError, match=r"label_style must be 'megatron' or 'hf', got 'HF'"):
         make_forward_step(label_style="HF")
 
 
