@@ -206,15 +206,23 @@ def _vision_checks(inputs: PackedInputs, docs: Documents) -> tuple[_Findings, di
     return _Findings(found, ["vision_placeholders"], []), items, failed
 
 
+# Why an index given with 1D positions compared nothing (`megatron-vlm-packing check` recognises it).
+POSITIONS_1D = ("position_ids are 1D: the model's index gives [3, T] mRoPE positions, so nothing is compared "
+                "with it; documents with image / video placeholders are reported by mrope_channels_identical")
+
+
 def _position_checks(inputs: PackedInputs, docs: Documents, items: dict, failed: set[int]) -> _Findings:
     """Positions per document (`check_positions`) when given; `skipped` says what the model's index did not
-    check (never an OK over documents it was not asked about)."""
+    check (never an OK over documents it was not asked about, nor over 1D positions it cannot be compared with)."""
     if inputs.position_ids is None:
         return _Findings([], [], [])
     found, unchecked = check_positions(inputs, docs, items, failed)
-    checked = ["positions_restart", "mrope_channels_identical"] + (["mrope_positions"] if inputs.mrope else [])
-    skipped = []
-    if inputs.position_ids.dim() == 2 and not inputs.mrope:  # say so: an OK must not read as "mRoPE checked"
+    checked, skipped = ["positions_restart", "mrope_channels_identical"], []
+    if inputs.mrope and inputs.position_ids.dim() == 1:  # nothing was compared: an OK must not read as compared
+        skipped.append(("mrope_positions", POSITIONS_1D))
+    elif inputs.mrope:
+        checked.append("mrope_positions")
+    elif inputs.position_ids.dim() == 2:  # say so: an OK must not read as "mRoPE checked"
         skipped.append(("mrope_positions", "no mrope (MRopeConfig or the model's index) given: [3, T] positions "
                         "are checked for restarts and identical channels only"))
     for reason in sorted(set(unchecked.values())):
