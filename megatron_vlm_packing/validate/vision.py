@@ -1,7 +1,7 @@
 """Image / video / audio placeholders against their grids and lengths, document by document (contract item 10).
 
 Each image (video) takes `t*h*w / merge**2` placeholder tokens, each audio clip
-`rope.omni.audio_output_length(audio_seqlens entry, n_window)`. Items are assigned to documents in
+`rope.omni.audio_tokens_per_clip(audio_seqlens, n_window)`. Items are assigned to documents in
 order: by the given per-document counts, else greedily (consecutive items filling each document's
 placeholders exactly); a document whose placeholders no run of items fills is named. A Qwen3-VL video
 puts each frame in its own block (timestamp text between), so its runs may end at any frame. A Qwen3-Omni
@@ -31,18 +31,18 @@ def _tokens_per_item(grid: torch.Tensor, merge: int, kind: str) -> tuple[list[in
 
 
 def _audio_tokens_per_clip(inputs: PackedInputs) -> tuple[list[int], str | None]:
-    from megatron_vlm_packing.rope.omni import audio_output_length
+    """Placeholder tokens of each `audio_seqlens` clip (`rope.omni.audio_tokens_per_clip`), or the problem."""
+    from megatron_vlm_packing.rope.omni import audio_tokens_per_clip
 
     lengths = inputs.audio_seqlens
     if lengths.dim() != 1 or lengths.is_floating_point() or lengths.dtype == torch.bool:
         return [], f"audio_seqlens must be [A] integer raw lengths, got {tuple(lengths.shape)} {lengths.dtype}"
     raw = lengths.long().tolist()
-    bad = [(i, n) for i, n in enumerate(raw) if n < 1]
-    if bad:
-        return [], f"audio_seqlens entries {bad[:4]} are < 1: such a clip has no encoder output"
-    window = inputs.audio_n_window or 50
-    # Python ints: exact for any window or length (a tensor overflowed int64 at 2 * window >= 2**63).
-    return [int(audio_output_length(n, window)) for n in raw], None
+    clips = audio_tokens_per_clip(raw, inputs.audio_n_window or 50)
+    if clips.empty:
+        return [], f"audio_seqlens entries {[(i, raw[i]) for i in clips.empty[:4]]} are < 1: such a clip has no " \
+                   f"encoder output"
+    return clips.tokens, None
 
 
 def _runs(is_ph: torch.Tensor, docs: Documents, bridge: torch.Tensor | None = None) -> list[list[int]]:
