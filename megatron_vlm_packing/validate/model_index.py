@@ -96,28 +96,15 @@ def document_inputs(inputs: PackedInputs, ids: torch.Tensor, items: dict, d: int
     return kwargs
 
 
-def _audio_unchecked(inputs: PackedInputs, docs: Documents) -> dict[int, str]:
-    """Documents whose audio the index would need lengths for that were not given (or not split)."""
-    if inputs.audio_token_id is None:
-        if inputs.audio_seqlens is not None and inputs.audio_seqlens.numel():
-            why = "audio_seqlens given but no audio_token_id: the clips cannot be split per document"
-            return {d: why for d in range(docs.num_documents) if docs.real[d]}
-        return {}
-    if inputs.audio_seqlens is not None:  # split per document (or, not fitting, named by audio_placeholders)
-        return {}
-    holds = torch.bincount(docs.doc_of_slot[(inputs.input_ids == inputs.audio_token_id) & docs.is_real],
-                           minlength=docs.num_documents).tolist()
-    return {d: "audio placeholders but no audio_seqlens given" for d, n in enumerate(holds) if n}
-
-
-def against_model_index(inputs: PackedInputs, docs: Documents, items: dict,
-                        skip: set[int]) -> tuple[list[Violation], dict[int, str]]:
+def against_model_index(inputs: PackedInputs, docs: Documents, items: dict, skip: set[int],
+                        audio_unchecked: dict[int, str]) -> tuple[list[Violation], dict[int, str]]:
     """Each document's real positions ([3, L] of `inputs.position_ids`) equal to the index's for it alone.
 
     Returns the violation (naming the first differing token of up to 4 documents) and {document: why
-    it could not be checked}. Documents in `skip` (already reported) are not asked about.
+    it could not be checked}. Documents in `skip` (already reported) are not asked about, nor those of
+    `audio_unchecked` (`vision.audio_coverage`: audio the index would need lengths for), returned with the rest.
     """
-    bad, unchecked = [], _audio_unchecked(inputs, docs)
+    bad, unchecked = [], dict(audio_unchecked)
     for d in range(docs.num_documents):
         if d in skip or d in unchecked or docs.real[d] == 0:
             continue
