@@ -351,3 +351,18 @@ def test_boundaries_that_do_not_cover_the_slots_stop_before_per_token_checks(vlm
     cu = torch.minimum(fields["cu_seqlens"], pad)
     report = only(validate_packed_batch(**clone(fields, cu_seqlens=cu, cu_seqlens_padded=pad)), "real_vs_padded")
     assert "ends at" in str(report) and "not checked: per-token checks" in str(report)
+
+
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
+@pytest.mark.parametrize("name", ["input_ids", "cu_seqlens", "image_grid_thw"])
+def test_an_undense_tensor_is_named_like_the_packers_refuse_it(vlm_pack, name, layout):
+    """Nested tensors are refused as sparse and meta ones are (`row_fields.is_undense`, the packers' rule): a
+    strided-layout nested tensor passed the layout test and raised torch's RuntimeError ('NestedTensorImpl
+    doesn't support sizes') deep in a check."""
+    nested = torch.nested.nested_tensor([torch.tensor([1, 2, 3]), torch.tensor([4])], layout=layout)
+    with pytest.raises(ValueError, match=rf"{name} must be a dense tensor with data, got a nested tensor"):
+        validate_packed_batch(**clone(vlm_pack[1], **{name: nested}))
+    for undense, got in ((torch.tensor([0, 4]).to_sparse(), "torch.sparse_coo tensor on cpu"),
+                         (torch.empty(2, dtype=torch.long, device="meta"), "torch.strided tensor on meta")):
+        with pytest.raises(ValueError, match=rf"{name} must be a dense tensor with data, got a {got}"):
+            validate_packed_batch(**clone(vlm_pack[1], **{name: undense}))
