@@ -259,10 +259,12 @@ def _pack_plain(batch, *, extra_keys, position_layout, tp_size, cp_size, sequenc
                                     pad_token_id=pad_token_id, vocab_size=vocab_size)
 
 
-def check_pack_options(options: dict, owner: str, taken: tuple[str, ...] = ()) -> None:
+def check_pack_options(options: dict, owner: str, taken: tuple[str, ...] = (), *, also_for: str | None = None,
+                       also: tuple[str, ...] = ()) -> None:
     """`options` (a collator's extra keywords for `pack_batch`) name only `pack_batch` keywords that
     `owner` does not set itself (`taken`): caught when the collator is built, not as a TypeError in a
-    DataLoader worker at the first batch.
+    DataLoader worker at the first batch. `also`: the keywords of `also_for`, another callee `owner`
+    passes the options to (`with_parity_probe`: `parity_probe`'s), accepted too.
 
     Raises:
         ValueError: naming the keys that clash or that `pack_batch` does not take.
@@ -272,10 +274,11 @@ def check_pack_options(options: dict, owner: str, taken: tuple[str, ...] = ()) -
     clash = sorted(set(options) & set(taken))
     if clash:
         raise ValueError(f"{owner} sets {clash} itself: give {clash[0]}= to {owner}, not in its pack_batch options")
-    known = set(_PACK_BATCH_KEYWORDS) - set(taken)
+    known = (set(_PACK_BATCH_KEYWORDS) | set(also)) - set(taken)
     unknown = sorted(set(options) - known)
     if unknown:
-        raise ValueError(f"{unknown} are not pack_batch keywords; {owner} passes on any of {sorted(known)}")
+        callees = "pack_batch" if also_for is None else f"{also_for} / pack_batch"
+        raise ValueError(f"{unknown} are not {callees} keywords; {owner} passes on any of {sorted(known)}")
 
 
 def tensor_off_host(batch) -> str | None:

@@ -91,16 +91,31 @@ class MediaTokens:
         if mrope is not None and not callable(mrope) and hasattr(mrope, "spatial_merge_size"):
             from_config = {name: getattr(mrope, name) for name in explicit}
         values = {}
-        for name, value in explicit.items():
-            known = from_config.get(name)
-            if value is not None and known is not None and value != known:
-                raise ValueError(f"{name}={value} contradicts the mrope config's {name}={known}")
-            chosen = value if value is not None else known
-            if chosen is not None:
-                # An integral float (8.0) is read as its int; 3.7, inf and nan are left for __post_init__ to name.
-                integral = isinstance(chosen, int) or isinstance(chosen, float) and chosen.is_integer()
-                values[name] = int(chosen) if integral and not isinstance(chosen, bool) else chosen
+        for name, chosen in given_or_config(explicit, from_config).items():
+            # An integral float (8.0) is read as its int; 3.7, inf and nan are left for __post_init__ to name.
+            integral = isinstance(chosen, int) or isinstance(chosen, float) and chosen.is_integer()
+            values[name] = int(chosen) if integral and not isinstance(chosen, bool) else chosen
         return cls(**values, require_counts=require_counts)
+
+
+def given_or_config(given: dict, from_config: dict, *, read: Callable | None = None, show: Callable = format,
+                    why: str = "") -> dict:
+    """Each name of `given`: its value when not None (the given value wins), else the mRoPE config's
+    (`from_config`); names with neither are left out. `read(name, value)`: the given value as compared with the
+    config's (e.g. checked to be an int first); `show`: how the error writes both values (`format`: as an
+    f-string does); `why`: what a contradiction would break, for the error.
+
+    Raises:
+        ValueError: a given value that contradicts the config's (both not None and unequal).
+    """
+    chosen = {}
+    for name, value in given.items():
+        known = from_config.get(name)
+        if value is not None and known is not None and (value if read is None else read(name, value)) != known:
+            raise ValueError(f"{name}={show(value)} contradicts the mrope config's {name}={show(known)}{why}")
+        if value is not None or known is not None:
+            chosen[name] = value if value is not None else known
+    return chosen
 
 
 @functools.lru_cache(maxsize=64)

@@ -2,7 +2,7 @@
 
 Two inputs carry each clip's length: `feature_attention_mask` (the clip's real mel frames, read by
 the audio tower) and `audio_seqlens` (its raw length, read by the mRoPE index). Each must give every
-row exactly the audio placeholder tokens it holds (clip k takes `rope.omni.audio_output_length` of
+row exactly the audio placeholder tokens it holds (clip k takes `rope.omni.audio_tokens_per_clip` of
 its length, `media.items_per_row`), and when both are given they must agree clip by clip. Their
 values ride the rows' one host read (`queue_audio_reads`), beside the vision values of `media.py`.
 
@@ -75,22 +75,22 @@ def audio_inputs(batch: dict, host: MediaHost, tokens: MediaTokens) -> AudioInpu
     if features.shape[0] == 0:
         return None
     from megatron_vlm_packing.packing.lengths import lengths_from_keep_mask
-    from megatron_vlm_packing.rope.omni import audio_output_length
+    from megatron_vlm_packing.rope.omni import audio_tokens_per_clip
 
     read = host.values.get("audio_frames")  # None for a float mask: read on its own (rare)
     frames = read[:mask.shape[0]] if read is not None else lengths_from_keep_mask(mask, field="feature_attention_mask")
-    if min(frames) < 1:
-        raise ValueError(f"feature_attention_mask gives clip {frames.index(min(frames))} no real frames")
-    clip_tokens = [audio_output_length(n, tokens.audio_n_window) for n in frames]  # host ints
+    clips = audio_tokens_per_clip(frames, tokens.audio_n_window)  # frames are counts of 1s: empty means 0 frames
+    if clips.empty:
+        raise ValueError(f"feature_attention_mask gives clip {clips.empty[0]} no real frames")
     rows = row_counts(host, tokens.audio_token_id, "audio", "input_features", tokens.require_counts)
-    per_row = items_per_row(rows, clip_tokens, kind="audio", field="feature_attention_mask", row_name=host.row_name)
+    per_row = items_per_row(rows, clips.tokens, kind="audio", field="feature_attention_mask", row_name=host.row_name)
     return AudioInputs(input_features=features, feature_attention_mask=mask, audio_lengths=tuple(frames),
                        audios_per_sample=per_row)
 
 
 def check_audio_seqlens(batch: dict, host: MediaHost, tokens: MediaTokens, audio: AudioInputs | None = None) -> None:
     """`audio_seqlens` (raw audio lengths, one per clip in token order) must give each row exactly the
-    audio placeholder tokens it holds: clip k takes `rope.omni.audio_output_length` of its entry. Checked
+    audio placeholder tokens it holds: clip k takes `rope.omni.audio_tokens_per_clip` of its entry. Checked
     whatever else the batch holds, with or without an mRoPE index (which checks it only when it runs). With the
     batch's clips (`audio`, from `audio_inputs`) each entry must also equal its clip's real frames
     (`feature_attention_mask[k].sum()`, read in the one sync): two lengths that give the same tokens
@@ -114,15 +114,15 @@ def check_audio_seqlens(batch: dict, host: MediaHost, tokens: MediaTokens, audio
         bad = next((i for i, n in enumerate(raw) if isinstance(n, bool) or not isinstance(n, int)), None)
         if bad is not None:
             raise ValueError(f"audio_seqlens entry {bad} is {raw[bad]!r}: raw audio lengths must be ints")
-    short = next((i for i, n in enumerate(raw) if n < 1), None)
-    if short is not None:
+    from megatron_vlm_packing.rope.omni import audio_tokens_per_clip
+
+    clips = audio_tokens_per_clip(raw, tokens.audio_n_window)
+    if clips.empty:
+        short = clips.empty[0]
         raise ValueError(f"audio_seqlens entry {short} is {raw[short]}: raw audio lengths must be >= 1 (its audio "
                          f"encoder output has no tokens)")
     rows = row_counts(host, tokens.audio_token_id, "audio", "audio_seqlens", tokens.require_counts)
-    from megatron_vlm_packing.rope.omni import audio_output_length
-
-    clip_tokens = [int(audio_output_length(n, tokens.audio_n_window)) for n in raw]  # host ints
-    items_per_row(rows, clip_tokens, kind="audio", field="audio_seqlens", row_name=host.row_name)
+    items_per_row(rows, clips.tokens, kind="audio", field="audio_seqlens", row_name=host.row_name)
     if audio is not None:
         _check_against_feature_mask(raw, audio.audio_lengths)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -31,6 +31,29 @@ def audio_output_length(input_lengths: torch.Tensor, n_window: int) -> torch.Ten
     leave = input_lengths % chunk
     feat = (leave - 1) // 2 + 1
     return ((feat - 1) // 2 + 1 - 1) // 2 + 1 + (input_lengths // chunk) * 13
+
+
+class ClipTokens(NamedTuple):
+    """Placeholder tokens of audio clips from their raw lengths (`audio_tokens_per_clip`).
+
+    Attributes:
+        tokens: each clip's placeholder tokens (host ints); empty when any clip is in `empty`.
+        empty: the clips whose raw length is < 1, in order: their encoder output has no tokens (0 for 0,
+            negative below), so each caller names the first ones in its own terms.
+    """
+
+    tokens: list[int]
+    empty: list[int]
+
+
+def audio_tokens_per_clip(raw_lengths: Sequence[int], n_window: int) -> ClipTokens:
+    """The one rule for an audio clip's placeholder tokens: `audio_output_length` of its raw length (host
+    ints: exact for any window or length, where an int64 tensor overflowed at 2 * window >= 2**63), for
+    clips of raw length >= 1 only; e.g. [100, 30], n_window 50 -> tokens [13, 4]; [100, 0] -> empty [1]."""
+    empty = [i for i, n in enumerate(raw_lengths) if n < 1]
+    if empty:
+        return ClipTokens([], empty)
+    return ClipTokens([int(audio_output_length(n, n_window)) for n in raw_lengths], [])
 
 
 def _text(length: int, start) -> torch.Tensor:
@@ -78,10 +101,11 @@ def _audio_tokens(inputs: dict, index: int, place: Callable[[int], str], at: int
         for 0, negative below), which the reference fails on with a RuntimeError (max of an empty run).
     """
     raw = int(_take(inputs["audio_seqlens"], index, "audio_seqlens", place, at))
-    if raw < 1:
+    clip = audio_tokens_per_clip([raw], n_window)
+    if clip.empty:
         raise ValueError(f"audio_seqlens entry {index} is {raw}: raw audio lengths must be >= 1 (the audio block "
                          f"opening at input_ids {place(at)})")
-    return int(audio_output_length(raw, n_window))
+    return clip.tokens[0]
 
 
 def _check_block(tokens: list[int], begin: int, length: int, ids: set, *, place: Callable[[int], str],

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from megatron_vlm_packing.packing.bounds import is_int
+from megatron_vlm_packing.packing.row_fields import is_undense
 
 
 def _cpu(x):
@@ -18,9 +19,12 @@ def _cpu(x):
 
 def dense_tensor(x, name: str) -> torch.Tensor:
     """`x` as a dense CPU tensor; ValueError naming `name` when it cannot be one (a string, a ragged
-    list, a meta or sparse tensor), instead of torch's TypeError / RuntimeError deep in a check."""
-    if isinstance(x, torch.Tensor) and (x.layout != torch.strided or x.is_meta):
-        raise ValueError(f"{name} must be a dense tensor with data, got a {x.layout} tensor on {x.device}")
+    list, a sparse, nested or meta tensor: the packers' rule, `row_fields.is_undense`), instead of torch's
+    TypeError / RuntimeError deep in a check."""
+    if isinstance(x, torch.Tensor) and is_undense(x):
+        # a nested tensor may have the strided layout: name what it is
+        got = f"nested tensor (layout {x.layout})" if x.is_nested else f"{x.layout} tensor"
+        raise ValueError(f"{name} must be a dense tensor with data, got a {got} on {x.device}")
     try:
         return _cpu(torch.as_tensor(x))
     except (TypeError, ValueError, RuntimeError) as err:

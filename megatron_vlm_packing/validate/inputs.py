@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 import torch
 
+from megatron_vlm_packing.packing.media import given_or_config
 from megatron_vlm_packing.packing.plan import PackMultiples
 from megatron_vlm_packing.validate.coerce import bool_field, count_field, dense_tensor, flat_tokens, int_field
 
@@ -239,16 +240,11 @@ def _defaults_from_mrope(values: dict) -> None:
     config = values.get("mrope")
     if not isinstance(config, MRopeConfig):
         return
-    for name in ("image_token_id", "video_token_id", "audio_token_id", "spatial_merge_size", "audio_n_window"):
-        known = getattr(config, name, None)
-        if known is None:
-            continue
-        given = values.get(name)
-        if given is None:
-            values[name] = known
-        elif int_field(given, name, dict(_INT_FIELDS)[name]) != known:  # a [2] tensor: no truth value
-            raise ValueError(f"{name}={given!r} contradicts the mrope config's {name}={known!r}: the placeholders "
-                             f"would be counted with one and the model's index asked with the other")
+    names = ("image_token_id", "video_token_id", "audio_token_id", "spatial_merge_size", "audio_n_window")
+    values.update(given_or_config(
+        {name: values.get(name) for name in names}, {name: getattr(config, name, None) for name in names},
+        read=lambda name, given: int_field(given, name, dict(_INT_FIELDS)[name]),  # a [2] tensor: no truth value
+        show=repr, why=": the placeholders would be counted with one and the model's index asked with the other"))
 
 
 _SEQUENCE_FIELDS = ("input_ids", "labels", "loss_mask", "position_ids", "padding_mask")

@@ -32,12 +32,11 @@ def _parameters(mrope) -> dict | None:
         return None
 
 
-def _callable_kwargs(mrope, kwargs: dict) -> tuple[dict, list[str]]:
-    """The inputs an index callable takes by name (all of them with **kwargs); seconds go as
-    `second_per_grid_ts` or `second_per_grids` (transformers' Qwen3-Omni name); one whose signature cannot be
-    read is given them all. Returns (kwargs, the given inputs it takes under no name; `use_audio_in_video` is
-    never one: the tokens tell it)."""
-    params = _parameters(mrope)
+def _callable_kwargs(params: dict | None, kwargs: dict) -> tuple[dict, list[str]]:
+    """The inputs an index callable with parameters `params` (`_parameters`) takes by name (all of them with
+    **kwargs); seconds go as `second_per_grid_ts` or `second_per_grids` (transformers' Qwen3-Omni name); one
+    whose signature cannot be read is given them all. Returns (kwargs, the given inputs it takes under no name;
+    `use_audio_in_video` is never one: the tokens tell it)."""
     if params is None or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return kwargs, []
     out, unread = {}, []
@@ -51,15 +50,16 @@ def _callable_kwargs(mrope, kwargs: dict) -> tuple[dict, list[str]]:
     return out, unread
 
 
-def _index_of(inputs: PackedInputs, ids: torch.Tensor, kwargs: dict) -> torch.Tensor:
-    """ids: [L] -> [3, L] positions of one sample alone from the model's index (`MRopeConfig` or callable).
+def _index_of(inputs: PackedInputs, ids: torch.Tensor, kwargs: dict, params: dict | None) -> torch.Tensor:
+    """ids: [L] -> [3, L] positions of one sample alone from the model's index (`MRopeConfig` or callable, whose
+    parameters are `params`).
 
     Raises:
         ValueError: the index refuses the sample, or gives something other than 3 x L positions.
     """
     mrope = inputs.mrope
     if callable(mrope):
-        if "attention_mask" in (_parameters(mrope) or ()):  # the sample alone: every token real
+        if "attention_mask" in (params or ()):  # the sample alone: every token real
             kwargs = {**kwargs, "attention_mask": torch.ones_like(ids[None])}
         result = mrope(ids[None], **kwargs)
     else:
@@ -96,28 +96,16 @@ def document_inputs(inputs: PackedInputs, ids: torch.Tensor, items: dict, d: int
     return kwargs
 
 
-def _audio_unchecked(inputs: PackedInputs, docs: Documents) -> dict[int, str]:
-    """Documents whose audio the index would need lengths for that were not given (or not split)."""
-    if inputs.audio_token_id is None:
-        if inputs.audio_seqlens is not None and inputs.audio_seqlens.numel():
-            why = "audio_seqlens given but no audio_token_id: the clips cannot be split per document"
-            return {d: why for d in range(docs.num_documents) if docs.real[d]}
-        return {}
-    if inputs.audio_seqlens is not None:  # split per document (or, not fitting, named by audio_placeholders)
-        return {}
-    holds = torch.bincount(docs.doc_of_slot[(inputs.input_ids == inputs.audio_token_id) & docs.is_real],
-                           minlength=docs.num_documents).tolist()
-    return {d: "audio placeholders but no audio_seqlens given" for d, n in enumerate(holds) if n}
-
-
-def against_model_index(inputs: PackedInputs, docs: Documents, items: dict,
-                        skip: set[int]) -> tuple[list[Violation], dict[int, str]]:
+def against_model_index(inputs: PackedInputs, docs: Documents, items: dict, skip: set[int],
+                        audio_unchecked: dict[int, str]) -> tuple[list[Violation], dict[int, str]]:
     """Each document's real positions ([3, L] of `inputs.position_ids`) equal to the index's for it alone.
 
     Returns the violation (naming the first differing token of up to 4 documents) and {document: why
-    it could not be checked}. Documents in `skip` (already reported) are not asked about.
+    it could not be checked}. Documents in `skip` (already reported) are not asked about, nor those of
+    `audio_unchecked` (`vision.audio_coverage`: audio the index would need lengths for), returned with the rest.
     """
-    bad, unchecked = [], _audio_unchecked(inputs, docs)
+    bad, unchecked = [], dict(audio_unchecked)
+    params = _parameters(inputs.mrope) if callable(inputs.mrope) else None  # read once, not per document
     for d in range(docs.num_documents):
         if d in skip or d in unchecked or docs.real[d] == 0:
             continue
@@ -125,12 +113,12 @@ def against_model_index(inputs: PackedInputs, docs: Documents, items: dict,
         ids = inputs.input_ids[slots]
         kwargs = document_inputs(inputs, ids, items, d)
         if callable(inputs.mrope):
-            kwargs, unread = _callable_kwargs(inputs.mrope, kwargs)
+            kwargs, unread = _callable_kwargs(params, kwargs)
             if unread:
                 unchecked[d] = f"the mrope callable takes none of {unread} by name"
                 continue
         try:
-            expected = _index_of(inputs, ids, kwargs)
+            expected = _index_of(inputs, ids, kwargs, params)
         except ValueError as err:  # the model's own index refuses this document
             bad.append((d, 0, "refused", str(err)))
             continue

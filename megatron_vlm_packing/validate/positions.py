@@ -11,6 +11,7 @@ from megatron_vlm_packing.validate.documents import Documents
 from megatron_vlm_packing.validate.inputs import PackedInputs
 from megatron_vlm_packing.validate.model_index import against_model_index
 from megatron_vlm_packing.validate.report import Violation
+from megatron_vlm_packing.validate.vision import MediaFindings
 
 
 def vision_documents(inputs: PackedInputs, docs: Documents, *, min_run: int = 1) -> set[int] | None:
@@ -53,10 +54,11 @@ def check_positions_1d(inputs: PackedInputs, docs: Documents) -> list[Violation]
     return out
 
 
-def check_positions_3d(inputs: PackedInputs, docs: Documents, vision_items: dict,
-                       vision_failed: set[int]) -> tuple[list[Violation], dict[int, str]]:
+def check_positions_3d(inputs: PackedInputs, docs: Documents,
+                       media: MediaFindings) -> tuple[list[Violation], dict[int, str]]:
     """[3, T] positions: restart at 0, distinct channels on vision documents, equal to the model's index
-    (`validate.model_index`). Returns the violations and the documents the index could not check, with why."""
+    (`validate.model_index`, given each document's items of `media`; its failed documents are not asked about).
+    Returns the violations and the documents the index could not check, with why."""
     positions = inputs.position_ids
     out, flagged = [], set()
     starts = [d for d in range(docs.num_documents) if docs.real[d] and
@@ -78,13 +80,13 @@ def check_positions_3d(inputs: PackedInputs, docs: Documents, vision_items: dict
         flagged |= set(identical)
     if inputs.mrope is None:
         return out, {}
-    found, unchecked = against_model_index(inputs, docs, vision_items, flagged | vision_failed)
+    found, unchecked = against_model_index(inputs, docs, media.items, flagged | media.failed, media.audio.unchecked)
     return out + found, unchecked
 
 
-def check_positions(inputs: PackedInputs, docs: Documents, vision_items: dict,
-                    vision_failed: set[int]) -> tuple[list[Violation], dict[int, str]]:
-    """Violations, and {document: why the model's index could not check it}."""
+def check_positions(inputs: PackedInputs, docs: Documents,
+                    media: MediaFindings) -> tuple[list[Violation], dict[int, str]]:
+    """Violations, and {document: why the model's index could not check it}; `media`: what `check_vision` found."""
     if inputs.position_ids.dim() == 1:
         return check_positions_1d(inputs, docs), {}
-    return check_positions_3d(inputs, docs, vision_items, vision_failed)
+    return check_positions_3d(inputs, docs, media)

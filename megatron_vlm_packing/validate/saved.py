@@ -9,6 +9,7 @@ from typing import Mapping
 import torch
 
 from megatron_vlm_packing.validate.inputs import SAVED_KEYS
+from megatron_vlm_packing.validate.validate import POSITIONS_1D
 
 
 def load_saved_batch(path: str | os.PathLike) -> dict:
@@ -108,10 +109,10 @@ def index_note(report, batch: Mapping, mrope, source) -> str | None:
     index = f"the {mrope.family} index of {source}"
     if mrope.text_offset == "max_position":
         index += " (text resuming after the block's largest position, as transformers 4.57)"
-    if "mrope_positions" in report.checked and batch.get("position_ids") is not None:
-        if not _is_mrope_positions(batch["position_ids"]):
-            return (f"  positions: 1D; {index} needs [3, 1, T] mRoPE positions, so documents with image / video "
-                    f"placeholders are reported (mrope_channels_identical)")
+    if POSITIONS_1D in unchecked:  # the report's own word: the batch's shape is not read again here
+        return (f"  positions: 1D; {index} needs [3, 1, T] mRoPE positions, so documents with image / video "
+                f"placeholders are reported (mrope_channels_identical)")
+    if "mrope_positions" in report.checked:
         tail = "; the documents listed as not checked were not" if unchecked else ""
         return f"  positions: compared with {index}, per document{tail}"
     why = ("the file has no position_ids" if batch.get("position_ids") is None else

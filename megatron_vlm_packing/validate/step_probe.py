@@ -95,14 +95,11 @@ def _check_probe_kwargs(probe_kwargs: dict) -> None:
     unexpected keyword) at the first probed call."""
     import inspect
 
-    from megatron_vlm_packing.packing.batch import _PACK_BATCH_KEYWORDS
+    from megatron_vlm_packing.packing.batch import check_pack_options
 
-    taken = {"forward", "batch", "tolerance", "pack_kwargs"}  # with_parity_probe passes these itself
-    known = (set(inspect.signature(parity_probe).parameters) - taken) | set(_PACK_BATCH_KEYWORDS)
-    unknown = sorted(set(probe_kwargs) - known)
-    if unknown:
-        raise ValueError(f"{unknown} are not parity_probe / pack_batch keywords; with_parity_probe passes on any "
-                         f"of {sorted(known)}")
+    own = {"forward", "batch", "tolerance", "pack_kwargs"}  # with_parity_probe passes these itself
+    probe_keywords = tuple(name for name in inspect.signature(parity_probe).parameters if name not in own)
+    check_pack_options(probe_kwargs, "with_parity_probe", also_for="parity_probe", also=probe_keywords)
 
 
 class StepProbe:

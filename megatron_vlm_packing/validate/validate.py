@@ -22,7 +22,7 @@ from megatron_vlm_packing.validate.positions import check_positions
 from megatron_vlm_packing.validate.report import ValidationReport, Violation
 from megatron_vlm_packing.validate.source import check_labels_vs_source, match_source
 from megatron_vlm_packing.validate.tokens import check_labels_cross_documents, check_loss_on_pad, crossing_slots
-from megatron_vlm_packing.validate.vision import check_vision
+from megatron_vlm_packing.validate.vision import AudioCoverage, MediaFindings, check_vision
 
 
 def validate_packed_batch(batch=None, **fields) -> ValidationReport:
@@ -179,9 +179,9 @@ def _per_token_checks(inputs: PackedInputs, bounds: Boundaries) -> tuple[Documen
     targets = check_loss_on_pad(inputs, docs) + check_labels_cross_documents(inputs, docs)
     findings = findings.then(_Findings(targets, ["loss_on_pad", "labels_cross_documents"], []))
     findings = findings.then(_source_checks(inputs, docs))
-    vision, items, failed = _vision_checks(inputs, docs)
-    findings = findings.then(vision).then(_Findings([], *_audio_checked(inputs)))
-    findings = findings.then(_position_checks(inputs, docs, items, failed))
+    media = check_vision(inputs, docs)
+    findings = findings.then(_vision_findings(inputs, media)).then(_audio_findings(media.audio))
+    findings = findings.then(_position_checks(inputs, docs, media))
     if inputs.cp_ranks:
         findings = findings.then(_Findings(check_cp_ranks(inputs, bounds), ["cp_partition"], []))
     return docs, findings
@@ -196,43 +196,43 @@ def _source_checks(inputs: PackedInputs, docs: Documents) -> _Findings:
     return _Findings(check_labels_vs_source(inputs, docs, skip_slots), ["tokens_vs_source", "labels_vs_source"], [])
 
 
-def _vision_checks(inputs: PackedInputs, docs: Documents) -> tuple[_Findings, dict, set[int]]:
-    """Placeholders per document (`check_vision`); also its {kind: items per document} and failed
-    documents, for the position checks."""
-    found, items, failed = check_vision(inputs, docs)
+def _vision_findings(inputs: PackedInputs, media: MediaFindings) -> _Findings:
+    """The placeholders' violations (`check_vision`, every kind), and whether vision ones were checked or why not."""
     if inputs.image_token_id is None and inputs.video_token_id is None:
         skipped = [("vision_placeholders", "no image_token_id / video_token_id given")]
-        return _Findings(found, [], skipped), items, failed
-    return _Findings(found, ["vision_placeholders"], []), items, failed
+        return _Findings(media.violations, [], skipped)
+    return _Findings(media.violations, ["vision_placeholders"], [])
 
 
-def _position_checks(inputs: PackedInputs, docs: Documents, items: dict, failed: set[int]) -> _Findings:
+def _audio_findings(audio: AudioCoverage) -> _Findings:
+    """Whether audio placeholders were checked against audio_seqlens, or why not (`vision.audio_coverage`)."""
+    return _Findings([], ["audio_placeholders"] if audio.checked else [],
+                     [("audio_placeholders", audio.skip)] if audio.skip else [])
+
+
+# Why an index given with 1D positions compared nothing (`megatron-vlm-packing check` recognises it).
+POSITIONS_1D = ("position_ids are 1D: the model's index gives [3, T] mRoPE positions, so nothing is compared "
+                "with it; documents with image / video placeholders are reported by mrope_channels_identical")
+
+
+def _position_checks(inputs: PackedInputs, docs: Documents, media: MediaFindings) -> _Findings:
     """Positions per document (`check_positions`) when given; `skipped` says what the model's index did not
-    check (never an OK over documents it was not asked about)."""
+    check (never an OK over documents it was not asked about, nor over 1D positions it cannot be compared with)."""
     if inputs.position_ids is None:
         return _Findings([], [], [])
-    found, unchecked = check_positions(inputs, docs, items, failed)
-    checked = ["positions_restart", "mrope_channels_identical"] + (["mrope_positions"] if inputs.mrope else [])
-    skipped = []
-    if inputs.position_ids.dim() == 2 and not inputs.mrope:  # say so: an OK must not read as "mRoPE checked"
+    found, unchecked = check_positions(inputs, docs, media)
+    checked, skipped = ["positions_restart", "mrope_channels_identical"], []
+    if inputs.mrope and inputs.position_ids.dim() == 1:  # nothing was compared: an OK must not read as compared
+        skipped.append(("mrope_positions", POSITIONS_1D))
+    elif inputs.mrope:
+        checked.append("mrope_positions")
+    elif inputs.position_ids.dim() == 2:  # say so: an OK must not read as "mRoPE checked"
         skipped.append(("mrope_positions", "no mrope (MRopeConfig or the model's index) given: [3, T] positions "
                         "are checked for restarts and identical channels only"))
     for reason in sorted(set(unchecked.values())):
         ds = sorted(d for d, why in unchecked.items() if why == reason)
         skipped.append(("mrope_positions", f"documents {ds[:16]}{' ...' if len(ds) > 16 else ''}: {reason}"))
     return _Findings(found, checked, skipped)
-
-
-def _audio_checked(inputs: PackedInputs) -> tuple[list[str], list[tuple[str, str]]]:
-    """Whether audio placeholders were checked against audio_seqlens, or why not (only when either is given)."""
-    lengths = inputs.audio_seqlens is not None
-    if inputs.audio_token_id is not None and lengths:
-        return ["audio_placeholders"], []
-    if inputs.audio_token_id is not None and bool((inputs.input_ids == inputs.audio_token_id).any()):
-        return [], [("audio_placeholders", "no audio_seqlens given")]
-    if lengths:
-        return [], [("audio_placeholders", "audio_seqlens given but no audio_token_id")]
-    return [], []
 
 
 def _settle_real_slots(inputs: PackedInputs, docs):

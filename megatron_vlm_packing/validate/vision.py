@@ -1,7 +1,7 @@
 """Image / video / audio placeholders against their grids and lengths, document by document (contract item 10).
 
 Each image (video) takes `t*h*w / merge**2` placeholder tokens, each audio clip
-`rope.omni.audio_output_length(audio_seqlens entry, n_window)`. Items are assigned to documents in
+`rope.omni.audio_tokens_per_clip(audio_seqlens, n_window)`. Items are assigned to documents in
 order: by the given per-document counts, else greedily (consecutive items filling each document's
 placeholders exactly); a document whose placeholders no run of items fills is named. A Qwen3-VL video
 puts each frame in its own block (timestamp text between), so its runs may end at any frame. A Qwen3-Omni
@@ -12,6 +12,8 @@ Shape legend: N = documents, I = images (or videos, or audio clips), A = audio c
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -31,18 +33,18 @@ def _tokens_per_item(grid: torch.Tensor, merge: int, kind: str) -> tuple[list[in
 
 
 def _audio_tokens_per_clip(inputs: PackedInputs) -> tuple[list[int], str | None]:
-    from megatron_vlm_packing.rope.omni import audio_output_length
+    """Placeholder tokens of each `audio_seqlens` clip (`rope.omni.audio_tokens_per_clip`), or the problem."""
+    from megatron_vlm_packing.rope.omni import audio_tokens_per_clip
 
     lengths = inputs.audio_seqlens
     if lengths.dim() != 1 or lengths.is_floating_point() or lengths.dtype == torch.bool:
         return [], f"audio_seqlens must be [A] integer raw lengths, got {tuple(lengths.shape)} {lengths.dtype}"
     raw = lengths.long().tolist()
-    bad = [(i, n) for i, n in enumerate(raw) if n < 1]
-    if bad:
-        return [], f"audio_seqlens entries {bad[:4]} are < 1: such a clip has no encoder output"
-    window = inputs.audio_n_window or 50
-    # Python ints: exact for any window or length (a tensor overflowed int64 at 2 * window >= 2**63).
-    return [int(audio_output_length(n, window)) for n in raw], None
+    clips = audio_tokens_per_clip(raw, inputs.audio_n_window or 50)
+    if clips.empty:
+        return [], f"audio_seqlens entries {[(i, raw[i]) for i in clips.empty[:4]]} are < 1: such a clip has no " \
+                   f"encoder output"
+    return clips.tokens, None
 
 
 def _runs(is_ph: torch.Tensor, docs: Documents, bridge: torch.Tensor | None = None) -> list[list[int]]:
@@ -120,26 +122,83 @@ def _item_sizes(inputs: PackedInputs, kind: str) -> tuple[list[int] | None, str 
     return (*_tokens_per_item(grid, inputs.spatial_merge_size, kind), f"{kind}_grid_thw")
 
 
-def check_kind(inputs: PackedInputs, docs: Documents, kind: str) -> tuple[list[Violation], list[list[int]] | None, set[int]]:
-    """Returns violations, items per document (None when unchecked) and the documents that failed.
-    Audio placeholders with no audio_seqlens given fail nothing: `model_index` reports them unchecked."""
-    token_id = getattr(inputs, f"{kind}_token_id")
-    per_doc = getattr(inputs, f"{kind}s_per_document")
-    check = "audio_placeholders" if kind == "audio" else "vision_placeholders"
-    if token_id is None:
-        return [], None, set()
+class Placeholders(NamedTuple):
+    """One kind's placeholder slots, counted once (`count_placeholders`) for its check and the audio decision.
+
+    Attributes:
+        is_placeholder: [T] bool, the slots holding the kind's placeholder id.
+        counts: N ints, placeholders at each document's real slots.
+        on_pads: [P] long, the pad slots holding one.
+    """
+
+    is_placeholder: torch.Tensor
+    counts: list[int]
+    on_pads: torch.Tensor
+
+
+def count_placeholders(inputs: PackedInputs, docs: Documents, token_id: int) -> Placeholders:
+    """The placeholders of `token_id` in `inputs`, per document of `docs`."""
     is_ph = inputs.input_ids == token_id
     real = docs.is_real
     counts = torch.bincount(docs.doc_of_slot[is_ph & real], minlength=docs.num_documents).tolist()
+    return Placeholders(is_ph, counts, (is_ph & ~real).nonzero().flatten())
+
+
+class AudioCoverage(NamedTuple):
+    """Whether audio placeholders were checked against `audio_seqlens`, decided once (`audio_coverage`) for
+    the report and for the comparison with the model's index.
+
+    Attributes:
+        checked: the placeholders were compared with `audio_seqlens` (audio_placeholders ran).
+        skip: why audio_placeholders did not run, or None (it ran, or nothing about audio was given).
+        unchecked: {document: why the model's index cannot be asked about its audio}.
+    """
+
+    checked: bool
+    skip: str | None
+    unchecked: dict[int, str]
+
+
+def audio_coverage(inputs: PackedInputs, docs: Documents, audio: Placeholders | None) -> AudioCoverage:
+    """`AudioCoverage` of `inputs`: `audio` holds the audio placeholders counted (None without an audio_token_id).
+    Placeholders with no `audio_seqlens` fail no check (the lengths are what they are checked with): they are
+    reported as not checked, here and by the index, never passed."""
+    if audio is None:
+        if inputs.audio_seqlens is None:
+            return AudioCoverage(False, None, {})
+        why = "audio_seqlens given but no audio_token_id"
+        if not inputs.audio_seqlens.numel():
+            return AudioCoverage(False, why, {})
+        split = f"{why}: the clips cannot be split per document"
+        return AudioCoverage(False, why, {d: split for d in range(docs.num_documents) if docs.real[d]})
+    if inputs.audio_seqlens is not None:  # split per document (or, not fitting, named by audio_placeholders)
+        return AudioCoverage(True, None, {})
+    if not sum(audio.counts) and not audio.on_pads.numel():
+        return AudioCoverage(False, None, {})
+    why = "audio placeholders but no audio_seqlens given"
+    return AudioCoverage(False, "no audio_seqlens given", {d: why for d, n in enumerate(audio.counts) if n})
+
+
+def check_kind(inputs: PackedInputs, docs: Documents, kind: str,
+               placeholders: Placeholders | None) -> tuple[list[Violation], list[list[int]] | None, set[int]]:
+    """Returns violations, items per document (None when unchecked) and the documents that failed;
+    `placeholders`: the kind's (`count_placeholders`), None without its id. Audio placeholders with no
+    audio_seqlens given fail nothing (`audio_coverage` says they were not checked)."""
+    token_id = getattr(inputs, f"{kind}_token_id")
+    per_doc = getattr(inputs, f"{kind}s_per_document")
+    check = "audio_placeholders" if kind == "audio" else "vision_placeholders"
+    if placeholders is None:
+        return [], None, set()
+    is_ph, counts, on_pads = placeholders
+    real = docs.is_real
     out = []
-    on_pads = (is_ph & ~real).nonzero().flatten()
     if on_pads.numel():
         out.append(Violation(check, f"{on_pads.numel()} {kind} placeholders (id {token_id}) on pad "
                              f"slots, e.g. {on_pads[:8].tolist()}", tuple(docs.doc_of_slot[on_pads].unique().tolist())))
     sizes, problem, source = _item_sizes(inputs, kind)
     if sizes is None and problem is None:
         docs_with = tuple(d for d, c in enumerate(counts) if c)
-        if kind == "audio":  # lengths only the mRoPE index reads: reported as not checked there
+        if kind == "audio":  # `audio_coverage` reports them as not checked
             return out, [[] for _ in counts], set()
         if docs_with:
             out.append(Violation(check, f"{sum(counts)} {kind} placeholders but no {source}", docs_with))
@@ -166,11 +225,23 @@ def check_kind(inputs: PackedInputs, docs: Documents, kind: str) -> tuple[list[V
     return out, items, set(bad) if bad else set()
 
 
-def check_vision(inputs: PackedInputs, docs: Documents) -> tuple[list[Violation], dict, set[int]]:
-    """Every kind; returns violations, {kind: items per document}, the failed documents."""
-    out, items, failed = [], {}, set()
+class MediaFindings(NamedTuple):
+    """What `check_vision` found: `violations`; `items`, {kind: items per document, or None when unchecked};
+    the `failed` documents; and the `audio` coverage."""
+
+    violations: list[Violation]
+    items: dict
+    failed: set[int]
+    audio: AudioCoverage
+
+
+def check_vision(inputs: PackedInputs, docs: Documents) -> MediaFindings:
+    """Every kind: image, video and audio placeholders against their grids and lengths."""
+    out, items, failed, counted = [], {}, set(), {}
     for kind in ("image", "video", "audio"):
-        v, per_doc, bad = check_kind(inputs, docs, kind)
+        token_id = getattr(inputs, f"{kind}_token_id")
+        counted[kind] = None if token_id is None else count_placeholders(inputs, docs, token_id)
+        v, per_doc, bad = check_kind(inputs, docs, kind, counted[kind])
         out += v
         failed |= bad
         if v and not bad:  # a total mismatch: no document can be trusted
@@ -183,4 +254,4 @@ def check_vision(inputs: PackedInputs, docs: Documents) -> tuple[list[Violation]
         out.append(Violation("vision_placeholders", f"second_per_grid_ts has {seconds.numel()} entries for "
                              f"{videos} videos in video_grid_thw: one per video", tuple(sorted(with_videos))))
         failed |= with_videos if items["video"] is not None else set(range(docs.num_documents))
-    return out, items, failed
+    return MediaFindings(out, items, failed, audio_coverage(inputs, docs, counted["audio"]))

@@ -133,6 +133,24 @@ def test_3d_positions_without_an_index_say_what_was_not_checked(vlm_pack):
     assert report.ok and "not checked: mrope_positions (no mrope" in str(report)
 
 
+def test_1d_positions_with_an_index_record_the_index_as_not_compared(vlm_pack):
+    """1D positions give the index nothing to compare: mrope_positions is skipped with the reason, never
+    listed as checked (an OK report must not read as "positions equal the model's index")."""
+    fields = clone(vlm_pack[1])
+    cu = fields["cu_seqlens_padded"].tolist()
+    offsets = torch.cat([torch.arange(b - a) for a, b in zip(cu[:-1], cu[1:])])
+    no_vision = clone(fields, position_ids=offsets[None], input_ids=fields["input_ids"].clone())
+    no_vision.pop("image_grid_thw"), no_vision.pop("source")  # source rows would hold the images
+    no_vision["input_ids"][no_vision["input_ids"] == DATA.image_token_id] = 5  # text only: the 1D checks hold
+    for given in (clone(fields, position_ids=offsets[None]), no_vision):
+        report = validate_packed_batch(**given)
+        assert "mrope_positions" not in report.checked, str(report)
+        skipped = dict(report.skipped)
+        assert "1D" in skipped["mrope_positions"] and "mrope_channels_identical" in skipped["mrope_positions"]
+        assert "not checked: mrope_positions (position_ids are 1D" in str(report)
+    assert report.ok and {"positions_restart", "mrope_channels_identical"} <= set(report.checked), str(report)
+
+
 def test_bug1_1d_positions_copied_to_three_channels(vlm_pack):
     fields = vlm_pack[1]
     offsets = torch.cat([torch.arange(b - a) for a, b in zip(fields["cu_seqlens_padded"][:-1].tolist(),
@@ -333,3 +351,18 @@ def test_boundaries_that_do_not_cover_the_slots_stop_before_per_token_checks(vlm
     cu = torch.minimum(fields["cu_seqlens"], pad)
     report = only(validate_packed_batch(**clone(fields, cu_seqlens=cu, cu_seqlens_padded=pad)), "real_vs_padded")
     assert "ends at" in str(report) and "not checked: per-token checks" in str(report)
+
+
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
+@pytest.mark.parametrize("name", ["input_ids", "cu_seqlens", "image_grid_thw"])
+def test_an_undense_tensor_is_named_like_the_packers_refuse_it(vlm_pack, name, layout):
+    """Nested tensors are refused as sparse and meta ones are (`row_fields.is_undense`, the packers' rule): a
+    strided-layout nested tensor passed the layout test and raised torch's RuntimeError ('NestedTensorImpl
+    doesn't support sizes') deep in a check."""
+    nested = torch.nested.nested_tensor([torch.tensor([1, 2, 3]), torch.tensor([4])], layout=layout)
+    with pytest.raises(ValueError, match=rf"{name} must be a dense tensor with data, got a nested tensor"):
+        validate_packed_batch(**clone(vlm_pack[1], **{name: nested}))
+    for undense, got in ((torch.tensor([0, 4]).to_sparse(), "torch.sparse_coo tensor on cpu"),
+                         (torch.empty(2, dtype=torch.long, device="meta"), "torch.strided tensor on meta")):
+        with pytest.raises(ValueError, match=rf"{name} must be a dense tensor with data, got a {got}"):
+            validate_packed_batch(**clone(vlm_pack[1], **{name: undense}))
