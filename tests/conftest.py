@@ -16,7 +16,7 @@ settings.load_profile("ci" if os.environ.get("CI") else "explore")
 @pytest.fixture(scope="module")
 def single_process_megatron():
     """A one-process gloo group and Megatron-Core's parallel state in this process (`demo.main.setup_distributed`),
-    torn down after the module: the group destroyed and the environment it set (RANK, WORLD_SIZE,
+    torn down after the module: the group destroyed, the CPU shims it applied undone, and the environment it set (RANK, WORLD_SIZE,
     MASTER_ADDR / PORT, LOCAL_RANK) restored. Left in place, later tests that start a script as a subprocess
     would hand it RANK and a MASTER_PORT this process holds, and its own set-up would fail."""
     import torch.distributed as dist
@@ -24,9 +24,13 @@ def single_process_megatron():
 
     from megatron_vlm_packing.demo.main import setup_distributed
 
-    saved = dict(os.environ)
+    from megatron_vlm_packing.runtime.cpu_shims import cpu_shims_applied, undo_cpu_shims
+
+    saved, shims_were_on = dict(os.environ), cpu_shims_applied()
     setup_distributed("cpu", 1, 1, 0)
     yield
+    if not shims_were_on:  # left on, a later test of the shims themselves finds them applied
+        undo_cpu_shims()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
