@@ -264,11 +264,14 @@ def checked_pad_to(pad_to) -> int | None:
     string would fail deep in the plan with a TypeError.
 
     Raises:
-        ValueError: `pad_to` is a bool or not an integer.
+        ValueError: `pad_to` is a bool, not an integer, or below 1 (no pack has 0 slots: refused where
+            an option is set, not at the first batch a collator packs).
     """
-    if pad_to is None or type(pad_to) is int:
+    if pad_to is None:
         return pad_to
-    scalar = integer_scalar(pad_to)
+    scalar = pad_to if type(pad_to) is int else integer_scalar(pad_to)
     if scalar is None:
         raise ValueError(f"pad_to must be an int (the packed length T) or None, got {pad_to!r}")
+    if scalar < 1:
+        raise ValueError(f"pad_to must be a positive int (the packed length T) or None, got {pad_to!r}")
     return scalar

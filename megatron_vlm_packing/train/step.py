@@ -68,8 +68,6 @@ class StepOptions:
         """label_style, fp8, pad_to, seq_length and mrope as the packers take them, checked when the step is made,
         not at its first micro-batch (from the DataLoader, pad_to="8" was compared with the pack's length as it was)."""
         pad_to = check_pack_arguments(fp8=self.fp8, label_style=self.label_style, pad_to=self.pad_to, mrope=self.mrope)
-        if pad_to is not None and pad_to < 1:
-            raise ValueError(f"pad_to must be a positive int (the packed length T) or None, got {pad_to!r}")
         object.__setattr__(self, "pad_to", pad_to)  # an integer scalar as its int, as pack_batch reads it
         if self.seq_length is not None and (not is_int(self.seq_length) or self.seq_length < 1):
             raise ValueError(f"seq_length must be a positive int (the dense row length) or None, "

@@ -31,6 +31,10 @@ BAD = [
     ("pad_to", 8.0, r"pad_to must be an int \(the packed length T\) or None, got 8.0$"),
     ("pad_to", True, r"pad_to must be an int \(the packed length T\) or None, got True$"),
     ("pad_to", torch.tensor(8.0), r"pad_to must be an int \(the packed length T\) or None, got tensor\(8\.\)$"),
+    # below 1: the collators accepted these and failed at the first batch a DataLoader worker packed
+    ("pad_to", 0, r"pad_to must be a positive int \(the packed length T\) or None, got 0$"),
+    ("pad_to", -8, r"pad_to must be a positive int \(the packed length T\) or None, got -8$"),
+    ("pad_to", np.int64(0), r"pad_to must be a positive int \(the packed length T\) or None, got np.int64\(0\)$"),
     ("pad_token_id", -1, r"pad_token_id must be a non-negative int \(the id written at pad slots\), got -1$"),
     ("pad_token_id", 2**63, r"pad_token_id must be at most 2\*\*63 - 1 \(ids are int64\), got 9223372036854775808$"),
     ("mrope", "qwen2_vl", r"mrope must be an MRopeConfig, a callable or None, got str$"),
@@ -65,3 +69,13 @@ def test_the_first_bad_option_is_named_in_a_fixed_order():
         check_pack_arguments(pad_to="8", pad_token_id=-1, mrope=3)
     with pytest.raises(ValueError, match=r"^pad_token_id must be"):
         check_pack_arguments(pad_token_id=-1, mrope=3)
+
+
+def test_pack_batch_names_a_pad_to_below_one_as_the_collators_do():
+    """The packers read pad_to with the same rule: 0 was "smaller than the N physical tokens this batch needs"."""
+    from megatron_vlm_packing.packing import pack_batch
+
+    batch = {"input_ids": torch.tensor([[3, 4, 5]]), "labels": torch.tensor([[4, 5, -100]])}
+    for host_reads in (False, True):
+        with pytest.raises(ValueError, match=r"pad_to must be a positive int \(the packed length T\) or None, got 0$"):
+            pack_batch(batch, pad_to=0, host_reads=host_reads)
