@@ -109,9 +109,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `megatron-vlm-packing` parser: one sub-command per `_add_*_command`, in the order `--help` lists them."""
     parser = argparse.ArgumentParser(prog="megatron-vlm-packing", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    for add_command in (_add_demo_command, _add_plan_command, _add_inspect_command, _add_check_command):
+        add_command(sub)
+    return parser
 
+
+def _add_demo_command(sub) -> None:
+    """`demo`: train a tiny VLM (defaults of the training flags from `_DEMO_TRAINING_FLAGS`), or `--planner`."""
     demo = sub.add_parser("demo", help="train a tiny VLM on embedded synthetic data with packing")
     defaults = _DEMO_TRAINING_FLAGS
     demo.add_argument("--steps", type=int, default=defaults["steps"], help="optimizer steps (default 40)")
@@ -126,12 +133,18 @@ def build_parser() -> argparse.ArgumentParser:
                       help="show dataset-level packing instead: per-rank cost with and without balancing")
     demo.set_defaults(func=cmd_demo)
 
+
+def _add_plan_command(sub) -> None:
+    """`plan`: the planner's own arguments (`planner.report.add_plan_arguments`)."""
     from megatron_vlm_packing.planner.report import add_plan_arguments
 
     plan = sub.add_parser("plan", help="dataset-level packing: per-rank cost with and without balancing")
     add_plan_arguments(plan)
     plan.set_defaults(func=cmd_plan)
 
+
+def _add_inspect_command(sub) -> None:
+    """`inspect LENGTHS`: the pack plan of given real lengths under a parallel layout."""
     inspect = sub.add_parser("inspect", help="show the pack plan for given real lengths")
     inspect.add_argument("lengths", type=_int_list, help="comma-separated real lengths, e.g. 5,0,3")
     inspect.add_argument("--seq", type=_positive_int, default=None, help="padded row length (default: max length)")
@@ -142,16 +155,22 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--pad-to", type=int, default=None)
     inspect.set_defaults(func=cmd_inspect)
 
+
+def _check_description() -> str:
+    """`check --help`'s text: the exit statuses, what --hf-config compares, and the keys a saved FILE holds."""
     from megatron_vlm_packing.validate.saved import saved_keys_help
 
+    return ("Exit status 0 when clean, 1 on violations, 2 when the file (or one of its fields, or --hf-config) "
+            "cannot be read.\nWith --hf-config, each document's mRoPE positions are compared with the model's own "
+            "index for that sample alone\n(Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-Omni); the report says when they "
+            "were and which documents could not be.\nFILE is torch.save of a dict with these keys:\n"
+            + saved_keys_help())
+
+
+def _add_check_command(sub) -> None:
+    """`check FILE`: validate a saved packed batch, with the layout and mRoPE index to judge it by."""
     check = sub.add_parser("check", help="validate a saved packed batch from any packer",
-                           formatter_class=argparse.RawDescriptionHelpFormatter,
-                           description="Exit status 0 when clean, 1 on violations, 2 when the file (or one of "
-                                       "its fields, or --hf-config) cannot be read.\nWith --hf-config, each "
-                                       "document's mRoPE positions are compared with the model's own index for "
-                                       "that sample alone\n(Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-Omni); the "
-                                       "report says when they were and which documents could not be.\n"
-                                       "FILE is torch.save of a dict with these keys:\n" + saved_keys_help())
+                           formatter_class=argparse.RawDescriptionHelpFormatter, description=_check_description())
     check.add_argument("file", help="torch.save'd dict (see the keys above)")
     check.add_argument("--tp", type=int, default=None, help="tensor-parallel size (overrides tp_size in FILE)")
     check.add_argument("--cp", type=int, default=None, help="context-parallel size (overrides cp_size)")
@@ -168,7 +187,6 @@ def build_parser() -> argparse.ArgumentParser:
                             "max_position: 1 + the block's largest position, as transformers 4.57 (differs "
                             "only after videos whose time positions outrun h and w)")
     check.set_defaults(func=cmd_check)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
