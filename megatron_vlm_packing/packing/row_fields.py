@@ -161,15 +161,20 @@ def check_pack_arguments(*, fp8=False, label_style="megatron", pad_to=None, pad_
     Raises:
         ValueError: naming the first bad option, in the order fp8, label_style, pad_to, pad_token_id, mrope.
     """
-    from megatron_vlm_packing.rope.config import MRopeConfig  # imported only when used (the rope package)
-
     check_fp8(fp8)
     check_label_style(label_style)
     pad_to = checked_pad_to(pad_to)
     check_pad_token_id(pad_token_id)
+    check_mrope(mrope)
+    return pad_to
+
+
+def check_mrope(mrope) -> None:
+    """`mrope` is None, an `MRopeConfig` or a callable (the model's index), else a ValueError naming its type."""
+    from megatron_vlm_packing.rope.config import MRopeConfig  # imported only when used (the rope package)
+
     if mrope is not None and not callable(mrope) and not isinstance(mrope, MRopeConfig):
         raise ValueError(f"mrope must be an MRopeConfig, a callable or None, got {type(mrope).__name__}")
-    return pad_to
 
 
 def check_flags(**flags) -> None:

@@ -42,7 +42,7 @@ from megatron_vlm_packing.packing.positions import (  # noqa: F401 (re-exported:
 from megatron_vlm_packing.packing.pack import on_host_without_grad
 from megatron_vlm_packing.packing.row_fields import (  # noqa: F401 (re-exported: callers import them from rows)
     ROPE_ONLY_KEYS, SEQUENCE_KEYS, check_dense_tensors, check_flags, check_keys, check_label_style,
-    check_pack_arguments, check_pad_token_id, check_vocab_size, checked_extra_keys, checked_labels,
+    check_mrope, check_pack_arguments, check_pad_token_id, check_vocab_size, checked_extra_keys, checked_labels,
     checked_loss_values, input_ids_of, is_undense, per_token_extras, refuse_undense, row_tensor,
 )
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_vlm_packing.packing.bounds import is_int
 from megatron_vlm_packing.validate.inputs import PackedInputs
 from megatron_vlm_packing.validate.report import Violation
 
@@ -130,7 +131,8 @@ def check_alignment(inputs: PackedInputs, bounds: Boundaries) -> list[Violation]
 
 
 def check_max_seqlen(inputs: PackedInputs, bounds: Boundaries) -> list[Violation]:
-    """max_seqlen_q/kv present (when a PackedSeqParams was given), ints, covering every document."""
+    """max_seqlen_q/kv present (when a PackedSeqParams was given), ints (a Python or numpy int, `bounds.is_int`, or
+    a one-value integer tensor: what the attention checks take), covering every document."""
     if inputs.max_seqlen is None:
         return []
     longest = max(bounds.physical)
@@ -142,7 +144,7 @@ def check_max_seqlen(inputs: PackedInputs, bounds: Boundaries) -> list[Violation
             continue
         if isinstance(value, torch.Tensor):
             value = value.item() if value.numel() == 1 and not value.is_floating_point() else value
-        if isinstance(value, bool) or not isinstance(value, int):
+        if not is_int(value):
             out.append(Violation("max_seqlen", f"{name} is {value!r} ({type(value).__name__}), not an int"))
         elif value < longest:
             docs = tuple(i for i, p in enumerate(bounds.physical) if p > value)

@@ -17,6 +17,7 @@ import torch
 
 from megatron_vlm_packing.packing.media import given_or_config
 from megatron_vlm_packing.packing.plan import PackMultiples
+from megatron_vlm_packing.packing.row_fields import check_label_style, check_mrope
 from megatron_vlm_packing.validate.coerce import bool_field, count_field, dense_tensor, flat_tokens, int_field
 
 # Keys a saved batch (`torch.save` of a dict) may hold; see `megatron-vlm-packing check --help`.
@@ -68,8 +69,7 @@ class SourceRows:
     label_style: str = "hf"
 
     def __post_init__(self) -> None:
-        if self.label_style not in ("hf", "megatron"):
-            raise ValueError(f"label_style must be 'hf' or 'megatron', got {self.label_style!r}")
+        check_label_style(self.label_style)  # the packers' rule and message
         if self.input_ids.dim() != 2:
             raise ValueError(f"source input_ids must be [B, S], got shape {tuple(self.input_ids.shape)}")
 
@@ -350,14 +350,6 @@ def _cp_ranks_value(ranks) -> dict[int, dict[str, torch.Tensor]]:
             for r, received in ranks.items()}
 
 
-def _check_mrope(mrope) -> None:
-    """`mrope` is None, an `MRopeConfig` or the model's index callable; ValueError otherwise."""
-    from megatron_vlm_packing.rope import MRopeConfig
-
-    if mrope is not None and not callable(mrope) and not isinstance(mrope, MRopeConfig):
-        raise ValueError(f"mrope must be an MRopeConfig or the model's index callable, got {type(mrope).__name__}")
-
-
 def _check_known(values: dict) -> None:
     """Every key of `values` is a `PackedInputs` field; ValueError naming the others and the known ones."""
     known = {f.name for f in fields(PackedInputs)}
@@ -385,6 +377,6 @@ def build_inputs(batch=None, **overrides) -> PackedInputs:
     values.update(_scalar_values(values))
     if values.get("cp_ranks") is not None:
         values["cp_ranks"] = _cp_ranks_value(values["cp_ranks"])
-    _check_mrope(values.get("mrope"))
+    check_mrope(values.get("mrope"))  # the packers' rule: None, an MRopeConfig or the model's index callable
     _check_known(values)
     return PackedInputs(**values)
