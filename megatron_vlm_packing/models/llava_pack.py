@@ -150,6 +150,28 @@ def llava_pad_to(pad_to, space: LlavaSpace) -> int | None:
     return pad_to if pad_to is not None else space.pipeline_length
 
 
+def checked_llava_pad_token_id(pad_token_id, space: LlavaSpace) -> int:
+    """`pad_token_id` as a Python int (`rows.check_pad_token_id`), and not `space`'s image token.
+
+    Raises:
+        ValueError: a bad id, or LLaVA's image token: LLaVAModel would expand every pad slot into an image.
+    """
+    from megatron_vlm_packing.packing.rows import check_pad_token_id
+
+    pad_token_id = check_pad_token_id(pad_token_id)
+    if pad_token_id == space.image_token_index:
+        raise ValueError(f"pad_token_id={pad_token_id} is LLaVA's image token: pad slots would become images")
+    return pad_token_id
+
+
+def _vision_inputs(batch: Mapping, images_per_row, tiles) -> VisionInputs | None:
+    """The batch's images (`images` or `pixel_values`) with their counts per row and tiles, or None without any."""
+    images = _images(batch)
+    if images is None or images.shape[0] == 0:
+        return None
+    return VisionInputs(pixel_values=images, images_per_sample=tuple(images_per_row), num_image_tiles=tiles)
+
+
 def check_loader_micro_batch(micro_batch: MicroBatch, space: LlavaSpace, options) -> None:
     """A micro-batch packed in the DataLoader (`LlavaPackingCollator`) is what the step's options ask
     for in LLaVA's expanded space, as `models.adapter.check_loader_shape` checks other models' (their
@@ -194,11 +216,8 @@ def pack_llava_batch(batch: dict, space: LlavaSpace, *, label_style: str = "mega
         expanded tokens (what attention computes). One host sync.
     """
     from megatron_vlm_packing.packing import make_packed_seq_params, pack_rows, plan_indices, segment_positions
-    from megatron_vlm_packing.packing.rows import check_pad_token_id
 
-    pad_token_id = check_pad_token_id(pad_token_id)
-    if pad_token_id == space.image_token_index:
-        raise ValueError(f"pad_token_id={pad_token_id} is LLaVA's image token: pad slots would become images")
+    pad_token_id = checked_llava_pad_token_id(pad_token_id, space)
     pad_to = llava_pad_to(pad_to, space)
     ids, labels, weights, row_lengths, llava = _read_rows(batch, space, label_style)
     tiles, host_tiles, images_per_row, row_expansion, opens = llava
@@ -210,10 +229,7 @@ def pack_llava_batch(batch: dict, space: LlavaSpace, *, label_style: str = "mega
                          expansion=tuple(row_expansion[b] for b in docs),
                          opens_with_image=tuple(opens[b] for b in docs))
     indices = plan_indices(plan, ids.device)
-    images = _images(batch)
-    vision = None
-    if images is not None and images.shape[0] > 0:
-        vision = VisionInputs(pixel_values=images, images_per_sample=tuple(images_per_row), num_image_tiles=tiles)
+    vision = _vision_inputs(batch, images_per_row, tiles)
     expanded_rows = [n + e for n, e in zip(row_lengths, row_expansion)]
     stats = BatchStats(real_tokens=sum(expanded_rows), physical_tokens=plan.total + sum(row_expansion),
                        row_tokens=len(row_lengths) * max(expanded_rows))
@@ -263,11 +279,8 @@ def pad_llava_batch(batch: dict, space: LlavaSpace, *, label_style: str = "megat
     """
     from megatron_vlm_packing.models.llava import LlavaRows
     from megatron_vlm_packing.packing.indices import _to_device
-    from megatron_vlm_packing.packing.rows import check_pad_token_id
 
-    pad_token_id = check_pad_token_id(pad_token_id)
-    if pad_token_id == space.image_token_index:
-        raise ValueError(f"pad_token_id={pad_token_id} is LLaVA's image token: pad slots would become images")
+    pad_token_id = checked_llava_pad_token_id(pad_token_id, space)
     ids, labels, weights, row_lengths, llava = _read_rows(batch, space, label_style)
     tiles, host_tiles, images_per_row, row_expansion, _ = llava
     rows, width = ids.shape
@@ -283,10 +296,7 @@ def pad_llava_batch(batch: dict, space: LlavaSpace, *, label_style: str = "megat
         x = torch.nn.functional.pad(x, (0, length - width), value=pad) if length > width else x
         return torch.where(keep, x, torch.as_tensor(pad, dtype=x.dtype, device=x.device))
 
-    images = _images(batch)
-    vision = None
-    if images is not None and images.shape[0] > 0:
-        vision = VisionInputs(pixel_values=images, images_per_sample=tuple(images_per_row), num_image_tiles=tiles)
+    vision = _vision_inputs(batch, images_per_row, tiles)
     rows_expanded = rows * (space.pipeline_length or longest)
     loss_mask = rows_of(weights, 0.0)  # its weights were checked in the rows' read
     return MicroBatch(
@@ -336,6 +346,7 @@ class LlavaPackingCollator:
         check_collate(self.collate, "LlavaPackingCollator")
         check_pack_arguments(fp8=self.fp8, label_style=self.label_style, pad_to=self.pad_to,
                              pad_token_id=self.pad_token_id)
+        checked_llava_pad_token_id(self.pad_token_id, self.space)  # else at the first batch, in a worker
 
     def __call__(self, samples):
         from megatron_vlm_packing.models.llava import aligned_space

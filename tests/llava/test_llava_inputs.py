@@ -168,3 +168,13 @@ def test_a_llava_space_of_nonsense_numbers_is_refused_when_built(fields, message
     with pytest.raises(ValueError, match=message):
         LlavaSpace(**{"img_seq_len": 4, "image_token_index": IMG, **fields})
     assert LlavaSpace(img_seq_len=4, image_token_index=-200).image_token_index == -200  # LLaVA's default id
+
+
+def test_the_llava_collator_refuses_the_image_token_as_pad_id_when_built():
+    """Every pad slot would be expanded into an image: pack_llava_batch / pad_llava_batch refuse it; the
+    collator refused it only at the first batch, in a DataLoader worker."""
+    with pytest.raises(ValueError, match="pad_token_id=127 is LLaVA's image token: pad slots would become images"):
+        LlavaPackingCollator(space=SPACE, pad_token_id=IMG)
+    with pytest.raises(ValueError, match="pad_token_id=127 is LLaVA's image token"):
+        pad_llava_batch(_batch(torch.zeros(1, 3, 2, 2)), SPACE, pad_token_id=IMG)
+    assert LlavaPackingCollator(space=SPACE, pad_token_id=0).pad_token_id == 0
