@@ -42,14 +42,31 @@ def check_grid_shape(grid, name: str) -> torch.Tensor | None:
     return grid
 
 
+# t * h * w patches of one grid row at or above this (computed in float64, so that the product cannot wrap) is
+# more than int64 holds: the index's int64 token count t * (h / merge) * (w / merge) wrapped ([1, 2**62 + 2, 16]
+# counted 8 tokens) and an 8-token block got positions from a grid of 2**61 + 1 rows.
+_PATCH_LIMIT = float(2 ** 63)
+
+
+def _bad_grid_rows(grid: torch.Tensor, merge: int) -> torch.Tensor:
+    """[N] bool: an entry < 1, h or w not a multiple of `merge`, or t * h * w patches beyond int64. Reads nothing."""
+    patches = grid.double().prod(dim=1)
+    return (grid < 1).any(dim=1) | (grid[:, 1:] % merge != 0).any(dim=1) | (patches >= _PATCH_LIMIT)
+
+
 def check_grid(grid, name: str, merge: int) -> torch.Tensor | None:
-    """A [N, 3] integer grid with every entry >= 1 and h, w multiples of `merge`, or ValueError naming it."""
+    """A [N, 3] integer grid with every entry >= 1, h, w multiples of `merge` and t * h * w patches that int64
+    holds, or ValueError naming it."""
     if check_grid_shape(grid, name) is None:
         return None
-    bad = (grid < 1).any(dim=1) | (grid[:, 1:] % merge != 0).any(dim=1)
+    bad = _bad_grid_rows(grid, merge)
     if bool(bad.any()):
         row = int(torch.nonzero(bad)[0])
-        raise ValueError(f"{name} row {row} is {grid[row].tolist()}: t, h, w must be >= 1 and h, w multiples "
+        t, h, w = grid[row].tolist()
+        if min(t, h, w) >= 1 and h % merge == 0 and w % merge == 0:
+            raise ValueError(f"{name} row {row} is {[t, h, w]}: t * h * w = {t * h * w} patches, more than int64 "
+                             f"holds (at most {2 ** 63 - 1})")
+        raise ValueError(f"{name} row {row} is {[t, h, w]}: t, h, w must be >= 1 and h, w multiples "
                          f"of spatial_merge_size={merge}")
     return grid
 
@@ -128,10 +145,10 @@ class QueuedRopeIndex:
 
 
 def _any_bad_grid(grid, merge: int, device) -> torch.Tensor:
-    """0-dim long on `device`: 1 when an entry of the [N, 3] grid is < 1 or h, w not multiples of `merge`."""
+    """0-dim long on `device`: 1 when a row of the [N, 3] grid fails `check_grid` (`_bad_grid_rows`)."""
     if grid is None or not grid.numel():
         return torch.zeros((), dtype=torch.long, device=device)
-    return ((grid < 1).any(dim=1) | (grid[:, 1:] % merge != 0).any(dim=1)).any().to(device=device, dtype=torch.long)
+    return _bad_grid_rows(grid, merge).any().to(device=device, dtype=torch.long)
 
 
 def queue_rope_index(input_ids, config: MRopeConfig, checks, *, image_grid_thw=None, video_grid_thw=None,
@@ -258,7 +275,7 @@ def get_rope_index(
 
     Raises:
         ValueError: placeholder blocks vs grid rows, or tokens per block vs grid, disagree; a grid
-        entry < 1 (or h, w not multiples of the merge size); seconds NaN, infinite or negative;
+        entry < 1 (or h, w not multiples of the merge size, or t * h * w beyond int64); seconds NaN, infinite or negative;
         non-integer ids or grids.
 
     Qwen3-Omni follows its own rule (rope/omni.py) and returns float positions, as its reference does.

@@ -1,0 +1,42 @@
+"""Hostile media inputs through the mRoPE index and `pack_batch(mrope=...)` (fuzz round on the mRoPE packing
+path): each case is either the Hugging Face model's own positions for the sample alone or a ValueError naming
+the field and the numbers. Every case here was a silent wrong result or a crash before its fix."""
+
+import pytest
+import torch
+
+from megatron_vlm_packing import pack_batch
+from megatron_vlm_packing.rope import MRopeConfig, get_rope_index
+from tests.rope.conftest import hf_config, hf_get_rope_index
+
+transformers = pytest.importorskip("transformers")
+
+IMAGE, VIDEO, START, END = 151655, 151656, 151652, 151653
+VL_FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+
+
+def _image_row(tokens: int) -> torch.Tensor:
+    """[1, L]: text, one image block of `tokens` placeholders, text."""
+    return torch.tensor([[5, START] + [IMAGE] * tokens + [END, 7]])
+
+
+@pytest.mark.parametrize("family", VL_FAMILIES)
+def test_a_grid_whose_token_count_wraps_int64_is_refused(family):
+    """[1, 2**62 + 2, 16] needs t * (h / 2) * (w / 2) = 2**64 + 8 tokens: int64 arithmetic wrapped it to 8, so an
+    8-token block passed the index's count check and got positions from a grid of 2**61 + 1 rows (the HF model
+    fails to allocate it). Grids-only batches (a text model with mRoPE) had no other count of it."""
+    cfg = MRopeConfig.from_hf_config(hf_config(family))
+    ids, grid = _image_row(8), torch.tensor([[1, 2 ** 62 + 2, 16]])
+    message = r"image_grid_thw row 0 is \[1, 4611686018427387906, 16\]: t \* h \* w = 73786976294838206496 patches"
+    with pytest.raises(ValueError, match=message):
+        get_rope_index(ids, cfg, image_grid_thw=grid)
+    with pytest.raises(ValueError, match=message):
+        pack_batch({"input_ids": ids, "labels": ids, "image_grid_thw": grid}, mrope=cfg, label_style="hf")
+
+
+def test_a_huge_but_int64_grid_is_counted_exactly():
+    """A grid whose patches fit int64 is counted, not refused as an overflow: the block's own count error."""
+    cfg = MRopeConfig.from_hf_config(hf_config("qwen2_vl"))
+    with pytest.raises(ValueError, match=r"has 8 placeholder tokens but its grid \[1, 1073741824, 16\] with merge 2 "
+                                         r"needs 4294967296"):
+        get_rope_index(_image_row(8), cfg, image_grid_thw=torch.tensor([[1, 2 ** 30, 16]]))
