@@ -275,8 +275,8 @@ def get_rope_index(
 
     Raises:
         ValueError: placeholder blocks vs grid rows, or tokens per block vs grid, disagree; a grid
-        entry < 1 (or h, w not multiples of the merge size, or t * h * w beyond int64); seconds NaN, infinite or negative;
-        non-integer ids or grids.
+        entry < 1 (or h, w not multiples of the merge size, or t * h * w beyond int64); seconds NaN,
+        infinite or negative; non-integer ids or grids.
 
     Qwen3-Omni follows its own rule (rope/omni.py) and returns float positions, as its reference does.
     """

@@ -40,3 +40,34 @@ def test_a_huge_but_int64_grid_is_counted_exactly():
     with pytest.raises(ValueError, match=r"has 8 placeholder tokens but its grid \[1, 1073741824, 16\] with merge 2 "
                                          r"needs 4294967296"):
         get_rope_index(_image_row(8), cfg, image_grid_thw=torch.tensor([[1, 2 ** 30, 16]]))
+
+
+@pytest.mark.parametrize("seconds", [2e9, 1e10, 3e17])
+def test_qwen2_5_vl_video_t_positions_beyond_int32_equal_the_hf_model(seconds):
+    """t positions of a video are floor(frame * tokens_per_second * seconds): past 2**31 they wrapped in the
+    index's int32 per-token arithmetic (20000000002 came back as -2147483646), silently."""
+    hf = hf_config("qwen2_5_vl")
+    cfg = MRopeConfig.from_hf_config(hf)
+    ids = torch.tensor([[5, START] + [VIDEO] * 8 + [END, 7]])
+    grid, per_grid = torch.tensor([[2, 4, 4]]), torch.tensor([seconds])
+    from megatron_vlm_packing.rope.index import token_types
+
+    expected = hf_get_rope_index("qwen2_5_vl", hf)(ids, mm_token_type_ids=token_types(ids, cfg), video_grid_thw=grid,
+                                                   second_per_grid_ts=per_grid)[0]
+    assert int(expected.max()) > 2 ** 31
+    assert torch.equal(get_rope_index(ids, cfg, video_grid_thw=grid, second_per_grid_ts=per_grid).position_ids,
+                       expected)
+    batch = {"input_ids": ids, "labels": ids, "video_grid_thw": grid, "second_per_grid_ts": per_grid,
+             "pixel_values_videos": torch.zeros(32, 2)}
+    packed = pack_batch(batch, mrope=cfg, label_style="hf", cp_size=2)
+    assert torch.equal(packed.position_ids[:, :, :ids.shape[1]], expected)
+
+
+def test_max_position_text_after_a_long_video_does_not_wrap():
+    """text_offset="max_position" resumes text at 1 + the video's largest t position: past 2**31 the run starts
+    wrapped in int32 too."""
+    cfg = MRopeConfig(family="qwen2_5_vl", tokens_per_second=2.0, text_offset="max_position")
+    ids = torch.tensor([[5, START] + [VIDEO] * 8 + [END, 7]])
+    positions = get_rope_index(ids, cfg, video_grid_thw=torch.tensor([[2, 4, 4]]),
+                               second_per_grid_ts=torch.tensor([1e10])).position_ids[0, 0].tolist()
+    assert positions == [0, 1] + [2] * 4 + [20000000002] * 4 + [20000000003, 20000000004]
