@@ -266,16 +266,40 @@ def _row_positions(tokens: list[int], config: MRopeConfig, inputs: dict, used: l
     row = _Row(tokens, config, inputs, used, place)
     # Every block opens with a vision-start or audio-start token.
     opens = _openers(tokens, {config.vision_start_token_id, config.audio_start_token_id})
-    pieces, cursor = [], 0
+    pieces, cursor, blocks = [], 0, []
     for at in opens:
         if at < cursor:  # the audio-start inside an audio-in-video block, already consumed
             continue
         if at > cursor:
             pieces.append(_text(at - cursor, _next_start(pieces)))
         cursor = _block_positions(row, at, pieces)
+        blocks.append((at, cursor))
     if cursor < len(tokens):
         pieces.append(_text(len(tokens) - cursor, _next_start(pieces)))
+    _refuse_stray_placeholders(row, blocks)
     return torch.cat(pieces, dim=1)
+
+
+def _refuse_stray_placeholders(row: _Row, blocks: list[tuple[int, int]]) -> None:
+    """Every image, video and audio placeholder of the row lies inside one of its `blocks` ((first, end) kept
+    tokens, wrappers included). One in text took text positions, silently: the other families count it as a
+    block of its own and refuse it, and the HF model has no embedding for it. Counted at C speed (`list.count`);
+    the text between blocks is walked only to name the first stray one."""
+    kinds = {row.config.image_token_id: "image", row.config.video_token_id: "video",
+             row.config.audio_token_id: "audio"}
+    kinds.pop(None, None)
+    tokens = row.tokens
+    placeholders = sum(tokens.count(token) for token in kinds)
+    inside = sum(tokens[first:end].count(token) for first, end in blocks for token in kinds)
+    if placeholders == inside:
+        return
+    ends = [0] + [end for _, end in blocks]
+    starts = [first for first, _ in blocks] + [len(tokens)]
+    stray = next(i for gap_start, gap_end in zip(ends, starts) for i in range(gap_start, gap_end)
+                 if tokens[i] in kinds)
+    raise ValueError(f"input_ids {row.place(stray)} is a {kinds[tokens[stray]]} placeholder ({tokens[stray]}) "
+                     f"outside every block (no vision or audio start token opens it): the model has no grid or audio "
+                     f"length for its embedding")
 
 
 def _block_positions(row: _Row, at: int, pieces: list[torch.Tensor]) -> int:
@@ -328,17 +352,21 @@ def _video_block(row: _Row, at: int, start, pieces: list[torch.Tensor], *, audio
     config, inputs, used, place, merge = row.config, row.inputs, row.used, row.place, row.config.spatial_merge_size
     t, h, w = _take(inputs["video_grid_thw"], used[1], "video_grid_thw", place, at)
     seconds = torch.tensor(_take(inputs["seconds"], used[1], "second_per_grid_ts", place, at), dtype=torch.float64)
-    video = _vision(start, torch.arange(t) * seconds.float() * config.position_id_per_seconds, h // merge, w // merge)
     tokens_in = t * h * w // merge ** 2
+    # The block is checked against its grid before its [3, tokens_in] positions are built: a huge grid with a
+    # short block was a RuntimeError (cannot allocate), not the block's count error.
     if not audio_in_video:
         _check_block(row.tokens, at + 1, tokens_in, {config.video_token_id}, place=place, what="video")
+    else:
+        length = _audio_tokens(inputs, used[2], place, at, config.audio_n_window)
+        _check_block(row.tokens, at + 2, length + tokens_in, {config.video_token_id, config.audio_token_id},
+                     place=place, what="video with audio")
+    video = _vision(start, torch.arange(t) * seconds.float() * config.position_id_per_seconds, h // merge, w // merge)
+    if not audio_in_video:
         pieces.append(video)
         used[1] += 1
         pieces.append(_text(1, _next_start(pieces)))
         return at + 1 + tokens_in + 1
-    length = _audio_tokens(inputs, used[2], place, at, config.audio_n_window)
-    _check_block(row.tokens, at + 2, length + tokens_in, {config.video_token_id, config.audio_token_id},
-                 place=place, what="video with audio")
     merged, last_max = _interleave_by_time(video, _text(length, start))
     pieces += [merged, _text(2, last_max + 1)]
     used[1], used[2] = used[1] + 1, used[2] + 1

@@ -71,3 +71,44 @@ def test_max_position_text_after_a_long_video_does_not_wrap():
     positions = get_rope_index(ids, cfg, video_grid_thw=torch.tensor([[2, 4, 4]]),
                                second_per_grid_ts=torch.tensor([1e10])).position_ids[0, 0].tolist()
     assert positions == [0, 1] + [2] * 4 + [20000000002] * 4 + [20000000003, 20000000004]
+
+
+def _omni():
+    from tests.rope.test_omni import thinker
+
+    hf, reference = thinker()
+    return hf, reference, MRopeConfig.from_hf_config(hf)
+
+
+@pytest.mark.parametrize("audio_in_video", [False, True])
+def test_omni_video_block_shorter_than_a_huge_grid_is_a_value_error_before_any_allocation(audio_in_video):
+    """A Qwen3-Omni video block was positioned (a [3, t*h*w/4] tensor built) before its length was checked
+    against the grid: a grid of 2**44 tokens was a RuntimeError (cannot allocate), not the block's count error."""
+    hf, _, cfg = _omni()
+    body = [START, VIDEO, VIDEO, END] if not audio_in_video else \
+        [START, cfg.audio_start_token_id] + [cfg.audio_token_id] * 2 + [VIDEO, VIDEO, hf.audio_end_token_id, END]
+    ids = torch.tensor([[5, *body, 7]])
+    kwargs = dict(video_grid_thw=torch.tensor([[2 ** 10, 2 ** 18, 2 ** 18]]), second_per_grid_ts=torch.tensor([0.5]))
+    if audio_in_video:
+        kwargs |= dict(audio_seqlens=torch.tensor([10]), use_audio_in_video=True)
+    what = "video with audio" if audio_in_video else "video"
+    with pytest.raises(ValueError, match=rf"the {what} block at input_ids row 0 position {2 + audio_in_video} has \d+ placeholder tokens "
+                                         rf"but its grid / audio length needs \d{{14}}"):
+        get_rope_index(ids, cfg, **kwargs)
+
+
+@pytest.mark.parametrize("kind", ["image", "video", "audio"])
+def test_omni_placeholder_outside_every_block_is_refused(kind):
+    """A Qwen3-Omni placeholder in text (no start token before it) took text positions; the other families count
+    it as a block of its own and refuse it, and the HF model cannot place its embedding. With grids alone (a text
+    model with mRoPE, or a position callable's batch) nothing else counted it."""
+    hf, _, cfg = _omni()
+    stray = {"image": IMAGE, "video": VIDEO, "audio": cfg.audio_token_id}[kind]
+    ids = torch.tensor([[5, START] + [IMAGE] * 4 + [END, 9, stray, 7]])
+    grid = torch.tensor([[1, 4, 4]])
+    message = rf"input_ids row 0 position 8 is a {kind} placeholder \({stray}\) outside every block"
+    with pytest.raises(ValueError, match=message):
+        get_rope_index(ids, cfg, image_grid_thw=grid)
+    if kind == "image":  # a stray video or audio placeholder is the packing's orphan error first (no such media)
+        with pytest.raises(ValueError, match=message):
+            pack_batch({"input_ids": ids, "labels": ids, "image_grid_thw": grid}, mrope=cfg, label_style="hf")
