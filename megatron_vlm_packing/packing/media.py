@@ -321,13 +321,19 @@ def vision_inputs(batch: dict, host: MediaHost, tokens: MediaTokens, *,
     if videos is None and video_grid is not None and video_grid.shape[0] and not grids_for_rope:
         raise ValueError(f"video_grid_thw has {video_grid.shape[0]} rows but the batch has no pixel_values_videos "
                          f"(grids alone are read only by an mRoPE index: pass mrope=)")
+    if seconds is not None:
+        from megatron_vlm_packing.rope.index import check_seconds_dtype  # the one dtype check of seconds
+
+        check_seconds_dtype(seconds)
     if pixels is not None and pixels.shape[0] == 0:
         pixels = image_grid = None  # an empty image list (a batch without images) carries nothing
     if videos is not None and videos.shape[0] == 0:
         videos = video_grid = seconds = None
+    # Seconds beside no video at all (no pixels, no grid rows an mRoPE index reads) are read by nothing: with
+    # images they travelled to the model beside no video, with mrope= they were dropped without a word.
+    if seconds is not None and seconds.numel() and videos is None and (video_grid is None or not video_grid.shape[0]):
+        raise ValueError(f"second_per_grid_ts has {seconds.numel()} entries but the batch has no videos")
     if pixels is None and videos is None:
-        if seconds is not None and seconds.numel() and not grids_for_rope:
-            raise ValueError(f"second_per_grid_ts has {seconds.numel()} entries but the batch has no videos")
         return None
     images_per_row = videos_per_row = None
     if pixels is not None:

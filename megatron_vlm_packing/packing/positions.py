@@ -216,7 +216,8 @@ def queue_rope_positions(batch: Mapping, input_ids: torch.Tensor, keep: Callable
     if types is not None and (not isinstance(types, torch.Tensor) or types.shape != input_ids.shape):
         return None
     try:
-        check_rope_types(input_ids, mrope, kwargs.get("image_grid_thw"), kwargs.get("video_grid_thw"), keep())
+        check_rope_types(input_ids, mrope, kwargs.get("image_grid_thw"), kwargs.get("video_grid_thw"), keep(),
+                         second_per_grid_ts=kwargs.get("second_per_grid_ts"))
     except ValueError:
         return None
     return queue_rope_index(input_ids, mrope, checks, attention_mask=keep(), where=where, **kwargs)

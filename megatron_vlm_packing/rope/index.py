@@ -71,6 +71,16 @@ def check_grid(grid, name: str, merge: int) -> torch.Tensor | None:
     return grid
 
 
+def check_seconds_dtype(seconds, name: str = "second_per_grid_ts") -> None:
+    """Seconds per grid step hold real numbers: a complex tensor lost its imaginary part without a word (a
+    warning at most) and a bool one was read as 1 second. Reads no values; a list's tensors are checked too."""
+    for value in seconds if isinstance(seconds, (list, tuple)) else (seconds,):
+        if isinstance(value, torch.Tensor) and (value.is_complex() or value.dtype == torch.bool) \
+                or isinstance(value, (bool, complex)):
+            dtype = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"{name} must hold real numbers of seconds, got dtype {dtype}")
+
+
 def _seconds_bad(seconds) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(seconds as float64 [V], [V] bool: NaN, infinite or negative), or None without seconds. Reads nothing."""
     if seconds is None:
@@ -92,7 +102,7 @@ def check_seconds(seconds, name: str = "second_per_grid_ts") -> None:
 
 
 def check_rope_types(input_ids, config: MRopeConfig, image_grid_thw, video_grid_thw, attention_mask,
-                     mm_token_type_ids=None) -> None:
+                     mm_token_type_ids=None, second_per_grid_ts=None) -> None:
     """The index's checks that read no tensor values (types and shapes); the value checks ride its one read."""
     if not isinstance(config, MRopeConfig):
         raise ValueError(f"config must be an MRopeConfig, got {type(config).__name__}")
@@ -112,6 +122,8 @@ def check_rope_types(input_ids, config: MRopeConfig, image_grid_thw, video_grid_
                          f"{tuple(getattr(mm_token_type_ids, 'shape', ())) or type(mm_token_type_ids).__name__}")
     check_grid_shape(image_grid_thw, "image_grid_thw")
     check_grid_shape(video_grid_thw, "video_grid_thw")
+    if second_per_grid_ts is not None:
+        check_seconds_dtype(second_per_grid_ts)
 
 
 @dataclass(frozen=True)
@@ -280,7 +292,8 @@ def get_rope_index(
 
     Qwen3-Omni follows its own rule (rope/omni.py) and returns float positions, as its reference does.
     """
-    check_rope_types(input_ids, config, image_grid_thw, video_grid_thw, attention_mask, mm_token_type_ids)
+    check_rope_types(input_ids, config, image_grid_thw, video_grid_thw, attention_mask, mm_token_type_ids,
+                     second_per_grid_ts)
     from megatron_vlm_packing.packing.checks import DeferredChecks
 
     checks = DeferredChecks()

@@ -112,3 +112,45 @@ def test_omni_placeholder_outside_every_block_is_refused(kind):
     if kind == "image":  # a stray video or audio placeholder is the packing's orphan error first (no such media)
         with pytest.raises(ValueError, match=message):
             pack_batch({"input_ids": ids, "labels": ids, "image_grid_thw": grid}, mrope=cfg, label_style="hf")
+
+
+def _video_batch(per_grid) -> dict:
+    ids = torch.tensor([[5, START] + [VIDEO] * 8 + [END, 7]])
+    return {"input_ids": ids, "labels": ids, "video_grid_thw": torch.tensor([[2, 4, 4]]),
+            "second_per_grid_ts": per_grid, "pixel_values_videos": torch.zeros(32, 2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.bool])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_omni"])
+@pytest.mark.parametrize("how", ["index", "pack", "callable"])
+def test_seconds_that_are_not_real_numbers_are_refused(dtype, family, how):
+    """Complex seconds lost their imaginary part without a word (a warning at most) and bool seconds were read as
+    1 second, through the index, pack_batch and a position callable alike."""
+    cfg = _omni()[2] if family == "qwen3_omni" else MRopeConfig.from_hf_config(hf_config(family))
+    batch = _video_batch(torch.tensor([1.5]).to(dtype))
+    message = rf"second_per_grid_ts must hold real numbers of seconds, got dtype {dtype}"
+    with pytest.raises(ValueError, match=message):
+        if how == "index":
+            get_rope_index(batch["input_ids"], cfg, video_grid_thw=batch["video_grid_thw"],
+                           second_per_grid_ts=batch["second_per_grid_ts"])
+        elif how == "pack":
+            pack_batch(batch, mrope=cfg, label_style="hf")
+        else:
+            def positions(input_ids, attention_mask=None, video_grid_thw=None, second_per_grid_ts=None):
+                return get_rope_index(input_ids, cfg, attention_mask=attention_mask, video_grid_thw=video_grid_thw,
+                                      second_per_grid_ts=None if second_per_grid_ts is None
+                                      else second_per_grid_ts.real.float())
+            pack_batch(batch, mrope=positions, label_style="hf", video_token_id=VIDEO)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_omni"])
+def test_seconds_in_a_batch_without_videos_are_refused_with_mrope(family):
+    """Without mrope= seconds beside no video were refused; with it (the index reads the grids) they were dropped
+    without a word whenever the batch had no video grid at all."""
+    cfg = _omni()[2] if family == "qwen3_omni" else MRopeConfig.from_hf_config(hf_config(family))
+    ids = torch.tensor([[5, START] + [IMAGE] * 4 + [END, 7]])
+    batch = {"input_ids": ids, "labels": ids, "image_grid_thw": torch.tensor([[1, 4, 4]]),
+             "pixel_values": torch.zeros(16, 2), "second_per_grid_ts": torch.tensor([0.5, 1.0])}
+    for call in (pack_batch, __import__("megatron_vlm_packing").pad_batch):
+        with pytest.raises(ValueError, match=r"second_per_grid_ts has 2 entries but the batch has no videos"):
+            call(batch, mrope=cfg, label_style="hf")
