@@ -149,7 +149,9 @@ def queue_omni_index(input_ids, config: MRopeConfig, checks, *, image_grid_thw=N
     from megatron_vlm_packing.rope.index import _any_bad_grid, _seconds_bad
 
     device, merge = input_ids.device, config.spatial_merge_size
-    keep = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
+    # Exactly the tokens whose mask is 1, as the thinker keeps them (`attention_mask[i] == 1`); the Qwen-VL models
+    # keep any nonzero, and so does their rule in `rope.index`.
+    keep = attention_mask == 1 if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
     seconds = _seconds_bad(second_per_grids)
     flags = (_any_bad_grid(image_grid_thw, merge, device), _any_bad_grid(video_grid_thw, merge, device),
              seconds[1].any().to(device=device, dtype=torch.long) if seconds is not None
