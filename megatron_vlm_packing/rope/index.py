@@ -101,11 +101,28 @@ def check_seconds(seconds, name: str = "second_per_grid_ts") -> None:
         raise ValueError(f"{name} entry {i} is {float(values[i])}: seconds per grid step must be finite and >= 0")
 
 
+def _refuse_without_values(value, name: str) -> None:
+    """A meta, sparse or nested tensor holds no dense values the index can read: a NotImplementedError or
+    RuntimeError from deep inside it before."""
+    if not isinstance(value, torch.Tensor):
+        return
+    if value.is_meta:
+        raise ValueError(f"{name} is a meta tensor: it holds no values")
+    if value.layout is not torch.strided or value.is_nested:
+        raise ValueError(f"{name} has layout {value.layout}{' (nested)' if value.is_nested else ''}: get_rope_index "
+                         f"reads dense (strided) tensors")
+
+
 def check_rope_types(input_ids, config: MRopeConfig, image_grid_thw, video_grid_thw, attention_mask,
-                     mm_token_type_ids=None, second_per_grid_ts=None) -> None:
+                     mm_token_type_ids=None, second_per_grid_ts=None, audio_seqlens=None) -> None:
     """The index's checks that read no tensor values (types and shapes); the value checks ride its one read."""
     if not isinstance(config, MRopeConfig):
         raise ValueError(f"config must be an MRopeConfig, got {type(config).__name__}")
+    for name, value in (("input_ids", input_ids), ("attention_mask", attention_mask),
+                        ("image_grid_thw", image_grid_thw), ("video_grid_thw", video_grid_thw),
+                        ("second_per_grid_ts", second_per_grid_ts), ("mm_token_type_ids", mm_token_type_ids),
+                        ("audio_seqlens", audio_seqlens)):
+        _refuse_without_values(value, name)
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or not is_integer_tensor(input_ids):
         raise ValueError(f"input_ids must be a [B, S] integer tensor, got "
                          f"{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__}"
@@ -293,7 +310,7 @@ def get_rope_index(
     Qwen3-Omni follows its own rule (rope/omni.py) and returns float positions, as its reference does.
     """
     check_rope_types(input_ids, config, image_grid_thw, video_grid_thw, attention_mask, mm_token_type_ids,
-                     second_per_grid_ts)
+                     second_per_grid_ts, audio_seqlens)
     from megatron_vlm_packing.packing.checks import DeferredChecks
 
     checks = DeferredChecks()

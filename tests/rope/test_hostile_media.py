@@ -154,3 +154,43 @@ def test_seconds_in_a_batch_without_videos_are_refused_with_mrope(family):
     for call in (pack_batch, __import__("megatron_vlm_packing").pad_batch):
         with pytest.raises(ValueError, match=r"second_per_grid_ts has 2 entries but the batch has no videos"):
             call(batch, mrope=cfg, label_style="hf")
+
+
+@pytest.mark.parametrize("value", [2, -1, 0.5])
+def test_omni_attention_mask_values_other_than_one_are_masked_like_the_hf_thinker(value):
+    """The Qwen3-Omni thinker keeps exactly the tokens whose mask is 1 (the Qwen-VL models keep any nonzero, and so
+    does the index for them); the Omni index kept every nonzero, so get_rope_index gave other positions than the
+    HF model for the same call."""
+    hf, reference, cfg = _omni()
+    ids = torch.tensor([[5, START] + [IMAGE] * 4 + [END, 7, 8, 9, 10, 11]])
+    grid, mask = torch.tensor([[1, 4, 4]]), torch.tensor([[1] * 8 + [value] * 4])
+    expected = reference(ids, image_grid_thw=grid, attention_mask=mask)[0]
+    assert torch.equal(get_rope_index(ids, cfg, image_grid_thw=grid, attention_mask=mask).position_ids, expected)
+
+
+GET_ROPE_INDEX_INPUTS = ["input_ids", "attention_mask", "image_grid_thw", "video_grid_thw", "second_per_grid_ts",
+                         "mm_token_type_ids", "audio_seqlens"]
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_omni"])
+@pytest.mark.parametrize("kind", ["meta", "sparse"])
+@pytest.mark.parametrize("name", GET_ROPE_INDEX_INPUTS)
+def test_get_rope_index_inputs_without_dense_values_are_refused(family, kind, name):
+    """A meta or sparse input of get_rope_index was a NotImplementedError / RuntimeError from deep inside it."""
+    cfg = _omni()[2] if family == "qwen3_omni" else MRopeConfig.from_hf_config(hf_config(family))
+    if family != "qwen3_omni" and name == "audio_seqlens" or family == "qwen3_omni" and name == "mm_token_type_ids":
+        pytest.skip("not read by this family")
+    ids = torch.tensor([[5, START] + [VIDEO] * 8 + [END, 7], [5, START] + [IMAGE] * 4 + [END, 7, 0, 0, 0, 0]])
+    kwargs = dict(input_ids=ids, attention_mask=torch.tensor([[1] * 12, [1] * 8 + [0] * 4]),
+                  image_grid_thw=torch.tensor([[1, 4, 4]]), video_grid_thw=torch.tensor([[2, 4, 4]]),
+                  second_per_grid_ts=torch.tensor([0.5]))
+    from megatron_vlm_packing.rope.index import token_types
+
+    if name == "mm_token_type_ids":
+        kwargs[name] = token_types(ids, cfg)
+    if name == "audio_seqlens":
+        kwargs[name] = torch.tensor([100])
+    kwargs[name] = kwargs[name].to("meta") if kind == "meta" else kwargs[name].to_sparse()
+    message = "is a meta tensor: it holds no values" if kind == "meta" else "has layout torch.sparse_coo"
+    with pytest.raises(ValueError, match=rf"^{name} {message}"):
+        get_rope_index(config=cfg, **kwargs)
