@@ -108,9 +108,10 @@ def _refuse_without_values(value, name: str) -> None:
         return
     if value.is_meta:
         raise ValueError(f"{name} is a meta tensor: it holds no values")
-    if value.layout is not torch.strided or value.is_nested:
-        raise ValueError(f"{name} has layout {value.layout}{' (nested)' if value.is_nested else ''}: get_rope_index "
-                         f"reads dense (strided) tensors")
+    if value.is_nested:
+        raise ValueError(f"{name} is a nested tensor: get_rope_index reads dense (strided) tensors")
+    if value.layout is not torch.strided:
+        raise ValueError(f"{name} has layout {value.layout}: get_rope_index reads dense (strided) tensors")
 
 
 def check_rope_types(input_ids, config: MRopeConfig, image_grid_thw, video_grid_thw, attention_mask,

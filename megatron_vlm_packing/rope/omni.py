@@ -299,9 +299,10 @@ def _refuse_stray_placeholders(row: _Row, blocks: list[tuple[int, int]]) -> None
     starts = [first for first, _ in blocks] + [len(tokens)]
     stray = next(i for gap_start, gap_end in zip(ends, starts) for i in range(gap_start, gap_end)
                  if tokens[i] in kinds)
-    raise ValueError(f"input_ids {row.place(stray)} is a {kinds[tokens[stray]]} placeholder ({tokens[stray]}) "
-                     f"outside every block (no vision or audio start token opens it): the model has no grid or audio "
-                     f"length for its embedding")
+    kind = kinds[tokens[stray]]
+    raise ValueError(f"input_ids {row.place(stray)} is {'an' if kind == 'image' else 'a'} {kind} placeholder "
+                     f"({tokens[stray]}) outside every block (no vision or audio start token opens it): the model "
+                     f"has no grid or audio length for its embedding")
 
 
 def _block_positions(row: _Row, at: int, pieces: list[torch.Tensor]) -> int:

@@ -106,7 +106,7 @@ def test_omni_placeholder_outside_every_block_is_refused(kind):
     stray = {"image": IMAGE, "video": VIDEO, "audio": cfg.audio_token_id}[kind]
     ids = torch.tensor([[5, START] + [IMAGE] * 4 + [END, 9, stray, 7]])
     grid = torch.tensor([[1, 4, 4]])
-    message = rf"input_ids row 0 position 8 is a {kind} placeholder \({stray}\) outside every block"
+    message = rf"input_ids row 0 position 8 is an? {kind} placeholder \({stray}\) outside every block"
     with pytest.raises(ValueError, match=message):
         get_rope_index(ids, cfg, image_grid_thw=grid)
     if kind == "image":  # a stray video or audio placeholder is the packing's orphan error first (no such media)
@@ -173,7 +173,7 @@ GET_ROPE_INDEX_INPUTS = ["input_ids", "attention_mask", "image_grid_thw", "video
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_omni"])
-@pytest.mark.parametrize("kind", ["meta", "sparse"])
+@pytest.mark.parametrize("kind", ["meta", "sparse", "nested"])
 @pytest.mark.parametrize("name", GET_ROPE_INDEX_INPUTS)
 def test_get_rope_index_inputs_without_dense_values_are_refused(family, kind, name):
     """A meta or sparse input of get_rope_index was a NotImplementedError / RuntimeError from deep inside it."""
@@ -190,7 +190,10 @@ def test_get_rope_index_inputs_without_dense_values_are_refused(family, kind, na
         kwargs[name] = token_types(ids, cfg)
     if name == "audio_seqlens":
         kwargs[name] = torch.tensor([100])
-    kwargs[name] = kwargs[name].to("meta") if kind == "meta" else kwargs[name].to_sparse()
-    message = "is a meta tensor: it holds no values" if kind == "meta" else "has layout torch.sparse_coo"
+    value = kwargs[name]
+    kwargs[name] = value.to("meta") if kind == "meta" else value.to_sparse() if kind == "sparse" \
+        else torch.nested.nested_tensor(list(value) if value.dim() > 1 else [value])
+    message = {"meta": "is a meta tensor: it holds no values", "sparse": "has layout torch.sparse_coo",
+               "nested": "is a nested tensor"}[kind]
     with pytest.raises(ValueError, match=rf"^{name} {message}"):
         get_rope_index(config=cfg, **kwargs)
