@@ -15,6 +15,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from megatron_vlm_packing.packing.checks import is_integer_tensor, token_place
+from megatron_vlm_packing.packing.lengths import widened_unsigned
 from megatron_vlm_packing.rope.config import MRopeConfig
 from megatron_vlm_packing.rope.index_rules import grid_per_run, run_positions, token_runs
 
@@ -32,14 +33,15 @@ def token_types(input_ids: torch.Tensor, config: MRopeConfig) -> torch.Tensor:
 
 
 def check_grid_shape(grid, name: str) -> torch.Tensor | None:
-    """`grid` when it is a [N, 3] integer tensor (None stays None), else ValueError naming it. Reads no values."""
+    """`grid` when it is a [N, 3] integer tensor (None stays None; uint16 / uint32 as int64, which torch can
+    compare: `<` on them was a NotImplementedError), else ValueError naming it (uint64 too). Reads no values."""
     if grid is None:
         return None
     if not isinstance(grid, torch.Tensor):
         raise ValueError(f"{name} must be a [N, 3] integer tensor, got {type(grid).__name__}")
     if grid.dim() != 2 or grid.shape[1] != 3 or not is_integer_tensor(grid):
         raise ValueError(f"{name} must be a [N, 3] integer tensor, got shape {tuple(grid.shape)} {grid.dtype}")
-    return grid
+    return widened_unsigned(grid, name)
 
 
 # t * h * w patches of one grid row at or above this (computed in float64, so that the product cannot wrap) is
@@ -198,6 +200,8 @@ def queue_rope_index(input_ids, config: MRopeConfig, checks, *, image_grid_thw=N
     device = input_ids.device
     batch, seq = input_ids.shape
     merge = config.spatial_merge_size
+    image_grid_thw = check_grid_shape(image_grid_thw, "image_grid_thw")  # uint16 / uint32 as int64 (checked by
+    video_grid_thw = check_grid_shape(video_grid_thw, "video_grid_thw")  # the caller: reads and raises nothing)
     types = mm_token_type_ids if mm_token_type_ids is not None else token_types(input_ids, config)
     keep = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
     runs = token_runs(keep, types, batch, seq)

@@ -146,9 +146,11 @@ def queue_omni_index(input_ids, config: MRopeConfig, checks, *, image_grid_thw=N
     """Queue on `checks` (a `packing.checks.DeferredChecks`) what the Qwen3-Omni index reads: its value
     checks and, with grids or audio lengths, the kept ids and every grid, seconds and audio length (the block loop runs
     on the host). Reads and raises nothing; `finish_omni_index` does. Types checked by the caller."""
-    from megatron_vlm_packing.rope.index import _any_bad_grid, _seconds_bad
+    from megatron_vlm_packing.rope.index import _any_bad_grid, _seconds_bad, check_grid_shape
 
     device, merge = input_ids.device, config.spatial_merge_size
+    image_grid_thw = check_grid_shape(image_grid_thw, "image_grid_thw")  # uint16 / uint32 as int64
+    video_grid_thw = check_grid_shape(video_grid_thw, "video_grid_thw")
     # Exactly the tokens whose mask is 1, as the thinker keeps them (`attention_mask[i] == 1`); the Qwen-VL models
     # keep any nonzero, and so does their rule in `rope.index`.
     keep = attention_mask == 1 if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)

@@ -197,3 +197,29 @@ def test_get_rope_index_inputs_without_dense_values_are_refused(family, kind, na
                "nested": "is a nested tensor"}[kind]
     with pytest.raises(ValueError, match=rf"^{name} {message}"):
         get_rope_index(config=cfg, **kwargs)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_omni"])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.uint16, torch.uint32])
+def test_unsigned_grids_give_the_positions_of_int64_grids(family, dtype):
+    """uint16 / uint32 grids were a NotImplementedError ("lt_cpu" not implemented for 'UInt32') in the grid check;
+    they read as int64, like the other integer fields."""
+    cfg = _omni()[2] if family == "qwen3_omni" else MRopeConfig.from_hf_config(hf_config(family))
+    ids = torch.tensor([[5, START] + [IMAGE] * 4 + [END, 7, START] + [VIDEO] * 2 + [END, 8]])
+    if family == "qwen3_vl":  # one block per frame: the video's two frames, timestamp text between
+        ids = torch.tensor([[5, START] + [IMAGE] * 4 + [END, 7, START, VIDEO, END, 9, START, VIDEO, END, 8]])
+    grids = dict(image_grid_thw=torch.tensor([[1, 4, 4]]), video_grid_thw=torch.tensor([[2, 2, 2]]))
+    seconds = torch.tensor([0.5])
+    expected = get_rope_index(ids, cfg, second_per_grid_ts=seconds, **grids).position_ids
+    unsigned = {k: v.to(dtype) for k, v in grids.items()}
+    assert torch.equal(get_rope_index(ids, cfg, second_per_grid_ts=seconds, **unsigned).position_ids, expected)
+    batch = {"input_ids": ids, "labels": ids, "second_per_grid_ts": seconds, "pixel_values": torch.zeros(16, 2),
+             "pixel_values_videos": torch.zeros(8, 2)}
+    packed = pack_batch({**batch, **unsigned}, mrope=cfg, label_style="hf")
+    assert torch.equal(packed.position_ids, expected)
+
+
+def test_uint64_grids_are_refused():
+    cfg = MRopeConfig.from_hf_config(hf_config("qwen2_vl"))
+    with pytest.raises(ValueError, match=r"image_grid_thw has dtype torch.uint64"):
+        get_rope_index(_image_row(4), cfg, image_grid_thw=torch.tensor([[1, 4, 4]]).to(torch.uint64))
