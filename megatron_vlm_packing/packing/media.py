@@ -336,6 +336,11 @@ def vision_inputs(batch: dict, host: MediaHost, tokens: MediaTokens, *,
         from megatron_vlm_packing.rope.index import check_seconds_dtype  # the one dtype check of seconds
 
         check_seconds_dtype(seconds)
+        # Checked whatever reads them (the videos' tower, an MRopeConfig's index, or a position callable, which
+        # checks nothing: only beside video pixels, a grids-only batch handed NaN or negative seconds to it).
+        values = host.values.get("second_per_grid_ts", [])
+        if not all(math.isfinite(x) and x >= 0 for x in values):
+            raise ValueError(f"second_per_grid_ts must be finite and >= 0, got {values}")
     if pixels is not None and pixels.shape[0] == 0:
         pixels = image_grid = None  # an empty image list (a batch without images) carries nothing
     if videos is not None and videos.shape[0] == 0:
@@ -399,8 +404,5 @@ def _video_counts(videos, grid, grid_rows, seconds, host: MediaHost, tokens: Med
         if seconds.numel() != grid.shape[0]:
             raise ValueError(f"second_per_grid_ts has {seconds.numel()} entries but video_grid_thw has "
                              f"{grid.shape[0]} videos")
-        values = host.values.get("second_per_grid_ts", [])
-        if not all(math.isfinite(x) and x >= 0 for x in values):
-            raise ValueError(f"second_per_grid_ts must be finite and >= 0, got {values}")
     return items_per_row(rows, grid_tokens(grid_rows, tokens.spatial_merge_size, "video_grid_thw"),
                          kind="video", field="video_grid_thw", row_name=host.row_name)

@@ -76,3 +76,21 @@ def test_grids_without_a_known_placeholder_id_are_left_to_the_callable():
     batch = {"input_ids": ids, "labels": ids, "attention_mask": mask,
              "image_grid_thw": torch.tensor([[1, 2, 2], [1, 4, 4]])}
     assert pack_batch(batch, mrope=index, label_style="hf").position_ids.shape == (3, 1, 13)
+
+
+@pytest.mark.parametrize("value", [-0.5, float("nan"), float("inf")])
+def test_bad_seconds_of_a_grids_only_batch_are_refused_before_the_callable(value):
+    """Seconds were checked (finite, >= 0) only beside video pixels or by an MRopeConfig's index: a callable's
+    grids-only batch handed NaN or negative seconds to it (the HF model turns them into garbage t positions)."""
+    ids = torch.tensor([[5, START] + [VIDEO] * 4 + [END, 6]])
+    batch = {"input_ids": ids, "labels": ids, "video_grid_thw": torch.tensor([[1, 4, 4]]),
+             "second_per_grid_ts": torch.tensor([value])}
+
+    def video_index(input_ids, attention_mask=None, video_grid_thw=None, second_per_grid_ts=None):
+        CALLS.append(second_per_grid_ts)
+        return (torch.cumsum(attention_mask, dim=1) - 1).expand(3, -1, -1)
+
+    CALLS.clear()
+    with pytest.raises(ValueError, match=r"second_per_grid_ts must be finite and >= 0, got \[(-0\.5|nan|inf)\]"):
+        pack_batch(batch, mrope=video_index, video_token_id=VIDEO, label_style="hf")
+    assert not CALLS
