@@ -172,7 +172,7 @@ def queue_omni_index(input_ids, config: MRopeConfig, checks, *, image_grid_thw=N
         entries |= {name: checks.add(v.to(device), lambda host: False, None) for name, v in values.items()
                     if v is not None}
     inputs = dict(image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw, audio_seqlens=audio_seqlens,
-                  second_per_grids=second_per_grids)
+                  second_per_grids=second_per_grids, attention_mask=attention_mask)
     return QueuedOmniIndex(config, input_ids, keep, inputs, entries, slots, where)
 
 
@@ -210,9 +210,12 @@ def finish_omni_index(queued: QueuedOmniIndex, host: list, *, audio_seqlens=None
     if "ids" not in queued.entries:  # no grids: text positions over the kept tokens
         if not input_ids.numel():  # no rows or no columns: the max below was an IndexError (other families: empty)
             return torch.zeros(3, *input_ids.shape, device=input_ids.device), keep.sum(-1, keepdim=True).float()
-        positions = keep.float().cumsum(-1) - 1
-        positions = positions.masked_fill(~keep, 1).unsqueeze(0).expand(3, -1, -1)
-        deltas = positions.max(0)[0].max(-1, keepdim=True)[0] + 1 - keep.sum(-1, keepdim=True)
+        # The thinker counts the mask as given here (a cumulative sum; 1 where it is 0), not its kept tokens (== 1).
+        mask = queued.inputs.get("attention_mask")
+        counted = keep if mask is None else mask
+        positions = counted.float().cumsum(-1) - 1
+        positions = positions.masked_fill(counted == 0, 1).unsqueeze(0).expand(3, -1, -1)
+        deltas = positions.max(0)[0].max(-1, keepdim=True)[0] + 1 - counted.sum(-1, keepdim=True)
         return positions, deltas
     ids, inputs = host[queued.entries["ids"]], _host_inputs(queued, host, audio_seqlens)
     pieces, deltas, used, first = [], [], [0, 0, 0], 0

@@ -223,3 +223,16 @@ def test_uint64_grids_are_refused():
     cfg = MRopeConfig.from_hf_config(hf_config("qwen2_vl"))
     with pytest.raises(ValueError, match=r"image_grid_thw has dtype torch.uint64"):
         get_rope_index(_image_row(4), cfg, image_grid_thw=torch.tensor([[1, 4, 4]]).to(torch.uint64))
+
+
+@pytest.mark.parametrize("value", [2, -1, 0.5])
+def test_omni_text_only_rows_with_odd_mask_values_equal_the_hf_thinker(value):
+    """Without grids the thinker numbers tokens by the cumulative sum of the mask as given (and writes 1 where it
+    is 0); the index summed a bool mask instead."""
+    _, reference, cfg = _omni()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 0, 0]])
+    mask = torch.tensor([[1, 1, value, 1, 1, 1], [1, 1, 1, value, 0, 0]])
+    expected, expected_deltas = reference(ids, attention_mask=mask)
+    ours = get_rope_index(ids, cfg, attention_mask=mask)
+    assert torch.equal(ours.position_ids, expected)
+    assert torch.equal(ours.deltas.reshape(-1), expected_deltas.reshape(-1).to(ours.deltas.dtype))
