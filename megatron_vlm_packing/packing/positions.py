@@ -244,13 +244,14 @@ def queue_rope_positions(batch: Mapping, input_ids: torch.Tensor, keep: Callable
     from megatron_vlm_packing.rope.index import check_rope_types, queue_rope_index
 
     kwargs = {k: batch[k] for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts", "mm_token_type_ids",
-                                    "audio_seqlens") if batch.get(k) is not None}
+                                    "audio_seqlens", "use_audio_in_video") if batch.get(k) is not None}
     types = kwargs.get("mm_token_type_ids")
     if types is not None and (not isinstance(types, torch.Tensor) or types.shape != input_ids.shape):
         return None
     try:
         check_rope_types(input_ids, mrope, kwargs.get("image_grid_thw"), kwargs.get("video_grid_thw"), keep(),
-                         second_per_grid_ts=kwargs.get("second_per_grid_ts"))
+                         second_per_grid_ts=kwargs.get("second_per_grid_ts"),
+                         use_audio_in_video=kwargs.get("use_audio_in_video"))
     except ValueError:
         return None
     return queue_rope_index(input_ids, mrope, checks, attention_mask=keep(), where=where, **kwargs)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
+import numpy as np
 import torch
 
 from megatron_vlm_packing.packing.checks import is_integer_tensor, token_place
@@ -116,11 +117,24 @@ def _refuse_without_values(value, name: str) -> None:
         raise ValueError(f"{name} has layout {value.layout}: get_rope_index reads dense (strided) tensors")
 
 
+def checked_audio_in_video(flag) -> bool | None:
+    """`use_audio_in_video` as True, False or None (a numpy bool or a one-element bool tensor, as a batch may
+    carry it, read as its bool); anything else ("no" was read as True) is a ValueError."""
+    if flag is None or isinstance(flag, bool):
+        return flag
+    if isinstance(flag, np.bool_) or isinstance(flag, torch.Tensor) and flag.dtype == torch.bool \
+            and flag.numel() == 1 and not flag.is_meta:
+        return bool(flag)
+    raise ValueError(f"use_audio_in_video must be True, False or None, got {flag!r}")
+
+
 def check_rope_types(input_ids, config: MRopeConfig, image_grid_thw, video_grid_thw, attention_mask,
-                     mm_token_type_ids=None, second_per_grid_ts=None, audio_seqlens=None) -> None:
+                     mm_token_type_ids=None, second_per_grid_ts=None, audio_seqlens=None,
+                     use_audio_in_video=None) -> None:
     """The index's checks that read no tensor values (types and shapes); the value checks ride its one read."""
     if not isinstance(config, MRopeConfig):
         raise ValueError(f"config must be an MRopeConfig, got {type(config).__name__}")
+    checked_audio_in_video(use_audio_in_video)
     for name, value in (("input_ids", input_ids), ("attention_mask", attention_mask),
                         ("image_grid_thw", image_grid_thw), ("video_grid_thw", video_grid_thw),
                         ("second_per_grid_ts", second_per_grid_ts), ("mm_token_type_ids", mm_token_type_ids),
@@ -185,7 +199,7 @@ def _any_bad_grid(grid, merge: int, device) -> torch.Tensor:
 
 def queue_rope_index(input_ids, config: MRopeConfig, checks, *, image_grid_thw=None, video_grid_thw=None,
                      attention_mask=None, second_per_grid_ts=None, mm_token_type_ids=None, audio_seqlens=None,
-                     where: Callable[[int, int], str] = token_place):
+                     use_audio_in_video=None, where: Callable[[int, int], str] = token_place):
     """Queue on `checks` (a `packing.checks.DeferredChecks`, or anything with its `add`) the values the
     index must read: its value checks and the video block count (Qwen3-Omni: `omni.queue_omni_index`).
     Reads nothing and raises nothing for bad values (`finish_rope_index` does, from the read). The
@@ -196,7 +210,8 @@ def queue_rope_index(input_ids, config: MRopeConfig, checks, *, image_grid_thw=N
 
         return queue_omni_index(input_ids, config, checks, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
                                 attention_mask=attention_mask, audio_seqlens=audio_seqlens,
-                                second_per_grids=second_per_grid_ts, where=where)
+                                second_per_grids=second_per_grid_ts, use_audio_in_video=use_audio_in_video,
+                                where=where)
     device = input_ids.device
     batch, seq = input_ids.shape
     merge = config.spatial_merge_size
@@ -288,7 +303,7 @@ def get_rope_index(
     attention_mask: torch.Tensor | None = None,
     second_per_grid_ts: torch.Tensor | None = None,
     mm_token_type_ids: torch.Tensor | None = None,
-    use_audio_in_video: bool = False,
+    use_audio_in_video: bool | None = None,
     audio_seqlens: torch.Tensor | None = None,
 ) -> RopeIndex:
     """3D rotary positions identical to the Hugging Face model of `config.family`.
@@ -302,7 +317,8 @@ def get_rope_index(
             dtype; the t positions are truncated in that dtype, like transformers) or a list of numbers.
         mm_token_type_ids: [B, S] 0/1/2; derived from the placeholder ids when None.
         use_audio_in_video, audio_seqlens: Qwen3-Omni audio inputs (raw audio feature lengths; an
-            audio-in-video block is told by its tokens, as in the reference's positions).
+            audio-in-video block is told by its tokens, as in the reference's positions; a flag given as
+            True or False must agree with every video block's tokens, None leaves them to decide).
 
     Returns:
         RopeIndex(position_ids [3, B, S] long, deltas [B, 1] long).
@@ -315,11 +331,12 @@ def get_rope_index(
     Qwen3-Omni follows its own rule (rope/omni.py) and returns float positions, as its reference does.
     """
     check_rope_types(input_ids, config, image_grid_thw, video_grid_thw, attention_mask, mm_token_type_ids,
-                     second_per_grid_ts, audio_seqlens)
+                     second_per_grid_ts, audio_seqlens, use_audio_in_video)
     from megatron_vlm_packing.packing.checks import DeferredChecks
 
     checks = DeferredChecks()
     queued = queue_rope_index(input_ids, config, checks, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
                               attention_mask=attention_mask, second_per_grid_ts=second_per_grid_ts,
-                              mm_token_type_ids=mm_token_type_ids, audio_seqlens=audio_seqlens)
+                              mm_token_type_ids=mm_token_type_ids, audio_seqlens=audio_seqlens,
+                              use_audio_in_video=use_audio_in_video)
     return finish_rope_index(queued, checks.read())  # the one host sync

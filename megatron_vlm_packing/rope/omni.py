@@ -141,12 +141,12 @@ def _flat(value, dtype) -> torch.Tensor | None:
 
 
 def queue_omni_index(input_ids, config: MRopeConfig, checks, *, image_grid_thw=None, video_grid_thw=None,
-                     attention_mask=None, audio_seqlens=None, second_per_grids=None,
+                     attention_mask=None, audio_seqlens=None, second_per_grids=None, use_audio_in_video=None,
                      where: Callable[[int, int], str] = token_place) -> QueuedOmniIndex:
     """Queue on `checks` (a `packing.checks.DeferredChecks`) what the Qwen3-Omni index reads: its value
     checks and, with grids or audio lengths, the kept ids and every grid, seconds and audio length (the block loop runs
     on the host). Reads and raises nothing; `finish_omni_index` does. Types checked by the caller."""
-    from megatron_vlm_packing.rope.index import _any_bad_grid, _seconds_bad, check_grid_shape
+    from megatron_vlm_packing.rope.index import _any_bad_grid, _seconds_bad, check_grid_shape, checked_audio_in_video
 
     device, merge = input_ids.device, config.spatial_merge_size
     image_grid_thw = check_grid_shape(image_grid_thw, "image_grid_thw")  # uint16 / uint32 as int64
@@ -172,7 +172,8 @@ def queue_omni_index(input_ids, config: MRopeConfig, checks, *, image_grid_thw=N
         entries |= {name: checks.add(v.to(device), lambda host: False, None) for name, v in values.items()
                     if v is not None}
     inputs = dict(image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw, audio_seqlens=audio_seqlens,
-                  second_per_grids=second_per_grids, attention_mask=attention_mask)
+                  second_per_grids=second_per_grids, attention_mask=attention_mask,
+                  use_audio_in_video=checked_audio_in_video(use_audio_in_video))
     return QueuedOmniIndex(config, input_ids, keep, inputs, entries, slots, where)
 
 
@@ -190,6 +191,7 @@ def _host_inputs(queued: QueuedOmniIndex, host: list, audio_seqlens) -> dict:
     elif isinstance(audio, torch.Tensor):
         audio = host[queued.entries["audio_seqlens"]] if "audio_seqlens" in queued.entries else []
     out["audio_seqlens"] = audio
+    out["use_audio_in_video"] = queued.inputs.get("use_audio_in_video")
     return out
 
 
@@ -321,6 +323,7 @@ def _block_positions(row: _Row, at: int, pieces: list[torch.Tensor]) -> int:
                          f"with no image or video placeholder after it: the row's last kept token")
     audio_in_video = tokens[at] == config.vision_start_token_id and at + 1 < len(tokens) \
         and tokens[at + 1] == config.audio_start_token_id
+    _check_audio_in_video_flag(row, at, audio_in_video)
     wrap = 2 if audio_in_video else 1
     pieces.append(_text(wrap, _next_start(pieces)))
     start = _next_start(pieces)  # right after the opening tokens
@@ -329,6 +332,22 @@ def _block_positions(row: _Row, at: int, pieces: list[torch.Tensor]) -> int:
     if not audio_in_video and tokens[at + 1] == config.image_token_id:
         return _image_block(row, at, start, pieces)
     return _video_block(row, at, start, pieces, audio_in_video=audio_in_video)
+
+
+def _check_audio_in_video_flag(row: _Row, at: int, audio_in_video: bool) -> None:
+    """A `use_audio_in_video` given as True or False agrees with the video block opening at kept token `at`
+    (None: its tokens decide). The thinker follows the flag: an audio-in-video block under False is read as text
+    then an audio block, a plain video under True is left out of its block count; other positions, silently."""
+    flag = row.inputs.get("use_audio_in_video")
+    tokens, config = row.tokens, row.config
+    is_video = audio_in_video or at + 1 < len(tokens) and tokens[at] == config.vision_start_token_id \
+        and tokens[at + 1] == config.video_token_id
+    if flag is None or not is_video or flag == audio_in_video:
+        return
+    raise ValueError(f"use_audio_in_video={flag} but the video block at input_ids {row.place(at)} has "
+                     f"{'its' if audio_in_video else 'no'} audio interleaved (vision start then "
+                     f"{'audio start' if audio_in_video else 'video placeholders'}): the flag and the tokens must "
+                     f"agree")
 
 
 def _audio_block(row: _Row, at: int, wrap: int, start, pieces: list[torch.Tensor]) -> int:

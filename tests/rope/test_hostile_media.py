@@ -7,6 +7,7 @@ import torch
 
 from megatron_vlm_packing import pack_batch
 from megatron_vlm_packing.rope import MRopeConfig, get_rope_index
+from megatron_vlm_packing.rope.omni import audio_output_length
 from tests.rope.conftest import hf_config, hf_get_rope_index
 
 transformers = pytest.importorskip("transformers")
@@ -236,3 +237,50 @@ def test_omni_text_only_rows_with_odd_mask_values_equal_the_hf_thinker(value):
     ours = get_rope_index(ids, cfg, attention_mask=mask)
     assert torch.equal(ours.position_ids, expected)
     assert torch.equal(ours.deltas.reshape(-1), expected_deltas.reshape(-1).to(ours.deltas.dtype))
+
+
+def _omni_video_rows(hf, cfg, *, with_audio: bool):
+    """[1, L] ids holding one video of grid [1, 4, 4] (4 tokens), with its audio (raw length 100) interleaved or
+    not, and the index's keywords for it."""
+    if with_audio:
+        n_audio = int(audio_output_length(torch.tensor(100), 50))
+        body = [START, cfg.audio_start_token_id] + [cfg.audio_token_id] * n_audio + [VIDEO] * 4 \
+            + [hf.audio_end_token_id, END]
+    else:
+        body = [START] + [VIDEO] * 4 + [END]
+    kwargs = dict(video_grid_thw=torch.tensor([[1, 4, 4]]), second_per_grid_ts=torch.tensor([0.5]))
+    if with_audio:
+        kwargs["audio_seqlens"] = torch.tensor([100])
+    return torch.tensor([[5, *body, 7]]), kwargs
+
+
+@pytest.mark.parametrize("with_audio", [True, False])
+def test_omni_use_audio_in_video_contradicting_the_tokens_is_refused(with_audio):
+    """The index tells an audio-in-video block by its tokens; the thinker follows the flag, and gives other
+    positions when the flag says otherwise (an audio-in-video block under use_audio_in_video=False is read as
+    text, then an audio block). A flag that contradicts the tokens is a ValueError; no flag: the tokens decide."""
+    hf, reference, cfg = _omni()
+    ids, kwargs = _omni_video_rows(hf, cfg, with_audio=with_audio)
+    expected = reference(ids, attention_mask=torch.ones_like(ids), use_audio_in_video=with_audio,
+                         second_per_grids=kwargs["second_per_grid_ts"],
+                         **{k: v for k, v in kwargs.items() if k != "second_per_grid_ts"})[0]
+    assert torch.equal(get_rope_index(ids, cfg, **kwargs).position_ids, expected)
+    assert torch.equal(get_rope_index(ids, cfg, use_audio_in_video=with_audio, **kwargs).position_ids, expected)
+    message = (r"use_audio_in_video=False but the video block at input_ids row 0 position 1 has its audio "
+               r"interleaved") if with_audio else \
+        r"use_audio_in_video=True but the video block at input_ids row 0 position 1 has no audio interleaved"
+    with pytest.raises(ValueError, match=message):
+        get_rope_index(ids, cfg, use_audio_in_video=not with_audio, **kwargs)
+    batch = {"input_ids": ids, "labels": ids, "use_audio_in_video": not with_audio, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        pack_batch(batch, mrope=cfg, label_style="hf")
+    assert torch.equal(pack_batch({**batch, "use_audio_in_video": with_audio}, mrope=cfg,
+                                  label_style="hf").position_ids, expected)
+
+
+@pytest.mark.parametrize("flag", ["no", 1, torch.tensor([True, False])])
+def test_omni_use_audio_in_video_that_is_not_a_bool_is_refused(flag):
+    hf, _, cfg = _omni()
+    ids, kwargs = _omni_video_rows(hf, cfg, with_audio=True)
+    with pytest.raises(ValueError, match=r"use_audio_in_video must be True, False or None"):
+        get_rope_index(ids, cfg, use_audio_in_video=flag, **kwargs)
