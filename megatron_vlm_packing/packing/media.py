@@ -349,6 +349,12 @@ def vision_inputs(batch: dict, host: MediaHost, tokens: MediaTokens, *,
     # images they travelled to the model beside no video, with mrope= they were dropped without a word.
     if seconds is not None and seconds.numel() and videos is None and (video_grid is None or not video_grid.shape[0]):
         raise ValueError(f"second_per_grid_ts has {seconds.numel()} entries but the batch has no videos")
+    # One entry per video whoever reads them: beside pixels `_video_counts` counts them; grids alone went to the
+    # mRoPE index or position callable uncounted (a callable checks nothing).
+    if seconds is not None and videos is None and video_grid is not None and video_grid.shape[0] \
+            and seconds.numel() != video_grid.shape[0]:
+        raise ValueError(f"second_per_grid_ts has {seconds.numel()} entries but video_grid_thw has "
+                         f"{video_grid.shape[0]} videos")
     if count_grids:
         _count_position_grids(host, tokens, image_rows if pixels is None else [], video_rows if videos is None else [])
     if pixels is None and videos is None:

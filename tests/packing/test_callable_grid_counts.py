@@ -94,3 +94,18 @@ def test_bad_seconds_of_a_grids_only_batch_are_refused_before_the_callable(value
     with pytest.raises(ValueError, match=r"second_per_grid_ts must be finite and >= 0, got \[(-0\.5|nan|inf)\]"):
         pack_batch(batch, mrope=video_index, video_token_id=VIDEO, label_style="hf")
     assert not CALLS
+
+
+@pytest.mark.parametrize("entries", [0, 2])
+def test_seconds_that_do_not_match_the_video_grids_are_refused_without_pixels(entries):
+    """One second_per_grid_ts entry per video: counted beside video pixels only, so a callable's grids-only
+    batch handed it seconds belonging to no video, or one video without seconds."""
+    ids = torch.tensor([[5, START] + [VIDEO] * 4 + [END, 6]])
+    batch = {"input_ids": ids, "labels": ids, "video_grid_thw": torch.tensor([[1, 4, 4]]),
+             "second_per_grid_ts": torch.full((entries,), 0.5)}
+
+    def video_index(input_ids, attention_mask=None, video_grid_thw=None, second_per_grid_ts=None):
+        return (torch.cumsum(attention_mask, dim=1) - 1).expand(3, -1, -1)
+
+    with pytest.raises(ValueError, match=rf"second_per_grid_ts has {entries} entries but video_grid_thw has 1 videos"):
+        pack_batch(batch, mrope=video_index, video_token_id=VIDEO, label_style="hf")
