@@ -60,7 +60,8 @@ def _bad_grid_rows(grid: torch.Tensor, merge: int) -> torch.Tensor:
 def check_grid(grid, name: str, merge: int) -> torch.Tensor | None:
     """A [N, 3] integer grid with every entry >= 1, h, w multiples of `merge` and t * h * w patches that int64
     holds, or ValueError naming it."""
-    if check_grid_shape(grid, name) is None:
+    grid = check_grid_shape(grid, name)  # uint16 / uint32 as int64
+    if grid is None:
         return None
     bad = _bad_grid_rows(grid, merge)
     if bool(bad.any()):
