@@ -54,6 +54,9 @@ def rope_positions(batch: Mapping, input_ids: torch.Tensor, keep: torch.Tensor, 
         fn = lambda ids, **kw: get_rope_index(ids, mrope, **kw)  # noqa: E731
         accepted = set(inspect.signature(get_rope_index).parameters)
     kwargs = {k: batch[k] for k in _ROPE_INPUT_KEYS if batch.get(k) is not None and k in accepted}
+    for key in ("image_grid_thw", "video_grid_thw"):  # uint16 / uint32 as int64, as everywhere else
+        if isinstance(kwargs.get(key), torch.Tensor):
+            kwargs[key] = widened_unsigned(kwargs[key], key)
     if callable(mrope):
         refuse_unread_rope_inputs(batch, accepted, audio, name=getattr(mrope, "__name__", type(mrope).__name__))
     if audio is not None and "audio_seqlens" in accepted and "audio_seqlens" not in kwargs:

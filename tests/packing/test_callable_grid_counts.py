@@ -109,3 +109,19 @@ def test_seconds_that_do_not_match_the_video_grids_are_refused_without_pixels(en
 
     with pytest.raises(ValueError, match=rf"second_per_grid_ts has {entries} entries but video_grid_thw has 1 videos"):
         pack_batch(batch, mrope=video_index, video_token_id=VIDEO, label_style="hf")
+
+
+def test_a_callable_gets_unsigned_grids_as_int64():
+    """uint16 / uint32 grids are read as int64 everywhere else (the index, the typed vision inputs); the callable
+    got them as given, and the HF model's index fails on them ('lt_cpu' not implemented for 'UInt32')."""
+    seen = {}
+
+    def index(input_ids, attention_mask=None, image_grid_thw=None):
+        seen["grid"] = image_grid_thw
+        return (torch.cumsum(attention_mask, dim=1) - 1).expand(3, -1, -1)
+
+    ids, mask = _rows()
+    batch = {"input_ids": ids, "labels": ids, "attention_mask": mask,
+             "image_grid_thw": torch.tensor([[1, 2, 2], [1, 4, 4]], dtype=torch.uint32)}
+    pack_batch(batch, mrope=index, image_token_id=IMAGE, label_style="hf")
+    assert seen["grid"].dtype == torch.long and seen["grid"].tolist() == [[1, 2, 2], [1, 4, 4]]
