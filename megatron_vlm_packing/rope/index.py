@@ -333,6 +333,12 @@ def get_rope_index(
     """
     check_rope_types(input_ids, config, image_grid_thw, video_grid_thw, attention_mask, mm_token_type_ids,
                      second_per_grid_ts, audio_seqlens, use_audio_in_video)
+    # uint16 / uint32 as int64 (uint64 refused), as pack_batch reads them: torch cannot index-copy or promote them.
+    input_ids = widened_unsigned(input_ids, "input_ids")
+    if isinstance(attention_mask, torch.Tensor):
+        attention_mask = widened_unsigned(attention_mask, "attention_mask")
+    if isinstance(mm_token_type_ids, torch.Tensor):
+        mm_token_type_ids = widened_unsigned(mm_token_type_ids, "mm_token_type_ids")
     from megatron_vlm_packing.packing.checks import DeferredChecks
 
     checks = DeferredChecks()

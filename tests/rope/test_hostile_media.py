@@ -292,3 +292,24 @@ def test_check_grid_reads_an_unsigned_grid_as_int64():
     with pytest.raises(ValueError, match=r"image_grid_thw row 0 is \[1, 3, 4\]"):
         check_grid(torch.tensor([[1, 3, 4]], dtype=torch.uint32), "image_grid_thw", 2)
     assert check_grid(torch.tensor([[1, 2, 4]], dtype=torch.uint32), "image_grid_thw", 2).dtype == torch.long
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_omni"])
+@pytest.mark.parametrize("name", ["input_ids", "attention_mask", "mm_token_type_ids"])
+def test_get_rope_index_reads_uint32_ids_masks_and_types_as_int64(family, name):
+    """uint16 / uint32 inputs of get_rope_index were a NotImplementedError ('index_copy_cpu' not implemented for
+    'UInt32') or a RuntimeError (promotion of UInt32 and Long in the index's one read); pack_batch widens them."""
+    if family == "qwen3_omni" and name == "mm_token_type_ids":
+        pytest.skip("not read by this family")
+    cfg = _omni()[2] if family == "qwen3_omni" else MRopeConfig.from_hf_config(hf_config(family))
+    ids = torch.tensor([[5, START] + [IMAGE] * 4 + [END, 7], [5, START] + [IMAGE] * 4 + [END, 0]])
+    from megatron_vlm_packing.rope.index import token_types
+
+    kwargs = dict(input_ids=ids, attention_mask=torch.tensor([[1] * 8, [1] * 7 + [0]]),
+                  image_grid_thw=torch.tensor([[1, 4, 4], [1, 4, 4]]))
+    if name == "mm_token_type_ids":
+        kwargs[name] = token_types(ids, cfg)
+    expected = get_rope_index(config=cfg, **kwargs)
+    kwargs[name] = kwargs[name].to(torch.uint32)
+    ours = get_rope_index(config=cfg, **kwargs)
+    assert torch.equal(ours.position_ids, expected.position_ids) and torch.equal(ours.deltas, expected.deltas)
