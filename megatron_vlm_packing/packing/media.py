@@ -262,12 +262,15 @@ def _queue_orphan_check(input_ids, keep, kind: str, field: str, token_id: int, c
 
 
 def queue_media_reads(batch: dict, input_ids: torch.Tensor, keep, tokens: MediaTokens, checks,
-                      row_name: Callable[[int], str] = row_label) -> dict:
+                      row_name: Callable[[int], str] = row_label, *, count_grids: bool = False) -> dict:
     """Queue on `checks` (a `rows.DeferredChecks`) the device values the media need, so that they ride
     the rows' one host read: placeholder tokens per row of each kind present whose id is known
     (`keep()`: the [B, S] keep-mask), the exact count of a known placeholder among the real tokens
     of each kind absent (`checked_placeholders`; nonzero is a ValueError), grid entries and seconds
     per grid. The audio values are queued by `media_audio.queue_audio_reads`. Returns name -> entry.
+
+    `count_grids` (a position callable's batch, `vision_inputs`): the placeholder tokens per row of an image or
+    video kind with grid rows but no pixels are queued too, to count the grids per row.
     """
     placeholders = checked_placeholders(batch, tokens)
     if not placeholders and batch.keys().isdisjoint(_READ_KEYS):
@@ -279,6 +282,11 @@ def queue_media_reads(batch: dict, input_ids: torch.Tensor, keep, tokens: MediaT
             entries[kind] = checks.add(((input_ids == token_id) & keep()).sum(dim=1), never_fails, None)
         else:
             _queue_orphan_check(input_ids, keep, kind, key, token_id, checks, row_name)
+    if count_grids:
+        for kind, grid_key in (("image", "image_grid_thw"), ("video", "video_grid_thw")):
+            token_id = getattr(tokens, f"{kind}_token_id")
+            if kind not in entries and token_id is not None and _given(batch.get(grid_key)):
+                entries[kind] = checks.add(((input_ids == token_id) & keep()).sum(dim=1), never_fails, None)
     for name in ("image_grid_thw", "video_grid_thw"):
         grid = batch.get(name)
         if isinstance(grid, torch.Tensor) and grid.dim() == 2 and grid.numel() and not grid.is_floating_point():
@@ -316,13 +324,16 @@ def row_counts(host: MediaHost, token_id: int | None, kind: str, field: str, req
 
 
 def vision_inputs(batch: dict, host: MediaHost, tokens: MediaTokens, *,
-                  grids_for_rope: bool = False) -> VisionInputs | None:
+                  grids_for_rope: bool = False, count_grids: bool = False) -> VisionInputs | None:
     """The batch's images and videos with per-row counts; None when it has neither.
 
     Args:
         batch: the collated batch. host: its media values, read with the rows (`queue_media_reads`).
         grids_for_rope: an mRoPE index reads the grids (`mrope=`): grids without pixels are then
             position inputs only (a text model with mRoPE), checked block by block by the index.
+        count_grids: the grids are read by a position callable, which may check nothing (the HF model's
+            takes the grid of each block in order): grids without pixels are counted per row like items
+            (`items_per_row`), where their placeholder id is known (`queue_media_reads(count_grids=True)`).
     """
     if batch.keys().isdisjoint(VISION_KEYS):
         return None
@@ -337,13 +348,32 @@ def vision_inputs(batch: dict, host: MediaHost, tokens: MediaTokens, *,
     if videos is None and video_grid is not None and video_grid.shape[0] and not grids_for_rope:
         raise ValueError(f"video_grid_thw has {video_grid.shape[0]} rows but the batch has no pixel_values_videos "
                          f"(grids alone are read only by an mRoPE index: pass mrope=)")
+    if seconds is not None:
+        from megatron_vlm_packing.rope.index import check_seconds_dtype  # the one dtype check of seconds
+
+        check_seconds_dtype(seconds)
+        # Checked whatever reads them (the videos' tower, an MRopeConfig's index, or a position callable, which
+        # checks nothing: only beside video pixels, a grids-only batch handed NaN or negative seconds to it).
+        values = host.values.get("second_per_grid_ts", [])
+        if not all(math.isfinite(x) and x >= 0 for x in values):
+            raise ValueError(f"second_per_grid_ts must be finite and >= 0, got {values}")
     if pixels is not None and pixels.shape[0] == 0:
         pixels = image_grid = None  # an empty image list (a batch without images) carries nothing
     if videos is not None and videos.shape[0] == 0:
         videos = video_grid = seconds = None
+    # Seconds beside no video at all (no pixels, no grid rows an mRoPE index reads) are read by nothing: with
+    # images they travelled to the model beside no video, with mrope= they were dropped without a word.
+    if seconds is not None and seconds.numel() and videos is None and (video_grid is None or not video_grid.shape[0]):
+        raise ValueError(f"second_per_grid_ts has {seconds.numel()} entries but the batch has no videos")
+    # One entry per video whoever reads them: beside pixels `_video_counts` counts them; grids alone went to the
+    # mRoPE index or position callable uncounted (a callable checks nothing).
+    if seconds is not None and videos is None and video_grid is not None and video_grid.shape[0] \
+            and seconds.numel() != video_grid.shape[0]:
+        raise ValueError(f"second_per_grid_ts has {seconds.numel()} entries but video_grid_thw has "
+                         f"{video_grid.shape[0]} videos")
+    if count_grids:
+        _count_position_grids(host, tokens, image_rows if pixels is None else [], video_rows if videos is None else [])
     if pixels is None and videos is None:
-        if seconds is not None and seconds.numel() and not grids_for_rope:
-            raise ValueError(f"second_per_grid_ts has {seconds.numel()} entries but the batch has no videos")
         return None
     images_per_row = videos_per_row = None
     if pixels is not None:
@@ -354,6 +384,18 @@ def vision_inputs(batch: dict, host: MediaHost, tokens: MediaTokens, *,
                         pixel_values_videos=videos, video_grid_thw=video_grid if videos is not None else None,
                         second_per_grid_ts=seconds, videos_per_sample=videos_per_row,
                         spatial_merge_size=tokens.spatial_merge_size)
+
+
+def _count_position_grids(host: MediaHost, tokens: MediaTokens, image_rows: list[list[int]],
+                          video_rows: list[list[int]]) -> None:
+    """Grid rows read only by a position callable (no pixels) must fill each row's placeholders in order, as
+    items do (`items_per_row`): a grid in the wrong row or a block cut by the mask reached the callable, whose
+    error (a shape mismatch) or positions (of the wrong grids) came back. Kinds whose id is not known are left
+    to the callable."""
+    for kind, rows, field in (("image", image_rows, "image_grid_thw"), ("video", video_rows, "video_grid_thw")):
+        if rows and kind in host.values:
+            items_per_row(host.values[kind], grid_tokens(rows, tokens.spatial_merge_size, field), kind=kind,
+                          field=field, row_name=host.row_name)
 
 
 def _image_counts(pixels, grid, grid_rows, host: MediaHost, tokens: MediaTokens) -> tuple[int, ...]:
@@ -384,8 +426,5 @@ def _video_counts(videos, grid, grid_rows, seconds, host: MediaHost, tokens: Med
         if seconds.numel() != grid.shape[0]:
             raise ValueError(f"second_per_grid_ts has {seconds.numel()} entries but video_grid_thw has "
                              f"{grid.shape[0]} videos")
-        values = host.values.get("second_per_grid_ts", [])
-        if not all(math.isfinite(x) and x >= 0 for x in values):
-            raise ValueError(f"second_per_grid_ts must be finite and >= 0, got {values}")
     return items_per_row(rows, grid_tokens(grid_rows, tokens.spatial_merge_size, "video_grid_thw"),
                          kind="video", field="video_grid_thw", row_name=host.row_name)

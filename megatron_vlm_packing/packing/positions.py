@@ -37,8 +37,10 @@ def refuse_unread_rope_inputs(batch: Mapping, accepted: set, audio, *, name: str
                          f"its positions would treat those tokens as text; accept them (or **kwargs)")
 
 
-def rope_positions(batch: Mapping, input_ids: torch.Tensor, keep: torch.Tensor, mrope, audio) -> torch.Tensor:
-    """[3, B, S] positions of each row alone, from an `MRopeConfig` or a callable."""
+def rope_positions(batch: Mapping, input_ids: torch.Tensor, keep: torch.Tensor, mrope, audio,
+                   where: Callable[[int, int], str] = token_place) -> torch.Tensor:
+    """[3, B, S] positions of each row alone, from an `MRopeConfig` or a callable (its output checked: dense,
+    integer or real, finite at real tokens; `where` names a token in that error)."""
     if callable(mrope):
         fn: Callable = mrope
         params = inspect.signature(mrope).parameters
@@ -52,6 +54,9 @@ def rope_positions(batch: Mapping, input_ids: torch.Tensor, keep: torch.Tensor, 
         fn = lambda ids, **kw: get_rope_index(ids, mrope, **kw)  # noqa: E731
         accepted = set(inspect.signature(get_rope_index).parameters)
     kwargs = {k: batch[k] for k in _ROPE_INPUT_KEYS if batch.get(k) is not None and k in accepted}
+    for key in ("image_grid_thw", "video_grid_thw"):  # uint16 / uint32 as int64, as everywhere else
+        if isinstance(kwargs.get(key), torch.Tensor):
+            kwargs[key] = widened_unsigned(kwargs[key], key)
     if callable(mrope):
         refuse_unread_rope_inputs(batch, accepted, audio, name=getattr(mrope, "__name__", type(mrope).__name__))
     if audio is not None and "audio_seqlens" in accepted and "audio_seqlens" not in kwargs:
@@ -62,6 +67,37 @@ def rope_positions(batch: Mapping, input_ids: torch.Tensor, keep: torch.Tensor, 
             or tuple(positions.shape[1:]) != tuple(input_ids.shape):
         raise ValueError(f"mrope positions must be [3, B, S] = [3, {input_ids.shape[0]}, {input_ids.shape[1]}], "
                          f"got {tuple(getattr(positions, 'shape', ()))}")
+    if callable(mrope):
+        return _checked_callable_positions(positions, input_ids, keep, getattr(mrope, "__name__", type(mrope).__name__),
+                                           where)
+    return positions
+
+
+def _checked_callable_positions(positions: torch.Tensor, input_ids: torch.Tensor, keep: torch.Tensor, name: str,
+                                where: Callable[[int, int], str]) -> torch.Tensor:
+    """A position callable's [3, B, S] output checked as `position_ids` given in the batch are (`normalize_positions`,
+    `queue_position_checks`), on the ids' device: dense with values, integer (uint16 / uint32 as int64) or real,
+    finite at real tokens (pad slots are rebuilt). NaN and inf reached the rotary; bool, complex, meta and sparse
+    outputs crashed in the pack.
+
+    One read, only for floating positions (the callable itself, e.g. a model's `get_rope_index`, reads the host
+    many times already); integer positions cost none."""
+    field = f"the mrope callable {name}"
+    if positions.is_meta:
+        raise ValueError(f"{field} returned a meta tensor: it holds no values")
+    if positions.layout is not torch.strided or positions.is_nested:
+        raise ValueError(f"{field} returned layout {positions.layout}: positions must be a dense (strided) tensor")
+    positions = widened_unsigned(positions, f"positions from {field}")
+    if positions.dtype == torch.bool or positions.is_complex():
+        raise ValueError(f"{field} returned dtype {positions.dtype}: mRoPE positions must hold integer or real "
+                         f"positions")
+    positions = positions.to(input_ids.device)
+    if positions.is_floating_point():
+        not_finite = keep[None] & ~torch.isfinite(positions)
+        if bool(not_finite.any()):  # the one read of a floating callable output (see above)
+            channel, b, t = torch.nonzero(not_finite)[0].tolist()
+            raise ValueError(f"{field} gave channel {channel} {where(b, t)} the position "
+                             f"{positions[channel, b, t].item()}: mRoPE positions must be finite")
     return positions
 
 
@@ -211,23 +247,26 @@ def queue_rope_positions(batch: Mapping, input_ids: torch.Tensor, keep: Callable
     from megatron_vlm_packing.rope.index import check_rope_types, queue_rope_index
 
     kwargs = {k: batch[k] for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts", "mm_token_type_ids",
-                                    "audio_seqlens") if batch.get(k) is not None}
+                                    "audio_seqlens", "use_audio_in_video") if batch.get(k) is not None}
     types = kwargs.get("mm_token_type_ids")
     if types is not None and (not isinstance(types, torch.Tensor) or types.shape != input_ids.shape):
         return None
     try:
-        check_rope_types(input_ids, mrope, kwargs.get("image_grid_thw"), kwargs.get("video_grid_thw"), keep())
+        check_rope_types(input_ids, mrope, kwargs.get("image_grid_thw"), kwargs.get("video_grid_thw"), keep(),
+                         second_per_grid_ts=kwargs.get("second_per_grid_ts"),
+                         use_audio_in_video=kwargs.get("use_audio_in_video"))
     except ValueError:
         return None
     return queue_rope_index(input_ids, mrope, checks, attention_mask=keep(), where=where, **kwargs)
 
 
 def batch_positions(batch: Mapping, input_ids: torch.Tensor, mask: DeferredKeep, mrope, audio,
-                    rope=None, host: list | None = None) -> torch.Tensor | None:
+                    rope=None, host: list | None = None,
+                    where: Callable[[int, int], str] = token_place) -> torch.Tensor | None:
     """[3, B, S] mRoPE positions (computed, or given in the batch), or None for 1D positions.
 
     Run after `queue_position_checks` and the checks' read (`host`, which carries the values of
-    `rope`, `queue_rope_positions`' result, when not None)."""
+    `rope`, `queue_rope_positions`' result, when not None). `where` names a token in a callable's errors."""
     given = batch.get("position_ids")
     if rope is not None:
         from megatron_vlm_packing.rope.index import finish_rope_index
@@ -235,7 +274,7 @@ def batch_positions(batch: Mapping, input_ids: torch.Tensor, mask: DeferredKeep,
         lengths = audio.audio_lengths if audio is not None and batch.get("audio_seqlens") is None else None
         return finish_rope_index(rope, host, audio_seqlens=lengths).position_ids
     if mrope is not None:
-        return rope_positions(batch, input_ids, mask.keep, mrope, audio)
+        return rope_positions(batch, input_ids, mask.keep, mrope, audio, where)
     if given is not None and given.dim() == 3:
         return given
     return None  # 1D positions: each document restarts at 0

@@ -231,7 +231,8 @@ def read_rows(batch, *, label_style: str, mrope, media: MediaTokens, extra_keys=
     queued = queue_row_reads(batch, input_ids, name, label_style, vocab_size, on_host=on_host, where=where)
     deferred, checks = queued.mask, queued.checks
     unchecked_positions = _queue_positions(batch, deferred, mrope, checks, where, on_host)
-    media_entries = queue_media_reads(batch, input_ids, lambda: deferred.keep, media, checks, row_name)
+    media_entries = queue_media_reads(batch, input_ids, lambda: deferred.keep, media, checks, row_name,
+                                      count_grids=callable(mrope))
     media_entries |= queue_audio_reads(batch, input_ids, lambda: deferred.keep, media, checks,
                                        counted="audio" in media_entries)
     rope = queue_rope_positions(batch, input_ids, lambda: deferred.keep, mrope, checks, where)
@@ -239,10 +240,10 @@ def read_rows(batch, *, label_style: str, mrope, media: MediaTokens, extra_keys=
         host = checks.read()  # the one host sync
         lengths = queued.lengths(host)
         media_host = MediaHost({name: host[entry] for name, entry in media_entries.items()}, row_name)
-        vision = vision_inputs(batch, media_host, media, grids_for_rope=mrope is not None)
+        vision = vision_inputs(batch, media_host, media, grids_for_rope=mrope is not None, count_grids=callable(mrope))
         audio = audio_inputs(batch, media_host, media)
         check_audio_seqlens(batch, media_host, media, audio)
-        positions = batch_positions(batch, input_ids, deferred, mrope, audio, rope, host)
+        positions = batch_positions(batch, input_ids, deferred, mrope, audio, rope, host, where)
     except ValueError:
         raise_value_errors_first(queued.unchecked_values, label_style, vocab_size, unchecked_positions)
         raise

@@ -12,9 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
+import numpy as np
 import torch
 
 from megatron_vlm_packing.packing.checks import is_integer_tensor, token_place
+from megatron_vlm_packing.packing.lengths import widened_unsigned
 from megatron_vlm_packing.rope.config import MRopeConfig
 from megatron_vlm_packing.rope.index_rules import grid_per_run, run_positions, token_runs
 
@@ -32,26 +34,55 @@ def token_types(input_ids: torch.Tensor, config: MRopeConfig) -> torch.Tensor:
 
 
 def check_grid_shape(grid, name: str) -> torch.Tensor | None:
-    """`grid` when it is a [N, 3] integer tensor (None stays None), else ValueError naming it. Reads no values."""
+    """`grid` when it is a [N, 3] integer tensor (None stays None; uint16 / uint32 as int64, which torch can
+    compare: `<` on them was a NotImplementedError), else ValueError naming it (uint64 too). Reads no values."""
     if grid is None:
         return None
     if not isinstance(grid, torch.Tensor):
         raise ValueError(f"{name} must be a [N, 3] integer tensor, got {type(grid).__name__}")
     if grid.dim() != 2 or grid.shape[1] != 3 or not is_integer_tensor(grid):
         raise ValueError(f"{name} must be a [N, 3] integer tensor, got shape {tuple(grid.shape)} {grid.dtype}")
-    return grid
+    return widened_unsigned(grid, name)
+
+
+# t * h * w patches of one grid row at or above this (computed in float64, so that the product cannot wrap) is
+# more than int64 holds: the index's int64 token count t * (h / merge) * (w / merge) wrapped ([1, 2**62 + 2, 16]
+# counted 8 tokens) and an 8-token block got positions from a grid of 2**61 + 1 rows.
+_PATCH_LIMIT = float(2 ** 63)
+
+
+def _bad_grid_rows(grid: torch.Tensor, merge: int) -> torch.Tensor:
+    """[N] bool: an entry < 1, h or w not a multiple of `merge`, or t * h * w patches beyond int64. Reads nothing."""
+    patches = grid.double().prod(dim=1)
+    return (grid < 1).any(dim=1) | (grid[:, 1:] % merge != 0).any(dim=1) | (patches >= _PATCH_LIMIT)
 
 
 def check_grid(grid, name: str, merge: int) -> torch.Tensor | None:
-    """A [N, 3] integer grid with every entry >= 1 and h, w multiples of `merge`, or ValueError naming it."""
-    if check_grid_shape(grid, name) is None:
+    """A [N, 3] integer grid with every entry >= 1, h, w multiples of `merge` and t * h * w patches that int64
+    holds, or ValueError naming it."""
+    grid = check_grid_shape(grid, name)  # uint16 / uint32 as int64
+    if grid is None:
         return None
-    bad = (grid < 1).any(dim=1) | (grid[:, 1:] % merge != 0).any(dim=1)
+    bad = _bad_grid_rows(grid, merge)
     if bool(bad.any()):
         row = int(torch.nonzero(bad)[0])
-        raise ValueError(f"{name} row {row} is {grid[row].tolist()}: t, h, w must be >= 1 and h, w multiples "
+        t, h, w = grid[row].tolist()
+        if min(t, h, w) >= 1 and h % merge == 0 and w % merge == 0:
+            raise ValueError(f"{name} row {row} is {[t, h, w]}: t * h * w = {t * h * w} patches, more than int64 "
+                             f"holds (at most {2 ** 63 - 1})")
+        raise ValueError(f"{name} row {row} is {[t, h, w]}: t, h, w must be >= 1 and h, w multiples "
                          f"of spatial_merge_size={merge}")
     return grid
+
+
+def check_seconds_dtype(seconds, name: str = "second_per_grid_ts") -> None:
+    """Seconds per grid step hold real numbers: a complex tensor lost its imaginary part without a word (a
+    warning at most) and a bool one was read as 1 second. Reads no values; a list's tensors are checked too."""
+    for value in seconds if isinstance(seconds, (list, tuple)) else (seconds,):
+        if isinstance(value, torch.Tensor) and (value.is_complex() or value.dtype == torch.bool) \
+                or isinstance(value, (bool, complex)):
+            dtype = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"{name} must hold real numbers of seconds, got dtype {dtype}")
 
 
 def _seconds_bad(seconds) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -74,11 +105,42 @@ def check_seconds(seconds, name: str = "second_per_grid_ts") -> None:
         raise ValueError(f"{name} entry {i} is {float(values[i])}: seconds per grid step must be finite and >= 0")
 
 
+def _refuse_without_values(value, name: str) -> None:
+    """A meta, sparse or nested tensor holds no dense values the index can read: a NotImplementedError or
+    RuntimeError from deep inside it before."""
+    if not isinstance(value, torch.Tensor):
+        return
+    if value.is_meta:
+        raise ValueError(f"{name} is a meta tensor: it holds no values")
+    if value.is_nested:
+        raise ValueError(f"{name} is a nested tensor: get_rope_index reads dense (strided) tensors")
+    if value.layout is not torch.strided:
+        raise ValueError(f"{name} has layout {value.layout}: get_rope_index reads dense (strided) tensors")
+
+
+def checked_audio_in_video(flag) -> bool | None:
+    """`use_audio_in_video` as True, False or None (a numpy bool or a one-element bool tensor, as a batch may
+    carry it, read as its bool); anything else ("no" was read as True) is a ValueError."""
+    if flag is None or isinstance(flag, bool):
+        return flag
+    if isinstance(flag, np.bool_) or isinstance(flag, torch.Tensor) and flag.dtype == torch.bool \
+            and flag.numel() == 1 and not flag.is_meta:
+        return bool(flag)
+    raise ValueError(f"use_audio_in_video must be True, False or None, got {flag!r}")
+
+
 def check_rope_types(input_ids, config: MRopeConfig, image_grid_thw, video_grid_thw, attention_mask,
-                     mm_token_type_ids=None) -> None:
+                     mm_token_type_ids=None, second_per_grid_ts=None, audio_seqlens=None,
+                     use_audio_in_video=None) -> None:
     """The index's checks that read no tensor values (types and shapes); the value checks ride its one read."""
     if not isinstance(config, MRopeConfig):
         raise ValueError(f"config must be an MRopeConfig, got {type(config).__name__}")
+    checked_audio_in_video(use_audio_in_video)
+    for name, value in (("input_ids", input_ids), ("attention_mask", attention_mask),
+                        ("image_grid_thw", image_grid_thw), ("video_grid_thw", video_grid_thw),
+                        ("second_per_grid_ts", second_per_grid_ts), ("mm_token_type_ids", mm_token_type_ids),
+                        ("audio_seqlens", audio_seqlens)):
+        _refuse_without_values(value, name)
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or not is_integer_tensor(input_ids):
         raise ValueError(f"input_ids must be a [B, S] integer tensor, got "
                          f"{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__}"
@@ -95,6 +157,8 @@ def check_rope_types(input_ids, config: MRopeConfig, image_grid_thw, video_grid_
                          f"{tuple(getattr(mm_token_type_ids, 'shape', ())) or type(mm_token_type_ids).__name__}")
     check_grid_shape(image_grid_thw, "image_grid_thw")
     check_grid_shape(video_grid_thw, "video_grid_thw")
+    if second_per_grid_ts is not None:
+        check_seconds_dtype(second_per_grid_ts)
 
 
 @dataclass(frozen=True)
@@ -128,15 +192,15 @@ class QueuedRopeIndex:
 
 
 def _any_bad_grid(grid, merge: int, device) -> torch.Tensor:
-    """0-dim long on `device`: 1 when an entry of the [N, 3] grid is < 1 or h, w not multiples of `merge`."""
+    """0-dim long on `device`: 1 when a row of the [N, 3] grid fails `check_grid` (`_bad_grid_rows`)."""
     if grid is None or not grid.numel():
         return torch.zeros((), dtype=torch.long, device=device)
-    return ((grid < 1).any(dim=1) | (grid[:, 1:] % merge != 0).any(dim=1)).any().to(device=device, dtype=torch.long)
+    return _bad_grid_rows(grid, merge).any().to(device=device, dtype=torch.long)
 
 
 def queue_rope_index(input_ids, config: MRopeConfig, checks, *, image_grid_thw=None, video_grid_thw=None,
                      attention_mask=None, second_per_grid_ts=None, mm_token_type_ids=None, audio_seqlens=None,
-                     where: Callable[[int, int], str] = token_place):
+                     use_audio_in_video=None, where: Callable[[int, int], str] = token_place):
     """Queue on `checks` (a `packing.checks.DeferredChecks`, or anything with its `add`) the values the
     index must read: its value checks and the video block count (Qwen3-Omni: `omni.queue_omni_index`).
     Reads nothing and raises nothing for bad values (`finish_rope_index` does, from the read). The
@@ -147,10 +211,13 @@ def queue_rope_index(input_ids, config: MRopeConfig, checks, *, image_grid_thw=N
 
         return queue_omni_index(input_ids, config, checks, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
                                 attention_mask=attention_mask, audio_seqlens=audio_seqlens,
-                                second_per_grids=second_per_grid_ts, where=where)
+                                second_per_grids=second_per_grid_ts, use_audio_in_video=use_audio_in_video,
+                                where=where)
     device = input_ids.device
     batch, seq = input_ids.shape
     merge = config.spatial_merge_size
+    image_grid_thw = check_grid_shape(image_grid_thw, "image_grid_thw")  # uint16 / uint32 as int64 (checked by
+    video_grid_thw = check_grid_shape(video_grid_thw, "video_grid_thw")  # the caller: reads and raises nothing)
     types = mm_token_type_ids if mm_token_type_ids is not None else token_types(input_ids, config)
     keep = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
     runs = token_runs(keep, types, batch, seq)
@@ -237,7 +304,7 @@ def get_rope_index(
     attention_mask: torch.Tensor | None = None,
     second_per_grid_ts: torch.Tensor | None = None,
     mm_token_type_ids: torch.Tensor | None = None,
-    use_audio_in_video: bool = False,
+    use_audio_in_video: bool | None = None,
     audio_seqlens: torch.Tensor | None = None,
 ) -> RopeIndex:
     """3D rotary positions identical to the Hugging Face model of `config.family`.
@@ -251,23 +318,32 @@ def get_rope_index(
             dtype; the t positions are truncated in that dtype, like transformers) or a list of numbers.
         mm_token_type_ids: [B, S] 0/1/2; derived from the placeholder ids when None.
         use_audio_in_video, audio_seqlens: Qwen3-Omni audio inputs (raw audio feature lengths; an
-            audio-in-video block is told by its tokens, as in the reference's positions).
+            audio-in-video block is told by its tokens, as in the reference's positions; a flag given as
+            True or False must agree with every video block's tokens, None leaves them to decide).
 
     Returns:
         RopeIndex(position_ids [3, B, S] long, deltas [B, 1] long).
 
     Raises:
         ValueError: placeholder blocks vs grid rows, or tokens per block vs grid, disagree; a grid
-        entry < 1 (or h, w not multiples of the merge size); seconds NaN, infinite or negative;
-        non-integer ids or grids.
+        entry < 1 (or h, w not multiples of the merge size, or t * h * w beyond int64); seconds NaN,
+        infinite or negative; non-integer ids or grids.
 
     Qwen3-Omni follows its own rule (rope/omni.py) and returns float positions, as its reference does.
     """
-    check_rope_types(input_ids, config, image_grid_thw, video_grid_thw, attention_mask, mm_token_type_ids)
+    check_rope_types(input_ids, config, image_grid_thw, video_grid_thw, attention_mask, mm_token_type_ids,
+                     second_per_grid_ts, audio_seqlens, use_audio_in_video)
+    # uint16 / uint32 as int64 (uint64 refused), as pack_batch reads them: torch cannot index-copy or promote them.
+    input_ids = widened_unsigned(input_ids, "input_ids")
+    if isinstance(attention_mask, torch.Tensor):
+        attention_mask = widened_unsigned(attention_mask, "attention_mask")
+    if isinstance(mm_token_type_ids, torch.Tensor):
+        mm_token_type_ids = widened_unsigned(mm_token_type_ids, "mm_token_type_ids")
     from megatron_vlm_packing.packing.checks import DeferredChecks
 
     checks = DeferredChecks()
     queued = queue_rope_index(input_ids, config, checks, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
                               attention_mask=attention_mask, second_per_grid_ts=second_per_grid_ts,
-                              mm_token_type_ids=mm_token_type_ids, audio_seqlens=audio_seqlens)
+                              mm_token_type_ids=mm_token_type_ids, audio_seqlens=audio_seqlens,
+                              use_audio_in_video=use_audio_in_video)
     return finish_rope_index(queued, checks.read())  # the one host sync

@@ -86,10 +86,12 @@ def _interval_per_run(run_type, config, second_per_grid_ts, n_videos: int, devic
 
 
 def _scaled_frames(frames: torch.Tensor, interval: torch.Tensor | None) -> torch.Tensor:
-    """floor(frames * interval) in the interval's dtype, as an integer tensor of the frames' dtype."""
+    """floor(frames * interval) in the interval's dtype, as a long tensor (the frames as given without an
+    interval). Long, not the frames' dtype: int32 frames times a long interval pass 2**31 (transformers keeps
+    them int64), and the truncation to int32 wrapped them negative."""
     if interval is None:
         return frames
-    return (frames.to(interval.dtype) * interval).to(frames.dtype)
+    return (frames.to(interval.dtype) * interval).long()
 
 
 def token_runs(keep: torch.Tensor, types: torch.Tensor, batch: int, seq: int):
@@ -141,11 +143,13 @@ def run_positions(queued: QueuedRopeIndex, n_videos: int) -> tuple[torch.Tensor,
     row_base = torch.cummax(torch.where(first_run_of_row, run_start, 0), 0).values
     run_start = run_start - row_base
     # Token positions from their run: one gather of a [K, 5] int32 per-run table (int32 halves the
-    # memory traffic of the per-token arithmetic; positions fit easily).
+    # memory traffic of the per-token arithmetic; offsets and grids of a block fit, its start does without
+    # Qwen2.5-VL videos). Video t positions step by tokens_per_second * seconds and may pass 2**31 (so may
+    # text resuming after them with text_offset="max_position"): with an interval the table stays int64.
     table = torch.stack([run_first, run_start, (gh * gw).clamp_min(1), gw.clamp_min(1), vision.long()], dim=1)
-    per_token = table.to(torch.int32).index_select(0, run_of_token)  # [N, 5]
+    per_token = table.to(torch.int32 if interval is None else torch.long).index_select(0, run_of_token)  # [N, 5]
     first, start, hw, w, is_vision = per_token.unbind(1)
-    k = torch.arange(kind.numel(), device=device, dtype=torch.int32) - first  # offset in run
+    k = torch.arange(kind.numel(), device=device, dtype=per_token.dtype) - first  # offset in run
     frame = torch.div(k, hw, rounding_mode="floor")
     in_frame = k - frame * hw
     row_in_frame = torch.div(in_frame, w, rounding_mode="floor")

@@ -165,15 +165,19 @@ def _flat(value, dtype) -> torch.Tensor | None:
 
 
 def queue_omni_index(input_ids, config: MRopeConfig, checks, *, image_grid_thw=None, video_grid_thw=None,
-                     attention_mask=None, audio_seqlens=None, second_per_grids=None,
+                     attention_mask=None, audio_seqlens=None, second_per_grids=None, use_audio_in_video=None,
                      where: Callable[[int, int], str] = token_place) -> QueuedOmniIndex:
     """Queue on `checks` (a `packing.checks.DeferredChecks`) what the Qwen3-Omni index reads: its value
     checks and, with grids or audio lengths, the kept ids and every grid, seconds and audio length (the block loop runs
     on the host). Reads and raises nothing; `finish_omni_index` does. Types checked by the caller."""
-    from megatron_vlm_packing.rope.index import _any_bad_grid, _seconds_bad
+    from megatron_vlm_packing.rope.index import _any_bad_grid, _seconds_bad, check_grid_shape, checked_audio_in_video
 
     device, merge = input_ids.device, config.spatial_merge_size
-    keep = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
+    image_grid_thw = check_grid_shape(image_grid_thw, "image_grid_thw")  # uint16 / uint32 as int64
+    video_grid_thw = check_grid_shape(video_grid_thw, "video_grid_thw")
+    # Exactly the tokens whose mask is 1, as the thinker keeps them (`attention_mask[i] == 1`); the Qwen-VL models
+    # keep any nonzero, and so does their rule in `rope.index`.
+    keep = attention_mask == 1 if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
     seconds = _seconds_bad(second_per_grids)
     flags = (_any_bad_grid(image_grid_thw, merge, device), _any_bad_grid(video_grid_thw, merge, device),
              seconds[1].any().to(device=device, dtype=torch.long) if seconds is not None
@@ -192,7 +196,8 @@ def queue_omni_index(input_ids, config: MRopeConfig, checks, *, image_grid_thw=N
         entries |= {name: checks.add(v.to(device), lambda host: False, None) for name, v in values.items()
                     if v is not None}
     inputs = dict(image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw, audio_seqlens=audio_seqlens,
-                  second_per_grids=second_per_grids)
+                  second_per_grids=second_per_grids, attention_mask=attention_mask,
+                  use_audio_in_video=checked_audio_in_video(use_audio_in_video))
     return QueuedOmniIndex(config, input_ids, keep, inputs, entries, slots, where)
 
 
@@ -210,6 +215,7 @@ def _host_inputs(queued: QueuedOmniIndex, host: list, audio_seqlens) -> dict:
     elif isinstance(audio, torch.Tensor):
         audio = host[queued.entries["audio_seqlens"]] if "audio_seqlens" in queued.entries else []
     out["audio_seqlens"] = audio
+    out["use_audio_in_video"] = queued.inputs.get("use_audio_in_video")
     return out
 
 
@@ -230,9 +236,12 @@ def finish_omni_index(queued: QueuedOmniIndex, host: list, *, audio_seqlens=None
     if "ids" not in queued.entries:  # no grids: text positions over the kept tokens
         if not input_ids.numel():  # no rows or no columns: the max below was an IndexError (other families: empty)
             return torch.zeros(3, *input_ids.shape, device=input_ids.device), keep.sum(-1, keepdim=True).float()
-        positions = keep.float().cumsum(-1) - 1
-        positions = positions.masked_fill(~keep, 1).unsqueeze(0).expand(3, -1, -1)
-        deltas = positions.max(0)[0].max(-1, keepdim=True)[0] + 1 - keep.sum(-1, keepdim=True)
+        # The thinker counts the mask as given here (a cumulative sum; 1 where it is 0), not its kept tokens (== 1).
+        mask = queued.inputs.get("attention_mask")
+        counted = keep if mask is None else mask
+        positions = counted.float().cumsum(-1) - 1
+        positions = positions.masked_fill(counted == 0, 1).unsqueeze(0).expand(3, -1, -1)
+        deltas = positions.max(0)[0].max(-1, keepdim=True)[0] + 1 - counted.sum(-1, keepdim=True)
         return positions, deltas
     ids, inputs = host[queued.entries["ids"]], _host_inputs(queued, host, audio_seqlens)
     pieces, deltas, used, first = [], [], [0, 0, 0], 0
@@ -290,16 +299,41 @@ def _row_positions(tokens: list[int], config: MRopeConfig, inputs: dict, used: l
     row = _Row(tokens, config, inputs, used, place)
     # Every block opens with a vision-start or audio-start token.
     opens = _openers(tokens, {config.vision_start_token_id, config.audio_start_token_id})
-    pieces, cursor = [], 0
+    pieces, cursor, blocks = [], 0, []
     for at in opens:
         if at < cursor:  # the audio-start inside an audio-in-video block, already consumed
             continue
         if at > cursor:
             pieces.append(_text(at - cursor, _next_start(pieces)))
         cursor = _block_positions(row, at, pieces)
+        blocks.append((at, cursor))
     if cursor < len(tokens):
         pieces.append(_text(len(tokens) - cursor, _next_start(pieces)))
+    _refuse_stray_placeholders(row, blocks)
     return torch.cat(pieces, dim=1)
+
+
+def _refuse_stray_placeholders(row: _Row, blocks: list[tuple[int, int]]) -> None:
+    """Every image, video and audio placeholder of the row lies inside one of its `blocks` ((first, end) kept
+    tokens, wrappers included). One in text took text positions, silently: the other families count it as a
+    block of its own and refuse it, and the HF model has no embedding for it. Counted at C speed (`list.count`);
+    the text between blocks is walked only to name the first stray one."""
+    kinds = {row.config.image_token_id: "image", row.config.video_token_id: "video",
+             row.config.audio_token_id: "audio"}
+    kinds.pop(None, None)
+    tokens = row.tokens
+    placeholders = sum(tokens.count(token) for token in kinds)
+    inside = sum(tokens[first:end].count(token) for first, end in blocks for token in kinds)
+    if placeholders == inside:
+        return
+    ends = [0] + [end for _, end in blocks]
+    starts = [first for first, _ in blocks] + [len(tokens)]
+    stray = next(i for gap_start, gap_end in zip(ends, starts) for i in range(gap_start, gap_end)
+                 if tokens[i] in kinds)
+    kind = kinds[tokens[stray]]
+    raise ValueError(f"input_ids {row.place(stray)} is {'an' if kind == 'image' else 'a'} {kind} placeholder "
+                     f"({tokens[stray]}) outside every block (no vision or audio start token opens it): the model "
+                     f"has no grid or audio length for its embedding")
 
 
 def _block_positions(row: _Row, at: int, pieces: list[torch.Tensor]) -> int:
@@ -313,6 +347,7 @@ def _block_positions(row: _Row, at: int, pieces: list[torch.Tensor]) -> int:
                          f"with no image or video placeholder after it: the row's last kept token")
     audio_in_video = tokens[at] == config.vision_start_token_id and at + 1 < len(tokens) \
         and tokens[at + 1] == config.audio_start_token_id
+    _check_audio_in_video_flag(row, at, audio_in_video)
     wrap = 2 if audio_in_video else 1
     pieces.append(_text(wrap, _next_start(pieces)))
     start = _next_start(pieces)  # right after the opening tokens
@@ -321,6 +356,22 @@ def _block_positions(row: _Row, at: int, pieces: list[torch.Tensor]) -> int:
     if not audio_in_video and tokens[at + 1] == config.image_token_id:
         return _image_block(row, at, start, pieces)
     return _video_block(row, at, start, pieces, audio_in_video=audio_in_video)
+
+
+def _check_audio_in_video_flag(row: _Row, at: int, audio_in_video: bool) -> None:
+    """A `use_audio_in_video` given as True or False agrees with the video block opening at kept token `at`
+    (None: its tokens decide). The thinker follows the flag: an audio-in-video block under False is read as text
+    then an audio block, a plain video under True is left out of its block count; other positions, silently."""
+    flag = row.inputs.get("use_audio_in_video")
+    tokens, config = row.tokens, row.config
+    is_video = audio_in_video or at + 1 < len(tokens) and tokens[at] == config.vision_start_token_id \
+        and tokens[at + 1] == config.video_token_id
+    if flag is None or not is_video or flag == audio_in_video:
+        return
+    raise ValueError(f"use_audio_in_video={flag} but the video block at input_ids {row.place(at)} has "
+                     f"{'its' if audio_in_video else 'no'} audio interleaved (vision start then "
+                     f"{'audio start' if audio_in_video else 'video placeholders'}): the flag and the tokens must "
+                     f"agree")
 
 
 def _audio_block(row: _Row, at: int, wrap: int, start, pieces: list[torch.Tensor]) -> int:
@@ -352,17 +403,21 @@ def _video_block(row: _Row, at: int, start, pieces: list[torch.Tensor], *, audio
     config, inputs, used, place, merge = row.config, row.inputs, row.used, row.place, row.config.spatial_merge_size
     t, h, w = _take(inputs["video_grid_thw"], used[1], "video_grid_thw", place, at)
     seconds = torch.tensor(_take(inputs["seconds"], used[1], "second_per_grid_ts", place, at), dtype=torch.float64)
-    video = _vision(start, torch.arange(t) * seconds.float() * config.position_id_per_seconds, h // merge, w // merge)
     tokens_in = t * h * w // merge ** 2
+    # The block is checked against its grid before its [3, tokens_in] positions are built: a huge grid with a
+    # short block was a RuntimeError (cannot allocate), not the block's count error.
     if not audio_in_video:
         _check_block(row.tokens, at + 1, tokens_in, {config.video_token_id}, place=place, what="video")
+    else:
+        length = _audio_tokens(inputs, used[2], place, at, config.audio_n_window)
+        _check_block(row.tokens, at + 2, length + tokens_in, {config.video_token_id, config.audio_token_id},
+                     place=place, what="video with audio")
+    video = _vision(start, torch.arange(t) * seconds.float() * config.position_id_per_seconds, h // merge, w // merge)
+    if not audio_in_video:
         pieces.append(video)
         used[1] += 1
         pieces.append(_text(1, _next_start(pieces)))
         return at + 1 + tokens_in + 1
-    length = _audio_tokens(inputs, used[2], place, at, config.audio_n_window)
-    _check_block(row.tokens, at + 2, length + tokens_in, {config.video_token_id, config.audio_token_id},
-                 place=place, what="video with audio")
     merged, last_max = _interleave_by_time(video, _text(length, start))
     pieces += [merged, _text(2, last_max + 1)]
     used[1], used[2] = used[1] + 1, used[2] + 1
