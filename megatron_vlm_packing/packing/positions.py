@@ -23,18 +23,23 @@ _ROPE_INPUT_KEYS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts", "m
 
 
 def refuse_unread_rope_inputs(batch: Mapping, accepted: set, audio, *, name: str) -> None:
-    """A position callable must read every grid the batch carries, else those tokens get text positions.
+    """A position callable must read every rope input the batch carries: else grid tokens get text
+    positions, and `mm_token_type_ids` / `use_audio_in_video` (what the processor says each token is,
+    whether a video's audio is interleaved) are dropped unread while the callable guesses them from the
+    ids, which may disagree.
 
     Raises:
         ValueError: naming the callable and each input it does not take.
     """
-    unread = [k for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+    unread = [k for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts", "mm_token_type_ids",
+                          "use_audio_in_video")
               if batch.get(k) is not None and k not in accepted]
     if audio is not None and not {"audio_seqlens", "feature_attention_mask"} & accepted:
         unread.append("audio_seqlens / feature_attention_mask")
     if unread:
         raise ValueError(f"the batch carries {unread} but the mrope callable {name} takes none of them by name: "
-                         f"its positions would treat those tokens as text; accept them (or **kwargs)")
+                         f"its positions would be made without them; accept them (or **kwargs), or leave them out "
+                         f"of the batch")
 
 
 def rope_positions(batch: Mapping, input_ids: torch.Tensor, keep: torch.Tensor, mrope, audio,

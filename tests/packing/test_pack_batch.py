@@ -124,6 +124,29 @@ def test_mrope_callable_that_cannot_read_a_grid_the_batch_carries_is_refused():
     assert pack_batch(batch, mrope=any_keywords, image_token_id=7, label_style="hf").position_ids.shape == (3, 1, 5)
 
 
+def test_mrope_callable_that_cannot_read_the_processors_token_types_is_refused():
+    """mm_token_type_ids (transformers 5 processors) and use_audio_in_video were dropped unread when the callable
+    did not take them: its positions then came from its own guess of each token's kind."""
+    ids, keep = make_batch([3, 2], 4)
+
+    def index_without_types(input_ids, attention_mask=None, image_grid_thw=None):
+        base = torch.cumsum(attention_mask, dim=1) - 1
+        return torch.stack([base, base, base])
+
+    batch = {"input_ids": ids, "labels": ids, "attention_mask": keep, "mm_token_type_ids": torch.zeros_like(ids)}
+    with pytest.raises(ValueError, match=r"carries \['mm_token_type_ids'\] but the mrope callable index_without_types "
+                                         r"takes none of them by name: its positions would be made without them"):
+        pack_batch(batch, mrope=index_without_types, label_style="hf")
+    with pytest.raises(ValueError, match=r"carries \['use_audio_in_video'\] but the mrope callable"):
+        pack_batch({**batch, "mm_token_type_ids": None, "use_audio_in_video": False}, mrope=index_without_types,
+                   label_style="hf")
+
+    def index_with_types(input_ids, attention_mask=None, mm_token_type_ids=None):
+        return index_without_types(input_ids, attention_mask)
+
+    assert pack_batch(batch, mrope=index_with_types, label_style="hf").position_ids.shape == (3, 1, 5)
+
+
 @pytest.mark.parametrize(
     "batch, kwargs, expected",
     [
