@@ -37,6 +37,21 @@ def audio_lengths_from_mask(feature_attention_mask: torch.Tensor) -> list[int]:
     return lengths.tolist()
 
 
+def check_audio_lengths(audio_lengths, feature_attention_mask: torch.Tensor) -> None:
+    """Real frames per clip given beside the mask (`AudioInputs.audio_lengths`) must be the mask's.
+
+    A tower given lengths reads no mask; lengths that no packer checked (a micro-batch edited after
+    packing) would encode other frames than the mask says, silently. One host sync.
+
+    Raises:
+        ValueError: naming both lists, or a mask that is not right-padded (`audio_lengths_from_mask`).
+    """
+    from_mask = audio_lengths_from_mask(feature_attention_mask)
+    if [int(n) for n in audio_lengths] != from_mask:
+        raise ValueError(f"audio_lengths {list(audio_lengths)} but feature_attention_mask has {from_mask} real frames "
+                         f"per clip: give the lengths of the mask (or no lengths)")
+
+
 def audio_tokens_per_clip(feature_attention_mask: torch.Tensor, n_window: int) -> list[int]:
     """Language-model tokens of each clip: Qwen3-Omni's encoder output length of its real frames."""
     lengths = torch.tensor(audio_lengths_from_mask(feature_attention_mask), dtype=torch.long)

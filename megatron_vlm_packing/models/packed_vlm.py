@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from megatron_vlm_packing.models.adapter import ModelAdapter, unwrap_model
+from megatron_vlm_packing.models.audio import check_audio_lengths
 from megatron_vlm_packing.models.gpt_adapter import check_position_kind
 from megatron_vlm_packing.models.merge import (check_placeholders_per_sample, merge_vision_embeddings,
                                                place_checked_embeddings, sample_boundaries)
@@ -156,7 +157,9 @@ class PackedVLM(nn.Module):
             return self.vision(pixels, grid, inputs_checked=True)
         return self.vision(pixels, grid)
 
-    def _audio_embeddings(self, features, mask, audio_lengths):
+    def _audio_embeddings(self, features, mask, audio_lengths, checked: bool):
+        if audio_lengths is not None and not checked:
+            check_audio_lengths(audio_lengths, mask)
         if audio_lengths is not None and _takes(self.audio, "audio_lengths"):
             return self.audio(features, mask, audio_lengths=tuple(audio_lengths))
         return self.audio(features, mask)
@@ -235,7 +238,7 @@ class PackedVLM(nn.Module):
         from megatron_vlm_packing.models.audio import audio_tokens_per_clip
 
         return self._merge(flat, input_ids, bounds, token_id=self.audio_token_id, field="audio",
-                           embeddings=self._audio_embeddings(features, mask, audio_lengths),
+                           embeddings=self._audio_embeddings(features, mask, audio_lengths, bounds is None),
                            tokens_per_item=lambda: audio_tokens_per_clip(mask, self.audio.n_window),
                            per_sample=per_sample)
 
@@ -337,11 +340,14 @@ class PackedVLMAdapter(ModelAdapter):
                          audios_per_sample=audio.audios_per_sample, audio_lengths=audio.audio_lengths)
         # Packing fills the per-sample counts only after checking every sample's placeholders against
         # its items (packing/media.py, media_audio.py, in its one read): the model then needs no read of its own, when
-        # packing counted the placeholder ids this model places (a loader may be configured otherwise).
+        # packing counted the placeholder ids this model places (a loader may be configured otherwise), and only
+        # for the ids and media packing checked: after a replace (a transform, an edited loader micro-batch)
+        # the marks are kept but no longer hold, so the model checks everything itself.
+        by_packer = micro_batch.media_checked_by_packer
         kinds = [(kind, key) for kind, key in (("image", "images_per_sample"), ("video", "videos_per_sample"),
                                                ("audio", "audios_per_sample")) if key in media]
-        checked = set(micro_batch.placeholders_checked)
-        media["media_checked"] = bool(kinds) and all(media[key] is not None for _, key in kinds) \
+        checked = set(micro_batch.placeholders_checked) if by_packer else set()
+        media["media_checked"] = by_packer and bool(kinds) and all(media[key] is not None for _, key in kinds) \
             and all((kind, self.media_token_ids.get(f"{kind}_token_id")) in checked for kind, _ in kinds) \
             and (vision is None or vision.spatial_merge_size == self.media_token_ids.get("spatial_merge_size")) \
             and (audio is None or self._packing_counts_clips_like(model))
@@ -349,6 +355,6 @@ class PackedVLMAdapter(ModelAdapter):
         # which would round Qwen3-Omni's fractional positions.
         return model(micro_batch.input_ids, position_ids=micro_batch.position_ids, labels=micro_batch.labels,
                      packed_seq_params=micro_batch.packed_seq_params, cp_index=micro_batch.cp_index,
-                     padding_mask=micro_batch.padding_mask, placeholders_checked=micro_batch.placeholders_checked,
+                     padding_mask=micro_batch.padding_mask, placeholders_checked=tuple(sorted(checked)),
                      **media)
 

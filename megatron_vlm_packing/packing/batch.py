@@ -236,6 +236,7 @@ def _packed_micro_batch(plan: PackPlan, indices: PackIndices, input_ids: torch.T
         indices=indices,
         placeholders_checked=placeholders_checked,
         mrope_config=mrope_config,
+        checked_media=(input_ids, vision, audio),  # what the marks above were checked on
     )
 
 

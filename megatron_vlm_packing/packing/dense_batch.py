@@ -148,8 +148,9 @@ def _dense_micro_batch(rows: Rows, length: int, pad_token_id: int, batch, media:
     real = int(keep.sum()) if length < max(rows.lengths) else sum(rows.lengths)
     # where, not * keep: a pad slot's weight is never checked, and NaN or inf times 0 is NaN (a NaN loss sum)
     loss_mask = torch.where(keep, pad_or_truncate_rows(rows.loss_weights, length), 0.0)
+    input_ids = torch.where(keep, pad_or_truncate_rows(rows.input_ids, length), pad_token_id)
     return MicroBatch(
-        input_ids=torch.where(keep, pad_or_truncate_rows(rows.input_ids, length), pad_token_id),
+        input_ids=input_ids,
         labels=labels,
         loss_mask=loss_mask,
         checked_loss_mask=loss_mask,  # its weights were checked in the rows' read
@@ -163,4 +164,5 @@ def _dense_micro_batch(rows: Rows, length: int, pad_token_id: int, batch, media:
         extras={key: pad_or_truncate_rows(value, length) for key, value in rows.extras.items()},
         placeholders_checked=checked_placeholders(batch, media),
         mrope_config=mrope_config,
+        checked_media=(input_ids, rows.vision, rows.audio),  # what the marks above were checked on
     )

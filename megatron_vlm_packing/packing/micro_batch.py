@@ -132,6 +132,12 @@ class MicroBatch:
             so such positions are taken as they are. The step refuses a micro-batch from the data iterator
             whose config differs from the model's in a field that makes positions
             (`models.adapter.check_loader_mrope`, `rope.config.POSITION_FIELDS`).
+        checked_media: the (`input_ids`, `vision`, `audio`) objects whose placeholders, grids, per-sample
+            counts and audio lengths packing checked in its one read (`pack_batch` / `pad_batch`; kept by
+            the moves, which replace it with the moved objects). `placeholders_checked` and the per-sample
+            counts hold for the micro-batch only while these are its own (`media_checked_by_packer`): a
+            `dataclasses.replace` of the ids, the vision or the audio (a transform, an edited loader
+            micro-batch) keeps the marks, so a model must check such media itself.
     """
 
     input_ids: torch.Tensor
@@ -152,6 +158,14 @@ class MicroBatch:
     placeholders_checked: tuple[tuple[str, int], ...] = ()
     checked_loss_mask: torch.Tensor | None = field(default=None, repr=False, compare=False)
     mrope_config: MRopeConfig | None = None
+    checked_media: tuple | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def media_checked_by_packer(self) -> bool:
+        """Packing checked these very ids, vision and audio (`checked_media`): its marks hold."""
+        checked = self.checked_media
+        return checked is not None and len(checked) == 3 and checked[0] is self.input_ids \
+            and checked[1] is self.vision and checked[2] is self.audio
 
     @property
     def loss_weights_checked(self) -> bool:
