@@ -19,6 +19,7 @@ import torch
 from megatron_vlm_packing.attention.boundaries import check_max_seqlen_type, physical_boundary_set
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
 from megatron_vlm_packing.packing.indices import PackIndices
+from megatron_vlm_packing.packing.plan import PackPlan
 from megatron_vlm_packing.parallel.cp import check_boundary_tensor, cp_partition_index, dense_cp_partition_index
 from megatron_vlm_packing.parallel.layout import ParallelLayout
 
@@ -309,7 +310,31 @@ def _check_localizable(micro_batch: MicroBatch) -> None:
         check_packed_seq_params(micro_batch)
         check_mrope_channels(micro_batch.position_ids)  # kept full or cut
     else:
+        check_not_a_stripped_pack(micro_batch)
         check_dense_rows(micro_batch)
+
+
+def check_not_a_stripped_pack(micro_batch: MicroBatch) -> None:
+    """A micro-batch without `packed_seq_params` must not be a pack of several documents: one whose pack
+    plan, indices or `rope_cu_seqlens` still count more than one lost its boundaries after packing (a
+    `dataclasses.replace`), and its [1, T] row would train as one causal document. A pack of one
+    document is one dense row (the parity probe runs a sample alone so). Metadata and host ints only.
+
+    Raises:
+        ValueError: naming the fields that count several documents, and their counts.
+    """
+    counts = {}
+    if isinstance(micro_batch.plan, PackPlan):
+        counts["plan"] = micro_batch.plan.num_segments
+    if isinstance(micro_batch.indices, PackIndices):
+        counts["indices"] = micro_batch.indices.plan.num_segments
+    if isinstance(micro_batch.rope_cu_seqlens, torch.Tensor):
+        counts["rope_cu_seqlens"] = micro_batch.rope_cu_seqlens.numel() - 1
+    several = {name: n for name, n in counts.items() if n > 1}
+    if several:
+        raise ValueError(f"packed_seq_params is None but the micro-batch is packed: {several} documents "
+                         f"(plan / indices / rope_cu_seqlens); without its boundaries the pack would train as "
+                         f"one causal document: keep packed_seq_params (or build it dense with pad_batch)")
 
 
 def _check_without_index(micro_batch: MicroBatch, needs: LocalizeNeeds) -> None:

@@ -65,7 +65,8 @@ def test_dense_rows_use_the_dense_zigzag():
     from dataclasses import replace
 
     mb = pack_batch(batch(), cp_size=2, label_style="hf")
-    dense = replace(mb, packed_seq_params=None, input_ids=torch.arange(16).reshape(2, 8),
+    dense = replace(mb, packed_seq_params=None, plan=None, indices=None, rope_cu_seqlens=None,  # a dense one has none
+                    input_ids=torch.arange(16).reshape(2, 8),
                     labels=torch.arange(16).reshape(2, 8), loss_mask=torch.ones(2, 8),
                     position_ids=torch.arange(8).expand(2, 8), padding_mask=torch.zeros(2, 8, dtype=torch.bool))
     local = localize(dense, ParallelLayout(cp_size=2, cp_rank=1))
@@ -140,7 +141,8 @@ def test_a_field_of_another_length_is_refused_not_cut():
     extra = replace(mb, extras={"token_type": torch.zeros(1, 12, dtype=torch.long)})
     with pytest.raises(ValueError, match=r"\{\"extras\['token_type'\]\": \(1, 12\)\} have another length along dim 1"):
         localize(extra, ParallelLayout(cp_size=2, cp_rank=0))
-    dense = replace(mb, packed_seq_params=None, input_ids=torch.zeros(2, 8, dtype=torch.long),
+    dense = replace(mb, packed_seq_params=None, plan=None, indices=None, rope_cu_seqlens=None,
+                    input_ids=torch.zeros(2, 8, dtype=torch.long),
                     labels=torch.zeros(2, 12, dtype=torch.long), loss_mask=torch.ones(2, 8),
                     position_ids=torch.arange(8).expand(2, 8), padding_mask=torch.zeros(2, 8, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"covers 8 slots but \{'labels': \(2, 12\)\}"):
