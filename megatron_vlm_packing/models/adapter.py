@@ -41,6 +41,9 @@ class ModelAdapter:
         needs: which fields stay full length under CP.
         takes_packed_seq_params: False for a model that can only run dense rows.
 
+    `vocab_size` (set by `__init__` from the model, `model_vocab_size`; None: unknown) is what the step
+    packs with: ids and labels outside [0, vocab_size) are a ValueError in the packer's read.
+
     An adapter is built once per model (`adapter_for(model)`), so `__init__` may read the model's
     config (e.g. to check an mRoPE setting) and raise a ValueError for a model it cannot drive.
     """
@@ -48,9 +51,11 @@ class ModelAdapter:
     consumes: frozenset[str] = frozenset()
     needs: LocalizeNeeds = LocalizeNeeds()
     takes_packed_seq_params: bool = True
+    vocab_size: int | None = None
 
     def __init__(self, model: nn.Module):
         self.model_name = type(model).__name__
+        self.vocab_size = model_vocab_size(model)
 
     def check(self, micro_batch: MicroBatch) -> None:
         """Refuse what this model cannot take: a ValueError naming every unconsumed input."""
@@ -154,6 +159,21 @@ def check_loader_mrope(micro_batch: MicroBatch, mrope, source: str) -> None:
         raise ValueError(f"the micro-batch from the data iterator has mRoPE positions made with another MRopeConfig "
                          f"than the model's ({source}): {named}; build the PackingCollator (or pack_batch / "
                          f"pad_batch) with mrope= the model's MRopeConfig")
+
+
+def model_vocab_size(model: nn.Module) -> int | None:
+    """The (padded) vocabulary of `model`'s embedding: Megatron's GPTModel `.vocab_size`, else its
+    `.language_model`'s (PackedVLM, LLaVA, Megatron-Bridge's VLMs), through wrappers; None when neither
+    has a positive int. Without it a label >= the vocabulary reached the vocab-parallel cross entropy,
+    which masks such a target (its loss silently became the log-sum-exp of the logits)."""
+    from megatron_vlm_packing.packing.bounds import is_int
+
+    inner = unwrap_model(model)
+    for holder in (inner, getattr(inner, "language_model", None)):
+        size = getattr(holder, "vocab_size", None)
+        if is_int(size) and size > 0:
+            return int(size)
+    return None
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:

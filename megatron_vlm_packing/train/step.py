@@ -139,19 +139,21 @@ def resolve_mrope(options: StepOptions, adapter: ModelAdapter, batch: dict | Non
 
 
 def build_micro_batch(batch: dict, layout: ParallelLayout, options: StepOptions, *, mrope=None,
-                      media_token_ids: dict | None = None, extra_keys: tuple[str, ...] = ()) -> MicroBatch:
+                      media_token_ids: dict | None = None, extra_keys: tuple[str, ...] = (),
+                      vocab_size: int | None = None) -> MicroBatch:
     """`pack_batch` (real-length THD) or `pad_batch` (dense rows), aligned for `layout`; full length.
 
     `media_token_ids` (image/video/audio_token_id, spatial_merge_size: the adapter's) let the
     packer count each sample's images, videos and clips; `extra_keys` are the per-token tensors the
-    adapter consumes (`extra_keys_of`).
+    adapter consumes (`extra_keys_of`); `vocab_size` (the model's, `ModelAdapter.vocab_size`) makes ids
+    and labels outside [0, vocab_size) a ValueError in the packer's read.
     """
     from megatron_vlm_packing.packing import pack_batch, pad_batch
 
     common = dict(tp_size=layout.tp_size, cp_size=layout.cp_size, sequence_parallel=layout.sequence_parallel,
                   fp8=options.fp8, label_style=options.label_style, mrope=mrope, **(media_token_ids or {}),
                   require_media_counts=False,  # the adapter's check refuses media it does not consume
-                  extra_keys=tuple(extra_keys))
+                  extra_keys=tuple(extra_keys), vocab_size=vocab_size)
     if options.pack:
         return pack_batch(batch, pad_to=options.pad_to, **common)
     return pad_batch(batch, seq_length=options.seq_length, **common)
@@ -244,7 +246,8 @@ def micro_batch_for_model(item: dict | MicroBatch, adapter: ModelAdapter, layout
                              f"(e.g. in LLaVA's expanded space), which the probe cannot split per sample")
         return BuiltMicroBatch(micro_batch, batch)
     repack = partial(build_micro_batch, layout=layout, options=options, mrope=mrope_used,
-                     media_token_ids=getattr(adapter, "media_token_ids", None), extra_keys=extra_keys_of(adapter))
+                     media_token_ids=getattr(adapter, "media_token_ids", None), extra_keys=extra_keys_of(adapter),
+                     vocab_size=getattr(adapter, "vocab_size", None))
     return BuiltMicroBatch(repack(batch), batch, repack)
 
 
