@@ -94,6 +94,50 @@ def bridge_model_of(model, class_names: tuple[str, ...], adapter: str):
     return inner
 
 
+def check_unpacked_vision(micro_batch: MicroBatch, mrope) -> None:
+    """Vision inputs no packer checked against the placeholders (`MicroBatch.media_checked_by_packer` is
+    False: a transform or an edited loader micro-batch replaced the ids or the vision) are checked here,
+    for each kind: placeholders without inputs, patches that are not the grids' (t*h*w each), and each
+    sample's placeholders against whole items of its own (`models.merge.check_placeholders_per_sample`).
+    Bridge's models compare none of these: Qwen3-VL trained placeholders without inputs as text, silently.
+    A micro-batch as packed, whose placeholders packing counted with `mrope`'s ids and merge, is not read.
+
+    Args:
+        mrope: the model's `rope.MRopeConfig` (image / video placeholder ids, spatial merge size).
+
+    Raises:
+        ValueError: naming the kind, the placeholder id and the counts. One host read per kind.
+    """
+    from megatron_vlm_packing.models.merge import check_placeholders_per_sample, sample_boundaries
+
+    vision = micro_batch.vision or VisionInputs()
+    merge = mrope.spatial_merge_size
+    kinds = (("image", mrope.image_token_id, vision.pixel_values, vision.image_grid_thw, vision.images_per_sample,
+              "image_grid_thw"),
+             ("video", mrope.video_token_id, vision.pixel_values_videos, vision.video_grid_thw,
+              vision.videos_per_sample, "video_grid_thw"))
+    checked = set(micro_batch.placeholders_checked)
+    if micro_batch.media_checked_by_packer and vision.spatial_merge_size in (None, merge) \
+            and all((kind, token) in checked for kind, token, *_ in kinds):
+        return
+    ids = micro_batch.input_ids
+    for kind, token, pixels, grid, per_sample, grid_name in kinds:
+        if pixels is None:
+            if bool((ids == token).any()):
+                raise ValueError(f"input_ids hold {kind} placeholder tokens (id {token}) but no {kind} inputs "
+                                 f"were given")
+            continue
+        if grid is None:
+            raise ValueError(f"{pixels.shape[0]} {kind} patches given without {grid_name}")
+        patches = int(grid.prod(dim=1).sum())
+        name = "pixel_values" if kind == "image" else "pixel_values_videos"
+        if pixels.shape[0] != patches:
+            raise ValueError(f"{name} has {pixels.shape[0]} patches but {grid_name} describes {patches}")
+        check_placeholders_per_sample(ids, sample_boundaries(ids, micro_batch.packed_seq_params),
+                                      (grid.prod(dim=1) // (merge * merge)).tolist(), token_id=token, field=kind,
+                                      items_per_sample=per_sample)
+
+
 def _require_patch(active: bool, defect: bool, what: str, apply_name: str) -> None:
     if defect and not active:
         raise ValueError(f"{what}: call megatron_vlm_packing.patches.{apply_name}() (or apply_bridge_patches()) "
@@ -124,6 +168,10 @@ class Qwen3VLAdapter(ModelAdapter):
             _require_patch(bridge_thd_cp_index.is_applied(), not bridge_thd_cp_index.te_thd_partition_available(),
                            "Bridge's packed CP token selection needs Transformer Engine's thd_get_partitioned_indices",
                            "apply_bridge_thd_cp_index")
+
+    def check(self, micro_batch: MicroBatch) -> None:
+        super().check(micro_batch)
+        check_unpacked_vision(micro_batch, self.mrope)
 
     def forward(self, model, micro_batch: MicroBatch):
         mb = micro_batch
@@ -158,6 +206,10 @@ class Qwen25VLAdapter(ModelAdapter):
                            "apply_bridge_qwen25_vl_cp")
             # Under THD + CP the rotary must return the full table from full positions (bug class 6).
             use_packed_mrope(model.language_model)
+
+    def check(self, micro_batch: MicroBatch) -> None:
+        super().check(micro_batch)
+        check_unpacked_vision(micro_batch, self.mrope)
 
     def forward(self, model, micro_batch: MicroBatch):
         mb = micro_batch

@@ -1,0 +1,91 @@
+"""Megatron-Bridge's Qwen-VL models given vision inputs that no packer checked against the placeholders (a
+`transform=`, an edited loader micro-batch) get them checked by the adapter first.
+
+Bridge's models do not compare placeholders with the vision inputs: with the vision removed, Qwen3-VL
+trained the image and video placeholders as text tokens (a different loss, no error), Qwen2.5-VL failed
+with a TypeError; patches that no longer match the grids were a RuntimeError / IndexError inside the
+tower. Tiny Bridge models (CPU, one process, local specs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.bridge
+R = dataclasses.replace
+FAMILIES = ("qwen3_vl", "qwen25_vl")
+
+
+@pytest.fixture(scope="module")
+def bridge(single_process_megatron):
+    from megatron_vlm_packing.bridge.samples import collate_qwen_vl, qwen_vl_samples
+    from megatron_vlm_packing.bridge.tiny import TinyBridgeConfig, build_tiny_bridge_model
+    from megatron_vlm_packing.packing.collate import PackingCollator
+
+    out = {}
+    for family in FAMILIES:
+        cfg = TinyBridgeConfig(family=family)
+        samples = qwen_vl_samples(cfg, 4, seed=5)
+        batch = collate_qwen_vl(samples)
+        assert batch["pixel_values"].shape[0] and "pixel_values_videos" in batch
+        out[family] = dict(model=build_tiny_bridge_model(cfg, seed=0), batch=batch, cfg=cfg,
+                           loader=PackingCollator(label_style="hf", mrope=cfg.mrope_config())(batch),
+                           alone=[collate_qwen_vl([s]) for s in samples])
+    return out
+
+
+def _loss(model, item, **options) -> float:
+    from megatron_vlm_packing.train.step import make_forward_step
+
+    output, loss_fn = make_forward_step(**options)(iter([item]), model)
+    return float(loss_fn(output)[0])
+
+
+EDITS = {
+    "vision removed": (lambda mb: R(mb, vision=None), r"image placeholder tokens \(id 255\) but no image inputs"),
+    "videos removed": (lambda mb: R(mb, vision=R(mb.vision, pixel_values_videos=None, video_grid_thw=None)),
+                       r"video placeholder tokens \(id 254\) but no video inputs"),
+    "4 patches cut": (lambda mb: R(mb, vision=R(mb.vision, pixel_values=mb.vision.pixel_values[:-4])),
+                      r"pixel_values has 44 patches but image_grid_thw describes 48"),
+    "grids of two samples swapped": (
+        lambda mb: R(mb, vision=R(mb.vision, image_grid_thw=_grids_of_two_samples_swapped(mb.vision))),
+        r"image placeholder tokens \(id 255\), which do not cover whole images"),
+}
+
+
+def _grids_of_two_samples_swapped(vision) -> torch.Tensor:
+    """The first image's grid swapped with one of another sample and another shape (the patches still add up)."""
+    grid, owner = vision.image_grid_thw, []
+    for sample, count in enumerate(vision.images_per_sample):
+        owner += [sample] * count
+    other = next(i for i in range(1, len(grid)) if owner[i] != owner[0] and not torch.equal(grid[i], grid[0]))
+    swapped = grid.clone()
+    swapped[[0, other]] = grid[[other, 0]]
+    return swapped
+
+
+@pytest.mark.parametrize("edit", sorted(EDITS))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_vision_edited_by_a_transform_is_checked(bridge, family, edit):
+    change, message = EDITS[edit]
+    with pytest.raises(ValueError, match=message):
+        _loss(bridge[family]["model"], bridge[family]["batch"], transform=change)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_vision_removed_from_a_loader_micro_batch_is_refused(bridge, family):
+    change, message = EDITS["vision removed"]
+    with pytest.raises(ValueError, match=message):
+        _loss(bridge[family]["model"], change(bridge[family]["loader"]))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_unedited_and_identity_transformed_micro_batches_equal_each_sample_alone(bridge, family):
+    case = bridge[family]
+    alone = sum(_loss(case["model"], one, pack=False) for one in case["alone"])
+    for item, options in ((case["batch"], {}), (case["batch"], dict(transform=lambda mb: R(mb, vision=R(mb.vision)))),
+                          (case["loader"], {})):
+        assert _loss(case["model"], item, **options) == pytest.approx(alone, rel=1e-5)
