@@ -95,7 +95,7 @@ def bridge_model_of(model, class_names: tuple[str, ...], adapter: str):
 
 
 def check_unpacked_vision(micro_batch: MicroBatch, mrope) -> None:
-    """Vision inputs no packer checked against the placeholders (`MicroBatch.media_checked_by_packer` is
+    """Vision (and, for Qwen3-Omni's config, audio) inputs no packer checked against the placeholders (`MicroBatch.media_checked_by_packer` is
     False: a transform or an edited loader micro-batch replaced the ids or the vision) are checked here,
     for each kind: placeholders without inputs, patches that are not the grids' (t*h*w each), and each
     sample's placeholders against whole items of its own (`models.merge.check_placeholders_per_sample`).
@@ -116,11 +116,15 @@ def check_unpacked_vision(micro_batch: MicroBatch, mrope) -> None:
               "image_grid_thw"),
              ("video", mrope.video_token_id, vision.pixel_values_videos, vision.video_grid_thw,
               vision.videos_per_sample, "video_grid_thw"))
+    audio_token = getattr(mrope, "audio_token_id", None)
     checked = set(micro_batch.placeholders_checked)
+    counted = [(kind, token) for kind, token, *_ in kinds] + ([("audio", audio_token)] if audio_token is not None else [])
     if micro_batch.media_checked_by_packer and vision.spatial_merge_size in (None, merge) \
-            and all((kind, token) in checked for kind, token, *_ in kinds):
+            and all(pair in checked for pair in counted):
         return
     ids = micro_batch.input_ids
+    if audio_token is not None:
+        _check_unpacked_audio(micro_batch, audio_token, mrope.audio_n_window)
     for kind, token, pixels, grid, per_sample, grid_name in kinds:
         if pixels is None:
             if bool((ids == token).any()):
@@ -136,6 +140,22 @@ def check_unpacked_vision(micro_batch: MicroBatch, mrope) -> None:
         check_placeholders_per_sample(ids, sample_boundaries(ids, micro_batch.packed_seq_params),
                                       (grid.prod(dim=1) // (merge * merge)).tolist(), token_id=token, field=kind,
                                       items_per_sample=per_sample)
+
+
+def _check_unpacked_audio(micro_batch: MicroBatch, token: int, n_window: int) -> None:
+    """`check_unpacked_vision`'s audio part (Qwen3-Omni): placeholders without clips, and each sample's
+    placeholders against whole clips of its own (each clip's tokens from its mask and `n_window`)."""
+    from megatron_vlm_packing.models.audio import audio_tokens_per_clip
+    from megatron_vlm_packing.models.merge import check_placeholders_per_sample, sample_boundaries
+
+    ids, audio = micro_batch.input_ids, micro_batch.audio
+    if audio is None:
+        if bool((ids == token).any()):
+            raise ValueError(f"input_ids hold audio placeholder tokens (id {token}) but no audio inputs were given")
+        return
+    check_placeholders_per_sample(ids, sample_boundaries(ids, micro_batch.packed_seq_params),
+                                  audio_tokens_per_clip(audio.feature_attention_mask, n_window), token_id=token,
+                                  field="audio", items_per_sample=audio.audios_per_sample)
 
 
 def _require_patch(active: bool, defect: bool, what: str, apply_name: str) -> None:

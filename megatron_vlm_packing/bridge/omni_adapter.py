@@ -114,6 +114,9 @@ class Qwen3OmniAdapter(ModelAdapter):
                 f"(NotImplementedError); call megatron_vlm_packing.patches.apply_bridge_qwen3_omni_packed() "
                 f"before the first forward, or use pack=False")
         super().check(micro_batch)
+        from megatron_vlm_packing.bridge.adapters import check_unpacked_vision
+
+        check_unpacked_vision(micro_batch, self.mrope)  # Bridge's thinker compares no placeholder with its inputs
         if not micro_batch.is_packed and micro_batch.audio is not None:
             self._check_dense_audio(micro_batch.audio)
         if micro_batch.is_packed and micro_batch.position_ids.dim() != 3:

@@ -89,3 +89,43 @@ def test_unedited_and_identity_transformed_micro_batches_equal_each_sample_alone
     for item, options in ((case["batch"], {}), (case["batch"], dict(transform=lambda mb: R(mb, vision=R(mb.vision)))),
                           (case["loader"], {})):
         assert _loss(case["model"], item, **options) == pytest.approx(alone, rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def omni(single_process_megatron):
+    """Bridge's tiny Qwen3-Omni with this package's packed-thinker patch (undone after the module)."""
+    from megatron_vlm_packing.bridge.build_omni import TinyOmniConfig, build_tiny_omni, collate_omni, omni_samples
+    from megatron_vlm_packing.patches import bridge_qwen3_omni_packed as patch
+
+    applied = patch.apply_bridge_qwen3_omni_packed()
+    cfg = TinyOmniConfig()
+    batch = collate_omni(omni_samples(cfg, 4, seed=3))
+    assert {"pixel_values", "pixel_values_videos", "input_features"} <= set(batch)
+    yield dict(model=build_tiny_omni(cfg, seed=0), batch=batch)
+    if applied:
+        patch.undo_bridge_qwen3_omni_packed()
+
+
+OMNI_EDITS = {
+    "vision removed": (lambda mb: R(mb, vision=None), r"image placeholder tokens \(id 255\) but no image inputs"),
+    "audio removed": (lambda mb: R(mb, audio=None), r"audio placeholder tokens \(id 253\) but no audio inputs"),
+    "4 patches cut": (lambda mb: R(mb, vision=R(mb.vision, pixel_values=mb.vision.pixel_values[:-4])),
+                      r"pixel_values has 4 patches but image_grid_thw describes 8"),
+    "clips of two samples swapped": (
+        lambda mb: R(mb, audio=R(mb.audio, feature_attention_mask=mb.audio.feature_attention_mask.flip(0),
+                                 input_features=mb.audio.input_features.flip(0))),
+        r"audio placeholder tokens \(id 253\), which do not cover whole audios"),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(OMNI_EDITS))
+def test_omni_media_edited_by_a_transform_are_checked(omni, edit):
+    change, message = OMNI_EDITS[edit]
+    with pytest.raises(ValueError, match=message):
+        _loss(omni["model"], omni["batch"], transform=change)
+
+
+def test_omni_identity_transform_equals_the_pack(omni):
+    packed = _loss(omni["model"], omni["batch"])
+    assert _loss(omni["model"], omni["batch"], transform=lambda mb: R(mb, vision=R(mb.vision))) == \
+        pytest.approx(packed, rel=1e-6)
