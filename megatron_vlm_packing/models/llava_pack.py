@@ -234,9 +234,10 @@ def pack_llava_batch(batch: dict, space: LlavaSpace, *, label_style: str = "mega
     stats = BatchStats(real_tokens=sum(expanded_rows), physical_tokens=plan.total + sum(row_expansion),
                        row_tokens=len(row_lengths) * max(expanded_rows))
     loss_mask = pack_rows(weights, indices)  # its weights were checked in the rows' read
+    packed_labels = pack_rows(labels, indices, pad_value=IGNORE_INDEX)  # checked in the rows' read too
     return MicroBatch(
         input_ids=pack_rows(ids, indices, pad_value=pad_token_id),
-        labels=pack_rows(labels, indices, pad_value=IGNORE_INDEX), loss_mask=loss_mask, checked_loss_mask=loss_mask,
+        labels=packed_labels, checked_labels=packed_labels, loss_mask=loss_mask, checked_loss_mask=loss_mask,
         position_ids=segment_positions(indices), padding_mask=~indices.is_real[None],
         packed_seq_params=make_packed_seq_params(plan, indices), rope_cu_seqlens=indices.cu_seqlens, stats=stats,
         vision=vision, plan=plan, indices=indices,
@@ -299,9 +300,10 @@ def pad_llava_batch(batch: dict, space: LlavaSpace, *, label_style: str = "megat
     vision = _vision_inputs(batch, images_per_row, tiles)
     rows_expanded = rows * (space.pipeline_length or longest)
     loss_mask = rows_of(weights, 0.0)  # its weights were checked in the rows' read
+    padded_labels = rows_of(labels, IGNORE_INDEX)  # checked in the rows' read too
     return MicroBatch(
-        input_ids=rows_of(ids, pad_token_id), labels=rows_of(labels, IGNORE_INDEX), loss_mask=loss_mask,
-        checked_loss_mask=loss_mask,
+        input_ids=rows_of(ids, pad_token_id), labels=padded_labels, loss_mask=loss_mask,
+        checked_loss_mask=loss_mask, checked_labels=padded_labels,
         position_ids=torch.arange(length, device=ids.device)[None].expand(rows, length), padding_mask=~keep,
         packed_seq_params=None, rope_cu_seqlens=None, vision=vision,
         stats=BatchStats(real_tokens=sum(expanded), physical_tokens=rows_expanded, row_tokens=rows_expanded),

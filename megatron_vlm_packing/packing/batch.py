@@ -237,6 +237,7 @@ def _packed_micro_batch(plan: PackPlan, indices: PackIndices, input_ids: torch.T
         placeholders_checked=placeholders_checked,
         mrope_config=mrope_config,
         checked_media=(input_ids, vision, audio),  # what the marks above were checked on
+        checked_labels=labels,  # checked in the read (-100 or an id, below vocab_size when given)
     )
 
 

@@ -165,4 +165,5 @@ def _dense_micro_batch(rows: Rows, length: int, pad_token_id: int, batch, media:
         placeholders_checked=checked_placeholders(batch, media),
         mrope_config=mrope_config,
         checked_media=(input_ids, rows.vision, rows.audio),  # what the marks above were checked on
+        checked_labels=labels,  # checked in the rows' read (-100 or an id, below vocab_size when given)
     )

@@ -132,6 +132,9 @@ class MicroBatch:
             so such positions are taken as they are. The step refuses a micro-batch from the data iterator
             whose config differs from the model's in a field that makes positions
             (`models.adapter.check_loader_mrope`, `rope.config.POSITION_FIELDS`).
+        checked_labels: the `labels` tensor whose values the packer checked (-100 or a token id >= 0, below its
+            `vocab_size` when given), kept like `checked_loss_mask`; other labels (a transform's, a replace) are
+            checked by the step (`train.step.check_unpacked_labels`, one host sync then only).
         checked_media: the (`input_ids`, `vision`, `audio`) objects whose placeholders, grids, per-sample
             counts and audio lengths packing checked in its one read (`pack_batch` / `pad_batch`; kept by
             the moves, which replace it with the moved objects). `placeholders_checked` and the per-sample
@@ -159,6 +162,12 @@ class MicroBatch:
     checked_loss_mask: torch.Tensor | None = field(default=None, repr=False, compare=False)
     mrope_config: MRopeConfig | None = None
     checked_media: tuple | None = field(default=None, repr=False, compare=False)
+    checked_labels: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def labels_checked(self) -> bool:
+        """The packer checked these very labels (`checked_labels` is `labels`)."""
+        return self.checked_labels is not None and self.checked_labels is self.labels
 
     @property
     def media_checked_by_packer(self) -> bool:

@@ -188,11 +188,43 @@ def check_unpacked_loss_weights(micro_batch: MicroBatch) -> None:
     check_loss_weights(rows, torch.ones_like(rows, dtype=torch.bool))  # one host sync: hand-built micro-batches only
 
 
+def check_unpacked_labels(micro_batch: MicroBatch, vocab_size: int | None) -> None:
+    """Labels no packer checked (a transform's, a `replace`: not the packer's `checked_labels`) must be an
+    integer tensor of -100 or token ids in [0, vocab_size) at every slot (>= 0 when the vocabulary is
+    unknown): a label >= the vocabulary reached Megatron's vocab-parallel cross entropy, which masks it
+    (the token's loss silently the log-sum-exp of its logits). Packed labels were checked: no sync here.
+
+    Raises:
+        ValueError: labels that are no integer tensor, or naming the first bad slot (row, position), its
+            value and the count. One host sync (micro-batches with labels of their own only).
+    """
+    if micro_batch.labels_checked:
+        return
+    from megatron_vlm_packing.packing.checks import IGNORE_INDEX
+
+    labels = micro_batch.labels
+    if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.is_complex() \
+            or labels.dtype == torch.bool:
+        raise ValueError(f"labels must be an integer tensor of token ids, got "
+                         f"{labels.dtype if isinstance(labels, torch.Tensor) else type(labels).__name__}")
+    rows = labels if labels.dim() == 2 else labels.reshape(1, -1)
+    bad = (rows < 0) & (rows != IGNORE_INDEX)
+    if vocab_size is not None:
+        bad = bad | (rows >= vocab_size)
+    where = torch.nonzero(bad)  # the one host sync
+    if where.numel():
+        row, position = where[0].tolist()
+        allowed = f"in [0, {vocab_size})" if vocab_size is not None else ">= 0"
+        raise ValueError(f"labels row {row} position {position} is {int(rows[row, position])}: a label must be -100 "
+                         f"(ignored) or a token id {allowed}; {where.shape[0]} such label(s)")
+
+
 def prepare_for_model(micro_batch: MicroBatch, adapter: ModelAdapter, layout: ParallelLayout) -> MicroBatch:
-    """Refuse loss weights no packer checked (`check_unpacked_loss_weights`) and what the model cannot take
-    (`adapter.check`), then cut the full-length micro-batch to this CP rank as the adapter declares
-    (`localize`); returns the rank-local micro-batch."""
+    """Refuse loss weights and labels no packer checked (`check_unpacked_loss_weights`, `check_unpacked_labels`)
+    and what the model cannot take (`adapter.check`), then cut the full-length micro-batch to this CP rank as
+    the adapter declares (`localize`); returns the rank-local micro-batch."""
     check_unpacked_loss_weights(micro_batch)
+    check_unpacked_labels(micro_batch, getattr(adapter, "vocab_size", None))
     adapter.check(micro_batch)
     return localize(micro_batch, layout, adapter.needs)
 
