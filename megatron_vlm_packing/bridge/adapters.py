@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_vlm_packing.models.adapter import ModelAdapter
+from megatron_vlm_packing.models.adapter import ModelAdapter, check_unpacked_ids
 from megatron_vlm_packing.packing.localize import LocalizeNeeds
 from megatron_vlm_packing.packing.micro_batch import MicroBatch, VisionInputs
 
@@ -191,6 +191,7 @@ class Qwen3VLAdapter(ModelAdapter):
 
     def check(self, micro_batch: MicroBatch) -> None:
         super().check(micro_batch)
+        check_unpacked_ids(micro_batch, self.vocab_size)
         check_unpacked_vision(micro_batch, self.mrope)
 
     def forward(self, model, micro_batch: MicroBatch):
@@ -229,6 +230,7 @@ class Qwen25VLAdapter(ModelAdapter):
 
     def check(self, micro_batch: MicroBatch) -> None:
         super().check(micro_batch)
+        check_unpacked_ids(micro_batch, self.vocab_size)
         check_unpacked_vision(micro_batch, self.mrope)
 
     def forward(self, model, micro_batch: MicroBatch):

@@ -115,7 +115,9 @@ class Qwen3OmniAdapter(ModelAdapter):
                 f"before the first forward, or use pack=False")
         super().check(micro_batch)
         from megatron_vlm_packing.bridge.adapters import check_unpacked_vision
+        from megatron_vlm_packing.models.adapter import check_unpacked_ids
 
+        check_unpacked_ids(micro_batch, self.vocab_size)
         check_unpacked_vision(micro_batch, self.mrope)  # Bridge's thinker compares no placeholder with its inputs
         if not micro_batch.is_packed and micro_batch.audio is not None:
             self._check_dense_audio(micro_batch.audio)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
+import torch
 from torch import nn
 
 from megatron_vlm_packing.packing.localize import LocalizeNeeds
@@ -159,6 +160,28 @@ def check_loader_mrope(micro_batch: MicroBatch, mrope, source: str) -> None:
         raise ValueError(f"the micro-batch from the data iterator has mRoPE positions made with another MRopeConfig "
                          f"than the model's ({source}): {named}; build the PackingCollator (or pack_batch / "
                          f"pad_batch) with mrope= the model's MRopeConfig")
+
+
+def check_unpacked_ids(micro_batch: MicroBatch, vocab_size: int | None) -> None:
+    """Input ids no packer checked (not the ids of `MicroBatch.checked_media`: a transform's, a `replace`)
+    must be an integer tensor of ids in [0, vocab_size) (>= 0 when the vocabulary is unknown), for models
+    that embed the ids as they are (GPTModel, PackedVLM, Bridge's Qwen-VL; not LLaVA, whose image token is
+    negative). Else a negative or too large id was an IndexError inside the embedding. Packed ids: no sync.
+
+    Raises:
+        ValueError: ids that are no integer tensor, or naming the first bad slot and its value. One host sync.
+    """
+    checked = micro_batch.checked_media
+    ids = micro_batch.input_ids
+    if checked is not None and checked[0] is ids:
+        return
+    from megatron_vlm_packing.packing.checks import check_ids
+
+    if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must be an integer tensor of token ids, got "
+                         f"{ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__}")
+    rows = ids if ids.dim() == 2 else ids.reshape(1, -1)
+    check_ids(rows, torch.ones_like(rows, dtype=torch.bool), vocab_size, "input_ids")
 
 
 def model_vocab_size(model: nn.Module) -> int | None:

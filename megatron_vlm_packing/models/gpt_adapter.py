@@ -19,7 +19,7 @@ import inspect
 
 from torch import nn
 
-from megatron_vlm_packing.models.adapter import ModelAdapter
+from megatron_vlm_packing.models.adapter import ModelAdapter, check_unpacked_ids
 from megatron_vlm_packing.packing.localize import LocalizeNeeds
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
 
@@ -76,6 +76,7 @@ class GPTModelAdapter(ModelAdapter):
 
     def check(self, micro_batch: MicroBatch) -> None:
         super().check(micro_batch)
+        check_unpacked_ids(micro_batch, self.vocab_size)
         check_position_kind(micro_batch, self.rotary, self.model_name)
         if self.is_moe and not self.takes_padding_mask and micro_batch.stats.physical_tokens > micro_batch.stats.real_tokens:
             raise ValueError(f"{self.model_name} is a mixture-of-experts model whose forward takes no padding_mask, "

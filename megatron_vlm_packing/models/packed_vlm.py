@@ -22,7 +22,7 @@ import inspect
 import torch
 from torch import nn
 
-from megatron_vlm_packing.models.adapter import ModelAdapter, unwrap_model
+from megatron_vlm_packing.models.adapter import ModelAdapter, check_unpacked_ids, unwrap_model
 from megatron_vlm_packing.models.audio import check_audio_lengths
 from megatron_vlm_packing.models.gpt_adapter import check_position_kind
 from megatron_vlm_packing.models.merge import (check_placeholders_per_sample, merge_vision_embeddings,
@@ -315,6 +315,7 @@ class PackedVLMAdapter(ModelAdapter):
 
     def check(self, micro_batch: MicroBatch) -> None:
         super().check(micro_batch)
+        check_unpacked_ids(micro_batch, self.vocab_size)
         check_position_kind(micro_batch, self.rotary, self.model_name)
 
     def _packing_counts_clips_like(self, model: nn.Module) -> bool:

@@ -129,3 +129,10 @@ def test_omni_identity_transform_equals_the_pack(omni):
     packed = _loss(omni["model"], omni["batch"])
     assert _loss(omni["model"], omni["batch"], transform=lambda mb: R(mb, vision=R(mb.vision))) == \
         pytest.approx(packed, rel=1e-6)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_labels_handed_over_as_ids_are_refused(bridge, family):
+    """-100 at the ignored slots was an IndexError in Bridge's embedding."""
+    with pytest.raises(ValueError, match=r"input_ids row 0 position \d+ is -100: token ids must lie in \[0, 256\)"):
+        _loss(bridge[family]["model"], bridge[family]["batch"], transform=lambda mb: R(mb, input_ids=mb.labels))
