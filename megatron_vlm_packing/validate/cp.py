@@ -24,17 +24,30 @@ def _te_index(bounds: Boundaries, cp_size: int, rank: int) -> torch.Tensor | Non
     cu = torch.tensor([0] + [sum(bounds.physical[:i + 1]) for i in range(len(bounds.physical))], dtype=torch.int32)
     try:
         return cp_partition_index(cu, cp_size, rank)
-    except ValueError:  # lengths not multiples of 2*cp: already an alignment violation
+    except ValueError:  # lengths not multiples of 2*cp (or empty): `_unsplittable` says so
         return None
 
 
-def check_cp_index(index: torch.Tensor, bounds: Boundaries, cp_size: int, rank: int | None) -> list[Violation]:
-    """One rank's partition index: TE's for `rank` (or, rank unknown, for some rank)."""
+def _unsplittable(bounds: Boundaries, cp_size: int, layout_cp: int) -> list[Violation]:
+    """TE cannot cut these documents for `cp_size` ranks: named here unless the layout's own cp is `cp_size`
+    (alignment then named it). A cp told only by the ranks (cp_index's size, cp_ranks' count) was checked
+    by nothing, and a split of unaligned documents passed as clean."""
+    if cp_size == layout_cp:
+        return []
+    bad = [p for p in bounds.physical if p <= 0 or p % (2 * cp_size)]
+    return [Violation("cp_partition", f"the ranks imply cp={cp_size}, but physical lengths {bad[:8]} are not "
+                      f"multiples of {2 * cp_size}: TE cannot cut them in 2*cp chunks")]
+
+
+def check_cp_index(index: torch.Tensor, bounds: Boundaries, cp_size: int, rank: int | None,
+                   layout_cp: int = 1) -> list[Violation]:
+    """One rank's partition index: TE's for `rank` (or, rank unknown, for some rank); `layout_cp`: the
+    layout's cp (whose alignment was checked already)."""
     ranks = [rank] if rank is not None else list(range(cp_size))
     for r in ranks:
         expected = _te_index(bounds, cp_size, r)
         if expected is None:
-            return []
+            return _unsplittable(bounds, cp_size, layout_cp)
         if torch.equal(index.long(), expected):
             return []
     expected = _te_index(bounds, cp_size, ranks[0])
@@ -64,9 +77,10 @@ def check_cp_ranks(inputs: PackedInputs, bounds: Boundaries) -> list[Violation]:
             continue
         expected = _te_index(bounds, cp_size, int(rank))
         if expected is None:
-            return out
+            return out + _unsplittable(bounds, cp_size, inputs.cp_size)
         if received.get("cp_index") is not None:
-            out += check_cp_index(torch.as_tensor(received["cp_index"]).cpu(), bounds, cp_size, int(rank))
+            out += check_cp_index(torch.as_tensor(received["cp_index"]).cpu(), bounds, cp_size, int(rank),
+                                  inputs.cp_size)
         for name, local in received.items():
             if name == "cp_index" or full.get(name) is None:
                 continue

@@ -163,8 +163,12 @@ def _report(inputs: PackedInputs, bounds: Boundaries, real_tokens: int, findings
 def _localized_report(inputs: PackedInputs, bounds: Boundaries, so_far: _Findings) -> ValidationReport:
     """A batch localized to one CP rank: its `cp_index` ([T/cp]) against TE's partition of the boundaries;
     its sequence tensors hold T/cp slots, so no per-token check runs."""
-    cp_size = inputs.total // max(inputs.cp_index.numel(), 1)
-    found = _Findings(check_cp_index(inputs.cp_index, bounds, cp_size, inputs.cp_rank), ["cp_partition"], [])
+    local = inputs.cp_index.numel()
+    if local == 0 or inputs.total % local:  # T // local would be taken for cp, and an empty index passed
+        found = [Violation("cp_partition", f"cp_index has {local} slots: T={inputs.total} is not cp times that")]
+    else:
+        found = check_cp_index(inputs.cp_index, bounds, inputs.total // local, inputs.cp_rank, inputs.cp_size)
+    found = _Findings(found, ["cp_partition"], [])
     return _report(inputs, bounds, sum(bounds.real), so_far.then(found),
                    ("per-token checks", "the batch is localized to one CP rank: validate it before localize, "
                     "with cp_ranks for what each rank received"))

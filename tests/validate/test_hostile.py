@@ -1,0 +1,54 @@
+"""The validator fed by a hostile user: corrupt packs that were reported clean, and encodings that
+crashed or were misread. Each test names what was wrong before its fix."""
+
+import pytest
+import torch
+
+from megatron_vlm_packing import pack_batch
+from megatron_vlm_packing.validate import SourceRows, validate_packed_batch
+
+
+def text_fields(cp_size: int = 1) -> dict:
+    """A correct text pack of 3 rows (lengths 5, 2, 3) at `cp_size`, as validator keywords."""
+    ids = torch.tensor([[11, 12, 13, 14, 15, 0], [21, 22, 0, 0, 0, 0], [31, 32, 33, 0, 0, 0]])
+    mask = (torch.arange(6) < torch.tensor([[5], [2], [3]])).long()
+    labels = torch.where(mask.bool(), ids, -100)
+    packed = pack_batch({"input_ids": ids, "labels": labels, "attention_mask": mask}, cp_size=cp_size,
+                        label_style="hf")
+    params = packed.packed_seq_params
+    return dict(input_ids=packed.input_ids, labels=packed.labels, loss_mask=packed.loss_mask,
+                position_ids=packed.position_ids, padding_mask=packed.padding_mask,
+                cu_seqlens=params.cu_seqlens_q, cu_seqlens_padded=params.cu_seqlens_q_padded,
+                max_seqlen=params.max_seqlen_q,
+                source=SourceRows(input_ids=ids, attention_mask=mask, labels=labels, label_style="hf"))
+
+
+def only(report, check):
+    assert report.failed_checks == {check}, str(report)
+    return report
+
+
+def test_a_cp_split_te_cannot_make_is_named_when_cp_comes_from_the_ranks():
+    """Boundaries packed for cp=1 (lengths 5, 2, 3) split in contiguous halves over 2 ranks: TE cannot cut
+    these documents in 4 chunks. With cp told only by the ranks (cp_index size, cp_ranks count), alignment
+    checked nothing and the partition check returned clean."""
+    fields = text_fields()
+    total = fields["input_ids"].shape[1]
+    halves = {0: torch.arange(total // 2), 1: torch.arange(total // 2, total)}
+    ranks = {r: {"cp_index": index, "labels": fields["labels"][:, index]} for r, index in halves.items()}
+    report = only(validate_packed_batch(**fields, cp_ranks=ranks), "cp_partition")
+    assert "physical lengths [5, 2, 3] are not multiples of 4" in str(report)
+    local = validate_packed_batch(input_ids=fields["input_ids"][:, :total // 2], cu_seqlens=fields["cu_seqlens"],
+                                  cp_index=halves[0], localized_total=total)
+    assert "physical lengths [5, 2, 3] are not multiples of 4" in str(only(local, "cp_partition"))
+
+
+def test_an_empty_or_ill_sized_cp_index_is_named():
+    """An empty cp_index was taken for cp = T and passed (TE's index could not be built)."""
+    fields = text_fields(cp_size=2)
+    total = fields["input_ids"].shape[1]
+    for index in (torch.arange(0), torch.arange(total // 2 - 1)):
+        report = only(validate_packed_batch(input_ids=fields["input_ids"][:, :index.numel()],
+                                            cu_seqlens=fields["cu_seqlens"], cu_seqlens_padded=fields["cu_seqlens_padded"],
+                                            cp_index=index, localized_total=total), "cp_partition")
+        assert f"cp_index has {index.numel()} slots" in str(report)
