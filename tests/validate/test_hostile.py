@@ -52,3 +52,28 @@ def test_an_empty_or_ill_sized_cp_index_is_named():
                                             cu_seqlens=fields["cu_seqlens"], cu_seqlens_padded=fields["cu_seqlens_padded"],
                                             cp_index=index, localized_total=total), "cp_partition")
         assert f"cp_index has {index.numel()} slots" in str(report)
+
+
+@pytest.mark.parametrize("weight", [float("nan"), float("inf"), -1.0])
+def test_a_loss_weight_that_is_not_finite_or_negative_is_named(weight):
+    """A NaN / inf weight makes the loss sum NaN / inf, a negative one trains away from the target; the packers
+    refuse them (`packing.checks`), the validator reported such a pack clean."""
+    fields = text_fields()
+    loss_mask = fields["loss_mask"].clone()
+    slot = int((loss_mask[0] != 0).nonzero()[1])
+    loss_mask[0, slot] = weight
+    report = only(validate_packed_batch(**{**fields, "loss_mask": loss_mask}), "loss_weights")
+    assert f"slots [{slot}]" in str(report) and "documents [0]" in str(report)
+
+
+def test_a_loss_weight_on_a_slot_without_target_is_named_without_source_rows():
+    """Label -100 (or any negative label) where the loss mask trains: Megatron's loss sums every weighted slot
+    whatever its label, so the slot trains on a target that does not exist. Without source rows it was clean."""
+    fields = text_fields()
+    fields.pop("source")
+    labels = fields["labels"].clone()
+    slot = int((fields["loss_mask"][0] != 0).nonzero()[0])
+    for label in (-100, -3):
+        labels[0, slot] = label
+        report = only(validate_packed_batch(**{**fields, "labels": labels}), "loss_without_target")
+        assert f"slots [{slot}]" in str(report) and f"labels [{label}]" in str(report)
