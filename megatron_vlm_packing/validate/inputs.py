@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 import torch
 
+from megatron_vlm_packing.packing.lengths import lengths_from_keep_mask, widened_unsigned
 from megatron_vlm_packing.packing.media import given_or_config
 from megatron_vlm_packing.packing.plan import PackMultiples
 from megatron_vlm_packing.packing.row_fields import check_label_style, check_mrope
@@ -69,12 +70,27 @@ class SourceRows:
     label_style: str = "hf"
 
     def __post_init__(self) -> None:
+        """Each row field a dense CPU tensor (uint16 / uint32 read as int64) of input_ids' [B, S], the mask
+        right-padded 0/1 (the packers' rule, `lengths_from_keep_mask`): the rows are the reference a pack is
+        judged against, so one that cannot be read as rows is a ValueError naming it (`source_<field>`)."""
         check_label_style(self.label_style)  # the packers' rule and message
+        for name in ("input_ids", "attention_mask", "labels", "loss_mask"):
+            value = getattr(self, name)
+            if value is not None:
+                value = widened_unsigned(dense_tensor(value, f"source_{name}"), f"source_{name}")
+                object.__setattr__(self, name, value)  # frozen: the checked tensor replaces what was given
         if self.input_ids.dim() != 2:
-            raise ValueError(f"source input_ids must be [B, S], got shape {tuple(self.input_ids.shape)}")
+            raise ValueError(f"source_input_ids must be [B, S], got shape {tuple(self.input_ids.shape)}")
+        for name in ("attention_mask", "labels", "loss_mask"):
+            value = getattr(self, name)
+            if value is not None and value.shape != self.input_ids.shape:
+                raise ValueError(f"source_{name} must be [B, S] like source_input_ids {tuple(self.input_ids.shape)}, "
+                                 f"got shape {tuple(value.shape)}")
+        if self.attention_mask is not None:
+            lengths_from_keep_mask(self.attention_mask, field="source_attention_mask")
 
     def lengths(self) -> list[int]:
-        """Real length of each row (the count of 1s in the mask; holes are the packer's problem)."""
+        """Real length of each row (the count of 1s in its right-padded mask, checked when made)."""
         if self.attention_mask is None:
             return [self.input_ids.shape[1]] * self.input_ids.shape[0]
         return (self.attention_mask != 0).sum(dim=1).tolist()
@@ -214,15 +230,9 @@ def _from_mapping(batch: Mapping) -> dict:
     if batch.get("source_input_ids") is not None:
         # the source rows are the reference the pack is judged against: every one must be the
         # [B, S] of source_input_ids, or the per-row comparisons index out of range
-        rows = {k: dense_tensor(batch[f"source_{k}"], f"source_{k}") for k in
-                ("input_ids", "attention_mask", "labels", "loss_mask") if batch.get(f"source_{k}") is not None}
-        if rows["input_ids"].dim() != 2:
-            raise ValueError(f"source_input_ids must be [B, S], got shape {tuple(rows['input_ids'].shape)}")
-        for key, value in rows.items():
-            if value.shape != rows["input_ids"].shape:
-                raise ValueError(f"source_{key} must be [B, S] like source_input_ids {tuple(rows['input_ids'].shape)}, "
-                                 f"got shape {tuple(value.shape)}")
-        out["source"] = SourceRows(**rows, label_style=batch.get("label_style", "hf"))
+        rows = {k: batch[f"source_{k}"] for k in ("input_ids", "attention_mask", "labels", "loss_mask")
+                if batch.get(f"source_{k}") is not None}
+        out["source"] = SourceRows(**rows, label_style=batch.get("label_style", "hf"))  # checks every row field
     return out
 
 
@@ -269,7 +279,12 @@ def _gathered(batch, overrides: dict) -> dict:
         values.update(_params_fields(values.pop("packed_seq_params")))
     values.pop("packed_seq_params", None)
     if isinstance(values.get("source"), Mapping):
+        unknown = sorted(set(values["source"]) - {f.name for f in fields(SourceRows)}, key=repr)
+        if unknown:  # was SourceRows' TypeError
+            raise ValueError(f"unknown source fields {unknown}; known: {[f.name for f in fields(SourceRows)]}")
         values["source"] = SourceRows(**values["source"])
+    elif values.get("source") is not None and not isinstance(values["source"], SourceRows):
+        raise ValueError(f"source must be a SourceRows or a mapping of its fields, got {type(values['source']).__name__}")
     return values
 
 

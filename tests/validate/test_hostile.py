@@ -77,3 +77,39 @@ def test_a_loss_weight_on_a_slot_without_target_is_named_without_source_rows():
         labels[0, slot] = label
         report = only(validate_packed_batch(**{**fields, "labels": labels}), "loss_without_target")
         assert f"slots [{slot}]" in str(report) and f"labels [{label}]" in str(report)
+
+
+def source_rows() -> dict:
+    fields = text_fields()
+    source = fields["source"]
+    return dict(input_ids=source.input_ids, attention_mask=source.attention_mask, labels=source.labels,
+                label_style="hf")
+
+
+@pytest.mark.parametrize("change, words", [
+    # a left-padded / holed mask was read as "the first n tokens are real", a 0.5 mask as 1: the pack was
+    # judged against rows the source does not hold (the packers refuse such masks: `lengths_from_keep_mask`)
+    (lambda rows: {"attention_mask": rows["attention_mask"].flip(1)}, "left padding"),
+    (lambda rows: {"attention_mask": rows["attention_mask"].index_fill(1, torch.tensor([1]), 0)}, "holes"),
+    (lambda rows: {"attention_mask": rows["attention_mask"] * 0.5}, "values other than 0 and 1"),
+    # a [B, S-1] labels row was indexed past its end silently, a [B-1, S] one raised IndexError
+    (lambda rows: {"labels": rows["labels"][:, :-1]}, "source_labels must be [B, S] like source_input_ids (3, 6)"),
+    (lambda rows: {"labels": rows["labels"][:-1]}, "source_labels must be [B, S] like source_input_ids (3, 6)"),
+    (lambda rows: {"attention_mask": rows["attention_mask"][:, :-1]}, "source_attention_mask must be [B, S]"),
+    # a list was an AttributeError, an unknown key a TypeError
+    (lambda rows: {"input_ids": rows["input_ids"].tolist()}, None),
+    (lambda rows: {"input_ids": "abc"}, "source_input_ids must be a tensor"),
+    (lambda rows: {"tokens": rows["input_ids"]}, "unknown source fields ['tokens']"),
+])
+def test_source_rows_that_cannot_be_the_reference_are_a_value_error(change, words):
+    rows = {**source_rows(), **change(source_rows())}
+    fields = {k: v for k, v in text_fields().items() if k != "source"}
+    if words is None:  # a list of ints is a tensor's worth: read as one
+        assert validate_packed_batch(**fields, source=rows).ok
+        return
+    with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        validate_packed_batch(**fields, source=rows)
+    saved = {f"source_{k}": v for k, v in rows.items() if k not in ("label_style", "tokens")}
+    if "tokens" not in rows:  # the saved-batch keys name the same rows
+        with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+            validate_packed_batch({**fields, **saved, "label_style": "hf"})
