@@ -160,8 +160,26 @@ class PackedInputs:
         return self.localized_total if self.localized_total is not None else self.input_ids.numel()
 
 
+# PackedSeqParams' fields over the megatron-core versions we run on (0.16: the first 9; later ones add the rest)
+_PARAMS_FIELDS = ("qkv_format", "cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded",
+                  "max_seqlen_q", "max_seqlen_kv", "local_cp_size", "cp_group", "total_tokens", "seq_idx",
+                  "tokens_per_sample", "pad_between_seqs")
+
+
 def _params_fields(params) -> dict:
-    """cu_seqlens sets and max_seqlen from a PackedSeqParams (or a dict with its field names)."""
+    """cu_seqlens sets and max_seqlen from a PackedSeqParams (or a dict with its field names).
+
+    Raises:
+        ValueError: `params` is neither (a string or list was read as "no cu_seqlens"), or a dict with a key that
+            is no field of it (a misspelt cu_seqlens_q_padded was dropped without a word).
+    """
+    if isinstance(params, Mapping):
+        unknown = sorted(set(params) - set(_PARAMS_FIELDS), key=repr)
+        if unknown:
+            raise ValueError(f"unknown packed_seq_params fields {unknown}; known: {list(_PARAMS_FIELDS)}")
+    elif not hasattr(params, "cu_seqlens_q"):
+        raise ValueError(f"packed_seq_params must be a PackedSeqParams or a mapping of its fields, got "
+                         f"{type(params).__name__}")
     get = params.get if isinstance(params, Mapping) else (lambda k, d=None: getattr(params, k, d))
     q, q_pad = get("cu_seqlens_q"), get("cu_seqlens_q_padded")
     return dict(cu_seqlens=q, cu_seqlens_padded=q_pad, cu_seqlens_kv=get("cu_seqlens_kv"),
@@ -214,8 +232,11 @@ def _from_mapping(batch: Mapping) -> dict:
     if unknown:
         raise ValueError(f"unknown keys in the batch: {unknown}; known keys: {sorted(SAVED_KEYS)}")
     out = {k: v for k, v in batch.items() if not k.startswith("source_") and k != "label_style"}
+    if out.get("tokens") is not None and out.get("input_ids") is not None:  # one was judged, the other ignored
+        raise ValueError("the batch has both input_ids and tokens: give the token ids once")
     if "tokens" in out:
-        out["input_ids"] = out.pop("tokens")
+        tokens = out.pop("tokens")
+        out["input_ids"] = tokens if tokens is not None else out.get("input_ids")
     if out.get("packed_seq_params") is not None:
         # Both forms of the boundaries: one would be checked and the other ignored without a word.
         both = sorted(k for k in ("cu_seqlens", "cu_seqlens_padded", "cu_seqlens_kv", "cu_seqlens_kv_padded",
@@ -360,9 +381,17 @@ def _cp_ranks_value(ranks) -> dict[int, dict[str, torch.Tensor]]:
     if not isinstance(ranks, Mapping) or not all(isinstance(r, Mapping) for r in ranks.values()):
         raise ValueError(f"cp_ranks must be {{rank: {{'cp_index': ..., 'labels': ..., ...}}}} (a dict of tensors "
                          f"per rank), got {str(ranks)[:80]}")
+    for r, received in ranks.items():  # a tensor under another name would be ignored: what the rank got, unchecked
+        unknown = sorted(set(received) - set(_CP_RANK_FIELDS), key=repr)
+        if unknown:
+            raise ValueError(f"unknown cp_ranks[{r}] fields {unknown}; known: {list(_CP_RANK_FIELDS)}")
     return {int_field(r, "a cp_ranks rank"): {k: dense_tensor(v, f"cp_ranks[{r}][{k!r}]")
                                               for k, v in received.items() if v is not None}
             for r, received in ranks.items()}
+
+
+# What a CP rank may be given in `cp_ranks` (validate.cp compares each with the full batch at TE's index).
+_CP_RANK_FIELDS = ("cp_index", "input_ids", "labels", "loss_mask", "padding_mask", "position_ids")
 
 
 def _check_known(values: dict) -> None:

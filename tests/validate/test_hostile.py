@@ -113,3 +113,35 @@ def test_source_rows_that_cannot_be_the_reference_are_a_value_error(change, word
     if "tokens" not in rows:  # the saved-batch keys name the same rows
         with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
             validate_packed_batch({**fields, **saved, "label_style": "hf"})
+
+
+@pytest.mark.parametrize("change, words", [
+    # `tokens` silently replaced `input_ids`: a pack whose two id fields differ was judged on one
+    (lambda f: {"tokens": f["input_ids"].flip(1)}, "the batch has both input_ids and tokens"),
+    # a string / list packed_seq_params read as "no cu_seqlens" (exit 1, a wrong violation), unknown fields dropped
+    (lambda f: {"packed_seq_params": "abc"}, "packed_seq_params must be a PackedSeqParams or a mapping"),
+    (lambda f: {"packed_seq_params": {"cu_seqlens_q": f["cu_seqlens"], "cu_seqlens_q_pad": f["cu_seqlens_padded"]}},
+     "unknown packed_seq_params fields ['cu_seqlens_q_pad']"),
+    # a rank's tensor under a name no check reads was ignored: what the rank received went unchecked
+    (lambda f: {"cp_ranks": {0: {"label": f["labels"]}}}, "unknown cp_ranks[0] fields ['label']"),
+])
+def test_fields_that_would_be_ignored_or_misread_are_a_value_error(change, words):
+    fields = text_fields()
+    saved = {k: v for k, v in fields.items() if k not in ("source", "cu_seqlens", "cu_seqlens_padded", "max_seqlen")}
+    saved.update(change(fields))
+    if "packed_seq_params" not in saved:
+        saved.update({k: fields[k] for k in ("cu_seqlens", "cu_seqlens_padded", "max_seqlen")})
+    with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("]", r"\]")):
+        validate_packed_batch(saved)
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32"])
+def test_unsigned_labels_and_positions_are_read_as_int64(dtype):
+    """uint32 labels were torch's RuntimeError ("Promotion for uint16, uint32, uint64 types is not supported")."""
+    if not hasattr(torch, dtype):
+        pytest.skip(f"torch has no {dtype}")
+    fields = text_fields()
+    trained = fields["loss_mask"] != 0
+    labels = torch.where(trained, fields["labels"], 0).to(getattr(torch, dtype))
+    report = validate_packed_batch(**{**fields, "labels": labels, "position_ids": fields["position_ids"].to(labels.dtype)})
+    assert report.ok, str(report)
