@@ -334,7 +334,12 @@ def _layout_values(values: dict) -> dict:
 
 
 def _paired_max_seqlen(values: dict) -> dict:
-    """`values` with a single `max_seqlen` made the (q, kv) pair, kv from `max_seqlen_kv` (taken out) or q."""
+    """`values` with a single `max_seqlen` made the (q, kv) pair, kv from `max_seqlen_kv` (taken out) or q;
+    `max_seqlen_kv` alone makes (None, kv) (it was left in as an unknown input)."""
+    if values.get("max_seqlen") is None and "max_seqlen_kv" in values:
+        values = dict(values)
+        kv = values.pop("max_seqlen_kv")
+        return {**values, "max_seqlen": (None, kv)} if kv is not None else values
     if values.get("max_seqlen") is None or isinstance(values["max_seqlen"], tuple):
         return values
     values = dict(values)

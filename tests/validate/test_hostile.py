@@ -145,3 +145,12 @@ def test_unsigned_labels_and_positions_are_read_as_int64(dtype):
     labels = torch.where(trained, fields["labels"], 0).to(getattr(torch, dtype))
     report = validate_packed_batch(**{**fields, "labels": labels, "position_ids": fields["position_ids"].to(labels.dtype)})
     assert report.ok, str(report)
+
+
+def test_max_seqlen_kv_without_max_seqlen_is_read():
+    """A saved key of its own (`max_seqlen_kv`) given without `max_seqlen` was 'unknown inputs
+    ['max_seqlen_kv']' (exit 2); it is the kv bound, checked like any other."""
+    fields = {k: v for k, v in text_fields().items() if k not in ("source", "max_seqlen")}
+    assert validate_packed_batch({**fields, "max_seqlen_kv": 5}).ok
+    report = only(validate_packed_batch(fields, max_seqlen_kv=4), "max_seqlen")
+    assert "max_seqlen_kv=4 but the longest document has 5 slots" in str(report)
