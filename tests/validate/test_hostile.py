@@ -154,3 +154,21 @@ def test_max_seqlen_kv_without_max_seqlen_is_read():
     assert validate_packed_batch({**fields, "max_seqlen_kv": 5}).ok
     report = only(validate_packed_batch(fields, max_seqlen_kv=4), "max_seqlen")
     assert "max_seqlen_kv=4 but the longest document has 5 slots" in str(report)
+
+
+def test_samples_with_the_same_tokens_and_different_labels_match_their_own_rows():
+    """Two samples with the same tokens but different labels (one with its prompt masked), packed in another
+    order than the source lists them: each document was matched to the first unused row with its tokens, and a
+    correct pack was reported labels_vs_source (a false alarm). The row whose targets the document has is chosen."""
+    ids = torch.tensor([[11, 12, 13, 14], [11, 12, 13, 14], [5, 6, 0, 0]])
+    mask = (torch.arange(4) < torch.tensor([[4], [4], [2]])).long()
+    labels = torch.where(mask.bool(), ids, -100)
+    labels[1, :2] = -100
+    packed = pack_batch({"input_ids": ids, "labels": labels, "attention_mask": mask}, label_style="hf")
+    order = [1, 0, 2]
+    source = SourceRows(input_ids=ids[order], attention_mask=mask[order], labels=labels[order], label_style="hf")
+    assert validate_packed_batch(packed, source=source).ok
+    wrong = packed.labels.clone()
+    wrong[0, 1] = 99  # a target neither row has is still named
+    report = only(validate_packed_batch(packed, labels=wrong, source=source), "labels_vs_source")
+    assert report.violations[0].documents == (0,)
