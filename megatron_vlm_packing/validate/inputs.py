@@ -115,7 +115,7 @@ class PackedInputs:
         use_audio_in_video: given to an mrope callable that takes it; None = told per document.
         mrope: an `MRopeConfig` or callable(ids [1, L], image_grid_thw=, video_grid_thw=, ...) -> [3, 1, L]
             (a callable gets the inputs its signature names: second_per_grid_ts / second_per_grids,
-            audio_seqlens, use_audio_in_video). With an `MRopeConfig`, placeholder ids and the merge size
+            audio_seqlens, use_audio_in_video, and mm_token_type_ids read from the placeholder ids). With an `MRopeConfig`, placeholder ids and the merge size
             not given are the config's.
     """
 

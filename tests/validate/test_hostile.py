@@ -172,3 +172,35 @@ def test_samples_with_the_same_tokens_and_different_labels_match_their_own_rows(
     wrong[0, 1] = 99  # a target neither row has is still named
     report = only(validate_packed_batch(packed, labels=wrong, source=source), "labels_vs_source")
     assert report.violations[0].documents == (0,)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_the_models_own_index_callable_that_takes_mm_token_type_ids_is_given_them(family):
+    """transformers 5's get_rope_index takes `mm_token_type_ids` (0 text, 1 image, 2 video) as a required
+    argument: the validator called it without, and the documented use (`mrope=` the model's own index) was a
+    TypeError. The types are read from the placeholder ids; a planted wrong position is still named."""
+    pytest.importorskip("transformers")
+    from megatron_vlm_packing.rope import MRopeConfig
+    from tests.rope.conftest import IMAGE, VIDEO, hf_config, hf_get_rope_index, random_rows
+
+    import inspect
+
+    hf = hf_config(family)
+    index = hf_get_rope_index(family, hf)
+    if "mm_token_type_ids" not in inspect.signature(index).parameters:
+        pytest.skip("this transformers' get_rope_index takes no mm_token_type_ids")
+    ids, mask, images, videos, seconds = random_rows(family, 4, seed=2)
+    batch = dict(input_ids=ids, labels=ids.clone(), attention_mask=mask, image_grid_thw=images, video_grid_thw=videos)
+    if family == "qwen2_5_vl":
+        batch["second_per_grid_ts"] = seconds
+    packed = pack_batch(batch, label_style="hf", mrope=MRopeConfig.from_hf_config(hf))
+    fields = dict(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                  packed_seq_params=packed.packed_seq_params, image_token_id=IMAGE, video_token_id=VIDEO,
+                  **{k: batch[k] for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts") if k in batch})
+    report = validate_packed_batch(**fields, mrope=index)
+    assert report.ok and "mrope_positions" in report.checked, str(report)
+    assert not [s for s in report.skipped if s[0] == "mrope_positions"], str(report)
+    positions = packed.position_ids.clone()
+    slot = int((packed.input_ids[0] == IMAGE).nonzero()[0])
+    positions[1, 0, slot] += 1
+    only(validate_packed_batch(**{**fields, "position_ids": positions}, mrope=index), "mrope_positions")
