@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_vlm_packing.packing.checks import is_integer_tensor
 from megatron_vlm_packing.parallel.cp import cp_partition_index
 from megatron_vlm_packing.validate.boundaries import Boundaries
 from megatron_vlm_packing.validate.inputs import PackedInputs
@@ -41,8 +42,13 @@ def _unsplittable(bounds: Boundaries, cp_size: int, layout_cp: int) -> list[Viol
 
 def check_cp_index(index: torch.Tensor, bounds: Boundaries, cp_size: int, rank: int | None,
                    layout_cp: int = 1) -> list[Violation]:
-    """One rank's partition index: TE's for `rank` (or, rank unknown, for some rank); `layout_cp`: the
-    layout's cp (whose alignment was checked already)."""
+    """One rank's partition index ([Tl], or [1, Tl] like the rank's other fields): TE's for `rank` (or, rank
+    unknown, for some rank); `layout_cp`: the layout's cp (whose alignment was checked already)."""
+    if index.dim() == 2 and index.shape[0] == 1:  # a [1, Tl] index was an IndexError in the comparison below
+        index = index[0]
+    if index.dim() != 1 or not is_integer_tensor(index):  # .long() read 2.25 as 2; torch indexes with ints only
+        return [Violation("cp_partition", f"cp_index has dtype {index.dtype} and shape {tuple(index.shape)}; a "
+                          f"partition index is [T/cp] integers")]
     ranks = [rank] if rank is not None else list(range(cp_size))
     for r in ranks:
         expected = _te_index(bounds, cp_size, r)

@@ -204,3 +204,33 @@ def test_the_models_own_index_callable_that_takes_mm_token_type_ids_is_given_the
     slot = int((packed.input_ids[0] == IMAGE).nonzero()[0])
     positions[1, 0, slot] += 1
     only(validate_packed_batch(**{**fields, "position_ids": positions}, mrope=index), "mrope_positions")
+
+
+def _cp_fields_and_index():
+    from megatron_vlm_packing.parallel.cp import cp_partition_index
+
+    fields = text_fields(cp_size=2)
+    return fields, [cp_partition_index(fields["cu_seqlens_padded"], 2, r) for r in range(2)]
+
+
+def test_a_cp_index_shaped_like_the_other_fields_is_read():
+    """A [1, T/cp] cp_index (shaped like the rank's labels) was an IndexError inside the check, for a correct
+    split and a wrong one alike."""
+    fields, index = _cp_fields_and_index()
+    total = fields["input_ids"].shape[1]
+    right = {r: {"cp_index": index[r][None], "labels": fields["labels"][:, index[r]]} for r in range(2)}
+    assert validate_packed_batch(**fields, cp_size=2, cp_ranks=right).ok
+    wrong = {r: {"cp_index": index[1 - r][None]} for r in range(2)}
+    only(validate_packed_batch(**fields, cp_size=2, cp_ranks=wrong), "cp_partition")
+    local = dict(input_ids=fields["input_ids"][:, index[0]], cu_seqlens=fields["cu_seqlens"],
+                 cu_seqlens_padded=fields["cu_seqlens_padded"], localized_total=total)
+    assert validate_packed_batch(**local, cp_index=index[0][None]).ok
+
+
+def test_a_float_cp_index_is_named():
+    """A float cp_index was compared through .long(): 2.25 read as 2 and the split passed; torch indexes with
+    integer tensors only, so a float index is a broken one whatever its values."""
+    fields, index = _cp_fields_and_index()
+    for cp_index in (index[0].float() + 0.25, index[0].float()):
+        report = only(validate_packed_batch(**fields, cp_size=2, cp_ranks={0: {"cp_index": cp_index}}), "cp_partition")
+        assert "cp_index has dtype torch.float32" in str(report)
