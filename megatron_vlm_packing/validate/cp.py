@@ -70,6 +70,18 @@ def _first_difference(got: torch.Tensor, expected: torch.Tensor) -> str:
     return f"; first difference at local slot {k}: {int(got[k])} where TE has {int(expected[k])}"
 
 
+def _same_values(local: torch.Tensor, want: torch.Tensor) -> bool:
+    """Same shape and values, whatever the dtypes (int32 labels match int64 ones); casting `local` to `want`'s
+    dtype first read float labels 0.5 off as the right ones."""
+    if local.shape != want.shape:
+        return False
+    if local.dtype == want.dtype:
+        return torch.equal(local, want)
+    if local.is_complex() or want.is_complex():
+        return False
+    return torch.equal(local.double(), want.double())
+
+
 def check_cp_ranks(inputs: PackedInputs, bounds: Boundaries) -> list[Violation]:
     """Every rank's `cp_index` and local tensors against the full batch at TE's index."""
     out = []
@@ -92,11 +104,9 @@ def check_cp_ranks(inputs: PackedInputs, bounds: Boundaries) -> list[Violation]:
                 continue
             local = torch.as_tensor(local).detach().cpu()
             local = local.reshape(3, -1) if name == "position_ids" and full[name].dim() == 2 else local.reshape(-1)
-            if local.shape[-1] == inputs.total and name in _FULL_ALLOWED:
-                wrong = not torch.equal(local, full[name])
-            else:
-                want = full[name].index_select(-1, expected)
-                wrong = local.shape != want.shape or not torch.equal(local.to(want.dtype), want)
+            want = full[name] if local.shape[-1] == inputs.total and name in _FULL_ALLOWED else \
+                full[name].index_select(-1, expected)
+            wrong = not _same_values(local, want)
             if wrong:
                 out.append(Violation("cp_partition", f"rank {rank}'s {name} ({local.shape[-1]} slots) is not the "
                                      f"full {name} at TE's index for rank {rank} of cp={cp_size}"))

@@ -234,3 +234,15 @@ def test_a_float_cp_index_is_named():
     for cp_index in (index[0].float() + 0.25, index[0].float()):
         report = only(validate_packed_batch(**fields, cp_size=2, cp_ranks={0: {"cp_index": cp_index}}), "cp_partition")
         assert "cp_index has dtype torch.float32" in str(report)
+
+
+def test_a_ranks_fractional_labels_are_not_truncated_into_a_match():
+    """A rank's tensors were cast to the full tensor's dtype before comparing: float labels 0.5 off read as the
+    right labels. Now compared as values; the same labels in another integer dtype still match."""
+    fields, index = _cp_fields_and_index()
+    labels = fields["labels"][:, index[0]]
+    assert validate_packed_batch(**fields, cp_size=2, cp_ranks={0: {"cp_index": index[0], "labels": labels.int()}}).ok
+    off = labels.double() + (labels >= 0) * 0.5  # targets 0.5 off, -100 kept
+    report = only(validate_packed_batch(**fields, cp_size=2, cp_ranks={0: {"cp_index": index[0], "labels": off}}),
+                  "cp_partition")
+    assert "rank 0's labels" in str(report)
