@@ -246,3 +246,17 @@ def test_a_ranks_fractional_labels_are_not_truncated_into_a_match():
     report = only(validate_packed_batch(**fields, cp_size=2, cp_ranks={0: {"cp_index": index[0], "labels": off}}),
                   "cp_partition")
     assert "rank 0's labels" in str(report)
+
+
+def test_float_grids_are_named_without_an_index():
+    """image_grid_thw as floats was read through .long() (2.5 -> 2): with no mrope index to refuse it, grids 0.5 off
+    passed vision_placeholders. The model's vision tower and index take integer grids only."""
+    from tests.validate.conftest import DATA, pack_fields, vlm_batch
+
+    fields = pack_fields(vlm_batch(), cp_size=2)
+    fields.pop("mrope")
+    assert validate_packed_batch(**fields).ok
+    for grid in (fields["image_grid_thw"].double() + 0.5, fields["image_grid_thw"].float()):
+        report = only(validate_packed_batch(**{**fields, "image_grid_thw": grid}), "vision_placeholders")
+        assert "image_grid_thw must be [I, 3] integers" in str(report)
+    assert DATA.image_token_id == fields["image_token_id"]
