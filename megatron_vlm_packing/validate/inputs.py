@@ -18,7 +18,7 @@ import torch
 from megatron_vlm_packing.packing.lengths import lengths_from_keep_mask, widened_unsigned
 from megatron_vlm_packing.packing.media import given_or_config
 from megatron_vlm_packing.packing.plan import PackMultiples
-from megatron_vlm_packing.packing.row_fields import check_label_style, check_mrope
+from megatron_vlm_packing.packing.row_fields import check_label_style, check_mrope, check_pad_token_id
 from megatron_vlm_packing.validate.coerce import bool_field, count_field, dense_tensor, flat_tokens, int_field
 
 # Keys a saved batch (`torch.save` of a dict) may hold; see `megatron-vlm-packing check --help`.
@@ -372,6 +372,8 @@ def _scalar_values(values: dict) -> dict:
     """The int fields given (`_INT_FIELDS`, each checked against its minimum) and `use_audio_in_video` as a bool."""
     out = {name: int_field(values[name], name, minimum)
            for name, minimum in _INT_FIELDS if values.get(name) is not None}
+    if "pad_token_id" in out:  # an id no slot can hold (-1, 2**70) left the checks reading it inert: the packers' rule
+        out["pad_token_id"] = check_pad_token_id(out["pad_token_id"])
     if values.get("use_audio_in_video") is not None:
         out["use_audio_in_video"] = bool_field(values["use_audio_in_video"], "use_audio_in_video")
     return out
