@@ -167,3 +167,26 @@ def test_check_a_token_row_with_an_extra_dimension_exits_2(tmp_path, capsys, fie
     torch.save({**torch.load(path, weights_only=False), field: getattr(packed, field)[None]}, path)
     assert main(["check", str(path)]) == 2
     assert f"{field} must be [1, T] (or [3, 1, T] for position_ids), got shape (1, 1, " in capsys.readouterr().err
+
+
+def test_check_a_file_holding_numpy_arrays_exits_2_saying_what_to_save(tmp_path, capsys):
+    """A numpy array in the saved dict: the weights-only load refuses it (no code from the file runs), and the
+    CLI said the file was 'not a readable torch.save file' with torch's advice to load it with weights_only=False."""
+    import numpy as np
+    import torch
+
+    path, _ = _saved_pack(tmp_path)
+    torch.save({**torch.load(path, weights_only=False), "labels": np.zeros((1, 10), dtype=np.int64)}, path)
+    assert main(["check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "holds a numpy" in err and "torch.from_numpy" in err and "weights_only` set to `False" not in err
+
+
+@pytest.mark.parametrize("pad_id, words", [("-1", "pad_token_id must be a non-negative int"),
+                                           (str(2**70), "pad_token_id must be at most 2**63 - 1")])
+def test_check_a_pad_token_id_no_slot_can_hold_exits_2(tmp_path, capsys, pad_id, words):
+    """A negative (or beyond int64) pad id matched no slot, so the checks reading it ran inert and a pack whose
+    real spans end in pads passed without even the 'uniform_boundaries not checked' line; the packers' rule now."""
+    path, _ = _saved_pack(tmp_path)
+    assert main(["check", str(path), "--pad-token-id", pad_id]) == 2
+    assert words in capsys.readouterr().err

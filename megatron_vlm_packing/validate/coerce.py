@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from megatron_vlm_packing.packing.bounds import is_int
+from megatron_vlm_packing.packing.lengths import widened_unsigned
 from megatron_vlm_packing.packing.row_fields import is_undense
 
 
@@ -52,10 +53,11 @@ def bool_field(x, name: str) -> bool:
 
 def flat_tokens(x: torch.Tensor | None, name: str) -> torch.Tensor | None:
     """[1, T] / [T] -> [T]; [3, 1, T] / [3, T] positions -> [3, T] (positions only: [1, 1, T] token ids were
-    taken for positions, a 2-D row, and the checks indexing it raised IndexError)."""
+    taken for positions, a 2-D row, and the checks indexing it raised IndexError). uint16 / uint32 are read as
+    int64, uint64 is a ValueError (`lengths.widened_unsigned`, the packers' rule)."""
     if x is None:
         return None
-    x = dense_tensor(x, name)
+    x = widened_unsigned(dense_tensor(x, name), name)  # uint16 / uint32: torch cannot compare them with int64
     if x.dim() == 3 and x.shape[1] == 1 and name == "position_ids":  # [C, 1, T]
         return x[:, 0]
     if x.dim() == 2 and x.shape[0] == 1:

@@ -15,9 +15,10 @@ from typing import Any, Mapping
 
 import torch
 
+from megatron_vlm_packing.packing.lengths import lengths_from_keep_mask, widened_unsigned
 from megatron_vlm_packing.packing.media import given_or_config
 from megatron_vlm_packing.packing.plan import PackMultiples
-from megatron_vlm_packing.packing.row_fields import check_label_style, check_mrope
+from megatron_vlm_packing.packing.row_fields import check_label_style, check_mrope, check_pad_token_id
 from megatron_vlm_packing.validate.coerce import bool_field, count_field, dense_tensor, flat_tokens, int_field
 
 # Keys a saved batch (`torch.save` of a dict) may hold; see `megatron-vlm-packing check --help`.
@@ -69,12 +70,27 @@ class SourceRows:
     label_style: str = "hf"
 
     def __post_init__(self) -> None:
+        """Each row field a dense CPU tensor (uint16 / uint32 read as int64) of input_ids' [B, S], the mask
+        right-padded 0/1 (the packers' rule, `lengths_from_keep_mask`): the rows are the reference a pack is
+        judged against, so one that cannot be read as rows is a ValueError naming it (`source_<field>`)."""
         check_label_style(self.label_style)  # the packers' rule and message
+        for name in ("input_ids", "attention_mask", "labels", "loss_mask"):
+            value = getattr(self, name)
+            if value is not None:
+                value = widened_unsigned(dense_tensor(value, f"source_{name}"), f"source_{name}")
+                object.__setattr__(self, name, value)  # frozen: the checked tensor replaces what was given
         if self.input_ids.dim() != 2:
-            raise ValueError(f"source input_ids must be [B, S], got shape {tuple(self.input_ids.shape)}")
+            raise ValueError(f"source_input_ids must be [B, S], got shape {tuple(self.input_ids.shape)}")
+        for name in ("attention_mask", "labels", "loss_mask"):
+            value = getattr(self, name)
+            if value is not None and value.shape != self.input_ids.shape:
+                raise ValueError(f"source_{name} must be [B, S] like source_input_ids {tuple(self.input_ids.shape)}, "
+                                 f"got shape {tuple(value.shape)}")
+        if self.attention_mask is not None:
+            lengths_from_keep_mask(self.attention_mask, field="source_attention_mask")
 
     def lengths(self) -> list[int]:
-        """Real length of each row (the count of 1s in the mask; holes are the packer's problem)."""
+        """Real length of each row (the count of 1s in its right-padded mask, checked when made)."""
         if self.attention_mask is None:
             return [self.input_ids.shape[1]] * self.input_ids.shape[0]
         return (self.attention_mask != 0).sum(dim=1).tolist()
@@ -99,7 +115,7 @@ class PackedInputs:
         use_audio_in_video: given to an mrope callable that takes it; None = told per document.
         mrope: an `MRopeConfig` or callable(ids [1, L], image_grid_thw=, video_grid_thw=, ...) -> [3, 1, L]
             (a callable gets the inputs its signature names: second_per_grid_ts / second_per_grids,
-            audio_seqlens, use_audio_in_video). With an `MRopeConfig`, placeholder ids and the merge size
+            audio_seqlens, use_audio_in_video, and mm_token_type_ids read from the placeholder ids). With an `MRopeConfig`, placeholder ids and the merge size
             not given are the config's.
     """
 
@@ -144,8 +160,26 @@ class PackedInputs:
         return self.localized_total if self.localized_total is not None else self.input_ids.numel()
 
 
+# PackedSeqParams' fields over the megatron-core versions we run on (0.16: the first 9; later ones add the rest)
+_PARAMS_FIELDS = ("qkv_format", "cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded",
+                  "max_seqlen_q", "max_seqlen_kv", "local_cp_size", "cp_group", "total_tokens", "seq_idx",
+                  "tokens_per_sample", "pad_between_seqs")
+
+
 def _params_fields(params) -> dict:
-    """cu_seqlens sets and max_seqlen from a PackedSeqParams (or a dict with its field names)."""
+    """cu_seqlens sets and max_seqlen from a PackedSeqParams (or a dict with its field names).
+
+    Raises:
+        ValueError: `params` is neither (a string or list was read as "no cu_seqlens"), or a dict with a key that
+            is no field of it (a misspelt cu_seqlens_q_padded was dropped without a word).
+    """
+    if isinstance(params, Mapping):
+        unknown = sorted(set(params) - set(_PARAMS_FIELDS), key=repr)
+        if unknown:
+            raise ValueError(f"unknown packed_seq_params fields {unknown}; known: {list(_PARAMS_FIELDS)}")
+    elif not hasattr(params, "cu_seqlens_q"):
+        raise ValueError(f"packed_seq_params must be a PackedSeqParams or a mapping of its fields, got "
+                         f"{type(params).__name__}")
     get = params.get if isinstance(params, Mapping) else (lambda k, d=None: getattr(params, k, d))
     q, q_pad = get("cu_seqlens_q"), get("cu_seqlens_q_padded")
     return dict(cu_seqlens=q, cu_seqlens_padded=q_pad, cu_seqlens_kv=get("cu_seqlens_kv"),
@@ -198,8 +232,11 @@ def _from_mapping(batch: Mapping) -> dict:
     if unknown:
         raise ValueError(f"unknown keys in the batch: {unknown}; known keys: {sorted(SAVED_KEYS)}")
     out = {k: v for k, v in batch.items() if not k.startswith("source_") and k != "label_style"}
+    if out.get("tokens") is not None and out.get("input_ids") is not None:  # one was judged, the other ignored
+        raise ValueError("the batch has both input_ids and tokens: give the token ids once")
     if "tokens" in out:
-        out["input_ids"] = out.pop("tokens")
+        tokens = out.pop("tokens")
+        out["input_ids"] = tokens if tokens is not None else out.get("input_ids")
     if out.get("packed_seq_params") is not None:
         # Both forms of the boundaries: one would be checked and the other ignored without a word.
         both = sorted(k for k in ("cu_seqlens", "cu_seqlens_padded", "cu_seqlens_kv", "cu_seqlens_kv_padded",
@@ -214,15 +251,9 @@ def _from_mapping(batch: Mapping) -> dict:
     if batch.get("source_input_ids") is not None:
         # the source rows are the reference the pack is judged against: every one must be the
         # [B, S] of source_input_ids, or the per-row comparisons index out of range
-        rows = {k: dense_tensor(batch[f"source_{k}"], f"source_{k}") for k in
-                ("input_ids", "attention_mask", "labels", "loss_mask") if batch.get(f"source_{k}") is not None}
-        if rows["input_ids"].dim() != 2:
-            raise ValueError(f"source_input_ids must be [B, S], got shape {tuple(rows['input_ids'].shape)}")
-        for key, value in rows.items():
-            if value.shape != rows["input_ids"].shape:
-                raise ValueError(f"source_{key} must be [B, S] like source_input_ids {tuple(rows['input_ids'].shape)}, "
-                                 f"got shape {tuple(value.shape)}")
-        out["source"] = SourceRows(**rows, label_style=batch.get("label_style", "hf"))
+        rows = {k: batch[f"source_{k}"] for k in ("input_ids", "attention_mask", "labels", "loss_mask")
+                if batch.get(f"source_{k}") is not None}
+        out["source"] = SourceRows(**rows, label_style=batch.get("label_style", "hf"))  # checks every row field
     return out
 
 
@@ -269,7 +300,12 @@ def _gathered(batch, overrides: dict) -> dict:
         values.update(_params_fields(values.pop("packed_seq_params")))
     values.pop("packed_seq_params", None)
     if isinstance(values.get("source"), Mapping):
+        unknown = sorted(set(values["source"]) - {f.name for f in fields(SourceRows)}, key=repr)
+        if unknown:  # was SourceRows' TypeError
+            raise ValueError(f"unknown source fields {unknown}; known: {[f.name for f in fields(SourceRows)]}")
         values["source"] = SourceRows(**values["source"])
+    elif values.get("source") is not None and not isinstance(values["source"], SourceRows):
+        raise ValueError(f"source must be a SourceRows or a mapping of its fields, got {type(values['source']).__name__}")
     return values
 
 
@@ -298,7 +334,12 @@ def _layout_values(values: dict) -> dict:
 
 
 def _paired_max_seqlen(values: dict) -> dict:
-    """`values` with a single `max_seqlen` made the (q, kv) pair, kv from `max_seqlen_kv` (taken out) or q."""
+    """`values` with a single `max_seqlen` made the (q, kv) pair, kv from `max_seqlen_kv` (taken out) or q;
+    `max_seqlen_kv` alone makes (None, kv) (it was left in as an unknown input)."""
+    if values.get("max_seqlen") is None and "max_seqlen_kv" in values:
+        values = dict(values)
+        kv = values.pop("max_seqlen_kv")
+        return {**values, "max_seqlen": (None, kv)} if kv is not None else values
     if values.get("max_seqlen") is None or isinstance(values["max_seqlen"], tuple):
         return values
     values = dict(values)
@@ -331,6 +372,8 @@ def _scalar_values(values: dict) -> dict:
     """The int fields given (`_INT_FIELDS`, each checked against its minimum) and `use_audio_in_video` as a bool."""
     out = {name: int_field(values[name], name, minimum)
            for name, minimum in _INT_FIELDS if values.get(name) is not None}
+    if "pad_token_id" in out:  # an id no slot can hold (-1, 2**70) left the checks reading it inert: the packers' rule
+        out["pad_token_id"] = check_pad_token_id(out["pad_token_id"])
     if values.get("use_audio_in_video") is not None:
         out["use_audio_in_video"] = bool_field(values["use_audio_in_video"], "use_audio_in_video")
     return out
@@ -345,9 +388,17 @@ def _cp_ranks_value(ranks) -> dict[int, dict[str, torch.Tensor]]:
     if not isinstance(ranks, Mapping) or not all(isinstance(r, Mapping) for r in ranks.values()):
         raise ValueError(f"cp_ranks must be {{rank: {{'cp_index': ..., 'labels': ..., ...}}}} (a dict of tensors "
                          f"per rank), got {str(ranks)[:80]}")
+    for r, received in ranks.items():  # a tensor under another name would be ignored: what the rank got, unchecked
+        unknown = sorted(set(received) - set(_CP_RANK_FIELDS), key=repr)
+        if unknown:
+            raise ValueError(f"unknown cp_ranks[{r}] fields {unknown}; known: {list(_CP_RANK_FIELDS)}")
     return {int_field(r, "a cp_ranks rank"): {k: dense_tensor(v, f"cp_ranks[{r}][{k!r}]")
                                               for k, v in received.items() if v is not None}
             for r, received in ranks.items()}
+
+
+# What a CP rank may be given in `cp_ranks` (validate.cp compares each with the full batch at TE's index).
+_CP_RANK_FIELDS = ("cp_index", "input_ids", "labels", "loss_mask", "padding_mask", "position_ids")
 
 
 def _check_known(values: dict) -> None:

@@ -40,6 +40,8 @@ CHECKS: dict[str, Check] = {c.name: c for c in (
     Check("mrope_positions", 3, None, "mRoPE positions differ from the model's get_rope_index for the sample alone"),
     Check("labels_cross_documents", 1, 8, "a document's last token is trained on the next document's first token"),
     Check("loss_on_pad", 1, None, "loss weight on pad slots"),
+    Check("loss_weights", 9, None, "loss weights not finite or negative: the loss sum is NaN / inf or trains away"),
+    Check("loss_without_target", 1, None, "a real slot trained whose label is the ignore index or negative"),
     Check("labels_vs_source", 1, None, "labels / loss mask differ from the source sample's, shifted inside it"),
     Check("tokens_vs_source", 1, 9, "a source sample dropped, truncated or altered in the pack"),
     Check("vision_placeholders", 10, None, "image / video placeholders do not match the grids per document"),

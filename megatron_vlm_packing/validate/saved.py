@@ -4,6 +4,8 @@ of `SAVED_KEYS`) and, with `--hf-config`, the model's mRoPE settings from its Hu
 from __future__ import annotations
 
 import os
+import pickle
+import re
 from typing import Mapping
 
 import torch
@@ -32,12 +34,26 @@ def load_saved_batch(path: str | os.PathLike) -> dict:
             data = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise ValueError(f"{path}: no such file") from None
+    except pickle.UnpicklingError as err:
+        refused = _refused_global(str(err))
+        if refused is None:
+            raise ValueError(f"{path}: not a readable torch.save file (UnpicklingError: {err})") from None
+        # torch's own message advises weights_only=False, which would run the file's code: say what to save instead
+        raise ValueError(f"{path}: holds a {refused}, which is read only as code (a weights-only load refuses it); "
+                         f"save tensors (torch.from_numpy for numpy arrays), Python numbers, strings, lists and "
+                         f"dicts, or a PackedSeqParams") from None
     except Exception as err:  # torch raises pickle, zip and runtime errors alike for a bad file
         raise ValueError(f"{path}: not a readable torch.save file ({type(err).__name__}: {err})") from None
     if not isinstance(data, Mapping):
         raise ValueError(f"{path}: holds a {type(data).__name__}, expected a dict with keys such as "
                          f"{sorted(SAVED_KEYS)[:6]}")
     return dict(data)
+
+
+def _refused_global(message: str) -> str | None:
+    """The class a weights-only load refused (e.g. 'numpy.ndarray'), from torch's UnpicklingError message."""
+    found = re.search(r"(?:but got|Unsupported global: GLOBAL) <?(?:class )?'?([\w.]+)", message)
+    return found.group(1) if found else None
 
 
 def saved_keys_help() -> str:

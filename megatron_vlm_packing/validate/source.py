@@ -45,10 +45,10 @@ def match_source(inputs: PackedInputs, docs: Documents, *, trust_spans: bool) ->
     by_tokens: dict[tuple, list[int]] = {}
     for b, toks in rows.items():
         by_tokens.setdefault(toks, []).append(b)
-    row_of_doc: list[int | None] = [None] * docs.num_documents
+    row_of_doc = _rows_with_targets(inputs, docs, by_tokens, unused)
     out, tails, altered = [], [], []
     for d in range(docs.num_documents):
-        if docs.real[d] == 0:  # an empty segment is its own violation (zero_length_segment)
+        if docs.real[d] == 0 or row_of_doc[d] is not None:  # an empty segment: its own violation (zero_length_segment)
             continue
         toks = tuple(inputs.input_ids[docs.real_slots(d)].tolist())
         exact = [b for b in by_tokens.get(toks, []) if b in unused]
@@ -82,6 +82,41 @@ def match_source(inputs: PackedInputs, docs: Documents, *, trust_spans: bool) ->
     return out, replace(docs, row_of_doc=tuple(row_of_doc))
 
 
+def _rows_with_targets(inputs: PackedInputs, docs: Documents, by_tokens: dict[tuple, list[int]],
+                       unused: set[int]) -> list[int | None]:
+    """Documents matched to a row with their tokens and their targets (rows taken out of `unused`); None for the
+    rest. Samples with the same tokens and different labels may be packed in any order: matching by tokens
+    alone gave each document the first such row, and a correct pack was reported labels_vs_source."""
+    row_of_doc: list[int | None] = [None] * docs.num_documents
+    if inputs.source.labels is None or inputs.labels is None:
+        return row_of_doc
+    for d in range(docs.num_documents):
+        if docs.real[d] == 0:
+            continue
+        slots = docs.real_slots(d)
+        same = [b for b in by_tokens.get(tuple(inputs.input_ids[slots].tolist()), []) if b in unused]
+        row = next((b for b in same if not bool(_target_differences(inputs, slots, b)[0].any())), None)
+        if row is not None:
+            row_of_doc[d] = row
+            unused.discard(row)
+    return row_of_doc
+
+
+def _target_differences(inputs: PackedInputs, slots: torch.Tensor, row: int):
+    """([L] bool, True where the targets / weights at `slots` ([L] long, a document's real slots) differ from
+    source row `row`'s shifted inside it; expected labels; expected trained; packed labels; packed trained)."""
+    expected, weights = expected_targets(inputs, row, slots.numel())
+    want = expected != inputs.ignore_index
+    if weights is not None:
+        want &= weights != 0
+    got_label = inputs.labels[slots]
+    got = (inputs.loss_mask[slots] != 0) if inputs.loss_mask is not None else got_label != inputs.ignore_index
+    wrong = (want != got) | (want & (got_label != expected))
+    if weights is not None and inputs.loss_mask is not None:
+        wrong |= want & (inputs.loss_mask[slots].float() != weights)
+    return wrong, expected, want, got_label, got
+
+
 def expected_targets(inputs: PackedInputs, row: int, length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[length] next-token targets of source row `row` (shifted inside it), and its loss weights.
 
@@ -108,15 +143,7 @@ def check_labels_vs_source(inputs: PackedInputs, docs: Documents, skip_slots: se
         if row is None:
             continue
         slots = docs.real_slots(d)
-        expected, weights = expected_targets(inputs, row, slots.numel())
-        want = expected != inputs.ignore_index
-        if weights is not None:
-            want &= weights != 0
-        got_label = inputs.labels[slots]
-        got = (inputs.loss_mask[slots] != 0) if inputs.loss_mask is not None else got_label != inputs.ignore_index
-        wrong = (want != got) | (want & (got_label != expected))
-        if weights is not None and inputs.loss_mask is not None:
-            wrong |= want & (inputs.loss_mask[slots].float() != weights)
+        wrong, expected, want, got_label, got = _target_differences(inputs, slots, row)
         offsets = [k for k in wrong.nonzero().flatten().tolist() if int(slots[k]) not in skip_slots]
         if offsets:
             k = offsets[0]

@@ -33,6 +33,39 @@ def check_loss_on_pad(inputs: PackedInputs, docs: Documents) -> list[Violation]:
     return [Violation("loss_on_pad", f"{leak.numel()} pad slots carry loss, e.g. slots {leak[:8].tolist()}", affected)]
 
 
+def _named_slots(check: str, what: str, slots: torch.Tensor, docs: Documents, name: str,
+                 values: torch.Tensor) -> list[Violation]:
+    """One violation of `check` naming the first `slots` ([K] long), their `values` ([T], called `name`) and
+    their documents; none without slots."""
+    if not slots.numel():
+        return []
+    affected = tuple(docs.doc_of_slot[slots].unique().tolist())
+    return [Violation(check, f"{slots.numel()} slots {what}, e.g. slots {slots[:8].tolist()} ({name} "
+                             f"{values[slots[:8]].tolist()})", affected)]
+
+
+def check_loss_weights(inputs: PackedInputs, docs: Documents) -> list[Violation]:
+    """Loss weights finite and >= 0 at every slot (the packers' rule, `packing.checks`): a NaN or inf weight
+    makes the loss sum NaN or inf, a negative one trains away from its target."""
+    if inputs.loss_mask is None or inputs.loss_mask.dtype == torch.bool:
+        return []
+    weights = inputs.loss_mask.double()
+    bad = (~torch.isfinite(weights) | (weights < 0)).nonzero().flatten()
+    return _named_slots("loss_weights", "with a loss weight not finite or negative", bad, docs, "weights", weights)
+
+
+def check_loss_without_target(inputs: PackedInputs, docs: Documents) -> list[Violation]:
+    """No real slot trained (loss weight != 0, or without a loss mask a label set) with a label that is the
+    ignore index or negative: Megatron's loss sums every weighted slot whatever its label."""
+    trained = target_weights(inputs)
+    if trained is None or inputs.labels is None:
+        return []
+    labels = inputs.labels.long()
+    no_target = (labels < 0) | (labels == inputs.ignore_index)
+    bad = (trained & no_target & docs.is_real).nonzero().flatten()
+    return _named_slots("loss_without_target", "trained with no target", bad, docs, "labels", labels)
+
+
 def crossing_slots(inputs: PackedInputs, docs: Documents) -> list[tuple[int, int, int]]:
     """(document, slot, label) where the last real token of a document is trained on the first token
     of the next document (bug class 8), unless the source sample has that very target."""

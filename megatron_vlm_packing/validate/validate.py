@@ -21,7 +21,9 @@ from megatron_vlm_packing.validate.inputs import PackedInputs, build_inputs
 from megatron_vlm_packing.validate.positions import check_positions
 from megatron_vlm_packing.validate.report import ValidationReport, Violation
 from megatron_vlm_packing.validate.source import check_labels_vs_source, match_source
-from megatron_vlm_packing.validate.tokens import check_labels_cross_documents, check_loss_on_pad, crossing_slots
+from megatron_vlm_packing.validate.tokens import (
+    check_labels_cross_documents, check_loss_on_pad, check_loss_weights, check_loss_without_target, crossing_slots,
+)
 from megatron_vlm_packing.validate.vision import AudioCoverage, MediaFindings, check_vision
 
 
@@ -163,8 +165,12 @@ def _report(inputs: PackedInputs, bounds: Boundaries, real_tokens: int, findings
 def _localized_report(inputs: PackedInputs, bounds: Boundaries, so_far: _Findings) -> ValidationReport:
     """A batch localized to one CP rank: its `cp_index` ([T/cp]) against TE's partition of the boundaries;
     its sequence tensors hold T/cp slots, so no per-token check runs."""
-    cp_size = inputs.total // max(inputs.cp_index.numel(), 1)
-    found = _Findings(check_cp_index(inputs.cp_index, bounds, cp_size, inputs.cp_rank), ["cp_partition"], [])
+    local = inputs.cp_index.numel()
+    if local == 0 or inputs.total % local:  # T // local would be taken for cp, and an empty index passed
+        found = [Violation("cp_partition", f"cp_index has {local} slots: T={inputs.total} is not cp times that")]
+    else:
+        found = check_cp_index(inputs.cp_index, bounds, inputs.total // local, inputs.cp_rank, inputs.cp_size)
+    found = _Findings(found, ["cp_partition"], [])
     return _report(inputs, bounds, sum(bounds.real), so_far.then(found),
                    ("per-token checks", "the batch is localized to one CP rank: validate it before localize, "
                     "with cp_ranks for what each rank received"))
@@ -176,8 +182,10 @@ def _per_token_checks(inputs: PackedInputs, bounds: Boundaries) -> tuple[Documen
     settled, and the findings."""
     docs, found, skipped = _settle_real_slots(inputs, make_documents(bounds, inputs.total))
     findings = _Findings(found, ["uniform_boundaries", "padding_mask"], skipped)
-    targets = check_loss_on_pad(inputs, docs) + check_labels_cross_documents(inputs, docs)
-    findings = findings.then(_Findings(targets, ["loss_on_pad", "labels_cross_documents"], []))
+    targets = (check_loss_weights(inputs, docs) + check_loss_on_pad(inputs, docs)
+               + check_loss_without_target(inputs, docs) + check_labels_cross_documents(inputs, docs))
+    findings = findings.then(_Findings(targets, ["loss_weights", "loss_on_pad", "loss_without_target",
+                                                 "labels_cross_documents"], []))
     findings = findings.then(_source_checks(inputs, docs))
     media = check_vision(inputs, docs)
     findings = findings.then(_vision_findings(inputs, media)).then(_audio_findings(media.audio))

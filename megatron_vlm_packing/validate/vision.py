@@ -17,14 +17,18 @@ from typing import NamedTuple
 
 import torch
 
+from megatron_vlm_packing.packing.checks import is_integer_tensor
 from megatron_vlm_packing.validate.documents import Documents
 from megatron_vlm_packing.validate.inputs import PackedInputs
 from megatron_vlm_packing.validate.report import Violation
 
 
 def _tokens_per_item(grid: torch.Tensor, merge: int, kind: str) -> tuple[list[int], str | None]:
+    """Placeholder tokens of each grid row (t*h*w / merge**2), or the problem with the grid."""
     if grid.dim() != 2 or grid.shape[1] != 3:
         return [], f"{kind}_grid_thw must be [{kind[0].upper()}, 3], got {tuple(grid.shape)}"
+    if not is_integer_tensor(grid):  # .long() read 2.5 as 2; the vision tower and the index take integer grids
+        return [], f"{kind}_grid_thw must be [{kind[0].upper()}, 3] integers, got dtype {grid.dtype}"
     rows = grid.long().tolist()
     bad = [i for i, (t, h, w) in enumerate(rows) if min(t, h, w) < 1 or (h % merge) or (w % merge)]
     if bad:
