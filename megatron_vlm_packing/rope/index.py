@@ -30,7 +30,17 @@ class RopeIndex(NamedTuple):
 
 def token_types(input_ids: torch.Tensor, config: MRopeConfig) -> torch.Tensor:
     """[B, S] int: 0 text, 1 image placeholder, 2 video placeholder (transformers' mm_token_type_ids)."""
-    return (input_ids == config.image_token_id).int() + 2 * (input_ids == config.video_token_id).int()
+    return placeholder_types(input_ids, config.image_token_id, config.video_token_id)
+
+
+def placeholder_types(input_ids: torch.Tensor, image_token_id: int | None, video_token_id: int | None) -> torch.Tensor:
+    """input_ids: [..., S] -> [..., S] int32 transformers' `mm_token_type_ids`: 1 at `image_token_id`, 2 at
+    `video_token_id`, 0 elsewhere (an id of None marks nothing)."""
+    types = torch.zeros_like(input_ids, dtype=torch.int)
+    for token, kind in ((image_token_id, 1), (video_token_id, 2)):
+        if token is not None:
+            types += kind * (input_ids == token).int()
+    return types
 
 
 def check_grid_shape(grid, name: str) -> torch.Tensor | None:

@@ -62,7 +62,10 @@ def _index_of(inputs: PackedInputs, ids: torch.Tensor, kwargs: dict, params: dic
         if "attention_mask" in (params or ()):  # the sample alone: every token real
             kwargs = {**kwargs, "attention_mask": torch.ones_like(ids[None])}
         if "mm_token_type_ids" in (params or ()):  # transformers 5 requires them: it was a TypeError
-            kwargs = {**kwargs, "mm_token_type_ids": _token_types(inputs, ids)[None]}
+            from megatron_vlm_packing.rope.index import placeholder_types
+
+            kwargs = {**kwargs, "mm_token_type_ids": placeholder_types(ids, inputs.image_token_id,
+                                                                       inputs.video_token_id)[None]}
         result = mrope(ids[None], **kwargs)
     else:
         from megatron_vlm_packing.rope import get_rope_index
@@ -73,15 +76,6 @@ def _index_of(inputs: PackedInputs, ids: torch.Tensor, kwargs: dict, params: dic
         got = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
         raise ValueError(f"the index gave {got} for {ids.numel()} tokens, not [3, 1, {ids.numel()}] positions")
     return result.reshape(3, -1)
-
-
-def _token_types(inputs: PackedInputs, ids: torch.Tensor) -> torch.Tensor:
-    """ids: [L] -> [L] int, transformers' `mm_token_type_ids` from the placeholder ids: 0 text, 1 image, 2 video."""
-    types = torch.zeros_like(ids, dtype=torch.int)
-    for token, kind in ((inputs.image_token_id, 1), (inputs.video_token_id, 2)):
-        if token is not None:
-            types[ids == token] = kind
-    return types
 
 
 def _audio_in_video(inputs: PackedInputs, ids: torch.Tensor) -> bool:
