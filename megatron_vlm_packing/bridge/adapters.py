@@ -108,7 +108,8 @@ def check_unpacked_vision(micro_batch: MicroBatch, mrope) -> None:
     Raises:
         ValueError: naming the kind, the placeholder id and the counts. One host read per kind.
     """
-    from megatron_vlm_packing.models.merge import check_placeholders_per_sample, sample_boundaries
+    from megatron_vlm_packing.models.merge import (check_placeholders_per_sample, refuse_orphan_placeholders,
+                                                   sample_boundaries, tokens_per_grid)
 
     vision = micro_batch.vision or VisionInputs()
     merge = mrope.spatial_merge_size
@@ -127,9 +128,7 @@ def check_unpacked_vision(micro_batch: MicroBatch, mrope) -> None:
         _check_unpacked_audio(micro_batch, audio_token, mrope.audio_n_window)
     for kind, token, pixels, grid, per_sample, grid_name in kinds:
         if pixels is None:
-            if bool((ids == token).any()):
-                raise ValueError(f"input_ids hold {kind} placeholder tokens (id {token}) but no {kind} inputs "
-                                 f"were given")
+            refuse_orphan_placeholders(ids, kind, token)
             continue
         if grid is None:
             raise ValueError(f"{pixels.shape[0]} {kind} patches given without {grid_name}")
@@ -138,7 +137,7 @@ def check_unpacked_vision(micro_batch: MicroBatch, mrope) -> None:
         if pixels.shape[0] != patches:
             raise ValueError(f"{name} has {pixels.shape[0]} patches but {grid_name} describes {patches}")
         check_placeholders_per_sample(ids, sample_boundaries(ids, micro_batch.packed_seq_params),
-                                      (grid.prod(dim=1) // (merge * merge)).tolist(), token_id=token, field=kind,
+                                      tokens_per_grid(grid, merge), token_id=token, field=kind,
                                       items_per_sample=per_sample)
 
 
@@ -146,12 +145,12 @@ def _check_unpacked_audio(micro_batch: MicroBatch, token: int, n_window: int) ->
     """`check_unpacked_vision`'s audio part (Qwen3-Omni): placeholders without clips, and each sample's
     placeholders against whole clips of its own (each clip's tokens from its mask and `n_window`)."""
     from megatron_vlm_packing.models.audio import audio_tokens_per_clip
-    from megatron_vlm_packing.models.merge import check_placeholders_per_sample, sample_boundaries
+    from megatron_vlm_packing.models.merge import (check_placeholders_per_sample, refuse_orphan_placeholders,
+                                                   sample_boundaries)
 
     ids, audio = micro_batch.input_ids, micro_batch.audio
     if audio is None:
-        if bool((ids == token).any()):
-            raise ValueError(f"input_ids hold audio placeholder tokens (id {token}) but no audio inputs were given")
+        refuse_orphan_placeholders(ids, "audio", token)
         return
     check_placeholders_per_sample(ids, sample_boundaries(ids, micro_batch.packed_seq_params),
                                   audio_tokens_per_clip(audio.feature_attention_mask, n_window), token_id=token,

@@ -34,6 +34,22 @@ def merge_vision_embeddings(
     return text_embeddings.index_copy(0, positions, rows)
 
 
+def tokens_per_grid(grid_thw: torch.Tensor, merge: int) -> list[int]:
+    """grid_thw: [I, 3] -> I host ints, the language-model tokens of each image or video (t*h*w / merge**2)."""
+    return (grid_thw.prod(dim=1) // (merge * merge)).tolist()
+
+
+def refuse_orphan_placeholders(input_ids: torch.Tensor, field: str, token_id: int) -> None:
+    """`field` ("image", "video", "audio") has no inputs: any `token_id` placeholder in `input_ids` would train
+    as text. One host read.
+
+    Raises:
+        ValueError: naming the kind and its placeholder id.
+    """
+    if bool((input_ids == token_id).any()):
+        raise ValueError(f"input_ids hold {field} placeholder tokens (id {token_id}) but no {field} inputs were given")
+
+
 def placeholder_positions(input_ids: torch.Tensor, token_id: int, count: int) -> torch.Tensor:
     """[count] long flat positions of the `token_id` placeholders, in order, with no host sync.
 

@@ -26,14 +26,11 @@ from megatron_vlm_packing.models.adapter import ModelAdapter, check_unpacked_ids
 from megatron_vlm_packing.models.audio import check_audio_lengths
 from megatron_vlm_packing.models.gpt_adapter import check_position_kind
 from megatron_vlm_packing.models.merge import (check_placeholders_per_sample, merge_vision_embeddings,
-                                               place_checked_embeddings, sample_boundaries)
+                                               place_checked_embeddings, refuse_orphan_placeholders,
+                                               sample_boundaries, tokens_per_grid)
 from megatron_vlm_packing.packing.bounds import checked_int, is_int
 from megatron_vlm_packing.packing.localize import LocalizeNeeds
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
-
-
-def _tokens_per_grid(grid_thw: torch.Tensor, merge: int) -> list[int]:
-    return (grid_thw.prod(dim=1) // (merge * merge)).tolist()
 
 
 def _takes(module: nn.Module, keyword: str) -> bool:
@@ -169,11 +166,8 @@ class PackedVLM(nn.Module):
         already checked that kind's placeholders with the same id in its one read (`checked`)."""
         for field, token_id in (("image", self.image_token_id), ("video", self.video_token_id),
                                 ("audio", self.audio_token_id)):
-            if token_id is None or present[field] or (field, token_id) in checked:
-                continue
-            if bool((input_ids == token_id).any()):
-                raise ValueError(f"input_ids hold {field} placeholder tokens (id {token_id}) but no {field} inputs "
-                                 f"were given")
+            if token_id is not None and not present[field] and (field, token_id) not in checked:
+                refuse_orphan_placeholders(input_ids, field, token_id)
 
     def embed(self, input_ids: torch.Tensor, *, pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
               video_grid_thw=None, input_features=None, feature_attention_mask=None, packed_seq_params=None,
@@ -231,7 +225,7 @@ class PackedVLM(nn.Module):
         merge = self.spatial_merge_size
         return self._merge(flat, input_ids, bounds, token_id=getattr(self, f"{field}_token_id"), field=field,
                            embeddings=self._vision_embeddings(pixels, grid, checked),
-                           tokens_per_item=lambda: _tokens_per_grid(grid, merge), per_sample=per_sample)
+                           tokens_per_item=lambda: tokens_per_grid(grid, merge), per_sample=per_sample)
 
     def _merge_audio(self, flat, input_ids, bounds, features, mask, per_sample, audio_lengths):
         """`flat` [B*S, H] with the audio tower's embeddings placed: features [A, F, L], mask [A, L]."""
