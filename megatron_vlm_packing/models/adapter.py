@@ -175,9 +175,9 @@ def check_unpacked_ids(micro_batch: MicroBatch, vocab_size: int | None) -> None:
     ids = micro_batch.input_ids
     if checked is not None and checked[0] is ids:
         return
-    from megatron_vlm_packing.packing.checks import check_ids
+    from megatron_vlm_packing.packing.checks import check_ids, is_integer_tensor
 
-    if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+    if not isinstance(ids, torch.Tensor) or not is_integer_tensor(ids):
         raise ValueError(f"input_ids must be an integer tensor of token ids, got "
                          f"{ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__}")
     rows = ids if ids.dim() == 2 else ids.reshape(1, -1)

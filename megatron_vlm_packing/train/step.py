@@ -200,11 +200,10 @@ def check_unpacked_labels(micro_batch: MicroBatch, vocab_size: int | None) -> No
     """
     if micro_batch.labels_checked:
         return
-    from megatron_vlm_packing.packing.checks import IGNORE_INDEX
+    from megatron_vlm_packing.packing.checks import IGNORE_INDEX, is_integer_tensor
 
     labels = micro_batch.labels
-    if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.is_complex() \
-            or labels.dtype == torch.bool:
+    if not isinstance(labels, torch.Tensor) or not is_integer_tensor(labels):
         raise ValueError(f"labels must be an integer tensor of token ids, got "
                          f"{labels.dtype if isinstance(labels, torch.Tensor) else type(labels).__name__}")
     rows = labels if labels.dim() == 2 else labels.reshape(1, -1)
