@@ -62,8 +62,9 @@ def rope_positions(batch: Mapping, input_ids: torch.Tensor, keep: torch.Tensor, 
     for key in ("image_grid_thw", "video_grid_thw"):  # uint16 / uint32 as int64, as everywhere else
         if isinstance(kwargs.get(key), torch.Tensor):
             kwargs[key] = widened_unsigned(kwargs[key], key)
+    name = getattr(mrope, "__name__", type(mrope).__name__)  # a callable's, for its errors
     if callable(mrope):
-        refuse_unread_rope_inputs(batch, accepted, audio, name=getattr(mrope, "__name__", type(mrope).__name__))
+        refuse_unread_rope_inputs(batch, accepted, audio, name=name)
     if audio is not None and "audio_seqlens" in accepted and "audio_seqlens" not in kwargs:
         kwargs["audio_seqlens"] = torch.tensor(audio.audio_lengths)
     result = fn(input_ids, attention_mask=keep.long(), **kwargs)
@@ -73,8 +74,7 @@ def rope_positions(batch: Mapping, input_ids: torch.Tensor, keep: torch.Tensor, 
         raise ValueError(f"mrope positions must be [3, B, S] = [3, {input_ids.shape[0]}, {input_ids.shape[1]}], "
                          f"got {tuple(getattr(positions, 'shape', ()))}")
     if callable(mrope):
-        return _checked_callable_positions(positions, input_ids, keep, getattr(mrope, "__name__", type(mrope).__name__),
-                                           where)
+        return _checked_callable_positions(positions, input_ids, keep, name, where)
     return positions
 
 
