@@ -14,6 +14,8 @@ import dataclasses
 import pytest
 import torch
 
+from megatron_vlm_packing.testing.step_models import step_loss
+
 pytestmark = pytest.mark.bridge
 R = dataclasses.replace
 FAMILIES = ("qwen3_vl", "qwen25_vl")
@@ -35,13 +37,6 @@ def bridge(single_process_megatron):
                            loader=PackingCollator(label_style="hf", mrope=cfg.mrope_config())(batch),
                            alone=[collate_qwen_vl([s]) for s in samples])
     return out
-
-
-def _loss(model, item, **options) -> float:
-    from megatron_vlm_packing.train.step import make_forward_step
-
-    output, loss_fn = make_forward_step(**options)(iter([item]), model)
-    return float(loss_fn(output)[0])
 
 
 EDITS = {
@@ -72,23 +67,23 @@ def _grids_of_two_samples_swapped(vision) -> torch.Tensor:
 def test_vision_edited_by_a_transform_is_checked(bridge, family, edit):
     change, message = EDITS[edit]
     with pytest.raises(ValueError, match=message):
-        _loss(bridge[family]["model"], bridge[family]["batch"], transform=change)
+        step_loss(bridge[family]["model"], bridge[family]["batch"], transform=change)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_vision_removed_from_a_loader_micro_batch_is_refused(bridge, family):
     change, message = EDITS["vision removed"]
     with pytest.raises(ValueError, match=message):
-        _loss(bridge[family]["model"], change(bridge[family]["loader"]))
+        step_loss(bridge[family]["model"], change(bridge[family]["loader"]))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_unedited_and_identity_transformed_micro_batches_equal_each_sample_alone(bridge, family):
     case = bridge[family]
-    alone = sum(_loss(case["model"], one, pack=False) for one in case["alone"])
+    alone = sum(step_loss(case["model"], one, pack=False) for one in case["alone"])
     for item, options in ((case["batch"], {}), (case["batch"], dict(transform=lambda mb: R(mb, vision=R(mb.vision)))),
                           (case["loader"], {})):
-        assert _loss(case["model"], item, **options) == pytest.approx(alone, rel=1e-5)
+        assert step_loss(case["model"], item, **options) == pytest.approx(alone, rel=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -122,12 +117,12 @@ OMNI_EDITS = {
 def test_omni_media_edited_by_a_transform_are_checked(omni, edit):
     change, message = OMNI_EDITS[edit]
     with pytest.raises(ValueError, match=message):
-        _loss(omni["model"], omni["batch"], transform=change)
+        step_loss(omni["model"], omni["batch"], transform=change)
 
 
 def test_omni_identity_transform_equals_the_pack(omni):
-    packed = _loss(omni["model"], omni["batch"])
-    assert _loss(omni["model"], omni["batch"], transform=lambda mb: R(mb, vision=R(mb.vision))) == \
+    packed = step_loss(omni["model"], omni["batch"])
+    assert step_loss(omni["model"], omni["batch"], transform=lambda mb: R(mb, vision=R(mb.vision))) == \
         pytest.approx(packed, rel=1e-6)
 
 
@@ -135,4 +130,4 @@ def test_omni_identity_transform_equals_the_pack(omni):
 def test_labels_handed_over_as_ids_are_refused(bridge, family):
     """-100 at the ignored slots was an IndexError in Bridge's embedding."""
     with pytest.raises(ValueError, match=r"input_ids row 0 position \d+ is -100: token ids must lie in \[0, 256\)"):
-        _loss(bridge[family]["model"], bridge[family]["batch"], transform=lambda mb: R(mb, input_ids=mb.labels))
+        step_loss(bridge[family]["model"], bridge[family]["batch"], transform=lambda mb: R(mb, input_ids=mb.labels))

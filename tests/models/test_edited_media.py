@@ -17,6 +17,8 @@ import dataclasses
 import pytest
 import torch
 
+from megatron_vlm_packing.testing.step_models import step_loss
+
 R = dataclasses.replace
 
 
@@ -34,13 +36,6 @@ def setup(single_process_megatron):
         audio_token_id=MEDIA.audio_token_id, spatial_merge_size=2))
     return dict(model=build_vlm(LM, 0, media=True, mrope=True), batch=batch, loader=collator(batch),
                 alone=[collate([s]) for s in samples])
-
-
-def _loss(model, item, **options) -> float:
-    from megatron_vlm_packing.train.step import make_forward_step
-
-    output, loss_fn = make_forward_step(**options)(iter([item]), model)
-    return float(loss_fn(output)[0])
 
 
 def _one_placeholder_made_text(input_ids: torch.Tensor, token_id: int) -> torch.Tensor:
@@ -74,21 +69,21 @@ EDITS = {
 def test_media_edited_by_a_transform_are_checked_again(setup, edit):
     change, message = EDITS[edit]
     with pytest.raises(ValueError, match=message):
-        _loss(setup["model"], setup["batch"], transform=change)
+        step_loss(setup["model"], setup["batch"], transform=change)
 
 
 @pytest.mark.parametrize("edit", ["vision removed", "audio removed", "4 patches cut", "audio lengths one short"])
 def test_media_edited_in_a_loader_micro_batch_are_checked_again(setup, edit):
     change, message = EDITS[edit]
     with pytest.raises(ValueError, match=message):
-        _loss(setup["model"], change(setup["loader"]))
+        step_loss(setup["model"], change(setup["loader"]))
 
 
 def test_unedited_micro_batches_still_equal_each_sample_alone(setup):
-    alone = sum(_loss(setup["model"], one, pack=False) for one in setup["alone"])
+    alone = sum(step_loss(setup["model"], one, pack=False) for one in setup["alone"])
     for item, options in ((setup["batch"], {}), (setup["batch"], dict(transform=lambda mb: mb)),
                           (setup["loader"], {}), (setup["batch"], dict(pack=False))):
-        assert _loss(setup["model"], item, **options) == pytest.approx(alone, rel=1e-5)
+        assert step_loss(setup["model"], item, **options) == pytest.approx(alone, rel=1e-5)
 
 
 def test_the_packers_mark_is_trusted_through_moves_and_a_dataloader_worker(setup):
