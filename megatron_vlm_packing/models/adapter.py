@@ -173,7 +173,7 @@ def check_unpacked_ids(micro_batch: MicroBatch, vocab_size: int | None) -> None:
     """
     checked = micro_batch.checked_media
     ids = micro_batch.input_ids
-    if checked is not None and checked[0] is ids:
+    if checked is not None and checked[0] is ids and micro_batch.vocab_checked(vocab_size):
         return
     from megatron_vlm_packing.packing.checks import check_ids, is_integer_tensor
 

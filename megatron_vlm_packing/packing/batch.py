@@ -175,7 +175,8 @@ def pack_batch(
         if plain is not None:
             return _packed_micro_batch(plain.plan, plain.indices, plain.input_ids, plain.labels, plain.loss_mask,
                                        segment_positions(plain.indices),
-                                       row_tokens=len(plain.plan.row_lengths) * plain.plan.row_capacity)
+                                       row_tokens=len(plain.plan.row_lengths) * plain.plan.row_capacity,
+                                       vocab_size=vocab_size)
     media = MediaTokens.resolve(mrope, image_token_id=image_token_id, video_token_id=video_token_id,
                                 audio_token_id=audio_token_id, spatial_merge_size=spatial_merge_size,
                                 require_counts=require_media_counts)
@@ -212,12 +213,13 @@ def pack_batch(
                                vision=rows.vision, audio=rows.audio,
                                extras={key: pack_rows(value, indices) for key, value in rows.extras.items()},
                                placeholders_checked=checked_placeholders(batch, media),
-                               mrope_config=positions_config(mrope))
+                               mrope_config=positions_config(mrope), vocab_size=vocab_size)
 
 
 def _packed_micro_batch(plan: PackPlan, indices: PackIndices, input_ids: torch.Tensor, labels: torch.Tensor,
                         loss_mask: torch.Tensor, positions: torch.Tensor, *, row_tokens: int, vision=None, audio=None,
-                        extras=None, placeholders_checked=(), mrope_config=None) -> MicroBatch:
+                        extras=None, placeholders_checked=(), mrope_config=None,
+                        vocab_size: int | None = None) -> MicroBatch:
     """The `MicroBatch` of a pack (both of `pack_batch`'s paths): [1, T] fields, boundaries, stats."""
     return MicroBatch(
         input_ids=input_ids,
@@ -238,6 +240,7 @@ def _packed_micro_batch(plan: PackPlan, indices: PackIndices, input_ids: torch.T
         mrope_config=mrope_config,
         checked_media=(input_ids, vision, audio),  # what the marks above were checked on
         checked_labels=labels,  # checked in the read (-100 or an id, below vocab_size when given)
+        checked_vocab_size=vocab_size,
     )
 
 

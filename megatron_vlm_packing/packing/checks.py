@@ -48,7 +48,7 @@ def check_label_values(labels: torch.Tensor, keep: torch.Tensor, vocab_size: int
         bad = bad | (keep & (labels >= vocab_size))
     if bool(bad.any()):
         b, t = _first_bad(bad)
-        allowed = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+        allowed = f"in [0, {vocab_size})" if vocab_size is not None else ">= 0"
         raise ValueError(f"labels {where(b, t)} is {int(labels[b, t])}: a label must be -100 (ignored) or a "
                          f"token id {allowed}; {int(bad.sum())} such label(s)")
 

@@ -118,7 +118,8 @@ def pad_batch(
     multiple = PackMultiples.for_parallel(tp_size=tp_size, cp_size=cp_size, sequence_parallel=sequence_parallel,
                                           fp8=fp8).total
     length = _checked_dense_length(rows, multiple, seq_length=seq_length, truncate=truncate)
-    return _dense_micro_batch(rows, length, pad_token_id, batch, media, mrope_config=positions_config(mrope))
+    return _dense_micro_batch(rows, length, pad_token_id, batch, media, mrope_config=positions_config(mrope),
+                              vocab_size=vocab_size)
 
 
 def _checked_dense_length(rows: Rows, multiple: int, *, seq_length: int | None, truncate: bool) -> int:
@@ -133,9 +134,10 @@ def _checked_dense_length(rows: Rows, multiple: int, *, seq_length: int | None, 
 
 
 def _dense_micro_batch(rows: Rows, length: int, pad_token_id: int, batch, media: MediaTokens, *,
-                       mrope_config=None) -> MicroBatch:
+                       mrope_config=None, vocab_size: int | None = None) -> MicroBatch:
     """`pad_batch`'s `MicroBatch` of `rows` padded (or cut, with `truncate`) to [B, L] (L = `length`);
-    `mrope_config`: the `MRopeConfig` that made its positions (`positions.positions_config`)."""
+    `mrope_config`: the `MRopeConfig` that made its positions (`positions.positions_config`); `vocab_size`:
+    the bound the rows' read checked ids and labels below."""
     batch_size, row_length = rows.input_ids.shape
     keep = pad_or_truncate_rows(rows.keep, length, pad_value=False)
     if rows.positions is None:
@@ -166,4 +168,5 @@ def _dense_micro_batch(rows: Rows, length: int, pad_token_id: int, batch, media:
         mrope_config=mrope_config,
         checked_media=(input_ids, rows.vision, rows.audio),  # what the marks above were checked on
         checked_labels=labels,  # checked in the rows' read (-100 or an id, below vocab_size when given)
+        checked_vocab_size=vocab_size,
     )

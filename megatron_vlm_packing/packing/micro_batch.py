@@ -135,6 +135,11 @@ class MicroBatch:
         checked_labels: the `labels` tensor whose values the packer checked (-100 or a token id >= 0, below its
             `vocab_size` when given), kept like `checked_loss_mask`; other labels (a transform's, a replace) are
             checked by the step (`train.step.check_unpacked_labels`, one host sync then only).
+        checked_vocab_size: the `vocab_size` the packer checked the real ids and the labels below (`pack_batch` /
+            `pad_batch` / the collators given one, or the step against the model's); None when only their
+            lower bounds were checked (a `PackingCollator` without `pack_options=dict(vocab_size=...)`: it
+            has no model). The step checks a micro-batch whose bound is unknown or above the model's
+            vocabulary (`vocab_checked`; `train.step.check_loader_vocab`).
         checked_media: the (`input_ids`, `vision`, `audio`) objects whose placeholders, grids, per-sample
             counts and audio lengths packing checked in its one read (`pack_batch` / `pad_batch`; kept by
             the moves, which replace it with the moved objects). `placeholders_checked` and the per-sample
@@ -163,6 +168,11 @@ class MicroBatch:
     mrope_config: MRopeConfig | None = None
     checked_media: tuple | None = field(default=None, repr=False, compare=False)
     checked_labels: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    checked_vocab_size: int | None = field(default=None, compare=False)
+
+    def vocab_checked(self, vocab_size: int | None) -> bool:
+        """The packer's checks bound the ids and labels it checked below `vocab_size` (always, when None)."""
+        return vocab_size is None or (self.checked_vocab_size is not None and self.checked_vocab_size <= vocab_size)
 
     @property
     def labels_checked(self) -> bool:

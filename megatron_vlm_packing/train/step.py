@@ -25,7 +25,7 @@ it (bug class 10). Process groups are looked up here, at the edge; everything be
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Callable, Iterator, Mapping
 
@@ -189,33 +189,64 @@ def check_unpacked_loss_weights(micro_batch: MicroBatch) -> None:
 
 
 def check_unpacked_labels(micro_batch: MicroBatch, vocab_size: int | None) -> None:
-    """Labels no packer checked (a transform's, a `replace`: not the packer's `checked_labels`) must be an
-    integer tensor of -100 or token ids in [0, vocab_size) at every slot (>= 0 when the vocabulary is
-    unknown): a label >= the vocabulary reached Megatron's vocab-parallel cross entropy, which masks it
-    (the token's loss silently the log-sum-exp of its logits). Packed labels were checked: no sync here.
+    """Labels no packer checked (a transform's, a `replace`: not the packer's `checked_labels`), or checked
+    below no vocabulary or a larger one (`MicroBatch.vocab_checked`), must be an integer tensor of -100 or
+    token ids in [0, vocab_size) at every slot (>= 0 when the vocabulary is unknown): a label >= the
+    vocabulary reached Megatron's vocab-parallel cross entropy, which masks it (the token's loss silently
+    the log-sum-exp of its logits). Labels packed below this vocabulary were checked: no sync here.
 
     Raises:
         ValueError: labels that are no integer tensor, or naming the first bad slot (row, position), its
             value and the count. One host sync (micro-batches with labels of their own only).
     """
-    if micro_batch.labels_checked:
+    if micro_batch.labels_checked and micro_batch.vocab_checked(vocab_size):
         return
-    from megatron_vlm_packing.packing.checks import IGNORE_INDEX, is_integer_tensor
+    from megatron_vlm_packing.packing.checks import check_label_values, is_integer_tensor
 
     labels = micro_batch.labels
     if not isinstance(labels, torch.Tensor) or not is_integer_tensor(labels):
         raise ValueError(f"labels must be an integer tensor of token ids, got "
                          f"{labels.dtype if isinstance(labels, torch.Tensor) else type(labels).__name__}")
     rows = labels if labels.dim() == 2 else labels.reshape(1, -1)
-    bad = (rows < 0) & (rows != IGNORE_INDEX)
-    if vocab_size is not None:
-        bad = bad | (rows >= vocab_size)
-    where = torch.nonzero(bad)  # the one host sync
-    if where.numel():
-        row, position = where[0].tolist()
-        allowed = f"in [0, {vocab_size})" if vocab_size is not None else ">= 0"
-        raise ValueError(f"labels row {row} position {position} is {int(rows[row, position])}: a label must be -100 "
-                         f"(ignored) or a token id {allowed}; {where.shape[0]} such label(s)")
+    check_label_values(rows, torch.ones_like(rows, dtype=torch.bool), vocab_size)  # the one host sync
+
+
+def check_loader_vocab(micro_batch: MicroBatch, vocab_size: int | None) -> MicroBatch:
+    """A micro-batch from the data iterator whose ids and labels its packer bound below no vocabulary, or a
+    larger one than the model's (`MicroBatch.vocab_checked`: a `PackingCollator` has no model), checked
+    against `vocab_size` where it arrives, in host memory: no device sync. A label >= the vocabulary reached
+    Megatron's vocab-parallel cross entropy, which masks it (its loss silently the log-sum-exp of the
+    logits); a real id >= it became a zero embedding at TP > 1 (every rank masks it).
+
+    Returns the micro-batch marked checked for `vocab_size`, or as given when there is nothing to check, or
+    when its tensors are on a device already (`check_unpacked_labels` and the adapter's id check read them
+    there, one sync).
+
+    Raises:
+        ValueError: naming the first real id or label >= `vocab_size` (row, position in the micro-batch), its
+            value, and that the collator can check it with `pack_options=dict(vocab_size=...)`.
+    """
+    ids, labels, pads = micro_batch.input_ids, micro_batch.labels, micro_batch.padding_mask
+    tensors = (ids, labels, pads)
+    if micro_batch.vocab_checked(vocab_size) or not all(isinstance(t, torch.Tensor) and t.is_cpu for t in tensors) \
+            or ids.shape != labels.shape or pads.shape != ids.shape:
+        return micro_batch
+    # numpy: these are host memory on a GPU run too (the worker's pinned buffer), so no device waits on them
+    real = ~pads.numpy()
+    bad_ids, bad_labels = real & (ids.numpy() >= vocab_size), labels.numpy() >= vocab_size
+    if bad_ids.any() or bad_labels.any():
+        from megatron_vlm_packing.packing.checks import check_ids, check_label_values
+
+        hint = (f"; the data iterator's micro-batch was packed without the model's vocabulary: give "
+                f"PackingCollator pack_options=dict(vocab_size={vocab_size}) (pack_batch / pad_batch: vocab_size="
+                f"{vocab_size}) to refuse it in the DataLoader worker")
+        rows = (lambda t: t if t.dim() == 2 else t.reshape(1, -1))
+        try:
+            check_ids(rows(ids), rows(torch.from_numpy(real)), vocab_size, "input_ids")
+            check_label_values(rows(labels), torch.ones_like(rows(labels), dtype=torch.bool), vocab_size)
+        except ValueError as error:
+            raise ValueError(f"{error}{hint}") from None
+    return replace(micro_batch, checked_vocab_size=vocab_size)
 
 
 def prepare_for_model(micro_batch: MicroBatch, adapter: ModelAdapter, layout: ParallelLayout) -> MicroBatch:
@@ -267,6 +298,7 @@ def micro_batch_for_model(item: dict | MicroBatch, adapter: ModelAdapter, layout
         source = "make_forward_step(mrope=...)" if options.mrope is not None \
             else f"{adapter.model_name}'s own, {type(adapter).__name__}.mrope"
         check_loader_mrope(item, mrope, source)
+        item = check_loader_vocab(item, getattr(adapter, "vocab_size", None))
         return BuiltMicroBatch(adapter.micro_batch_from_loader(item, layout, options, device))
     batch = to_device(item, device)
     mrope_used = resolve_mrope(options, adapter, batch)

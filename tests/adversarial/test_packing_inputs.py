@@ -104,7 +104,7 @@ ERRORS = [
      r"labels row 0 position 2 is -1: a label must be -100 \(ignored\) or a token id >= 0; 1 such label"),
     ("label_at_vocab_size", lambda: pack_batch(with_(hf_batch(), labels=torch.tensor([[11, 12, 13, -100], [50, 22, -100, -100]])),
                                                label_style="hf", vocab_size=50),
-     r"labels row 1 position 0 is 50: a label must be -100 \(ignored\) or a token id \[0, 50\)"),
+     r"labels row 1 position 0 is 50: a label must be -100 \(ignored\) or a token id in \[0, 50\)"),
     ("input_id_at_vocab_size", lambda: pack_batch(hf_batch(((11, 12, 60), (21, 22))), label_style="hf", vocab_size=50),
      r"input_ids row 0 position 2 is 60: token ids must lie in \[0, 50\)"),
     ("negative_input_id", lambda: pack_batch(with_(hf_batch(), input_ids=torch.tensor([[11, -5, 13, 0], [21, 22, 0, 0]])),

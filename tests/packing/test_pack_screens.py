@@ -49,7 +49,7 @@ def test_a_screen_tripped_only_by_pad_slots_lets_the_batch_through_unchanged(key
 @pytest.mark.parametrize("key,value,message", [
     ("input_ids", -5, r"input_ids row 1 position 2 is -5: token ids must lie in \[0, 50\)"),
     ("input_ids", 50, r"input_ids row 1 position 2 is 50: token ids must lie in \[0, 50\)"),
-    ("labels", -1, r"labels row 1 position 2 is -1: a label must be -100 \(ignored\) or a token id \[0, 50\)"),
+    ("labels", -1, r"labels row 1 position 2 is -1: a label must be -100 \(ignored\) or a token id in \[0, 50\)"),
     ("labels", -101, r"labels row 1 position 2 is -101"),
     ("labels", 50, r"labels row 1 position 2 is 50"),
     ("loss_mask", float("nan"), r"loss_mask row 1 position 2 is nan: loss weights must be finite and >= 0"),

@@ -65,15 +65,25 @@ def test_labels_that_are_not_integers_are_refused(dtype):
 
 
 def test_packed_labels_cost_no_sync_and_replaced_ones_one():
-    loader = micro_batch_to(PackingCollator(label_style="hf")(_batch()), torch.device("cpu"))  # the step's move
-    for packed in (pack_batch(_batch(), label_style="hf"), pad_batch(_batch(), label_style="hf"), loader,
-                   replace(loader, stats=loader.stats)):
+    """Labels the packer checked below the model's vocabulary cost no sync; labels checked without it, or
+    replaced, one (the step checks a loader's in host memory first: `check_loader_vocab`)."""
+    from megatron_vlm_packing.train.step import check_loader_vocab
+
+    vocab = dict(vocab_size=64)
+    loader = micro_batch_to(PackingCollator(label_style="hf", pack_options=vocab)(_batch()), torch.device("cpu"))
+    unbound = PackingCollator(label_style="hf")(_batch())
+    for packed in (pack_batch(_batch(), label_style="hf", **vocab), pad_batch(_batch(), label_style="hf", **vocab),
+                   loader, replace(loader, stats=loader.stats), check_loader_vocab(unbound, 64)):
         with count_host_syncs() as syncs:
             prepare_for_model(packed, _Adapter(vocab_size=64), ParallelLayout())
         assert syncs.total == 0, syncs.report()
-    with count_host_syncs() as syncs:
-        prepare_for_model(replace(loader, labels=loader.labels.clone()), _Adapter(vocab_size=64), ParallelLayout())
-    assert syncs.total == 1, syncs.report()
+    for unchecked in (replace(loader, labels=loader.labels.clone()), unbound, pack_batch(_batch(), label_style="hf")):
+        with count_host_syncs() as syncs:
+            prepare_for_model(unchecked, _Adapter(vocab_size=64), ParallelLayout())
+        assert syncs.total == 1, syncs.report()
+    with count_host_syncs() as syncs:  # the model's vocabulary unknown: the lower bound the packer checked holds
+        prepare_for_model(unbound, _Adapter(), ParallelLayout())
+    assert syncs.total == 0, syncs.report()
 
 
 def test_a_transform_giving_labels_beyond_the_models_vocabulary_is_refused(single_process_megatron):
