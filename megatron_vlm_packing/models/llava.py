@@ -21,11 +21,11 @@ Shape legend: B = rows, S = row length, T = collapsed packed slots, N = document
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from megatron_vlm_packing.models.adapter import ModelAdapter
+from megatron_vlm_packing.models.adapter import ModelAdapter, model_vocab_size
 # LlavaRows, expanded_packed_seq_params and llava_pack_plan are re-exported.
 from megatron_vlm_packing.models.llava_plan import (  # noqa: F401
     LlavaPackPlan, LlavaRows, PlannedPackedSeqParams, check_expanded_total, expanded_packed_seq_params, llava_pack_plan,
@@ -49,6 +49,8 @@ class LlavaSpace:
         total_multiple: the expanded total divides by it (LLaVA's CP/SP shard factor).
         pipeline_length: under PP LLaVA pads every expanded row to this length (else None).
         max_length: LLaVA truncates expanded rows beyond this (language_max_sequence_length).
+        vocab_size: the language model's vocabulary: the packers refuse real text ids and labels outside
+            [0, vocab_size) (None: unknown, checked from below only). Not compared: it makes no plan.
     """
 
     img_seq_len: int
@@ -57,6 +59,7 @@ class LlavaSpace:
     total_multiple: int = 1
     pipeline_length: int | None = None
     max_length: int | None = None
+    vocab_size: int | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         # 0 / -2 / 2.5 embeddings per image were accepted (plans for another expanded sequence), a multiple of
@@ -65,7 +68,7 @@ class LlavaSpace:
             raise ValueError(f"image_token_index must be an int (LLaVA's default is -200), got {self.image_token_index!r}")
         object.__setattr__(self, "image_token_index", int(self.image_token_index))
         for name, optional in (("img_seq_len", False), ("segment_multiple", False), ("total_multiple", False),
-                               ("pipeline_length", True), ("max_length", True)):
+                               ("pipeline_length", True), ("max_length", True), ("vocab_size", True)):
             object.__setattr__(self, name, checked_int(getattr(self, name), name, least=1, optional=optional))
 
     @classmethod
@@ -77,7 +80,8 @@ class LlavaSpace:
         pipelined = bool(getattr(model, "_language_is_pipeline_parallel", False))
         return cls(img_seq_len=int(model.img_seq_len), image_token_index=int(model.image_token_index),
                    segment_multiple=2 * cp if cp > 1 else 1, total_multiple=total,
-                   pipeline_length=max_length if pipelined else None, max_length=max_length)
+                   pipeline_length=max_length if pipelined else None, max_length=max_length,
+                   vocab_size=model_vocab_size(model))
 
 
 def check_image_dtype(images: torch.Tensor, name: str) -> None:

@@ -116,11 +116,13 @@ def _read_rows(batch: dict, space: LlavaSpace, label_style: str):
     images = _images(batch)  # refused (shape, dtype) before the read
     name, ids = input_ids_of(batch)
     shape = tuple(ids.shape)
-    # LLaVA's default image token is negative (DEFAULT_IMAGE_TOKEN_INDEX = -200, which LLaVAModel never
-    # embeds): the id screen (ids in [0, vocab)) refused every batch of such a model. It screens the
+    # LLaVAModel never embeds its image token (the default, DEFAULT_IMAGE_TOKEN_INDEX = -200, is negative):
+    # the id screen (ids in [0, space.vocab_size)) refused every batch of such a model. It screens the
     # text ids only; the image tokens are counted and placed from `ids` itself below.
-    screened = ids.masked_fill(ids == space.image_token_index, 0) if space.image_token_index < 0 else ids
-    queued = queue_row_reads(batch, screened, name, label_style, None)
+    image, vocab = space.image_token_index, space.vocab_size
+    outside = image < 0 or (vocab is not None and image >= vocab)
+    screened = ids.masked_fill(ids == space.image_token_index, 0) if outside else ids
+    queued = queue_row_reads(batch, screened, name, label_style, space.vocab_size)
     llava, tiles = _llava_row_values(batch, ids, queued.mask.keep, space)
     llava_entry = queued.checks.add(llava, lambda v: False, None)
     host = queued.checks.read()  # the one host sync
@@ -238,6 +240,7 @@ def pack_llava_batch(batch: dict, space: LlavaSpace, *, label_style: str = "mega
     return MicroBatch(
         input_ids=pack_rows(ids, indices, pad_value=pad_token_id),
         labels=packed_labels, checked_labels=packed_labels, loss_mask=loss_mask, checked_loss_mask=loss_mask,
+        checked_vocab_size=space.vocab_size,
         position_ids=segment_positions(indices), padding_mask=~indices.is_real[None],
         packed_seq_params=make_packed_seq_params(plan, indices), rope_cu_seqlens=indices.cu_seqlens, stats=stats,
         vision=vision, plan=plan, indices=indices,
@@ -303,7 +306,7 @@ def pad_llava_batch(batch: dict, space: LlavaSpace, *, label_style: str = "megat
     padded_labels = rows_of(labels, IGNORE_INDEX)  # checked in the rows' read too
     return MicroBatch(
         input_ids=rows_of(ids, pad_token_id), labels=padded_labels, loss_mask=loss_mask,
-        checked_loss_mask=loss_mask, checked_labels=padded_labels,
+        checked_loss_mask=loss_mask, checked_labels=padded_labels, checked_vocab_size=space.vocab_size,
         position_ids=torch.arange(length, device=ids.device)[None].expand(rows, length), padding_mask=~keep,
         packed_seq_params=None, rope_cu_seqlens=None, vision=vision,
         stats=BatchStats(real_tokens=sum(expanded), physical_tokens=rows_expanded, row_tokens=rows_expanded),
