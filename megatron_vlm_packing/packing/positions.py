@@ -13,7 +13,7 @@ from typing import Callable, Mapping
 import numpy as np
 import torch
 
-from megatron_vlm_packing.packing.checks import DeferredChecks, _first_bad, token_place
+from megatron_vlm_packing.packing.checks import DeferredChecks, _first_bad, check_dense, token_place
 from megatron_vlm_packing.packing.lengths import DeferredKeep, any_true, widened_unsigned
 from megatron_vlm_packing.packing.pack import cat_row_prefixes
 from megatron_vlm_packing.packing.indices import host_ramp
@@ -120,10 +120,8 @@ def _checked_callable_positions(positions: torch.Tensor, input_ids: torch.Tensor
     One read, only for floating positions (the callable itself, e.g. a model's `get_rope_index`, reads the host
     many times already); integer positions cost none."""
     field = f"the mrope callable {name}"
-    if positions.is_meta:
-        raise ValueError(f"{field} returned a meta tensor: it holds no values")
-    if positions.layout is not torch.strided or positions.is_nested:
-        raise ValueError(f"{field} returned layout {positions.layout}: positions must be a dense (strided) tensor")
+    check_dense(f"the output of {field}", positions, "pack_batch/pad_batch",
+                fix=f"return dense positions from {name}")
     positions = widened_unsigned(positions, f"positions from {field}")
     if positions.dtype == torch.bool or positions.is_complex():
         raise ValueError(f"{field} returned dtype {positions.dtype}: mRoPE positions must hold integer or real "
