@@ -141,7 +141,7 @@ def check_pack_arguments(*, fp8=False, label_style="megatron", pad_to=None, pad_
     not hold is left at its default.
 
     Returns:
-        `pad_to` as a Python int (`plan.checked_pad_to`: a numpy or 0-dim tensor integer read as its int), or None.
+        `pad_to` as a Python int (`plan.checked_pad_to`: a numpy int read as its int, a tensor refused), or None.
 
     Raises:
         ValueError: naming the first bad option, in the order fp8, label_style, pad_to, pad_token_id, mrope.
