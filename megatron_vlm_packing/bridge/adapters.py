@@ -144,7 +144,7 @@ def check_unpacked_vision(micro_batch: MicroBatch, mrope) -> None:
 def _check_unpacked_audio(micro_batch: MicroBatch, token: int, n_window: int) -> None:
     """`check_unpacked_vision`'s audio part (Qwen3-Omni): placeholders without clips, and each sample's
     placeholders against whole clips of its own (each clip's tokens from its mask and `n_window`)."""
-    from megatron_vlm_packing.models.audio import audio_tokens_per_clip
+    from megatron_vlm_packing.models.audio import audio_tokens_per_clip_from_mask
     from megatron_vlm_packing.models.merge import (check_placeholders_per_sample, refuse_orphan_placeholders,
                                                    sample_boundaries)
 
@@ -153,8 +153,8 @@ def _check_unpacked_audio(micro_batch: MicroBatch, token: int, n_window: int) ->
         refuse_orphan_placeholders(ids, "audio", token)
         return
     check_placeholders_per_sample(ids, sample_boundaries(ids, micro_batch.packed_seq_params),
-                                  audio_tokens_per_clip(audio.feature_attention_mask, n_window), token_id=token,
-                                  field="audio", items_per_sample=audio.audios_per_sample)
+                                  audio_tokens_per_clip_from_mask(audio.feature_attention_mask, n_window),
+                                  token_id=token, field="audio", items_per_sample=audio.audios_per_sample)
 
 
 def _require_patch(active: bool, defect: bool, what: str, apply_name: str) -> None:

@@ -52,8 +52,10 @@ def check_audio_lengths(audio_lengths, feature_attention_mask: torch.Tensor) -> 
                          f"per clip: give the lengths of the mask (or no lengths)")
 
 
-def audio_tokens_per_clip(feature_attention_mask: torch.Tensor, n_window: int) -> list[int]:
-    """Language-model tokens of each clip: Qwen3-Omni's encoder output length of its real frames."""
+def audio_tokens_per_clip_from_mask(feature_attention_mask: torch.Tensor, n_window: int) -> list[int]:
+    """Language-model tokens of each clip of an [A, L] `feature_attention_mask`: Qwen3-Omni's encoder output length
+    (`audio_output_length`) of its real frames (`audio_lengths_from_mask`: one host sync). A clip without real
+    frames takes 0 tokens here; `rope.omni.audio_tokens_per_clip` (from raw lengths, host ints) refuses it."""
     lengths = torch.tensor(audio_lengths_from_mask(feature_attention_mask), dtype=torch.long)
     return audio_output_length(lengths, n_window).tolist()
 

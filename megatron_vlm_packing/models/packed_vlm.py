@@ -229,11 +229,11 @@ class PackedVLM(nn.Module):
 
     def _merge_audio(self, flat, input_ids, bounds, features, mask, per_sample, audio_lengths):
         """`flat` [B*S, H] with the audio tower's embeddings placed: features [A, F, L], mask [A, L]."""
-        from megatron_vlm_packing.models.audio import audio_tokens_per_clip
+        from megatron_vlm_packing.models.audio import audio_tokens_per_clip_from_mask
 
         return self._merge(flat, input_ids, bounds, token_id=self.audio_token_id, field="audio",
                            embeddings=self._audio_embeddings(features, mask, audio_lengths, bounds is None),
-                           tokens_per_item=lambda: audio_tokens_per_clip(mask, self.audio.n_window),
+                           tokens_per_item=lambda: audio_tokens_per_clip_from_mask(mask, self.audio.n_window),
                            per_sample=per_sample)
 
     def _decoder_input(self, input_ids, cp_index, media: dict, packed_seq_params):

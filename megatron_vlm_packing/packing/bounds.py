@@ -12,7 +12,6 @@ arithmetic where a Python int does not.
 """
 
 import numbers
-import operator
 
 import torch
 
@@ -24,16 +23,10 @@ def is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def integer_scalar(value) -> int | None:
-    """`value` as a Python int when it is an integer scalar: a Python or numpy int, or an integer tensor of one
-    element (`operator.index`), not a bool nor a bool tensor (which `operator.index` reads as 0 / 1); else None.
-    For lengths that may come out of a tensor (`pad_to`, dense B and S), where `is_int` takes no tensor."""
-    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
+def tensor_hint(value, name: str) -> str:
+    """The end of an integer option's error when `value` is a tensor (refused: its value would be read back from
+    the device at every call, hidden in an option): how to pass it; "" for anything else."""
+    return f"; pass a Python int (int({name})), not a tensor" if isinstance(value, torch.Tensor) else ""
 
 
 def checked_int(value, name: str, *, least: int | None = None, optional: bool = False) -> int | None:

@@ -28,6 +28,31 @@ def is_integer_tensor(x: torch.Tensor) -> bool:
     return not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
 
 
+def is_undense(value: torch.Tensor) -> bool:
+    """A sparse, nested or meta tensor: no dense values numpy and most of torch's kernels can read."""
+    return value.layout is not torch.strided or value.is_nested or value.is_meta
+
+
+def check_dense(key: str, value, reader: str, fix: str | None = None) -> None:
+    """`refuse_undense` when `value` is a tensor without dense values (`is_undense`); anything else passes."""
+    if isinstance(value, torch.Tensor) and is_undense(value):
+        refuse_undense(key, value, reader, fix)
+
+
+def refuse_undense(key: str, value: torch.Tensor, reader: str = "pack_batch/pad_batch", fix: str | None = None) -> None:
+    """The ValueError for `key`, a meta, nested or sparse tensor (`is_undense`; the caller checked), that
+    `reader` (a plural subject: "pack_batch/pad_batch") cannot read: what it is and, unless meta, how to pass it
+    dense. `fix` replaces that remedy (a callable's output, not a batch tensor)."""
+    if value.is_meta:
+        raise ValueError(f"{key} is a meta tensor: it holds no values for {reader} to read")
+    if value.is_nested:
+        fix = fix or "pad its rows (torch.nested.to_padded_tensor) and give an attention_mask"
+        raise ValueError(f"{key} is a nested tensor (layout {value.layout}): {reader} read dense (strided) tensors; "
+                         f"{fix}")
+    fix = fix or f"pass {key}.to_dense()"
+    raise ValueError(f"{key} has layout {value.layout}: {reader} read dense (strided) tensors; {fix}")
+
+
 def token_place(row: int, position: int) -> str:
     """Where a bad token is, in the batch as given: its row and position."""
     return f"row {row} position {position}"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron_vlm_packing.packing.bounds import integer_scalar
+from megatron_vlm_packing.packing.bounds import is_int
 from megatron_vlm_packing.packing.plan import check_int32_total, round_up
 
 
@@ -92,16 +92,16 @@ def dense_packed_seq_params(batch_size: int, seq_length: int, *, device=None) ->
 
 
 def _int_sizes(batch_size, seq_length) -> tuple[int, int]:
-    """Both sizes as Python ints (an integer scalar, numpy or 0-d tensor, is read as its int).
+    """Both sizes as Python ints (`bounds.is_int`: a numpy int is read as its int).
 
     Raises:
-        ValueError: a bool, float or other non-integer size (naming both).
+        ValueError: a bool, float, tensor or other non-integer size (naming both).
     """
-    sizes = integer_scalar(batch_size), integer_scalar(seq_length)
-    if None in sizes:
+    if not (is_int(batch_size) and is_int(seq_length)):
+        tensors = isinstance(batch_size, torch.Tensor) or isinstance(seq_length, torch.Tensor)
         raise ValueError(f"dense_packed_seq_params needs int batch_size and seq_length, got batch_size={batch_size!r}, "
-                         f"seq_length={seq_length!r}")
-    return sizes
+                         f"seq_length={seq_length!r}{'; pass Python ints (int(...)), not tensors' if tensors else ''}")
+    return int(batch_size), int(seq_length)
 
 
 def right_pad_samples(samples, row_length: int, pad_token_id: int = 0):

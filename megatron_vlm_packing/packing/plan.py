@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_vlm_packing.packing.bounds import integer_scalar, is_int
+from megatron_vlm_packing.packing.bounds import is_int, tensor_hint
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -259,19 +259,19 @@ def check_fp8(fp8) -> None:
 
 
 def checked_pad_to(pad_to) -> int | None:
-    """`pad_to` as a Python int (or None). An integer scalar (numpy, a 0-dim tensor) would otherwise
-    become the last physical length, T and `max_seqlen_*`, which must be Python ints; a float or a
-    string would fail deep in the plan with a TypeError.
+    """`pad_to` as a Python int (or None), by the one rule of an integer option (`bounds.is_int`). A numpy int
+    would otherwise become the last physical length, T and `max_seqlen_*`, which must be Python ints; a float or
+    a string would fail deep in the plan with a TypeError.
 
     Raises:
-        ValueError: `pad_to` is a bool, not an integer, or below 1 (no pack has 0 slots: refused where
-            an option is set, not at the first batch a collator packs).
+        ValueError: `pad_to` is a bool, a tensor (saying to pass int(pad_to)), not an integer, or below 1 (no
+            pack has 0 slots: refused where an option is set, not at the first batch a collator packs).
     """
     if pad_to is None:
         return pad_to
-    scalar = pad_to if type(pad_to) is int else integer_scalar(pad_to)
-    if scalar is None:
-        raise ValueError(f"pad_to must be an int (the packed length T) or None, got {pad_to!r}")
-    if scalar < 1:
+    if not is_int(pad_to):
+        raise ValueError(f"pad_to must be an int (the packed length T) or None, got {pad_to!r}"
+                         f"{tensor_hint(pad_to, 'pad_to')}")
+    if pad_to < 1:
         raise ValueError(f"pad_to must be a positive int (the packed length T) or None, got {pad_to!r}")
-    return scalar
+    return int(pad_to)

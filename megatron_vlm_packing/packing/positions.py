@@ -13,7 +13,7 @@ from typing import Callable, Mapping
 import numpy as np
 import torch
 
-from megatron_vlm_packing.packing.checks import DeferredChecks, _first_bad, token_place
+from megatron_vlm_packing.packing.checks import DeferredChecks, _first_bad, check_dense, token_place
 from megatron_vlm_packing.packing.lengths import DeferredKeep, any_true, widened_unsigned
 from megatron_vlm_packing.packing.pack import cat_row_prefixes
 from megatron_vlm_packing.packing.indices import host_ramp
@@ -43,9 +43,11 @@ def refuse_unread_rope_inputs(batch: Mapping, accepted: set, audio, *, name: str
 
 
 def rope_positions(batch: Mapping, input_ids: torch.Tensor, keep: torch.Tensor, mrope, audio,
-                   where: Callable[[int, int], str] = token_place) -> torch.Tensor:
+                   where: Callable[[int, int], str] = token_place, *, media=None) -> torch.Tensor:
     """[3, B, S] positions of each row alone, from an `MRopeConfig` or a callable (its output checked: dense,
-    integer or real, finite at real tokens; `where` names a token in that error)."""
+    integer or real, finite at real tokens; `where` names a token in that error). A callable that names
+    `mm_token_type_ids` (transformers 5's get_rope_index requires them) is given the batch's, else ones derived
+    from the placeholder ids of `media` (`MediaTokens`, `derived_token_types`)."""
     if callable(mrope):
         fn: Callable = mrope
         params = inspect.signature(mrope).parameters
@@ -67,6 +69,8 @@ def rope_positions(batch: Mapping, input_ids: torch.Tensor, keep: torch.Tensor, 
         refuse_unread_rope_inputs(batch, accepted, audio, name=name)
     if audio is not None and "audio_seqlens" in accepted and "audio_seqlens" not in kwargs:
         kwargs["audio_seqlens"] = torch.tensor(audio.audio_lengths)
+    if callable(mrope) and "mm_token_type_ids" in params and "mm_token_type_ids" not in kwargs:
+        kwargs["mm_token_type_ids"] = derived_token_types(batch, input_ids, media, name)
     result = fn(input_ids, attention_mask=keep.long(), **kwargs)
     positions = result[0] if isinstance(result, tuple) else result
     if not isinstance(positions, torch.Tensor) or positions.dim() != 3 or positions.shape[0] != 3 \
@@ -76,6 +80,34 @@ def rope_positions(batch: Mapping, input_ids: torch.Tensor, keep: torch.Tensor, 
     if callable(mrope):
         return _checked_callable_positions(positions, input_ids, keep, name, where)
     return positions
+
+
+def derived_token_types(batch: Mapping, input_ids: torch.Tensor, media, name: str) -> torch.Tensor:
+    """input_ids: [B, S] -> [B, S] int32 `mm_token_type_ids` for a position callable that takes them and a batch
+    without them: 1 at `media.image_token_id`, 2 at `media.video_token_id`, 0 elsewhere
+    (`rope.index.placeholder_types`, as the validator derives them).
+
+    Raises:
+        ValueError: no placeholder id known, or a grid in the batch whose kind's id is not known (its tokens
+            would be typed as text: text positions, or the callable's own error); naming both remedies.
+    """
+    from megatron_vlm_packing.packing.media import position_input
+    from megatron_vlm_packing.rope.index import placeholder_types
+
+    image_id = None if media is None else media.image_token_id
+    video_id = None if media is None else media.video_token_id
+    remedy = ("pass mm_token_type_ids in the batch, or the placeholder ids (image_token_id= / video_token_id=; "
+              "a step gets them from the model adapter's media_token_ids) to derive them from input_ids")
+    if image_id is None and video_id is None:
+        raise ValueError(f"the mrope callable {name} takes mm_token_type_ids and the batch has none, and no "
+                         f"placeholder id is known: {remedy}")
+    for key, id_name, token_id in (("image_grid_thw", "image_token_id", image_id),
+                                   ("video_grid_thw", "video_token_id", video_id)):
+        if token_id is None and position_input(batch.get(key)):
+            raise ValueError(f"the batch carries {key} but no {id_name} is known to find its placeholders in the "
+                             f"mm_token_type_ids the mrope callable {name} takes (they would be typed as text): "
+                             f"{remedy}")
+    return placeholder_types(input_ids, image_id, video_id)
 
 
 def _checked_callable_positions(positions: torch.Tensor, input_ids: torch.Tensor, keep: torch.Tensor, name: str,
@@ -88,10 +120,8 @@ def _checked_callable_positions(positions: torch.Tensor, input_ids: torch.Tensor
     One read, only for floating positions (the callable itself, e.g. a model's `get_rope_index`, reads the host
     many times already); integer positions cost none."""
     field = f"the mrope callable {name}"
-    if positions.is_meta:
-        raise ValueError(f"{field} returned a meta tensor: it holds no values")
-    if positions.layout is not torch.strided or positions.is_nested:
-        raise ValueError(f"{field} returned layout {positions.layout}: positions must be a dense (strided) tensor")
+    check_dense(f"the output of {field}", positions, "pack_batch/pad_batch",
+                fix=f"return dense positions from {name}")
     positions = widened_unsigned(positions, f"positions from {field}")
     if positions.dtype == torch.bool or positions.is_complex():
         raise ValueError(f"{field} returned dtype {positions.dtype}: mRoPE positions must hold integer or real "
@@ -267,11 +297,12 @@ def queue_rope_positions(batch: Mapping, input_ids: torch.Tensor, keep: Callable
 
 def batch_positions(batch: Mapping, input_ids: torch.Tensor, mask: DeferredKeep, mrope, audio,
                     rope=None, host: list | None = None,
-                    where: Callable[[int, int], str] = token_place) -> torch.Tensor | None:
+                    where: Callable[[int, int], str] = token_place, *, media=None) -> torch.Tensor | None:
     """[3, B, S] mRoPE positions (computed, or given in the batch), or None for 1D positions.
 
     Run after `queue_position_checks` and the checks' read (`host`, which carries the values of
-    `rope`, `queue_rope_positions`' result, when not None). `where` names a token in a callable's errors."""
+    `rope`, `queue_rope_positions`' result, when not None). `where` names a token in a callable's errors;
+    `media` (`MediaTokens`) gives a callable's derived `mm_token_type_ids` (`rope_positions`)."""
     given = batch.get("position_ids")
     if rope is not None:
         from megatron_vlm_packing.rope.index import finish_rope_index
@@ -279,7 +310,7 @@ def batch_positions(batch: Mapping, input_ids: torch.Tensor, mask: DeferredKeep,
         lengths = audio.audio_lengths if audio is not None and batch.get("audio_seqlens") is None else None
         return finish_rope_index(rope, host, audio_seqlens=lengths).position_ids
     if mrope is not None:
-        return rope_positions(batch, input_ids, mask.keep, mrope, audio, where)
+        return rope_positions(batch, input_ids, mask.keep, mrope, audio, where, media=media)
     if given is not None and given.dim() == 3:
         return given
     return None  # 1D positions: each document restarts at 0

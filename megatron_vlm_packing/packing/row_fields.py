@@ -16,7 +16,9 @@ from typing import Iterable, Mapping
 import torch
 
 from megatron_vlm_packing.packing.bounds import INT64_MAX, is_int
-from megatron_vlm_packing.packing.checks import is_integer_tensor
+from megatron_vlm_packing.packing.checks import (  # noqa: F401 (is_undense, refuse_undense re-exported)
+    check_dense, is_integer_tensor, is_undense, refuse_undense,
+)
 from megatron_vlm_packing.packing.documents import DOCUMENT_KEY
 from megatron_vlm_packing.packing.lengths import widened_unsigned
 from megatron_vlm_packing.packing.media import VISION_KEYS
@@ -68,24 +70,7 @@ def check_dense_tensors(batch: Mapping, reader: str = "pack_batch/pad_batch") ->
     if not isinstance(batch, Mapping):  # check_keys names what it is
         return
     for key, value in batch.items():
-        if isinstance(value, torch.Tensor) and is_undense(value):
-            refuse_undense(key, value, reader)
-
-
-def is_undense(value: torch.Tensor) -> bool:
-    """A sparse, nested or meta tensor: one `check_dense_tensors` refuses."""
-    return value.layout is not torch.strided or value.is_nested or value.is_meta
-
-
-def refuse_undense(key: str, value: torch.Tensor, reader: str = "pack_batch/pad_batch") -> None:
-    """The ValueError of `check_dense_tensors` for `batch[key]`."""
-    if value.is_meta:
-        raise ValueError(f"{key} is a meta tensor: it holds no values to pack")
-    if value.is_nested:
-        raise ValueError(f"{key} is a nested tensor (layout {value.layout}): {reader} read dense (strided) "
-                         f"tensors; pad its rows (torch.nested.to_padded_tensor) and give an attention_mask")
-    raise ValueError(f"{key} has layout {value.layout}: {reader} read dense (strided) tensors; pass "
-                     f"{key}.to_dense()")
+        check_dense(key, value, reader)
 
 
 def input_ids_of(batch: Mapping) -> tuple[str, torch.Tensor]:
@@ -156,7 +141,7 @@ def check_pack_arguments(*, fp8=False, label_style="megatron", pad_to=None, pad_
     not hold is left at its default.
 
     Returns:
-        `pad_to` as a Python int (`plan.checked_pad_to`: a numpy or 0-dim tensor integer read as its int), or None.
+        `pad_to` as a Python int (`plan.checked_pad_to`: a numpy int read as its int, a tensor refused), or None.
 
     Raises:
         ValueError: naming the first bad option, in the order fp8, label_style, pad_to, pad_token_id, mrope.

@@ -243,7 +243,7 @@ def read_rows(batch, *, label_style: str, mrope, media: MediaTokens, extra_keys=
         vision = vision_inputs(batch, media_host, media, grids_for_rope=mrope is not None, count_grids=callable(mrope))
         audio = audio_inputs(batch, media_host, media)
         check_audio_seqlens(batch, media_host, media, audio)
-        positions = batch_positions(batch, input_ids, deferred, mrope, audio, rope, host, where)
+        positions = batch_positions(batch, input_ids, deferred, mrope, audio, rope, host, where, media=media)
     except ValueError:
         raise_value_errors_first(queued.unchecked_values, label_style, vocab_size, unchecked_positions)
         raise

@@ -15,7 +15,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 import torch
 
-from megatron_vlm_packing.packing.checks import is_integer_tensor, token_place
+from megatron_vlm_packing.packing.checks import check_dense, is_integer_tensor, token_place
 from megatron_vlm_packing.packing.lengths import widened_unsigned
 from megatron_vlm_packing.rope.config import MRopeConfig
 from megatron_vlm_packing.rope.index_rules import grid_per_run, run_positions, token_runs
@@ -115,19 +115,6 @@ def check_seconds(seconds, name: str = "second_per_grid_ts") -> None:
         raise ValueError(f"{name} entry {i} is {float(values[i])}: seconds per grid step must be finite and >= 0")
 
 
-def _refuse_without_values(value, name: str) -> None:
-    """A meta, sparse or nested tensor holds no dense values the index can read: a NotImplementedError or
-    RuntimeError from deep inside it before."""
-    if not isinstance(value, torch.Tensor):
-        return
-    if value.is_meta:
-        raise ValueError(f"{name} is a meta tensor: it holds no values")
-    if value.is_nested:
-        raise ValueError(f"{name} is a nested tensor: get_rope_index reads dense (strided) tensors")
-    if value.layout is not torch.strided:
-        raise ValueError(f"{name} has layout {value.layout}: get_rope_index reads dense (strided) tensors")
-
-
 def checked_audio_in_video(flag) -> bool | None:
     """`use_audio_in_video` as True, False or None (a numpy bool or a one-element bool tensor, as a batch may
     carry it, read as its bool); anything else ("no" was read as True) is a ValueError."""
@@ -150,7 +137,7 @@ def check_rope_types(input_ids, config: MRopeConfig, image_grid_thw, video_grid_
                         ("image_grid_thw", image_grid_thw), ("video_grid_thw", video_grid_thw),
                         ("second_per_grid_ts", second_per_grid_ts), ("mm_token_type_ids", mm_token_type_ids),
                         ("audio_seqlens", audio_seqlens)):
-        _refuse_without_values(value, name)
+        check_dense(name, value, "get_rope_index and queue_rope_index")  # else an error from deep inside
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or not is_integer_tensor(input_ids):
         raise ValueError(f"input_ids must be a [B, S] integer tensor, got "
                          f"{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__}"

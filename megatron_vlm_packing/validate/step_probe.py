@@ -12,7 +12,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from megatron_vlm_packing.packing.bounds import is_int
+from megatron_vlm_packing.packing.bounds import checked_int
 from megatron_vlm_packing.validate.probe import ProbeResult, is_tolerance, parity_probe
 
 _VISION = ("pixel_values", "image_grid_thw")
@@ -85,14 +85,6 @@ def _checked_tolerance(tolerance, name: str) -> float | None:
     return tolerance
 
 
-def _checked_every(every, name: str) -> int:
-    """`every` (probe every N-th call) as a Python int: a Python or numpy int >= 1 (`bounds.is_int`), else a
-    ValueError naming `name`."""
-    if not is_int(every) or every < 1:
-        raise ValueError(f"{name} must be a positive int, got {every!r}")
-    return int(every)
-
-
 def _check_callable(value, name: str, what: str) -> None:
     """`value` is callable or None: else a TypeError when the first probe calls it, after the step ran."""
     if value is not None and not callable(value):
@@ -120,7 +112,7 @@ class StepProbe:
     """
 
     def __init__(self, every: int, *, tolerance: float | None = None, on_result: Callable | None = print):
-        every = _checked_every(every, "parity_probe_every")
+        every = checked_int(every, "parity_probe_every", least=1)
         tolerance = _checked_tolerance(tolerance, "parity_probe_tolerance")
         _check_callable(on_result, "on_result", "a callable taking each ProbeResult")
         self.every, self.tolerance, self.on_result, self.calls = every, tolerance, on_result, 0
@@ -168,7 +160,7 @@ def with_parity_probe(forward_step: Callable, *, every: int, tolerance: float | 
     """
     if not callable(forward_step):
         raise ValueError(f"with_parity_probe wraps a forward_step(data_iterator, model), got {forward_step!r}")
-    every = _checked_every(every, "every")
+    every = checked_int(every, "every", least=1)
     tolerance = _checked_tolerance(tolerance, "tolerance")
     _check_callable(on_result, "on_result", "a callable taking each ProbeResult")
     _check_callable(model_forward, "model_forward", "a callable micro_batch -> per-token losses")

@@ -40,7 +40,8 @@ EXPECTED = {
     "with_state_form_equals_plain": ("ok", (True, True)),
     "batch_not_a_dict": (ERR, "ValueError", r"must yield a dict of tensors .* got list"),
     "batch_a_mapping_not_a_dict": ("ok", True),
-    "batch_with_a_meta_tensor": (ERR, "ValueError", r"^labels is a meta tensor: it holds no values to pack$"),
+    "batch_with_a_meta_tensor": (ERR, "ValueError", r"^labels is a meta tensor: it holds no values for "
+                                 r"pack_batch/pad_batch to read$"),
     "data_iterator_none": (ERR, "ValueError", r"data_iterator must be an iterator .* got NoneType"),
     "data_iterator_a_list": (ERR, "ValueError", r"data_iterator must be an iterator .* got list; pass iter"),
     "megatron_rerun_data_iterator_accepted": ("ok", True),

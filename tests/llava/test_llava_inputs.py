@@ -117,7 +117,8 @@ UNDENSE = {
     "sparse_csr": (lambda t: t.to_sparse_csr() if t.dim() == 2 else t.to_sparse(), r"has layout torch.sparse_"),
     "nested": (lambda t: torch.nested.nested_tensor(list(t)), r"is a nested tensor \(layout torch.strided\): "
                                                               r"pack_llava_batch/pad_llava_batch read dense"),
-    "meta": (lambda t: t.to("meta"), r"is a meta tensor: it holds no values to pack"),
+    "meta": (lambda t: t.to("meta"), r"is a meta tensor: it holds no values for "
+                                      r"pack_llava_batch/pad_llava_batch to read"),
 }
 
 

@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -59,8 +60,10 @@ def test_dense_boundaries_need_int_sizes(batch_size, seq_length):
     """A float or bool size was taken (max_seqlen 4.0; 2.5 rows gave 3 boundaries); a str was a TypeError."""
     with pytest.raises(ValueError, match=r"dense_packed_seq_params needs int batch_size and seq_length, got "):
         dense_packed_seq_params(batch_size, seq_length)
-    params = dense_packed_seq_params(2, torch.tensor(4))  # an integer scalar is read as its int, as pad_to is
+    params = dense_packed_seq_params(2, np.int64(4))  # a numpy int is read as its int, as pad_to is
     assert type(params.max_seqlen_q) is int and params.cu_seqlens_q.tolist() == [0, 4, 8]
+    with pytest.raises(ValueError, match=r"pass Python ints \(int\(\.\.\.\)\), not tensors"):  # as pad_to is too
+        dense_packed_seq_params(2, torch.tensor(4))
 
 
 def test_a_dense_row_length_past_int64_is_named():

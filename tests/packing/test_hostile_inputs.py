@@ -313,7 +313,8 @@ def test_nested_ids_are_refused(host_reads, layout):
 def test_meta_tensor_is_refused(field):
     """The step path names it; host_reads=True refuses it as a tensor off the host (tests/packing/test_host_reads)."""
     batch = rows_batch(torch.tensor(MASK))
-    with pytest.raises(ValueError, match=rf"^{field} is a meta tensor: it holds no values to pack"):
+    with pytest.raises(ValueError, match=rf"^{field} is a meta tensor: it holds no values for "
+                                         r"pack_batch/pad_batch to read"):
         pack_batch({**batch, field: batch[field].to("meta")}, host_reads=False)
 
 

@@ -14,7 +14,8 @@ from megatron_vlm_packing.packing import pack_batch, pad_batch
 from megatron_vlm_packing.packing.bounds import checked_int, is_int
 from megatron_vlm_packing.packing.dense_batch import dense_row_length
 from megatron_vlm_packing.packing.media import MediaTokens
-from megatron_vlm_packing.packing.plan import PackMultiples
+from megatron_vlm_packing.packing.dense import dense_packed_seq_params
+from megatron_vlm_packing.packing.plan import PackMultiples, checked_pad_to, make_pack_plan
 from megatron_vlm_packing.packing.row_fields import check_pad_token_id, check_vocab_size
 from megatron_vlm_packing.parallel.layout import ParallelLayout
 from megatron_vlm_packing.planner import BinLayout, PlannerConfig
@@ -61,6 +62,12 @@ SITES = {
     "BinLayout.capacity": lambda v: 4 if BinLayout(capacity=v) else None,
     "assign_to_ranks": lambda v: len(assign_to_ranks(np.ones(8), v, 2)),
     "vocab_size": lambda v: 4 if check_vocab_size(v) is None else None,
+    # lengths: these took a one-element integer tensor too (operator.index), the only options that did
+    "pad_to": checked_pad_to,
+    "make_pack_plan.pad_to": lambda v: make_pack_plan([3, 1], row_capacity=4, pad_to=v).total,
+    "StepOptions.pad_to": lambda v: StepOptions(pad_to=v).pad_to,
+    "dense_packed_seq_params.batch_size": lambda v: dense_packed_seq_params(v, 2).cu_seqlens_q.numel() - 1,
+    "dense_packed_seq_params.seq_length": lambda v: dense_packed_seq_params(2, v).max_seqlen_q,
 }
 
 
@@ -76,7 +83,8 @@ def test_a_numpy_int_is_taken_as_its_python_int(site, value):
 def test_bools_floats_and_other_types_stay_refused(site, value):
     if value is None and site in ("LlavaSpace.max_length", "PlannerConfig.samples_per_step", "vocab_size",
                                   "StepOptions.seq_length", "dense_row_length", "llava._dense_length",
-                                  "MediaTokens.image_token_id"):
+                                  "MediaTokens.image_token_id", "pad_to", "make_pack_plan.pad_to",
+                                  "StepOptions.pad_to"):
         pytest.skip("None is this option's default")
     if isinstance(value, torch.Tensor) and site == "int_field":
         pytest.skip("int_field reads a one-element integer tensor (a saved batch's field)")
@@ -127,21 +135,26 @@ def test_unpack_rows_takes_numpy_sizes_as_python_ints():
         unpack_rows(packed, indices, batch_size=2, row_length=np.bool_(True))
 
 
-def test_integer_scalar_is_the_length_rule_of_pad_to_and_dense_sizes():
-    """`integer_scalar` also reads a one-element integer tensor (a length computed on the host as a tensor)."""
-    from megatron_vlm_packing.packing.bounds import integer_scalar
-    from megatron_vlm_packing.packing.dense import dense_packed_seq_params
-    from megatron_vlm_packing.packing.plan import checked_pad_to
-
-    for value in (8, np.int64(8), np.uint8(8), torch.tensor(8), torch.tensor([8])):
-        assert integer_scalar(value) == 8 and type(integer_scalar(value)) is int
-        assert type(checked_pad_to(value)) is int
+@pytest.mark.parametrize("value", [torch.tensor(8), torch.tensor([8]), torch.tensor(8, dtype=torch.int32)],
+                         ids=["0-d", "1-element", "int32"])
+def test_a_tensor_length_is_refused_with_how_to_pass_it(value):
+    """pad_to and dense_packed_seq_params' sizes took a one-element integer tensor (operator.index), the only
+    integer options that did: on an accelerator that read the device at every call. The one rule (`is_int`)
+    refuses it, saying to pass a Python int."""
+    with pytest.raises(ValueError, match=r"^pad_to must be an int \(the packed length T\) or None, got tensor\(.*\); "
+                                         r"pass a Python int \(int\(pad_to\)\), not a tensor$"):
+        checked_pad_to(value)
+    with pytest.raises(ValueError, match=r"pass a Python int \(int\(pad_to\)\), not a tensor"):
+        pack_batch({"input_ids": torch.ones(1, 4, dtype=torch.long), "labels": torch.ones(1, 4, dtype=torch.long)},
+                   pad_to=value)
+    with pytest.raises(ValueError, match=r"^dense_packed_seq_params needs int batch_size and seq_length, got "
+                                         r"batch_size=2, seq_length=tensor\(.*\); pass Python ints \(int\(\.\.\.\)\), "
+                                         r"not tensors$"):
+        dense_packed_seq_params(2, value)
+    for value in (8, np.int64(8), np.uint8(8)):
+        assert checked_pad_to(value) == 8 and type(checked_pad_to(value)) is int
         assert dense_packed_seq_params(value, value).max_seqlen_q == 8
-    for value in (True, np.bool_(True), 8.0, torch.tensor(8.0), torch.tensor(True), torch.tensor([True]), "8", None,
-                  [8]):
-        assert integer_scalar(value) is None
-        with pytest.raises(ValueError, match="dense_packed_seq_params needs int batch_size and seq_length"):
-            dense_packed_seq_params(2, value)
+        assert type(dense_packed_seq_params(value, value).max_seqlen_q) is int
 
 
 @pytest.mark.parametrize("flag", [torch.tensor(True), torch.tensor([True])], ids=["0-d", "1-element"])

@@ -60,8 +60,8 @@ def test_bool_or_complex_positions_are_refused(how, dtype):
 @pytest.mark.parametrize("kind", ["meta", "sparse"])
 def test_positions_without_dense_values_are_refused(how, kind):
     output = GOOD.to("meta") if kind == "meta" else GOOD.to_sparse()
-    message = "a meta tensor: it holds no values" if kind == "meta" else "layout torch.sparse_coo"
-    with pytest.raises(ValueError, match=rf"the mrope callable index returned {message}"):
+    message = "is a meta tensor: it holds no values" if kind == "meta" else "has layout torch.sparse_coo"
+    with pytest.raises(ValueError, match=rf"the output of the mrope callable index {message}"):
         _call(how, output)
 
 

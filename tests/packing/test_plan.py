@@ -43,11 +43,16 @@ def test_multiples_refuse_what_is_not_a_size_or_a_flag(kwargs, expected):
         PackMultiples.for_parallel(**kwargs)
 
 
-@pytest.mark.parametrize("pad_to", [np.int64(16), torch.tensor(16)], ids=["numpy", "tensor"])
-def test_plan_takes_an_integer_scalar_pad_to_as_a_python_int(pad_to):
+@pytest.mark.parametrize("pad_to", [np.int64(16), np.uint16(16)], ids=["int64", "uint16"])
+def test_plan_takes_a_numpy_pad_to_as_a_python_int(pad_to):
     plan = make_pack_plan([3, 5], row_capacity=8, pad_to=pad_to)
     assert type(plan.total) is int and type(plan.max_seqlen) is int and plan.physical_lengths == (3, 13)
     assert all(type(n) is int for n in plan.physical_lengths)
+
+
+def test_plan_refuses_a_tensor_pad_to():
+    with pytest.raises(ValueError, match=r"pass a Python int \(int\(pad_to\)\), not a tensor"):
+        make_pack_plan([3, 5], row_capacity=8, pad_to=torch.tensor(16))
 
 
 def test_worked_example():

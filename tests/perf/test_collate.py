@@ -181,7 +181,8 @@ def test_a_meta_tensor_in_the_collated_batch_is_named(key):
     """Was a NotImplementedError ('Cannot copy out of meta tensor') from the collator's move to the host."""
     batch = collate(synthetic_samples(2, seed=1, cfg=DATA))
     batch[key] = batch[key].to("meta")
-    with pytest.raises(ValueError, match=f"{key} is a meta tensor: it holds no values to pack"):
+    with pytest.raises(ValueError, match=f"{key} is a meta tensor: it holds no values for "
+                                         "pack_batch/pad_batch to read"):
         PackingCollator(label_style="megatron", pack_options=dict(image_token_id=DATA.image_token_id))(batch)
 
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from megatron_vlm_packing.data import SyntheticVLMConfig, collate, synthetic_samples
-from megatron_vlm_packing.models.audio import TinyAudioTower, audio_lengths_from_mask, audio_tokens_per_clip
+from megatron_vlm_packing.models.audio import (TinyAudioTower, audio_lengths_from_mask,
+                                               audio_tokens_per_clip_from_mask)
 from megatron_vlm_packing.models.merge import check_placeholders_per_sample, sample_boundaries
 
 I = 9  # placeholder id
@@ -29,7 +30,7 @@ def test_placeholders_must_cover_whole_items_of_their_own_sample():
 def test_audio_lengths_come_from_a_right_padded_mask():
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
     assert audio_lengths_from_mask(mask) == [3, 4]
-    assert audio_tokens_per_clip(torch.ones(2, 40), 50) == [5, 5]  # Qwen3-Omni's encoder arithmetic
+    assert audio_tokens_per_clip_from_mask(torch.ones(2, 40), 50) == [5, 5]  # Qwen3-Omni's encoder arithmetic
     with pytest.raises(ValueError, match=r"feature_attention_mask rows \[1\] are not right-padded"):
         audio_lengths_from_mask(torch.tensor([[1, 1, 0, 0], [0, 1, 1, 1]]))
 
@@ -44,7 +45,7 @@ def test_audio_tower_encodes_each_clip_alone():
     mask[0, :12], mask[1] = 1, 1
     both = tower(features, mask)
     alone = torch.cat([tower(a[None], torch.ones(1, 12)), tower(b[None], torch.ones(1, 30))])
-    assert both.shape == (sum(audio_tokens_per_clip(mask, 50)), 6)
+    assert both.shape == (sum(audio_tokens_per_clip_from_mask(mask, 50)), 6)
     torch.testing.assert_close(both, alone)
 
 
@@ -55,6 +56,7 @@ def test_synthetic_media_keep_the_image_only_samples_and_add_videos_and_audio():
     batch = collate(synthetic_samples(6, seed=5, cfg=cfg))
     ids = batch["input_ids"]
     assert int((ids == cfg.video_token_id).sum()) == int((batch["video_grid_thw"].prod(1) // 4).sum())
-    assert int((ids == cfg.audio_token_id).sum()) == sum(audio_tokens_per_clip(batch["feature_attention_mask"], 50))
+    clips = audio_tokens_per_clip_from_mask(batch["feature_attention_mask"], 50)
+    assert int((ids == cfg.audio_token_id).sum()) == sum(clips)
     text = batch["labels"][batch["labels"] != -100]
     assert int(text.max()) <= cfg.text_vocab  # no special id is ever a target

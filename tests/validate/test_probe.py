@@ -155,7 +155,7 @@ def test_the_step_probe_raises_on_uniform_boundaries_with_the_report(probe_cases
 
 
 def test_parity_probe_every_must_be_positive_and_refuses_adapters_that_build_their_own(probe_cases):
-    assert "parity_probe_every must be a positive int, got 0" in probe_cases["step_bad_every"]
+    assert "parity_probe_every must be an int >= 1, got 0" in probe_cases["step_bad_every"]
     assert "OwnBuild builds its own micro-batches" in probe_cases["step_own_build"]
 
 

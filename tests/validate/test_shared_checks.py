@@ -47,7 +47,7 @@ def test_step_probe_takes_a_numpy_every_as_a_python_int():
 def test_step_probe_refuses_every_that_is_not_a_positive_int(every):
     with pytest.raises(ValueError) as err:
         StepProbe(every)
-    assert str(err.value) == f"parity_probe_every must be a positive int, got {every!r}"
+    assert str(err.value) == f"parity_probe_every must be an int >= 1, got {every!r}"
 
 
 def test_with_parity_probe_takes_a_numpy_every():
@@ -58,7 +58,7 @@ def test_with_parity_probe_takes_a_numpy_every():
 def test_with_parity_probe_refuses_every_that_is_not_a_positive_int(every):
     with pytest.raises(ValueError) as err:
         with_parity_probe(lambda data_iterator, model: None, every=every)
-    assert str(err.value) == f"every must be a positive int, got {every!r}"
+    assert str(err.value) == f"every must be an int >= 1, got {every!r}"
 
 
 def test_source_rows_label_style_is_refused_with_the_packers_message():
