@@ -41,7 +41,8 @@ def validate_packed_batch(batch=None, **fields) -> ValidationReport:
             `use_audio_in_video`), `spatial_merge_size`, `source`
             (`SourceRows`: the unpacked rows), the layout (`tp_size`, `cp_size`,
             `sequence_parallel`, `fp8`, or `layout=ParallelLayout`), `cp_ranks`
-            ({rank: {"cp_index": ..., "labels": ...}}), `pad_token_id`, `mrope`
+            ({rank: {"cp_index": ..., "labels": ...}}) or, for a batch saved on one CP rank, its `cp_index`
+            (+ `cp_rank`), `pad_token_id`, `mrope`
             (`MRopeConfig` or the model's own index callable).
 
     Returns:
