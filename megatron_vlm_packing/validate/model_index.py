@@ -105,8 +105,9 @@ def against_model_index(inputs: PackedInputs, docs: Documents, items: dict, skip
                         audio_unchecked: dict[int, str]) -> tuple[list[Violation], dict[int, str]]:
     """Each document's real positions ([3, L] of `inputs.position_ids`) equal to the index's for it alone.
 
-    Returns the violation (naming the first differing token of up to 4 documents) and {document: why
-    it could not be checked}. Documents in `skip` (already reported) are not asked about, nor those of
+    Returns the violation (naming the first differing token of up to 4 documents, or what the index raised on
+    them: an index callable's exception of any type is its finding for that document, not the report's end)
+    and {document: why it could not be checked}. Documents in `skip` (already reported) are not asked about, nor those of
     `audio_unchecked` (`vision.audio_coverage`: audio the index would need lengths for), returned with the rest.
     """
     bad, unchecked = [], dict(audio_unchecked)
@@ -127,6 +128,11 @@ def against_model_index(inputs: PackedInputs, docs: Documents, items: dict, skip
         except ValueError as err:  # the model's own index refuses this document
             bad.append((d, 0, "refused", str(err)))
             continue
+        except Exception as err:  # noqa: BLE001 - the user's callable: transformers raises IndexError / RuntimeError
+            if not callable(inputs.mrope):  # our own index: anything but a ValueError is our bug, left to surface
+                raise
+            bad.append((d, 0, "raised", f"{type(err).__name__}: {err}"))
+            continue
         got = inputs.position_ids[:, slots]
         differs = got.double() != expected.double()  # float32 positions (Qwen3-Omni) compared untruncated
         if bool(differs.any()):
@@ -135,5 +141,6 @@ def against_model_index(inputs: PackedInputs, docs: Documents, items: dict, skip
     if not bad:
         return [], unchecked
     detail = [f"document {d}: the model's index refuses it: {e}" if g == "refused" else
+              f"document {d}: the model's index raised {e}" if g == "raised" else
               f"document {d} token {k}: {g} where the model's index gives {e}" for d, k, g, e in bad[:4]]
     return [Violation("mrope_positions", "; ".join(detail), tuple(d for d, *_ in bad))], unchecked

@@ -260,3 +260,26 @@ def test_float_grids_are_named_without_an_index():
         report = only(validate_packed_batch(**{**fields, "image_grid_thw": grid}), "vision_placeholders")
         assert "image_grid_thw must be [I, 3] integers" in str(report)
     assert DATA.image_token_id == fields["image_token_id"]
+
+
+@pytest.mark.parametrize("error", [TypeError("index() got an unexpected keyword"), RuntimeError("shape mismatch"),
+                                   IndexError("index 7 is out of bounds"), KeyError("video")])
+def test_an_mrope_callable_that_raises_is_reported_not_a_crash(vlm_pack, error):
+    """The user's index callable raising anything but ValueError (transformers' get_rope_index raises IndexError /
+    RuntimeError on a sample it cannot place) propagated out of validate_packed_batch: no report at all. It is the
+    finding of mrope_positions for the documents it raised on, with the exception's type and message."""
+    from tests.validate.conftest import clone
+
+    fields = clone(vlm_pack[1])
+    calls = []
+
+    def index(input_ids, image_grid_thw=None, video_grid_thw=None):
+        calls.append(image_grid_thw is not None)
+        if image_grid_thw is not None:  # the documents with images
+            raise error
+        return torch.arange(input_ids.shape[1]).expand(3, 1, -1)  # text alone: 0, 1, 2, ... in every channel
+
+    report = only(validate_packed_batch(**{**fields, "mrope": index}), "mrope_positions")
+    documents = tuple(d for d, has_images in enumerate(calls) if has_images)
+    assert documents and report.violations[0].documents == documents, str(report)
+    assert f"the model's index raised {type(error).__name__}: {error}" in str(report)
