@@ -22,7 +22,7 @@ from megatron_vlm_packing.validate.positions import check_positions
 from megatron_vlm_packing.validate.report import ValidationReport, Violation
 from megatron_vlm_packing.validate.source import check_labels_vs_source, match_source
 from megatron_vlm_packing.validate.tokens import (
-    check_labels_cross_documents, check_loss_on_pad, check_loss_weights, check_loss_without_target, crossing_slots,
+    check_labels_cross_documents, check_loss_on_pad, check_loss_weights, check_loss_without_target, crossings,
 )
 from megatron_vlm_packing.validate.vision import AudioCoverage, MediaFindings, check_vision
 
@@ -183,10 +183,12 @@ def _per_token_checks(inputs: PackedInputs, bounds: Boundaries) -> tuple[Documen
     settled, and the findings."""
     docs, found, skipped = _settle_real_slots(inputs, make_documents(bounds, inputs.total))
     findings = _Findings(found, ["uniform_boundaries", "padding_mask"], skipped)
+    crossed, undecided = check_labels_cross_documents(inputs, docs)
     targets = (check_loss_weights(inputs, docs) + check_loss_on_pad(inputs, docs)
-               + check_loss_without_target(inputs, docs) + check_labels_cross_documents(inputs, docs))
+               + check_loss_without_target(inputs, docs) + crossed)
     findings = findings.then(_Findings(targets, ["loss_weights", "loss_on_pad", "loss_without_target",
-                                                 "labels_cross_documents"], []))
+                                                 "labels_cross_documents"],
+                                       [("labels_cross_documents", undecided)] if undecided else []))
     findings = findings.then(_source_checks(inputs, docs))
     media = check_vision(inputs, docs)
     findings = findings.then(_vision_findings(inputs, media)).then(_audio_findings(media.audio))
@@ -201,7 +203,7 @@ def _source_checks(inputs: PackedInputs, docs: Documents) -> _Findings:
     skipped: reported already), or why not."""
     if inputs.source is None:
         return _Findings([], [], [("tokens_vs_source, labels_vs_source", "no source rows given")])
-    skip_slots = {slot for _, slot, _ in crossing_slots(inputs, docs)}
+    skip_slots = {slot for _, slot, _ in crossings(inputs, docs).found}
     return _Findings(check_labels_vs_source(inputs, docs, skip_slots), ["tokens_vs_source", "labels_vs_source"], [])
 
 

@@ -283,3 +283,65 @@ def test_an_mrope_callable_that_raises_is_reported_not_a_crash(vlm_pack, error):
     documents = tuple(d for d, has_images in enumerate(calls) if has_images)
     assert documents and report.violations[0].documents == documents, str(report)
     assert f"the model's index raised {type(error).__name__}: {error}" in str(report)
+
+
+def megatron_pack(ids, labels, lengths, cp_size: int = 1) -> dict:
+    """Validator keywords for Megatron-style rows (token k learns labels[k], the last one its sample's own next
+    token) packed by pack_batch, with the source rows under "source"."""
+    mask = (torch.arange(ids.shape[1]) < torch.tensor(lengths)[:, None]).long()
+    packed = pack_batch({"input_ids": ids, "labels": labels, "attention_mask": mask}, cp_size=cp_size)
+    fields = dict(input_ids=packed.input_ids, labels=packed.labels, loss_mask=packed.loss_mask,
+                  position_ids=packed.position_ids, padding_mask=packed.padding_mask,
+                  packed_seq_params=packed.packed_seq_params, cp_size=cp_size)
+    return {**fields, "source": SourceRows(ids, mask, labels, label_style="megatron")}
+
+
+def crossing_skips(report) -> list[str]:
+    return [why for name, why in report.skipped if name == "labels_cross_documents"]
+
+
+def test_an_eos_target_equal_to_the_next_documents_first_token_is_no_false_alarm():
+    """GPT-2 style: one id (50256) ends every text and starts the next. A correct Megatron-style pack trains each
+    sample's last token on its own EOS, which is the next document's first token: without source rows that was
+    reported as bug class 8. Without source rows a crossing and this pack are the same numbers, so the document
+    is listed as not decided (never a violation); with them it is decided, and a real crossing still named."""
+    eos = 50256
+    ids = torch.tensor([[eos, 11, 12, 13], [eos, 21, 22, 0]])
+    labels = torch.tensor([[11, 12, 13, eos], [21, 22, eos, -100]])
+    fields = megatron_pack(ids, labels, [4, 3])
+    source = fields.pop("source")
+    report = validate_packed_batch(**fields)
+    assert report.ok and "labels_cross_documents" in report.checked, str(report)
+    (why,) = crossing_skips(report)
+    assert why.startswith("documents [0]: ") and "source rows" in why, why
+    report = validate_packed_batch(**fields, source=source)
+    assert report.ok and not crossing_skips(report), str(report)
+    crossed = fields["labels"].clone()
+    crossed[0, 3] = 21  # a document that starts with 21, and the bug: document 0 learns it
+    ids2 = fields["input_ids"].clone()
+    ids2[0, 4] = 21
+    report = validate_packed_batch(**{**fields, "labels": crossed, "input_ids": ids2})
+    assert report.ok and crossing_skips(report), str(report)  # not decided without the rows either way
+
+
+def test_a_last_token_trained_on_the_pad_slot_after_it():
+    """Labels shifted after concatenation over the physical slots teach a padded document's last token the pad
+    after it. Pad id 0 is also the EOS id here (a common tokenizer choice), so a correct pack whose last target is
+    EOS holds the same numbers: the check compared with the next document's first token only, so it passed the
+    document as decided. Without source rows it is now listed as not decided; with them a correct pack is clean
+    and the shifted one is named bug class 8 (was labels_vs_source, no class)."""
+    ids = torch.tensor([[11, 12, 13, 0], [21, 22, 23, 24]])
+    labels = torch.tensor([[12, 13, 0, -100], [22, 23, 24, 0]])  # row 0 ends on EOS = 0 = pad id
+    fields = megatron_pack(ids, labels, [3, 4], cp_size=2)
+    assert fields["packed_seq_params"].cu_seqlens_q_padded.tolist() == [0, 4, 8]  # slot 3: a pad of document 0
+    assert int(fields["input_ids"][0, 3]) == 0 and int(fields["labels"][0, 2]) == 0
+    source = fields.pop("source")
+    report = validate_packed_batch(**fields)
+    assert report.ok and crossing_skips(report) == [crossing_skips(report)[0]], str(report)
+    assert crossing_skips(report)[0].startswith("documents [0]: "), str(report)
+    assert validate_packed_batch(**fields, source=source).ok
+    own = labels.clone()
+    own[0, 2] = 99  # the sample's own last target: 0 in the pack is the pad after it
+    own = SourceRows(source.input_ids, source.attention_mask, own, label_style="megatron")
+    report = only(validate_packed_batch(**fields, source=own), "labels_cross_documents")
+    assert report.violations[0].documents == (0,) and "slot 2 learns 0 = the pad slot after it" in str(report)
