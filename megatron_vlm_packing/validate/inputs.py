@@ -37,7 +37,8 @@ SAVED_KEYS = {
     "video_grid_thw": "[V, 3] per video", "video_token_id": "int placeholder id",
     "spatial_merge_size": "int, vision tokens per side merged into one placeholder (default 2)",
     "images_per_document": "N ints (optional)", "videos_per_document": "N ints (optional)",
-    "second_per_grid_ts": "[V] seconds per video temporal grid step (Qwen2.5-VL, Qwen3-Omni)",
+    "second_per_grid_ts": "[V] seconds per video temporal grid step (Qwen2.5-VL, Qwen3-Omni; without them their "
+                          "documents with videos are not compared with the index)",
     "audio_seqlens": "[A] raw audio feature lengths per clip in token order (Qwen3-Omni)",
     "audio_token_id": "int audio placeholder id", "audios_per_document": "N ints (optional)",
     "use_audio_in_video": "bool, passed to an mrope callable that takes it (default: told per document "
