@@ -27,7 +27,8 @@ SAVED_KEYS = {
     "input_ids": "[1, T] or [T] token ids, full length ('tokens' also read)",
     "labels": "[1, T] next-token targets, -100 = none",
     "loss_mask": "[1, T] per-token loss weights",
-    "position_ids": "[1, T] 1D positions or [3, 1, T] mRoPE positions",
+    "position_ids": "[1, T] integer 1D positions or [3, 1, T] mRoPE positions (integers, or floats the rotary's "
+                    "float32 reading leaves unchanged: no bfloat16 above 256)",
     "padding_mask": "[1, T] bool, True at pad slots",
     "packed_seq_params": "a PackedSeqParams, or a dict with its field names",
     "cu_seqlens": "[N+1] real boundaries (instead of packed_seq_params)",

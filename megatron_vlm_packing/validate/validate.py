@@ -78,19 +78,21 @@ def _dtype_checked(inputs: PackedInputs) -> tuple[PackedInputs, list[Violation]]
     The embedding, the cross entropy and the rotary tables index with them, so a float / bool /
     complex tensor is a broken batch even when its values look right; and the 1D checks compare
     through `.long()` / `int()`, which would truncate 2.5 to 2 and pass a wrong position as right.
-    [3, T] float32 mRoPE positions are valid: Qwen3-Omni's temporal positions are fractional and
-    `pack_batch` packs them as float32 (the 3D checks compare them without truncating).
+    [3, T] floating mRoPE positions pass here: Qwen3-Omni's temporal positions are fractional, the rotary
+    reads every position as float32, and `positions.check_float_positions` names a dtype only where that
+    reading changes a position (the 3D checks compare them without truncating).
     """
     from dataclasses import replace
 
     out, changed = [], {}
     for name in ("input_ids", "labels", "position_ids"):
         value = getattr(inputs, name)
-        if name == "position_ids" and value is not None and value.dim() == 2 and value.dtype == torch.float32:
+        if name == "position_ids" and value is not None and value.dim() == 2 and value.is_floating_point():
             continue
         if value is not None and not is_integer_tensor(value):
-            out.append(Violation("dtypes", f"{name} has dtype {value.dtype}; it must be an integer tensor "
-                                           f"(torch.long / int32; mRoPE positions may also be float32)"))
+            what = "1D positions" if name == "position_ids" and value.dim() == 1 else "it"
+            out.append(Violation("dtypes", f"{name} has dtype {value.dtype}; {what} must be an integer tensor "
+                                           f"(torch.long / int32)"))
             if name != "input_ids":
                 changed[name] = None
             elif value.is_floating_point() and torch.equal(value, value.round()):

@@ -345,3 +345,45 @@ def test_a_last_token_trained_on_the_pad_slot_after_it():
     own = SourceRows(source.input_ids, source.attention_mask, own, label_style="megatron")
     report = only(validate_packed_batch(**fields, source=own), "labels_cross_documents")
     assert report.violations[0].documents == (0,) and "slot 2 learns 0 = the pad slot after it" in str(report)
+
+
+def test_floating_mrope_positions_are_judged_as_the_rotary_reads_them(vlm_pack):
+    """[3, T] positions in float64 / bfloat16 / float16 were a dtypes violation whatever their values, though the
+    rotary reads positions as float32 (Megatron's MultimodalRotaryEmbedding and rope.rotary cast them) and
+    pack_batch passes an mrope callable's float64 / bf16 output through: a correct pack was reported. A float
+    dtype is now named only where it changes a position the model reads; wrong values are the value checks'."""
+    from tests.validate.conftest import DATA, clone
+
+    fields = vlm_pack[1]
+    positions = fields["position_ids"]
+    assert positions.dim() == 3 and int(positions.max()) <= 256
+    for dtype in (torch.float64, torch.bfloat16, torch.float16):
+        report = validate_packed_batch(**clone(fields, position_ids=positions.to(dtype)))
+        assert report.ok and "mrope_positions" in report.checked, (dtype, str(report))
+    off = positions.double() + 0.5  # float32 holds these: wrong values, named as such (.long() truncated them)
+    report = validate_packed_batch(**clone(fields, position_ids=off))
+    assert "dtypes" not in report.failed_checks and "positions_restart" in report.failed_checks, str(report)
+    blurred = positions.double()
+    slot = int((fields["input_ids"][0] == DATA.image_token_id).nonzero()[0])
+    blurred[0, 0, slot] += 1e-9  # a float64 position the float32 rotary reads as the one below it
+    report = only(validate_packed_batch(**clone(fields, position_ids=blurred)), "dtypes")
+    want = (f"position_ids are torch.float64 and the rotary reads positions as float32, which changes 1 of them: "
+            f"channel 0 slot {slot}: {float(blurred[0, 0, slot])!r} is read as {float(positions[0, 0, slot])!r}")
+    assert want in str(report), str(report)
+
+
+def test_half_precision_positions_beyond_their_whole_numbers_are_named():
+    """bfloat16 holds whole numbers exactly only up to 256 (float16: 2048): a 300-token document's positions
+    273, 275, ... cannot be in it. The report said only 'must be an integer tensor (or float32)'; it now names
+    the limit and the largest position. 1D positions stay integers only (the 1D checks compare them as ints)."""
+    n = 300
+    base = dict(input_ids=torch.arange(1, n + 1)[None], cu_seqlens=torch.tensor([0, n], dtype=torch.int32),
+                max_seqlen=n)
+    positions = torch.arange(n).expand(3, 1, n)
+    assert validate_packed_batch(**base, position_ids=positions).ok
+    report = only(validate_packed_batch(**base, position_ids=positions.bfloat16()), "dtypes")
+    assert ("position_ids are torch.bfloat16, which holds whole numbers exactly only up to 256, and documents [0] "
+            "reach position 300") in str(report), str(report)
+    assert validate_packed_batch(**base, position_ids=positions.half()).ok
+    report = only(validate_packed_batch(**base, position_ids=torch.arange(n)[None].double()), "dtypes")
+    assert "position_ids has dtype torch.float64; 1D positions must be an integer tensor" in str(report), str(report)
