@@ -229,3 +229,11 @@ def test_videos_saved_without_their_seconds_are_named_not_compared(configs, tmp_
     assert f"not checked: mrope_positions (documents {with_videos}: video placeholders but no second_per_grid_ts" \
         in out, out
     assert "per document; the documents listed as not checked were not" in out
+    from megatron_vlm_packing.validate.model_index import NO_SECONDS
+    from tests.rope.conftest import hf_get_rope_index
+
+    index = hf_get_rope_index("qwen2_5_vl", config)  # the model's own index: a callable naming second_per_grid_ts
+    report = validate_packed_batch(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                                   packed_seq_params=packed.packed_seq_params, image_token_id=IMAGE,
+                                   video_token_id=VIDEO, image_grid_thw=images, video_grid_thw=videos, mrope=index)
+    assert report.ok and ("mrope_positions", f"documents {with_videos}: {NO_SECONDS}") in report.skipped, str(report)
