@@ -124,8 +124,9 @@ def against_model_index(inputs: PackedInputs, docs: Documents, items: dict, skip
 
     Returns the violation (naming the first differing token of up to 4 documents, or what the index raised on
     them: an index callable's exception of any type is its finding for that document, not the report's end)
-    and {document: why it could not be checked}. Documents in `skip` (already reported) are not asked about, nor those of
-    `audio_unchecked` (`vision.audio_coverage`: audio the index would need lengths for), returned with the rest.
+    and {document: why it could not be checked}. Documents in `skip` (already reported) are not asked about,
+    nor those of `audio_unchecked` (`vision.audio_coverage`: audio the index would need lengths for), returned
+    with the rest.
     """
     bad, unchecked = [], dict(audio_unchecked)
     params = _parameters(inputs.mrope) if callable(inputs.mrope) else None  # read once, not per document
