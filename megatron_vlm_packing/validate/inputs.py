@@ -368,12 +368,12 @@ def _tensor_values(values: dict) -> dict:
 
 
 def _localized_total(values: dict) -> dict:
-    """`localized_total` (T) from the physical boundaries' last entry when a `cp_index` is given without it: the
+    """`localized_total` (T) from `cu_seqlens_padded`'s last entry when a `cp_index` is given without it: the
     batch was localized to one CP rank, so its sequence fields hold T/cp slots (input_ids may be full or not).
-    Nothing when the boundaries are not a 1-D integer tensor ending above 0 (`check_boundaries` names them)."""
+    Nothing when that set is missing, or not a 1-D integer tensor ending above 0 (`check_boundaries` names it)."""
     if values.get("cp_index") is None or values.get("localized_total") is not None:
         return {}
-    physical = values.get("cu_seqlens_padded", values.get("cu_seqlens"))
+    physical = values.get("cu_seqlens_padded")  # without it T is input_ids' (full ids are then checked against it)
     if physical is None or physical.dim() != 1 or not physical.numel() or not is_integer_tensor(physical):
         return {}
     total = int(physical[-1])
