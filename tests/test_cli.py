@@ -190,3 +190,42 @@ def test_check_a_pad_token_id_no_slot_can_hold_exits_2(tmp_path, capsys, pad_id,
     path, _ = _saved_pack(tmp_path)
     assert main(["check", str(path), "--pad-token-id", pad_id]) == 2
     assert words in capsys.readouterr().err
+
+
+def _saved_local_pack(tmp_path, cp_rank: int, **changes):
+    """The text pack of `_saved_pack` at cp=2 as CP rank `cp_rank` received it (`localize`): labels, loss mask,
+    padding mask, ids and positions hold T/2 slots; `cp_index` is the rank's partition index."""
+    import torch
+
+    from megatron_vlm_packing.packing.localize import localize
+    from megatron_vlm_packing.parallel.layout import ParallelLayout
+
+    _, packed = _saved_pack(tmp_path)
+    local = localize(packed, ParallelLayout(cp_size=2, cp_rank=cp_rank))
+    batch = {name: getattr(local, name) for name in ("input_ids", "labels", "loss_mask", "position_ids",
+                                                     "padding_mask", "packed_seq_params", "cp_index")}
+    batch.update(cp_size=2, cp_rank=cp_rank, **changes)
+    path = tmp_path / f"rank{cp_rank}.pt"
+    torch.save(batch, path)
+    return path, local
+
+
+def test_check_reads_the_cp_index_of_a_batch_saved_on_one_cp_rank(tmp_path, capsys):
+    """`cp_index` (and `cp_rank`) are what validate_packed_batch checks a localized batch by, but the CLI
+    refused cp_index as an unknown key (exit 2): a batch saved inside a CP run could not be checked."""
+    path, local = _saved_local_pack(tmp_path, cp_rank=1)
+    assert main(["check", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "packed batch: 3 documents, 10 real tokens in 16 slots: OK" in out, out
+    assert "localized to one CP rank" in out
+    other, _ = _saved_local_pack(tmp_path, cp_rank=0, cp_index=local.cp_index)  # rank 1's index saved as rank 0's
+    assert main(["check", str(other)]) == 1
+    out = capsys.readouterr().out
+    assert "[cp_partition] (contract 5)" in out and "not TE's zigzag for rank 0 at cp=2" in out, out
+    assert "cp_index: [T/cp]" in "\n".join(line.strip() for line in _check_help(capsys).splitlines())
+
+
+def _check_help(capsys) -> str:
+    with pytest.raises(SystemExit):
+        main(["check", "--help"])
+    return capsys.readouterr().out

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 import torch
 
+from megatron_vlm_packing.packing.checks import is_integer_tensor
 from megatron_vlm_packing.packing.lengths import lengths_from_keep_mask, widened_unsigned
 from megatron_vlm_packing.packing.media import given_or_config
 from megatron_vlm_packing.packing.plan import PackMultiples
@@ -26,7 +27,8 @@ SAVED_KEYS = {
     "input_ids": "[1, T] or [T] token ids, full length ('tokens' also read)",
     "labels": "[1, T] next-token targets, -100 = none",
     "loss_mask": "[1, T] per-token loss weights",
-    "position_ids": "[1, T] 1D positions or [3, 1, T] mRoPE positions",
+    "position_ids": "[1, T] integer 1D positions or [3, 1, T] mRoPE positions (integers, or floats the rotary's "
+                    "float32 reading leaves unchanged: no bfloat16 above 256)",
     "padding_mask": "[1, T] bool, True at pad slots",
     "packed_seq_params": "a PackedSeqParams, or a dict with its field names",
     "cu_seqlens": "[N+1] real boundaries (instead of packed_seq_params)",
@@ -36,7 +38,8 @@ SAVED_KEYS = {
     "video_grid_thw": "[V, 3] per video", "video_token_id": "int placeholder id",
     "spatial_merge_size": "int, vision tokens per side merged into one placeholder (default 2)",
     "images_per_document": "N ints (optional)", "videos_per_document": "N ints (optional)",
-    "second_per_grid_ts": "[V] seconds per video temporal grid step (Qwen2.5-VL, Qwen3-Omni)",
+    "second_per_grid_ts": "[V] seconds per video temporal grid step (Qwen2.5-VL, Qwen3-Omni; without them their "
+                          "documents with videos are not compared with the index)",
     "audio_seqlens": "[A] raw audio feature lengths per clip in token order (Qwen3-Omni)",
     "audio_token_id": "int audio placeholder id", "audios_per_document": "N ints (optional)",
     "use_audio_in_video": "bool, passed to an mrope callable that takes it (default: told per document "
@@ -47,6 +50,9 @@ SAVED_KEYS = {
     "label_style": "'hf' (source labels unshifted) or 'megatron' (already next-token)",
     "tp_size": "int", "cp_size": "int", "sequence_parallel": "bool", "fp8": "bool",
     "cp_ranks": "{rank: {'cp_index': [T/cp], 'labels': [1, T/cp], ...}} what each CP rank received",
+    "cp_index": "[T/cp] the partition index of a batch saved on one CP rank (its sequence fields hold T/cp slots; "
+                "input_ids and position_ids may be full)",
+    "cp_rank": "int, the CP rank cp_index belongs to (default: checked against every rank's)",
     "pad_token_id": "int (only used to name bug class 7 / suspect bug class 4)",
 }
 
@@ -220,14 +226,12 @@ def _from_micro_batch(batch) -> dict:
         out["multiples"] = plan.multiples
     if getattr(batch, "cp_index", None) is not None:
         out["cp_index"] = batch.cp_index
-        if out.get("cu_seqlens_padded") is not None:  # sequence tensors hold T/cp slots: T from the boundaries
-            out["localized_total"] = int(out["cu_seqlens_padded"][-1])
     return out
 
 
 def _from_mapping(batch: Mapping) -> dict:
     # key=repr: a saved dict may hold non-str keys (ints, tuples) that do not sort among strs
-    unknown = sorted(set(batch) - set(SAVED_KEYS) - {"tokens", "cu_seqlens_kv", "cu_seqlens_kv_padded", "cp_rank",
+    unknown = sorted(set(batch) - set(SAVED_KEYS) - {"tokens", "cu_seqlens_kv", "cu_seqlens_kv_padded",
                                                      "max_seqlen_kv", "ignore_index", "mrope"}, key=repr)
     if unknown:
         raise ValueError(f"unknown keys in the batch: {unknown}; known keys: {sorted(SAVED_KEYS)}")
@@ -363,6 +367,19 @@ def _tensor_values(values: dict) -> dict:
     return {name: dense_tensor(values[name], name) for name in _TENSOR_FIELDS if values.get(name) is not None}
 
 
+def _localized_total(values: dict) -> dict:
+    """`localized_total` (T) from `cu_seqlens_padded`'s last entry when a `cp_index` is given without it: the
+    batch was localized to one CP rank, so its sequence fields hold T/cp slots (input_ids may be full or not).
+    Nothing when that set is missing, or not a 1-D integer tensor ending above 0 (`check_boundaries` names it)."""
+    if values.get("cp_index") is None or values.get("localized_total") is not None:
+        return {}
+    physical = values.get("cu_seqlens_padded")  # without it T is input_ids' (full ids are then checked against it)
+    if physical is None or physical.dim() != 1 or not physical.numel() or not is_integer_tensor(physical):
+        return {}
+    total = int(physical[-1])
+    return {"localized_total": total} if total > 0 else {}
+
+
 def _count_values(values: dict) -> dict:
     """The images / videos / audios per document given, as tuples of ints (`count_field`)."""
     return {name: count_field(values[name], name) for name in _COUNT_FIELDS if values.get(name) is not None}
@@ -424,6 +441,7 @@ def build_inputs(batch=None, **overrides) -> PackedInputs:
     values.update(_flat_sequences(values))
     _defaults_from_mrope(values)
     values.update(_tensor_values(values))
+    values.update(_localized_total(values))
     values.update(_count_values(values))
     values.update(_scalar_values(values))
     if values.get("cp_ranks") is not None:

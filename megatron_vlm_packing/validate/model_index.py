@@ -4,8 +4,8 @@ Each document is given its own inputs, split by `validate.vision` (which items e
 holds): image and video grids, seconds per video grid step (Qwen2.5-VL, Qwen3-Omni), and audio
 lengths (Qwen3-Omni `audio_seqlens`; `use_audio_in_video` is told per document by an audio
 placeholder next to a video one, unless given). A document the index cannot be asked about (audio
-placeholders with no audio lengths, or an input the index callable takes under no name) is
-returned as unchecked with the reason, never passed.
+placeholders with no audio lengths, videos with no seconds for an index that scales time by them, or an
+input the index callable takes under no name) is returned as unchecked with the reason, never passed.
 
 Shape legend: T = physical packed slots, L = one document's real tokens.
 """
@@ -78,6 +78,23 @@ def _index_of(inputs: PackedInputs, ids: torch.Tensor, kwargs: dict, params: dic
     return result.reshape(3, -1)
 
 
+# Why a document with videos is not compared when no seconds were given (`_reads_seconds` index).
+NO_SECONDS = ("video placeholders but no second_per_grid_ts: the index steps a video's t positions by its seconds "
+              "per grid step (transformers' Qwen2.5-VL assumes 1 s without them, though its processor always gives "
+              "them; Qwen3-Omni's needs them), so positions made with the real seconds cannot be compared")
+
+
+def _reads_seconds(mrope, params: dict | None) -> bool:
+    """The index scales a video's t positions by its seconds: an `MRopeConfig` whose family's positions depend on
+    a per-second scale (`rope.config.POSITION_FIELDS`: Qwen2.5-VL, Qwen3-Omni), or a callable taking them by name
+    (`params`: `_parameters`; one with **kwargs or no signature is not known to, and is asked as given)."""
+    if not callable(mrope):
+        from megatron_vlm_packing.rope.config import POSITION_FIELDS
+
+        return bool({"tokens_per_second", "position_id_per_seconds"} & set(POSITION_FIELDS[mrope.family]))
+    return params is not None and ("second_per_grid_ts" in params or "second_per_grids" in params)
+
+
 def _audio_in_video(inputs: PackedInputs, ids: torch.Tensor) -> bool:
     """`use_audio_in_video` for one document (ids: [L]): as given, else whether a video placeholder
     sits next to an audio placeholder (a video with its audio track in one block)."""
@@ -105,18 +122,24 @@ def against_model_index(inputs: PackedInputs, docs: Documents, items: dict, skip
                         audio_unchecked: dict[int, str]) -> tuple[list[Violation], dict[int, str]]:
     """Each document's real positions ([3, L] of `inputs.position_ids`) equal to the index's for it alone.
 
-    Returns the violation (naming the first differing token of up to 4 documents) and {document: why
-    it could not be checked}. Documents in `skip` (already reported) are not asked about, nor those of
-    `audio_unchecked` (`vision.audio_coverage`: audio the index would need lengths for), returned with the rest.
+    Returns the violation (naming the first differing token of up to 4 documents, or what the index raised on
+    them: an index callable's exception of any type is its finding for that document, not the report's end)
+    and {document: why it could not be checked}. Documents in `skip` (already reported) are not asked about,
+    nor those of `audio_unchecked` (`vision.audio_coverage`: audio the index would need lengths for), returned
+    with the rest.
     """
     bad, unchecked = [], dict(audio_unchecked)
     params = _parameters(inputs.mrope) if callable(inputs.mrope) else None  # read once, not per document
+    seconds_missing = inputs.second_per_grid_ts is None and _reads_seconds(inputs.mrope, params)
     for d in range(docs.num_documents):
         if d in skip or d in unchecked or docs.real[d] == 0:
             continue
         slots = docs.real_slots(d)
         ids = inputs.input_ids[slots]
         kwargs = document_inputs(inputs, ids, items, d)
+        if seconds_missing and "video_grid_thw" in kwargs:  # a default would judge the pack by seconds it never had
+            unchecked[d] = NO_SECONDS
+            continue
         if callable(inputs.mrope):
             kwargs, unread = _callable_kwargs(params, kwargs)
             if unread:
@@ -127,6 +150,11 @@ def against_model_index(inputs: PackedInputs, docs: Documents, items: dict, skip
         except ValueError as err:  # the model's own index refuses this document
             bad.append((d, 0, "refused", str(err)))
             continue
+        except Exception as err:  # noqa: BLE001 - the user's callable: transformers raises IndexError / RuntimeError
+            if not callable(inputs.mrope):  # our own index: anything but a ValueError is our bug, left to surface
+                raise
+            bad.append((d, 0, "raised", f"{type(err).__name__}: {err}"))
+            continue
         got = inputs.position_ids[:, slots]
         differs = got.double() != expected.double()  # float32 positions (Qwen3-Omni) compared untruncated
         if bool(differs.any()):
@@ -135,5 +163,6 @@ def against_model_index(inputs: PackedInputs, docs: Documents, items: dict, skip
     if not bad:
         return [], unchecked
     detail = [f"document {d}: the model's index refuses it: {e}" if g == "refused" else
+              f"document {d}: the model's index raised {e}" if g == "raised" else
               f"document {d} token {k}: {g} where the model's index gives {e}" for d, k, g, e in bad[:4]]
     return [Violation("mrope_positions", "; ".join(detail), tuple(d for d, *_ in bad))], unchecked

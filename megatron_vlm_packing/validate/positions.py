@@ -54,12 +54,47 @@ def check_positions_1d(inputs: PackedInputs, docs: Documents) -> list[Violation]
     return out
 
 
+# The whole numbers a half-precision dtype holds exactly: up to 2 ** (its mantissa bits + 1).
+_EXACT_WHOLE_NUMBERS = {torch.bfloat16: 256, torch.float16: 2048}
+
+
+def check_float_positions(inputs: PackedInputs, docs: Documents) -> list[Violation]:
+    """[3, T] floating positions against what the rotary reads: float32 (Megatron's MultimodalRotaryEmbedding
+    casts them to its inv_freq dtype; `rope.rotary` likewise). float64 values that cast changes, and a half
+    dtype holding positions above the whole numbers it holds exactly (bfloat16 256, float16 2048: beyond them
+    it steps by 2 or more, so consecutive positions cannot all be in it), are named (contract 3 / 10)."""
+    positions, real = inputs.position_ids, docs.is_real
+    if positions.dtype == torch.float64:
+        changed = (positions.float().double() != positions) & real
+        if not bool(changed.any()):
+            return []
+        channel, slot = (int(i) for i in changed.nonzero()[0])
+        value = positions[channel, slot]
+        return [Violation("dtypes", f"position_ids are torch.float64 and the rotary reads positions as float32, "
+                          f"which changes {int(changed.sum())} of them: channel {channel} slot {slot}: "
+                          f"{float(value)!r} is read as {float(value.float())!r}",
+                          tuple(docs.doc_of_slot[changed.any(0)].unique().tolist()))]
+    limit = _EXACT_WHOLE_NUMBERS.get(positions.dtype)
+    beyond = (positions.abs() > limit).any(0) & real if limit is not None else None
+    if beyond is None or not bool(beyond.any()):
+        return []
+    documents = tuple(docs.doc_of_slot[beyond].unique().tolist())
+    return [Violation("dtypes", f"position_ids are {positions.dtype}, which holds whole numbers exactly only up to "
+                      f"{limit}, and documents {list(documents)[:8]} reach position "
+                      f"{float(positions[:, real].abs().max()):g}: pack mRoPE positions as integers (float32 where "
+                      f"they are fractional)", documents)]
+
+
 def check_positions_3d(inputs: PackedInputs, docs: Documents,
                        media: MediaFindings) -> tuple[list[Violation], dict[int, str]]:
     """[3, T] positions: restart at 0, distinct channels on vision documents, equal to the model's index
     (`validate.model_index`, given each document's items of `media`; its failed documents are not asked about).
     Returns the violations and the documents the index could not check, with why."""
     positions = inputs.position_ids
+    if positions.is_floating_point():
+        unread = check_float_positions(inputs, docs)
+        if unread:  # the values are not what the model reads: comparing them would judge other positions
+            return unread, {}
     out, flagged = [], set()
     starts = [d for d in range(docs.num_documents) if docs.real[d] and
               bool((positions[:, docs.bounds.starts[d]] != 0).any())]

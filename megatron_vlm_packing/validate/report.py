@@ -38,7 +38,8 @@ CHECKS: dict[str, Check] = {c.name: c for c in (
     Check("positions_restart", 3, None, "positions do not restart at 0 in every document"),
     Check("mrope_channels_identical", 3, 1, "1D positions copied to 3 mRoPE channels on a document with vision tokens"),
     Check("mrope_positions", 3, None, "mRoPE positions differ from the model's get_rope_index for the sample alone"),
-    Check("labels_cross_documents", 1, 8, "a document's last token is trained on the next document's first token"),
+    Check("labels_cross_documents", 1, 8, "a document's last token is trained on the token after it in the pack "
+                                           "(the next document's first, or a pad), not its sample's own target"),
     Check("loss_on_pad", 1, None, "loss weight on pad slots"),
     Check("loss_weights", 9, None, "loss weights not finite or negative: the loss sum is NaN / inf or trains away"),
     Check("loss_without_target", 1, None, "a real slot trained whose label is the ignore index or negative"),
@@ -48,7 +49,8 @@ CHECKS: dict[str, Check] = {c.name: c for c in (
     Check("audio_placeholders", 10, None, "audio placeholders do not match audio_seqlens per document"),
     Check("cp_partition", 5, None, "a CP rank's tokens are not TransformerEngine's per-document zigzag"),
     Check("shapes", 10, None, "tensor shapes do not agree with each other"),
-    Check("dtypes", 10, None, "token ids, labels or positions are not integers (mRoPE positions: or float32)"),
+    Check("dtypes", 10, None, "token ids, labels or 1D positions are not integers, or mRoPE positions are in a float "
+                              "dtype that changes them (the rotary reads float32)"),
 )}
 
 

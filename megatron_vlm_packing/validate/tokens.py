@@ -1,9 +1,11 @@
-"""Per-token checks on targets: no loss on pad slots, no target crossing into the next document.
+"""Per-token checks on targets: no loss on pad slots, no target crossing into the slots after a document.
 
 Shape legend: T = physical packed slots, N = documents.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -66,39 +68,81 @@ def check_loss_without_target(inputs: PackedInputs, docs: Documents) -> list[Vio
     return _named_slots("loss_without_target", "trained with no target", bad, docs, "labels", labels)
 
 
-def crossing_slots(inputs: PackedInputs, docs: Documents) -> list[tuple[int, int, int]]:
-    """(document, slot, label) where the last real token of a document is trained on the first token
-    of the next document (bug class 8), unless the source sample has that very target."""
+class Crossings(NamedTuple):
+    """Last real tokens trained on a token a shift after concatenation would give them (bug class 8).
+
+    Attributes:
+        found: (document, slot, label) where the document's source row has another target there.
+        undecided: documents with such a label and no source row (with labels) matched to them. Their sample's
+            own next token is not in the pack, and may be that very id (an EOS that is the next document's
+            first token, or the pad id): a crossing and a correct pack hold the same numbers there.
+    """
+
+    found: list[tuple[int, int, int]]
+    undecided: list[int]
+
+
+def _tokens_after(inputs: PackedInputs, docs: Documents, doc: int, is_real: torch.Tensor) -> dict[int, str]:
+    """{id: what it is} a shift after concatenation gives document `doc`'s last real token: the next slot's (a pad
+    of `doc`, or the next document's first: a shift over the physical slots) and the next document's first real
+    token (a shift over the real tokens laid end to end). Empty after the pack's last slot. `is_real`: [T] bool,
+    `docs.is_real` (made once by the caller)."""
+    last = docs.bounds.starts[doc] + docs.real[doc] - 1
+    after = {}
+    if doc + 1 < docs.num_documents and docs.real[doc + 1]:
+        after[int(inputs.input_ids[docs.bounds.starts[doc + 1]])] = f"document {doc + 1}'s first token"
+    if last + 1 < inputs.total and not bool(is_real[last + 1]):
+        after.setdefault(int(inputs.input_ids[last + 1]), "the pad slot after it")
+    return after
+
+
+def crossings(inputs: PackedInputs, docs: Documents) -> Crossings:
+    """Documents whose last real token is trained on a token of the slots after it (`_tokens_after`): `found`
+    where the source row has another target there, `undecided` without a source row to tell."""
     trained = target_weights(inputs)
     if trained is None or inputs.labels is None:
-        return []
-    found = []
-    for d in range(docs.num_documents - 1):
-        if docs.real[d] == 0 or docs.real[d + 1] == 0:
+        return Crossings([], [])
+    found, undecided, is_real = [], [], docs.is_real
+    for d in range(docs.num_documents):
+        if docs.real[d] == 0:
             continue
         last = docs.bounds.starts[d] + docs.real[d] - 1
-        first_next = docs.bounds.starts[d + 1]
         label = int(inputs.labels[last])
-        if bool(trained[last]) and label == int(inputs.input_ids[first_next]) and not _source_has(inputs, docs, d, label):
+        if not bool(trained[last]) or label not in _tokens_after(inputs, docs, d, is_real):
+            continue
+        own = _source_target(inputs, docs, d)
+        if own is None:
+            undecided.append(d)
+        elif own != label:
             found.append((d, last, label))
-    return found
+    return Crossings(found, undecided)
 
 
-def _source_has(inputs: PackedInputs, docs: Documents, doc: int, label: int) -> bool:
+def _source_target(inputs: PackedInputs, docs: Documents, doc: int) -> int | None:
+    """The target of document `doc`'s last real token in its source row, or None without one to read."""
     if inputs.source is None or inputs.source.labels is None or docs.row_of_doc is None:
-        return False
+        return None
     row = docs.row_of_doc[doc]
     if row is None:
-        return False
+        return None
     from megatron_vlm_packing.validate.source import expected_targets
 
     expected, _ = expected_targets(inputs, row, docs.real[doc])
-    return int(expected[-1]) == label
+    return int(expected[-1])
 
 
-def check_labels_cross_documents(inputs: PackedInputs, docs: Documents) -> list[Violation]:
-    found = crossing_slots(inputs, docs)
+def check_labels_cross_documents(inputs: PackedInputs, docs: Documents) -> tuple[list[Violation], str | None]:
+    """The crossings the source rows decide (a violation), and why the undecided documents are not (or None)."""
+    found, undecided = crossings(inputs, docs)
+    why = None
+    if undecided:
+        why = (f"documents {undecided[:16]}{' ...' if len(undecided) > 16 else ''}: the last token is trained on "
+               f"the id of the token after it in the pack (the next document's first, or a pad); without source "
+               f"rows (with labels) matched to them, labels shifted after concatenation cannot be told from a "
+               f"sample whose own next token that id is (an EOS that opens the next document, or is the pad id)")
     if not found:
-        return []
-    detail = [f"document {d} slot {s} learns {label} = document {d + 1}'s first token" for d, s, label in found[:6]]
-    return [Violation("labels_cross_documents", "; ".join(detail), tuple(d for d, _, _ in found))]
+        return [], why
+    is_real = docs.is_real
+    detail = [f"document {d} slot {s} learns {label} = {_tokens_after(inputs, docs, d, is_real)[label]}"
+              for d, s, label in found[:6]]
+    return [Violation("labels_cross_documents", "; ".join(detail), tuple(d for d, _, _ in found))], why

@@ -22,7 +22,7 @@ from megatron_vlm_packing.validate.positions import check_positions
 from megatron_vlm_packing.validate.report import ValidationReport, Violation
 from megatron_vlm_packing.validate.source import check_labels_vs_source, match_source
 from megatron_vlm_packing.validate.tokens import (
-    check_labels_cross_documents, check_loss_on_pad, check_loss_weights, check_loss_without_target, crossing_slots,
+    check_labels_cross_documents, check_loss_on_pad, check_loss_weights, check_loss_without_target, crossings,
 )
 from megatron_vlm_packing.validate.vision import AudioCoverage, MediaFindings, check_vision
 
@@ -41,7 +41,8 @@ def validate_packed_batch(batch=None, **fields) -> ValidationReport:
             `use_audio_in_video`), `spatial_merge_size`, `source`
             (`SourceRows`: the unpacked rows), the layout (`tp_size`, `cp_size`,
             `sequence_parallel`, `fp8`, or `layout=ParallelLayout`), `cp_ranks`
-            ({rank: {"cp_index": ..., "labels": ...}}), `pad_token_id`, `mrope`
+            ({rank: {"cp_index": ..., "labels": ...}}) or, for a batch saved on one CP rank, its `cp_index`
+            (+ `cp_rank`), `pad_token_id`, `mrope`
             (`MRopeConfig` or the model's own index callable).
 
     Returns:
@@ -77,19 +78,21 @@ def _dtype_checked(inputs: PackedInputs) -> tuple[PackedInputs, list[Violation]]
     The embedding, the cross entropy and the rotary tables index with them, so a float / bool /
     complex tensor is a broken batch even when its values look right; and the 1D checks compare
     through `.long()` / `int()`, which would truncate 2.5 to 2 and pass a wrong position as right.
-    [3, T] float32 mRoPE positions are valid: Qwen3-Omni's temporal positions are fractional and
-    `pack_batch` packs them as float32 (the 3D checks compare them without truncating).
+    [3, T] floating mRoPE positions pass here: Qwen3-Omni's temporal positions are fractional, the rotary
+    reads every position as float32, and `positions.check_float_positions` names a dtype only where that
+    reading changes a position (the 3D checks compare them without truncating).
     """
     from dataclasses import replace
 
     out, changed = [], {}
     for name in ("input_ids", "labels", "position_ids"):
         value = getattr(inputs, name)
-        if name == "position_ids" and value is not None and value.dim() == 2 and value.dtype == torch.float32:
+        if name == "position_ids" and value is not None and value.dim() == 2 and value.is_floating_point():
             continue
         if value is not None and not is_integer_tensor(value):
-            out.append(Violation("dtypes", f"{name} has dtype {value.dtype}; it must be an integer tensor "
-                                           f"(torch.long / int32; mRoPE positions may also be float32)"))
+            what = "1D positions" if name == "position_ids" and value.dim() == 1 else "it"
+            out.append(Violation("dtypes", f"{name} has dtype {value.dtype}; {what} must be an integer tensor "
+                                           f"(torch.long / int32)"))
             if name != "input_ids":
                 changed[name] = None
             elif value.is_floating_point() and torch.equal(value, value.round()):
@@ -182,10 +185,12 @@ def _per_token_checks(inputs: PackedInputs, bounds: Boundaries) -> tuple[Documen
     settled, and the findings."""
     docs, found, skipped = _settle_real_slots(inputs, make_documents(bounds, inputs.total))
     findings = _Findings(found, ["uniform_boundaries", "padding_mask"], skipped)
+    crossed, undecided = check_labels_cross_documents(inputs, docs)
     targets = (check_loss_weights(inputs, docs) + check_loss_on_pad(inputs, docs)
-               + check_loss_without_target(inputs, docs) + check_labels_cross_documents(inputs, docs))
+               + check_loss_without_target(inputs, docs) + crossed)
     findings = findings.then(_Findings(targets, ["loss_weights", "loss_on_pad", "loss_without_target",
-                                                 "labels_cross_documents"], []))
+                                                 "labels_cross_documents"],
+                                       [("labels_cross_documents", undecided)] if undecided else []))
     findings = findings.then(_source_checks(inputs, docs))
     media = check_vision(inputs, docs)
     findings = findings.then(_vision_findings(inputs, media)).then(_audio_findings(media.audio))
@@ -200,7 +205,7 @@ def _source_checks(inputs: PackedInputs, docs: Documents) -> _Findings:
     skipped: reported already), or why not."""
     if inputs.source is None:
         return _Findings([], [], [("tokens_vs_source, labels_vs_source", "no source rows given")])
-    skip_slots = {slot for _, slot, _ in crossing_slots(inputs, docs)}
+    skip_slots = {slot for _, slot, _ in crossings(inputs, docs).found}
     return _Findings(check_labels_vs_source(inputs, docs, skip_slots), ["tokens_vs_source", "labels_vs_source"], [])
 
 

@@ -203,3 +203,37 @@ def test_text_offset_picks_the_transformers_4_57_rule(configs, tmp_path, capsys)
     assert status == 0 and "compared with the qwen2_5_vl index" in out and "transformers 4.57" in out, out
     status, out = check(capsys, path, "--text-offset", "max_position")
     assert status == 2 and "give --hf-config PATH too" in out, out
+
+
+def test_videos_saved_without_their_seconds_are_named_not_compared(configs, tmp_path, capsys):
+    """A Qwen2.5-VL pack whose videos take 2 s per temporal grid step, saved without `second_per_grid_ts`: its
+    positions were compared with the index at transformers' default of 1 s (what its get_rope_index assumes when
+    given none; its processor always gives them) and reported as mrope_positions. What is wrong is the missing
+    input: the documents with videos are listed as not checked, naming the field; the others are compared."""
+    config = transformers.AutoConfig.from_pretrained(str(configs["qwen2_5_vl"]))
+    ids, mask, images, videos, seconds = random_rows("qwen2_5_vl", 4, seed=2)
+    batch = dict(input_ids=ids, labels=ids.clone(), attention_mask=mask, image_grid_thw=images, video_grid_thw=videos,
+                 second_per_grid_ts=torch.full_like(seconds, 2.0))  # t steps 4 positions, not the default's 2
+    packed = pack_batch(batch, label_style="hf", mrope=MRopeConfig.from_hf_config(config))
+    fields = saved(packed, batch)
+    path = tmp_path / "batch.pt"
+    torch.save(fields, path)
+    status, out = check(capsys, path, "--hf-config", configs["qwen2_5_vl"])
+    assert status == 0 and "not checked" not in out, out
+    cu = packed.packed_seq_params.cu_seqlens_q_padded.tolist()
+    with_videos = [d for d in range(len(cu) - 1) if bool((packed.input_ids[0, cu[d]:cu[d + 1]] == VIDEO).any())]
+    assert 0 < len(with_videos) < len(cu) - 1  # some documents are compared, some cannot be
+    torch.save({k: v for k, v in fields.items() if k != "second_per_grid_ts"}, path)
+    status, out = check(capsys, path, "--hf-config", configs["qwen2_5_vl"])
+    assert status == 0 and "[mrope_positions]" not in out, out
+    assert f"not checked: mrope_positions (documents {with_videos}: video placeholders but no second_per_grid_ts" \
+        in out, out
+    assert "per document; the documents listed as not checked were not" in out
+    from megatron_vlm_packing.validate.model_index import NO_SECONDS
+    from tests.rope.conftest import hf_get_rope_index
+
+    index = hf_get_rope_index("qwen2_5_vl", config)  # the model's own index: a callable naming second_per_grid_ts
+    report = validate_packed_batch(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                                   packed_seq_params=packed.packed_seq_params, image_token_id=IMAGE,
+                                   video_token_id=VIDEO, image_grid_thw=images, video_grid_thw=videos, mrope=index)
+    assert report.ok and ("mrope_positions", f"documents {with_videos}: {NO_SECONDS}") in report.skipped, str(report)

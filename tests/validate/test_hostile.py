@@ -260,3 +260,130 @@ def test_float_grids_are_named_without_an_index():
         report = only(validate_packed_batch(**{**fields, "image_grid_thw": grid}), "vision_placeholders")
         assert "image_grid_thw must be [I, 3] integers" in str(report)
     assert DATA.image_token_id == fields["image_token_id"]
+
+
+@pytest.mark.parametrize("error", [TypeError("index() got an unexpected keyword"), RuntimeError("shape mismatch"),
+                                   IndexError("index 7 is out of bounds"), KeyError("video")])
+def test_an_mrope_callable_that_raises_is_reported_not_a_crash(vlm_pack, error):
+    """The user's index callable raising anything but ValueError (transformers' get_rope_index raises IndexError /
+    RuntimeError on a sample it cannot place) propagated out of validate_packed_batch: no report at all. It is the
+    finding of mrope_positions for the documents it raised on, with the exception's type and message."""
+    from tests.validate.conftest import clone
+
+    fields = clone(vlm_pack[1])
+    calls = []
+
+    def index(input_ids, image_grid_thw=None, video_grid_thw=None):
+        calls.append(image_grid_thw is not None)
+        if image_grid_thw is not None:  # the documents with images
+            raise error
+        return torch.arange(input_ids.shape[1]).expand(3, 1, -1)  # text alone: 0, 1, 2, ... in every channel
+
+    report = only(validate_packed_batch(**{**fields, "mrope": index}), "mrope_positions")
+    documents = tuple(d for d, has_images in enumerate(calls) if has_images)
+    assert documents and report.violations[0].documents == documents, str(report)
+    assert f"the model's index raised {type(error).__name__}: {error}" in str(report)
+
+
+def megatron_pack(ids, labels, lengths, cp_size: int = 1) -> dict:
+    """Validator keywords for Megatron-style rows (token k learns labels[k], the last one its sample's own next
+    token) packed by pack_batch, with the source rows under "source"."""
+    mask = (torch.arange(ids.shape[1]) < torch.tensor(lengths)[:, None]).long()
+    packed = pack_batch({"input_ids": ids, "labels": labels, "attention_mask": mask}, cp_size=cp_size)
+    fields = dict(input_ids=packed.input_ids, labels=packed.labels, loss_mask=packed.loss_mask,
+                  position_ids=packed.position_ids, padding_mask=packed.padding_mask,
+                  packed_seq_params=packed.packed_seq_params, cp_size=cp_size)
+    return {**fields, "source": SourceRows(ids, mask, labels, label_style="megatron")}
+
+
+def crossing_skips(report) -> list[str]:
+    return [why for name, why in report.skipped if name == "labels_cross_documents"]
+
+
+def test_an_eos_target_equal_to_the_next_documents_first_token_is_no_false_alarm():
+    """GPT-2 style: one id (50256) ends every text and starts the next. A correct Megatron-style pack trains each
+    sample's last token on its own EOS, which is the next document's first token: without source rows that was
+    reported as bug class 8. Without source rows a crossing and this pack are the same numbers, so the document
+    is listed as not decided (never a violation); with them it is decided, and a real crossing still named."""
+    eos = 50256
+    ids = torch.tensor([[eos, 11, 12, 13], [eos, 21, 22, 0]])
+    labels = torch.tensor([[11, 12, 13, eos], [21, 22, eos, -100]])
+    fields = megatron_pack(ids, labels, [4, 3])
+    source = fields.pop("source")
+    report = validate_packed_batch(**fields)
+    assert report.ok and "labels_cross_documents" in report.checked, str(report)
+    (why,) = crossing_skips(report)
+    assert why.startswith("documents [0]: ") and "source rows" in why, why
+    report = validate_packed_batch(**fields, source=source)
+    assert report.ok and not crossing_skips(report), str(report)
+    crossed = fields["labels"].clone()
+    crossed[0, 3] = 21  # a document that starts with 21, and the bug: document 0 learns it
+    ids2 = fields["input_ids"].clone()
+    ids2[0, 4] = 21
+    report = validate_packed_batch(**{**fields, "labels": crossed, "input_ids": ids2})
+    assert report.ok and crossing_skips(report), str(report)  # not decided without the rows either way
+
+
+def test_a_last_token_trained_on_the_pad_slot_after_it():
+    """Labels shifted after concatenation over the physical slots teach a padded document's last token the pad
+    after it. Pad id 0 is also the EOS id here (a common tokenizer choice), so a correct pack whose last target is
+    EOS holds the same numbers: the check compared with the next document's first token only, so it passed the
+    document as decided. Without source rows it is now listed as not decided; with them a correct pack is clean
+    and the shifted one is named bug class 8 (was labels_vs_source, no class)."""
+    ids = torch.tensor([[11, 12, 13, 0], [21, 22, 23, 24]])
+    labels = torch.tensor([[12, 13, 0, -100], [22, 23, 24, 0]])  # row 0 ends on EOS = 0 = pad id
+    fields = megatron_pack(ids, labels, [3, 4], cp_size=2)
+    assert fields["packed_seq_params"].cu_seqlens_q_padded.tolist() == [0, 4, 8]  # slot 3: a pad of document 0
+    assert int(fields["input_ids"][0, 3]) == 0 and int(fields["labels"][0, 2]) == 0
+    source = fields.pop("source")
+    report = validate_packed_batch(**fields)
+    assert report.ok and crossing_skips(report) == [crossing_skips(report)[0]], str(report)
+    assert crossing_skips(report)[0].startswith("documents [0]: "), str(report)
+    assert validate_packed_batch(**fields, source=source).ok
+    own = labels.clone()
+    own[0, 2] = 99  # the sample's own last target: 0 in the pack is the pad after it
+    own = SourceRows(source.input_ids, source.attention_mask, own, label_style="megatron")
+    report = only(validate_packed_batch(**fields, source=own), "labels_cross_documents")
+    assert report.violations[0].documents == (0,) and "slot 2 learns 0 = the pad slot after it" in str(report)
+
+
+def test_floating_mrope_positions_are_judged_as_the_rotary_reads_them(vlm_pack):
+    """[3, T] positions in float64 / bfloat16 / float16 were a dtypes violation whatever their values, though the
+    rotary reads positions as float32 (Megatron's MultimodalRotaryEmbedding and rope.rotary cast them) and
+    pack_batch passes an mrope callable's float64 / bf16 output through: a correct pack was reported. A float
+    dtype is now named only where it changes a position the model reads; wrong values are the value checks'."""
+    from tests.validate.conftest import DATA, clone
+
+    fields = vlm_pack[1]
+    positions = fields["position_ids"]
+    assert positions.dim() == 3 and int(positions.max()) <= 256
+    for dtype in (torch.float64, torch.bfloat16, torch.float16):
+        report = validate_packed_batch(**clone(fields, position_ids=positions.to(dtype)))
+        assert report.ok and "mrope_positions" in report.checked, (dtype, str(report))
+    off = positions.double() + 0.5  # float32 holds these: wrong values, named as such (.long() truncated them)
+    report = validate_packed_batch(**clone(fields, position_ids=off))
+    assert "dtypes" not in report.failed_checks and "positions_restart" in report.failed_checks, str(report)
+    blurred = positions.double()
+    slot = int((fields["input_ids"][0] == DATA.image_token_id).nonzero()[0])
+    blurred[0, 0, slot] += 1e-9  # a float64 position the float32 rotary reads as the one below it
+    report = only(validate_packed_batch(**clone(fields, position_ids=blurred)), "dtypes")
+    want = (f"position_ids are torch.float64 and the rotary reads positions as float32, which changes 1 of them: "
+            f"channel 0 slot {slot}: {float(blurred[0, 0, slot])!r} is read as {float(positions[0, 0, slot])!r}")
+    assert want in str(report), str(report)
+
+
+def test_half_precision_positions_beyond_their_whole_numbers_are_named():
+    """bfloat16 holds whole numbers exactly only up to 256 (float16: 2048): a 300-token document's positions
+    273, 275, ... cannot be in it. The report said only 'must be an integer tensor (or float32)'; it now names
+    the limit and the largest position. 1D positions stay integers only (the 1D checks compare them as ints)."""
+    n = 300
+    base = dict(input_ids=torch.arange(1, n + 1)[None], cu_seqlens=torch.tensor([0, n], dtype=torch.int32),
+                max_seqlen=n)
+    positions = torch.arange(n).expand(3, 1, n)
+    assert validate_packed_batch(**base, position_ids=positions).ok
+    report = only(validate_packed_batch(**base, position_ids=positions.bfloat16()), "dtypes")
+    assert ("position_ids are torch.bfloat16, which holds whole numbers exactly only up to 256, and documents [0] "
+            "reach position 300") in str(report), str(report)
+    assert validate_packed_batch(**base, position_ids=positions.half()).ok
+    report = only(validate_packed_batch(**base, position_ids=torch.arange(n)[None].double()), "dtypes")
+    assert "position_ids has dtype torch.float64; 1D positions must be an integer tensor" in str(report), str(report)
