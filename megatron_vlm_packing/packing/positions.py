@@ -123,9 +123,7 @@ def _checked_callable_positions(positions: torch.Tensor, input_ids: torch.Tensor
     check_dense(f"the output of {field}", positions, "pack_batch/pad_batch",
                 fix=f"return dense positions from {name}")
     positions = widened_unsigned(positions, f"positions from {field}")
-    if positions.dtype == torch.bool or positions.is_complex():
-        raise ValueError(f"{field} returned dtype {positions.dtype}: mRoPE positions must hold integer or real "
-                         f"positions")
+    check_mrope_position_dtype(positions.dtype, f"{field} returned")
     positions = positions.to(input_ids.device)
     if positions.is_floating_point():
         not_finite = keep[None] & ~torch.isfinite(positions)
@@ -134,6 +132,23 @@ def _checked_callable_positions(positions: torch.Tensor, input_ids: torch.Tensor
             raise ValueError(f"{field} gave channel {channel} {where(b, t)} the position "
                              f"{positions[channel, b, t].item()}: mRoPE positions must be finite")
     return positions
+
+
+# Whole numbers a half dtype holds exactly (2 ** (mantissa bits + 1)); fractional positions (Qwen3-Omni's) fewer.
+_HALF_EXACT = {torch.bfloat16: 256, torch.float16: 2048}
+
+
+def check_mrope_position_dtype(dtype: torch.dtype, owner: str) -> None:
+    """[3, B, S] positions (given, or a callable's) hold integer or real positions in a dtype that keeps them:
+    bool and complex have no order (pad slots continue after each document's largest position, where
+    torch.iinfo raised a TypeError), and bf16 / fp16 round whole positions above 256 / 2048 (the rotary
+    reads the rounded ones, silently). By dtype, not by value: no read. `owner` begins the message."""
+    if dtype == torch.bool or dtype.is_complex:
+        raise ValueError(f"{owner} dtype {dtype}: mRoPE positions must hold integer or real positions")
+    if dtype in _HALF_EXACT:
+        raise ValueError(f"{owner} dtype {dtype}, which holds whole numbers exactly only up to {_HALF_EXACT[dtype]} "
+                         f"(fractional positions fewer): the rotary would read rounded positions; give mRoPE "
+                         f"positions as int64 or float32")
 
 
 def positions_config(mrope):
@@ -178,10 +193,7 @@ def normalize_positions(batch: Mapping, shape: tuple[int, int], position_layout:
         return dict(batch)
     if given.dim() != 3:
         raise ValueError(f"position_ids must be [B, S] or mRoPE [3, B, S], got shape {tuple(given.shape)}")
-    # Pad slots continue after each document's largest position (`pack.pack_positions`): bool and complex
-    # positions have no such order (torch.iinfo raised a TypeError there).
-    if given.dtype == torch.bool or given.is_complex():
-        raise ValueError(f"mRoPE position_ids must hold integer or real positions, got dtype {given.dtype}")
+    check_mrope_position_dtype(given.dtype, "position_ids has")
     as_3bs, as_b3s = (3, batch_size, row_length), (batch_size, 3, row_length)
     layout = position_layout
     if layout is None:

@@ -71,3 +71,29 @@ def test_wide_unsigned_positions_read_as_int64_and_uint64_is_refused(how):
     assert torch.equal(_call(how, GOOD.to(torch.uint32)).position_ids, expected)
     with pytest.raises(ValueError, match=r"positions from the mrope callable index has dtype torch.uint64"):
         _call(how, GOOD.to(torch.uint64))
+
+
+@pytest.mark.parametrize("how", HOWS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_positions_are_refused(how, dtype):
+    """bf16 holds whole numbers exactly up to 256 only (fp16 2048; fractional Omni positions fewer): the
+    rotary would read the rounded positions, silently. Refused by dtype, whatever the values (no read)."""
+    with pytest.raises(ValueError, match=rf"the mrope callable index returned dtype {dtype}, which holds whole numbers exactly only up to .*int64 or float32"):
+        _call(how, GOOD.to(dtype))
+
+
+@pytest.mark.parametrize("how", HOWS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_positions_in_the_batch_are_refused(how, dtype):
+    batch = {"input_ids": IDS, "labels": IDS, "attention_mask": MASK, "position_ids": GOOD.to(dtype)}
+    entry = (lambda b: pad_batch(b, label_style="hf")) if how == "pad" else \
+        (lambda b: pack_batch(b, label_style="hf", cp_size=2 if how == "pack_cp2" else 1))
+    with pytest.raises(ValueError, match=rf"position_ids has dtype {dtype}, which holds .*int64 or float32"):
+        entry(batch)
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_float32_and_float64_positions_are_taken(how):
+    expected = _call(how, GOOD.clone()).position_ids
+    for dtype in (torch.float32, torch.float64):
+        assert torch.equal(_call(how, GOOD.to(dtype)).position_ids.long(), expected)
