@@ -7,6 +7,7 @@ Shape legend: B = rows, S = row length.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Callable, Mapping
 
@@ -60,11 +61,16 @@ def rope_positions(batch: Mapping, input_ids: torch.Tensor, keep: torch.Tensor, 
             raise ValueError(f"mrope must be an MRopeConfig or a callable, got {type(mrope).__name__}")
         fn = lambda ids, **kw: get_rope_index(ids, mrope, **kw)  # noqa: E731
         accepted = set(inspect.signature(get_rope_index).parameters)
+    seconds = seconds_parameter(params) if callable(mrope) and not accepts_any else "second_per_grid_ts"
+    if seconds != "second_per_grid_ts":
+        accepted.add("second_per_grid_ts")  # given under the callable's own name below
     kwargs = {k: batch[k] for k in _ROPE_INPUT_KEYS if batch.get(k) is not None and k in accepted}
+    if "second_per_grid_ts" in kwargs:
+        kwargs[seconds] = kwargs.pop("second_per_grid_ts")
     for key in ("image_grid_thw", "video_grid_thw"):  # uint16 / uint32 as int64, as everywhere else
         if isinstance(kwargs.get(key), torch.Tensor):
             kwargs[key] = widened_unsigned(kwargs[key], key)
-    name = getattr(mrope, "__name__", type(mrope).__name__)  # a callable's, for its errors
+    name = callable_name(mrope)  # a callable's, for its errors
     if callable(mrope):
         refuse_unread_rope_inputs(batch, accepted, audio, name=name)
     if audio is not None and "audio_seqlens" in accepted and "audio_seqlens" not in kwargs:
@@ -80,6 +86,22 @@ def rope_positions(batch: Mapping, input_ids: torch.Tensor, keep: torch.Tensor, 
     if callable(mrope):
         return _checked_callable_positions(positions, input_ids, keep, name, where)
     return positions
+
+
+def seconds_parameter(params: Mapping) -> str:
+    """The name under which a position callable with parameters `params` takes the seconds per temporal grid
+    step: "second_per_grids" for transformers' Qwen3-Omni get_rope_index (its name), else the batch's
+    "second_per_grid_ts" (Qwen2.5-VL's)."""
+    return "second_per_grids" if "second_per_grid_ts" not in params and "second_per_grids" in params \
+        else "second_per_grid_ts"
+
+
+def callable_name(fn) -> str:
+    """A position callable's name for its errors: a `functools.partial`'s function's (a bound HF
+    `get_rope_index` made with partial was named "partial")."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__name__", type(fn).__name__)
 
 
 def derived_token_types(batch: Mapping, input_ids: torch.Tensor, media, name: str) -> torch.Tensor:

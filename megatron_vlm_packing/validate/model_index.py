@@ -16,6 +16,7 @@ import inspect
 
 import torch
 
+from megatron_vlm_packing.packing.positions import seconds_parameter
 from megatron_vlm_packing.validate.documents import Documents
 from megatron_vlm_packing.validate.inputs import PackedInputs
 from megatron_vlm_packing.validate.report import Violation
@@ -41,8 +42,8 @@ def _callable_kwargs(params: dict | None, kwargs: dict) -> tuple[dict, list[str]
         return kwargs, []
     out, unread = {}, []
     for name, value in kwargs.items():
-        if name == "second_per_grid_ts" and name not in params and "second_per_grids" in params:
-            out["second_per_grids"] = value
+        if name == "second_per_grid_ts" and seconds_parameter(params) != name:
+            out[seconds_parameter(params)] = value
         elif name in params:
             out[name] = value
         elif name != "use_audio_in_video":

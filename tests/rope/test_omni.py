@@ -158,3 +158,45 @@ def test_a_row_with_no_kept_token_beside_media_rows(host_reads):
     for k in range(3):
         n = cu[k + 1] - cu[k]
         assert torch.equal(packed.position_ids[:, 0, cu_p[k]:cu_p[k] + n], expected[:, k, :n])
+
+
+@pytest.mark.parametrize("use_audio_in_video", [False, True])
+def test_pack_batch_with_the_hf_thinkers_own_index_as_mrope(use_audio_in_video):
+    """transformers' Qwen3-Omni get_rope_index names the seconds `second_per_grids`: the batch's
+    `second_per_grid_ts` is given to it under that name (it was refused as an input the callable never
+    reads), and the pack equals the one our MRopeConfig index makes."""
+    from megatron_vlm_packing import pack_batch
+
+    config, reference = thinker()
+    ids, mask, images, videos, seconds, audios = random_rows(config, 3, 2, use_audio_in_video)
+    assert seconds is not None
+    batch = {"input_ids": ids, "labels": ids, "attention_mask": mask, "image_grid_thw": images,
+             "video_grid_thw": videos, "second_per_grid_ts": seconds, "audio_seqlens": audios,
+             "use_audio_in_video": use_audio_in_video}
+    ours = pack_batch(batch, mrope=MRopeConfig.from_hf_config(config), label_style="hf")
+    ids_of = dict(image_token_id=config.image_token_id, video_token_id=config.video_token_id,
+                  audio_token_id=config.audio_token_id)  # a callable has no config to find the placeholders in
+    theirs = pack_batch(batch, mrope=reference, label_style="hf", **ids_of)
+    assert torch.equal(theirs.position_ids, ours.position_ids)
+    with pytest.raises(ValueError, match=r"\['second_per_grid_ts'\] but the mrope callable get_rope_index takes none"):
+        pack_batch(batch, mrope=_no_seconds(reference), label_style="hf", **ids_of)
+
+
+def _no_seconds(reference):
+    """The thinker's index without a seconds parameter: the batch's seconds would go unread."""
+    def get_rope_index(input_ids, image_grid_thw=None, video_grid_thw=None, attention_mask=None,
+                       use_audio_in_video=False, audio_seqlens=None):
+        return reference(input_ids, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
+                         attention_mask=attention_mask, use_audio_in_video=use_audio_in_video,
+                         audio_seqlens=audio_seqlens)
+    return get_rope_index
+
+
+def test_the_omni_processors_seconds_key_is_named_for_renaming():
+    """The Qwen3-Omni processor emits `video_second_per_grid`; the batch format's key is `second_per_grid_ts`."""
+    from megatron_vlm_packing import pack_batch
+
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with pytest.raises(ValueError, match=r"unknown batch key 'video_second_per_grid' \(the Qwen3-Omni processor's "
+                                         r"name for second_per_grid_ts: rename it\)"):
+        pack_batch({"input_ids": ids, "labels": ids, "video_second_per_grid": torch.tensor([1.0])}, label_style="hf")
