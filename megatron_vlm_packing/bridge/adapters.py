@@ -106,12 +106,17 @@ def check_unpacked_vision(micro_batch: MicroBatch, mrope) -> None:
         mrope: the model's `rope.MRopeConfig` (image / video placeholder ids, spatial merge size).
 
     Raises:
-        ValueError: naming the kind, the placeholder id and the counts. One host read per kind.
+        ValueError: naming the kind, the placeholder id and the counts. One host read per kind. Media of a
+            dtype the towers would cast (`models.merge.check_media_dtypes`: read from no value, so checked
+            on every micro-batch) name the field and the dtype.
     """
-    from megatron_vlm_packing.models.merge import (check_placeholders_per_sample, refuse_orphan_placeholders,
-                                                   sample_boundaries, tokens_per_grid)
+    from megatron_vlm_packing.models.merge import (check_media_dtypes, check_placeholders_per_sample,
+                                                   refuse_orphan_placeholders, sample_boundaries, tokens_per_grid)
 
-    vision = micro_batch.vision or VisionInputs()
+    vision, audio = micro_batch.vision or VisionInputs(), micro_batch.audio
+    check_media_dtypes(pixel_values=vision.pixel_values, pixel_values_videos=vision.pixel_values_videos,
+                       input_features=audio.input_features if audio is not None else None,
+                       feature_attention_mask=audio.feature_attention_mask if audio is not None else None)
     merge = mrope.spatial_merge_size
     kinds = (("image", mrope.image_token_id, vision.pixel_values, vision.image_grid_thw, vision.images_per_sample,
               "image_grid_thw"),

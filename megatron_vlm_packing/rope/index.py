@@ -95,6 +95,25 @@ def check_seconds_dtype(seconds, name: str = "second_per_grid_ts") -> None:
             raise ValueError(f"{name} must hold real numbers of seconds, got dtype {dtype}")
 
 
+def check_audio_seqlens_type(seqlens, name: str = "audio_seqlens") -> None:
+    """Raw audio lengths (Qwen3-Omni), one per clip: an [A] integer tensor or a list of ints. An [A, 1] tensor
+    was flattened, a 0-dim one read as one clip, float lengths truncated. Reads no values.
+
+    Raises:
+        ValueError: naming the shape, the dtype, or the first entry of a list that is no int.
+    """
+    if isinstance(seqlens, torch.Tensor):
+        if seqlens.dim() != 1:
+            raise ValueError(f"{name} must be [A], one raw length per audio clip, got shape {tuple(seqlens.shape)}")
+        if not is_integer_tensor(seqlens):
+            raise ValueError(f"{name} must hold integer raw audio lengths, got dtype {seqlens.dtype}")
+    elif seqlens is not None:
+        raw = list(seqlens)
+        bad = next((i for i, n in enumerate(raw) if isinstance(n, bool) or not isinstance(n, int)), None)
+        if bad is not None:
+            raise ValueError(f"{name} entry {bad} is {raw[bad]!r}: raw audio lengths must be ints")
+
+
 def _seconds_bad(seconds) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(seconds as float64 [V], [V] bool: NaN, infinite or negative), or None without seconds. Reads nothing."""
     if seconds is None:
@@ -169,6 +188,7 @@ def check_rope_types(input_ids, config: MRopeConfig, image_grid_thw, video_grid_
     check_grid_shape(video_grid_thw, "video_grid_thw")
     if second_per_grid_ts is not None:
         check_seconds_dtype(second_per_grid_ts)
+    check_audio_seqlens_type(audio_seqlens)
 
 
 @dataclass(frozen=True)

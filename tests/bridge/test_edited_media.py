@@ -48,6 +48,12 @@ EDITS = {
     "grids of two samples swapped": (
         lambda mb: R(mb, vision=R(mb.vision, image_grid_thw=_grids_of_two_samples_swapped(mb.vision))),
         r"image placeholder tokens \(id 255\), which do not cover whole images"),
+    # Bridge's towers cast them (`.type(self.visual.dtype)`) without a word
+    "images made uint8": (lambda mb: R(mb, vision=R(mb.vision, pixel_values=mb.vision.pixel_values.to(torch.uint8))),
+                          r"pixel_values must hold floating-point pixel values, got dtype torch.uint8"),
+    "videos made complex": (
+        lambda mb: R(mb, vision=R(mb.vision, pixel_values_videos=mb.vision.pixel_values_videos.to(torch.complex64))),
+        r"pixel_values_videos must hold floating-point pixel values, got dtype torch.complex64"),
 }
 
 
@@ -70,9 +76,10 @@ def test_vision_edited_by_a_transform_is_checked(bridge, family, edit):
         step_loss(bridge[family]["model"], bridge[family]["batch"], transform=change)
 
 
+@pytest.mark.parametrize("edit", ["vision removed", "images made uint8"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_vision_removed_from_a_loader_micro_batch_is_refused(bridge, family):
-    change, message = EDITS["vision removed"]
+def test_vision_edited_in_a_loader_micro_batch_is_refused(bridge, family, edit):
+    change, message = EDITS[edit]
     with pytest.raises(ValueError, match=message):
         step_loss(bridge[family]["model"], change(bridge[family]["loader"]))
 
@@ -110,6 +117,12 @@ OMNI_EDITS = {
         lambda mb: R(mb, audio=R(mb.audio, feature_attention_mask=mb.audio.feature_attention_mask.flip(0),
                                  input_features=mb.audio.input_features.flip(0))),
         r"audio placeholder tokens \(id 253\), which do not cover whole audios"),
+    # the thinker's audio tower casts the features and takes the mask's `.bool()` / `.sum()`
+    "audio features made int64": (lambda mb: R(mb, audio=R(mb.audio, input_features=mb.audio.input_features.long())),
+                                  r"input_features must hold floating-point mel features, got dtype torch.int64"),
+    "feature mask made float": (
+        lambda mb: R(mb, audio=R(mb.audio, feature_attention_mask=mb.audio.feature_attention_mask.float())),
+        r"feature_attention_mask must be a bool or integer tensor of 0/1 values, got dtype torch.float32"),
 }
 
 
