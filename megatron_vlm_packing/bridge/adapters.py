@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from megatron_vlm_packing.models.adapter import ModelAdapter, check_unpacked_ids
+from megatron_vlm_packing.models.gpt_adapter import seconds_entries
 from megatron_vlm_packing.packing.localize import LocalizeNeeds
 from megatron_vlm_packing.packing.micro_batch import MicroBatch, VisionInputs
 
@@ -197,6 +198,10 @@ class Qwen3VLAdapter(ModelAdapter):
         super().check(micro_batch)
         check_unpacked_ids(micro_batch, self.vocab_size)
         check_unpacked_vision(micro_batch, self.mrope)
+        entries = seconds_entries(micro_batch)
+        if entries:  # not handed to the model (it takes none): dropped here before
+            raise ValueError(f"second_per_grid_ts has {entries} entries but {self.model_name} reads none (Qwen3-VL "
+                             f"places video frames by the timestamp text between them): drop them from the batch")
 
     def forward(self, model, micro_batch: MicroBatch):
         mb = micro_batch

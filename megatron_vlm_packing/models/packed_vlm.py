@@ -24,7 +24,7 @@ from torch import nn
 
 from megatron_vlm_packing.models.adapter import ModelAdapter, check_unpacked_ids, unwrap_model
 from megatron_vlm_packing.models.audio import check_audio_lengths
-from megatron_vlm_packing.models.gpt_adapter import check_position_kind
+from megatron_vlm_packing.models.gpt_adapter import check_position_kind, refuse_unread_seconds
 from megatron_vlm_packing.models.merge import (check_media_dtypes, check_placeholders_per_sample,
                                                merge_vision_embeddings, place_checked_embeddings,
                                                refuse_orphan_placeholders, sample_boundaries, tokens_per_grid)
@@ -314,6 +314,7 @@ class PackedVLMAdapter(ModelAdapter):
         super().check(micro_batch)
         check_unpacked_ids(micro_batch, self.vocab_size)
         check_position_kind(micro_batch, self.rotary, self.model_name)
+        refuse_unread_seconds(micro_batch, self.rotary, self.model_name)
 
     def _packing_counts_clips_like(self, model: nn.Module) -> bool:
         """Packing counted each clip's tokens with the mRoPE config's `audio_n_window` (else its

@@ -17,7 +17,7 @@ import torch
 
 from megatron_vlm_packing.packing.checks import is_integer_tensor, token_place
 from megatron_vlm_packing.packing.lengths import widened_unsigned
-from megatron_vlm_packing.rope.config import MRopeConfig
+from megatron_vlm_packing.rope.config import SECONDS_FAMILIES, MRopeConfig
 from megatron_vlm_packing.rope.index_rules import grid_per_run, run_positions, token_runs
 
 
@@ -188,7 +188,22 @@ def check_rope_types(input_ids, config: MRopeConfig, image_grid_thw, video_grid_
     check_grid_shape(video_grid_thw, "video_grid_thw")
     if second_per_grid_ts is not None:
         check_seconds_dtype(second_per_grid_ts)
+        refuse_seconds_unread_by(config.family, second_per_grid_ts)
     check_audio_seqlens_type(audio_seqlens)
+
+
+def refuse_seconds_unread_by(family: str, seconds) -> None:
+    """Seconds per grid step with entries given to an index that reads none (`config.SECONDS_FAMILIES`: Qwen2-VL's
+    places frames by their index, Qwen3-VL's by timestamp text) were taken and dropped. Reads no values.
+
+    Raises:
+        ValueError: naming the field, its entries and the family.
+    """
+    entries = seconds.numel() if isinstance(seconds, torch.Tensor) else len(seconds) \
+        if isinstance(seconds, (list, tuple)) else 1
+    if entries and family not in SECONDS_FAMILIES:
+        raise ValueError(f"second_per_grid_ts has {entries} entries but the {family} mRoPE index reads none (only "
+                         f"{sorted(SECONDS_FAMILIES)} place video frames by seconds): drop them from the batch")
 
 
 @dataclass(frozen=True)

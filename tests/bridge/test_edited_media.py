@@ -144,3 +144,18 @@ def test_labels_handed_over_as_ids_are_refused(bridge, family):
     """-100 at the ignored slots was an IndexError in Bridge's embedding."""
     with pytest.raises(ValueError, match=r"input_ids row 0 position \d+ is -100: token ids must lie in \[0, 256\)"):
         step_loss(bridge[family]["model"], bridge[family]["batch"], transform=lambda mb: R(mb, input_ids=mb.labels))
+
+
+def test_seconds_are_refused_for_qwen3_vl_which_reads_none(bridge):
+    """Bridge's Qwen3-VL takes no `second_per_grid_ts` (its adapter never handed them on) and its mRoPE index reads
+    none: given in the batch, or added by a transform, they are refused, not dropped."""
+    from megatron_vlm_packing.packing.micro_batch import VisionInputs
+
+    case = bridge["qwen3_vl"]
+    videos = case["batch"]["video_grid_thw"].shape[0]
+    with pytest.raises(ValueError, match=rf"second_per_grid_ts has {videos} entries but the qwen3_vl mRoPE index "
+                                         rf"reads none"):
+        step_loss(case["model"], {**case["batch"], "second_per_grid_ts": torch.ones(videos)})
+    add = lambda mb: R(mb, vision=R(mb.vision or VisionInputs(), second_per_grid_ts=torch.ones(videos)))  # noqa: E731
+    with pytest.raises(ValueError, match=rf"second_per_grid_ts has {videos} entries but Qwen3VLModel reads none"):
+        step_loss(case["model"], case["batch"], transform=add)
