@@ -188,8 +188,34 @@ def check_rope_types(input_ids, config: MRopeConfig, image_grid_thw, video_grid_
     check_grid_shape(video_grid_thw, "video_grid_thw")
     if second_per_grid_ts is not None:
         check_seconds_dtype(second_per_grid_ts)
+        if isinstance(second_per_grid_ts, torch.Tensor) and second_per_grid_ts.dim() != 1:  # was flattened
+            raise ValueError(f"second_per_grid_ts must be [V], one entry per video, got shape "
+                             f"{tuple(second_per_grid_ts.shape)}")
         refuse_seconds_unread_by(config.family, second_per_grid_ts)
     check_audio_seqlens_type(audio_seqlens)
+    refuse_inputs_unread_by(config.family, mm_token_type_ids=mm_token_type_ids, audio_seqlens=audio_seqlens,
+                            use_audio_in_video=use_audio_in_video)
+
+
+def refuse_inputs_unread_by(family: str, *, mm_token_type_ids=None, audio_seqlens=None,
+                            use_audio_in_video=None) -> None:
+    """Inputs the index of `family` reads nothing of were taken and dropped: `audio_seqlens` (with entries) and
+    `use_audio_in_video` are read by Qwen3-Omni's index only, `mm_token_type_ids` by all but Qwen3-Omni's (which
+    tells blocks by their tokens), as in transformers. Reads no values.
+
+    Raises:
+        ValueError: naming each such input and the family.
+    """
+    if family == "qwen3_omni":
+        unread = ["mm_token_type_ids"] if mm_token_type_ids is not None else []
+    else:
+        given = isinstance(audio_seqlens, torch.Tensor) and audio_seqlens.numel() \
+            or not isinstance(audio_seqlens, torch.Tensor) and audio_seqlens is not None and len(audio_seqlens)
+        unread = ["audio_seqlens"] * bool(given) + ["use_audio_in_video"] * (use_audio_in_video is not None)
+    if unread:
+        raise ValueError(f"{unread} given to the {family} mRoPE index, which reads none of them (audio_seqlens and "
+                         f"use_audio_in_video are Qwen3-Omni's; mm_token_type_ids the Qwen-VL families'): drop them "
+                         f"from the batch")
 
 
 def refuse_seconds_unread_by(family: str, seconds) -> None:

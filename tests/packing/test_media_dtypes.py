@@ -115,3 +115,13 @@ def test_get_rope_index_refuses_audio_seqlens_that_is_not_one_dimensional(shape)
     with pytest.raises(ValueError, match=r"^audio_seqlens must be \[A\], one raw length per audio clip"):
         get_rope_index(ids, OMNI, audio_seqlens=seqlens)
     assert get_rope_index(ids, OMNI, audio_seqlens=torch.tensor([TEN, ONE])).position_ids.shape == (3, 2, 5)
+
+
+@pytest.mark.parametrize("seconds", [torch.tensor([[1.0], [2.0]]), torch.tensor(1.0)], ids=["[V, 1]", "0-dim"])
+def test_get_rope_index_refuses_seconds_that_are_not_one_dimensional(seconds):
+    """pack_batch refused these already (`media_tensor`); the index flattened them."""
+    ids, grid = torch.tensor([[1, 5, 8, 3], [1, 5, 8, 3]]), torch.tensor([[1, 2, 2], [1, 2, 2]])
+    with pytest.raises(ValueError, match=r"^second_per_grid_ts must be \[V\], one entry per video, got shape "):
+        get_rope_index(ids, QWEN25, video_grid_thw=grid[:seconds.numel()], second_per_grid_ts=seconds)
+    assert get_rope_index(ids, QWEN25, video_grid_thw=grid, second_per_grid_ts=torch.tensor([1.0, 2.0])).position_ids \
+        .shape == (3, 2, 4)
