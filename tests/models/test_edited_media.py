@@ -70,6 +70,9 @@ EDITS = {
         r"pixel_values_videos must hold floating-point pixel values, got dtype torch.int64"),
     "audio features made bool": (lambda mb: R(mb, audio=R(mb.audio, input_features=mb.audio.input_features.bool())),
                                  r"input_features must hold floating-point mel features, got dtype torch.bool"),
+    "feature mask values made 2": (
+        lambda mb: R(mb, audio=R(mb.audio, feature_attention_mask=mb.audio.feature_attention_mask * 2)),
+        r"feature_attention_mask rows \[.*\] are not right-padded 0/1 masks"),
     "feature mask made float": (
         lambda mb: R(mb, audio=R(mb.audio, feature_attention_mask=mb.audio.feature_attention_mask.float())),
         r"feature_attention_mask must be a bool or integer tensor of 0/1 values, got dtype torch.float32"),
