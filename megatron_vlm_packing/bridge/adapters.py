@@ -107,7 +107,8 @@ def check_unpacked_vision(micro_batch: MicroBatch, mrope) -> None:
         mrope: the model's `rope.MRopeConfig` (image / video placeholder ids, spatial merge size).
 
     Raises:
-        ValueError: naming the kind, the placeholder id and the counts. One host read per kind. Media of a
+        ValueError: naming the kind, the placeholder id and the counts. One host read per kind (and one for
+            `second_per_grid_ts`: one real, finite, non-negative entry per video). Media of a
             dtype the towers would cast (`models.merge.check_media_dtypes`: read from no value, so checked
             on every micro-batch) name the field and the dtype.
     """
@@ -145,6 +146,26 @@ def check_unpacked_vision(micro_batch: MicroBatch, mrope) -> None:
         check_placeholders_per_sample(ids, sample_boundaries(ids, micro_batch.packed_seq_params),
                                       tokens_per_grid(grid, merge), token_id=token, field=kind,
                                       items_per_sample=per_sample)
+    _check_unpacked_seconds(vision)
+
+
+def _check_unpacked_seconds(vision: VisionInputs) -> None:
+    """`check_unpacked_vision`'s seconds part: `second_per_grid_ts` (read by Bridge's Qwen2.5-VL for its video
+    positions) is one real, finite, non-negative entry per video, as packing checks it. Extra entries were
+    dropped, too few an IndexError (StopIteration) inside the model, NaN positions silent. One host read."""
+    from megatron_vlm_packing.packing.media import check_seconds_count
+    from megatron_vlm_packing.rope.index import check_seconds, check_seconds_dtype
+
+    seconds = vision.second_per_grid_ts
+    if seconds is None:
+        return
+    check_seconds_dtype(seconds)
+    if vision.video_grid_thw is None:
+        if seconds.numel():
+            raise ValueError(f"second_per_grid_ts has {seconds.numel()} entries but the micro-batch has no videos")
+        return
+    check_seconds_count(seconds, vision.video_grid_thw)
+    check_seconds(seconds)
 
 
 def _check_unpacked_audio(micro_batch: MicroBatch, token: int, n_window: int) -> None:

@@ -388,7 +388,7 @@ def vision_inputs(batch: dict, host: MediaHost, tokens: MediaTokens, *,
     # One entry per video whoever reads them: beside pixels `_video_counts` counts them; grids alone went to the
     # mRoPE index or position callable uncounted (a callable checks nothing).
     if seconds is not None and videos is None and video_grid is not None and video_grid.shape[0]:
-        _check_seconds_count(seconds, video_grid)
+        check_seconds_count(seconds, video_grid)
     if count_grids:
         _count_position_grids(host, tokens, image_rows if pixels is None else [], video_rows if videos is None else [])
     if pixels is None and videos is None:
@@ -441,12 +441,12 @@ def _video_counts(videos, grid, grid_rows, seconds, host: MediaHost, tokens: Med
     if patches != videos.shape[0]:
         raise ValueError(f"video_grid_thw covers {patches} patches but pixel_values_videos has {videos.shape[0]}")
     if seconds is not None:
-        _check_seconds_count(seconds, grid)
+        check_seconds_count(seconds, grid)
     return items_per_row(rows, grid_tokens(grid_rows, tokens.spatial_merge_size, "video_grid_thw"),
                          kind="video", field="video_grid_thw", row_name=host.row_name)
 
 
-def _check_seconds_count(seconds: torch.Tensor, video_grid: torch.Tensor) -> None:
+def check_seconds_count(seconds: torch.Tensor, video_grid: torch.Tensor) -> None:
     """One `second_per_grid_ts` entry per `video_grid_thw` row ([V] and [V, 3]), whoever reads them."""
     if seconds.numel() != video_grid.shape[0]:
         raise ValueError(f"second_per_grid_ts has {seconds.numel()} entries but video_grid_thw has "

@@ -159,3 +159,28 @@ def test_seconds_are_refused_for_qwen3_vl_which_reads_none(bridge):
     add = lambda mb: R(mb, vision=R(mb.vision or VisionInputs(), second_per_grid_ts=torch.ones(videos)))  # noqa: E731
     with pytest.raises(ValueError, match=rf"second_per_grid_ts has {videos} entries but Qwen3VLModel reads none"):
         step_loss(case["model"], case["batch"], transform=add)
+
+
+SECONDS_EDITS = {
+    # one more entry than videos: Bridge's index read the first ones and dropped the rest; one fewer an IndexError
+    "one entry more": (lambda s: torch.cat([s, s[:1]]), r"second_per_grid_ts has {more} entries but video_grid_thw has "
+                                                        r"{videos} videos"),
+    "one entry fewer": (lambda s: s[1:], r"second_per_grid_ts has {fewer} entries but video_grid_thw has {videos} "
+                                         r"videos"),
+    "nan": (lambda s: torch.full_like(s, float("nan")), r"second_per_grid_ts entry 0 is nan"),
+    "complex": (lambda s: s.to(torch.complex64), r"second_per_grid_ts must hold real numbers of seconds, got dtype "
+                                                 r"torch.complex64"),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(SECONDS_EDITS))
+def test_qwen25_vl_seconds_edited_by_a_transform_are_checked(bridge, edit):
+    """Bridge's Qwen2.5-VL computes its video positions from `second_per_grid_ts` itself: seconds no packer
+    checked (a transform's) are checked against the videos as packing checks them."""
+    case = bridge["qwen25_vl"]
+    videos = case["batch"]["video_grid_thw"].shape[0]
+    assert videos and case["batch"]["second_per_grid_ts"].numel() == videos
+    change, message = SECONDS_EDITS[edit]
+    edited = lambda mb: R(mb, vision=R(mb.vision, second_per_grid_ts=change(mb.vision.second_per_grid_ts)))  # noqa
+    with pytest.raises(ValueError, match=message.format(more=videos + 1, fewer=videos - 1, videos=videos)):
+        step_loss(case["model"], case["batch"], transform=edited)
