@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from megatron_vlm_packing.models.adapter import ModelAdapter, check_unpacked_ids
+from megatron_vlm_packing.models.gpt_adapter import seconds_entries
 from megatron_vlm_packing.packing.localize import LocalizeNeeds
 from megatron_vlm_packing.packing.micro_batch import MicroBatch, VisionInputs
 
@@ -106,12 +107,18 @@ def check_unpacked_vision(micro_batch: MicroBatch, mrope) -> None:
         mrope: the model's `rope.MRopeConfig` (image / video placeholder ids, spatial merge size).
 
     Raises:
-        ValueError: naming the kind, the placeholder id and the counts. One host read per kind.
+        ValueError: naming the kind, the placeholder id and the counts. One host read per kind (and one for
+            `second_per_grid_ts`: one real, finite, non-negative entry per video). Media of a
+            dtype the towers would cast (`models.merge.check_media_dtypes`: read from no value, so checked
+            on every micro-batch) name the field and the dtype.
     """
-    from megatron_vlm_packing.models.merge import (check_placeholders_per_sample, refuse_orphan_placeholders,
-                                                   sample_boundaries, tokens_per_grid)
+    from megatron_vlm_packing.models.merge import (check_media_dtypes, check_placeholders_per_sample,
+                                                   refuse_orphan_placeholders, sample_boundaries, tokens_per_grid)
 
-    vision = micro_batch.vision or VisionInputs()
+    vision, audio = micro_batch.vision or VisionInputs(), micro_batch.audio
+    check_media_dtypes(pixel_values=vision.pixel_values, pixel_values_videos=vision.pixel_values_videos,
+                       input_features=audio.input_features if audio is not None else None,
+                       feature_attention_mask=audio.feature_attention_mask if audio is not None else None)
     merge = mrope.spatial_merge_size
     kinds = (("image", mrope.image_token_id, vision.pixel_values, vision.image_grid_thw, vision.images_per_sample,
               "image_grid_thw"),
@@ -139,6 +146,26 @@ def check_unpacked_vision(micro_batch: MicroBatch, mrope) -> None:
         check_placeholders_per_sample(ids, sample_boundaries(ids, micro_batch.packed_seq_params),
                                       tokens_per_grid(grid, merge), token_id=token, field=kind,
                                       items_per_sample=per_sample)
+    _check_unpacked_seconds(vision)
+
+
+def _check_unpacked_seconds(vision: VisionInputs) -> None:
+    """`check_unpacked_vision`'s seconds part: `second_per_grid_ts` (read by Bridge's Qwen2.5-VL for its video
+    positions) is one real, finite, non-negative entry per video, as packing checks it. Extra entries were
+    dropped, too few an IndexError (StopIteration) inside the model, NaN positions silent. One host read."""
+    from megatron_vlm_packing.packing.media import check_seconds_count
+    from megatron_vlm_packing.rope.index import check_seconds, check_seconds_dtype
+
+    seconds = vision.second_per_grid_ts
+    if seconds is None:
+        return
+    check_seconds_dtype(seconds)
+    if vision.video_grid_thw is None:
+        if seconds.numel():
+            raise ValueError(f"second_per_grid_ts has {seconds.numel()} entries but the micro-batch has no videos")
+        return
+    check_seconds_count(seconds, vision.video_grid_thw)
+    check_seconds(seconds)
 
 
 def _check_unpacked_audio(micro_batch: MicroBatch, token: int, n_window: int) -> None:
@@ -192,6 +219,10 @@ class Qwen3VLAdapter(ModelAdapter):
         super().check(micro_batch)
         check_unpacked_ids(micro_batch, self.vocab_size)
         check_unpacked_vision(micro_batch, self.mrope)
+        entries = seconds_entries(micro_batch)
+        if entries:  # not handed to the model (it takes none): dropped here before
+            raise ValueError(f"second_per_grid_ts has {entries} entries but {self.model_name} reads none (Qwen3-VL "
+                             f"places video frames by the timestamp text between them): drop them from the batch")
 
     def forward(self, model, micro_batch: MicroBatch):
         mb = micro_batch

@@ -19,21 +19,27 @@ from megatron_vlm_packing.rope.omni import audio_output_length
 
 
 def audio_lengths_from_mask(feature_attention_mask: torch.Tensor) -> list[int]:
-    """Real frames per clip from a right-padded [A, L] mask (1 = real); one host sync.
+    """Real frames per clip from a right-padded [A, L] bool or integer 0/1 mask (1 = real); one host sync.
 
     Raises:
-        ValueError: a mask that is not 2D, or a clip whose real frames are not a prefix (holes or
-            left padding would silently shift frames).
+        ValueError: a mask that is not 2D, not bool or integer (`check_feature_mask_dtype`), or a clip
+            whose real frames are not a prefix (holes or left padding would silently shift frames) or
+            whose mask holds a value other than 0 and 1 (read as 1 by `.bool()`).
     """
+    from megatron_vlm_packing.packing.media_audio import check_feature_mask_dtype
+
     if not isinstance(feature_attention_mask, torch.Tensor) or feature_attention_mask.dim() != 2:
         raise ValueError(f"feature_attention_mask must be an [A, L] tensor, got "
                          f"{getattr(feature_attention_mask, 'shape', type(feature_attention_mask))}")
+    check_feature_mask_dtype(feature_attention_mask)
     keep = feature_attention_mask.bool()
     lengths = keep.sum(1)
     prefix = torch.arange(keep.shape[1], device=keep.device)[None] < lengths[:, None]
-    bad = torch.nonzero((keep != prefix).any(1)).flatten().tolist()
+    not_binary = (feature_attention_mask != 0) & (feature_attention_mask != 1)  # [A, L]
+    bad = torch.nonzero((keep != prefix).any(1) | not_binary.any(1)).flatten().tolist()
     if bad:
-        raise ValueError(f"feature_attention_mask rows {bad} are not right-padded (real frames must come first)")
+        raise ValueError(f"feature_attention_mask rows {bad} are not right-padded 0/1 masks (real frames are 1 and "
+                         f"come first, pad frames 0)")
     return lengths.tolist()
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 
+import torch
 from torch import nn
 
 from megatron_vlm_packing.models.adapter import ModelAdapter, check_unpacked_ids
@@ -39,6 +40,37 @@ def check_position_kind(micro_batch: MicroBatch, rotary: str, model_name: str) -
         raise ValueError(f"{model_name}'s rotary is 1D but the micro-batch has mRoPE position_ids of shape "
                          f"{tuple(micro_batch.position_ids.shape)}: drop mrope= (and [3, B, S] position_ids) "
                          f"or build an mRoPE model")
+
+
+def seconds_entries(micro_batch: MicroBatch) -> int:
+    """Entries of the micro-batch's `second_per_grid_ts` (0 without any). Reads no values."""
+    seconds = micro_batch.vision.second_per_grid_ts if micro_batch.vision is not None else None
+    return 0 if seconds is None else seconds.numel() if isinstance(seconds, torch.Tensor) else len(seconds)
+
+
+def refuse_unread_seconds(micro_batch: MicroBatch, rotary: str, model_name: str) -> None:
+    """`second_per_grid_ts` of a model that takes none (GPTModel, PackedVLM) must have been read by the index
+    that made its mRoPE positions: with a 1D rotary nothing reads them, and an index of a family outside
+    `rope.config.SECONDS_FAMILIES` reads none. Positions given in the batch or made by a callable
+    (`mrope_config` None) are taken as made from them. Reads no values.
+
+    Raises:
+        ValueError: naming the field, its entries and the model's rotary (or the index's family).
+    """
+    from megatron_vlm_packing.rope.config import SECONDS_FAMILIES
+
+    entries = seconds_entries(micro_batch)
+    if not entries:
+        return
+    if rotary != "mrope":
+        raise ValueError(f"second_per_grid_ts has {entries} entries but {model_name}'s rotary is 1D: nothing reads "
+                         f"them (seconds per grid step place video frames in time only in an mRoPE index); drop "
+                         f"them from the batch")
+    made_with = micro_batch.mrope_config
+    if made_with is not None and made_with.family not in SECONDS_FAMILIES:
+        raise ValueError(f"second_per_grid_ts has {entries} entries but the micro-batch's mRoPE positions were made "
+                         f"by the {made_with.family} index, which reads none (nor does {model_name}): drop them "
+                         f"from the batch")
 
 
 def _uses_packed_mrope(model: nn.Module) -> bool:
@@ -78,6 +110,7 @@ class GPTModelAdapter(ModelAdapter):
         super().check(micro_batch)
         check_unpacked_ids(micro_batch, self.vocab_size)
         check_position_kind(micro_batch, self.rotary, self.model_name)
+        refuse_unread_seconds(micro_batch, self.rotary, self.model_name)
         if self.is_moe and not self.takes_padding_mask and micro_batch.stats.physical_tokens > micro_batch.stats.real_tokens:
             raise ValueError(f"{self.model_name} is a mixture-of-experts model whose forward takes no padding_mask, "
                              f"so its router would count {micro_batch.stats.physical_tokens - micro_batch.stats.real_tokens} "

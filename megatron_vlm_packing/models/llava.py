@@ -33,6 +33,7 @@ from megatron_vlm_packing.models.llava_plan import (  # noqa: F401
 )
 from megatron_vlm_packing.packing.bounds import checked_int, is_int
 from megatron_vlm_packing.packing.localize import LocalizeNeeds
+from megatron_vlm_packing.packing.media import check_floating_media
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
 from megatron_vlm_packing.packing.plan import PackMultiples
 from megatron_vlm_packing.packing.rows import is_undense, refuse_undense
@@ -82,18 +83,6 @@ class LlavaSpace:
                    segment_multiple=2 * cp if cp > 1 else 1, total_multiple=total,
                    pipeline_length=max_length if pipelined else None, max_length=max_length,
                    vocab_size=model_vocab_size(model))
-
-
-def check_image_dtype(images: torch.Tensor, name: str) -> None:
-    """LLaVA's image tiles are floating-point pixel values: an integer (or bool, complex) tensor would reach
-    the vision tower as is, or be cast without its normalisation; refused wherever images enter.
-
-    Raises:
-        ValueError: naming `name` and the dtype.
-    """
-    if not images.is_floating_point():
-        raise ValueError(f"{name} must hold floating-point pixel values, got dtype {images.dtype}: convert and "
-                         f"normalise them as the vision tower expects before packing")
 
 
 def default_image_tiles(num_image_tiles, num_images: int, device) -> torch.Tensor:
@@ -241,7 +230,7 @@ class LLaVAAdapter(ModelAdapter):
         if images is not None:
             if is_undense(images):  # a micro-batch built by hand: the packers refuse these in the batch
                 refuse_undense("images (vision.pixel_values)", images, "LLaVAModel's vision tower and this adapter")
-            check_image_dtype(images, "images (vision.pixel_values)")
+            check_floating_media(images, "images (vision.pixel_values)")
         tiles = default_image_tiles(vision.num_image_tiles if vision is not None else None, n_images, ids.device)
         if tiles.numel() != n_images:
             raise ValueError(f"{n_images} image tokens in input_ids but {tiles.numel()} entries in num_image_tiles")

@@ -18,10 +18,11 @@ from typing import Callable, Mapping
 import torch
 
 from megatron_vlm_packing.models.llava import (
-    LlavaPackPlan, LlavaSpace, check_image_dtype, image_expansion, llava_pack_plan,
+    LlavaPackPlan, LlavaSpace, image_expansion, llava_pack_plan,
 )
 from megatron_vlm_packing.packing.checks import is_integer_tensor
 from megatron_vlm_packing.packing.bounds import is_int
+from megatron_vlm_packing.packing.media import check_floating_media
 from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch, VisionInputs
 
 _IMAGE_KEYS = ("images", "pixel_values")
@@ -40,7 +41,7 @@ def _images(batch: dict) -> torch.Tensor | None:
     if not isinstance(images, torch.Tensor) or (images.dim() != 4 and images.numel() > 0):
         raise ValueError(f"{given[0]} must be one [tiles, C, H, W] tensor, got "
                          f"{tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__}")
-    check_image_dtype(images, given[0])
+    check_floating_media(images, given[0])
     return images
 
 

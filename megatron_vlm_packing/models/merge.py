@@ -34,6 +34,29 @@ def merge_vision_embeddings(
     return text_embeddings.index_copy(0, positions, rows)
 
 
+def check_media_dtypes(*, pixel_values=None, pixel_values_videos=None, input_features=None,
+                       feature_attention_mask=None) -> None:
+    """The dtypes of the media a model hands its towers (PackedVLM, the Bridge adapters): floating-point pixel
+    values and mel features, a bool or integer feature mask. The packers check them in the batch; a micro-batch
+    built or edited by hand (a `transform=`, a `replace`) reached the tower, which cast it silently. Reads no
+    values; tensors only (other inputs are named by the checks of their shapes).
+
+    Raises:
+        ValueError: naming the field and its dtype (`packing.media.check_floating_media`,
+            `packing.media_audio.check_feature_mask_dtype`).
+    """
+    from megatron_vlm_packing.packing.media import check_floating_media
+    from megatron_vlm_packing.packing.media_audio import check_feature_mask_dtype
+
+    for name, values, what in (("pixel_values", pixel_values, "pixel values"),
+                               ("pixel_values_videos", pixel_values_videos, "pixel values"),
+                               ("input_features", input_features, "mel features")):
+        if isinstance(values, torch.Tensor):
+            check_floating_media(values, name, what)
+    if isinstance(feature_attention_mask, torch.Tensor):
+        check_feature_mask_dtype(feature_attention_mask)
+
+
 def tokens_per_grid(grid_thw: torch.Tensor, merge: int) -> list[int]:
     """grid_thw: [I, 3] -> I host ints, the language-model tokens of each image or video (t*h*w / merge**2)."""
     return (grid_thw.prod(dim=1) // (merge * merge)).tolist()

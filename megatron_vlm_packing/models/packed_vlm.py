@@ -24,10 +24,10 @@ from torch import nn
 
 from megatron_vlm_packing.models.adapter import ModelAdapter, check_unpacked_ids, unwrap_model
 from megatron_vlm_packing.models.audio import check_audio_lengths
-from megatron_vlm_packing.models.gpt_adapter import check_position_kind
-from megatron_vlm_packing.models.merge import (check_placeholders_per_sample, merge_vision_embeddings,
-                                               place_checked_embeddings, refuse_orphan_placeholders,
-                                               sample_boundaries, tokens_per_grid)
+from megatron_vlm_packing.models.gpt_adapter import check_position_kind, refuse_unread_seconds
+from megatron_vlm_packing.models.merge import (check_media_dtypes, check_placeholders_per_sample,
+                                               merge_vision_embeddings, place_checked_embeddings,
+                                               refuse_orphan_placeholders, sample_boundaries, tokens_per_grid)
 from megatron_vlm_packing.packing.bounds import checked_int, is_int
 from megatron_vlm_packing.packing.localize import LocalizeNeeds
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
@@ -190,7 +190,7 @@ class PackedVLM(nn.Module):
         if not any(present.values()):
             return emb
         self._check_media_inputs(present, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw,
-                                 feature_attention_mask)
+                                 input_features, feature_attention_mask)
         bounds = None if media_checked else sample_boundaries(input_ids, packed_seq_params)
         flat = emb.transpose(0, 1).reshape(-1, emb.shape[-1])  # [B*S, H], row-major like input_ids
         if present["image"]:
@@ -205,9 +205,10 @@ class PackedVLM(nn.Module):
         return flat.reshape(emb.shape[1], emb.shape[0], -1).transpose(0, 1)
 
     def _check_media_inputs(self, present: dict, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw,
-                            feature_attention_mask) -> None:
-        """ValueError for media this model has no tower for, patches without their grid, or audio
-        features without their mask (reads nothing)."""
+                            input_features, feature_attention_mask) -> None:
+        """ValueError for media this model has no tower for, patches without their grid, audio features
+        without their mask, or media of a dtype the towers would cast (`merge.check_media_dtypes`); reads
+        nothing."""
         if (present["image"] or present["video"]) and self.vision is None:
             raise ValueError("the micro-batch has images or videos but this PackedVLM has no vision tower")
         if present["audio"] and self.audio is None:
@@ -218,6 +219,8 @@ class PackedVLM(nn.Module):
                 raise ValueError(f"{pixels.shape[0]} patches given without {field}: the tower cannot split them")
         if present["audio"] and feature_attention_mask is None:
             raise ValueError("input_features given without feature_attention_mask: audio lengths are unknown")
+        check_media_dtypes(pixel_values=pixel_values, pixel_values_videos=pixel_values_videos,
+                           input_features=input_features, feature_attention_mask=feature_attention_mask)
 
     def _merge_vision(self, flat, input_ids, bounds, field: str, pixels, grid, per_sample, checked: bool):
         """`flat` [B*S, H] with the vision tower's embeddings of `field` ("image" or "video") placed:
@@ -311,6 +314,7 @@ class PackedVLMAdapter(ModelAdapter):
         super().check(micro_batch)
         check_unpacked_ids(micro_batch, self.vocab_size)
         check_position_kind(micro_batch, self.rotary, self.model_name)
+        refuse_unread_seconds(micro_batch, self.rotary, self.model_name)
 
     def _packing_counts_clips_like(self, model: nn.Module) -> bool:
         """Packing counted each clip's tokens with the mRoPE config's `audio_n_window` (else its

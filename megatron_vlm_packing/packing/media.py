@@ -140,14 +140,33 @@ def _grid_rows(batch: dict, name: str, host: "MediaHost") -> tuple[torch.Tensor 
     return grid, rows
 
 
-def media_tensor(batch: dict, name: str, dims: tuple[int, ...], what: str) -> torch.Tensor | None:
+def media_tensor(batch: dict, name: str, dims: tuple[int, ...], what: str, *,
+                 floating: str | None = None) -> torch.Tensor | None:
+    """`batch[name]` (None when absent), a tensor of one of `dims` dimensions (`what` it must be, for the error);
+    `floating`: the values a tower encodes (`check_floating_media`), when it must hold floating-point ones."""
     value = batch.get(name)
     if value is None:
         return None
     if not isinstance(value, torch.Tensor) or value.dim() not in dims:
         got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
         raise ValueError(f"{name} must be {what}, got {got}")
+    if floating is not None:
+        check_floating_media(value, name, floating)
     return value
+
+
+def check_floating_media(values: torch.Tensor, name: str, what: str = "pixel values") -> None:
+    """Media that a tower encodes (pixel values, mel features) are floating point: an integer, bool or complex
+    tensor was cast by the tower (`.to(weight.dtype)`) without the processor's normalisation (uint8 pixels as
+    0..255, True as 1.0) or without its imaginary part. Refused wherever media enter: the packers, the model
+    adapters for micro-batches no packer made. Reads no values.
+
+    Raises:
+        ValueError: naming `name` (`what` it holds) and the dtype.
+    """
+    if not values.is_floating_point():
+        raise ValueError(f"{name} must hold floating-point {what}, got dtype {values.dtype}: convert and "
+                         f"normalise them as the tower expects before packing")
 
 
 def grid_tokens(rows: list[list[int]], merge: int, name: str) -> list[int]:
@@ -337,9 +356,10 @@ def vision_inputs(batch: dict, host: MediaHost, tokens: MediaTokens, *,
     """
     if batch.keys().isdisjoint(VISION_KEYS):
         return None
-    pixels = media_tensor(batch, "pixel_values", (2, 4), "[P, C] patches or [I, C, H, W] images")
+    pixels = media_tensor(batch, "pixel_values", (2, 4), "[P, C] patches or [I, C, H, W] images",
+                          floating="pixel values")
     image_grid, image_rows = _grid_rows(batch, "image_grid_thw", host)
-    videos = media_tensor(batch, "pixel_values_videos", (2,), "[Pv, C] patches")
+    videos = media_tensor(batch, "pixel_values_videos", (2,), "[Pv, C] patches", floating="pixel values")
     video_grid, video_rows = _grid_rows(batch, "video_grid_thw", host)
     seconds = media_tensor(batch, "second_per_grid_ts", (1,), "a [V] float tensor")
     if pixels is None and image_grid is not None and image_grid.shape[0] and not grids_for_rope:
@@ -368,7 +388,7 @@ def vision_inputs(batch: dict, host: MediaHost, tokens: MediaTokens, *,
     # One entry per video whoever reads them: beside pixels `_video_counts` counts them; grids alone went to the
     # mRoPE index or position callable uncounted (a callable checks nothing).
     if seconds is not None and videos is None and video_grid is not None and video_grid.shape[0]:
-        _check_seconds_count(seconds, video_grid)
+        check_seconds_count(seconds, video_grid)
     if count_grids:
         _count_position_grids(host, tokens, image_rows if pixels is None else [], video_rows if videos is None else [])
     if pixels is None and videos is None:
@@ -421,12 +441,12 @@ def _video_counts(videos, grid, grid_rows, seconds, host: MediaHost, tokens: Med
     if patches != videos.shape[0]:
         raise ValueError(f"video_grid_thw covers {patches} patches but pixel_values_videos has {videos.shape[0]}")
     if seconds is not None:
-        _check_seconds_count(seconds, grid)
+        check_seconds_count(seconds, grid)
     return items_per_row(rows, grid_tokens(grid_rows, tokens.spatial_merge_size, "video_grid_thw"),
                          kind="video", field="video_grid_thw", row_name=host.row_name)
 
 
-def _check_seconds_count(seconds: torch.Tensor, video_grid: torch.Tensor) -> None:
+def check_seconds_count(seconds: torch.Tensor, video_grid: torch.Tensor) -> None:
     """One `second_per_grid_ts` entry per `video_grid_thw` row ([V] and [V, 3]), whoever reads them."""
     if seconds.numel() != video_grid.shape[0]:
         raise ValueError(f"second_per_grid_ts has {seconds.numel()} entries but video_grid_thw has "

@@ -62,7 +62,7 @@ def audio_inputs(batch: dict, host: MediaHost, tokens: MediaTokens) -> AudioInpu
     """The batch's audio clips with real frame counts and per-row counts; None without audio."""
     if batch.keys().isdisjoint(AUDIO_KEYS):
         return None
-    features = media_tensor(batch, "input_features", (3,), "[A, F, L] mel features")
+    features = media_tensor(batch, "input_features", (3,), "[A, F, L] mel features", floating="mel features")
     mask = media_tensor(batch, "feature_attention_mask", (2,), "an [A, L] 0/1 mask")
     if features is None and mask is None:
         return None
@@ -72,12 +72,13 @@ def audio_inputs(batch: dict, host: MediaHost, tokens: MediaTokens) -> AudioInpu
     if tuple(mask.shape) != (features.shape[0], features.shape[2]):
         raise ValueError(f"feature_attention_mask is {tuple(mask.shape)} but input_features {tuple(features.shape)} "
                          f"needs [A, L] = [{features.shape[0]}, {features.shape[2]}]")
+    check_feature_mask_dtype(mask)
     if features.shape[0] == 0:
         return None
     from megatron_vlm_packing.packing.lengths import lengths_from_keep_mask
     from megatron_vlm_packing.rope.omni import audio_tokens_per_clip
 
-    read = host.values.get("audio_frames")  # None for a float mask: read on its own (rare)
+    read = host.values.get("audio_frames")  # None for a mask of no frames ([A, 0]): read on its own
     frames = read[:mask.shape[0]] if read is not None else lengths_from_keep_mask(mask, field="feature_attention_mask")
     clips = audio_tokens_per_clip(frames, tokens.audio_n_window)  # frames are counts of 1s: empty means 0 frames
     if clips.empty:
@@ -86,6 +87,19 @@ def audio_inputs(batch: dict, host: MediaHost, tokens: MediaTokens) -> AudioInpu
     per_row = items_per_row(rows, clips.tokens, kind="audio", field="feature_attention_mask", row_name=host.row_name)
     return AudioInputs(input_features=features, feature_attention_mask=mask, audio_lengths=tuple(frames),
                        audios_per_sample=per_row)
+
+
+def check_feature_mask_dtype(mask: torch.Tensor) -> None:
+    """`feature_attention_mask` [A, L] is a bool or integer 0/1 mask, as the Qwen3-Omni processor gives it
+    (int32, from Whisper's feature extractor): a float one was read as the 0/1 mask it looked like (the audio
+    tower takes `.bool()`), a complex one without its imaginary part. Its values are checked with the lengths.
+
+    Raises:
+        ValueError: naming the dtype.
+    """
+    if mask.is_floating_point() or mask.is_complex():
+        raise ValueError(f"feature_attention_mask must be a bool or integer tensor of 0/1 values, got dtype "
+                         f"{mask.dtype}")
 
 
 def check_audio_seqlens(batch: dict, host: MediaHost, tokens: MediaTokens, audio: AudioInputs | None = None) -> None:
@@ -97,7 +111,7 @@ def check_audio_seqlens(batch: dict, host: MediaHost, tokens: MediaTokens, audio
     would otherwise pass, and the mRoPE index and the audio tower would read different lengths.
 
     Raises:
-        ValueError: a non-integer `audio_seqlens`, an entry < 1 (no encoder output), a row whose audio
+        ValueError: a non-integer `audio_seqlens` or one not [A], an entry < 1 (no encoder output), a row whose audio
         placeholders disagree with its clips' lengths, or clips left over (naming the row, the clips
         and both counts); no `audio_token_id` known to count them (unless counts are not required);
         an entry (or the number of entries) that differs from `feature_attention_mask`'s.
@@ -105,16 +119,11 @@ def check_audio_seqlens(batch: dict, host: MediaHost, tokens: MediaTokens, audio
     seqlens = batch.get("audio_seqlens")
     if not position_input(seqlens):
         return
-    if isinstance(seqlens, torch.Tensor):
-        if not is_integer_tensor(seqlens):
-            raise ValueError(f"audio_seqlens must hold integer raw audio lengths, got dtype {seqlens.dtype}")
-        raw = host.values["audio_seqlens"]
-    else:
-        raw = list(seqlens)
-        bad = next((i for i, n in enumerate(raw) if isinstance(n, bool) or not isinstance(n, int)), None)
-        if bad is not None:
-            raise ValueError(f"audio_seqlens entry {bad} is {raw[bad]!r}: raw audio lengths must be ints")
+    from megatron_vlm_packing.rope.index import check_audio_seqlens_type  # the one type / shape check of them
     from megatron_vlm_packing.rope.omni import audio_tokens_per_clip
+
+    check_audio_seqlens_type(seqlens)
+    raw = host.values["audio_seqlens"] if isinstance(seqlens, torch.Tensor) else list(seqlens)
 
     clips = audio_tokens_per_clip(raw, tokens.audio_n_window)
     if clips.empty:

@@ -322,8 +322,8 @@ def queue_rope_positions(batch: Mapping, input_ids: torch.Tensor, keep: Callable
         return None
     try:
         check_rope_types(input_ids, mrope, kwargs.get("image_grid_thw"), kwargs.get("video_grid_thw"), keep(),
-                         second_per_grid_ts=kwargs.get("second_per_grid_ts"),
-                         use_audio_in_video=kwargs.get("use_audio_in_video"))
+                         mm_token_type_ids=types, second_per_grid_ts=kwargs.get("second_per_grid_ts"),
+                         audio_seqlens=kwargs.get("audio_seqlens"), use_audio_in_video=kwargs.get("use_audio_in_video"))
     except ValueError:
         return None
     return queue_rope_index(input_ids, mrope, checks, attention_mask=keep(), where=where, **kwargs)

@@ -177,6 +177,11 @@ POSITION_FIELDS: dict[str, tuple[str, ...]] = {
 }
 
 
+# The families whose `get_rope_index` reads `second_per_grid_ts` (the time step of each video's frames); Qwen2-VL's
+# places frames by their index, Qwen3-VL's by the timestamp text between them, and neither model takes seconds.
+SECONDS_FAMILIES = frozenset({"qwen2_5_vl", "qwen3_omni"})
+
+
 def position_differences(made_with: MRopeConfig, wanted: MRopeConfig) -> tuple[tuple[str, object, object], ...]:
     """(field, `made_with`'s value, `wanted`'s value) of each field that makes positions (`POSITION_FIELDS` of
     either config's family) and differs, in the dataclass's field order; empty when the positions `made_with`

@@ -17,7 +17,7 @@ import torch
 
 from megatron_vlm_packing.packing.checks import check_dense, is_integer_tensor, token_place
 from megatron_vlm_packing.packing.lengths import widened_unsigned
-from megatron_vlm_packing.rope.config import MRopeConfig
+from megatron_vlm_packing.rope.config import SECONDS_FAMILIES, MRopeConfig
 from megatron_vlm_packing.rope.index_rules import grid_per_run, run_positions, token_runs
 
 
@@ -95,6 +95,25 @@ def check_seconds_dtype(seconds, name: str = "second_per_grid_ts") -> None:
             raise ValueError(f"{name} must hold real numbers of seconds, got dtype {dtype}")
 
 
+def check_audio_seqlens_type(seqlens, name: str = "audio_seqlens") -> None:
+    """Raw audio lengths (Qwen3-Omni), one per clip: an [A] integer tensor or a list of ints. An [A, 1] tensor
+    was flattened, a 0-dim one read as one clip, float lengths truncated. Reads no values.
+
+    Raises:
+        ValueError: naming the shape, the dtype, or the first entry of a list that is no int.
+    """
+    if isinstance(seqlens, torch.Tensor):
+        if seqlens.dim() != 1:
+            raise ValueError(f"{name} must be [A], one raw length per audio clip, got shape {tuple(seqlens.shape)}")
+        if not is_integer_tensor(seqlens):
+            raise ValueError(f"{name} must hold integer raw audio lengths, got dtype {seqlens.dtype}")
+    elif seqlens is not None:
+        raw = list(seqlens)
+        bad = next((i for i, n in enumerate(raw) if isinstance(n, bool) or not isinstance(n, int)), None)
+        if bad is not None:
+            raise ValueError(f"{name} entry {bad} is {raw[bad]!r}: raw audio lengths must be ints")
+
+
 def _seconds_bad(seconds) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(seconds as float64 [V], [V] bool: NaN, infinite or negative), or None without seconds. Reads nothing."""
     if seconds is None:
@@ -156,6 +175,48 @@ def check_rope_types(input_ids, config: MRopeConfig, image_grid_thw, video_grid_
     check_grid_shape(video_grid_thw, "video_grid_thw")
     if second_per_grid_ts is not None:
         check_seconds_dtype(second_per_grid_ts)
+        if isinstance(second_per_grid_ts, torch.Tensor) and second_per_grid_ts.dim() != 1:  # was flattened
+            raise ValueError(f"second_per_grid_ts must be [V], one entry per video, got shape "
+                             f"{tuple(second_per_grid_ts.shape)}")
+        refuse_seconds_unread_by(config.family, second_per_grid_ts)
+    check_audio_seqlens_type(audio_seqlens)
+    refuse_inputs_unread_by(config.family, mm_token_type_ids=mm_token_type_ids, audio_seqlens=audio_seqlens,
+                            use_audio_in_video=use_audio_in_video)
+
+
+def refuse_inputs_unread_by(family: str, *, mm_token_type_ids=None, audio_seqlens=None,
+                            use_audio_in_video=None) -> None:
+    """Inputs the index of `family` reads nothing of were taken and dropped: `audio_seqlens` (with entries) and
+    `use_audio_in_video` are read by Qwen3-Omni's index only, `mm_token_type_ids` by all but Qwen3-Omni's (which
+    tells blocks by their tokens), as in transformers. Reads no values.
+
+    Raises:
+        ValueError: naming each such input and the family.
+    """
+    if family == "qwen3_omni":
+        unread = ["mm_token_type_ids"] if mm_token_type_ids is not None else []
+    else:
+        given = isinstance(audio_seqlens, torch.Tensor) and audio_seqlens.numel() \
+            or not isinstance(audio_seqlens, torch.Tensor) and audio_seqlens is not None and len(audio_seqlens)
+        unread = ["audio_seqlens"] * bool(given) + ["use_audio_in_video"] * (use_audio_in_video is not None)
+    if unread:
+        raise ValueError(f"{unread} given to the {family} mRoPE index, which reads none of them (audio_seqlens and "
+                         f"use_audio_in_video are Qwen3-Omni's; mm_token_type_ids the Qwen-VL families'): drop them "
+                         f"from the batch")
+
+
+def refuse_seconds_unread_by(family: str, seconds) -> None:
+    """Seconds per grid step with entries given to an index that reads none (`config.SECONDS_FAMILIES`: Qwen2-VL's
+    places frames by their index, Qwen3-VL's by timestamp text) were taken and dropped. Reads no values.
+
+    Raises:
+        ValueError: naming the field, its entries and the family.
+    """
+    entries = seconds.numel() if isinstance(seconds, torch.Tensor) else len(seconds) \
+        if isinstance(seconds, (list, tuple)) else 1
+    if entries and family not in SECONDS_FAMILIES:
+        raise ValueError(f"second_per_grid_ts has {entries} entries but the {family} mRoPE index reads none (only "
+                         f"{sorted(SECONDS_FAMILIES)} place video frames by seconds): drop them from the batch")
 
 
 @dataclass(frozen=True)

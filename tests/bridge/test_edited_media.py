@@ -48,6 +48,12 @@ EDITS = {
     "grids of two samples swapped": (
         lambda mb: R(mb, vision=R(mb.vision, image_grid_thw=_grids_of_two_samples_swapped(mb.vision))),
         r"image placeholder tokens \(id 255\), which do not cover whole images"),
+    # Bridge's towers cast them (`.type(self.visual.dtype)`) without a word
+    "images made uint8": (lambda mb: R(mb, vision=R(mb.vision, pixel_values=mb.vision.pixel_values.to(torch.uint8))),
+                          r"pixel_values must hold floating-point pixel values, got dtype torch.uint8"),
+    "videos made complex": (
+        lambda mb: R(mb, vision=R(mb.vision, pixel_values_videos=mb.vision.pixel_values_videos.to(torch.complex64))),
+        r"pixel_values_videos must hold floating-point pixel values, got dtype torch.complex64"),
 }
 
 
@@ -70,9 +76,10 @@ def test_vision_edited_by_a_transform_is_checked(bridge, family, edit):
         step_loss(bridge[family]["model"], bridge[family]["batch"], transform=change)
 
 
+@pytest.mark.parametrize("edit", ["vision removed", "images made uint8"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_vision_removed_from_a_loader_micro_batch_is_refused(bridge, family):
-    change, message = EDITS["vision removed"]
+def test_vision_edited_in_a_loader_micro_batch_is_refused(bridge, family, edit):
+    change, message = EDITS[edit]
     with pytest.raises(ValueError, match=message):
         step_loss(bridge[family]["model"], change(bridge[family]["loader"]))
 
@@ -110,6 +117,12 @@ OMNI_EDITS = {
         lambda mb: R(mb, audio=R(mb.audio, feature_attention_mask=mb.audio.feature_attention_mask.flip(0),
                                  input_features=mb.audio.input_features.flip(0))),
         r"audio placeholder tokens \(id 253\), which do not cover whole audios"),
+    # the thinker's audio tower casts the features and takes the mask's `.bool()` / `.sum()`
+    "audio features made int64": (lambda mb: R(mb, audio=R(mb.audio, input_features=mb.audio.input_features.long())),
+                                  r"input_features must hold floating-point mel features, got dtype torch.int64"),
+    "feature mask made float": (
+        lambda mb: R(mb, audio=R(mb.audio, feature_attention_mask=mb.audio.feature_attention_mask.float())),
+        r"feature_attention_mask must be a bool or integer tensor of 0/1 values, got dtype torch.float32"),
 }
 
 
@@ -131,3 +144,43 @@ def test_labels_handed_over_as_ids_are_refused(bridge, family):
     """-100 at the ignored slots was an IndexError in Bridge's embedding."""
     with pytest.raises(ValueError, match=r"input_ids row 0 position \d+ is -100: token ids must lie in \[0, 256\)"):
         step_loss(bridge[family]["model"], bridge[family]["batch"], transform=lambda mb: R(mb, input_ids=mb.labels))
+
+
+def test_seconds_are_refused_for_qwen3_vl_which_reads_none(bridge):
+    """Bridge's Qwen3-VL takes no `second_per_grid_ts` (its adapter never handed them on) and its mRoPE index reads
+    none: given in the batch, or added by a transform, they are refused, not dropped."""
+    from megatron_vlm_packing.packing.micro_batch import VisionInputs
+
+    case = bridge["qwen3_vl"]
+    videos = case["batch"]["video_grid_thw"].shape[0]
+    with pytest.raises(ValueError, match=rf"second_per_grid_ts has {videos} entries but the qwen3_vl mRoPE index "
+                                         rf"reads none"):
+        step_loss(case["model"], {**case["batch"], "second_per_grid_ts": torch.ones(videos)})
+    add = lambda mb: R(mb, vision=R(mb.vision or VisionInputs(), second_per_grid_ts=torch.ones(videos)))  # noqa: E731
+    with pytest.raises(ValueError, match=rf"second_per_grid_ts has {videos} entries but Qwen3VLModel reads none"):
+        step_loss(case["model"], case["batch"], transform=add)
+
+
+SECONDS_EDITS = {
+    # one more entry than videos: Bridge's index read the first ones and dropped the rest; one fewer an IndexError
+    "one entry more": (lambda s: torch.cat([s, s[:1]]), r"second_per_grid_ts has {more} entries but video_grid_thw has "
+                                                        r"{videos} videos"),
+    "one entry fewer": (lambda s: s[1:], r"second_per_grid_ts has {fewer} entries but video_grid_thw has {videos} "
+                                         r"videos"),
+    "nan": (lambda s: torch.full_like(s, float("nan")), r"second_per_grid_ts entry 0 is nan"),
+    "complex": (lambda s: s.to(torch.complex64), r"second_per_grid_ts must hold real numbers of seconds, got dtype "
+                                                 r"torch.complex64"),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(SECONDS_EDITS))
+def test_qwen25_vl_seconds_edited_by_a_transform_are_checked(bridge, edit):
+    """Bridge's Qwen2.5-VL computes its video positions from `second_per_grid_ts` itself: seconds no packer
+    checked (a transform's) are checked against the videos as packing checks them."""
+    case = bridge["qwen25_vl"]
+    videos = case["batch"]["video_grid_thw"].shape[0]
+    assert videos and case["batch"]["second_per_grid_ts"].numel() == videos
+    change, message = SECONDS_EDITS[edit]
+    edited = lambda mb: R(mb, vision=R(mb.vision, second_per_grid_ts=change(mb.vision.second_per_grid_ts)))  # noqa
+    with pytest.raises(ValueError, match=message.format(more=videos + 1, fewer=videos - 1, videos=videos)):
+        step_loss(case["model"], case["batch"], transform=edited)

@@ -62,6 +62,20 @@ EDITS = {
         r"images_per_sample says"),
     "an image placeholder made text": (lambda mb: R(mb, input_ids=_one_placeholder_made_text(mb.input_ids, 253)),
                                        r"1 image placeholder tokens \(id 253\) in input_ids but the 2 image inputs give 2"),
+    # the towers cast these (`.to(weight.dtype)`, `.bool()`) without a word
+    "images made uint8": (lambda mb: R(mb, vision=R(mb.vision, pixel_values=mb.vision.pixel_values.to(torch.uint8))),
+                          r"pixel_values must hold floating-point pixel values, got dtype torch.uint8"),
+    "videos made int64": (
+        lambda mb: R(mb, vision=R(mb.vision, pixel_values_videos=mb.vision.pixel_values_videos.long())),
+        r"pixel_values_videos must hold floating-point pixel values, got dtype torch.int64"),
+    "audio features made bool": (lambda mb: R(mb, audio=R(mb.audio, input_features=mb.audio.input_features.bool())),
+                                 r"input_features must hold floating-point mel features, got dtype torch.bool"),
+    "feature mask values made 2": (
+        lambda mb: R(mb, audio=R(mb.audio, feature_attention_mask=mb.audio.feature_attention_mask * 2)),
+        r"feature_attention_mask rows \[.*\] are not right-padded 0/1 masks"),
+    "feature mask made float": (
+        lambda mb: R(mb, audio=R(mb.audio, feature_attention_mask=mb.audio.feature_attention_mask.float())),
+        r"feature_attention_mask must be a bool or integer tensor of 0/1 values, got dtype torch.float32"),
 }
 
 
@@ -72,7 +86,8 @@ def test_media_edited_by_a_transform_are_checked_again(setup, edit):
         step_loss(setup["model"], setup["batch"], transform=change)
 
 
-@pytest.mark.parametrize("edit", ["vision removed", "audio removed", "4 patches cut", "audio lengths one short"])
+@pytest.mark.parametrize("edit", ["vision removed", "audio removed", "4 patches cut", "audio lengths one short",
+                                  "images made uint8", "feature mask made float"])
 def test_media_edited_in_a_loader_micro_batch_are_checked_again(setup, edit):
     change, message = EDITS[edit]
     with pytest.raises(ValueError, match=message):

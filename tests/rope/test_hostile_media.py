@@ -7,6 +7,7 @@ import torch
 
 from megatron_vlm_packing import pack_batch
 from megatron_vlm_packing.rope import MRopeConfig, get_rope_index
+from megatron_vlm_packing.rope.config import SECONDS_FAMILIES
 from megatron_vlm_packing.rope.omni import audio_output_length
 from tests.rope.conftest import hf_config, hf_get_rope_index
 
@@ -210,11 +211,11 @@ def test_unsigned_grids_give_the_positions_of_int64_grids(family, dtype):
     if family == "qwen3_vl":  # one block per frame: the video's two frames, timestamp text between
         ids = torch.tensor([[5, START] + [IMAGE] * 4 + [END, 7, START, VIDEO, END, 9, START, VIDEO, END, 8]])
     grids = dict(image_grid_thw=torch.tensor([[1, 4, 4]]), video_grid_thw=torch.tensor([[2, 2, 2]]))
-    seconds = torch.tensor([0.5])
-    expected = get_rope_index(ids, cfg, second_per_grid_ts=seconds, **grids).position_ids
+    seconds = {"second_per_grid_ts": torch.tensor([0.5])} if family in SECONDS_FAMILIES else {}  # else refused
+    expected = get_rope_index(ids, cfg, **seconds, **grids).position_ids
     unsigned = {k: v.to(dtype) for k, v in grids.items()}
-    assert torch.equal(get_rope_index(ids, cfg, second_per_grid_ts=seconds, **unsigned).position_ids, expected)
-    batch = {"input_ids": ids, "labels": ids, "second_per_grid_ts": seconds, "pixel_values": torch.zeros(16, 2),
+    assert torch.equal(get_rope_index(ids, cfg, **seconds, **unsigned).position_ids, expected)
+    batch = {"input_ids": ids, "labels": ids, **seconds, "pixel_values": torch.zeros(16, 2),
              "pixel_values_videos": torch.zeros(8, 2)}
     packed = pack_batch({**batch, **unsigned}, mrope=cfg, label_style="hf")
     assert torch.equal(packed.position_ids, expected)

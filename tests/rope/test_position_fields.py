@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_vlm_packing.rope import MRopeConfig, get_rope_index
-from megatron_vlm_packing.rope.config import FAMILIES, POSITION_FIELDS, position_differences
+from megatron_vlm_packing.rope.config import FAMILIES, POSITION_FIELDS, SECONDS_FAMILIES, position_differences
 from tests.rope.conftest import IMAGE, START, VIDEO, random_rows
 from tests.rope.test_omni import random_rows as omni_rows
 from tests.rope.test_omni import thinker
@@ -40,8 +40,9 @@ def _configs_and_rows():
         config = MRopeConfig(family=family, tokens_per_second=2.0)
         for seed in range(3):
             ids, mask, images, videos, seconds = random_rows(family, 3, seed)
+            read_seconds = dict(second_per_grid_ts=seconds) if family in SECONDS_FAMILIES else {}  # else refused
             cases.append((config, dict(input_ids=ids, attention_mask=mask, image_grid_thw=images, video_grid_thw=videos,
-                                       second_per_grid_ts=seconds)))
+                                       **read_seconds)))
     hf, _ = thinker()
     config = MRopeConfig.from_hf_config(hf)
     for seed, in_video in ((0, True), (3, False)):  # videos of 2 and 3 frames (time positions), audio in both
@@ -90,8 +91,9 @@ def _vision_row(family: str) -> dict:
     else:
         video = [START, VIDEO, VIDEO, VIDEO, END]
     tokens = [1, 2, START, IMAGE, IMAGE, END, 3] + video + [4]
+    seconds = dict(second_per_grid_ts=torch.tensor([1.5])) if family in SECONDS_FAMILIES else {}  # else refused
     return dict(input_ids=torch.tensor([tokens]), image_grid_thw=torch.tensor([[2, 2, 2]]),
-                video_grid_thw=torch.tensor([[3, 2, 2]]), second_per_grid_ts=torch.tensor([1.5]))
+                video_grid_thw=torch.tensor([[3, 2, 2]]), **seconds)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -30,9 +30,22 @@ def test_placeholders_must_cover_whole_items_of_their_own_sample():
 def test_audio_lengths_come_from_a_right_padded_mask():
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
     assert audio_lengths_from_mask(mask) == [3, 4]
-    assert audio_tokens_per_clip_from_mask(torch.ones(2, 40), 50) == [5, 5]  # Qwen3-Omni's encoder arithmetic
+    assert audio_tokens_per_clip_from_mask(torch.ones(2, 40, dtype=torch.long), 50) == [5, 5]  # Qwen3-Omni's encoder arithmetic
     with pytest.raises(ValueError, match=r"feature_attention_mask rows \[1\] are not right-padded"):
         audio_lengths_from_mask(torch.tensor([[1, 1, 0, 0], [0, 1, 1, 1]]))
+
+
+def test_audio_lengths_refuse_a_mask_that_is_not_0_or_1():
+    """A value other than 0 and 1 (a mask no packer checked: a micro-batch built or edited by hand) was read as 1
+    (`.bool()`), and a float mask as the 0/1 mask it looked like; the packers refuse both in the batch."""
+    with pytest.raises(ValueError, match=r"feature_attention_mask rows \[0\] are not right-padded 0/1 masks"):
+        audio_lengths_from_mask(torch.tensor([[1, 2, 0, 0], [1, 1, 1, 1]]))
+    with pytest.raises(ValueError, match=r"feature_attention_mask rows \[1\] are not right-padded 0/1 masks"):
+        audio_tokens_per_clip_from_mask(torch.tensor([[1, 1, 0, 0], [1, 1, 1, -1]]), 50)
+    with pytest.raises(ValueError, match=r"feature_attention_mask must be a bool or integer tensor of 0/1 values, "
+                                         r"got dtype torch.float32"):
+        audio_tokens_per_clip_from_mask(torch.ones(2, 40), 50)
+    assert audio_lengths_from_mask(torch.tensor([[True, False], [True, True]])) == [1, 2]
 
 
 def test_audio_tower_encodes_each_clip_alone():
@@ -44,7 +57,8 @@ def test_audio_tower_encodes_each_clip_alone():
     mask = torch.zeros(2, 30, dtype=torch.long)
     mask[0, :12], mask[1] = 1, 1
     both = tower(features, mask)
-    alone = torch.cat([tower(a[None], torch.ones(1, 12)), tower(b[None], torch.ones(1, 30))])
+    ones = lambda frames: torch.ones(1, frames, dtype=torch.long)  # noqa: E731
+    alone = torch.cat([tower(a[None], ones(12)), tower(b[None], ones(30))])
     assert both.shape == (sum(audio_tokens_per_clip_from_mask(mask, 50)), 6)
     torch.testing.assert_close(both, alone)
 
