@@ -187,7 +187,7 @@ def check_rope_types(input_ids, config: MRopeConfig, image_grid_thw, video_grid_
 def refuse_inputs_unread_by(family: str, *, mm_token_type_ids=None, audio_seqlens=None,
                             use_audio_in_video=None) -> None:
     """Inputs the index of `family` reads nothing of were taken and dropped: `audio_seqlens` (with entries) and
-    `use_audio_in_video` are read by Qwen3-Omni's index only, `mm_token_type_ids` by all but Qwen3-Omni's (which
+    `use_audio_in_video=True` are read by Qwen3-Omni's index only, `mm_token_type_ids` by all but Qwen3-Omni's (which
     tells blocks by their tokens), as in transformers. Reads no values.
 
     Raises:
@@ -198,7 +198,8 @@ def refuse_inputs_unread_by(family: str, *, mm_token_type_ids=None, audio_seqlen
     else:
         given = isinstance(audio_seqlens, torch.Tensor) and audio_seqlens.numel() \
             or not isinstance(audio_seqlens, torch.Tensor) and audio_seqlens is not None and len(audio_seqlens)
-        unread = ["audio_seqlens"] * bool(given) + ["use_audio_in_video"] * (use_audio_in_video is not None)
+        # use_audio_in_video=False says what holds of every video of these families: nothing is dropped
+        unread = ["audio_seqlens"] * bool(given) + ["use_audio_in_video"] * (use_audio_in_video is True)
     if unread:
         raise ValueError(f"{unread} given to the {family} mRoPE index, which reads none of them (audio_seqlens and "
                          f"use_audio_in_video are Qwen3-Omni's; mm_token_type_ids the Qwen-VL families'): drop them "
