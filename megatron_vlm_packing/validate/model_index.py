@@ -38,7 +38,7 @@ def _callable_kwargs(params: dict | None, kwargs: dict) -> tuple[dict, list[str]
     **kwargs); seconds go as `second_per_grid_ts` or `second_per_grids` (transformers' Qwen3-Omni name); one
     whose signature cannot be read is given them all. Returns (kwargs, the given inputs it takes under no name;
     `use_audio_in_video` is never one: the tokens tell it)."""
-    if params is None or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+    if _takes_any(params):
         return kwargs, []
     out, unread = {}, []
     for name, value in kwargs.items():
@@ -96,6 +96,11 @@ def _reads_seconds(mrope, params: dict | None) -> bool:
     return params is not None and ("second_per_grid_ts" in params or "second_per_grids" in params)
 
 
+def _takes_any(params: dict | None) -> bool:
+    """A callable with these parameters (`_parameters`) takes any keyword: **kwargs, or no signature known."""
+    return params is None or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
 def _audio_in_video(inputs: PackedInputs, ids: torch.Tensor) -> bool:
     """`use_audio_in_video` for one document (ids: [L]): as given, else whether a video placeholder
     sits next to an audio placeholder (a video with its audio track in one block)."""
@@ -131,13 +136,19 @@ def against_model_index(inputs: PackedInputs, docs: Documents, items: dict, skip
     """
     bad, unchecked = [], dict(audio_unchecked)
     params = _parameters(inputs.mrope) if callable(inputs.mrope) else None  # read once, not per document
-    seconds_missing = inputs.second_per_grid_ts is None and _reads_seconds(inputs.mrope, params)
+    reads_seconds = _reads_seconds(inputs.mrope, params)
+    seconds_missing = inputs.second_per_grid_ts is None and reads_seconds
+    # Seconds an index is known to read nothing of (Qwen2-VL's, Qwen3-VL's; a callable naming none) are not
+    # given to it: the model makes its positions without them (a dumper may have saved every key).
+    drops_seconds = not reads_seconds and (not callable(inputs.mrope) or not _takes_any(params))
     for d in range(docs.num_documents):
         if d in skip or d in unchecked or docs.real[d] == 0:
             continue
         slots = docs.real_slots(d)
         ids = inputs.input_ids[slots]
         kwargs = document_inputs(inputs, ids, items, d)
+        if drops_seconds:
+            kwargs.pop("second_per_grid_ts", None)
         if seconds_missing and "video_grid_thw" in kwargs:  # a default would judge the pack by seconds it never had
             unchecked[d] = NO_SECONDS
             continue
