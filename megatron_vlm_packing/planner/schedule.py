@@ -311,7 +311,7 @@ def _tail_steps(groups: list[list[int]], cols: _Columns, stream: np.ndarray, con
 
 def plan_epoch(table: SampleTable, config: PlannerConfig, *, epoch: int = 0, carried_in: Sequence[int] = (),
                progress: bool = False) -> EpochPlan:
-    """Plan one epoch: every sample of `table` (plus `carried_in`) in exactly one bin, or carried.
+    """Plan one epoch: every sample of `table` (plus each occurrence in `carried_in`) in exactly one bin, or carried.
 
     Deterministic for (config.seed, epoch, carried_in). Raises ValueError for a sample without
     tokens, or one over capacity under oversize="error" (naming it and its size).
@@ -328,9 +328,8 @@ def plan_epoch(table: SampleTable, config: PlannerConfig, *, epoch: int = 0, car
         # A negative index would be planned (and handed to the dataset) as sample N + i; one past
         # the end raised an IndexError; 1.5 was cast to sample 1.
         raise ValueError(f"carried_in must hold sample indices in [0, {len(table)}); got {carried_arr[:8].tolist()}")
-    values, counts = np.unique(carried_arr, return_counts=True)
-    if (counts > 1).any():  # it would be planned once more per repeat
-        raise ValueError(f"carried_in holds sample {int(values[counts > 1][0])} twice: each sample is carried once")
+    # A sample may be carried more than once: an epoch's carried samples lead the next epoch beside its own
+    # permutation, so both occurrences can be left over together. Each occurrence is planned once.
     cols = _columns(table, config)
     rng = np.random.default_rng([config.seed, epoch])
     order = rng.permutation(len(table)) if config.shuffle else np.arange(len(table))
