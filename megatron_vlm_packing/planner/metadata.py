@@ -192,13 +192,14 @@ class TokenCounter:
                 owner = getattr(table, name.replace("grids", "owner"))
                 raise ValueError(f"{name} of sample {int(owner[bad[0]])} is {grids[bad[0]].tolist()}: h and w must be "
                                  f"multiples of spatial_merge={self.spatial_merge} ({len(bad)} such grid(s))")
-        # t * (h / merge) * (w / merge) = t*h*w // merge**2 (h and w divide), in float64: exact below 2**53, where
-        # int64's t*h*w wrapped (a (2**40)^3 grid counted 0 tokens); larger totals are refused.
+        # t * (h / merge) * (w / merge) = t*h*w // merge**2 (h and w divide), and each clip's tokens plus its
+        # wrappers, in float64: exact below 2**53, where int64 wrapped (a (2**40)^3 grid counted 0 tokens, a clip of
+        # 2**63 - 1 frames about -2**63); larger totals are refused.
         def vision(grids: np.ndarray) -> np.ndarray:
             merged = np.concatenate([grids[:, :1], grids[:, 1:] // self.spatial_merge], axis=1)
             return np.prod(merged.astype(np.float64), axis=1) + self.vision_wrappers
 
-        audio = -(-table.audio_frames // self.audio_pool) + self.audio_wrappers
+        audio = (-(-table.audio_frames // self.audio_pool)).astype(np.float64) + self.audio_wrappers
         total = table.text_tokens.astype(np.float64)
         total += table.per_sample_sum(vision(table.image_grids), table.image_owner)
         total += table.per_sample_sum(vision(table.video_grids), table.video_owner)

@@ -167,3 +167,20 @@ def test_token_counts_past_int64_are_refused_not_wrapped():
     with pytest.raises(ValueError, match=r"sample 0 takes about 1.8e\+19 tokens: more than 2\*\*53"):
         llava_tokens(2**62)(images)
     assert TokenCounter()(SampleTable.from_samples([SampleMetadata(3, video_grids=((2, 4, 4),))])).tolist() == [13]
+
+
+def test_audio_token_counts_past_int64_are_refused_not_wrapped():
+    """Audio clips were counted in int64: frames + audio_wrappers past 2**63 wrapped to about -2**63, so a sample
+    of 2**53 - 1 text tokens and a 2**63 - 1 frame clip (audio_wrappers=2**63 - 1) was planned as 9007199254740989
+    tokens, and a plain clip of 2**63 - 1 frames (audio_pool=1) made a sample of negative tokens."""
+    counter = TokenCounter(audio_pool=1, audio_wrappers=2**63 - 1)
+    wrapped = SampleTable.from_samples([SampleMetadata(2**53 - 1, audio_frames=(2**63 - 1,))])
+    with pytest.raises(ValueError, match=r"sample 0 takes about 1.8e\+19 tokens: more than 2\*\*53"):
+        counter(wrapped)
+    long_clip = SampleTable.from_samples([SampleMetadata(1, audio_frames=(2**63 - 1,))])
+    with pytest.raises(ValueError, match=r"sample 0 takes about 9.2e\+18 tokens: more than 2\*\*53"):
+        TokenCounter(audio_pool=1)(long_clip)
+    with pytest.raises(ValueError, match=r"sample 0 takes about 1.8e\+19 tokens"):  # an OverflowError before
+        TokenCounter(audio_wrappers=2**64)(SampleTable.from_samples([SampleMetadata(1, audio_frames=(4,))]))
+    assert TokenCounter(audio_pool=1)(SampleTable.from_samples([SampleMetadata(1, audio_frames=(2**52,))])).tolist() \
+        == [1 + 2**52 + 2]
