@@ -7,7 +7,7 @@ index) so that lengths and costs of 100k samples are computed with a handful of 
 `TokenCounter` turns metadata into the number of tokens the language model attends over (the
 "expanded" length, bug class 2: boundaries live in the space attention sees). The default follows
 the Qwen-VL / Qwen-Omni layout: every image or video contributes t*h*w / merge^2 tokens and every
-audio clip frames / audio_pool tokens; LLaVA-style models plug in their own `expanded_tokens`.
+audio clip frames // audio_pool tokens (whole pooling windows); LLaVA-style models plug in their own `expanded_tokens`.
 
 Shape legend: N = samples, I = images (all samples), V = videos, A = audio clips.
 """
@@ -199,7 +199,8 @@ class TokenCounter:
             merged = np.concatenate([grids[:, :1], grids[:, 1:] // self.spatial_merge], axis=1)
             return np.prod(merged.astype(np.float64), axis=1) + self.vision_wrappers
 
-        audio = (-(-table.audio_frames // self.audio_pool)).astype(np.float64) + self.audio_wrappers
+        # AvgPool1d(audio_pool, audio_pool) keeps whole windows: Qwen2.5-Omni's (F - 2) // 2 + 1 = F // 2 tokens
+        audio = (table.audio_frames // self.audio_pool).astype(np.float64) + self.audio_wrappers
         total = table.text_tokens.astype(np.float64)
         total += table.per_sample_sum(vision(table.image_grids), table.image_owner)
         total += table.per_sample_sum(vision(table.video_grids), table.video_owner)

@@ -32,7 +32,7 @@ def _by_hand(sample: SampleMetadata, cost: CostModel, counter: TokenCounter):
         tokens += t * h * w // counter.spatial_merge ** 2 + counter.vision_wrappers
         extra += cost.vision_linear * t * h * w + cost.vision_attention * t * (h * w) ** 2
     for n in sample.audio_frames:
-        tokens += -(-n // counter.audio_pool) + counter.audio_wrappers
+        tokens += n // counter.audio_pool + counter.audio_wrappers
         extra += cost.audio_linear * n + cost.audio_attention * n * n
     return tokens, extra + cost.lm_attention * tokens ** 2
 
@@ -184,3 +184,15 @@ def test_audio_token_counts_past_int64_are_refused_not_wrapped():
         TokenCounter(audio_wrappers=2**64)(SampleTable.from_samples([SampleMetadata(1, audio_frames=(4,))]))
     assert TokenCounter(audio_pool=1)(SampleTable.from_samples([SampleMetadata(1, audio_frames=(2**52,))])).tolist() \
         == [1 + 2**52 + 2]
+
+
+def test_audio_tokens_are_qwen2_5_omni_s_for_odd_frame_counts():
+    """TokenCounter's audio rule claims Qwen2.5-Omni's (audio_pool=2 over the frames after the input convolution),
+    whose encoder pools them with AvgPool1d(2, 2): (F - 2) // 2 + 1 = F // 2 tokens (HF's
+    `_get_feat_extract_output_lengths`). The ceiling counted one token more for every odd F (3 frames: 2, not 1),
+    so bins were laid out for lengths the samples do not have."""
+    for raw in range(1, 400):  # mel frames; the input convolution (stride 2) keeps (raw - 1) // 2 + 1
+        frames = (raw - 1) // 2 + 1
+        hf_tokens = (frames - 2) // 2 + 1
+        table = SampleTable.from_samples([SampleMetadata(5, audio_frames=(frames,))])
+        assert TokenCounter()(table).tolist() == [5 + hf_tokens + 2], raw
