@@ -171,16 +171,22 @@ class TokenCounter:
         audio_pool: audio encoder frames per LM token (Qwen2.5-Omni: 2).
         vision_wrappers: extra tokens per image/video (vision_start + vision_end = 2).
         audio_wrappers: extra tokens per audio clip (audio_start + audio_end = 2).
+        audio_n_window: Qwen3-Omni's audio encoder window (its `n_window`: the mRoPE config's `audio_n_window`
+            `pack_batch` counts with, else 50): `audio_frames` are then each clip's mel frames and a clip takes
+            `rope.omni.audio_output_length(frames, audio_n_window)` tokens, the rule `pack_batch` counts its
+            placeholders by (`audio_pool` unused). None: frames after the input convolution, pooled by `audio_pool`.
     """
 
     spatial_merge: int = 2
     audio_pool: int = 2
     vision_wrappers: int = 2
     audio_wrappers: int = 2
+    audio_n_window: int | None = None
 
     def __post_init__(self) -> None:
         for name, least in (("spatial_merge", 1), ("audio_pool", 1), ("vision_wrappers", 0), ("audio_wrappers", 0)):
             checked_int(getattr(self, name), f"TokenCounter.{name}", least=least)
+        checked_int(self.audio_n_window, "TokenCounter.audio_n_window", least=1, optional=True)
 
     def __call__(self, table: SampleTable) -> np.ndarray:
         """[N] int64 expanded token counts. ValueError for a grid whose h or w the merge does not
@@ -199,14 +205,22 @@ class TokenCounter:
             merged = np.concatenate([grids[:, :1], grids[:, 1:] // self.spatial_merge], axis=1)
             return np.prod(merged.astype(np.float64), axis=1) + self.vision_wrappers
 
-        # AvgPool1d(audio_pool, audio_pool) keeps whole windows: Qwen2.5-Omni's (F - 2) // 2 + 1 = F // 2 tokens
-        audio = (table.audio_frames // self.audio_pool).astype(np.float64) + self.audio_wrappers
+        audio = self._clip_tokens(table.audio_frames) + self.audio_wrappers
         total = table.text_tokens.astype(np.float64)
         total += table.per_sample_sum(vision(table.image_grids), table.image_owner)
         total += table.per_sample_sum(vision(table.video_grids), table.video_owner)
         total += table.per_sample_sum(audio, table.audio_owner)
         refuse_uncountable(total)
         return total.astype(np.int64)
+
+    def _clip_tokens(self, frames: np.ndarray) -> np.ndarray:
+        """[A] float64 tokens of each audio clip of `frames` ([A] int64, each >= 1)."""
+        if self.audio_n_window is None:
+            # AvgPool1d(audio_pool, audio_pool) keeps whole windows: Qwen2.5-Omni's (F - 2) // 2 + 1 = F // 2 tokens
+            return (frames // self.audio_pool).astype(np.float64)
+        from megatron_vlm_packing.rope.omni import audio_tokens_per_clip  # the packer's rule, on host ints
+
+        return np.asarray(audio_tokens_per_clip(frames.tolist(), self.audio_n_window).tokens, dtype=np.float64)
 
 
 ExpandedTokens = Callable[[SampleTable], np.ndarray]

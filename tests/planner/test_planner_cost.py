@@ -196,3 +196,38 @@ def test_audio_tokens_are_qwen2_5_omni_s_for_odd_frame_counts():
         hf_tokens = (frames - 2) // 2 + 1
         table = SampleTable.from_samples([SampleMetadata(5, audio_frames=(frames,))])
         assert TokenCounter()(table).tolist() == [5 + hf_tokens + 2], raw
+
+
+def test_audio_tokens_of_the_packer_s_qwen3_omni_rule():
+    """`pack_batch` counts a clip's placeholders with Qwen3-Omni's rule (`rope.omni.audio_output_length` of its mel
+    frames and the encoder window), which no audio_pool reproduces (100 frames: 13 tokens; 8: 1; 200: 26), so a
+    bin of omni samples was laid out for lengths pack_batch does not make. With `audio_n_window` the counter uses
+    that rule on the clips' mel frames, and every bin's plan is the one pack_batch builds."""
+    from megatron_vlm_packing.data.synthetic import SyntheticVLMConfig, collate, synthetic_samples
+    from megatron_vlm_packing.packing import pack_batch
+
+    cfg = SyntheticVLMConfig(max_text=30, grid_choices=(2, 4), max_videos=1, max_audios=3, audio_frames=(1, 260))
+    samples = synthetic_samples(24, seed=5, cfg=cfg)
+    special = (cfg.image_token_id, cfg.video_token_id, cfg.audio_token_id, cfg.vision_start_id, cfg.vision_end_id,
+               cfg.audio_start_id, cfg.audio_end_id)
+
+    def known_before_loading(sample: dict) -> SampleMetadata:  # text ids, grids and mel frame counts
+        text = sum(int(t) not in special for t in sample["input_ids"])
+        return SampleMetadata(text, image_grids=tuple(map(tuple, sample["image_grid_thw"].tolist())),
+                              video_grids=tuple(map(tuple, sample["video_grid_thw"].tolist())),
+                              audio_frames=tuple(clip.shape[1] for clip in sample["audio"]))
+
+    table = SampleTable.from_samples([known_before_loading(s) for s in samples])
+    assert len(table.audio_frames) > 10
+    counter = TokenCounter(audio_n_window=cfg.audio_n_window)
+    assert counter(table).tolist() == [len(s["input_ids"]) for s in samples]
+    config = PlannerConfig(layout=BinLayout(capacity=256), expanded_tokens=counter)
+    pack = dict(label_style="hf", image_token_id=cfg.image_token_id, video_token_id=cfg.video_token_id,
+                audio_token_id=cfg.audio_token_id)  # the window: 50, pack_batch's default (cfg.audio_n_window)
+    for planned in plan_epoch(table, config).bins():
+        packed = pack_batch(collate([samples[i] for i in planned.samples]), pad_to=planned.physical, **pack)
+        assert packed.plan == planned.plan(config.layout)
+    assert TokenCounter(audio_n_window=50)(SampleTable.from_samples(
+        [SampleMetadata(0, audio_frames=(100, 8, 200))])).tolist() == [13 + 1 + 26 + 3 * 2]
+    with pytest.raises(ValueError, match="TokenCounter.audio_n_window must be None or an int >= 1, got 0"):
+        TokenCounter(audio_n_window=0)
