@@ -97,14 +97,17 @@ class EnergonPackingHooks:
     def pack_selected_samples(self, samples: list) -> MicroBatch:
         """One bin -> one packed micro-batch, padded to the capacity (static) or aligned (dynamic).
 
-        ValueError for a group of several samples that does not fit the capacity: Energon restores
-        the groups it had selected from its checkpoint, and groups selected under another layout
-        would become packs longer than this one's capacity.
+        ValueError for a group of several samples that does not fit the capacity, or one sample over it
+        under oversize="error": Energon restores the groups it had selected from its checkpoint, and
+        groups selected under another layout would become packs longer than this one's capacity.
         """
         if not samples:
             raise ValueError("pack_selected_samples got a group of 0 samples: a pack needs at least one")
-        slots = int(self.layout.slot_sizes(self._tokens(samples)[1]).sum())
-        if len(samples) > 1 and slots > self.layout.capacity:
+        sample_slots = self.layout.slot_sizes(self._tokens(samples)[1])
+        slots = int(sample_slots.sum())
+        if len(samples) == 1:  # a restored oversize sample: its own pack under "own_bin" only
+            self.layout.check_oversize(sample_slots, np.arange(1))
+        elif slots > self.layout.capacity:
             raise ValueError(f"a group of {len(samples)} samples takes {slots} slots but the capacity is "
                              f"{self.layout.capacity}: it was not selected under this layout (a checkpoint "
                              f"saved under a larger capacity?)")
