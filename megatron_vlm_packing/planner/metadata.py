@@ -41,17 +41,23 @@ class SampleMetadata:
 
 def count_array(values, name: str) -> np.ndarray:
     """`values` as int64; ValueError naming `name` for counts that are not whole numbers (a cast
-    would truncate 10.7 tokens to 10 and the bin would be laid out for the wrong length)."""
+    would truncate 10.7 tokens to 10 and the bin would be laid out for the wrong length) or not below 2**63."""
     array = np.asarray(values)
     if array.dtype.kind in "iu" and isinstance(values, (list, tuple)):  # [True, 5] is an int64 array
         flat = list(_flatten(values))
         bad = next((i for i, v in enumerate(flat) if isinstance(v, (bool, np.bool_))), None)
         if bad is not None:
             raise ValueError(f"{name} must hold integers, not bools; entry {bad} is {flat[bad]!r}")
-    if array.dtype.kind in "iu" or array.size == 0:
+    if array.size == 0 or array.dtype.kind == "i" or (array.dtype.kind == "u" and array.dtype.itemsize < 8):
         return array.astype(np.int64)
-    if array.dtype.kind == "f" and np.isfinite(array).all() and (array == np.round(array)).all():
-        return array.astype(np.int64)  # whole numbers stored as floats (a pandas column)
+    whole_floats = array.dtype.kind == "f" and np.isfinite(array).all() and (array == np.round(array)).all()
+    if array.dtype.kind == "u" or whole_floats:  # uint64, or whole numbers stored as floats (a pandas column)
+        # from 2**63 up, the cast wrapped them to negative int64s (errors then named numbers never given)
+        big = np.flatnonzero(~(np.abs(array.reshape(-1)) < 2**63))
+        if len(big):
+            raise ValueError(f"{name} must hold counts below 2**63; entry {int(big[0])} is "
+                             f"{array.reshape(-1)[big[0]].item()!r}")
+        return array.astype(np.int64)
     flat = array.reshape(-1)
     if array.dtype.kind == "f":
         bad = np.flatnonzero(~np.isfinite(flat) | (flat != np.round(flat)))

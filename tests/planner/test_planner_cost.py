@@ -1,6 +1,7 @@
 """Cost model and token counting: vectorised columns equal per-sample formulas; FLOP counts by hand."""
 
 import io
+import re
 
 import numpy as np
 import pytest
@@ -231,3 +232,21 @@ def test_audio_tokens_of_the_packer_s_qwen3_omni_rule():
         [SampleMetadata(0, audio_frames=(100, 8, 200))])).tolist() == [13 + 1 + 26 + 3 * 2]
     with pytest.raises(ValueError, match="TokenCounter.audio_n_window must be None or an int >= 1, got 0"):
         TokenCounter(audio_n_window=0)
+
+
+def test_counts_past_int64_are_named_as_given_not_wrapped():
+    """A uint64 count of 2**63 or more, or a whole float of 2**63 or more, was cast to int64 and wrapped negative:
+    the error then named a number the caller never gave ('sample 1 has -1' for 2**64 - 1, 'have no tokens' for an
+    expanded_tokens hook returning 1e30)."""
+    for values, shown in ((np.array([5, 2**64 - 1], dtype=np.uint64), "18446744073709551615"),
+                          (np.array([5.0, 1e19]), "1e+19"), ([5.0, 2.0**63], "9.223372036854776e+18")):
+        with pytest.raises(ValueError, match=rf"text_tokens must hold counts below 2\*\*63; entry 1 is "
+                                             rf"{re.escape(shown)}$"):
+            SampleTable(text_tokens=values)
+    with pytest.raises(ValueError, match=r"audio_frames must hold counts below 2\*\*63; entry 0 is 922337203685477581"):
+        SampleTable(text_tokens=[5], audio_frames=np.array([2**63 + 5], dtype=np.uint64), audio_owner=[0])
+    config = PlannerConfig(layout=BinLayout(capacity=64), expanded_tokens=lambda table: np.array([5, 1e30]))
+    with pytest.raises(ValueError, match=r"expanded_tokens must hold counts below 2\*\*63; entry 1 is 1e\+30"):
+        plan_epoch(SampleTable(text_tokens=[5, 6]), config)
+    assert SampleTable(text_tokens=np.array([5, 2**63 - 1], dtype=np.uint64)).text_tokens.tolist() == [5, 2**63 - 1]
+    assert SampleTable(text_tokens=[5.0, 2.0**62]).text_tokens.tolist() == [5, 2**62]
