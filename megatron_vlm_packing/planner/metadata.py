@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from megatron_vlm_packing.packing.bounds import checked_int
+from megatron_vlm_packing.packing.bounds import checked_int, is_int
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,11 @@ class SampleTable:
         )
 
     def sample(self, index: int) -> SampleMetadata:
-        """Row `index` back as a `SampleMetadata`."""
+        """Row `index` back as a `SampleMetadata`. ValueError for an index outside [0, N): -1 read the last row's
+        text tokens and no media (media rows are matched by owner)."""
+        if not is_int(index) or not 0 <= index < len(self):
+            raise ValueError(f"index={index!r} must be an int in [0, {len(self)})")
+
         def grids(array, owner):
             return tuple(tuple(int(x) for x in row) for row in array[owner == index])
 

@@ -250,3 +250,14 @@ def test_counts_past_int64_are_named_as_given_not_wrapped():
         plan_epoch(SampleTable(text_tokens=[5, 6]), config)
     assert SampleTable(text_tokens=np.array([5, 2**63 - 1], dtype=np.uint64)).text_tokens.tolist() == [5, 2**63 - 1]
     assert SampleTable(text_tokens=[5.0, 2.0**62]).text_tokens.tolist() == [5, 2**62]
+
+
+@pytest.mark.parametrize("index", [-1, 3, 1.0, True])
+def test_sample_of_an_index_outside_the_table_is_refused(index):
+    """table.sample(-1) gave the last sample's text tokens with no media (images are matched by owner == -1), and 3
+    (past the end) or 1.0 failed inside numpy; True was sample 1."""
+    table = SampleTable.from_samples([SampleMetadata(1), SampleMetadata(2, image_grids=((1, 2, 2),)),
+                                      SampleMetadata(3, audio_frames=(4,))])
+    with pytest.raises(ValueError, match=rf"index={index!r} must be an int in \[0, 3\)"):
+        table.sample(index)
+    assert table.sample(np.int64(1)) == SampleMetadata(2, image_grids=((1, 2, 2),))
