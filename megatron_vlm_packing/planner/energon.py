@@ -35,7 +35,7 @@ from megatron_vlm_packing.packing.collate import for_the_loader
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
 from megatron_vlm_packing.packing.plan import PackMultiples
 from megatron_vlm_packing.planner.bins import BinLayout, balanced_fit
-from megatron_vlm_packing.planner.cost import CostModel, check_cost_model
+from megatron_vlm_packing.planner.cost import CostModel, check_cost_model, checked_extra_costs
 from megatron_vlm_packing.planner.metadata import ExpandedTokens, SampleMetadata, SampleTable, TokenCounter, count_array
 
 _PARALLEL_KEYS = ("tp_size", "cp_size", "sequence_parallel", "fp8")
@@ -87,7 +87,7 @@ class EnergonPackingHooks:
         groups = []
         if len(fits):
             num_bins = -(-int(slots[fits].sum()) // self.layout.capacity)
-            extra = self.cost_model.extra_costs(table, tokens)[fits]
+            extra = checked_extra_costs(self.cost_model, table, tokens)[fits]
             if not self.layout.static_shapes:  # bins of different lengths: their GEMMs differ too
                 extra = extra + self.cost_model.lm_linear * slots[fits]
             bins = balanced_fit(slots[fits], extra, self.layout.capacity, num_bins)

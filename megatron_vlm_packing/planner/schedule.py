@@ -29,7 +29,7 @@ from megatron_vlm_packing.packing.bounds import checked_int, is_int
 from megatron_vlm_packing.packing.row_fields import check_flags
 from megatron_vlm_packing.planner.balance import assign_to_ranks, group_into_steps, imbalance
 from megatron_vlm_packing.planner.bins import Bin, BinLayout, balanced_fit, best_fit_decreasing, split_to_count
-from megatron_vlm_packing.planner.cost import CostModel, check_cost_model
+from megatron_vlm_packing.planner.cost import CostModel, check_cost_model, checked_extra_costs
 from megatron_vlm_packing.planner.metadata import ExpandedTokens, SampleTable, TokenCounter, count_array
 from megatron_vlm_packing.planner.progress import Progress
 
@@ -152,7 +152,7 @@ def _columns(table: SampleTable, config: PlannerConfig) -> _Columns:
         empty = np.flatnonzero(tokens < 1)
         raise ValueError(f"{len(empty)} sample(s) have no tokens (e.g. sample {int(empty[0])}): a pack "
                          f"cannot hold an empty document")
-    return _Columns(tokens, config.layout.slot_sizes(tokens), config.cost_model.extra_costs(table, tokens))
+    return _Columns(tokens, config.layout.slot_sizes(tokens), checked_extra_costs(config.cost_model, table, tokens))
 
 
 def _fit_costs(positions: np.ndarray, cols: _Columns, config: PlannerConfig) -> np.ndarray:

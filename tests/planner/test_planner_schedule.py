@@ -301,3 +301,38 @@ def test_tail_carry_hands_on_a_sample_carried_from_two_epochs(dp_size, num_sampl
         planned += [s for b in plan.bins() for s in b.samples]
         carried = plan.carried
     assert sorted(planned + list(carried)) == sorted(list(range(num_samples)) * 8)  # every occurrence once
+
+
+class _DuckCost:
+    """A cost model by duck typing (check_cost_model takes one): `extra_costs`, `lm_linear` and `bin_cost`."""
+
+    lm_linear = 1.0
+
+    def __init__(self, extra):
+        self.extra = extra
+
+    def extra_costs(self, table, tokens):
+        return self.extra(tokens)
+
+    def bin_cost(self, physical_tokens, extra_sum):
+        return self.lm_linear * np.asarray(physical_tokens, dtype=np.float64) + extra_sum
+
+
+@pytest.mark.parametrize("extra, message", [
+    (lambda t: np.ones(len(t) - 1), r"returned shape \(3,\) for 4 samples"),  # IndexError
+    (lambda t: 1.0, r"returned shape \(\) for 4 samples"),  # TypeError: 'float' object is not subscriptable
+    (lambda t: np.ones((len(t), 2)), r"returned shape \(4, 2\) for 4 samples"),  # TypeError or numpy broadcast error
+    (lambda t: np.array(["a"] * len(t)), r"must return numbers, got dtype <U1"),  # TypeError in the sums
+    (lambda t: np.where(t == 7, np.nan, 1.0), r"sample 2 costs nan"),  # 'bin 1 costs nan' (balance) or planned
+    (lambda t: np.where(t == 5, -3.0, 1.0), r"sample 1 costs -3.0"),  # 'bin 0 costs -2.0'
+])
+def test_a_cost_model_s_extra_costs_are_checked_naming_the_sample(extra, message):
+    """A duck-typed cost model's extra_costs of the wrong shape or type failed inside the planner (IndexError,
+    TypeError), and a NaN or negative cost was named as a bin's or rank's, or planned under balance=False."""
+    table = SampleTable(text_tokens=[3, 5, 7, 9])
+    for balance in (True, False):
+        config = PlannerConfig(layout=BinLayout(capacity=64), cost_model=_DuckCost(extra), balance=balance)
+        with pytest.raises(ValueError, match=r"cost_model.extra_costs must return \[N\] finite costs >= 0.*" + message):
+            plan_epoch(table, config)
+    assert len(plan_epoch(table, PlannerConfig(layout=BinLayout(capacity=64),
+                                               cost_model=_DuckCost(lambda t: [1.0] * len(t)))).bins()) == 1
