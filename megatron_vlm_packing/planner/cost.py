@@ -161,13 +161,15 @@ class CostModel:
 
 
 def check_cost_model(cost_model) -> None:
-    """`cost_model` is a `CostModel` or quacks like one (the planner reads `extra_costs` and `lm_linear`).
+    """`cost_model` is a `CostModel` or quacks like one (the planner reads `extra_costs`, `lm_linear` and
+    `bin_cost`, which prices each bin).
 
     Raises:
         ValueError: naming its type (a class given for an instance included).
     """
-    if isinstance(cost_model, type) or not all(hasattr(cost_model, a) for a in ("extra_costs", "lm_linear")):
-        raise ValueError(f"cost_model must be a CostModel (or have extra_costs and lm_linear), got "
+    needed = ("extra_costs", "lm_linear", "bin_cost")
+    if isinstance(cost_model, type) or not all(hasattr(cost_model, a) for a in needed):
+        raise ValueError(f"cost_model must be a CostModel (or have extra_costs, lm_linear and bin_cost), got "
                          f"{type(cost_model).__name__}")
 
 

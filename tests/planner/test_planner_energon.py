@@ -63,7 +63,8 @@ def test_expanded_tokens_must_give_one_count_per_sample(samples):
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("cost_model", None, r"cost_model must be a CostModel \(or have extra_costs and lm_linear\), got NoneType"),
+    ("cost_model", None, r"cost_model must be a CostModel \(or have extra_costs, lm_linear and bin_cost\), "
+                          r"got NoneType"),
     ("cost_model", CostModel, r"cost_model must be a CostModel .*got type"),
     ("layout", 96, r"layout must be a BinLayout, got int"),
     ("metadata", "input_ids", r"metadata must be callable, got str"),

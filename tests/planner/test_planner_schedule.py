@@ -257,7 +257,8 @@ def test_fixed_samples_oversize_sample_is_one_of_the_steps_bins():
     (dict(dp_size=True), r"dp_size must be a positive int, got True"),  # planned for 1 rank
     (dict(samples_per_step=True), r"samples_per_step must be an int >= dp_size=1, got True"),
     (dict(layout=256), r"layout must be a BinLayout, got int"),  # AttributeError ('slot_sizes') at planning
-    (dict(cost_model=None), r"cost_model must be a CostModel \(or have extra_costs and lm_linear\), got NoneType"),
+    (dict(cost_model=None), r"cost_model must be a CostModel \(or have extra_costs, lm_linear and bin_cost\), "
+                             r"got NoneType"),
     (dict(expanded_tokens=2), r"expanded_tokens must be callable \(table -> \[N\] tokens\), got int"),  # TypeError
 ])
 def test_planner_config_fields_of_the_wrong_type_are_refused_when_built(options, message):
@@ -336,3 +337,21 @@ def test_a_cost_model_s_extra_costs_are_checked_naming_the_sample(extra, message
             plan_epoch(table, config)
     assert len(plan_epoch(table, PlannerConfig(layout=BinLayout(capacity=64),
                                                cost_model=_DuckCost(lambda t: [1.0] * len(t)))).bins()) == 1
+
+
+def test_a_cost_model_without_bin_cost_is_refused_when_configured():
+    """check_cost_model took a duck with extra_costs and lm_linear, but plan_epoch prices each bin with
+    cost_model.bin_cost: planning failed with an AttributeError ('... has no attribute bin_cost')."""
+
+    class NoBinCost:
+        lm_linear = 1.0
+
+        def extra_costs(self, table, tokens):
+            return np.zeros(len(table))
+
+    with pytest.raises(ValueError, match=r"cost_model must be a CostModel \(or have extra_costs, lm_linear and "
+                                         r"bin_cost\), got NoBinCost"):
+        PlannerConfig(layout=BinLayout(capacity=64), cost_model=NoBinCost())
+    plan = plan_epoch(SampleTable(text_tokens=[3, 5]), PlannerConfig(layout=BinLayout(capacity=64),
+                                                                     cost_model=_DuckCost(np.zeros_like)))
+    assert [b.cost for b in plan.bins()] == [64.0]
