@@ -27,7 +27,9 @@ class SampleMetadata:
     """One sample, as far as planning needs it.
 
     Attributes:
-        text_tokens: tokens of the sequence that are not vision/audio placeholders (>= 0).
+        text_tokens: tokens of the sequence outside its media blocks (>= 0): neither vision/audio placeholders
+            nor the wrapper tokens `TokenCounter` adds per item (vision_start / vision_end, audio_start /
+            audio_end: `vision_wrappers`, `audio_wrappers`), which would otherwise be counted twice.
         image_grids: (t, h, w) patch grid of every image (t = 1 for a still image).
         video_grids: (t, h, w) patch grid of every video (t = temporal patches).
         audio_frames: encoder frames of every audio clip (after the encoder's input convolution).
