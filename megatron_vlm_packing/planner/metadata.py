@@ -252,16 +252,24 @@ def refuse_uncountable(tokens: np.ndarray) -> None:
                          f"the planner cannot count exactly")
 
 
-def llava_tokens(tokens_per_image: int) -> ExpandedTokens:
-    """LLaVA-style expansion: each image placeholder becomes `tokens_per_image` embeddings.
+def llava_tokens(tokens_per_image: int, *, segment_multiple: int = 1) -> ExpandedTokens:
+    """LLaVA-style expansion: each image placeholder becomes `tokens_per_image` embeddings, and a sample with
+    an image takes `segment_multiple` slots more.
 
-    `text_tokens` must then count the text only (the placeholders are replaced).
+    `text_tokens` must then count the text only (the placeholders are replaced). The extra slots: LLaVA zeroes
+    the loss of the slot before each image (bug class 13), so its packer (`models.llava_plan.llava_pack_plan`)
+    gives the document before one that opens with an image a pad slot, which rounds that document up by at
+    most one segment. Counted on the sample that may open with an image, a bin within the capacity stays
+    within it in any order; uncounted, a full bin expanded past it and LLaVA's collator refused it mid-epoch.
+    `segment_multiple`: the layout's `multiples.segment` (LLaVA's 2*cp under CP, else 1).
     """
     checked_int(tokens_per_image, "tokens_per_image", least=1)
+    checked_int(segment_multiple, "segment_multiple", least=1)
 
     def expanded_tokens(table: SampleTable) -> np.ndarray:
         images = np.bincount(table.image_owner, minlength=len(table)).astype(np.int64)
-        refuse_uncountable(table.text_tokens + images * float(tokens_per_image))  # int64 wrapped past 2**63
-        return table.text_tokens + images * tokens_per_image
+        reserved = np.where(images > 0, int(segment_multiple), 0)  # the slot LLaVA zeroes before an image
+        refuse_uncountable(table.text_tokens + images * float(tokens_per_image) + reserved)  # int64 wrapped
+        return table.text_tokens + images * tokens_per_image + reserved
 
     return expanded_tokens

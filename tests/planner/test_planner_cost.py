@@ -5,7 +5,9 @@ import re
 
 import numpy as np
 import pytest
+import torch
 
+from megatron_vlm_packing.packing import PackMultiples
 from megatron_vlm_packing.planner import (BinLayout, CostModel, PlannerConfig, SampleMetadata, SampleTable, TokenCounter,
                                           TransformerShape, plan_epoch)
 from megatron_vlm_packing.planner.metadata import llava_tokens
@@ -52,11 +54,11 @@ def test_columns_equal_per_sample_formulas():
 
 def test_llava_expansion_and_bad_metadata():
     table = SampleTable.from_samples([SampleMetadata(10, image_grids=((1, 4, 4), (1, 2, 2))), SampleMetadata(3)])
-    assert llava_tokens(576)(table).tolist() == [10 + 2 * 576, 3]
-    # Bins are sized in the space attention sees: 1162 expanded tokens do not fit 1024 slots.
+    assert llava_tokens(576)(table).tolist() == [10 + 2 * 576 + 1, 3]  # + the slot LLaVA zeroes before an image
+    # Bins are sized in the space attention sees: 1163 expanded tokens do not fit 1024 slots.
     config = PlannerConfig(layout=BinLayout(capacity=2048), expanded_tokens=llava_tokens(576))
-    assert sorted(b.tokens for b in plan_epoch(table, config).bins()) == [(10 + 2 * 576, 3)]
-    with pytest.raises(ValueError, match=r"sample 0 \(1162 slots\)"):
+    assert sorted(b.tokens for b in plan_epoch(table, config).bins()) == [(10 + 2 * 576 + 1, 3)]
+    with pytest.raises(ValueError, match=r"sample 0 \(1163 slots\)"):
         plan_epoch(table, PlannerConfig(layout=BinLayout(capacity=1024), expanded_tokens=llava_tokens(576)))
     with pytest.raises(ValueError, match="image_grids"):
         SampleTable.from_samples([SampleMetadata(1, image_grids=((1, 0, 4),))])
@@ -261,3 +263,47 @@ def test_sample_of_an_index_outside_the_table_is_refused(index):
     with pytest.raises(ValueError, match=rf"index={index!r} must be an int in \[0, 3\)"):
         table.sample(index)
     assert table.sample(np.int64(1)) == SampleMetadata(2, image_grids=((1, 2, 2),))
+
+
+@pytest.mark.parametrize("segment", [1, 4])
+def test_llava_bins_hold_the_slot_llava_zeroes_before_an_image(segment):
+    """LLaVA zeroes the loss of the slot before each image, so its packer gives the document before one that
+    opens with an image a pad slot (bug class 13). llava_tokens did not count it: a bin filled to the capacity
+    (8 text tokens, then a sample opening with an image, 6 expanded tokens, capacity 14) expanded to 15 and
+    LlavaPackingCollator(pad_to=capacity) refused it in the loader ('it would truncate'), mid-epoch. A sample
+    with an image now reserves one segment more, and every bin of random samples packs at its planned length."""
+    from megatron_vlm_packing.models.llava import LlavaSpace
+    from megatron_vlm_packing.models.llava_pack import LlavaPackingCollator
+
+    image, per_image = 127, 4
+    space = LlavaSpace(img_seq_len=per_image, image_token_index=image, segment_multiple=segment,
+                       total_multiple=segment)
+    rng = np.random.default_rng(segment)
+    samples = [torch.arange(10, 18), torch.tensor([image, 20, 21])]  # the bin that overflowed
+    for _ in range(60):  # text with 0-2 images anywhere, an image first in about a third of them
+        row = [int(t) for t in rng.integers(1, 100, int(rng.integers(1, 12)))]
+        for _ in range(int(rng.integers(0, 3))):
+            row.insert(0 if rng.random() < .4 else int(rng.integers(0, len(row) + 1)), image)
+        samples.append(torch.tensor(row))
+
+    def collate(group):
+        ids = torch.zeros(len(group), max(map(len, group)), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, row in enumerate(group):
+            ids[i, :len(row)], mask[i, :len(row)] = row, 1
+        return {"input_ids": ids, "labels": ids.clone(), "attention_mask": mask,
+                "images": torch.zeros(int((ids == image).sum()), 3, 2, 2)}
+
+    images = [int((s == image).sum()) for s in samples]
+    table = SampleTable.from_samples([SampleMetadata(len(s) - n, image_grids=((1, 2, 2),) * n)
+                                      for s, n in zip(samples, images)])
+    multiples = PackMultiples(segment=segment, total=segment)
+    for capacity, shuffle in ((12 + 2 * segment, False), (48, True), (48, False)):
+        config = PlannerConfig(layout=BinLayout(capacity=capacity, multiples=multiples, oversize="own_bin"),
+                               shuffle=shuffle, expanded_tokens=llava_tokens(per_image, segment_multiple=segment))
+        for planned in plan_epoch(table, config).bins():
+            collator = LlavaPackingCollator(space=space, collate=collate, pad_to=planned.physical)
+            packed = collator([samples[i] for i in planned.samples])
+            assert packed.stats.physical_tokens == planned.physical
+    with pytest.raises(ValueError, match="segment_multiple must be an int >= 1, got 0"):
+        llava_tokens(per_image, segment_multiple=0)
