@@ -47,7 +47,7 @@ def count_array(values, name: str) -> np.ndarray:
     array = np.asarray(values)
     if array.dtype.kind in "iu" and isinstance(values, (list, tuple)):  # [True, 5] is an int64 array
         flat = list(_flatten(values))
-        bad = next((i for i, v in enumerate(flat) if isinstance(v, (bool, np.bool_))), None)
+        bad = next((i for i, v in enumerate(flat) if _is_bool(v)), None)
         if bad is not None:
             raise ValueError(f"{name} must hold integers, not bools; entry {bad} is {flat[bad]!r}")
     if array.size == 0 or array.dtype.kind == "i" or (array.dtype.kind == "u" and array.dtype.itemsize < 8):
@@ -66,6 +66,13 @@ def count_array(values, name: str) -> np.ndarray:
         raise ValueError(f"{name} must hold whole numbers; entry {int(bad[0])} is {flat[bad[0]].item()!r}")
     first = flat[0].item() if hasattr(flat[0], "item") else flat[0]  # an object array holds Python values
     raise ValueError(f"{name} must hold integers, got dtype {array.dtype} (e.g. {first!r})")
+
+
+def _is_bool(value) -> bool:
+    """A bool scalar: True, np.True_, or a 0-d bool array or tensor (a mask's `.any()`), which numpy reads as 1."""
+    if type(value) is int or isinstance(value, np.integer):  # the common cases, without building an array
+        return False
+    return isinstance(value, (bool, np.bool_)) or np.asarray(value).dtype == np.bool_
 
 
 def _flatten(values):

@@ -307,3 +307,15 @@ def test_llava_bins_hold_the_slot_llava_zeroes_before_an_image(segment):
             assert packed.stats.physical_tokens == planned.physical
     with pytest.raises(ValueError, match="segment_multiple must be an int >= 1, got 0"):
         llava_tokens(per_image, segment_multiple=0)
+
+
+@pytest.mark.parametrize("flag", [torch.tensor(True), np.array(True)])
+def test_a_bool_tensor_or_array_among_counts_is_refused(flag):
+    """True and np.True_ were refused, but a torch bool scalar (a mask's .sum() > 0, an .any()) or a 0-d numpy bool
+    array beside ints made an int64 array and was planned as 1 token / a side of 1 patch, silently."""
+    with pytest.raises(ValueError, match=r"text_tokens must hold integers, not bools; entry 0 is "):
+        SampleTable.from_samples([SampleMetadata(flag), SampleMetadata(3)])
+    with pytest.raises(ValueError, match=r"image_grids must hold integers, not bools; entry 1 is "):
+        SampleTable.from_samples([SampleMetadata(3, image_grids=((1, flag, 2),))])
+    counts = SampleTable.from_samples([SampleMetadata(torch.tensor(4)), SampleMetadata(np.array(3))]).text_tokens
+    assert counts.tolist() == [4, 3]  # integer tensors and arrays are counts, as before
