@@ -55,6 +55,8 @@ class BinLayout:
         if self.capacity < 1 or self.capacity % self.multiples.total:
             raise ValueError(f"capacity={self.capacity} must be a positive multiple of the total multiple "
                              f"{self.multiples.total} (segment {self.multiples.segment})")
+        if self.capacity >= 2**31:  # else bins of that size were refused only when the loader packed them
+            raise ValueError(f"capacity={self.capacity} must be below 2**31: a pack's cu_seqlens are int32")
         if self.oversize not in OVERSIZE_POLICIES:
             raise ValueError(f"oversize must be one of {OVERSIZE_POLICIES}, got {self.oversize!r}")
 
@@ -69,8 +71,15 @@ class BinLayout:
         return max(aligned, self.capacity) if self.static_shapes else aligned
 
     def check_oversize(self, slots: np.ndarray, sample_ids: np.ndarray) -> np.ndarray:
-        """[K] positions of samples that do not fit a bin; ValueError under oversize="error"."""
+        """[K] positions of samples that do not fit a bin; ValueError under oversize="error", and for a sample
+        whose own bin no pack can hold (T >= 2**31, int32 cu_seqlens) under either policy."""
         over = np.flatnonzero(slots > self.capacity)
+        unpackable = over[-(-slots[over] // self.multiples.total) * self.multiples.total >= 2**31]
+        if len(unpackable):
+            i = unpackable[0]
+            raise ValueError(f"{len(unpackable)} sample(s) need a pack of 2**31 slots or more: sample "
+                             f"{int(sample_ids[i])} ({int(slots[i])} slots) alone is more than int32 cu_seqlens can "
+                             f"hold (< 2**31), so no pack can take it")
         if len(over) and self.oversize == "error":
             named = ", ".join(f"sample {int(sample_ids[i])} ({int(slots[i])} slots)" for i in over[:5])
             raise ValueError(f"{len(over)} sample(s) exceed the bin capacity {self.capacity}: {named}"

@@ -161,11 +161,34 @@ class CostModel:
 
 
 def check_cost_model(cost_model) -> None:
-    """`cost_model` is a `CostModel` or quacks like one (the planner reads `extra_costs` and `lm_linear`).
+    """`cost_model` is a `CostModel` or quacks like one (the planner reads `extra_costs`, `lm_linear` and
+    `bin_cost`, which prices each bin).
 
     Raises:
         ValueError: naming its type (a class given for an instance included).
     """
-    if isinstance(cost_model, type) or not all(hasattr(cost_model, a) for a in ("extra_costs", "lm_linear")):
-        raise ValueError(f"cost_model must be a CostModel (or have extra_costs and lm_linear), got "
+    needed = ("extra_costs", "lm_linear", "bin_cost")
+    if isinstance(cost_model, type) or not all(hasattr(cost_model, a) for a in needed):
+        raise ValueError(f"cost_model must be a CostModel (or have extra_costs, lm_linear and bin_cost), got "
                          f"{type(cost_model).__name__}")
+
+
+def checked_extra_costs(cost_model, table: SampleTable, tokens: np.ndarray) -> np.ndarray:
+    """[N] float64: `cost_model.extra_costs(table, tokens)`, checked (a duck-typed cost model is taken as it is).
+
+    Raises:
+        ValueError: not N numbers (naming the shape or dtype), or a cost that is NaN, infinite or negative (naming
+            the first such sample): the sums, heaps and rank split below would fail on it with an IndexError or a
+            TypeError, or name a bin instead, or (unbalanced) plan it.
+    """
+    values = np.asarray(cost_model.extra_costs(table, tokens))
+    what = f"cost_model.extra_costs must return [N] finite costs >= 0 (N = {len(table)} samples)"
+    if values.dtype.kind not in "iuf":
+        raise ValueError(f"{what}; it must return numbers, got dtype {values.dtype}")
+    if values.shape != (len(table),):
+        raise ValueError(f"{what}; it returned shape {values.shape} for {len(table)} samples")
+    values = values.astype(np.float64)
+    bad = np.flatnonzero(~(np.isfinite(values) & (values >= 0)))
+    if len(bad):
+        raise ValueError(f"{what}; sample {int(bad[0])} costs {float(values[bad[0]])}")
+    return values

@@ -35,7 +35,7 @@ from megatron_vlm_packing.packing.collate import for_the_loader
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
 from megatron_vlm_packing.packing.plan import PackMultiples
 from megatron_vlm_packing.planner.bins import BinLayout, balanced_fit
-from megatron_vlm_packing.planner.cost import CostModel, check_cost_model
+from megatron_vlm_packing.planner.cost import CostModel, check_cost_model, checked_extra_costs
 from megatron_vlm_packing.planner.metadata import ExpandedTokens, SampleMetadata, SampleTable, TokenCounter, count_array
 
 _PARALLEL_KEYS = ("tp_size", "cp_size", "sequence_parallel", "fp8")
@@ -87,7 +87,7 @@ class EnergonPackingHooks:
         groups = []
         if len(fits):
             num_bins = -(-int(slots[fits].sum()) // self.layout.capacity)
-            extra = self.cost_model.extra_costs(table, tokens)[fits]
+            extra = checked_extra_costs(self.cost_model, table, tokens)[fits]
             if not self.layout.static_shapes:  # bins of different lengths: their GEMMs differ too
                 extra = extra + self.cost_model.lm_linear * slots[fits]
             bins = balanced_fit(slots[fits], extra, self.layout.capacity, num_bins)
@@ -97,14 +97,17 @@ class EnergonPackingHooks:
     def pack_selected_samples(self, samples: list) -> MicroBatch:
         """One bin -> one packed micro-batch, padded to the capacity (static) or aligned (dynamic).
 
-        ValueError for a group of several samples that does not fit the capacity: Energon restores
-        the groups it had selected from its checkpoint, and groups selected under another layout
-        would become packs longer than this one's capacity.
+        ValueError for a group of several samples that does not fit the capacity, or one sample over it
+        under oversize="error": Energon restores the groups it had selected from its checkpoint, and
+        groups selected under another layout would become packs longer than this one's capacity.
         """
         if not samples:
             raise ValueError("pack_selected_samples got a group of 0 samples: a pack needs at least one")
-        slots = int(self.layout.slot_sizes(self._tokens(samples)[1]).sum())
-        if len(samples) > 1 and slots > self.layout.capacity:
+        sample_slots = self.layout.slot_sizes(self._tokens(samples)[1])
+        slots = int(sample_slots.sum())
+        if len(samples) == 1:  # a restored oversize sample: its own pack under "own_bin" only
+            self.layout.check_oversize(sample_slots, np.arange(1))
+        elif slots > self.layout.capacity:
             raise ValueError(f"a group of {len(samples)} samples takes {slots} slots but the capacity is "
                              f"{self.layout.capacity}: it was not selected under this layout (a checkpoint "
                              f"saved under a larger capacity?)")

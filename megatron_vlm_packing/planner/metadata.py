@@ -7,7 +7,7 @@ index) so that lengths and costs of 100k samples are computed with a handful of 
 `TokenCounter` turns metadata into the number of tokens the language model attends over (the
 "expanded" length, bug class 2: boundaries live in the space attention sees). The default follows
 the Qwen-VL / Qwen-Omni layout: every image or video contributes t*h*w / merge^2 tokens and every
-audio clip frames / audio_pool tokens; LLaVA-style models plug in their own `expanded_tokens`.
+audio clip frames // audio_pool tokens (whole pooling windows); LLaVA-style models plug in their own `expanded_tokens`.
 
 Shape legend: N = samples, I = images (all samples), V = videos, A = audio clips.
 """
@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from megatron_vlm_packing.packing.bounds import checked_int
+from megatron_vlm_packing.packing.bounds import checked_int, is_int
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,9 @@ class SampleMetadata:
     """One sample, as far as planning needs it.
 
     Attributes:
-        text_tokens: tokens of the sequence that are not vision/audio placeholders (>= 0).
+        text_tokens: tokens of the sequence outside its media blocks (>= 0): neither vision/audio placeholders
+            nor the wrapper tokens `TokenCounter` adds per item (vision_start / vision_end, audio_start /
+            audio_end: `vision_wrappers`, `audio_wrappers`), which would otherwise be counted twice.
         image_grids: (t, h, w) patch grid of every image (t = 1 for a still image).
         video_grids: (t, h, w) patch grid of every video (t = temporal patches).
         audio_frames: encoder frames of every audio clip (after the encoder's input convolution).
@@ -41,23 +43,36 @@ class SampleMetadata:
 
 def count_array(values, name: str) -> np.ndarray:
     """`values` as int64; ValueError naming `name` for counts that are not whole numbers (a cast
-    would truncate 10.7 tokens to 10 and the bin would be laid out for the wrong length)."""
+    would truncate 10.7 tokens to 10 and the bin would be laid out for the wrong length) or not below 2**63."""
     array = np.asarray(values)
     if array.dtype.kind in "iu" and isinstance(values, (list, tuple)):  # [True, 5] is an int64 array
         flat = list(_flatten(values))
-        bad = next((i for i, v in enumerate(flat) if isinstance(v, (bool, np.bool_))), None)
+        bad = next((i for i, v in enumerate(flat) if _is_bool(v)), None)
         if bad is not None:
             raise ValueError(f"{name} must hold integers, not bools; entry {bad} is {flat[bad]!r}")
-    if array.dtype.kind in "iu" or array.size == 0:
+    if array.size == 0 or array.dtype.kind == "i" or (array.dtype.kind == "u" and array.dtype.itemsize < 8):
         return array.astype(np.int64)
-    if array.dtype.kind == "f" and np.isfinite(array).all() and (array == np.round(array)).all():
-        return array.astype(np.int64)  # whole numbers stored as floats (a pandas column)
+    whole_floats = array.dtype.kind == "f" and np.isfinite(array).all() and (array == np.round(array)).all()
+    if array.dtype.kind == "u" or whole_floats:  # uint64, or whole numbers stored as floats (a pandas column)
+        # from 2**63 up, the cast wrapped them to negative int64s (errors then named numbers never given)
+        big = np.flatnonzero(~(np.abs(array.reshape(-1)) < 2**63))
+        if len(big):
+            raise ValueError(f"{name} must hold counts below 2**63; entry {int(big[0])} is "
+                             f"{array.reshape(-1)[big[0]].item()!r}")
+        return array.astype(np.int64)
     flat = array.reshape(-1)
     if array.dtype.kind == "f":
         bad = np.flatnonzero(~np.isfinite(flat) | (flat != np.round(flat)))
         raise ValueError(f"{name} must hold whole numbers; entry {int(bad[0])} is {flat[bad[0]].item()!r}")
     first = flat[0].item() if hasattr(flat[0], "item") else flat[0]  # an object array holds Python values
     raise ValueError(f"{name} must hold integers, got dtype {array.dtype} (e.g. {first!r})")
+
+
+def _is_bool(value) -> bool:
+    """A bool scalar: True, np.True_, or a 0-d bool array or tensor (a mask's `.any()`), which numpy reads as 1."""
+    if type(value) is int or isinstance(value, np.integer):  # the common cases, without building an array
+        return False
+    return isinstance(value, (bool, np.bool_)) or np.asarray(value).dtype == np.bool_
 
 
 def _flatten(values):
@@ -146,7 +161,11 @@ class SampleTable:
         )
 
     def sample(self, index: int) -> SampleMetadata:
-        """Row `index` back as a `SampleMetadata`."""
+        """Row `index` back as a `SampleMetadata`. ValueError for an index outside [0, N): -1 read the last row's
+        text tokens and no media (media rows are matched by owner)."""
+        if not is_int(index) or not 0 <= index < len(self):
+            raise ValueError(f"index={index!r} must be an int in [0, {len(self)})")
+
         def grids(array, owner):
             return tuple(tuple(int(x) for x in row) for row in array[owner == index])
 
@@ -171,16 +190,22 @@ class TokenCounter:
         audio_pool: audio encoder frames per LM token (Qwen2.5-Omni: 2).
         vision_wrappers: extra tokens per image/video (vision_start + vision_end = 2).
         audio_wrappers: extra tokens per audio clip (audio_start + audio_end = 2).
+        audio_n_window: Qwen3-Omni's audio encoder window (its `n_window`: the mRoPE config's `audio_n_window`
+            `pack_batch` counts with, else 50): `audio_frames` are then each clip's mel frames and a clip takes
+            `rope.omni.audio_output_length(frames, audio_n_window)` tokens, the rule `pack_batch` counts its
+            placeholders by (`audio_pool` unused). None: frames after the input convolution, pooled by `audio_pool`.
     """
 
     spatial_merge: int = 2
     audio_pool: int = 2
     vision_wrappers: int = 2
     audio_wrappers: int = 2
+    audio_n_window: int | None = None
 
     def __post_init__(self) -> None:
         for name, least in (("spatial_merge", 1), ("audio_pool", 1), ("vision_wrappers", 0), ("audio_wrappers", 0)):
             checked_int(getattr(self, name), f"TokenCounter.{name}", least=least)
+        checked_int(self.audio_n_window, "TokenCounter.audio_n_window", least=1, optional=True)
 
     def __call__(self, table: SampleTable) -> np.ndarray:
         """[N] int64 expanded token counts. ValueError for a grid whose h or w the merge does not
@@ -192,19 +217,29 @@ class TokenCounter:
                 owner = getattr(table, name.replace("grids", "owner"))
                 raise ValueError(f"{name} of sample {int(owner[bad[0]])} is {grids[bad[0]].tolist()}: h and w must be "
                                  f"multiples of spatial_merge={self.spatial_merge} ({len(bad)} such grid(s))")
-        # t * (h / merge) * (w / merge) = t*h*w // merge**2 (h and w divide), in float64: exact below 2**53, where
-        # int64's t*h*w wrapped (a (2**40)^3 grid counted 0 tokens); larger totals are refused.
+        # t * (h / merge) * (w / merge) = t*h*w // merge**2 (h and w divide), and each clip's tokens plus its
+        # wrappers, in float64: exact below 2**53, where int64 wrapped (a (2**40)^3 grid counted 0 tokens, a clip of
+        # 2**63 - 1 frames about -2**63); larger totals are refused.
         def vision(grids: np.ndarray) -> np.ndarray:
             merged = np.concatenate([grids[:, :1], grids[:, 1:] // self.spatial_merge], axis=1)
             return np.prod(merged.astype(np.float64), axis=1) + self.vision_wrappers
 
-        audio = -(-table.audio_frames // self.audio_pool) + self.audio_wrappers
+        audio = self._clip_tokens(table.audio_frames) + self.audio_wrappers
         total = table.text_tokens.astype(np.float64)
         total += table.per_sample_sum(vision(table.image_grids), table.image_owner)
         total += table.per_sample_sum(vision(table.video_grids), table.video_owner)
         total += table.per_sample_sum(audio, table.audio_owner)
         refuse_uncountable(total)
         return total.astype(np.int64)
+
+    def _clip_tokens(self, frames: np.ndarray) -> np.ndarray:
+        """[A] float64 tokens of each audio clip of `frames` ([A] int64, each >= 1)."""
+        if self.audio_n_window is None:
+            # AvgPool1d(audio_pool, audio_pool) keeps whole windows: Qwen2.5-Omni's (F - 2) // 2 + 1 = F // 2 tokens
+            return (frames // self.audio_pool).astype(np.float64)
+        from megatron_vlm_packing.rope.omni import audio_tokens_per_clip  # the packer's rule, on host ints
+
+        return np.asarray(audio_tokens_per_clip(frames.tolist(), self.audio_n_window).tokens, dtype=np.float64)
 
 
 ExpandedTokens = Callable[[SampleTable], np.ndarray]
@@ -224,16 +259,24 @@ def refuse_uncountable(tokens: np.ndarray) -> None:
                          f"the planner cannot count exactly")
 
 
-def llava_tokens(tokens_per_image: int) -> ExpandedTokens:
-    """LLaVA-style expansion: each image placeholder becomes `tokens_per_image` embeddings.
+def llava_tokens(tokens_per_image: int, *, segment_multiple: int = 1) -> ExpandedTokens:
+    """LLaVA-style expansion: each image placeholder becomes `tokens_per_image` embeddings, and a sample with
+    an image takes `segment_multiple` slots more.
 
-    `text_tokens` must then count the text only (the placeholders are replaced).
+    `text_tokens` must then count the text only (the placeholders are replaced). The extra slots: LLaVA zeroes
+    the loss of the slot before each image (bug class 13), so its packer (`models.llava_plan.llava_pack_plan`)
+    gives the document before one that opens with an image a pad slot, which rounds that document up by at
+    most one segment. Counted on the sample that may open with an image, a bin within the capacity stays
+    within it in any order; uncounted, a full bin expanded past it and LLaVA's collator refused it mid-epoch.
+    `segment_multiple`: the layout's `multiples.segment` (LLaVA's 2*cp under CP, else 1).
     """
     checked_int(tokens_per_image, "tokens_per_image", least=1)
+    checked_int(segment_multiple, "segment_multiple", least=1)
 
     def expanded_tokens(table: SampleTable) -> np.ndarray:
         images = np.bincount(table.image_owner, minlength=len(table)).astype(np.int64)
-        refuse_uncountable(table.text_tokens + images * float(tokens_per_image))  # int64 wrapped past 2**63
-        return table.text_tokens + images * tokens_per_image
+        reserved = np.where(images > 0, int(segment_multiple), 0)  # the slot LLaVA zeroes before an image
+        refuse_uncountable(table.text_tokens + images * float(tokens_per_image) + reserved)  # int64 wrapped
+        return table.text_tokens + images * tokens_per_image + reserved
 
     return expanded_tokens

@@ -344,7 +344,7 @@ class PackedBatchSampler(torch.utils.data.Sampler):
     def _check_layout(self, state: dict) -> None:
         """ValueError if `state` was saved under another layout than this sampler's."""
         version = state.get("format", 1)
-        if isinstance(version, bool):  # True == 1: read as format 1
+        if not is_int(version):  # True == 1 read as format 1; a tensor(2) == 2 failed as a KeyError below
             raise ValueError(f"sampler state has format={version!r}; this version reads formats 1 and {STATE_FORMAT}")
         if version == 1:
             saved = {key: state.get(key) for key in ("num_samples", "dp_size", "seed")}

@@ -29,7 +29,7 @@ from megatron_vlm_packing.packing.bounds import checked_int, is_int
 from megatron_vlm_packing.packing.row_fields import check_flags
 from megatron_vlm_packing.planner.balance import assign_to_ranks, group_into_steps, imbalance
 from megatron_vlm_packing.planner.bins import Bin, BinLayout, balanced_fit, best_fit_decreasing, split_to_count
-from megatron_vlm_packing.planner.cost import CostModel, check_cost_model
+from megatron_vlm_packing.planner.cost import CostModel, check_cost_model, checked_extra_costs
 from megatron_vlm_packing.planner.metadata import ExpandedTokens, SampleTable, TokenCounter, count_array
 from megatron_vlm_packing.planner.progress import Progress
 
@@ -152,7 +152,7 @@ def _columns(table: SampleTable, config: PlannerConfig) -> _Columns:
         empty = np.flatnonzero(tokens < 1)
         raise ValueError(f"{len(empty)} sample(s) have no tokens (e.g. sample {int(empty[0])}): a pack "
                          f"cannot hold an empty document")
-    return _Columns(tokens, config.layout.slot_sizes(tokens), config.cost_model.extra_costs(table, tokens))
+    return _Columns(tokens, config.layout.slot_sizes(tokens), checked_extra_costs(config.cost_model, table, tokens))
 
 
 def _fit_costs(positions: np.ndarray, cols: _Columns, config: PlannerConfig) -> np.ndarray:
@@ -311,7 +311,7 @@ def _tail_steps(groups: list[list[int]], cols: _Columns, stream: np.ndarray, con
 
 def plan_epoch(table: SampleTable, config: PlannerConfig, *, epoch: int = 0, carried_in: Sequence[int] = (),
                progress: bool = False) -> EpochPlan:
-    """Plan one epoch: every sample of `table` (plus `carried_in`) in exactly one bin, or carried.
+    """Plan one epoch: every sample of `table` (plus each occurrence in `carried_in`) in exactly one bin, or carried.
 
     Deterministic for (config.seed, epoch, carried_in). Raises ValueError for a sample without
     tokens, or one over capacity under oversize="error" (naming it and its size).
@@ -328,9 +328,8 @@ def plan_epoch(table: SampleTable, config: PlannerConfig, *, epoch: int = 0, car
         # A negative index would be planned (and handed to the dataset) as sample N + i; one past
         # the end raised an IndexError; 1.5 was cast to sample 1.
         raise ValueError(f"carried_in must hold sample indices in [0, {len(table)}); got {carried_arr[:8].tolist()}")
-    values, counts = np.unique(carried_arr, return_counts=True)
-    if (counts > 1).any():  # it would be planned once more per repeat
-        raise ValueError(f"carried_in holds sample {int(values[counts > 1][0])} twice: each sample is carried once")
+    # A sample may be carried more than once: an epoch's carried samples lead the next epoch beside its own
+    # permutation, so both occurrences can be left over together. Each occurrence is planned once.
     cols = _columns(table, config)
     rng = np.random.default_rng([config.seed, epoch])
     order = rng.permutation(len(table)) if config.shuffle else np.arange(len(table))

@@ -105,3 +105,22 @@ def test_assign_to_ranks_refuses_what_it_cannot_balance(costs, ranks, per_rank, 
 
     with pytest.raises(ValueError, match=message):
         assign_to_ranks(np.asarray(costs), ranks, per_rank)
+
+
+def test_bins_no_pack_can_hold_are_refused_when_planned():
+    """A pack's cu_seqlens are int32 (T < 2**31). BinLayout took capacity=2**31 (or 2**62) and the planner laid out
+    bins of that many slots, which Bin.plan and pack_batch refused only when the loader packed them; an oversize
+    sample of 2**31 tokens under oversize='own_bin' likewise got a bin of its own that no pack can hold."""
+    from megatron_vlm_packing.planner import PlannerConfig, SampleTable, plan_epoch
+
+    for capacity in (2**31, 2**62):
+        with pytest.raises(ValueError, match=rf"capacity={capacity} must be below 2\*\*31"):
+            BinLayout(capacity=capacity)
+    assert BinLayout(capacity=2**31 - 1).capacity == 2**31 - 1
+    cp2 = PackMultiples.for_parallel(cp_size=2)
+    table = SampleTable(text_tokens=[5, 2**31 - 3, 7])
+    config = PlannerConfig(layout=BinLayout(capacity=64, multiples=cp2, oversize="own_bin"))
+    with pytest.raises(ValueError, match=r"sample 1 \(2147483648 slots\) .* more than int32 cu_seqlens can hold"):
+        plan_epoch(table, config)
+    assert sorted(b.tokens for b in plan_epoch(SampleTable(text_tokens=[5, 2**31 - 4, 7]), config).bins()) \
+        == [(7, 5), (2**31 - 4,)]

@@ -1,10 +1,13 @@
 """Cost model and token counting: vectorised columns equal per-sample formulas; FLOP counts by hand."""
 
 import io
+import re
 
 import numpy as np
 import pytest
+import torch
 
+from megatron_vlm_packing.packing import PackMultiples
 from megatron_vlm_packing.planner import (BinLayout, CostModel, PlannerConfig, SampleMetadata, SampleTable, TokenCounter,
                                           TransformerShape, plan_epoch)
 from megatron_vlm_packing.planner.metadata import llava_tokens
@@ -32,7 +35,7 @@ def _by_hand(sample: SampleMetadata, cost: CostModel, counter: TokenCounter):
         tokens += t * h * w // counter.spatial_merge ** 2 + counter.vision_wrappers
         extra += cost.vision_linear * t * h * w + cost.vision_attention * t * (h * w) ** 2
     for n in sample.audio_frames:
-        tokens += -(-n // counter.audio_pool) + counter.audio_wrappers
+        tokens += n // counter.audio_pool + counter.audio_wrappers
         extra += cost.audio_linear * n + cost.audio_attention * n * n
     return tokens, extra + cost.lm_attention * tokens ** 2
 
@@ -51,11 +54,11 @@ def test_columns_equal_per_sample_formulas():
 
 def test_llava_expansion_and_bad_metadata():
     table = SampleTable.from_samples([SampleMetadata(10, image_grids=((1, 4, 4), (1, 2, 2))), SampleMetadata(3)])
-    assert llava_tokens(576)(table).tolist() == [10 + 2 * 576, 3]
-    # Bins are sized in the space attention sees: 1162 expanded tokens do not fit 1024 slots.
+    assert llava_tokens(576)(table).tolist() == [10 + 2 * 576 + 1, 3]  # + the slot LLaVA zeroes before an image
+    # Bins are sized in the space attention sees: 1163 expanded tokens do not fit 1024 slots.
     config = PlannerConfig(layout=BinLayout(capacity=2048), expanded_tokens=llava_tokens(576))
-    assert sorted(b.tokens for b in plan_epoch(table, config).bins()) == [(10 + 2 * 576, 3)]
-    with pytest.raises(ValueError, match=r"sample 0 \(1162 slots\)"):
+    assert sorted(b.tokens for b in plan_epoch(table, config).bins()) == [(10 + 2 * 576 + 1, 3)]
+    with pytest.raises(ValueError, match=r"sample 0 \(1163 slots\)"):
         plan_epoch(table, PlannerConfig(layout=BinLayout(capacity=1024), expanded_tokens=llava_tokens(576)))
     with pytest.raises(ValueError, match="image_grids"):
         SampleTable.from_samples([SampleMetadata(1, image_grids=((1, 0, 4),))])
@@ -167,3 +170,152 @@ def test_token_counts_past_int64_are_refused_not_wrapped():
     with pytest.raises(ValueError, match=r"sample 0 takes about 1.8e\+19 tokens: more than 2\*\*53"):
         llava_tokens(2**62)(images)
     assert TokenCounter()(SampleTable.from_samples([SampleMetadata(3, video_grids=((2, 4, 4),))])).tolist() == [13]
+
+
+def test_audio_token_counts_past_int64_are_refused_not_wrapped():
+    """Audio clips were counted in int64: frames + audio_wrappers past 2**63 wrapped to about -2**63, so a sample
+    of 2**53 - 1 text tokens and a 2**63 - 1 frame clip (audio_wrappers=2**63 - 1) was planned as 9007199254740989
+    tokens, and a plain clip of 2**63 - 1 frames (audio_pool=1) made a sample of negative tokens."""
+    counter = TokenCounter(audio_pool=1, audio_wrappers=2**63 - 1)
+    wrapped = SampleTable.from_samples([SampleMetadata(2**53 - 1, audio_frames=(2**63 - 1,))])
+    with pytest.raises(ValueError, match=r"sample 0 takes about 1.8e\+19 tokens: more than 2\*\*53"):
+        counter(wrapped)
+    long_clip = SampleTable.from_samples([SampleMetadata(1, audio_frames=(2**63 - 1,))])
+    with pytest.raises(ValueError, match=r"sample 0 takes about 9.2e\+18 tokens: more than 2\*\*53"):
+        TokenCounter(audio_pool=1)(long_clip)
+    with pytest.raises(ValueError, match=r"sample 0 takes about 1.8e\+19 tokens"):  # an OverflowError before
+        TokenCounter(audio_wrappers=2**64)(SampleTable.from_samples([SampleMetadata(1, audio_frames=(4,))]))
+    assert TokenCounter(audio_pool=1)(SampleTable.from_samples([SampleMetadata(1, audio_frames=(2**52,))])).tolist() \
+        == [1 + 2**52 + 2]
+
+
+def test_audio_tokens_are_qwen2_5_omni_s_for_odd_frame_counts():
+    """TokenCounter's audio rule claims Qwen2.5-Omni's (audio_pool=2 over the frames after the input convolution),
+    whose encoder pools them with AvgPool1d(2, 2): (F - 2) // 2 + 1 = F // 2 tokens (HF's
+    `_get_feat_extract_output_lengths`). The ceiling counted one token more for every odd F (3 frames: 2, not 1),
+    so bins were laid out for lengths the samples do not have."""
+    for raw in range(1, 400):  # mel frames; the input convolution (stride 2) keeps (raw - 1) // 2 + 1
+        frames = (raw - 1) // 2 + 1
+        hf_tokens = (frames - 2) // 2 + 1
+        table = SampleTable.from_samples([SampleMetadata(5, audio_frames=(frames,))])
+        assert TokenCounter()(table).tolist() == [5 + hf_tokens + 2], raw
+
+
+def test_audio_tokens_of_the_packer_s_qwen3_omni_rule():
+    """`pack_batch` counts a clip's placeholders with Qwen3-Omni's rule (`rope.omni.audio_output_length` of its mel
+    frames and the encoder window), which no audio_pool reproduces (100 frames: 13 tokens; 8: 1; 200: 26), so a
+    bin of omni samples was laid out for lengths pack_batch does not make. With `audio_n_window` the counter uses
+    that rule on the clips' mel frames, and every bin's plan is the one pack_batch builds."""
+    from megatron_vlm_packing.data.synthetic import SyntheticVLMConfig, collate, synthetic_samples
+    from megatron_vlm_packing.packing import pack_batch
+
+    cfg = SyntheticVLMConfig(max_text=30, grid_choices=(2, 4), max_videos=1, max_audios=3, audio_frames=(1, 260))
+    samples = synthetic_samples(24, seed=5, cfg=cfg)
+    special = (cfg.image_token_id, cfg.video_token_id, cfg.audio_token_id, cfg.vision_start_id, cfg.vision_end_id,
+               cfg.audio_start_id, cfg.audio_end_id)
+
+    def known_before_loading(sample: dict) -> SampleMetadata:  # text ids, grids and mel frame counts
+        text = sum(int(t) not in special for t in sample["input_ids"])
+        return SampleMetadata(text, image_grids=tuple(map(tuple, sample["image_grid_thw"].tolist())),
+                              video_grids=tuple(map(tuple, sample["video_grid_thw"].tolist())),
+                              audio_frames=tuple(clip.shape[1] for clip in sample["audio"]))
+
+    table = SampleTable.from_samples([known_before_loading(s) for s in samples])
+    assert len(table.audio_frames) > 10
+    counter = TokenCounter(audio_n_window=cfg.audio_n_window)
+    assert counter(table).tolist() == [len(s["input_ids"]) for s in samples]
+    config = PlannerConfig(layout=BinLayout(capacity=256), expanded_tokens=counter)
+    pack = dict(label_style="hf", image_token_id=cfg.image_token_id, video_token_id=cfg.video_token_id,
+                audio_token_id=cfg.audio_token_id)  # the window: 50, pack_batch's default (cfg.audio_n_window)
+    for planned in plan_epoch(table, config).bins():
+        packed = pack_batch(collate([samples[i] for i in planned.samples]), pad_to=planned.physical, **pack)
+        assert packed.plan == planned.plan(config.layout)
+    assert TokenCounter(audio_n_window=50)(SampleTable.from_samples(
+        [SampleMetadata(0, audio_frames=(100, 8, 200))])).tolist() == [13 + 1 + 26 + 3 * 2]
+    with pytest.raises(ValueError, match="TokenCounter.audio_n_window must be None or an int >= 1, got 0"):
+        TokenCounter(audio_n_window=0)
+
+
+def test_counts_past_int64_are_named_as_given_not_wrapped():
+    """A uint64 count of 2**63 or more, or a whole float of 2**63 or more, was cast to int64 and wrapped negative:
+    the error then named a number the caller never gave ('sample 1 has -1' for 2**64 - 1, 'have no tokens' for an
+    expanded_tokens hook returning 1e30)."""
+    for values, shown in ((np.array([5, 2**64 - 1], dtype=np.uint64), "18446744073709551615"),
+                          (np.array([5.0, 1e19]), "1e+19"), ([5.0, 2.0**63], "9.223372036854776e+18")):
+        with pytest.raises(ValueError, match=rf"text_tokens must hold counts below 2\*\*63; entry 1 is "
+                                             rf"{re.escape(shown)}$"):
+            SampleTable(text_tokens=values)
+    with pytest.raises(ValueError, match=r"audio_frames must hold counts below 2\*\*63; entry 0 is 922337203685477581"):
+        SampleTable(text_tokens=[5], audio_frames=np.array([2**63 + 5], dtype=np.uint64), audio_owner=[0])
+    config = PlannerConfig(layout=BinLayout(capacity=64), expanded_tokens=lambda table: np.array([5, 1e30]))
+    with pytest.raises(ValueError, match=r"expanded_tokens must hold counts below 2\*\*63; entry 1 is 1e\+30"):
+        plan_epoch(SampleTable(text_tokens=[5, 6]), config)
+    assert SampleTable(text_tokens=np.array([5, 2**63 - 1], dtype=np.uint64)).text_tokens.tolist() == [5, 2**63 - 1]
+    assert SampleTable(text_tokens=[5.0, 2.0**62]).text_tokens.tolist() == [5, 2**62]
+
+
+@pytest.mark.parametrize("index", [-1, 3, 1.0, True])
+def test_sample_of_an_index_outside_the_table_is_refused(index):
+    """table.sample(-1) gave the last sample's text tokens with no media (images are matched by owner == -1), and 3
+    (past the end) or 1.0 failed inside numpy; True was sample 1."""
+    table = SampleTable.from_samples([SampleMetadata(1), SampleMetadata(2, image_grids=((1, 2, 2),)),
+                                      SampleMetadata(3, audio_frames=(4,))])
+    with pytest.raises(ValueError, match=rf"index={index!r} must be an int in \[0, 3\)"):
+        table.sample(index)
+    assert table.sample(np.int64(1)) == SampleMetadata(2, image_grids=((1, 2, 2),))
+
+
+@pytest.mark.parametrize("segment", [1, 4])
+def test_llava_bins_hold_the_slot_llava_zeroes_before_an_image(segment):
+    """LLaVA zeroes the loss of the slot before each image, so its packer gives the document before one that
+    opens with an image a pad slot (bug class 13). llava_tokens did not count it: a bin filled to the capacity
+    (8 text tokens, then a sample opening with an image, 6 expanded tokens, capacity 14) expanded to 15 and
+    LlavaPackingCollator(pad_to=capacity) refused it in the loader ('it would truncate'), mid-epoch. A sample
+    with an image now reserves one segment more, and every bin of random samples packs at its planned length."""
+    from megatron_vlm_packing.models.llava import LlavaSpace
+    from megatron_vlm_packing.models.llava_pack import LlavaPackingCollator
+
+    image, per_image = 127, 4
+    space = LlavaSpace(img_seq_len=per_image, image_token_index=image, segment_multiple=segment,
+                       total_multiple=segment)
+    rng = np.random.default_rng(segment)
+    samples = [torch.arange(10, 18), torch.tensor([image, 20, 21])]  # the bin that overflowed
+    for _ in range(60):  # text with 0-2 images anywhere, an image first in about a third of them
+        row = [int(t) for t in rng.integers(1, 100, int(rng.integers(1, 12)))]
+        for _ in range(int(rng.integers(0, 3))):
+            row.insert(0 if rng.random() < .4 else int(rng.integers(0, len(row) + 1)), image)
+        samples.append(torch.tensor(row))
+
+    def collate(group):
+        ids = torch.zeros(len(group), max(map(len, group)), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, row in enumerate(group):
+            ids[i, :len(row)], mask[i, :len(row)] = row, 1
+        return {"input_ids": ids, "labels": ids.clone(), "attention_mask": mask,
+                "images": torch.zeros(int((ids == image).sum()), 3, 2, 2)}
+
+    images = [int((s == image).sum()) for s in samples]
+    table = SampleTable.from_samples([SampleMetadata(len(s) - n, image_grids=((1, 2, 2),) * n)
+                                      for s, n in zip(samples, images)])
+    multiples = PackMultiples(segment=segment, total=segment)
+    for capacity, shuffle in ((12 + 2 * segment, False), (48, True), (48, False)):
+        config = PlannerConfig(layout=BinLayout(capacity=capacity, multiples=multiples, oversize="own_bin"),
+                               shuffle=shuffle, expanded_tokens=llava_tokens(per_image, segment_multiple=segment))
+        for planned in plan_epoch(table, config).bins():
+            collator = LlavaPackingCollator(space=space, collate=collate, pad_to=planned.physical)
+            packed = collator([samples[i] for i in planned.samples])
+            assert packed.stats.physical_tokens == planned.physical
+    with pytest.raises(ValueError, match="segment_multiple must be an int >= 1, got 0"):
+        llava_tokens(per_image, segment_multiple=0)
+
+
+@pytest.mark.parametrize("flag", [torch.tensor(True), np.array(True)])
+def test_a_bool_tensor_or_array_among_counts_is_refused(flag):
+    """True and np.True_ were refused, but a torch bool scalar (a mask's .sum() > 0, an .any()) or a 0-d numpy bool
+    array beside ints made an int64 array and was planned as 1 token / a side of 1 patch, silently."""
+    with pytest.raises(ValueError, match=r"text_tokens must hold integers, not bools; entry 0 is "):
+        SampleTable.from_samples([SampleMetadata(flag), SampleMetadata(3)])
+    with pytest.raises(ValueError, match=r"image_grids must hold integers, not bools; entry 1 is "):
+        SampleTable.from_samples([SampleMetadata(3, image_grids=((1, flag, 2),))])
+    counts = SampleTable.from_samples([SampleMetadata(torch.tensor(4)), SampleMetadata(np.array(3))]).text_tokens
+    assert counts.tolist() == [4, 3]  # integer tensors and arrays are counts, as before

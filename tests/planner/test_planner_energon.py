@@ -63,7 +63,8 @@ def test_expanded_tokens_must_give_one_count_per_sample(samples):
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("cost_model", None, r"cost_model must be a CostModel \(or have extra_costs and lm_linear\), got NoneType"),
+    ("cost_model", None, r"cost_model must be a CostModel \(or have extra_costs, lm_linear and bin_cost\), "
+                          r"got NoneType"),
     ("cost_model", CostModel, r"cost_model must be a CostModel .*got type"),
     ("layout", 96, r"layout must be a BinLayout, got int"),
     ("metadata", "input_ids", r"metadata must be callable, got str"),
@@ -116,3 +117,17 @@ def test_the_mixin_without_packing_hooks_is_a_value_error_naming_them(samples, h
         packing_hooks = _hooks(layout=BinLayout(capacity=64, oversize="own_bin"))
 
     assert sum(map(len, Good().select_samples_to_pack(samples[:3]))) == 3
+
+
+def test_a_restored_oversize_sample_is_refused_under_oversize_error(samples):
+    """A group restored from an Energon checkpoint saved under a larger capacity (or oversize='own_bin') may be one
+    sample over this capacity: under oversize='error' it became a pack longer than the capacity, silently (only
+    groups of several samples were checked); select_samples_to_pack refuses that sample under this layout."""
+    tokens = [len(s["input_ids"]) for s in samples]
+    long = samples[int(np.argmax(tokens))]
+    with pytest.raises(ValueError, match=rf"sample 0 \({max(tokens)} slots\)"):
+        _hooks(layout=BinLayout(capacity=32)).select_samples_to_pack([long])
+    with pytest.raises(ValueError, match=rf"1 sample\(s\) exceed the bin capacity 32: sample 0 \({max(tokens)} "):
+        _hooks(layout=BinLayout(capacity=32)).pack_selected_samples([long])
+    packed = _hooks(layout=BinLayout(capacity=32, oversize="own_bin")).pack_selected_samples([long])
+    assert packed.plan.real_lengths == (max(tokens),)  # own_bin: alone, never truncated

@@ -477,6 +477,7 @@ def test_set_epoch_leaves_an_earlier_iterator_without_more_micro_batches(samples
     (dict(carried=3), r"sampler state has carried=3: it must be a list of sample indices"),  # TypeError
     (dict(layout="x"), r"sampler state has layout='x': it must be a dict \(what state_dict\(\) saved\)"),
     (dict(format=True), r"sampler state has format=True; this version reads formats 1 and 2"),  # read as format 1
+    (dict(format=torch.tensor(2)), r"sampler state has format=tensor\(2\); this version reads formats 1 and 2"),
 ])
 def test_a_state_with_fields_of_the_wrong_type_is_refused_not_truncated(samples, edit, message):
     table = SampleTable.from_samples([metadata(s) for s in samples])
