@@ -72,6 +72,13 @@ class LlavaSpace:
                                ("pipeline_length", True), ("max_length", True), ("vocab_size", True)):
             object.__setattr__(self, name, checked_int(getattr(self, name), name, least=1, optional=optional))
 
+    @property
+    def multiples(self) -> PackMultiples:
+        """The expanded-space alignment as `PackMultiples`: what a planner `BinLayout` for this model needs
+        (`PackMultiples.for_parallel` gives the language model's, which LLaVA's own shard factor can exceed:
+        at TP=2, CP=2 with SP it is 8, not 4)."""
+        return PackMultiples(segment=self.segment_multiple, total=self.total_multiple)
+
     @classmethod
     def of(cls, model) -> "LlavaSpace":
         """Read from a built `LLaVAModel` (its own shard factor, as `_process_embedding_token_parallel` has it)."""

@@ -268,7 +268,9 @@ def llava_tokens(tokens_per_image: int, *, segment_multiple: int = 1) -> Expande
     gives the document before one that opens with an image a pad slot, which rounds that document up by at
     most one segment. Counted on the sample that may open with an image, a bin within the capacity stays
     within it in any order; uncounted, a full bin expanded past it and LLaVA's collator refused it mid-epoch.
-    `segment_multiple`: the layout's `multiples.segment` (LLaVA's 2*cp under CP, else 1).
+    `segment_multiple`: the layout's `multiples.segment` (LLaVA's 2*cp under CP, else 1). For a model, plan with
+    `space = LlavaSpace.of(model)`: `BinLayout(multiples=space.multiples)` and
+    `llava_tokens(space.img_seq_len, segment_multiple=space.segment_multiple)`.
     """
     checked_int(tokens_per_image, "tokens_per_image", least=1)
     checked_int(segment_multiple, "segment_multiple", least=1)

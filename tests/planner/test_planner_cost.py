@@ -265,8 +265,8 @@ def test_sample_of_an_index_outside_the_table_is_refused(index):
     assert table.sample(np.int64(1)) == SampleMetadata(2, image_grids=((1, 2, 2),))
 
 
-@pytest.mark.parametrize("segment", [1, 4])
-def test_llava_bins_hold_the_slot_llava_zeroes_before_an_image(segment):
+@pytest.mark.parametrize("segment, total", [(1, 1), (4, 4), (4, 8)])  # (4, 8): LlavaSpace.of at TP=2, CP=2, SP
+def test_llava_bins_hold_the_slot_llava_zeroes_before_an_image(segment, total):
     """LLaVA zeroes the loss of the slot before each image, so its packer gives the document before one that
     opens with an image a pad slot (bug class 13). llava_tokens did not count it: a bin filled to the capacity
     (8 text tokens, then a sample opening with an image, 6 expanded tokens, capacity 14) expanded to 15 and
@@ -277,7 +277,7 @@ def test_llava_bins_hold_the_slot_llava_zeroes_before_an_image(segment):
 
     image, per_image = 127, 4
     space = LlavaSpace(img_seq_len=per_image, image_token_index=image, segment_multiple=segment,
-                       total_multiple=segment)
+                       total_multiple=total)
     rng = np.random.default_rng(segment)
     samples = [torch.arange(10, 18), torch.tensor([image, 20, 21])]  # the bin that overflowed
     for _ in range(60):  # text with 0-2 images anywhere, an image first in about a third of them
@@ -297,8 +297,9 @@ def test_llava_bins_hold_the_slot_llava_zeroes_before_an_image(segment):
     images = [int((s == image).sum()) for s in samples]
     table = SampleTable.from_samples([SampleMetadata(len(s) - n, image_grids=((1, 2, 2),) * n)
                                       for s, n in zip(samples, images)])
-    multiples = PackMultiples(segment=segment, total=segment)
-    for capacity, shuffle in ((12 + 2 * segment, False), (48, True), (48, False)):
+    multiples = space.multiples  # LLaVA's own shard factor, not the language model's PackMultiples.for_parallel
+    assert multiples == PackMultiples(segment=segment, total=total)
+    for capacity, shuffle in ((-(-(12 + 2 * segment) // total) * total, False), (48, True), (48, False)):
         config = PlannerConfig(layout=BinLayout(capacity=capacity, multiples=multiples, oversize="own_bin"),
                                shuffle=shuffle, expanded_tokens=llava_tokens(per_image, segment_multiple=segment))
         for planned in plan_epoch(table, config).bins():
