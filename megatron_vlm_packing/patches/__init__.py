@@ -2,7 +2,9 @@
 
 Undo is stack-safe (last in, first out; `patches.owned`): an attribute is restored only while it
 still holds our replacement. Where another plugin wrapped it after us, undo raises RuntimeError
-naming the attribute and its holder, and undoes nothing: undo that later patch first.
+naming the attribute and its holder, and undoes nothing: undo that later patch first. Where a patch
+applied before ours was undone after it (its original is back over ours), ours is off: the `is_applied`
+checks say so, undo leaves that original, and apply installs ours again.
 
 Order of application (what `apply_all` does), and why:
 1. `gpt_model_forward.apply_sp_embedding_scatter` (only where megatron-core lacks the fix),

@@ -90,15 +90,16 @@ def _gathering_split(original, tp_group_of):
 
 
 def is_applied() -> bool:
-    return bool(_OWNED)
+    return _OWNED.active()
 
 
 def apply_bridge_deepstack_sp() -> bool:
     """Give Qwen3-VL's deepstack SP cut a gathering backward. Idempotent; returns whether active."""
-    if _OWNED:
+    if _OWNED.active():
         return True
     if not upstream_deepstack_split_is_plain_slice():
         return False
+    _OWNED.restore()  # records of a patch an earlier patch's undo removed (an original is back): install again
     from megatron.core import parallel_state
 
     module = import_bridge_module(QWEN3_VL_MODEL)

@@ -90,8 +90,9 @@ def _select_this_rank(model, lm_kwargs: dict, cp_size: int, cp_rank: int) -> dic
 
 def apply_bridge_qwen25_vl_cp() -> bool:
     """Make Qwen25VLModel.forward select CP tokens. Idempotent; returns whether the patch is active."""
-    if _OWNED:
+    if _OWNED.active():
         return True
+    _OWNED.restore()  # records of a patch an earlier patch's undo removed (an original is back): install again
     cls = import_bridge_module(QWEN25_VL_MODEL).Qwen25VLModel
     original = cls.forward
     signature = inspect.signature(original)
@@ -110,7 +111,7 @@ def apply_bridge_qwen25_vl_cp() -> bool:
 
 
 def is_applied() -> bool:
-    return bool(_OWNED)
+    return _OWNED.active()
 
 
 def undo_bridge_qwen25_vl_cp() -> None:

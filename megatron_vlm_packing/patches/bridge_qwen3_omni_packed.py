@@ -80,13 +80,14 @@ def thinker_refuses_packing(forward=None) -> bool:
 
 
 def is_applied() -> bool:
-    return bool(_OWNED)
+    return _OWNED.active()
 
 
 def apply_bridge_qwen3_omni_packed() -> bool:
     """Give Bridge's Qwen3-Omni thinker a packed THD path. Idempotent; returns whether it is active."""
     if is_applied():
         return True
+    _OWNED.restore()  # records of a patch an earlier patch's undo removed (an original is back): install again
     cls = _thinker_class()
     if not thinker_refuses_packing(cls.forward):
         return False

@@ -44,14 +44,15 @@ def thd_cp_partition_indices(cu_seqlens: torch.Tensor, *, total_tokens: int, cp_
 
 
 def is_applied() -> bool:
-    return bool(_OWNED)
+    return _OWNED.active()
 
 
 def apply_bridge_thd_cp_index() -> bool:
     """Route Bridge's THD CP partition to ours where TE's kernel is absent. Idempotent; returns
     whether the patch is active."""
-    if _OWNED:
+    if _OWNED.active():
         return True
+    _OWNED.restore()  # records of a patch an earlier patch's undo removed (an original is back): install again
     if te_thd_partition_available():
         return False
     module = import_bridge_module(PACKED_SEQ_UTILS)

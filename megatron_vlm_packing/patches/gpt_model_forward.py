@@ -85,8 +85,9 @@ _OWNED = OwnedAttributes(__name__)  # GPTModel.forward, shared by both fixes; .o
 
 def _install() -> None:
     GPTModel = _gpt_model()
-    if _OWNED:
+    if _OWNED.active():
         return
+    _OWNED.restore()  # records of a patch an earlier patch's undo removed (an original is back): install again
     original = GPTModel.forward
 
     @functools.wraps(original)
@@ -128,8 +129,8 @@ def apply_sp_embedding_scatter() -> bool:
     patch is active (False where upstream already has the fix)."""
     if upstream_scatters_standalone_embeddings():
         return False
+    _install()  # again too where an earlier patch's undo removed it
     if "embedding" not in _APPLIED:
-        _install()
         _APPLIED.append("embedding")
     return True
 
@@ -143,8 +144,8 @@ def apply_sp_padding_mask_scatter() -> bool:
     does not (`upstream_scatters_mask_with_decoder_input`). Returns whether the patch is active."""
     if upstream_scatters_mask_with_decoder_input():
         return False
+    _install()  # again too where an earlier patch's undo removed it
     if "padding_mask" not in _APPLIED:
-        _install()
         _APPLIED.append("padding_mask")
     return True
 

@@ -53,7 +53,7 @@ def _default_tiles(call: dict, input_ids: torch.Tensor, image_token: int) -> tor
 
 def packed_boundaries_expanded() -> bool:
     """Does LLaVAModel.forward hand attention expanded boundaries (upstream's fix, or this patch applied)?"""
-    return bool(_OWNED) or upstream_remaps_packed_boundaries()
+    return _OWNED.active() or upstream_remaps_packed_boundaries()
 
 
 def expand_packed_call(model, call: dict) -> None:
@@ -109,8 +109,9 @@ def apply_llava_packed_boundaries() -> bool:
     """Remap packed boundaries inside LLaVAModel.forward. Idempotent; returns whether it is active."""
     if upstream_remaps_packed_boundaries():
         return False
-    if _OWNED:
+    if _OWNED.active():
         return True
+    _OWNED.restore()  # records of a patch an earlier patch's undo removed (an original is back): install again
     LLaVAModel = _llava()
     original = LLaVAModel.forward
     signature = inspect.signature(original)

@@ -73,14 +73,15 @@ def _loop_free(original, apply_bshd):
 
 
 def thd_rotary_applied() -> bool:
-    return bool(_OWNED)
+    return _OWNED.active()
 
 
 def apply_thd_rotary() -> bool:
     """Install the loop-free THD rope. Idempotent; returns whether it is active (False where the
     installed function already runs without host syncs)."""
-    if _OWNED:
+    if _OWNED.active():
         return True
+    _OWNED.restore()  # records of a patch an earlier patch's undo removed (an original is back): install again
     rope_utils = _rope_utils()
     original = rope_utils._apply_rotary_pos_emb_thd
     if thd_rope_host_syncs(original) == 0:
