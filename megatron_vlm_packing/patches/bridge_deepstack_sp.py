@@ -15,7 +15,8 @@ gradient of every row. (CP parts stay partial: Megatron sums replicated grads ov
 
 Defect check (`upstream_deepstack_split_is_plain_slice`): split a probe with tp_size=2, tp_rank=0
 and backpropagate: a plain cut leaves zero gradient on the other rank's rows without any
-collective. A fixed upstream (which needs a process group to gather) is left alone.
+collective. A fixed upstream (which needs a process group to gather) is left alone; a module without
+`split_deepstack_embs` is a RuntimeError (not read as fixed: the adapter would then accept TP + SP).
 Delete once Bridge scatters deepstack embeddings with a gathering backward.
 """
 
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_vlm_packing.bridge.imports import import_bridge_module
-from megatron_vlm_packing.patches.owned import OwnedAttributes
+from megatron_vlm_packing.patches.owned import OwnedAttributes, patch_target
 
 QWEN3_VL_MODEL = "megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model"
 _OWNED = OwnedAttributes(__name__)  # Bridge's split_deepstack_embs while the patch is applied
@@ -59,10 +60,8 @@ def upstream_deepstack_split_is_plain_slice() -> bool:
     Judged on Bridge's own split even while the patch is applied: the module's function is then ours,
     which reported the defect gone (and, with parallel state up, ran its TP all-reduce in the probe).
     """
-    split = _OWNED.original("split_deepstack_embs") or getattr(import_bridge_module(QWEN3_VL_MODEL),
-                                                                "split_deepstack_embs", None)
-    if split is None:
-        return False
+    split = _OWNED.original("split_deepstack_embs") or patch_target(import_bridge_module(QWEN3_VL_MODEL),
+                                                                     "split_deepstack_embs", __name__)
     probe = torch.ones(4, 1, requires_grad=True)
     try:
         _, (cut,) = split(torch.ones(1, 4, dtype=torch.bool), [probe], tp_size=2, tp_rank=0,

@@ -23,7 +23,7 @@ import functools
 import inspect
 
 from megatron_vlm_packing.bridge.imports import import_bridge_module
-from megatron_vlm_packing.patches.owned import OwnedAttributes
+from megatron_vlm_packing.patches.owned import OwnedAttributes, patch_target
 
 QWEN25_VL_MODEL = "megatron.bridge.models.qwen_vl.modeling_qwen25_vl"
 _OWNED = OwnedAttributes(__name__)  # Bridge's Qwen25VLModel.forward while the patch is applied
@@ -93,7 +93,7 @@ def apply_bridge_qwen25_vl_cp() -> bool:
     if _OWNED.active():
         return True
     _OWNED.restore()  # records of a patch an earlier patch's undo removed (an original is back): install again
-    cls = import_bridge_module(QWEN25_VL_MODEL).Qwen25VLModel
+    cls = patch_target(import_bridge_module(QWEN25_VL_MODEL), "Qwen25VLModel", __name__)
     original = cls.forward
     signature = inspect.signature(original)
 

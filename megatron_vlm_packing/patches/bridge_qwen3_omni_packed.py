@@ -46,7 +46,7 @@ import types
 
 import torch
 
-from megatron_vlm_packing.patches.owned import OwnedAttributes
+from megatron_vlm_packing.patches.owned import OwnedAttributes, patch_target
 
 THINKER_MODULE = "megatron.bridge.models.qwen_omni.modeling_qwen3_omni.thinker_model"
 _OWNED = OwnedAttributes(__name__)  # Bridge's Qwen3OmniThinkerModel.forward while the patch is applied
@@ -57,7 +57,7 @@ _MEDIA_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_g
 def _thinker_class():
     from megatron_vlm_packing.bridge.imports import import_bridge_module
 
-    return import_bridge_module(THINKER_MODULE).Qwen3OmniThinkerModel
+    return patch_target(import_bridge_module(THINKER_MODULE), "Qwen3OmniThinkerModel", __name__)
 
 
 def thinker_refuses_packing(forward=None) -> bool:

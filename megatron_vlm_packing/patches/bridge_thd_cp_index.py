@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from megatron_vlm_packing.bridge.imports import import_bridge_module
-from megatron_vlm_packing.patches.owned import OwnedAttributes
+from megatron_vlm_packing.patches.owned import OwnedAttributes, patch_target
 
 PACKED_SEQ_UTILS = "megatron.bridge.training.utils.packed_seq_utils"
 _OWNED = OwnedAttributes(__name__)  # Bridge's get_thd_cp_partition_indices while the patch is applied
@@ -56,6 +56,7 @@ def apply_bridge_thd_cp_index() -> bool:
     if te_thd_partition_available():
         return False
     module = import_bridge_module(PACKED_SEQ_UTILS)
+    patch_target(module, "get_thd_cp_partition_indices", __name__)  # a new name nobody calls would fix nothing
     _OWNED.set(module, "get_thd_cp_partition_indices", thd_cp_partition_indices)
     return True
 

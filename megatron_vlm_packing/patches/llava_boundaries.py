@@ -27,7 +27,7 @@ import inspect
 
 import torch
 
-from megatron_vlm_packing.patches.owned import OwnedAttributes
+from megatron_vlm_packing.patches.owned import OwnedAttributes, patch_target
 
 _OWNED = OwnedAttributes(__name__)  # LLaVAModel.forward while the patch is applied
 
@@ -39,7 +39,7 @@ def _llava():
 
 
 def upstream_remaps_packed_boundaries() -> bool:
-    return "packed_seq_params" in inspect.signature(_llava()._preprocess_data).parameters
+    return "packed_seq_params" in inspect.signature(patch_target(_llava(), "_preprocess_data", __name__)).parameters
 
 
 def _default_tiles(call: dict, input_ids: torch.Tensor, image_token: int) -> torch.Tensor:

@@ -65,6 +65,20 @@ def _is_data_descriptor(cls: type, name: str) -> bool:
     return hasattr(type(slot), "__set__")
 
 
+def patch_target(owner, name: str, patch: str):
+    """`owner.name`, the attribute `patch` replaces or reads to detect its defect.
+
+    Raises:
+        RuntimeError: the owner has no such attribute (renamed or removed upstream): the patch cannot tell
+            whether the defect is there, and setting the name would install a function nobody calls.
+    """
+    value = getattr(owner, name, _ABSENT)
+    if value is _ABSENT:
+        raise RuntimeError(f"{describe_attribute(owner, name)} does not exist here: {patch} was written for it; "
+                           f"revise the patch for this version (nothing was applied)")
+    return value
+
+
 def describe_attribute(owner, name: str) -> str:
     """`module.Class.name` (or `module.name`, or `a module.Class object's name`) for messages."""
     if isinstance(owner, types.ModuleType):

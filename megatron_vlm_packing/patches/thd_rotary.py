@@ -26,7 +26,7 @@ import sys
 
 import torch
 
-from megatron_vlm_packing.patches.owned import OwnedAttributes
+from megatron_vlm_packing.patches.owned import OwnedAttributes, patch_target
 from megatron_vlm_packing.rope.megatron_thd import CpLocalFreqs, thd_rope_host_syncs, thd_rope_rows
 
 _OWNED = OwnedAttributes(__name__)  # the holders' _apply_rotary_pos_emb_thd; .original(): the unpatched one
@@ -43,7 +43,11 @@ def _rope_utils():
 
 def upstream_thd_rope_syncs() -> int:
     """Host syncs of one call of the installed (unpatched) THD rope on 3 documents at CP 2."""
-    return thd_rope_host_syncs(_OWNED.original("_apply_rotary_pos_emb_thd") or _rope_utils()._apply_rotary_pos_emb_thd)
+    return thd_rope_host_syncs(_OWNED.original("_apply_rotary_pos_emb_thd") or _installed_thd_rope())
+
+
+def _installed_thd_rope():
+    return patch_target(_rope_utils(), "_apply_rotary_pos_emb_thd", __name__)
 
 
 def _loop_free(original, apply_bshd):
@@ -83,7 +87,7 @@ def apply_thd_rotary() -> bool:
         return True
     _OWNED.restore()  # records of a patch an earlier patch's undo removed (an original is back): install again
     rope_utils = _rope_utils()
-    original = rope_utils._apply_rotary_pos_emb_thd
+    original = _installed_thd_rope()
     if thd_rope_host_syncs(original) == 0:
         return False
     replacement = _loop_free(original, rope_utils._apply_rotary_pos_emb_bshd)
