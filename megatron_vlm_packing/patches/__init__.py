@@ -56,7 +56,11 @@ def apply_all() -> dict[str, bool]:
 
 
 def apply_bridge_patches() -> dict[str, bool]:
-    """Apply every Megatron-Bridge patch whose defect is present; returns which are active."""
+    """Apply every Megatron-Bridge patch whose defect is present; returns which are active.
+
+    `bridge_qwen25_vl_cp` has no defect check at apply time: it is always installed (True) and checks per
+    call (a packed CP call whose `decoder_input` is still full length); dense and CP = 1 calls pass through.
+    """
     return {"bridge_deepstack_sp": apply_bridge_deepstack_sp(), "bridge_thd_cp_index": apply_bridge_thd_cp_index(),
             "bridge_qwen25_vl_cp": apply_bridge_qwen25_vl_cp()}
 
