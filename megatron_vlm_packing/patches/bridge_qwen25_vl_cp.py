@@ -20,10 +20,9 @@ Delete once Bridge selects CP tokens in Qwen25VLModel.forward.
 from __future__ import annotations
 
 import functools
-import inspect
 
 from megatron_vlm_packing.bridge.imports import import_bridge_module
-from megatron_vlm_packing.patches.owned import OwnedAttributes, patch_target
+from megatron_vlm_packing.patches.owned import OwnedAttributes, patch_target, signature_naming
 
 QWEN25_VL_MODEL = "megatron.bridge.models.qwen_vl.modeling_qwen25_vl"
 _OWNED = OwnedAttributes(__name__)  # Bridge's Qwen25VLModel.forward while the patch is applied
@@ -95,7 +94,7 @@ def apply_bridge_qwen25_vl_cp() -> bool:
     _OWNED.restore()  # records of a patch an earlier patch's undo removed (an original is back): install again
     cls = patch_target(import_bridge_module(QWEN25_VL_MODEL), "Qwen25VLModel", __name__)
     original = cls.forward
-    signature = inspect.signature(original)
+    signature = signature_naming(original, ("packed_seq_params",), __name__)
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):

@@ -41,12 +41,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import types
 
 import torch
 
-from megatron_vlm_packing.patches.owned import OwnedAttributes, patch_target
+from megatron_vlm_packing.patches.owned import OwnedAttributes, patch_target, signature_naming
 
 THINKER_MODULE = "megatron.bridge.models.qwen_omni.modeling_qwen3_omni.thinker_model"
 _OWNED = OwnedAttributes(__name__)  # Bridge's Qwen3OmniThinkerModel.forward while the patch is applied
@@ -92,7 +91,7 @@ def apply_bridge_qwen3_omni_packed() -> bool:
     if not thinker_refuses_packing(cls.forward):
         return False
     original = cls.forward
-    signature = inspect.signature(original)
+    signature = signature_naming(original, ("input_ids", "position_ids", "packed_seq_params"), __name__)
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):

@@ -25,7 +25,7 @@ import textwrap
 
 import torch
 
-from megatron_vlm_packing.patches.owned import OwnedAttributes
+from megatron_vlm_packing.patches.owned import OwnedAttributes, signature_naming
 
 
 def _gpt_model():
@@ -89,6 +89,7 @@ def _install() -> None:
         return
     _OWNED.restore()  # records of a patch an earlier patch's undo removed (an original is back): install again
     original = GPTModel.forward
+    signature_naming(original, ("input_ids", "position_ids", "decoder_input", "padding_mask"), __name__)
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):

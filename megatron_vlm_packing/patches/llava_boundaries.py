@@ -27,7 +27,7 @@ import inspect
 
 import torch
 
-from megatron_vlm_packing.patches.owned import OwnedAttributes, patch_target
+from megatron_vlm_packing.patches.owned import OwnedAttributes, patch_target, signature_naming
 
 _OWNED = OwnedAttributes(__name__)  # LLaVAModel.forward while the patch is applied
 
@@ -114,7 +114,8 @@ def apply_llava_packed_boundaries() -> bool:
     _OWNED.restore()  # records of a patch an earlier patch's undo removed (an original is back): install again
     LLaVAModel = _llava()
     original = LLaVAModel.forward
-    signature = inspect.signature(original)
+    signature = signature_naming(original, ("images", "input_ids", "labels", "loss_mask", "num_image_tiles",
+                                            "image_token_index", "packed_seq_params"), __name__)
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):

@@ -24,6 +24,7 @@ RuntimeError, not ValueError: no argument is wrong, the process's state (a later
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import types
 from collections.abc import Mapping
 
@@ -77,6 +78,22 @@ def patch_target(owner, name: str, patch: str):
         raise RuntimeError(f"{describe_attribute(owner, name)} does not exist here: {patch} was written for it; "
                            f"revise the patch for this version (nothing was applied)")
     return value
+
+
+def signature_naming(function, names: tuple[str, ...], patch: str) -> inspect.Signature:
+    """The signature of `function` (through functools.wraps), which a wrapping patch binds each call to.
+
+    Raises:
+        RuntimeError: it does not name every one of `names`: an earlier wrapper without functools.wraps
+            (`(*args, **kwargs)`) hides them, and the patch would find none in any call and do nothing.
+    """
+    signature = inspect.signature(function)
+    missing = [name for name in names if name not in signature.parameters]
+    if missing:
+        raise RuntimeError(f"{describe_value(function)} takes no {missing} by name, which {patch} reads from "
+                           f"each call: a wrapper installed before ours hides them; give it functools.wraps, "
+                           f"or apply ours first (nothing was applied)")
+    return signature
 
 
 def describe_attribute(owner, name: str) -> str:
