@@ -48,7 +48,14 @@ from megatron_vlm_packing.patches.owned import check_restorable
 
 
 def apply_all() -> dict[str, bool]:
-    """Apply every patch; returns which are active here."""
+    """Apply every patch, in the order above; returns which are active here (False: megatron-core has the
+    fix, nothing installed).
+
+    Raises:
+        RuntimeError: a patch's target is gone or its signature hidden by an earlier wrapper, or a later
+            plugin holds the attribute of a patch to install again; the patches before it in the order
+            stay applied (`undo_all` undoes them).
+    """
     return {"sp_embedding_scatter": apply_sp_embedding_scatter(),
             "sp_padding_mask_scatter": apply_sp_padding_mask_scatter(),
             "llava_packed_boundaries": apply_llava_packed_boundaries(),

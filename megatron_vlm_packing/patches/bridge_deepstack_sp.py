@@ -1,5 +1,6 @@
-"""Patch of Megatron-Bridge's Qwen3-VL `split_deepstack_embs` (as `modelling_qwen3_vl.model` calls
-it): deepstack embeddings cut per sequence-parallel rank with a backward that gathers.
+"""Patch of Megatron-Bridge's Qwen3-VL `split_deepstack_embs` (as `modelling_qwen3_vl.model` and the
+Qwen3-Omni thinker's dense path call it): deepstack embeddings cut per sequence-parallel rank with a
+backward that gathers.
 
 Under TP + SP every TP rank runs the (replicated) vision tower on all images, then keeps only the
 deepstack embeddings of its own SP chunk of the sequence by plain indexing. The backward of that
@@ -29,7 +30,10 @@ from megatron_vlm_packing.bridge.imports import import_bridge_module
 from megatron_vlm_packing.patches.owned import OwnedAttributes, patch_target
 
 QWEN3_VL_MODEL = "megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model"
-_OWNED = OwnedAttributes(__name__)  # Bridge's split_deepstack_embs while the patch is applied
+# Every module that imports the split by name and calls it: Qwen3-VL's model, and the Qwen3-Omni thinker
+# (its dense path under SP; the packed path, patches.bridge_qwen3_omni_packed, never calls it).
+_HOLDERS = (QWEN3_VL_MODEL, "megatron.bridge.models.qwen_omni.modeling_qwen3_omni.thinker_model")
+_OWNED = OwnedAttributes(__name__)  # the holders' split_deepstack_embs while the patch is applied
 
 
 class _ScatterRows(torch.autograd.Function):
@@ -101,10 +105,23 @@ def apply_bridge_deepstack_sp() -> bool:
     _OWNED.restore()  # records of a patch an earlier patch's undo removed (an original is back): install again
     from megatron.core import parallel_state
 
-    module = import_bridge_module(QWEN3_VL_MODEL)
-    _OWNED.set(module, "split_deepstack_embs",
-               _gathering_split(module.split_deepstack_embs, parallel_state.get_tensor_model_parallel_group))
+    original = import_bridge_module(QWEN3_VL_MODEL).split_deepstack_embs
+    replacement = _gathering_split(original, parallel_state.get_tensor_model_parallel_group)
+    for module in _holder_modules():
+        if getattr(module, "split_deepstack_embs", None) is original:
+            _OWNED.set(module, "split_deepstack_embs", replacement)
     return True
+
+
+def _holder_modules() -> list:
+    """Qwen3-VL's model module, and each other holder that imports here (one that cannot is never used)."""
+    modules = [import_bridge_module(QWEN3_VL_MODEL)]
+    for name in _HOLDERS[1:]:
+        try:
+            modules.append(import_bridge_module(name))
+        except ImportError:
+            continue
+    return modules
 
 
 def undo_bridge_deepstack_sp() -> None:

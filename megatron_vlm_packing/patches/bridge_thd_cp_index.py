@@ -9,6 +9,8 @@ and 2*cp-1-r), which `parallel.cp.cp_partition_index` implements; the patch rout
 
 Defect check: Megatron-Core's TE binding (`megatron.core.utils.tex`) lacks
 `thd_get_partitioned_indices`. Where it has it, the patch does nothing: TE's own kernel runs.
+Only `packed_seq_utils`' own name is replaced: the copies `training.gpt_step` and Wan's utils import by
+name keep Bridge's function (our adapters' models reach it through `packed_seq_utils`).
 Delete once Bridge / Megatron-Core carry a TE-free THD partition.
 """
 

@@ -16,6 +16,10 @@ Feature check, not a version string: the patch applies only while the installed 
 (`megatron_thd.thd_rope_host_syncs`, run with the sync counter). Delete it once upstream's THD rope
 is loop-free (no issue filed upstream yet; the loop is `_apply_rotary_pos_emb_thd`'s `for` over
 `sequence_splits`). Fused rope (`apply_rope_fusion=True`) never reaches this function.
+
+A replacement, not a wrapper: it never calls what it replaces, so a wrapper another plugin put on
+`rope_utils._apply_rotary_pos_emb_thd` before ours does not run while ours is applied (undo gives it
+back). Only holders still holding the function that `rope_utils` held are replaced.
 """
 
 from __future__ import annotations

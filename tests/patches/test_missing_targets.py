@@ -75,3 +75,25 @@ def test_deepstack_defect_check_does_not_read_a_missing_split_as_fixed(monkeypat
     monkeypatch.delattr(import_bridge_module(bridge_deepstack_sp.QWEN3_VL_MODEL), "split_deepstack_embs")
     with pytest.raises(RuntimeError, match=GONE):
         bridge_deepstack_sp.upstream_deepstack_split_is_plain_slice()
+
+
+@pytest.mark.bridge
+@pytest.mark.skipif(_NO_BRIDGE is not None, reason=_NO_BRIDGE or "")
+def test_deepstack_patch_covers_qwen3_vl_where_the_omni_thinker_cannot_import(monkeypatch):
+    model = import_bridge_module(bridge_deepstack_sp.QWEN3_VL_MODEL)
+    thinker = import_bridge_module(bridge_qwen3_omni_packed.THINKER_MODULE)
+    bridge_deepstack_sp.undo_bridge_deepstack_sp()
+    original = model.split_deepstack_embs
+
+    def importing(name):
+        if name == bridge_qwen3_omni_packed.THINKER_MODULE:
+            raise ImportError("no Qwen3-Omni here")
+        return import_bridge_module(name)
+
+    monkeypatch.setattr(bridge_deepstack_sp, "import_bridge_module", importing)
+    try:
+        assert bridge_deepstack_sp.apply_bridge_deepstack_sp()
+        assert model.split_deepstack_embs is not original and thinker.split_deepstack_embs is original
+    finally:
+        bridge_deepstack_sp.undo_bridge_deepstack_sp()
+    assert model.split_deepstack_embs is original

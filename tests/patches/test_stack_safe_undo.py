@@ -84,7 +84,9 @@ FAMILIES = [
     Family("cpu_shims", _apply_cpu_shims, cpu_shims.undo_cpu_shims, cpu_shims.cpu_shims_applied, _cpu_shim_targets, 4),
     Family("bridge_deepstack_sp", bridge_deepstack_sp.apply_bridge_deepstack_sp,
            bridge_deepstack_sp.undo_bridge_deepstack_sp, bridge_deepstack_sp.is_applied,
-           lambda: [(import_bridge_module(bridge_deepstack_sp.QWEN3_VL_MODEL), "split_deepstack_embs")], 1,
+           lambda: [(import_bridge_module(bridge_deepstack_sp.QWEN3_VL_MODEL), "split_deepstack_embs"),
+                    # the Qwen3-Omni thinker imports the same split by name (its dense path under SP)
+                    (import_bridge_module(bridge_qwen3_omni_packed.THINKER_MODULE), "split_deepstack_embs")], 2,
            needs_bridge),
     Family("bridge_thd_cp_index", bridge_thd_cp_index.apply_bridge_thd_cp_index,
            bridge_thd_cp_index.undo_bridge_thd_cp_index, bridge_thd_cp_index.is_applied,
