@@ -19,7 +19,7 @@ before the first forward; parallelism (initialize_model_parallel) may come befor
 The packed mRoPE rotary is installed per model, not globally: `rope.use_packed_mrope(model)`.
 
 Megatron-Bridge patches (`apply_bridge_patches`, not part of `apply_all`: they import Bridge's model
-modules): `bridge_deepstack_sp` (Qwen3-VL deepstack gradients under TP + SP) and
+modules): `bridge_deepstack_sp` (Qwen3-VL deepstack gradients under TP + SP; Qwen3-Omni dense rows too) and
 `bridge_thd_cp_index` (packed CP token selection without TE's kernel), `bridge_qwen25_vl_cp`
 (Qwen2.5-VL's missing CP token selection). Apply them before the first
 forward of a Bridge model; the Bridge adapters refuse a layout whose defect is present and unpatched.
