@@ -25,12 +25,11 @@ back). Only holders still holding the function that `rope_utils` held are replac
 from __future__ import annotations
 
 import functools
-import inspect
 import sys
 
 import torch
 
-from megatron_vlm_packing.patches.owned import OwnedAttributes, patch_target
+from megatron_vlm_packing.patches.owned import OwnedAttributes, patch_target, signature_naming
 from megatron_vlm_packing.rope.megatron_thd import CpLocalFreqs, thd_rope_host_syncs, thd_rope_rows
 
 _OWNED = OwnedAttributes(__name__)  # the holders' _apply_rotary_pos_emb_thd; .original(): the unpatched one
@@ -56,7 +55,7 @@ def _installed_thd_rope():
 
 def _loop_free(original, apply_bshd):
     """A drop-in for `original` (same signature, every keyword passed on to `apply_bshd`)."""
-    signature = inspect.signature(original)
+    signature = signature_naming(original, ("t", "cu_seqlens", "freqs"), __name__)
 
     @functools.wraps(original)
     def apply_rotary_pos_emb_thd(*args, **kwargs):

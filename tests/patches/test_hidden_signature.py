@@ -67,3 +67,26 @@ def test_apply_refuses_a_wrapper_that_hides_the_arguments_it_reads(patch, owner,
     assert apply()  # the real signature: applies
     undo()
     assert vars(cls)["forward"] is original
+
+
+def test_thd_rotary_refuses_a_wrapper_that_hides_the_rope_arguments():
+    """The loop-free rope binds each call to the signature of what it replaces: hidden, every call would
+    fail with a KeyError inside a layer's forward; apply says so instead."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megatron_vlm_packing.patches import thd_rotary
+
+    thd_rotary.undo_thd_rotary()
+    original = rope_utils._apply_rotary_pos_emb_thd
+
+    def hiding_wrapper(*args, **kwargs):
+        return original(*args, **kwargs)
+
+    rope_utils._apply_rotary_pos_emb_thd = hiding_wrapper
+    try:
+        with pytest.raises(RuntimeError, match=r"hiding_wrapper takes no \['t', 'cu_seqlens', 'freqs'\]"):
+            thd_rotary.apply_thd_rotary()
+        assert rope_utils._apply_rotary_pos_emb_thd is hiding_wrapper and not thd_rotary._OWNED
+    finally:
+        rope_utils._apply_rotary_pos_emb_thd = original
+        thd_rotary._OWNED._set.clear()  # what a wrongly applied patch recorded over the hiding wrapper
