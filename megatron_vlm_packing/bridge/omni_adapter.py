@@ -4,7 +4,9 @@ Consumes images, videos and audio. Under CP the thinker needs the full `input_id
 vision and audio features) and the full [3, 1, T] positions (each document's, as if alone); it
 selects its CP tokens itself with `cp_partition_index`, the same index `localize` applied to the
 labels and loss mask. Packed input needs `patches.apply_bridge_qwen3_omni_packed()` on Bridge
-versions whose thinker refuses `packed_seq_params` (0.6.2); dense rows go to Bridge's own code.
+versions whose thinker refuses `packed_seq_params` (0.6.2); dense rows go to Bridge's own code, which
+under TP + SP cuts deepstack features per SP rank with Qwen3-VL's plain `split_deepstack_embs`: dense rows
+with images or videos are refused there until `patches.apply_bridge_deepstack_sp()` is applied.
 
 Pipeline parallel: the first stage holds the encoders and the embedding, later stages take hidden
 states from the previous one; a first stage with fewer language layers than deepstack levels is a
@@ -80,6 +82,23 @@ def deepstack_stage_problem(model: nn.Module) -> str | None:
             f"stage: give it >= {levels} layers (num_layers_in_first_pipeline_stage) or fewer pipeline stages")
 
 
+def dense_deepstack_defect(model: nn.Module) -> bool:
+    """Would Bridge's dense thinker path give rank-partial vision gradients here (bug class 12)?
+
+    Under TP + SP it cuts the deepstack features per SP rank with `split_deepstack_embs`, Qwen3-VL's plain
+    cut with no backward collective (`patches.bridge_deepstack_sp`); the packed path never calls it.
+    """
+    thinker = getattr(model, "thinker", model)
+    vision = getattr(getattr(thinker, "thinker_transformer_config", None), "vision_config", None)
+    config = thinker.config
+    if not getattr(vision, "deepstack_visual_indexes", None) or not config.sequence_parallel \
+            or int(config.tensor_model_parallel_size or 1) < 2:
+        return False
+    from megatron_vlm_packing.patches.bridge_deepstack_sp import upstream_deepstack_split_is_plain_slice
+
+    return upstream_deepstack_split_is_plain_slice()
+
+
 class Qwen3OmniAdapter(ModelAdapter):
     """Bridge's Qwen3-Omni model or thinker: ids and positions full, labels / loss mask CP-local.
 
@@ -106,8 +125,18 @@ class Qwen3OmniAdapter(ModelAdapter):
         from megatron_vlm_packing.patches.bridge_qwen3_omni_packed import is_applied, thinker_refuses_packing
 
         self.takes_packed_seq_params = is_applied() or not thinker_refuses_packing()
+        self.dense_deepstack_defect = dense_deepstack_defect(model)
 
     def check(self, micro_batch: MicroBatch) -> None:
+        if not micro_batch.is_packed and micro_batch.vision is not None and self.dense_deepstack_defect:
+            from megatron_vlm_packing.patches.bridge_deepstack_sp import is_applied as deepstack_patched
+
+            if not deepstack_patched():  # asked per micro-batch: an undo after building the adapter counts
+                raise ValueError(
+                    f"{self.model_name}: Bridge's dense Qwen3-Omni path cuts deepstack features per SP rank with no "
+                    f"backward collective, so vision gradients would be wrong under TP + SP; call "
+                    f"megatron_vlm_packing.patches.apply_bridge_deepstack_sp() (or apply_bridge_patches()), "
+                    f"or use pack=True")
         if micro_batch.is_packed and not self.takes_packed_seq_params:
             raise ValueError(
                 f"{self.model_name}: this Megatron-Bridge's Qwen3-Omni thinker refuses packed_seq_params "

@@ -2,7 +2,9 @@
 
 Undo is stack-safe (last in, first out; `patches.owned`): an attribute is restored only while it
 still holds our replacement. Where another plugin wrapped it after us, undo raises RuntimeError
-naming the attribute and its holder, and undoes nothing: undo that later patch first.
+naming the attribute and its holder, and undoes nothing: undo that later patch first. Where a patch
+applied before ours was undone after it (its original is back over ours), ours is off: the `is_applied`
+checks say so, undo leaves that original, and apply installs ours again.
 
 Order of application (what `apply_all` does), and why:
 1. `gpt_model_forward.apply_sp_embedding_scatter` (only where megatron-core lacks the fix),
@@ -17,7 +19,7 @@ before the first forward; parallelism (initialize_model_parallel) may come befor
 The packed mRoPE rotary is installed per model, not globally: `rope.use_packed_mrope(model)`.
 
 Megatron-Bridge patches (`apply_bridge_patches`, not part of `apply_all`: they import Bridge's model
-modules): `bridge_deepstack_sp` (Qwen3-VL deepstack gradients under TP + SP) and
+modules): `bridge_deepstack_sp` (Qwen3-VL deepstack gradients under TP + SP; Qwen3-Omni dense rows too) and
 `bridge_thd_cp_index` (packed CP token selection without TE's kernel), `bridge_qwen25_vl_cp`
 (Qwen2.5-VL's missing CP token selection). Apply them before the first
 forward of a Bridge model; the Bridge adapters refuse a layout whose defect is present and unpatched.
@@ -46,7 +48,14 @@ from megatron_vlm_packing.patches.owned import check_restorable
 
 
 def apply_all() -> dict[str, bool]:
-    """Apply every patch; returns which are active here."""
+    """Apply every patch, in the order above; returns which are active here (False: megatron-core has the
+    fix, nothing installed).
+
+    Raises:
+        RuntimeError: a patch's target is gone or its signature hidden by an earlier wrapper, or a later
+            plugin holds the attribute of a patch to install again; the patches before it in the order
+            stay applied (`undo_all` undoes them).
+    """
     return {"sp_embedding_scatter": apply_sp_embedding_scatter(),
             "sp_padding_mask_scatter": apply_sp_padding_mask_scatter(),
             "llava_packed_boundaries": apply_llava_packed_boundaries(),
@@ -54,7 +63,11 @@ def apply_all() -> dict[str, bool]:
 
 
 def apply_bridge_patches() -> dict[str, bool]:
-    """Apply every Megatron-Bridge patch whose defect is present; returns which are active."""
+    """Apply every Megatron-Bridge patch whose defect is present; returns which are active.
+
+    `bridge_qwen25_vl_cp` has no defect check at apply time: it is always installed (True) and checks per
+    call (a packed CP call whose `decoder_input` is still full length); dense and CP = 1 calls pass through.
+    """
     return {"bridge_deepstack_sp": apply_bridge_deepstack_sp(), "bridge_thd_cp_index": apply_bridge_thd_cp_index(),
             "bridge_qwen25_vl_cp": apply_bridge_qwen25_vl_cp()}
 

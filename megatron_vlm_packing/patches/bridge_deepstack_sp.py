@@ -1,5 +1,6 @@
-"""Patch of Megatron-Bridge's Qwen3-VL `split_deepstack_embs` (as `modelling_qwen3_vl.model` calls
-it): deepstack embeddings cut per sequence-parallel rank with a backward that gathers.
+"""Patch of Megatron-Bridge's Qwen3-VL `split_deepstack_embs` (as `modelling_qwen3_vl.model` and the
+Qwen3-Omni thinker's dense path call it): deepstack embeddings cut per sequence-parallel rank with a
+backward that gathers.
 
 Under TP + SP every TP rank runs the (replicated) vision tower on all images, then keeps only the
 deepstack embeddings of its own SP chunk of the sequence by plain indexing. The backward of that
@@ -15,7 +16,8 @@ gradient of every row. (CP parts stay partial: Megatron sums replicated grads ov
 
 Defect check (`upstream_deepstack_split_is_plain_slice`): split a probe with tp_size=2, tp_rank=0
 and backpropagate: a plain cut leaves zero gradient on the other rank's rows without any
-collective. A fixed upstream (which needs a process group to gather) is left alone.
+collective. A fixed upstream (which needs a process group to gather) is left alone; a module without
+`split_deepstack_embs` is a RuntimeError (not read as fixed: the adapter would then accept TP + SP).
 Delete once Bridge scatters deepstack embeddings with a gathering backward.
 """
 
@@ -25,10 +27,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_vlm_packing.bridge.imports import import_bridge_module
-from megatron_vlm_packing.patches.owned import OwnedAttributes
+from megatron_vlm_packing.patches.owned import OwnedAttributes, patch_target
 
 QWEN3_VL_MODEL = "megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model"
-_OWNED = OwnedAttributes(__name__)  # Bridge's split_deepstack_embs while the patch is applied
+# Every module that imports the split by name and calls it: Qwen3-VL's model, and the Qwen3-Omni thinker
+# (its dense path under SP; the packed path, patches.bridge_qwen3_omni_packed, never calls it).
+_HOLDERS = (QWEN3_VL_MODEL, "megatron.bridge.models.qwen_omni.modeling_qwen3_omni.thinker_model")
+_OWNED = OwnedAttributes(__name__)  # the holders' split_deepstack_embs while the patch is applied
 
 
 class _ScatterRows(torch.autograd.Function):
@@ -59,10 +64,8 @@ def upstream_deepstack_split_is_plain_slice() -> bool:
     Judged on Bridge's own split even while the patch is applied: the module's function is then ours,
     which reported the defect gone (and, with parallel state up, ran its TP all-reduce in the probe).
     """
-    split = _OWNED.original("split_deepstack_embs") or getattr(import_bridge_module(QWEN3_VL_MODEL),
-                                                                "split_deepstack_embs", None)
-    if split is None:
-        return False
+    split = _OWNED.original("split_deepstack_embs") or patch_target(import_bridge_module(QWEN3_VL_MODEL),
+                                                                     "split_deepstack_embs", __name__)
     probe = torch.ones(4, 1, requires_grad=True)
     try:
         _, (cut,) = split(torch.ones(1, 4, dtype=torch.bool), [probe], tp_size=2, tp_rank=0,
@@ -90,21 +93,35 @@ def _gathering_split(original, tp_group_of):
 
 
 def is_applied() -> bool:
-    return bool(_OWNED)
+    return _OWNED.active()
 
 
 def apply_bridge_deepstack_sp() -> bool:
     """Give Qwen3-VL's deepstack SP cut a gathering backward. Idempotent; returns whether active."""
-    if _OWNED:
+    if _OWNED.active():
         return True
     if not upstream_deepstack_split_is_plain_slice():
         return False
+    _OWNED.restore()  # records of a patch an earlier patch's undo removed (an original is back): install again
     from megatron.core import parallel_state
 
-    module = import_bridge_module(QWEN3_VL_MODEL)
-    _OWNED.set(module, "split_deepstack_embs",
-               _gathering_split(module.split_deepstack_embs, parallel_state.get_tensor_model_parallel_group))
+    original = import_bridge_module(QWEN3_VL_MODEL).split_deepstack_embs
+    replacement = _gathering_split(original, parallel_state.get_tensor_model_parallel_group)
+    for module in _holder_modules():
+        if getattr(module, "split_deepstack_embs", None) is original:
+            _OWNED.set(module, "split_deepstack_embs", replacement)
     return True
+
+
+def _holder_modules() -> list:
+    """Qwen3-VL's model module, and each other holder that imports here (one that cannot is never used)."""
+    modules = [import_bridge_module(QWEN3_VL_MODEL)]
+    for name in _HOLDERS[1:]:
+        try:
+            modules.append(import_bridge_module(name))
+        except ImportError:
+            continue
+    return modules
 
 
 def undo_bridge_deepstack_sp() -> None:

@@ -20,10 +20,9 @@ Delete once Bridge selects CP tokens in Qwen25VLModel.forward.
 from __future__ import annotations
 
 import functools
-import inspect
 
 from megatron_vlm_packing.bridge.imports import import_bridge_module
-from megatron_vlm_packing.patches.owned import OwnedAttributes
+from megatron_vlm_packing.patches.owned import OwnedAttributes, patch_target, signature_naming
 
 QWEN25_VL_MODEL = "megatron.bridge.models.qwen_vl.modeling_qwen25_vl"
 _OWNED = OwnedAttributes(__name__)  # Bridge's Qwen25VLModel.forward while the patch is applied
@@ -90,11 +89,12 @@ def _select_this_rank(model, lm_kwargs: dict, cp_size: int, cp_rank: int) -> dic
 
 def apply_bridge_qwen25_vl_cp() -> bool:
     """Make Qwen25VLModel.forward select CP tokens. Idempotent; returns whether the patch is active."""
-    if _OWNED:
+    if _OWNED.active():
         return True
-    cls = import_bridge_module(QWEN25_VL_MODEL).Qwen25VLModel
+    _OWNED.restore()  # records of a patch an earlier patch's undo removed (an original is back): install again
+    cls = patch_target(import_bridge_module(QWEN25_VL_MODEL), "Qwen25VLModel", __name__)
     original = cls.forward
-    signature = inspect.signature(original)
+    signature = signature_naming(original, ("packed_seq_params",), __name__)
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
@@ -110,7 +110,7 @@ def apply_bridge_qwen25_vl_cp() -> bool:
 
 
 def is_applied() -> bool:
-    return bool(_OWNED)
+    return _OWNED.active()
 
 
 def undo_bridge_qwen25_vl_cp() -> None:

@@ -41,12 +41,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import types
 
 import torch
 
-from megatron_vlm_packing.patches.owned import OwnedAttributes
+from megatron_vlm_packing.patches.owned import OwnedAttributes, patch_target, signature_naming
 
 THINKER_MODULE = "megatron.bridge.models.qwen_omni.modeling_qwen3_omni.thinker_model"
 _OWNED = OwnedAttributes(__name__)  # Bridge's Qwen3OmniThinkerModel.forward while the patch is applied
@@ -57,7 +56,7 @@ _MEDIA_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_g
 def _thinker_class():
     from megatron_vlm_packing.bridge.imports import import_bridge_module
 
-    return import_bridge_module(THINKER_MODULE).Qwen3OmniThinkerModel
+    return patch_target(import_bridge_module(THINKER_MODULE), "Qwen3OmniThinkerModel", __name__)
 
 
 def thinker_refuses_packing(forward=None) -> bool:
@@ -80,18 +79,19 @@ def thinker_refuses_packing(forward=None) -> bool:
 
 
 def is_applied() -> bool:
-    return bool(_OWNED)
+    return _OWNED.active()
 
 
 def apply_bridge_qwen3_omni_packed() -> bool:
     """Give Bridge's Qwen3-Omni thinker a packed THD path. Idempotent; returns whether it is active."""
     if is_applied():
         return True
+    _OWNED.restore()  # records of a patch an earlier patch's undo removed (an original is back): install again
     cls = _thinker_class()
     if not thinker_refuses_packing(cls.forward):
         return False
     original = cls.forward
-    signature = inspect.signature(original)
+    signature = signature_naming(original, ("input_ids", "position_ids", "packed_seq_params"), __name__)
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):

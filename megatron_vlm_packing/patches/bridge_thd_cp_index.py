@@ -9,6 +9,8 @@ and 2*cp-1-r), which `parallel.cp.cp_partition_index` implements; the patch rout
 
 Defect check: Megatron-Core's TE binding (`megatron.core.utils.tex`) lacks
 `thd_get_partitioned_indices`. Where it has it, the patch does nothing: TE's own kernel runs.
+Only `packed_seq_utils`' own name is replaced: the copies `training.gpt_step` and Wan's utils import by
+name keep Bridge's function (our adapters' models reach it through `packed_seq_utils`).
 Delete once Bridge / Megatron-Core carry a TE-free THD partition.
 """
 
@@ -17,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from megatron_vlm_packing.bridge.imports import import_bridge_module
-from megatron_vlm_packing.patches.owned import OwnedAttributes
+from megatron_vlm_packing.patches.owned import OwnedAttributes, patch_target
 
 PACKED_SEQ_UTILS = "megatron.bridge.training.utils.packed_seq_utils"
 _OWNED = OwnedAttributes(__name__)  # Bridge's get_thd_cp_partition_indices while the patch is applied
@@ -44,17 +46,19 @@ def thd_cp_partition_indices(cu_seqlens: torch.Tensor, *, total_tokens: int, cp_
 
 
 def is_applied() -> bool:
-    return bool(_OWNED)
+    return _OWNED.active()
 
 
 def apply_bridge_thd_cp_index() -> bool:
     """Route Bridge's THD CP partition to ours where TE's kernel is absent. Idempotent; returns
     whether the patch is active."""
-    if _OWNED:
+    if _OWNED.active():
         return True
+    _OWNED.restore()  # records of a patch an earlier patch's undo removed (an original is back): install again
     if te_thd_partition_available():
         return False
     module = import_bridge_module(PACKED_SEQ_UTILS)
+    patch_target(module, "get_thd_cp_partition_indices", __name__)  # a new name nobody calls would fix nothing
     _OWNED.set(module, "get_thd_cp_partition_indices", thd_cp_partition_indices)
     return True
 

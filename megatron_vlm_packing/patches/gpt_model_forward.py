@@ -25,7 +25,7 @@ import textwrap
 
 import torch
 
-from megatron_vlm_packing.patches.owned import OwnedAttributes
+from megatron_vlm_packing.patches.owned import OwnedAttributes, signature_naming
 
 
 def _gpt_model():
@@ -85,9 +85,11 @@ _OWNED = OwnedAttributes(__name__)  # GPTModel.forward, shared by both fixes; .o
 
 def _install() -> None:
     GPTModel = _gpt_model()
-    if _OWNED:
+    if _OWNED.active():
         return
+    _OWNED.restore()  # records of a patch an earlier patch's undo removed (an original is back): install again
     original = GPTModel.forward
+    signature_naming(original, ("input_ids", "position_ids", "decoder_input", "padding_mask"), __name__)
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
@@ -128,8 +130,8 @@ def apply_sp_embedding_scatter() -> bool:
     patch is active (False where upstream already has the fix)."""
     if upstream_scatters_standalone_embeddings():
         return False
+    _install()  # again too where an earlier patch's undo removed it
     if "embedding" not in _APPLIED:
-        _install()
         _APPLIED.append("embedding")
     return True
 
@@ -143,8 +145,8 @@ def apply_sp_padding_mask_scatter() -> bool:
     does not (`upstream_scatters_mask_with_decoder_input`). Returns whether the patch is active."""
     if upstream_scatters_mask_with_decoder_input():
         return False
+    _install()  # again too where an earlier patch's undo removed it
     if "padding_mask" not in _APPLIED:
-        _install()
         _APPLIED.append("padding_mask")
     return True
 

@@ -27,7 +27,7 @@ import inspect
 
 import torch
 
-from megatron_vlm_packing.patches.owned import OwnedAttributes
+from megatron_vlm_packing.patches.owned import OwnedAttributes, patch_target, signature_naming
 
 _OWNED = OwnedAttributes(__name__)  # LLaVAModel.forward while the patch is applied
 
@@ -39,7 +39,7 @@ def _llava():
 
 
 def upstream_remaps_packed_boundaries() -> bool:
-    return "packed_seq_params" in inspect.signature(_llava()._preprocess_data).parameters
+    return "packed_seq_params" in inspect.signature(patch_target(_llava(), "_preprocess_data", __name__)).parameters
 
 
 def _default_tiles(call: dict, input_ids: torch.Tensor, image_token: int) -> torch.Tensor:
@@ -53,7 +53,7 @@ def _default_tiles(call: dict, input_ids: torch.Tensor, image_token: int) -> tor
 
 def packed_boundaries_expanded() -> bool:
     """Does LLaVAModel.forward hand attention expanded boundaries (upstream's fix, or this patch applied)?"""
-    return bool(_OWNED) or upstream_remaps_packed_boundaries()
+    return _OWNED.active() or upstream_remaps_packed_boundaries()
 
 
 def expand_packed_call(model, call: dict) -> None:
@@ -109,11 +109,13 @@ def apply_llava_packed_boundaries() -> bool:
     """Remap packed boundaries inside LLaVAModel.forward. Idempotent; returns whether it is active."""
     if upstream_remaps_packed_boundaries():
         return False
-    if _OWNED:
+    if _OWNED.active():
         return True
+    _OWNED.restore()  # records of a patch an earlier patch's undo removed (an original is back): install again
     LLaVAModel = _llava()
     original = LLaVAModel.forward
-    signature = inspect.signature(original)
+    signature = signature_naming(original, ("images", "input_ids", "labels", "loss_mask", "num_image_tiles",
+                                            "image_token_index", "packed_seq_params"), __name__)
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):

@@ -7,6 +7,13 @@ attribute is restored only while it still holds our replacement. Where something
 undo raises RuntimeError naming the attribute and what holds it, and changes nothing: every attribute
 is checked before any is restored, so a patch stays wholly applied or is wholly undone.
 
+A patch applied before ours and undone after it (`unittest.mock.patch.object`, most plugins: they put
+back what they saved) removes ours and our recorded original with it: the attribute then holds our original
+or what it wraps (`__wrapped__`). That is no conflict, and undo leaves it as it is (putting our original
+back would reinstall the earlier patch that was undone). `active()` says whether our replacement still
+runs (it, or a wrapper of it, is held): adapters rely on that, not on the records, and apply installs again
+where it does not.
+
     owned = OwnedAttributes("megatron_vlm_packing.patches.thd_rotary")
     owned.set(rope_utils, "_apply_rotary_pos_emb_thd", replacement)
     owned.restore()  # RuntimeError while a later wrapper holds rope_utils._apply_rotary_pos_emb_thd
@@ -17,6 +24,7 @@ RuntimeError, not ValueError: no argument is wrong, the process's state (a later
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import types
 from collections.abc import Mapping
 
@@ -56,6 +64,36 @@ def own_value(owner, name: str):
 def _is_data_descriptor(cls: type, name: str) -> bool:
     slot = next((vars(base)[name] for base in cls.__mro__ if name in vars(base)), None)
     return hasattr(type(slot), "__set__")
+
+
+def patch_target(owner, name: str, patch: str):
+    """`owner.name`, the attribute `patch` replaces or reads to detect its defect.
+
+    Raises:
+        RuntimeError: the owner has no such attribute (renamed or removed upstream): the patch cannot tell
+            whether the defect is there, and setting the name would install a function nobody calls.
+    """
+    value = getattr(owner, name, _ABSENT)
+    if value is _ABSENT:
+        raise RuntimeError(f"{describe_attribute(owner, name)} does not exist here: {patch} was written for it; "
+                           f"revise the patch for this version (nothing was applied)")
+    return value
+
+
+def signature_naming(function, names: tuple[str, ...], patch: str) -> inspect.Signature:
+    """The signature of `function` (through functools.wraps), which a wrapping patch binds each call to.
+
+    Raises:
+        RuntimeError: it does not name every one of `names`: an earlier wrapper without functools.wraps
+            (`(*args, **kwargs)`) hides them, and the patch would find none in any call and do nothing.
+    """
+    signature = inspect.signature(function)
+    missing = [name for name in names if name not in signature.parameters]
+    if missing:
+        raise RuntimeError(f"{describe_value(function)} takes no {missing} by name, which {patch} reads from "
+                           f"each call: a wrapper installed before ours hides them; give it functools.wraps, "
+                           f"or apply ours first (nothing was applied)")
+    return signature
 
 
 def describe_attribute(owner, name: str) -> str:
@@ -105,10 +143,18 @@ class OwnedAttributes:
         before = next((s.before for s in self._set if s.name == name), None)
         return None if before is _ABSENT else before
 
+    def active(self) -> bool:
+        """Something is set and every attribute holds our replacement or a wrapper of it (`__wrapped__`):
+        False once any holds something that does not run ours (an earlier patch's undo put its original
+        back over ours, or a later patch replaced ours)."""
+        return bool(self._set) and all(_wraps(own_value(s.owner, s.name), s.replacement) for s in self._set)
+
     def conflicts(self) -> list[str]:
-        """One line per attribute that no longer holds our replacement (something patched it after us)."""
+        """One line per attribute that holds something other than our replacement that an undo would clobber
+        (something patched it after us); not one that holds our original or what it wraps (undone under us)."""
         return [f"{describe_attribute(s.owner, s.name)} now holds {describe_value(held)}, not {self.patch}'s "
-                f"replacement" for s in self._set if (held := own_value(s.owner, s.name)) is not s.replacement]
+                f"replacement" for s in self._set
+                if (held := own_value(s.owner, s.name)) is not s.replacement and not _undone_under_us(s)]
 
     def check(self) -> None:
         """RuntimeError when `restore` would clobber a later patch; see `check_restorable`."""
@@ -118,10 +164,13 @@ class OwnedAttributes:
         """Put every original back (latest first) and forget them. A no-op when nothing is set.
 
         Raises:
-            RuntimeError: an attribute holds something other than our replacement; nothing is restored.
+            RuntimeError: an attribute holds something other than our replacement or its original;
+                nothing is restored.
         """
         self.check()
         for s in reversed(self._set):
+            if _undone_under_us(s):
+                continue  # an earlier patch's undo already put back what was there before it
             if s.original is _ABSENT:
                 delattr(s.owner, s.name)
             else:
@@ -129,9 +178,29 @@ class OwnedAttributes:
         self._set.clear()
 
 
+def _wraps(value, target, *, depth: int = 64) -> bool:
+    """`value` is `target` or wraps it: `target` is on its `__wrapped__` chain (functools.wraps)."""
+    for _ in range(depth):  # bounded: a chain may loop
+        if value is target:
+            return True
+        value = getattr(value, "__wrapped__", None)
+        if value is None:
+            return False
+    return False
+
+
+def _undone_under_us(record: _Set) -> bool:
+    """The attribute holds what it held before the patch, or what that wrapped (an earlier patch's undo put
+    its own original back over ours). An attribute absent before and deleted now stays a conflict."""
+    if record.original is _ABSENT or (held := own_value(record.owner, record.name)) is _ABSENT:
+        return False
+    return held is not record.replacement and _wraps(record.original, held)
+
+
 def check_restorable(*owned: OwnedAttributes) -> None:
     """RuntimeError, naming each attribute and what holds it, unless every attribute of every `owned`
-    still holds its patch's replacement. Lets an undo of several patches check all before undoing any."""
+    still holds its patch's replacement (or, undone under us, its original again). Lets an undo of several
+    patches check all before undoing any."""
     lines = [line for attributes in owned for line in attributes.conflicts()]
     if lines:
         patches = ", ".join(dict.fromkeys(a.patch for a in owned if a.conflicts()))

@@ -16,17 +16,20 @@ Feature check, not a version string: the patch applies only while the installed 
 (`megatron_thd.thd_rope_host_syncs`, run with the sync counter). Delete it once upstream's THD rope
 is loop-free (no issue filed upstream yet; the loop is `_apply_rotary_pos_emb_thd`'s `for` over
 `sequence_splits`). Fused rope (`apply_rope_fusion=True`) never reaches this function.
+
+A replacement, not a wrapper: it never calls what it replaces, so a wrapper another plugin put on
+`rope_utils._apply_rotary_pos_emb_thd` before ours does not run while ours is applied (undo gives it
+back). Only holders still holding the function that `rope_utils` held are replaced.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import sys
 
 import torch
 
-from megatron_vlm_packing.patches.owned import OwnedAttributes
+from megatron_vlm_packing.patches.owned import OwnedAttributes, patch_target, signature_naming
 from megatron_vlm_packing.rope.megatron_thd import CpLocalFreqs, thd_rope_host_syncs, thd_rope_rows
 
 _OWNED = OwnedAttributes(__name__)  # the holders' _apply_rotary_pos_emb_thd; .original(): the unpatched one
@@ -43,12 +46,16 @@ def _rope_utils():
 
 def upstream_thd_rope_syncs() -> int:
     """Host syncs of one call of the installed (unpatched) THD rope on 3 documents at CP 2."""
-    return thd_rope_host_syncs(_OWNED.original("_apply_rotary_pos_emb_thd") or _rope_utils()._apply_rotary_pos_emb_thd)
+    return thd_rope_host_syncs(_OWNED.original("_apply_rotary_pos_emb_thd") or _installed_thd_rope())
+
+
+def _installed_thd_rope():
+    return patch_target(_rope_utils(), "_apply_rotary_pos_emb_thd", __name__)
 
 
 def _loop_free(original, apply_bshd):
     """A drop-in for `original` (same signature, every keyword passed on to `apply_bshd`)."""
-    signature = inspect.signature(original)
+    signature = signature_naming(original, ("t", "cu_seqlens", "freqs"), __name__)
 
     @functools.wraps(original)
     def apply_rotary_pos_emb_thd(*args, **kwargs):
@@ -73,16 +80,17 @@ def _loop_free(original, apply_bshd):
 
 
 def thd_rotary_applied() -> bool:
-    return bool(_OWNED)
+    return _OWNED.active()
 
 
 def apply_thd_rotary() -> bool:
     """Install the loop-free THD rope. Idempotent; returns whether it is active (False where the
     installed function already runs without host syncs)."""
-    if _OWNED:
+    if _OWNED.active():
         return True
+    _OWNED.restore()  # records of a patch an earlier patch's undo removed (an original is back): install again
     rope_utils = _rope_utils()
-    original = rope_utils._apply_rotary_pos_emb_thd
+    original = _installed_thd_rope()
     if thd_rope_host_syncs(original) == 0:
         return False
     replacement = _loop_free(original, rope_utils._apply_rotary_pos_emb_bshd)

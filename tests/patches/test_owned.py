@@ -126,3 +126,30 @@ def test_a_torch_modules_submodule_counts_as_its_own_and_a_later_wrapper_is_name
     model.rotary = ours
     owned.restore()
     assert model.rotary is original and "rotary" in model._modules
+
+
+def test_an_earlier_patch_undone_under_ours_is_no_conflict_undo_keeps_its_state_and_ours_reads_inactive():
+    # unittest.mock.patch.object (and most plugins) undo by putting back what they saved, not LIFO: an
+    # earlier patch's exit puts its original back over ours. Putting our original (that earlier patch)
+    # back would reinstall what was undone.
+    module = types.ModuleType("holder")
+    module.fn = original_fn = lambda: "original"
+    module.fn = earlier = later_plugin(original_fn)  # an earlier patch, wrapping the original
+    owned = OwnedAttributes("test")
+    owned.set(module, "fn", ours := (lambda: "ours"))
+    assert owned.active()
+    module.fn = original_fn  # the earlier patch's undo
+    assert not owned.conflicts() and not owned.active() and owned  # records kept until restored
+    owned.restore()
+    assert module.fn is original_fn and not owned  # not `earlier`: it was undone
+    module.fn = earlier
+    owned.set(module, "fn", ours)
+    module.fn = earlier  # the very value we replaced put back: restoring it changes nothing
+    assert not owned.conflicts() and not owned.active()
+    owned.restore()
+    assert module.fn is earlier
+    owned.set(module, "fn", ours)
+    module.fn = later_plugin(ours)  # a later wrapper: ours still runs under it, undo must wait for it
+    assert owned.active() and owned.conflicts()
+    module.fn = lambda: "replaced"  # a later patch that does not call ours
+    assert not owned.active() and owned.conflicts()

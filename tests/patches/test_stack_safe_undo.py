@@ -76,14 +76,17 @@ def _apply_cpu_shims() -> bool:
 FAMILIES = [
     Family("thd_rotary", thd_rotary.apply_thd_rotary, thd_rotary.undo_thd_rotary, thd_rotary.thd_rotary_applied,
            _thd_holders, 2),
-    Family("gpt_model_forward", _apply_gpt, _undo_gpt, lambda: bool(gpt_model_forward._APPLIED), _gpt_forward, 1),
+    Family("gpt_model_forward", _apply_gpt, _undo_gpt,
+           lambda: bool(gpt_model_forward._APPLIED) and gpt_model_forward._OWNED.active(), _gpt_forward, 1),
     Family("llava_boundaries", llava_boundaries.apply_llava_packed_boundaries,
            llava_boundaries.undo_llava_packed_boundaries, llava_boundaries.packed_boundaries_expanded,
            lambda: [(llava_boundaries._llava(), "forward")], 1),
     Family("cpu_shims", _apply_cpu_shims, cpu_shims.undo_cpu_shims, cpu_shims.cpu_shims_applied, _cpu_shim_targets, 4),
     Family("bridge_deepstack_sp", bridge_deepstack_sp.apply_bridge_deepstack_sp,
            bridge_deepstack_sp.undo_bridge_deepstack_sp, bridge_deepstack_sp.is_applied,
-           lambda: [(import_bridge_module(bridge_deepstack_sp.QWEN3_VL_MODEL), "split_deepstack_embs")], 1,
+           lambda: [(import_bridge_module(bridge_deepstack_sp.QWEN3_VL_MODEL), "split_deepstack_embs"),
+                    # the Qwen3-Omni thinker imports the same split by name (its dense path under SP)
+                    (import_bridge_module(bridge_qwen3_omni_packed.THINKER_MODULE), "split_deepstack_embs")], 2,
            needs_bridge),
     Family("bridge_thd_cp_index", bridge_thd_cp_index.apply_bridge_thd_cp_index,
            bridge_thd_cp_index.undo_bridge_thd_cp_index, bridge_thd_cp_index.is_applied,
@@ -242,3 +245,46 @@ def test_undo_bridge_patches_checks_every_patch_before_undoing_any():
         if module.split_deepstack_embs is not originals[0]:
             module.split_deepstack_embs = ours
         undo_bridge_patches()
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, id=f.name, marks=f.marks) for f in FAMILIES
+                                    if f.name != "cpu_shims"])  # runtime/, not a patches/ family
+def test_an_earlier_patch_undone_after_ours_leaves_ours_off_and_apply_reinstalls(family):
+    """`mock.patch.object` entered before ours and exited after puts the original back over ours: the patch
+    must then read as off (an adapter relies on it), undo must not refuse the original, and apply must
+    install again rather than answer True from its records."""
+    from unittest import mock
+
+    targets = family.targets()
+    family.undo()
+    originals = held(targets)
+    try:
+        with mock.patch.object(*targets[0], later_plugin(originals[0])):
+            assert family.apply()
+        assert same(held(targets)[:1], originals[:1]) and not family.applied()
+        assert family.apply() and family.applied()
+        assert all(p is not o for p, o in zip(held(targets), originals))  # installed again, every holder
+        family.undo()
+        assert same(held(targets), originals) and not family.applied()
+    finally:
+        family.undo()
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, id=f.name, marks=f.marks) for f in FAMILIES
+                                    if f.name != "cpu_shims"])
+def test_a_later_patch_that_replaces_ours_without_calling_it_leaves_ours_off(family):
+    """Adapters (and the packed rotary, which hands CP-local tables only to our THD rope) ask whether the
+    patch runs: a later replacement that does not wrap ours (no `__wrapped__` reaching it) means it does not."""
+    targets = family.targets()
+    family.undo()
+    assert family.apply()
+    owner, name = targets[0]
+    ours = vars(owner)[name]
+    try:
+        setattr(owner, name, lambda *args, **kwargs: None)
+        assert not family.applied()
+        with pytest.raises(RuntimeError, match="undo that later patch first"):
+            family.undo()
+    finally:
+        setattr(owner, name, ours)
+        family.undo()
