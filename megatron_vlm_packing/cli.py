@@ -1,4 +1,4 @@
-"""Command line: `megatron-vlm-packing {demo,inspect,check}` (also `python -m megatron_vlm_packing`)."""
+"""Command line: `megatron-vlm-packing {demo,plan,inspect,check}` (also `python -m megatron_vlm_packing`)."""
 
 from __future__ import annotations
 

@@ -229,3 +229,14 @@ def _check_help(capsys) -> str:
     with pytest.raises(SystemExit):
         main(["check", "--help"])
     return capsys.readouterr().out
+
+
+def test_top_level_help_names_every_sub_command(capsys):
+    """The description once listed {demo,inspect,check} after `plan` was added."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    description = out.split("\n\n")[1]  # after the usage line, which argparse writes itself
+    assert description.startswith("Command line"), out
+    for command in ("demo", "plan", "inspect", "check"):
+        assert command in description, (command, description)
