@@ -119,3 +119,17 @@ def test_bridge_example_builds_the_state_form_step():
     finally:
         undo_bridge_patches()
     assert callable(namespace["forward_step"])
+
+
+def test_saving_a_collator_micro_batch_as_documented_gives_a_file_check_reads(tmp_path, monkeypatch, capsys):
+    """A saved MicroBatch (the README once said to save own_storages(micro_batch)) is refused by `check`."""
+    from megatron_vlm_packing.cli import main
+    from megatron_vlm_packing.packing.collate import PackingCollator
+
+    ids = torch.tensor([[11, 12, 13, 0], [21, 22, 0, 0]])
+    mask = (ids != 0).long()
+    micro_batch = PackingCollator(cp_size=2)({"input_ids": ids, "attention_mask": mask,
+                                              "labels": torch.where(mask.bool(), ids, -100)})
+    monkeypatch.chdir(tmp_path)
+    run(block_with("own_storages(micro_batch)"), {"torch": torch, "micro_batch": micro_batch})
+    assert main(["check", "batch.pt", "--cp", "2"]) == 0, capsys.readouterr()
