@@ -133,3 +133,38 @@ def test_saving_a_collator_micro_batch_as_documented_gives_a_file_check_reads(tm
     monkeypatch.chdir(tmp_path)
     run(block_with("own_storages(micro_batch)"), {"torch": torch, "micro_batch": micro_batch})
     assert main(["check", "batch.pt", "--cp", "2"]) == 0, capsys.readouterr()
+
+
+def test_register_forward_step_example_trains_one_step(single_process_megatron):
+    """The model-building example with tiny stand-ins for the user's towers, language model and Qwen2-VL
+    config (its placeholder ids: 151655 image, 151656 video; the audio id 151646 is the example's)."""
+    transformers = pytest.importorskip("transformers")
+    from megatron_vlm_packing.demo.synthetic import SyntheticVLMConfig, collate, synthetic_samples
+    from megatron_vlm_packing.models.audio import TinyAudioTower
+    from megatron_vlm_packing.models.tiny_gpt import TinyGPTConfig, build_tiny_gpt
+    from megatron_vlm_packing.models.vision import TinyVisionTower
+    from megatron_vlm_packing.patches import undo_all
+
+    data = SyntheticVLMConfig(vocab_size=151700, image_token_id=151655, video_token_id=151656,
+                              vision_start_id=151652, vision_end_id=151653, audio_token_id=151646,
+                              audio_start_id=151647, audio_end_id=151648, max_text=8, max_images=1,
+                              grid_choices=(2,), max_videos=1, max_audios=1)
+    hf_config = transformers.Qwen2VLConfig(
+        text_config={"rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]}})
+    torch.manual_seed(0)
+    lm = TinyGPTConfig(vocab_size=data.vocab_size, position_embedding_type="mrope", mrope_section=(1, 1, 2))
+    stand_ins = {
+        "language_model": build_tiny_gpt(lm, scatter_embedding_sequence_parallel=False),
+        "vision_tower": TinyVisionTower(patch_features=data.patch_features, width=16, out_hidden=lm.hidden_size,
+                                        heads=2),
+        "audio_tower": TinyAudioTower(mel_bins=data.mel_bins, width=16, out_hidden=lm.hidden_size,
+                                      n_window=data.audio_n_window),
+        "hf_config": hf_config,
+        "micro_batches": [collate(synthetic_samples(3, seed=s, cfg=data)) for s in (1, 2)],
+    }
+    try:
+        namespace = run(block_with("PackedVLM(language_model"), stand_ins)
+    finally:
+        undo_all()
+    losses = namespace["losses"]
+    assert len(losses) == 2 and all(float(report["lm loss"][1]) > 0 for report in losses), losses
