@@ -211,7 +211,8 @@ def check_unpacked_labels(micro_batch: MicroBatch, vocab_size: int | None) -> No
     check_label_values(rows, torch.ones_like(rows, dtype=torch.bool), vocab_size)  # the one host sync
 
 
-def check_loader_vocab(micro_batch: MicroBatch, vocab_size: int | None) -> MicroBatch:
+def check_loader_vocab(micro_batch: MicroBatch, vocab_size: int | None, *,
+                       unembedded_token_id: int | None = None) -> MicroBatch:
     """A micro-batch from the data iterator whose ids and labels its packer bound below no vocabulary, or a
     larger one than the model's (`MicroBatch.vocab_checked`: a `PackingCollator` has no model), checked
     against `vocab_size` where it arrives, in host memory: no device sync. A label >= the vocabulary reached
@@ -220,7 +221,8 @@ def check_loader_vocab(micro_batch: MicroBatch, vocab_size: int | None) -> Micro
 
     Returns the micro-batch marked checked for `vocab_size`, or as given when there is nothing to check, or
     when its tensors are on a device already (`check_unpacked_labels` and the adapter's id check read them
-    there, one sync).
+    there, one sync). `unembedded_token_id` (the adapter's: LLaVA's image token) is never embedded, so it is no
+    bad id whatever its value (`pack_llava_batch` does not screen it either).
 
     Raises:
         ValueError: naming the first real id or label >= `vocab_size` (row, position in the micro-batch), its
@@ -233,13 +235,16 @@ def check_loader_vocab(micro_batch: MicroBatch, vocab_size: int | None) -> Micro
         return micro_batch
     # numpy: these are host memory on a GPU run too (the worker's pinned buffer), so no device waits on them
     real = ~pads.numpy()
+    if unembedded_token_id is not None:
+        real &= ids.numpy() != unembedded_token_id
     bad_ids, bad_labels = real & (ids.numpy() >= vocab_size), labels.numpy() >= vocab_size
     if bad_ids.any() or bad_labels.any():
         from megatron_vlm_packing.packing.checks import check_ids, check_label_values
 
         hint = (f"; the data iterator's micro-batch was packed without the model's vocabulary: give "
-                f"PackingCollator pack_options=dict(vocab_size={vocab_size}) (pack_batch / pad_batch: vocab_size="
-                f"{vocab_size}) to refuse it in the DataLoader worker")
+                f"PackingCollator pack_options=dict(vocab_size={vocab_size}) (LlavaPackingCollator: "
+                f"space=LlavaSpace.of(model); pack_batch / pad_batch: vocab_size={vocab_size}) to refuse it in the "
+                f"DataLoader worker")
         rows = (lambda t: t if t.dim() == 2 else t.reshape(1, -1))
         try:
             check_ids(rows(ids), rows(torch.from_numpy(real)), vocab_size, "input_ids")
@@ -298,7 +303,8 @@ def micro_batch_for_model(item: dict | MicroBatch, adapter: ModelAdapter, layout
         source = "make_forward_step(mrope=...)" if options.mrope is not None \
             else f"{adapter.model_name}'s own, {type(adapter).__name__}.mrope"
         check_loader_mrope(item, mrope, source)
-        item = check_loader_vocab(item, getattr(adapter, "vocab_size", None))
+        item = check_loader_vocab(item, getattr(adapter, "vocab_size", None),
+                                  unembedded_token_id=getattr(adapter, "unembedded_token_id", None))
         return BuiltMicroBatch(adapter.micro_batch_from_loader(item, layout, options, device))
     batch = to_device(item, device)
     mrope_used = resolve_mrope(options, adapter, batch)

@@ -417,3 +417,40 @@ def test_a_collated_micro_batch_saves_once_its_tensors_own_their_storage(tmp_pat
     assert torch.equal(loaded.vision.pixel_values, packed.vision.pixel_values)
     assert loaded.packed_seq_params.cu_seqlens_q is loaded.indices.cu_seqlens
     assert own_storages(saveable) is saveable  # no buffer left: nothing to copy
+
+
+@pytest.fixture(scope="module")
+def tiny_llava(single_process_megatron):
+    from megatron_vlm_packing.patches import apply_llava_packed_boundaries, undo_llava_packed_boundaries
+    from megatron_vlm_packing.testing.llava_reference import build_tiny_llava
+
+    apply_llava_packed_boundaries()  # packed LLaVA needs its boundaries expanded (the step refuses it unpatched)
+    yield build_tiny_llava(0)
+    undo_llava_packed_boundaries()
+
+
+def test_a_llava_image_token_beyond_the_vocabulary_is_not_refused_by_the_loaders_vocabulary_check(tiny_llava):
+    """LLaVAModel replaces its image tokens before the embedding, so an image token id >= the vocabulary is
+    valid (pack_llava_batch does not screen it). A LlavaPackingCollator whose space carries no vocabulary leaves
+    the step to check the loader's ids: it refused every image token as 'token ids must lie in [0, 128)' and told
+    the user to give PackingCollator pack_options=dict(vocab_size=...), which LlavaPackingCollator has not."""
+    from megatron_vlm_packing.models.llava import LlavaSpace
+    from megatron_vlm_packing.models.llava_pack import LlavaPackingCollator
+    from megatron_vlm_packing.testing.llava_reference import IMG, T, collated
+    from megatron_vlm_packing.testing.step_models import step_loss
+
+    beyond = 200  # the tiny LLaVA's language vocabulary is 128
+    saved, tiny_llava.image_token_index = tiny_llava.image_token_index, beyond
+    try:
+        batch = collated(((T, T, T), (IMG, IMG, T, T), (T, IMG, T, T, IMG)), label_style="hf", seed=4)
+        batch["input_ids"] = torch.where(batch["input_ids"] == IMG, beyond, batch["input_ids"])
+        spaceless = dataclasses.replace(LlavaSpace.of(tiny_llava), vocab_size=None)
+        micro_batch = LlavaPackingCollator(space=spaceless)(batch)
+        assert micro_batch.checked_vocab_size is None
+        assert step_loss(tiny_llava, micro_batch) == step_loss(tiny_llava, batch)
+        text_beyond = {**batch, "input_ids": batch["input_ids"].clone()}
+        text_beyond["input_ids"][2, 2] = 128  # a text token: still refused
+        with pytest.raises(ValueError, match=r"input_ids row 0 position \d+ is 128: token ids must lie in \[0, 128\)"):
+            step_loss(tiny_llava, LlavaPackingCollator(space=spaceless)(text_beyond))
+    finally:
+        tiny_llava.image_token_index = saved
