@@ -454,3 +454,15 @@ def test_a_llava_image_token_beyond_the_vocabulary_is_not_refused_by_the_loaders
             step_loss(tiny_llava, LlavaPackingCollator(space=spaceless)(text_beyond))
     finally:
         tiny_llava.image_token_index = saved
+
+
+def test_a_collate_returning_numpy_arrays_is_told_so():
+    """A processor called with return_tensors="np" gives numpy arrays: the refusal said 'input_ids must be a
+    [B, S] tensor, got (2, 3)', a [B, S] shape, without naming what was wrong (not a torch tensor)."""
+    import numpy as np
+
+    ids = np.array([[5, 6, 7], [1, 8, 0]])
+    collator = PackingCollator(collate=lambda _: {"input_ids": ids, "labels": ids, "attention_mask": ids != 0})
+    with pytest.raises(ValueError, match=r"input_ids must be a \[B, S\] torch.Tensor, got a numpy.ndarray of shape "
+                                         r"\(2, 3\): convert it with torch.as_tensor"):
+        collator([0])
