@@ -34,6 +34,7 @@ from torch import nn
 
 from megatron_vlm_packing.models.adapter import ModelAdapter, adapter_for, check_loader_mrope, unwrap_model
 from megatron_vlm_packing.packing.bounds import is_int
+from megatron_vlm_packing.packing.collate import own_storages
 from megatron_vlm_packing.packing.localize import localize
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
 from megatron_vlm_packing.packing.row_fields import check_dense_tensors, check_flags, check_pack_arguments
@@ -96,10 +97,14 @@ def read_micro_batch(data_iterator: Iterator, *, broadcast_from_tp_rank0: bool) 
         from megatron.core import parallel_state as ps
 
         # Only TP rank 0 reads: the other ranks' iterators may be None (Megatron-LM's convention).
-        holder = [next(_iterator(data_iterator)) if ps.get_tensor_model_parallel_rank() == 0 else None]
+        reader = ps.get_tensor_model_parallel_rank() == 0
+        read = next(_iterator(data_iterator)) if reader else None
+        # Pickle writes a tensor's whole storage with it: each view of a collated micro-batch's one buffer
+        # would carry all of it (the buffer about ten times over). Sent as tensors of their own; kept as read.
+        holder = [own_storages(read) if isinstance(read, MicroBatch) else read]
         dist.broadcast_object_list(holder, src=ps.get_tensor_model_parallel_src_rank(),
                                    group=ps.get_tensor_model_parallel_group())
-        batch = holder[0]
+        batch = read if reader else holder[0]
     # Any mapping, as pack_batch and the collators take: a Hugging Face processor's BatchFeature is a UserDict.
     if not isinstance(batch, (Mapping, MicroBatch)):
         raise ValueError(f"the data iterator must yield a dict of tensors (a collated batch) or a packed "

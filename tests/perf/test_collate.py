@@ -466,3 +466,41 @@ def test_a_collate_returning_numpy_arrays_is_told_so():
     with pytest.raises(ValueError, match=r"input_ids must be a \[B, S\] torch.Tensor, got a numpy.ndarray of shape "
                                          r"\(2, 3\): convert it with torch.as_tensor"):
         collator([0])
+
+
+def test_a_loader_micro_batch_broadcast_from_tp_rank0_is_sent_once_not_once_per_view(monkeypatch):
+    """broadcast_from_tp_rank0 pickles the iterator's item (`broadcast_object_list`). Plain pickle writes a tensor's
+    whole storage with it, so each of a collated micro-batch's views of its one buffer carried the whole buffer:
+    about ten times its bytes went to every TP rank per micro-batch, values intact. What is sent holds each
+    tensor's own bytes; TP rank 0 keeps the micro-batch as it came (one storage to move)."""
+    import pickle
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_vlm_packing.packing.arena import nbytes
+    from megatron_vlm_packing.train.step import read_micro_batch
+
+    packed = PackingCollator(cp_size=2, mrope=ROPE)(collate(synthetic_samples(4, seed=7, cfg=DATA)))
+    sent = []
+
+    def broadcast_object_list(holder, src, group):
+        if holder[0] is not None:  # the reading rank sends
+            sent.append(pickle.dumps(holder[0]))
+        else:  # a receiving rank: what arrives is what was pickled
+            holder[0] = pickle.loads(sent[-1])
+
+    monkeypatch.setattr(dist, "broadcast_object_list", broadcast_object_list)
+    monkeypatch.setattr(ps, "get_tensor_model_parallel_group", lambda: None)
+    monkeypatch.setattr(ps, "get_tensor_model_parallel_rank", lambda: 0)
+    monkeypatch.setattr(ps, "get_tensor_model_parallel_src_rank", lambda: 0)
+    assert read_micro_batch(iter([packed]), broadcast_from_tp_rank0=True) is packed
+    tensor_bytes = sum(nbytes(t) for t in tensors_of(packed))
+    assert len(sent[0]) < 2 * tensor_bytes + 16384, (len(sent[0]), tensor_bytes)
+    monkeypatch.setattr(ps, "get_tensor_model_parallel_rank", lambda: 1)  # a receiving rank
+    received = read_micro_batch(iter([packed]), broadcast_from_tp_rank0=True)
+    assert type(received) is LoaderMicroBatch and received.mrope_config == ROPE
+    for name in ("input_ids", "labels", "loss_mask", "position_ids", "padding_mask"):
+        assert torch.equal(getattr(received, name), getattr(packed, name)), name
+    assert received.loss_weights_checked and received.labels_checked and received.media_checked_by_packer
+    assert received.packed_seq_params.cu_seqlens_q is received.indices.cu_seqlens
