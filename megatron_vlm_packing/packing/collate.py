@@ -276,7 +276,8 @@ def micro_batch_to(micro_batch: MicroBatch, device: torch.device) -> MicroBatch:
     from pinned memory); nothing is read back to the host.
 
     Raises:
-        ValueError: `device` is no device (torch.device() refuses it; `Tensor.to(None)` moved nothing).
+        ValueError: `device` is no device (torch.device() refuses it; `Tensor.to(None)` moved nothing), or
+            the micro-batch holds meta tensors (`micro_batch_to(mb, "meta")`: no values) and `device` is not meta.
     """
     if not isinstance(device, torch.device):
         try:
@@ -284,7 +285,14 @@ def micro_batch_to(micro_batch: MicroBatch, device: torch.device) -> MicroBatch:
         except (RuntimeError, TypeError):
             raise ValueError(f"device must be a torch.device or a device string such as 'cpu' or 'cuda:0', "
                              f"got {device!r}") from None
-    return map_tensors(micro_batch, lambda t: t.to(device, non_blocking=True))
+
+    def move(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.is_meta and device.type != "meta":  # else torch's NotImplementedError ('Cannot copy out of meta')
+            raise ValueError(f"the micro-batch holds meta tensors (no values): it cannot move to {device}; move the "
+                             f"micro-batch the collator returned, not its meta copy")
+        return tensor.to(device, non_blocking=True)
+
+    return map_tensors(micro_batch, move)
 
 
 def check_layout(micro_batch: MicroBatch, multiples: PackMultiples) -> None:

@@ -504,3 +504,17 @@ def test_a_loader_micro_batch_broadcast_from_tp_rank0_is_sent_once_not_once_per_
         assert torch.equal(getattr(received, name), getattr(packed, name)), name
     assert received.loss_weights_checked and received.labels_checked and received.media_checked_by_packer
     assert received.packed_seq_params.cu_seqlens_q is received.indices.cu_seqlens
+
+
+def test_a_micro_batch_of_meta_tensors_is_refused_when_moved_to_a_device_with_values():
+    """micro_batch_to(..., "meta") gives shapes and dtypes only; moving that to the model's device (the step's
+    micro_batch_from_loader) was torch's NotImplementedError ('Cannot copy out of meta tensor'); the collated-dict
+    path names it as a ValueError (`row_fields.check_dense_tensors`), so does this one now."""
+    from megatron_vlm_packing.packing.collate import micro_batch_from_loader
+
+    packed = PackingCollator(cp_size=2, mrope=ROPE)(collate(synthetic_samples(4, seed=7, cfg=DATA)))
+    meta = micro_batch_to(packed, "meta")
+    assert all(t.is_meta for t in tensors_of(meta)) and meta.input_ids.shape == packed.input_ids.shape
+    assert micro_batch_to(meta, torch.device("meta")).input_ids.is_meta  # meta to meta: shapes only, as asked
+    with pytest.raises(ValueError, match=r"the micro-batch holds meta tensors \(no values\): it cannot move to cpu"):
+        micro_batch_from_loader(meta, multiples=PackMultiples.for_parallel(cp_size=2), device=torch.device("cpu"))
