@@ -124,8 +124,10 @@ def check_collate(collate, owner: str) -> None:
 def for_the_loader(packed: MicroBatch, cp_size: int) -> LoaderMicroBatch:
     """A micro-batch packed on the host, made ready in the worker: every CP rank's index built
     (`prepare_indices`; cp_size 1 for a model that selects its CP tokens itself), its small tensors in
-    one storage (`in_one_storage`), typed `LoaderMicroBatch` so that DataLoader's `pin_memory=True` pins it."""
-    prepare_indices(packed.indices, cp_size)
+    one storage (`in_one_storage`), typed `LoaderMicroBatch` so that DataLoader's `pin_memory=True` pins it.
+    A dense micro-batch (`pad_batch`) has no pack indices to build."""
+    if isinstance(packed.indices, PackIndices):
+        prepare_indices(packed.indices, cp_size)
     return in_one_storage(LoaderMicroBatch(**{f.name: getattr(packed, f.name) for f in dataclasses.fields(MicroBatch)}))
 
 

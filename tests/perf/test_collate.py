@@ -518,3 +518,18 @@ def test_a_micro_batch_of_meta_tensors_is_refused_when_moved_to_a_device_with_va
     assert micro_batch_to(meta, torch.device("meta")).input_ids.is_meta  # meta to meta: shapes only, as asked
     with pytest.raises(ValueError, match=r"the micro-batch holds meta tensors \(no values\): it cannot move to cpu"):
         micro_batch_from_loader(meta, multiples=PackMultiples.for_parallel(cp_size=2), device=torch.device("cpu"))
+
+
+def test_a_dense_micro_batch_is_made_ready_for_the_loader_too():
+    """The step takes dense micro-batches from the data iterator (`make_forward_step(pack=False)`), but
+    for_the_loader, which lays a worker's micro-batch out in one storage, was an AttributeError on pad_batch's
+    (no pack indices to prepare)."""
+    from megatron_vlm_packing.packing import pad_batch
+    from megatron_vlm_packing.packing.collate import for_the_loader
+
+    dense = pad_batch(collate(synthetic_samples(4, seed=3, cfg=DATA)), label_style="hf", mrope=ROPE)
+    ready = for_the_loader(dense, 1)
+    assert type(ready) is LoaderMicroBatch and ready.indices is None and all_in_one_storage(tensors_of(ready))
+    for name in ("input_ids", "labels", "loss_mask", "position_ids", "padding_mask"):
+        assert torch.equal(getattr(ready, name), getattr(dense, name)), name
+    assert ready.loss_weights_checked and ready.labels_checked and ready.media_checked_by_packer
