@@ -44,6 +44,9 @@ class ModelAdapter:
 
     `vocab_size` (set by `__init__` from the model, `model_vocab_size`; None: unknown) is what the step
     packs with: ids and labels outside [0, vocab_size) are a ValueError in the packer's read.
+    `unembedded_token_id` (None: every id is embedded) is an id the model replaces before its embedding
+    (LLaVA's image token, which may lie outside the vocabulary): the step's check of a loader micro-batch's
+    ids against the vocabulary (`train.step.check_loader_vocab`) skips it, as the model's own packer does.
 
     An adapter is built once per model (`adapter_for(model)`), so `__init__` may read the model's
     config (e.g. to check an mRoPE setting) and raise a ValueError for a model it cannot drive.
@@ -53,6 +56,7 @@ class ModelAdapter:
     needs: LocalizeNeeds = LocalizeNeeds()
     takes_packed_seq_params: bool = True
     vocab_size: int | None = None
+    unembedded_token_id: int | None = None
 
     def __init__(self, model: nn.Module):
         self.model_name = type(model).__name__

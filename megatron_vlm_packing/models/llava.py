@@ -225,6 +225,7 @@ class LLaVAAdapter(ModelAdapter):
     def __init__(self, model):
         super().__init__(model)
         self.space = LlavaSpace.of(model)
+        self.unembedded_token_id = self.space.image_token_index  # replaced by image embeddings, never embedded
 
     def image_inputs(self, micro_batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(images [tiles, C, H, W] (empty when none), num_image_tiles [I] int), counts checked: from

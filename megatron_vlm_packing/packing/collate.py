@@ -124,8 +124,10 @@ def check_collate(collate, owner: str) -> None:
 def for_the_loader(packed: MicroBatch, cp_size: int) -> LoaderMicroBatch:
     """A micro-batch packed on the host, made ready in the worker: every CP rank's index built
     (`prepare_indices`; cp_size 1 for a model that selects its CP tokens itself), its small tensors in
-    one storage (`in_one_storage`), typed `LoaderMicroBatch` so that DataLoader's `pin_memory=True` pins it."""
-    prepare_indices(packed.indices, cp_size)
+    one storage (`in_one_storage`), typed `LoaderMicroBatch` so that DataLoader's `pin_memory=True` pins it.
+    A dense micro-batch (`pad_batch`) has no pack indices to build."""
+    if isinstance(packed.indices, PackIndices):
+        prepare_indices(packed.indices, cp_size)
     return in_one_storage(LoaderMicroBatch(**{f.name: getattr(packed, f.name) for f in dataclasses.fields(MicroBatch)}))
 
 
@@ -276,7 +278,8 @@ def micro_batch_to(micro_batch: MicroBatch, device: torch.device) -> MicroBatch:
     from pinned memory); nothing is read back to the host.
 
     Raises:
-        ValueError: `device` is no device (torch.device() refuses it; `Tensor.to(None)` moved nothing).
+        ValueError: `device` is no device (torch.device() refuses it; `Tensor.to(None)` moved nothing), or
+            the micro-batch holds meta tensors (`micro_batch_to(mb, "meta")`: no values) and `device` is not meta.
     """
     if not isinstance(device, torch.device):
         try:
@@ -284,7 +287,14 @@ def micro_batch_to(micro_batch: MicroBatch, device: torch.device) -> MicroBatch:
         except (RuntimeError, TypeError):
             raise ValueError(f"device must be a torch.device or a device string such as 'cpu' or 'cuda:0', "
                              f"got {device!r}") from None
-    return map_tensors(micro_batch, lambda t: t.to(device, non_blocking=True))
+
+    def move(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.is_meta and device.type != "meta":  # else torch's NotImplementedError ('Cannot copy out of meta')
+            raise ValueError(f"the micro-batch holds meta tensors (no values): it cannot move to {device}; move the "
+                             f"micro-batch the collator returned, not its meta copy")
+        return tensor.to(device, non_blocking=True)
+
+    return map_tensors(micro_batch, move)
 
 
 def check_layout(micro_batch: MicroBatch, multiples: PackMultiples) -> None:

@@ -87,8 +87,13 @@ def input_ids_of(batch: Mapping) -> tuple[str, torch.Tensor]:
     if len(keys) != 1:
         raise ValueError(f"the batch needs exactly one of 'input_ids' or 'tokens', found {keys or 'neither'}")
     ids = batch[keys[0]]
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
-        raise ValueError(f"{keys[0]} must be a [B, S] tensor, got {getattr(ids, 'shape', type(ids).__name__)}")
+    if not isinstance(ids, torch.Tensor):  # a numpy array's shape alone looked like the [B, S] asked for
+        kind = type(ids)
+        shape = f" of shape {tuple(ids.shape)}" if hasattr(ids, "shape") else ""
+        raise ValueError(f"{keys[0]} must be a [B, S] torch.Tensor, got a {kind.__module__}.{kind.__qualname__}{shape}: "
+                         f"convert it with torch.as_tensor")
+    if ids.dim() != 2:
+        raise ValueError(f"{keys[0]} must be a [B, S] tensor, got {tuple(ids.shape)}")
     if not is_integer_tensor(ids):
         raise ValueError(f"{keys[0]} must hold integer token ids, got dtype {ids.dtype}")
     if ids.shape[0] == 0 or ids.shape[1] == 0:

@@ -34,6 +34,7 @@ from torch import nn
 
 from megatron_vlm_packing.models.adapter import ModelAdapter, adapter_for, check_loader_mrope, unwrap_model
 from megatron_vlm_packing.packing.bounds import is_int
+from megatron_vlm_packing.packing.collate import own_storages
 from megatron_vlm_packing.packing.localize import localize
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
 from megatron_vlm_packing.packing.row_fields import check_dense_tensors, check_flags, check_pack_arguments
@@ -96,10 +97,14 @@ def read_micro_batch(data_iterator: Iterator, *, broadcast_from_tp_rank0: bool) 
         from megatron.core import parallel_state as ps
 
         # Only TP rank 0 reads: the other ranks' iterators may be None (Megatron-LM's convention).
-        holder = [next(_iterator(data_iterator)) if ps.get_tensor_model_parallel_rank() == 0 else None]
+        reader = ps.get_tensor_model_parallel_rank() == 0
+        read = next(_iterator(data_iterator)) if reader else None
+        # Pickle writes a tensor's whole storage with it: each view of a collated micro-batch's one buffer
+        # would carry all of it (the buffer about ten times over). Sent as tensors of their own; kept as read.
+        holder = [own_storages(read) if isinstance(read, MicroBatch) else read]
         dist.broadcast_object_list(holder, src=ps.get_tensor_model_parallel_src_rank(),
                                    group=ps.get_tensor_model_parallel_group())
-        batch = holder[0]
+        batch = read if reader else holder[0]
     # Any mapping, as pack_batch and the collators take: a Hugging Face processor's BatchFeature is a UserDict.
     if not isinstance(batch, (Mapping, MicroBatch)):
         raise ValueError(f"the data iterator must yield a dict of tensors (a collated batch) or a packed "
@@ -211,7 +216,8 @@ def check_unpacked_labels(micro_batch: MicroBatch, vocab_size: int | None) -> No
     check_label_values(rows, torch.ones_like(rows, dtype=torch.bool), vocab_size)  # the one host sync
 
 
-def check_loader_vocab(micro_batch: MicroBatch, vocab_size: int | None) -> MicroBatch:
+def check_loader_vocab(micro_batch: MicroBatch, vocab_size: int | None, *,
+                       unembedded_token_id: int | None = None) -> MicroBatch:
     """A micro-batch from the data iterator whose ids and labels its packer bound below no vocabulary, or a
     larger one than the model's (`MicroBatch.vocab_checked`: a `PackingCollator` has no model), checked
     against `vocab_size` where it arrives, in host memory: no device sync. A label >= the vocabulary reached
@@ -220,7 +226,8 @@ def check_loader_vocab(micro_batch: MicroBatch, vocab_size: int | None) -> Micro
 
     Returns the micro-batch marked checked for `vocab_size`, or as given when there is nothing to check, or
     when its tensors are on a device already (`check_unpacked_labels` and the adapter's id check read them
-    there, one sync).
+    there, one sync). `unembedded_token_id` (the adapter's: LLaVA's image token) is never embedded, so it is no
+    bad id whatever its value (`pack_llava_batch` does not screen it either).
 
     Raises:
         ValueError: naming the first real id or label >= `vocab_size` (row, position in the micro-batch), its
@@ -233,13 +240,16 @@ def check_loader_vocab(micro_batch: MicroBatch, vocab_size: int | None) -> Micro
         return micro_batch
     # numpy: these are host memory on a GPU run too (the worker's pinned buffer), so no device waits on them
     real = ~pads.numpy()
+    if unembedded_token_id is not None:
+        real &= ids.numpy() != unembedded_token_id
     bad_ids, bad_labels = real & (ids.numpy() >= vocab_size), labels.numpy() >= vocab_size
     if bad_ids.any() or bad_labels.any():
         from megatron_vlm_packing.packing.checks import check_ids, check_label_values
 
         hint = (f"; the data iterator's micro-batch was packed without the model's vocabulary: give "
-                f"PackingCollator pack_options=dict(vocab_size={vocab_size}) (pack_batch / pad_batch: vocab_size="
-                f"{vocab_size}) to refuse it in the DataLoader worker")
+                f"PackingCollator pack_options=dict(vocab_size={vocab_size}) (LlavaPackingCollator: "
+                f"space=LlavaSpace.of(model); pack_batch / pad_batch: vocab_size={vocab_size}) to refuse it in the "
+                f"DataLoader worker")
         rows = (lambda t: t if t.dim() == 2 else t.reshape(1, -1))
         try:
             check_ids(rows(ids), rows(torch.from_numpy(real)), vocab_size, "input_ids")
@@ -298,7 +308,8 @@ def micro_batch_for_model(item: dict | MicroBatch, adapter: ModelAdapter, layout
         source = "make_forward_step(mrope=...)" if options.mrope is not None \
             else f"{adapter.model_name}'s own, {type(adapter).__name__}.mrope"
         check_loader_mrope(item, mrope, source)
-        item = check_loader_vocab(item, getattr(adapter, "vocab_size", None))
+        item = check_loader_vocab(item, getattr(adapter, "vocab_size", None),
+                                  unembedded_token_id=getattr(adapter, "unembedded_token_id", None))
         return BuiltMicroBatch(adapter.micro_batch_from_loader(item, layout, options, device))
     batch = to_device(item, device)
     mrope_used = resolve_mrope(options, adapter, batch)

@@ -417,3 +417,119 @@ def test_a_collated_micro_batch_saves_once_its_tensors_own_their_storage(tmp_pat
     assert torch.equal(loaded.vision.pixel_values, packed.vision.pixel_values)
     assert loaded.packed_seq_params.cu_seqlens_q is loaded.indices.cu_seqlens
     assert own_storages(saveable) is saveable  # no buffer left: nothing to copy
+
+
+@pytest.fixture(scope="module")
+def tiny_llava(single_process_megatron):
+    from megatron_vlm_packing.patches import apply_llava_packed_boundaries, undo_llava_packed_boundaries
+    from megatron_vlm_packing.testing.llava_reference import build_tiny_llava
+
+    apply_llava_packed_boundaries()  # packed LLaVA needs its boundaries expanded (the step refuses it unpatched)
+    yield build_tiny_llava(0)
+    undo_llava_packed_boundaries()
+
+
+def test_a_llava_image_token_beyond_the_vocabulary_is_not_refused_by_the_loaders_vocabulary_check(tiny_llava):
+    """LLaVAModel replaces its image tokens before the embedding, so an image token id >= the vocabulary is
+    valid (pack_llava_batch does not screen it). A LlavaPackingCollator whose space carries no vocabulary leaves
+    the step to check the loader's ids: it refused every image token as 'token ids must lie in [0, 128)' and told
+    the user to give PackingCollator pack_options=dict(vocab_size=...), which LlavaPackingCollator has not."""
+    from megatron_vlm_packing.models.llava import LlavaSpace
+    from megatron_vlm_packing.models.llava_pack import LlavaPackingCollator
+    from megatron_vlm_packing.testing.llava_reference import IMG, T, collated
+    from megatron_vlm_packing.testing.step_models import step_loss
+
+    beyond = 200  # the tiny LLaVA's language vocabulary is 128
+    saved, tiny_llava.image_token_index = tiny_llava.image_token_index, beyond
+    try:
+        batch = collated(((T, T, T), (IMG, IMG, T, T), (T, IMG, T, T, IMG)), label_style="hf", seed=4)
+        batch["input_ids"] = torch.where(batch["input_ids"] == IMG, beyond, batch["input_ids"])
+        spaceless = dataclasses.replace(LlavaSpace.of(tiny_llava), vocab_size=None)
+        micro_batch = LlavaPackingCollator(space=spaceless)(batch)
+        assert micro_batch.checked_vocab_size is None
+        assert step_loss(tiny_llava, micro_batch) == step_loss(tiny_llava, batch)
+        text_beyond = {**batch, "input_ids": batch["input_ids"].clone()}
+        text_beyond["input_ids"][2, 2] = 128  # a text token: still refused
+        with pytest.raises(ValueError, match=r"input_ids row 0 position \d+ is 128: token ids must lie in \[0, 128\)"):
+            step_loss(tiny_llava, LlavaPackingCollator(space=spaceless)(text_beyond))
+    finally:
+        tiny_llava.image_token_index = saved
+
+
+def test_a_collate_returning_numpy_arrays_is_told_so():
+    """A processor called with return_tensors="np" gives numpy arrays: the refusal said 'input_ids must be a
+    [B, S] tensor, got (2, 3)', a [B, S] shape, without naming what was wrong (not a torch tensor)."""
+    import numpy as np
+
+    ids = np.array([[5, 6, 7], [1, 8, 0]])
+    collator = PackingCollator(collate=lambda _: {"input_ids": ids, "labels": ids, "attention_mask": ids != 0})
+    with pytest.raises(ValueError, match=r"input_ids must be a \[B, S\] torch.Tensor, got a numpy.ndarray of shape "
+                                         r"\(2, 3\): convert it with torch.as_tensor"):
+        collator([0])
+
+
+def test_a_loader_micro_batch_broadcast_from_tp_rank0_is_sent_once_not_once_per_view(monkeypatch):
+    """broadcast_from_tp_rank0 pickles the iterator's item (`broadcast_object_list`). Plain pickle writes a tensor's
+    whole storage with it, so each of a collated micro-batch's views of its one buffer carried the whole buffer:
+    about ten times its bytes went to every TP rank per micro-batch, values intact. What is sent holds each
+    tensor's own bytes; TP rank 0 keeps the micro-batch as it came (one storage to move)."""
+    import pickle
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_vlm_packing.packing.arena import nbytes
+    from megatron_vlm_packing.train.step import read_micro_batch
+
+    packed = PackingCollator(cp_size=2, mrope=ROPE)(collate(synthetic_samples(4, seed=7, cfg=DATA)))
+    sent = []
+
+    def broadcast_object_list(holder, src, group):
+        if holder[0] is not None:  # the reading rank sends
+            sent.append(pickle.dumps(holder[0]))
+        else:  # a receiving rank: what arrives is what was pickled
+            holder[0] = pickle.loads(sent[-1])
+
+    monkeypatch.setattr(dist, "broadcast_object_list", broadcast_object_list)
+    monkeypatch.setattr(ps, "get_tensor_model_parallel_group", lambda: None)
+    monkeypatch.setattr(ps, "get_tensor_model_parallel_rank", lambda: 0)
+    monkeypatch.setattr(ps, "get_tensor_model_parallel_src_rank", lambda: 0)
+    assert read_micro_batch(iter([packed]), broadcast_from_tp_rank0=True) is packed
+    tensor_bytes = sum(nbytes(t) for t in tensors_of(packed))
+    assert len(sent[0]) < 2 * tensor_bytes + 16384, (len(sent[0]), tensor_bytes)
+    monkeypatch.setattr(ps, "get_tensor_model_parallel_rank", lambda: 1)  # a receiving rank
+    received = read_micro_batch(iter([packed]), broadcast_from_tp_rank0=True)
+    assert type(received) is LoaderMicroBatch and received.mrope_config == ROPE
+    for name in ("input_ids", "labels", "loss_mask", "position_ids", "padding_mask"):
+        assert torch.equal(getattr(received, name), getattr(packed, name)), name
+    assert received.loss_weights_checked and received.labels_checked and received.media_checked_by_packer
+    assert received.packed_seq_params.cu_seqlens_q is received.indices.cu_seqlens
+
+
+def test_a_micro_batch_of_meta_tensors_is_refused_when_moved_to_a_device_with_values():
+    """micro_batch_to(..., "meta") gives shapes and dtypes only; moving that to the model's device (the step's
+    micro_batch_from_loader) was torch's NotImplementedError ('Cannot copy out of meta tensor'); the collated-dict
+    path names it as a ValueError (`row_fields.check_dense_tensors`), so does this one now."""
+    from megatron_vlm_packing.packing.collate import micro_batch_from_loader
+
+    packed = PackingCollator(cp_size=2, mrope=ROPE)(collate(synthetic_samples(4, seed=7, cfg=DATA)))
+    meta = micro_batch_to(packed, "meta")
+    assert all(t.is_meta for t in tensors_of(meta)) and meta.input_ids.shape == packed.input_ids.shape
+    assert micro_batch_to(meta, torch.device("meta")).input_ids.is_meta  # meta to meta: shapes only, as asked
+    with pytest.raises(ValueError, match=r"the micro-batch holds meta tensors \(no values\): it cannot move to cpu"):
+        micro_batch_from_loader(meta, multiples=PackMultiples.for_parallel(cp_size=2), device=torch.device("cpu"))
+
+
+def test_a_dense_micro_batch_is_made_ready_for_the_loader_too():
+    """The step takes dense micro-batches from the data iterator (`make_forward_step(pack=False)`), but
+    for_the_loader, which lays a worker's micro-batch out in one storage, was an AttributeError on pad_batch's
+    (no pack indices to prepare)."""
+    from megatron_vlm_packing.packing import pad_batch
+    from megatron_vlm_packing.packing.collate import for_the_loader
+
+    dense = pad_batch(collate(synthetic_samples(4, seed=3, cfg=DATA)), label_style="hf", mrope=ROPE)
+    ready = for_the_loader(dense, 1)
+    assert type(ready) is LoaderMicroBatch and ready.indices is None and all_in_one_storage(tensors_of(ready))
+    for name in ("input_ids", "labels", "loss_mask", "position_ids", "padding_mask"):
+        assert torch.equal(getattr(ready, name), getattr(dense, name)), name
+    assert ready.loss_weights_checked and ready.labels_checked and ready.media_checked_by_packer
