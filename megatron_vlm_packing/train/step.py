@@ -236,8 +236,8 @@ def check_loader_vocab(micro_batch: MicroBatch, vocab_size: int | None, *,
     ids, labels, pads = micro_batch.input_ids, micro_batch.labels, micro_batch.padding_mask
     tensors = (ids, labels, pads)
     if micro_batch.vocab_checked(vocab_size) or not all(isinstance(t, torch.Tensor) and t.is_cpu for t in tensors) \
-            or ids.shape != labels.shape or pads.shape != ids.shape:
-        return micro_batch
+            or ids.shape != labels.shape or pads.shape != ids.shape or pads.dtype != torch.bool:
+        return micro_batch  # a hand-built mask of another dtype: the checks after the move read it as it is
     # numpy: these are host memory on a GPU run too (the worker's pinned buffer), so no device waits on them
     real = ~pads.numpy()
     if unembedded_token_id is not None:

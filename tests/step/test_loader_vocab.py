@@ -88,3 +88,17 @@ def test_a_transformed_loader_micro_batch_keeps_the_check(gpt):
     over = lambda mb: replace(mb, labels=torch.full_like(mb.labels, GPT_VOCAB))  # noqa: E731
     with pytest.raises(ValueError, match=rf"is {GPT_VOCAB}: a label must be -100"):
         step_loss(gpt, micro_batch, transform=over)
+
+
+def test_a_hand_built_padding_mask_of_another_dtype_is_left_to_the_checks_after_the_move():
+    """`~` of an integer mask is no inversion (~0 = -1): such a micro-batch is not marked checked here, so the
+    labels' check after the move (one sync) still reads it."""
+    from dataclasses import replace
+
+    from megatron_vlm_packing.train.step import check_loader_vocab, check_unpacked_labels
+
+    micro_batch = PackingCollator(label_style="hf")(_batch_with("labels", 0, 2, GPT_VOCAB))
+    int_mask = replace(micro_batch, padding_mask=micro_batch.padding_mask.long())
+    assert check_loader_vocab(int_mask, GPT_VOCAB) is int_mask and int_mask.checked_vocab_size is None
+    with pytest.raises(ValueError, match=rf"is {GPT_VOCAB}: a label must be -100"):
+        check_unpacked_labels(int_mask, GPT_VOCAB)
