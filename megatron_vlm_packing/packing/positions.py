@@ -157,7 +157,8 @@ def _checked_callable_positions(positions: torch.Tensor, input_ids: torch.Tensor
 
 
 # Whole numbers a half dtype holds exactly (2 ** (mantissa bits + 1)); fractional positions (Qwen3-Omni's) fewer.
-_HALF_EXACT = {torch.bfloat16: 256, torch.float16: 2048}
+# The packers refuse these dtypes for mRoPE positions; the validator names saved positions beyond them.
+HALF_EXACT_WHOLE_NUMBERS = {torch.bfloat16: 256, torch.float16: 2048}
 
 
 def check_mrope_position_dtype(dtype: torch.dtype, owner: str) -> None:
@@ -167,10 +168,10 @@ def check_mrope_position_dtype(dtype: torch.dtype, owner: str) -> None:
     reads the rounded ones, silently). By dtype, not by value: no read. `owner` begins the message."""
     if dtype == torch.bool or dtype.is_complex:
         raise ValueError(f"{owner} dtype {dtype}: mRoPE positions must hold integer or real positions")
-    if dtype in _HALF_EXACT:
-        raise ValueError(f"{owner} dtype {dtype}, which holds whole numbers exactly only up to {_HALF_EXACT[dtype]} "
-                         f"(fractional positions fewer): the rotary would read rounded positions; give mRoPE "
-                         f"positions as int64 or float32")
+    if dtype in HALF_EXACT_WHOLE_NUMBERS:
+        raise ValueError(f"{owner} dtype {dtype}, which holds whole numbers exactly only up to "
+                         f"{HALF_EXACT_WHOLE_NUMBERS[dtype]} (fractional positions fewer): the rotary would read "
+                         f"rounded positions; give mRoPE positions as int64 or float32")
 
 
 def positions_config(mrope):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_vlm_packing.packing.positions import HALF_EXACT_WHOLE_NUMBERS
 from megatron_vlm_packing.validate.documents import Documents
 from megatron_vlm_packing.validate.inputs import PackedInputs
 from megatron_vlm_packing.validate.model_index import against_model_index
@@ -54,10 +55,6 @@ def check_positions_1d(inputs: PackedInputs, docs: Documents) -> list[Violation]
     return out
 
 
-# The whole numbers a half-precision dtype holds exactly: up to 2 ** (its mantissa bits + 1).
-_EXACT_WHOLE_NUMBERS = {torch.bfloat16: 256, torch.float16: 2048}
-
-
 def check_float_positions(inputs: PackedInputs, docs: Documents) -> list[Violation]:
     """[3, T] floating positions against what the rotary reads: float32 (Megatron's MultimodalRotaryEmbedding
     casts them to its inv_freq dtype; `rope.rotary` likewise). float64 values that cast changes, and a half
@@ -74,7 +71,7 @@ def check_float_positions(inputs: PackedInputs, docs: Documents) -> list[Violati
                           f"which changes {int(changed.sum())} of them: channel {channel} slot {slot}: "
                           f"{float(value)!r} is read as {float(value.float())!r}",
                           tuple(docs.doc_of_slot[changed.any(0)].unique().tolist()))]
-    limit = _EXACT_WHOLE_NUMBERS.get(positions.dtype)
+    limit = HALF_EXACT_WHOLE_NUMBERS.get(positions.dtype)
     beyond = (positions.abs() > limit).any(0) & real if limit is not None else None
     if beyond is None or not bool(beyond.any()):
         return []
