@@ -179,12 +179,9 @@ def check_unpacked_ids(micro_batch: MicroBatch, vocab_size: int | None) -> None:
     ids = micro_batch.input_ids
     if checked is not None and checked[0] is ids and micro_batch.vocab_checked(vocab_size):
         return
-    from megatron_vlm_packing.packing.checks import check_ids, is_integer_tensor
+    from megatron_vlm_packing.packing.checks import check_ids, integer_token_rows
 
-    if not isinstance(ids, torch.Tensor) or not is_integer_tensor(ids):
-        raise ValueError(f"input_ids must be an integer tensor of token ids, got "
-                         f"{ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__}")
-    rows = ids if ids.dim() == 2 else ids.reshape(1, -1)
+    rows = integer_token_rows(ids, "input_ids")
     check_ids(rows, torch.ones_like(rows, dtype=torch.bool), vocab_size, "input_ids")
 
 

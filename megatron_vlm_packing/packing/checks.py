@@ -28,6 +28,25 @@ def is_integer_tensor(x: torch.Tensor) -> bool:
     return not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
 
 
+def as_rows(values: torch.Tensor) -> torch.Tensor:
+    """A micro-batch's per-token field as the rows the row checks name: [B, L] as it is, [1, T] (a pack) or
+    any other shape as one row [1, N]. A view; reads no values."""
+    return values if values.dim() == 2 else values.reshape(1, -1)
+
+
+def integer_token_rows(value, name: str) -> torch.Tensor:
+    """`value` (ids or labels of a micro-batch no packer checked) as `as_rows`, after checking it is an integer
+    tensor. Reads no values.
+
+    Raises:
+        ValueError: `name` must be an integer tensor of token ids, naming the dtype (or the type).
+    """
+    if not isinstance(value, torch.Tensor) or not is_integer_tensor(value):
+        raise ValueError(f"{name} must be an integer tensor of token ids, got "
+                         f"{value.dtype if isinstance(value, torch.Tensor) else type(value).__name__}")
+    return as_rows(value)
+
+
 def is_undense(value: torch.Tensor) -> bool:
     """A sparse, nested or meta tensor: no dense values numpy and most of torch's kernels can read."""
     return value.layout is not torch.strided or value.is_nested or value.is_meta

@@ -183,13 +183,13 @@ def check_unpacked_loss_weights(micro_batch: MicroBatch) -> None:
     """
     if micro_batch.loss_weights_checked:
         return
-    from megatron_vlm_packing.packing.checks import check_loss_weights
+    from megatron_vlm_packing.packing.checks import as_rows, check_loss_weights
 
     weights = micro_batch.loss_mask
     if not isinstance(weights, torch.Tensor) or weights.is_complex():
         raise ValueError(f"loss_mask must be a real tensor of per-token weights, got "
                          f"{weights.dtype if isinstance(weights, torch.Tensor) else type(weights).__name__}")
-    rows = weights if weights.dim() == 2 else weights.reshape(1, -1)
+    rows = as_rows(weights)
     check_loss_weights(rows, torch.ones_like(rows, dtype=torch.bool))  # one host sync: hand-built micro-batches only
 
 
@@ -206,13 +206,9 @@ def check_unpacked_labels(micro_batch: MicroBatch, vocab_size: int | None) -> No
     """
     if micro_batch.labels_checked and micro_batch.vocab_checked(vocab_size):
         return
-    from megatron_vlm_packing.packing.checks import check_label_values, is_integer_tensor
+    from megatron_vlm_packing.packing.checks import check_label_values, integer_token_rows
 
-    labels = micro_batch.labels
-    if not isinstance(labels, torch.Tensor) or not is_integer_tensor(labels):
-        raise ValueError(f"labels must be an integer tensor of token ids, got "
-                         f"{labels.dtype if isinstance(labels, torch.Tensor) else type(labels).__name__}")
-    rows = labels if labels.dim() == 2 else labels.reshape(1, -1)
+    rows = integer_token_rows(micro_batch.labels, "labels")
     check_label_values(rows, torch.ones_like(rows, dtype=torch.bool), vocab_size)  # the one host sync
 
 
@@ -244,16 +240,15 @@ def check_loader_vocab(micro_batch: MicroBatch, vocab_size: int | None, *,
         real &= ids.numpy() != unembedded_token_id
     bad_ids, bad_labels = real & (ids.numpy() >= vocab_size), labels.numpy() >= vocab_size
     if bad_ids.any() or bad_labels.any():
-        from megatron_vlm_packing.packing.checks import check_ids, check_label_values
+        from megatron_vlm_packing.packing.checks import as_rows, check_ids, check_label_values
 
         hint = (f"; the data iterator's micro-batch was packed without the model's vocabulary: give "
                 f"PackingCollator pack_options=dict(vocab_size={vocab_size}) (LlavaPackingCollator: "
                 f"space=LlavaSpace.of(model); pack_batch / pad_batch: vocab_size={vocab_size}) to refuse it in the "
                 f"DataLoader worker")
-        rows = (lambda t: t if t.dim() == 2 else t.reshape(1, -1))
         try:
-            check_ids(rows(ids), rows(torch.from_numpy(real)), vocab_size, "input_ids")
-            check_label_values(rows(labels), torch.ones_like(rows(labels), dtype=torch.bool), vocab_size)
+            check_ids(as_rows(ids), as_rows(torch.from_numpy(real)), vocab_size, "input_ids")
+            check_label_values(as_rows(labels), torch.ones_like(as_rows(labels), dtype=torch.bool), vocab_size)
         except ValueError as error:
             raise ValueError(f"{error}{hint}") from None
     return replace(micro_batch, checked_vocab_size=vocab_size)
