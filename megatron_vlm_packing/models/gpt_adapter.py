@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import inspect
 
-import torch
 from torch import nn
 
 from megatron_vlm_packing.models.adapter import ModelAdapter, check_unpacked_ids
@@ -43,9 +42,10 @@ def check_position_kind(micro_batch: MicroBatch, rotary: str, model_name: str) -
 
 
 def seconds_entries(micro_batch: MicroBatch) -> int:
-    """Entries of the micro-batch's `second_per_grid_ts` (0 without any). Reads no values."""
-    seconds = micro_batch.vision.second_per_grid_ts if micro_batch.vision is not None else None
-    return 0 if seconds is None else seconds.numel() if isinstance(seconds, torch.Tensor) else len(seconds)
+    """Entries of the micro-batch's `second_per_grid_ts` (0 without any; `rope.index.entry_count`). Reads no values."""
+    from megatron_vlm_packing.rope.index import entry_count
+
+    return entry_count(micro_batch.vision.second_per_grid_ts if micro_batch.vision is not None else None)
 
 
 def refuse_unread_seconds(micro_batch: MicroBatch, rotary: str, model_name: str) -> None:

@@ -184,6 +184,16 @@ def check_rope_types(input_ids, config: MRopeConfig, image_grid_thw, video_grid_
                             use_audio_in_video=use_audio_in_video)
 
 
+def entry_count(value) -> int:
+    """Entries of a per-item rope input (`second_per_grid_ts`, `audio_seqlens`): a tensor's elements, a list's or
+    tuple's length, 1 for one number, 0 for None. Reads no values."""
+    if value is None:
+        return 0
+    if isinstance(value, torch.Tensor):
+        return value.numel()
+    return len(value) if isinstance(value, (list, tuple)) else 1
+
+
 def refuse_inputs_unread_by(family: str, *, mm_token_type_ids=None, audio_seqlens=None,
                             use_audio_in_video=None) -> None:
     """Inputs the index of `family` reads nothing of were taken and dropped: `audio_seqlens` (with entries) and
@@ -196,10 +206,9 @@ def refuse_inputs_unread_by(family: str, *, mm_token_type_ids=None, audio_seqlen
     if family == "qwen3_omni":
         unread = ["mm_token_type_ids"] if mm_token_type_ids is not None else []
     else:
-        given = isinstance(audio_seqlens, torch.Tensor) and audio_seqlens.numel() \
-            or not isinstance(audio_seqlens, torch.Tensor) and audio_seqlens is not None and len(audio_seqlens)
         # use_audio_in_video=False says what holds of every video of these families: nothing is dropped
-        unread = ["audio_seqlens"] * bool(given) + ["use_audio_in_video"] * (use_audio_in_video is True)
+        unread = (["audio_seqlens"] * bool(entry_count(audio_seqlens))
+                  + ["use_audio_in_video"] * (use_audio_in_video is True))
     if unread:
         raise ValueError(f"{unread} given to the {family} mRoPE index, which reads none of them (audio_seqlens and "
                          f"use_audio_in_video are Qwen3-Omni's; mm_token_type_ids the Qwen-VL families'): drop them "
@@ -213,8 +222,7 @@ def refuse_seconds_unread_by(family: str, seconds) -> None:
     Raises:
         ValueError: naming the field, its entries and the family.
     """
-    entries = seconds.numel() if isinstance(seconds, torch.Tensor) else len(seconds) \
-        if isinstance(seconds, (list, tuple)) else 1
+    entries = entry_count(seconds)
     if entries and family not in SECONDS_FAMILIES:
         raise ValueError(f"second_per_grid_ts has {entries} entries but the {family} mRoPE index reads none (only "
                          f"{sorted(SECONDS_FAMILIES)} place video frames by seconds): drop them from the batch")
