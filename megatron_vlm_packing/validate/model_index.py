@@ -51,32 +51,73 @@ def _callable_kwargs(params: dict | None, kwargs: dict) -> tuple[dict, list[str]
     return out, unread
 
 
-def _index_of(inputs: PackedInputs, ids: torch.Tensor, kwargs: dict, params: dict | None) -> torch.Tensor:
-    """ids: [L] -> [3, L] positions of one sample alone from the model's index (`MRopeConfig` or callable, whose
-    parameters are `params`).
-
-    Raises:
-        ValueError: the index refuses the sample, or gives something other than 3 x L positions.
-    """
+def _ask_index(inputs: PackedInputs, ids: torch.Tensor, kwargs: dict, params: dict | None):
+    """What the model's index (`MRopeConfig` or callable, whose parameters are `params`) returns for one sample
+    alone, ids: [L] (every token real), as it returns it: a tensor, a tuple, or anything a callable gives."""
     mrope = inputs.mrope
-    if callable(mrope):
-        if "attention_mask" in (params or ()):  # the sample alone: every token real
-            kwargs = {**kwargs, "attention_mask": torch.ones_like(ids[None])}
-        if "mm_token_type_ids" in (params or ()):  # transformers 5 requires them: it was a TypeError
-            from megatron_vlm_packing.rope.index import placeholder_types
-
-            kwargs = {**kwargs, "mm_token_type_ids": placeholder_types(ids, inputs.image_token_id,
-                                                                       inputs.video_token_id)[None]}
-        result = mrope(ids[None], **kwargs)
-    else:
+    if not callable(mrope):
         from megatron_vlm_packing.rope import get_rope_index
 
-        result = get_rope_index(ids[None], mrope, **kwargs)
-    result = result[0] if isinstance(result, tuple) else result
-    if not isinstance(result, torch.Tensor) or result.numel() != 3 * ids.numel():  # a [3, 1, 1] broadcast silently
+        return get_rope_index(ids[None], mrope, **kwargs)
+    if "attention_mask" in (params or ()):  # the sample alone: every token real
+        kwargs = {**kwargs, "attention_mask": torch.ones_like(ids[None])}
+    if "mm_token_type_ids" in (params or ()):  # transformers 5 requires them: it was a TypeError
+        from megatron_vlm_packing.rope.index import placeholder_types
+
+        kwargs = {**kwargs, "mm_token_type_ids": placeholder_types(ids, inputs.image_token_id,
+                                                                   inputs.video_token_id)[None]}
+    return mrope(ids[None], **kwargs)
+
+
+def _positions_in(result, length: int) -> torch.Tensor | str:
+    """The [3, L] positions in what an index returned (its first element when a tuple: transformers returns
+    (positions, deltas)), or why there are none: the message naming what it gave instead."""
+    result = result[0] if isinstance(result, tuple) and result else result
+    if not isinstance(result, torch.Tensor) or result.numel() != 3 * length:  # a [3, 1, 1] broadcast silently
         got = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
-        raise ValueError(f"the index gave {got} for {ids.numel()} tokens, not [3, 1, {ids.numel()}] positions")
+        return f"gave {got} for {length} tokens, not [3, 1, {length}] positions"
     return result.reshape(3, -1)
+
+
+def _expected_positions(inputs: PackedInputs, ids: torch.Tensor, kwargs: dict,
+                        params: dict | None) -> torch.Tensor | str:
+    """ids: [L] -> [3, L] positions of one sample alone from the model's index, or why it gave none: what a callable
+    raised (of any type: transformers' get_rope_index raises IndexError / RuntimeError) or gave instead.
+
+    Raises:
+        ValueError: our own index (`MRopeConfig`) refuses the sample; anything else it raises is our bug, left to
+            surface.
+    """
+    try:
+        result = _ask_index(inputs, ids, kwargs, params)
+    except Exception as err:  # noqa: BLE001 - the user's callable, whatever it raises, is reported, not raised
+        if not callable(inputs.mrope):
+            raise
+        return f"raised {type(err).__name__}: {err}"
+    return _positions_in(result, ids.numel())
+
+
+def index_name(mrope) -> str:
+    """How a report names the index: a callable by its module and qualified name (a partial or an object by its
+    repr, cut at 80 characters), an `MRopeConfig` by its family's index."""
+    if not callable(mrope):
+        return f"the mrope index ({mrope.family} get_rope_index)"
+    qualname = getattr(mrope, "__qualname__", None)
+    name = f"{getattr(mrope, '__module__', None) or '?'}.{qualname}" if qualname else repr(mrope)[:80]
+    return f"the mrope callable {name}"
+
+
+def _index_failure(name: str, failures: dict[int, str], asked: int) -> Violation:
+    """One finding about the index (named `name`) that gave no positions for the documents of `failures`
+    ({document: what it raised or gave}) among the `asked` ones: up to 3 distinct failures, each with its documents."""
+    by_failure: dict[str, list[int]] = {}
+    for d, failure in failures.items():
+        by_failure.setdefault(failure, []).append(d)
+    detail = [f"{failure} (documents {ds[:16]}{' ...' if len(ds) > 16 else ''})"
+              for failure, ds in list(by_failure.items())[:3]]
+    more = f"; and {len(by_failure) - 3} other failure(s)" if len(by_failure) > 3 else ""
+    return Violation("mrope_index", f"{name} failed on {len(failures)} of the {asked} documents asked: "
+                                    f"{'; '.join(detail)}{more}")
 
 
 # Why a document with videos is not compared when no seconds were given (`_reads_seconds` index).
@@ -128,13 +169,14 @@ def against_model_index(inputs: PackedInputs, docs: Documents, items: dict, skip
                         audio_unchecked: dict[int, str]) -> tuple[list[Violation], dict[int, str]]:
     """Each document's real positions ([3, L] of `inputs.position_ids`) equal to the index's for it alone.
 
-    Returns the violation (naming the first differing token of up to 4 documents, or what the index raised on
-    them: an index callable's exception of any type is its finding for that document, not the report's end)
-    and {document: why it could not be checked}. Documents in `skip` (already reported) are not asked about,
-    nor those of `audio_unchecked` (`vision.audio_coverage`: audio the index would need lengths for), returned
-    with the rest.
+    Returns the violations: mrope_positions naming the first differing token of up to 4 documents (or our
+    index's refusal of them: a ValueError), and one mrope_index finding for the documents the index gave no
+    positions for (a callable's exception of any type, or a result that is not [3, 1, L] positions: the index
+    is broken, not the pack, so those documents are not checked rather than each blamed); and {document: why it
+    could not be checked}. Documents in `skip` (already reported) are not asked about, nor those of
+    `audio_unchecked` (`vision.audio_coverage`: audio the index would need lengths for), returned with the rest.
     """
-    bad, unchecked = [], dict(audio_unchecked)
+    bad, unchecked, failures, asked = [], dict(audio_unchecked), {}, 0
     params = _parameters(inputs.mrope) if callable(inputs.mrope) else None  # read once, not per document
     reads_seconds = _reads_seconds(inputs.mrope, params)
     seconds_missing = inputs.second_per_grid_ts is None and reads_seconds
@@ -157,24 +199,27 @@ def against_model_index(inputs: PackedInputs, docs: Documents, items: dict, skip
             if unread:
                 unchecked[d] = f"the mrope callable takes none of {unread} by name"
                 continue
+        asked += 1
         try:
-            expected = _index_of(inputs, ids, kwargs, params)
-        except ValueError as err:  # the model's own index refuses this document
+            expected = _expected_positions(inputs, ids, kwargs, params)
+        except ValueError as err:  # our own index refuses this document (a callable's errors come back as text)
             bad.append((d, 0, "refused", str(err)))
             continue
-        except Exception as err:  # noqa: BLE001 - the user's callable: transformers raises IndexError / RuntimeError
-            if not callable(inputs.mrope):  # our own index: anything but a ValueError is our bug, left to surface
-                raise
-            bad.append((d, 0, "raised", f"{type(err).__name__}: {err}"))
+        if isinstance(expected, str):
+            failures[d] = expected
             continue
         got = inputs.position_ids[:, slots]
         differs = got.double() != expected.double()  # float32 positions (Qwen3-Omni) compared untruncated
         if bool(differs.any()):
             k = int(differs.any(0).nonzero()[0])
             bad.append((d, k, got[:, k].tolist(), expected[:, k].tolist()))
-    if not bad:
-        return [], unchecked
-    detail = [f"document {d}: the model's index refuses it: {e}" if g == "refused" else
-              f"document {d}: the model's index raised {e}" if g == "raised" else
-              f"document {d} token {k}: {g} where the model's index gives {e}" for d, k, g, e in bad[:4]]
-    return [Violation("mrope_positions", "; ".join(detail), tuple(d for d, *_ in bad))], unchecked
+    found = []
+    if bad:
+        detail = [f"document {d}: the model's index refuses it: {e}" if g == "refused" else
+                  f"document {d} token {k}: {g} where the model's index gives {e}" for d, k, g, e in bad[:4]]
+        found.append(Violation("mrope_positions", "; ".join(detail), tuple(d for d, *_ in bad)))
+    if failures:
+        name = index_name(inputs.mrope)
+        found.append(_index_failure(name, failures, asked))
+        unchecked.update({d: f"{name} gave no positions for them (see mrope_index)" for d in failures})
+    return found, unchecked

@@ -15,7 +15,8 @@ class Check:
 
     Attributes:
         name: short stable id (what tests and the CLI print).
-        contract_item: the packing-contract item it enforces (1-10), or None.
+        contract_item: the packing-contract item it enforces (1-10), or None (a finding about what the
+            validator was given, e.g. a broken mrope index, not about the pack).
         bug_class: the bug class its failure is (1-14), or None when it is a contract break only.
         title: one line saying what went wrong.
     """
@@ -38,6 +39,8 @@ CHECKS: dict[str, Check] = {c.name: c for c in (
     Check("positions_restart", 3, None, "positions do not restart at 0 in every document"),
     Check("mrope_channels_identical", 3, 1, "1D positions copied to 3 mRoPE channels on a document with vision tokens"),
     Check("mrope_positions", 3, None, "mRoPE positions differ from the model's get_rope_index for the sample alone"),
+    Check("mrope_index", None, None, "the mrope index given raised, or gave other than [3, 1, L] positions: the "
+                                     "documents it failed on are not checked"),
     Check("labels_cross_documents", 1, 8, "a document's last token is trained on the token after it in the pack "
                                            "(the next document's first, or a pad), not its sample's own target"),
     Check("loss_on_pad", 1, None, "loss weight on pad slots"),
@@ -86,7 +89,8 @@ class Violation:
             tags.append(f"bug class {self.bug_class}")
         docs = f" documents {list(self.documents)[:16]}{' ...' if len(self.documents) > 16 else ''}:" \
             if self.documents else ""
-        return f"[{self.check}] ({', '.join(tags)}) {CHECKS[self.check].title}.{docs} {self.message}"
+        tagged = f" ({', '.join(tags)})" if tags else ""
+        return f"[{self.check}]{tagged} {CHECKS[self.check].title}.{docs} {self.message}"
 
 
 @dataclass(frozen=True)

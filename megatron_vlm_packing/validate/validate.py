@@ -237,8 +237,8 @@ def _position_checks(inputs: PackedInputs, docs: Documents, media: MediaFindings
     checked, skipped = ["positions_restart", "mrope_channels_identical"], []
     if inputs.mrope and inputs.position_ids.dim() == 1:  # nothing was compared: an OK must not read as compared
         skipped.append(("mrope_positions", POSITIONS_1D))
-    elif inputs.mrope:
-        checked.append("mrope_positions")
+    elif inputs.mrope:  # mrope_index: the index gave [3, 1, L] positions for every document it was asked about
+        checked += ["mrope_index", "mrope_positions"]
     elif inputs.position_ids.dim() == 2:  # say so: an OK must not read as "mRoPE checked"
         skipped.append(("mrope_positions", "no mrope (MRopeConfig or the model's index) given: [3, T] positions "
                         "are checked for restarts and identical channels only"))

@@ -263,11 +263,12 @@ def test_float_grids_are_named_without_an_index():
 
 
 @pytest.mark.parametrize("error", [TypeError("index() got an unexpected keyword"), RuntimeError("shape mismatch"),
-                                   IndexError("index 7 is out of bounds"), KeyError("video")])
-def test_an_mrope_callable_that_raises_is_reported_not_a_crash(vlm_pack, error):
-    """The user's index callable raising anything but ValueError (transformers' get_rope_index raises IndexError /
-    RuntimeError on a sample it cannot place) propagated out of validate_packed_batch: no report at all. It is the
-    finding of mrope_positions for the documents it raised on, with the exception's type and message."""
+                                   IndexError("index 7 is out of bounds"), KeyError("video"), ValueError("no grid")])
+def test_an_mrope_callable_that_raises_is_one_finding_about_the_index(vlm_pack, error):
+    """The user's index callable raising (transformers' get_rope_index raises IndexError / RuntimeError on a sample
+    it cannot place) propagated out of validate_packed_batch: no report at all. Then each document it raised on was
+    an mrope_positions violation ("mRoPE positions differ"), though no position was compared. It is one mrope_index
+    finding naming the callable and its exception; the documents it raised on are listed as not checked."""
     from tests.validate.conftest import clone
 
     fields = clone(vlm_pack[1])
@@ -279,10 +280,35 @@ def test_an_mrope_callable_that_raises_is_reported_not_a_crash(vlm_pack, error):
             raise error
         return torch.arange(input_ids.shape[1]).expand(3, 1, -1)  # text alone: 0, 1, 2, ... in every channel
 
-    report = only(validate_packed_batch(**{**fields, "mrope": index}), "mrope_positions")
-    documents = tuple(d for d, has_images in enumerate(calls) if has_images)
-    assert documents and report.violations[0].documents == documents, str(report)
-    assert f"the model's index raised {type(error).__name__}: {error}" in str(report)
+    report = only(validate_packed_batch(**{**fields, "mrope": index}), "mrope_index")
+    documents = [d for d, has_images in enumerate(calls) if has_images]
+    assert documents and len(report.violations) == 1 and report.violations[0].documents == (), str(report)
+    name = f"{__name__}.test_an_mrope_callable_that_raises_is_one_finding_about_the_index.<locals>.index"
+    assert (f"the mrope callable {name} failed on {len(documents)} of the {len(calls)} documents asked: "
+            f"raised {type(error).__name__}: {error} (documents {documents})") in str(report), str(report)
+    skipped = [why for check, why in report.skipped if check == "mrope_positions"]
+    assert skipped == [f"documents {documents}: the mrope callable {name} gave no positions for them "
+                       f"(see mrope_index)"], str(report)
+    assert {"mrope_index", "mrope_positions"} <= set(report.checked), str(report)
+
+
+def test_an_mrope_callable_that_fails_on_every_document_is_still_one_finding(vlm_pack):
+    """An index that cannot be called at all (a wrong signature: every call a TypeError) made all 5 documents
+    mrope_positions violations, each repeating the same exception."""
+    from tests.validate.conftest import clone
+
+    fields = clone(vlm_pack[1])
+    error = TypeError("get_rope_index() missing 1 required positional argument: 'attention_mask'")
+
+    def broken(input_ids, **kwargs):
+        raise error
+
+    report = only(validate_packed_batch(**{**fields, "mrope": broken}), "mrope_index")
+    assert len(report.violations) == 1 and str(report).count(str(error)) == 1, str(report)
+    assert f"failed on 5 of the 5 documents asked: raised TypeError: {error} (documents [0, 1, 2, 3, 4])" \
+        in str(report), str(report)
+    assert "[mrope_index] the mrope index" in str(report), str(report)  # no contract item: the pack is not blamed
+    assert "mrope_positions" not in report.failed_checks
 
 
 def megatron_pack(ids, labels, lengths, cp_size: int = 1) -> dict:
