@@ -157,7 +157,9 @@ def _checked_callable_positions(positions: torch.Tensor, input_ids: torch.Tensor
 
 
 # Whole numbers a half dtype holds exactly (2 ** (mantissa bits + 1)); fractional positions (Qwen3-Omni's) fewer.
-# The packers refuse these dtypes for mRoPE positions; the validator names saved positions beyond them.
+# The packers refuse these dtypes for mRoPE positions (by dtype: judging values would need a read); the validator
+# compares saved ones with the model's index, which tells exact values above the limit from rounded ones, and
+# names those beyond it that no index compared.
 HALF_EXACT_WHOLE_NUMBERS = {torch.bfloat16: 256, torch.float16: 2048}
 
 

@@ -16,7 +16,7 @@ import inspect
 
 import torch
 
-from megatron_vlm_packing.packing.positions import seconds_parameter
+from megatron_vlm_packing.packing.positions import HALF_EXACT_WHOLE_NUMBERS, seconds_parameter
 from megatron_vlm_packing.validate.documents import Documents
 from megatron_vlm_packing.validate.inputs import PackedInputs
 from megatron_vlm_packing.validate.report import Violation
@@ -95,6 +95,19 @@ def _expected_positions(inputs: PackedInputs, ids: torch.Tensor, kwargs: dict,
             raise
         return f"raised {type(err).__name__}: {err}"
     return _positions_in(result, ids.numel())
+
+
+def _rounding(dtype: torch.dtype, expected: torch.Tensor) -> str:
+    """' (torch.bfloat16 holds no 257: it rounds to 256)' when the positions' dtype cannot hold a position of
+    `expected` ([3] one token's, from the index), else ''."""
+    if dtype not in HALF_EXACT_WHOLE_NUMBERS:  # float32 / float64 hold every position an index gives
+        return ""
+    wanted = expected.double()
+    held = wanted.to(dtype).double()
+    if torch.equal(held, wanted):
+        return ""
+    k = int((held != wanted).nonzero()[0])
+    return f" ({dtype} holds no {wanted[k].item():g}: it rounds to {held[k].item():g})"
 
 
 def index_name(mrope) -> str:
@@ -203,7 +216,7 @@ def against_model_index(inputs: PackedInputs, docs: Documents, items: dict, skip
         try:
             expected = _expected_positions(inputs, ids, kwargs, params)
         except ValueError as err:  # our own index refuses this document (a callable's errors come back as text)
-            bad.append((d, 0, "refused", str(err)))
+            bad.append((d, f"document {d}: the model's index refuses it: {err}"))
             continue
         if isinstance(expected, str):
             failures[d] = expected
@@ -212,12 +225,12 @@ def against_model_index(inputs: PackedInputs, docs: Documents, items: dict, skip
         differs = got.double() != expected.double()  # float32 positions (Qwen3-Omni) compared untruncated
         if bool(differs.any()):
             k = int(differs.any(0).nonzero()[0])
-            bad.append((d, k, got[:, k].tolist(), expected[:, k].tolist()))
+            bad.append((d, f"document {d} token {k}: {got[:, k].tolist()} where the model's index gives "
+                           f"{expected[:, k].tolist()}{_rounding(got.dtype, expected[:, k])}"))
     found = []
     if bad:
-        detail = [f"document {d}: the model's index refuses it: {e}" if g == "refused" else
-                  f"document {d} token {k}: {g} where the model's index gives {e}" for d, k, g, e in bad[:4]]
-        found.append(Violation("mrope_positions", "; ".join(detail), tuple(d for d, *_ in bad)))
+        detail = "; ".join(detail for _, detail in bad[:4])
+        found.append(Violation("mrope_positions", detail, tuple(d for d, _ in bad)))
     if failures:
         name = index_name(inputs.mrope)
         found.append(_index_failure(name, failures, asked))

@@ -55,43 +55,70 @@ def check_positions_1d(inputs: PackedInputs, docs: Documents) -> list[Violation]
     return out
 
 
-def check_float_positions(inputs: PackedInputs, docs: Documents) -> list[Violation]:
-    """[3, T] floating positions against what the rotary reads: float32 (Megatron's MultimodalRotaryEmbedding
-    casts them to its inv_freq dtype; `rope.rotary` likewise). float64 values that cast changes, and a half
-    dtype holding positions above the whole numbers it holds exactly (bfloat16 256, float16 2048: beyond them
-    it steps by 2 or more, so consecutive positions cannot all be in it), are named (contract 3 / 10)."""
+def float64_read_changes(inputs: PackedInputs, docs: Documents) -> list[Violation]:
+    """[3, T] float64 positions that the rotary's float32 reading changes (Megatron's MultimodalRotaryEmbedding casts
+    them to its inv_freq dtype; `rope.rotary` likewise), named (contract 3 / 10). bf16 / fp16 values are all float32
+    values: whether they are right is the index's question (`half_positions_unjudged` without it)."""
     positions, real = inputs.position_ids, docs.is_real
-    if positions.dtype == torch.float64:
-        changed = (positions.float().double() != positions) & real
-        if not bool(changed.any()):
-            return []
-        channel, slot = (int(i) for i in changed.nonzero()[0])
-        value = positions[channel, slot]
-        return [Violation("dtypes", f"position_ids are torch.float64 and the rotary reads positions as float32, "
-                          f"which changes {int(changed.sum())} of them: channel {channel} slot {slot}: "
-                          f"{float(value)!r} is read as {float(value.float())!r}",
-                          tuple(docs.doc_of_slot[changed.any(0)].unique().tolist()))]
-    limit = HALF_EXACT_WHOLE_NUMBERS.get(positions.dtype)
-    beyond = (positions.abs() > limit).any(0) & real if limit is not None else None
-    if beyond is None or not bool(beyond.any()):
+    if positions.dtype != torch.float64:
         return []
-    documents = tuple(docs.doc_of_slot[beyond].unique().tolist())
+    changed = (positions.float().double() != positions) & real
+    if not bool(changed.any()):
+        return []
+    channel, slot = (int(i) for i in changed.nonzero()[0])
+    value = positions[channel, slot]
+    return [Violation("dtypes", f"position_ids are torch.float64 and the rotary reads positions as float32, "
+                      f"which changes {int(changed.sum())} of them: channel {channel} slot {slot}: "
+                      f"{float(value)!r} is read as {float(value.float())!r}",
+                      tuple(docs.doc_of_slot[changed.any(0)].unique().tolist()))]
+
+
+def _rounding_examples(dtype: torch.dtype, limit: int, top: float) -> str:
+    """Whole numbers just above `limit` (the dtype's exact range) that `dtype` rounds, and, where positions reach
+    twice the limit, one there (the dtype steps by 4): '257 rounds to 256, 259 to 260, 514 to 512'."""
+    examples = [limit + 1, limit + 3] + ([2 * limit + 2] if top > 2 * limit else [])
+    rounded = [int(torch.tensor(float(v), dtype=torch.float64).to(dtype)) for v in examples]
+    parts = [f"{v} rounds to {r}" if i == 0 else f"{v} to {r}" for i, (v, r) in enumerate(zip(examples, rounded))]
+    return ", ".join(parts)
+
+
+def half_positions_unjudged(inputs: PackedInputs, docs: Documents,
+                            documents: set[int] | None = None) -> list[Violation]:
+    """[3, T] bf16 / fp16 positions above the whole numbers the dtype holds exactly (`HALF_EXACT_WHOLE_NUMBERS`),
+    in documents no index compared (all, or those of `documents`): a value there may be a rounded position (257
+    stored as 256), which only the model's index can tell from a right one, so they are named with the whole
+    numbers that round (contract 3 / 10). Nothing when the dtype is not a half one or no position is beyond."""
+    positions = inputs.position_ids
+    limit = HALF_EXACT_WHOLE_NUMBERS.get(positions.dtype)
+    if limit is None:
+        return []
+    beyond = (positions.abs() > limit).any(0) & docs.is_real
+    if documents is not None:
+        beyond &= torch.isin(docs.doc_of_slot, torch.tensor(sorted(documents), dtype=docs.doc_of_slot.dtype))
+    if not bool(beyond.any()):
+        return []
+    found = tuple(docs.doc_of_slot[beyond].unique().tolist())
+    top = float(positions[:, beyond].abs().max())
     return [Violation("dtypes", f"position_ids are {positions.dtype}, which holds whole numbers exactly only up to "
-                      f"{limit}, and documents {list(documents)[:8]} reach position "
-                      f"{float(positions[:, real].abs().max()):g}: pack mRoPE positions as integers (float32 where "
-                      f"they are fractional)", documents)]
+                      f"{limit} ({_rounding_examples(positions.dtype, limit, top)}), and documents {list(found)[:8]} "
+                      f"hold {int(beyond.sum())} positions above {limit} (up to {top:g}): without the model's index "
+                      f"(mrope=) they cannot be told from rounded ones; pack mRoPE positions as integers (float32 "
+                      f"where they are fractional)", found)]
 
 
 def check_positions_3d(inputs: PackedInputs, docs: Documents,
                        media: MediaFindings) -> tuple[list[Violation], dict[int, str]]:
-    """[3, T] positions: restart at 0, distinct channels on vision documents, equal to the model's index
-    (`validate.model_index`, given each document's items of `media`; its failed documents are not asked about).
+    """[3, T] positions: read as the rotary reads them (float64 that float32 changes, or bf16 / fp16 beyond their
+    exact whole numbers with no index to judge them, stop here), restart at 0, distinct channels on vision
+    documents, equal to the model's index (`validate.model_index`, given each document's items of `media`; its
+    failed documents are not asked about).
     Returns the violations and the documents the index could not check, with why."""
     positions = inputs.position_ids
-    if positions.is_floating_point():
-        unread = check_float_positions(inputs, docs)
-        if unread:  # the values are not what the model reads: comparing them would judge other positions
-            return unread, {}
+    unread = float64_read_changes(inputs, docs)
+    if not unread and inputs.mrope is None:  # no index to tell exact bf16 / fp16 positions from rounded ones
+        unread = half_positions_unjudged(inputs, docs)
+    if unread:  # the values are not what the model reads, or cannot be judged: the checks below would mislead
+        return unread, {}
     out, flagged = [], set()
     starts = [d for d in range(docs.num_documents) if docs.real[d] and
               bool((positions[:, docs.bounds.starts[d]] != 0).any())]
@@ -113,7 +140,9 @@ def check_positions_3d(inputs: PackedInputs, docs: Documents,
     if inputs.mrope is None:
         return out, {}
     found, unchecked = against_model_index(inputs, docs, media.items, flagged | media.failed, media.audio.unchecked)
-    return out + found, unchecked
+    # bf16 / fp16 positions the index compared are judged by it (exact ones pass, rounded ones differ); the rest
+    # are judged as without an index
+    return out + found + (half_positions_unjudged(inputs, docs, set(unchecked)) if unchecked else []), unchecked
 
 
 def check_positions(inputs: PackedInputs, docs: Documents,

@@ -79,8 +79,9 @@ def _dtype_checked(inputs: PackedInputs) -> tuple[PackedInputs, list[Violation]]
     complex tensor is a broken batch even when its values look right; and the 1D checks compare
     through `.long()` / `int()`, which would truncate 2.5 to 2 and pass a wrong position as right.
     [3, T] floating mRoPE positions pass here: Qwen3-Omni's temporal positions are fractional, the rotary
-    reads every position as float32, and `positions.check_float_positions` names a dtype only where that
-    reading changes a position (the 3D checks compare them without truncating).
+    reads every position as float32, and the 3D checks name a dtype only where that reading changes a position
+    (`positions.float64_read_changes`) or a bf16 / fp16 value may be a rounded one that no index judged
+    (`positions.half_positions_unjudged`); they compare the values without truncating.
     """
     from dataclasses import replace
 

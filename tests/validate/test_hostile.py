@@ -401,15 +401,16 @@ def test_floating_mrope_positions_are_judged_as_the_rotary_reads_them(vlm_pack):
 def test_half_precision_positions_beyond_their_whole_numbers_are_named():
     """bfloat16 holds whole numbers exactly only up to 256 (float16: 2048): a 300-token document's positions
     273, 275, ... cannot be in it. The report said only 'must be an integer tensor (or float32)'; it now names
-    the limit and the largest position. 1D positions stay integers only (the 1D checks compare them as ints)."""
+    the limit, whole numbers that round and the positions beyond it (tests/validate/test_half_positions.py). 1D positions stay integers only (the 1D checks compare them as ints)."""
     n = 300
     base = dict(input_ids=torch.arange(1, n + 1)[None], cu_seqlens=torch.tensor([0, n], dtype=torch.int32),
                 max_seqlen=n)
     positions = torch.arange(n).expand(3, 1, n)
     assert validate_packed_batch(**base, position_ids=positions).ok
     report = only(validate_packed_batch(**base, position_ids=positions.bfloat16()), "dtypes")
-    assert ("position_ids are torch.bfloat16, which holds whole numbers exactly only up to 256, and documents [0] "
-            "reach position 300") in str(report), str(report)
+    beyond = int((positions.bfloat16()[0, 0].float() > 256).sum())  # 258 ... 300 as bf16 stores 257 ... 299
+    assert ("position_ids are torch.bfloat16, which holds whole numbers exactly only up to 256 (257 rounds to 256, "
+            f"259 to 260), and documents [0] hold {beyond} positions above 256 (up to 300)") in str(report), str(report)
     assert validate_packed_batch(**base, position_ids=positions.half()).ok
     report = only(validate_packed_batch(**base, position_ids=torch.arange(n)[None].double()), "dtypes")
     assert "position_ids has dtype torch.float64; 1D positions must be an integer tensor" in str(report), str(report)
