@@ -47,7 +47,8 @@ SAVED_KEYS = {
     "audio_n_window": "int, audio encoder window that sets each clip's tokens (default: the mrope config's, else 50)",
     "source_input_ids": "[B, S] the unpacked rows", "source_labels": "[B, S]",
     "source_attention_mask": "[B, S] 1 = real token", "source_loss_mask": "[B, S] (optional)",
-    "label_style": "'hf' (source labels unshifted) or 'megatron' (already next-token)",
+    "label_style": "'hf' (the samples' labels unshifted) or 'megatron' (already next-token): the source rows' "
+                   "style; without them 'hf' decides bug class 8 (an HF-style sample's last token has no target)",
     "tp_size": "int", "cp_size": "int", "sequence_parallel": "bool", "fp8": "bool",
     "cp_ranks": "{rank: {'cp_index': [T/cp], 'labels': [1, T/cp], ...}} what each CP rank received",
     "cp_index": "[T/cp] the partition index of a batch saved on one CP rank (its sequence fields hold T/cp slots; "
@@ -119,6 +120,9 @@ class PackedInputs:
         audio_seqlens: [A] long raw audio lengths per clip (token order), or None; audio_token_id,
             audios_per_document and audio_n_window (None: the mrope config's, else 50) split them per document.
         use_audio_in_video: given to an mrope callable that takes it; None = told per document.
+        label_style: how the samples' labels were given before packing: "hf" (unshifted: a sample's last token
+            has no target, so in a correct pack every document's last real token is untrained) or "megatron"
+            (already next-token); None = not said (the source rows' style reads their labels only).
         mrope: an `MRopeConfig` or callable(ids [1, L], image_grid_thw=, video_grid_thw=, ...) -> [3, 1, L]
             (a callable gets the inputs its signature names: second_per_grid_ts / second_per_grids,
             audio_seqlens, use_audio_in_video, and mm_token_type_ids read from the placeholder ids). With an `MRopeConfig`, placeholder ids and the merge size
@@ -159,6 +163,7 @@ class PackedInputs:
     mrope: Any = None
     ignore_index: int = -100
     localized_total: int | None = None
+    label_style: str | None = None
 
     @property
     def total(self) -> int:
@@ -235,7 +240,7 @@ def _from_mapping(batch: Mapping) -> dict:
                                                      "max_seqlen_kv", "ignore_index", "mrope"}, key=repr)
     if unknown:
         raise ValueError(f"unknown keys in the batch: {unknown}; known keys: {sorted(SAVED_KEYS)}")
-    out = {k: v for k, v in batch.items() if not k.startswith("source_") and k != "label_style"}
+    out = {k: v for k, v in batch.items() if not k.startswith("source_")}
     if out.get("tokens") is not None and out.get("input_ids") is not None:  # one was judged, the other ignored
         raise ValueError("the batch has both input_ids and tokens: give the token ids once")
     if "tokens" in out:
@@ -257,7 +262,7 @@ def _from_mapping(batch: Mapping) -> dict:
         # [B, S] of source_input_ids, or the per-row comparisons index out of range
         rows = {k: batch[f"source_{k}"] for k in ("input_ids", "attention_mask", "labels", "loss_mask")
                 if batch.get(f"source_{k}") is not None}
-        out["source"] = SourceRows(**rows, label_style=batch.get("label_style", "hf"))  # checks every row field
+        out["source"] = SourceRows(**rows, label_style=batch.get("label_style") or "hf")  # checks every row field
     return out
 
 
@@ -396,6 +401,23 @@ def _scalar_values(values: dict) -> dict:
     return out
 
 
+def _label_style_value(values: dict) -> dict:
+    """{"label_style": ...} as given (the packers' rule); {} when not given: `SourceRows`' default style is not
+    the caller's word on the labels.
+
+    Raises:
+        ValueError: a style other than "hf" / "megatron", or one contradicting the style the source rows' labels
+            are read by (each would judge the last tokens by another rule).
+    """
+    given, source = values.get("label_style"), values.get("source")
+    if given is None:
+        return {}
+    check_label_style(given)
+    if source is not None and source.labels is not None and source.label_style != given:
+        raise ValueError(f"label_style={given!r} contradicts the source rows' label_style={source.label_style!r}")
+    return {"label_style": given}
+
+
 def _cp_ranks_value(ranks) -> dict[int, dict[str, torch.Tensor]]:
     """{rank: {name: tensor}} with int ranks and dense CPU tensors (None entries left out).
 
@@ -444,6 +466,7 @@ def build_inputs(batch=None, **overrides) -> PackedInputs:
     values.update(_localized_total(values))
     values.update(_count_values(values))
     values.update(_scalar_values(values))
+    values.update(_label_style_value(values))
     if values.get("cp_ranks") is not None:
         values["cp_ranks"] = _cp_ranks_value(values["cp_ranks"])
     check_mrope(values.get("mrope"))  # the packers' rule: None, an MRopeConfig or the model's index callable

@@ -72,10 +72,11 @@ class Crossings(NamedTuple):
     """Last real tokens trained on a token a shift after concatenation would give them (bug class 8).
 
     Attributes:
-        found: (document, slot, label) where the document's source row has another target there.
-        undecided: documents with such a label and no source row (with labels) matched to them. Their sample's
-            own next token is not in the pack, and may be that very id (an EOS that is the next document's
-            first token, or the pad id): a crossing and a correct pack hold the same numbers there.
+        found: (document, slot, label) where the document's source row has another target there, or, without one,
+            where the labels were HF style (`PackedInputs.label_style`): an HF-style sample's last token has none.
+        undecided: documents with such a label, no source row (with labels) matched to them and labels not said to
+            be HF style. Their sample's own next token is not in the pack, and may be that very id (an EOS that is
+            the next document's first token, or the pad id): a crossing and a correct pack hold the same numbers.
     """
 
     found: list[tuple[int, int, int]]
@@ -98,7 +99,7 @@ def _tokens_after(inputs: PackedInputs, docs: Documents, doc: int, is_real: torc
 
 def crossings(inputs: PackedInputs, docs: Documents) -> Crossings:
     """Documents whose last real token is trained on a token of the slots after it (`_tokens_after`): `found`
-    where the source row has another target there, `undecided` without a source row to tell."""
+    where the source row has another target there or the labels were HF style, `undecided` otherwise."""
     trained = target_weights(inputs)
     if trained is None or inputs.labels is None:
         return Crossings([], [])
@@ -111,7 +112,9 @@ def crossings(inputs: PackedInputs, docs: Documents) -> Crossings:
         if not bool(trained[last]) or label not in _tokens_after(inputs, docs, d, is_real):
             continue
         own = _source_target(inputs, docs, d)
-        if own is None:
+        if own is None and inputs.label_style == "hf":  # the sample has no target after its last token
+            found.append((d, last, label))
+        elif own is None:
             undecided.append(d)
         elif own != label:
             found.append((d, last, label))
@@ -139,7 +142,9 @@ def check_labels_cross_documents(inputs: PackedInputs, docs: Documents) -> tuple
         why = (f"documents {undecided[:16]}{' ...' if len(undecided) > 16 else ''}: the last token is trained on "
                f"the id of the token after it in the pack (the next document's first, or a pad); without source "
                f"rows (with labels) matched to them, labels shifted after concatenation cannot be told from a "
-               f"sample whose own next token that id is (an EOS that opens the next document, or is the pad id)")
+               f"sample whose own next token that id is (an EOS that opens the next document, or is the pad id)"
+               + ("" if inputs.label_style == "megatron" else "; label_style='hf' decides it when the samples' "
+                  "labels were unshifted: an HF-style sample's last token has no target"))
     if not found:
         return [], why
     is_real = docs.is_real
