@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 
 from megatron_vlm_packing.models.adapter import ModelAdapter, check_unpacked_ids
-from megatron_vlm_packing.models.gpt_adapter import seconds_entries
 from megatron_vlm_packing.packing.localize import LocalizeNeeds
 from megatron_vlm_packing.packing.micro_batch import MicroBatch, VisionInputs
 
@@ -153,7 +152,7 @@ def _check_unpacked_seconds(vision: VisionInputs) -> None:
     """`check_unpacked_vision`'s seconds part: `second_per_grid_ts` (read by Bridge's Qwen2.5-VL for its video
     positions) is one real, finite, non-negative entry per video, as packing checks it. Extra entries were
     dropped, too few an IndexError (StopIteration) inside the model, NaN positions silent. One host read."""
-    from megatron_vlm_packing.packing.media import check_seconds_count
+    from megatron_vlm_packing.packing.media import check_seconds_count, refuse_seconds_without_videos
     from megatron_vlm_packing.rope.index import check_seconds, check_seconds_dtype
 
     seconds = vision.second_per_grid_ts
@@ -161,8 +160,7 @@ def _check_unpacked_seconds(vision: VisionInputs) -> None:
         return
     check_seconds_dtype(seconds)
     if vision.video_grid_thw is None:
-        if seconds.numel():
-            raise ValueError(f"second_per_grid_ts has {seconds.numel()} entries but the micro-batch has no videos")
+        refuse_seconds_without_videos(seconds)
         return
     check_seconds_count(seconds, vision.video_grid_thw)
     check_seconds(seconds)
@@ -219,10 +217,17 @@ class Qwen3VLAdapter(ModelAdapter):
         super().check(micro_batch)
         check_unpacked_ids(micro_batch, self.vocab_size)
         check_unpacked_vision(micro_batch, self.mrope)
-        entries = seconds_entries(micro_batch)
-        if entries:  # not handed to the model (it takes none): dropped here before
-            raise ValueError(f"second_per_grid_ts has {entries} entries but {self.model_name} reads none (Qwen3-VL "
-                             f"places video frames by the timestamp text between them): drop them from the batch")
+        self.refuse_seconds(micro_batch)
+
+    def refuse_seconds(self, micro_batch: MicroBatch) -> None:
+        """Seconds per grid step are not handed to the model (it takes none; dropped here before): its index
+        (Qwen3-VL's, which places frames by the timestamp text between them) reads none
+        (`rope.index.refuse_seconds_unread_by`, the one rule)."""
+        from megatron_vlm_packing.rope.index import refuse_seconds_unread_by
+
+        vision = micro_batch.vision
+        refuse_seconds_unread_by(self.mrope.family, vision.second_per_grid_ts if vision is not None else None,
+                                 self.model_name)
 
     def forward(self, model, micro_batch: MicroBatch):
         mb = micro_batch

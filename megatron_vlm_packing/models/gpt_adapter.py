@@ -41,36 +41,22 @@ def check_position_kind(micro_batch: MicroBatch, rotary: str, model_name: str) -
                          f"or build an mRoPE model")
 
 
-def seconds_entries(micro_batch: MicroBatch) -> int:
-    """Entries of the micro-batch's `second_per_grid_ts` (0 without any; `rope.index.entry_count`). Reads no values."""
-    from megatron_vlm_packing.rope.index import entry_count
-
-    return entry_count(micro_batch.vision.second_per_grid_ts if micro_batch.vision is not None else None)
-
-
 def refuse_unread_seconds(micro_batch: MicroBatch, rotary: str, model_name: str) -> None:
     """`second_per_grid_ts` of a model that takes none (GPTModel, PackedVLM) must have been read by the index
     that made its mRoPE positions: with a 1D rotary nothing reads them, and an index of a family outside
-    `rope.config.SECONDS_FAMILIES` reads none. Positions given in the batch or made by a callable
-    (`mrope_config` None) are taken as made from them. Reads no values.
+    `rope.config.SECONDS_FAMILIES` reads none (`rope.index.refuse_seconds_unread_by`, the one rule). Positions given
+    in the batch or made by a callable (`mrope_config` None) are taken as made from them. Reads no values.
 
     Raises:
-        ValueError: naming the field, its entries and the model's rotary (or the index's family).
+        ValueError: naming the field, its entries, the model and its rotary (or the index's family).
     """
-    from megatron_vlm_packing.rope.config import SECONDS_FAMILIES
+    from megatron_vlm_packing.rope.index import refuse_seconds_unread_by
 
-    entries = seconds_entries(micro_batch)
-    if not entries:
-        return
+    seconds = micro_batch.vision.second_per_grid_ts if micro_batch.vision is not None else None
     if rotary != "mrope":
-        raise ValueError(f"second_per_grid_ts has {entries} entries but {model_name}'s rotary is 1D: nothing reads "
-                         f"them (seconds per grid step place video frames in time only in an mRoPE index); drop "
-                         f"them from the batch")
-    made_with = micro_batch.mrope_config
-    if made_with is not None and made_with.family not in SECONDS_FAMILIES:
-        raise ValueError(f"second_per_grid_ts has {entries} entries but the micro-batch's mRoPE positions were made "
-                         f"by the {made_with.family} index, which reads none (nor does {model_name}): drop them "
-                         f"from the batch")
+        refuse_seconds_unread_by(None, seconds, model_name)
+    elif micro_batch.mrope_config is not None:
+        refuse_seconds_unread_by(micro_batch.mrope_config.family, seconds, model_name)
 
 
 def _uses_packed_mrope(model: nn.Module) -> bool:

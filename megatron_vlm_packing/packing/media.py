@@ -383,8 +383,8 @@ def vision_inputs(batch: dict, host: MediaHost, tokens: MediaTokens, *,
         videos = video_grid = seconds = None
     # Seconds beside no video at all (no pixels, no grid rows an mRoPE index reads) are read by nothing: with
     # images they travelled to the model beside no video, with mrope= they were dropped without a word.
-    if seconds is not None and seconds.numel() and videos is None and (video_grid is None or not video_grid.shape[0]):
-        raise ValueError(f"second_per_grid_ts has {seconds.numel()} entries but the batch has no videos")
+    if videos is None and (video_grid is None or not video_grid.shape[0]):
+        refuse_seconds_without_videos(seconds)
     # One entry per video whoever reads them: beside pixels `_video_counts` counts them; grids alone went to the
     # mRoPE index or position callable uncounted (a callable checks nothing).
     if seconds is not None and videos is None and video_grid is not None and video_grid.shape[0]:
@@ -444,6 +444,21 @@ def _video_counts(videos, grid, grid_rows, seconds, host: MediaHost, tokens: Med
         check_seconds_count(seconds, grid)
     return items_per_row(rows, grid_tokens(grid_rows, tokens.spatial_merge_size, "video_grid_thw"),
                          kind="video", field="video_grid_thw", row_name=host.row_name)
+
+
+def refuse_seconds_without_videos(seconds) -> None:
+    """Seconds per grid step, with entries, where the batch has no video (no pixels, no grid rows an mRoPE index
+    reads) are read by nothing: the one rule of packing and of the adapters' checks of micro-batches no packer
+    checked (`bridge.adapters`). Reads no values.
+
+    Raises:
+        ValueError: naming the field and its entries.
+    """
+    from megatron_vlm_packing.rope.index import entry_count
+
+    entries = entry_count(seconds)
+    if entries:
+        raise ValueError(f"second_per_grid_ts has {entries} entries but the batch has no videos")
 
 
 def check_seconds_count(seconds: torch.Tensor, video_grid: torch.Tensor) -> None:

@@ -215,17 +215,27 @@ def refuse_inputs_unread_by(family: str, *, mm_token_type_ids=None, audio_seqlen
                          f"from the batch")
 
 
-def refuse_seconds_unread_by(family: str, seconds) -> None:
-    """Seconds per grid step with entries given to an index that reads none (`config.SECONDS_FAMILIES`: Qwen2-VL's
-    places frames by their index, Qwen3-VL's by timestamp text) were taken and dropped. Reads no values.
+def refuse_seconds_unread_by(family: str | None, seconds, model_name: str | None = None) -> None:
+    """The one rule for seconds per grid step that nothing reads: with entries, they are read only by an mRoPE index
+    of `config.SECONDS_FAMILIES` (Qwen2-VL's places frames by their index, Qwen3-VL's by timestamp text, a 1D rotary
+    places none), so given to any other reader they would be taken and dropped. Reads no values.
+
+    Args:
+        family: the family of the index that reads the video positions, or None for a 1D rotary.
+        seconds: `second_per_grid_ts` as given (a tensor, a list, a number, or None).
+        model_name: the model whose positions these are, named before its index or rotary; None for the index alone.
 
     Raises:
-        ValueError: naming the field, its entries and the family.
+        ValueError: naming the field, its entries, the reader and the families that read seconds.
     """
     entries = entry_count(seconds)
-    if entries and family not in SECONDS_FAMILIES:
-        raise ValueError(f"second_per_grid_ts has {entries} entries but the {family} mRoPE index reads none (only "
-                         f"{sorted(SECONDS_FAMILIES)} place video frames by seconds): drop them from the batch")
+    if not entries or family in SECONDS_FAMILIES:
+        return
+    index = f"the {family} mRoPE index" if family is not None else "a 1D rotary"
+    reader = index if model_name is None else f"{model_name} ({index})"
+    raise ValueError(f"second_per_grid_ts has {entries} entries but {reader} reads none: only the "
+                     f"{' and '.join(sorted(SECONDS_FAMILIES))} mRoPE indexes place video frames by seconds per grid "
+                     f"step; drop them from the batch")
 
 
 @dataclass(frozen=True)

@@ -157,7 +157,8 @@ def test_seconds_are_refused_for_qwen3_vl_which_reads_none(bridge):
                                          rf"reads none"):
         step_loss(case["model"], {**case["batch"], "second_per_grid_ts": torch.ones(videos)})
     add = lambda mb: R(mb, vision=R(mb.vision or VisionInputs(), second_per_grid_ts=torch.ones(videos)))  # noqa: E731
-    with pytest.raises(ValueError, match=rf"second_per_grid_ts has {videos} entries but Qwen3VLModel reads none"):
+    with pytest.raises(ValueError, match=rf"second_per_grid_ts has {videos} entries but Qwen3VLModel \(the qwen3_vl "
+                                         rf"mRoPE index\) reads none"):
         step_loss(case["model"], case["batch"], transform=add)
 
 

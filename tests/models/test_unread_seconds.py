@@ -42,7 +42,7 @@ def _loader(batch: dict, mrope=None):
         audio_token_id=MEDIA.audio_token_id, spatial_merge_size=2))(batch)
 
 
-ONE_D = r"second_per_grid_ts has {n} entries but {model}'s rotary is 1D: nothing reads them"
+ONE_D = r"second_per_grid_ts has {n} entries but {model} \(a 1D rotary\) reads none"
 
 
 @pytest.mark.parametrize("pack", [True, False])
@@ -70,6 +70,6 @@ def test_seconds_added_beside_positions_of_an_index_that_reads_none_are_refused(
     from megatron_vlm_packing.packing.micro_batch import VisionInputs
 
     add = lambda mb: R(mb, vision=R(mb.vision or VisionInputs(), second_per_grid_ts=torch.ones(1)))  # noqa: E731
-    with pytest.raises(ValueError, match=r"second_per_grid_ts has 1 entries but the micro-batch's mRoPE positions "
-                                         r"were made by the qwen2_vl index, which reads none"):
+    with pytest.raises(ValueError, match=r"second_per_grid_ts has 1 entries but PackedVLM \(the qwen2_vl mRoPE "
+                                         r"index\) reads none"):
         step_loss(setup["models"]["vlm"], setup["batch"], transform=add)
