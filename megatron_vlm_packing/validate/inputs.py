@@ -28,7 +28,8 @@ SAVED_KEYS = {
     "labels": "[1, T] next-token targets, -100 = none",
     "loss_mask": "[1, T] per-token loss weights",
     "position_ids": "[1, T] integer 1D positions or [3, 1, T] mRoPE positions (integers, or floats the rotary's "
-                    "float32 reading leaves unchanged: no bfloat16 above 256)",
+                    "float32 reading leaves unchanged; bfloat16 / float16 above 256 / 2048 are judged only against "
+                    "the model's index, which tells exact values from rounded ones)",
     "padding_mask": "[1, T] bool, True at pad slots",
     "packed_seq_params": "a PackedSeqParams, or a dict with its field names",
     "cu_seqlens": "[N+1] real boundaries (instead of packed_seq_params)",
