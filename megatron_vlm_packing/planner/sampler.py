@@ -220,6 +220,14 @@ class PackedBatchSampler(torch.utils.data.Sampler):
             return self._plan_of(self._epoch + 1, self.plan().carried), 0
         return self.plan(), self._position
 
+    def carried_over(self) -> tuple[int, ...]:
+        """Sample indices the epoch the next iteration yields starts with, carried over from the epoch before
+        it (its last samples, fewer than a step: tail="carry", or too few for a last step). They are trained
+        first in that epoch, so after the loop over the last epoch a run trains, these were never trained:
+        `len(sampler.carried_over())` says how many (at most a step's worth). Empty before the first epoch.
+        """
+        return self.plan().carried if self._taken_all() else self._carried
+
     def micro_batches_per_step(self) -> list[int]:
         """Micro-batches every rank runs in each step the next iteration yields; sums to `len(self)`.
 

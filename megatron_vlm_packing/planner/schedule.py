@@ -49,7 +49,8 @@ class PlannerConfig:
         shuffle: permute the dataset each epoch (False: dataset order).
         balance: balance cost over ranks (False: the unbalanced baseline).
         tail: the epoch's last samples (less than a step): "short_step" (one step with fewer
-            micro-batches per rank, bins less full) or "carry" (they lead the next epoch).
+            micro-batches per rank, bins less full) or "carry" (they lead the next epoch; those of
+            the last epoch a run trains are never trained: `PackedBatchSampler.carried_over()` names them).
         samples_per_step: a fixed number of samples per optimizer step (what sample-based LR
             schedules assume); each step then runs as many micro-batches per rank as its samples
             need (variable), spread over R * m bins of balanced cost (bins are then less full: pair
