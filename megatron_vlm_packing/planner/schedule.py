@@ -303,7 +303,7 @@ def _copies_in_a_step(num_samples: int, samples_per_step: int) -> int:
 
 
 def _largest_step(slots: np.ndarray, n: int, copies: int) -> np.ndarray:
-    """[min(n, N * copies)] sample indices of the n largest samples, each at most `copies` times: distinct
+    """[n] sample indices (N * copies >= n) of the n largest samples, each at most `copies` times: distinct
     samples before a repeat of one of equal size, the largest first."""
     order = np.argsort(-slots, kind="stable")[:n]
     candidates = np.tile(order, copies)
@@ -326,10 +326,9 @@ def _check_steps_split(cols: _Columns, config: PlannerConfig) -> None:
         return
     if config.layout.oversize == "error" and (cols.slots > capacity).any():
         return
-    worst = _largest_step(cols.slots, n, _copies_in_a_step(len(cols.slots), n))
-    groups, _ = _split_step(np.arange(len(worst)), _Columns(cols.tokens[worst], cols.slots[worst],
-                                                              cols.extra[worst]), config)
-    if groups is not None or len(worst) < n:
+    worst = _largest_step(cols.slots, n, _copies_in_a_step(len(cols.slots), n))  # n of them: N * copies >= n
+    groups, _ = _split_step(np.arange(n), _Columns(cols.tokens[worst], cols.slots[worst], cols.extra[worst]), config)
+    if groups is not None:
         return
     most = dp * (n // dp)
     slots = cols.slots[worst]
