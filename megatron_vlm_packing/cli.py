@@ -150,7 +150,7 @@ def _add_inspect_command(sub) -> None:
     inspect.add_argument("--seq", type=_positive_int, default=None, help="padded row length (default: max length)")
     inspect.add_argument("--tp", type=_positive_int, default=1)
     inspect.add_argument("--cp", type=_positive_int, default=1)
-    inspect.add_argument("--sp", action="store_true")
+    inspect.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
     inspect.add_argument("--fp8", action="store_true")
     inspect.add_argument("--pad-to", type=int, default=None)
     inspect.set_defaults(func=cmd_inspect)

@@ -29,6 +29,7 @@ from typing import Callable, Mapping
 import torch
 
 from megatron_vlm_packing.packing.arena import LARGE_BYTES, arena_of, byte_offset, into_one_storage, nbytes, view_at
+from megatron_vlm_packing.packing.bounds import checked_int
 from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch
 from megatron_vlm_packing.packing.indices import PackIndices, apply_once
 from megatron_vlm_packing.packing.plan import PackMultiples, PackPlan
@@ -125,10 +126,31 @@ def for_the_loader(packed: MicroBatch, cp_size: int) -> LoaderMicroBatch:
     """A micro-batch packed on the host, made ready in the worker: every CP rank's index built
     (`prepare_indices`; cp_size 1 for a model that selects its CP tokens itself), its small tensors in
     one storage (`in_one_storage`), typed `LoaderMicroBatch` so that DataLoader's `pin_memory=True` pins it.
-    A dense micro-batch (`pad_batch`) has no pack indices to build."""
+    A dense micro-batch (`pad_batch`) has no pack indices to build.
+
+    Raises:
+        ValueError: `cp_size` not an int >= 1, or a `cp_size` > 1 whose 2*cp_size chunks the pack's documents
+            do not divide (it was packed for another cp_size), naming both cp sizes and the misfit documents.
+    """
+    checked_int(cp_size, "cp_size", least=1)
     if isinstance(packed.indices, PackIndices):
+        _check_packed_for_cp(packed.plan, cp_size)
         prepare_indices(packed.indices, cp_size)
     return in_one_storage(LoaderMicroBatch(**{f.name: getattr(packed, f.name) for f in dataclasses.fields(MicroBatch)}))
+
+
+def _check_packed_for_cp(plan: PackPlan, cp_size: int) -> None:
+    """ValueError, naming both cp sizes, when `cp_size`'s CP index cannot split the pack's documents: the index
+    refused it naming only the misfit lengths, not that the pack was made for another cp. (A pack whose lengths
+    happen to divide is split as before.)"""
+    misfit = [(i, n) for i, n in enumerate(plan.physical_lengths) if n % (2 * cp_size)] if cp_size > 1 else []
+    if misfit:
+        segment = plan.multiples.segment
+        raise ValueError(f"for_the_loader: cp_size={cp_size} but the micro-batch was packed for "
+                         f"cp_size={segment // 2 if segment > 1 else 1} (segment multiple {segment}): a CP rank's "
+                         f"index splits each document into 2*cp_size={2 * cp_size} chunks, and (document, length) "
+                         f"{misfit[:8]} do not divide; pack with cp_size={cp_size}, or pass the cp_size it was packed "
+                         f"for (1 for a model that selects its CP tokens itself)")
 
 
 def prepare_indices(indices: PackIndices, cp_size: int) -> None:

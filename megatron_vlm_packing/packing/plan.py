@@ -64,6 +64,10 @@ class PackMultiples:
           splits those evenly over tp ranks.
         - total includes 16 per rank-local slice under fp8: FP8 GEMMs need the token dimension
           each rank multiplies to be a multiple of 16.
+
+        Raises:
+            ValueError: a size that is not a positive int, a flag that is not a bool, or sequence_parallel
+                at tp_size=1 (Megatron-Core's ModelParallelConfig refuses SP without TP).
         """
         for name, value in (("tp_size", tp_size), ("cp_size", cp_size)):
             if not is_int(value) or value < 1:
@@ -71,6 +75,12 @@ class PackMultiples:
         tp_size, cp_size = int(tp_size), int(cp_size)  # numpy ints: the multiples are Python ints
         if not isinstance(sequence_parallel, bool):  # a truthy string ("false") must not switch alignment on
             raise ValueError(f"sequence_parallel must be a bool, got {sequence_parallel!r}")
+        if sequence_parallel and tp_size == 1:
+            # ModelParallelConfig.__post_init__ raises this (0.16.1 to 0.19), and Megatron-LM's arguments turn SP
+            # off at TP=1: no model runs this layout, and the multiples were those of SP off.
+            raise ValueError(f"sequence_parallel=True needs tp_size > 1, got tp_size={tp_size} (cp_size={cp_size}): "
+                             f"Megatron-Core refuses sequence parallelism without tensor parallelism; pass "
+                             f"sequence_parallel=False")
         check_fp8(fp8)
         segment = 2 * cp_size if cp_size > 1 else 1
         per_rank = cp_size * (tp_size if sequence_parallel else 1)

@@ -7,7 +7,8 @@ index) so that lengths and costs of 100k samples are computed with a handful of 
 `TokenCounter` turns metadata into the number of tokens the language model attends over (the
 "expanded" length, bug class 2: boundaries live in the space attention sees). The default follows
 the Qwen-VL / Qwen-Omni layout: every image or video contributes t*h*w / merge^2 tokens and every
-audio clip frames // audio_pool tokens (whole pooling windows); LLaVA-style models plug in their own `expanded_tokens`.
+audio clip frames // audio_pool tokens (whole pooling windows); a Qwen3-VL video adds its per-frame
+timestamp text and blocks (`TokenCounter.video_frame_tokens`); LLaVA-style models plug in their own `expanded_tokens`.
 
 Shape legend: N = samples, I = images (all samples), V = videos, A = audio clips.
 """
@@ -29,7 +30,8 @@ class SampleMetadata:
     Attributes:
         text_tokens: tokens of the sequence outside its media blocks (>= 0): neither vision/audio placeholders
             nor the wrapper tokens `TokenCounter` adds per item (vision_start / vision_end, audio_start /
-            audio_end: `vision_wrappers`, `audio_wrappers`), which would otherwise be counted twice.
+            audio_end: `vision_wrappers`, `audio_wrappers`; Qwen3-VL's per-frame timestamps and blocks:
+            `video_frame_tokens`), which would otherwise be counted twice.
         image_grids: (t, h, w) patch grid of every image (t = 1 for a still image).
         video_grids: (t, h, w) patch grid of every video (t = temporal patches).
         audio_frames: encoder frames of every audio clip (after the encoder's input convolution).
@@ -194,6 +196,16 @@ class TokenCounter:
             `pack_batch` counts with, else 50): `audio_frames` are then each clip's mel frames and a clip takes
             `rope.omni.audio_output_length(frames, audio_n_window)` tokens, the rule `pack_batch` counts its
             placeholders by (`audio_pool` unused). None: frames after the input convolution, pooled by `audio_pool`.
+        video_frame_tokens: tokens each temporal grid step of a video takes besides its h*w/merge^2 placeholders.
+            0 (Qwen2-VL, Qwen2.5-VL): a video is one block. Qwen3-VL's processor writes each step as
+            `<{t:.1f} seconds>`, vision_start, its placeholders, vision_end (inside the video's own wrappers):
+            2 + the timestamp's tokens, which Qwen's tokenizer splits as '<', one per digit, '.', ' seconds', '>'
+            (6 below 10 s, 7 below 100 s: check `len(tokenizer("<12.5 seconds>").input_ids)` with yours). Pass
+            the count of the longest video's last step: earlier steps with fewer digits are then counted a token
+            or two long (their bins a little less full, never over the capacity). Left at 0, a Qwen3-VL video
+            of t steps was planned t * (2 + timestamp) tokens short, and its bin overflowed the capacity.
+            Metadata counted from tokenized samples (`text_tokens` = tokens less placeholders and wrappers)
+            already holds them: leave it 0.
     """
 
     spatial_merge: int = 2
@@ -201,9 +213,11 @@ class TokenCounter:
     vision_wrappers: int = 2
     audio_wrappers: int = 2
     audio_n_window: int | None = None
+    video_frame_tokens: int = 0
 
     def __post_init__(self) -> None:
-        for name, least in (("spatial_merge", 1), ("audio_pool", 1), ("vision_wrappers", 0), ("audio_wrappers", 0)):
+        for name, least in (("spatial_merge", 1), ("audio_pool", 1), ("vision_wrappers", 0), ("audio_wrappers", 0),
+                            ("video_frame_tokens", 0)):
             checked_int(getattr(self, name), f"TokenCounter.{name}", least=least)
         checked_int(self.audio_n_window, "TokenCounter.audio_n_window", least=1, optional=True)
 
@@ -227,7 +241,8 @@ class TokenCounter:
         audio = self._clip_tokens(table.audio_frames) + self.audio_wrappers
         total = table.text_tokens.astype(np.float64)
         total += table.per_sample_sum(vision(table.image_grids), table.image_owner)
-        total += table.per_sample_sum(vision(table.video_grids), table.video_owner)
+        video_steps = table.video_grids[:, 0].astype(np.float64) * self.video_frame_tokens  # Qwen3-VL's timestamps
+        total += table.per_sample_sum(vision(table.video_grids) + video_steps, table.video_owner)
         total += table.per_sample_sum(audio, table.audio_owner)
         refuse_uncountable(total)
         return total.astype(np.int64)

@@ -21,7 +21,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batches", type=int, default=1, help="micro-batches per rank per step")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--cp", type=int, default=1)
-    parser.add_argument("--sp", action="store_true")
+    parser.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1, as Megatron-Core does)")
     parser.add_argument("--fp8", action="store_true")
     parser.add_argument("--steps-shown", type=int_at_least(0), default=2,  # -1 sliced off the last step
                         help="steps whose per-rank cost is printed")

@@ -55,7 +55,7 @@ import torch.utils.data
 from megatron_vlm_packing.packing.bounds import checked_int, is_int
 from megatron_vlm_packing.packing.row_fields import check_flags
 from megatron_vlm_packing.planner.metadata import SampleTable, count_array
-from megatron_vlm_packing.planner.schedule import EpochPlan, PlannerConfig, plan_epoch
+from megatron_vlm_packing.planner.schedule import EpochPlan, PlannerConfig, check_steps_split, plan_epoch
 
 STATE_FORMAT = 2
 """`state_dict()["format"]`. 2 records the layout (`layout_record`); 1 (no "format" key, before
@@ -174,6 +174,9 @@ class PackedBatchSampler(torch.utils.data.Sampler):
         check_flags(progress=progress)  # checked here, not when the first epoch is planned
         if not is_int(dp_rank) or not 0 <= dp_rank < config.dp_size:
             raise ValueError(f"dp_rank={dp_rank!r} must lie in [0, {config.dp_size})")
+        # A step of samples_per_step that some epoch's shuffle could make unsplittable: refused now, not
+        # in whatever epoch first draws it.
+        check_steps_split(table, config)
         self.table, self.config, self.dp_rank, self.progress = table, config, dp_rank, progress
         self._epoch, self._position, self._carried = 0, 0, ()
         self._plans: dict[tuple[int, tuple[int, ...]], EpochPlan] = {}  # (epoch, carried in) -> plan
@@ -216,6 +219,14 @@ class PackedBatchSampler(torch.utils.data.Sampler):
         if self._taken_all():
             return self._plan_of(self._epoch + 1, self.plan().carried), 0
         return self.plan(), self._position
+
+    def carried_over(self) -> tuple[int, ...]:
+        """Sample indices the epoch the next iteration yields starts with, carried over from the epoch before
+        it (its last samples, fewer than a step: tail="carry", or too few for a last step). They are trained
+        first in that epoch, so after the loop over the last epoch a run trains, these were never trained:
+        `len(sampler.carried_over())` says how many (at most a step's worth). Empty before the first epoch.
+        """
+        return self.plan().carried if self._taken_all() else self._carried
 
     def micro_batches_per_step(self) -> list[int]:
         """Micro-batches every rank runs in each step the next iteration yields; sums to `len(self)`.

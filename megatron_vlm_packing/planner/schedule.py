@@ -12,8 +12,10 @@ The end of an epoch: leftover bins (fewer than a step) are split until every ran
 number of micro-batches (a shorter last step). When fewer samples remain than that needs, they
 are carried to the next epoch (`EpochPlan.carried`), never dropped. With `samples_per_step`, only
 the epoch's last, shorter step can be carried; a whole step whose samples cannot fill the same
-number of non-empty bins on every rank is a ValueError. Every plan is checked to hold each input
-sample exactly once (bins plus carried) before it is returned.
+number of non-empty bins on every rank is a ValueError. Whether an epoch could draw such a step is
+decided from the dataset, before any epoch is planned (`check_steps_split`: `PackedBatchSampler`
+at construction, `plan_epoch` for every epoch alike), not by the shuffle of the epoch that first
+draws one. Every plan is checked to hold each input sample exactly once (bins plus carried) before it is returned.
 
 Shape legend: N = samples, R = data-parallel ranks, M = micro-batches per rank per step.
 """
@@ -47,7 +49,8 @@ class PlannerConfig:
         shuffle: permute the dataset each epoch (False: dataset order).
         balance: balance cost over ranks (False: the unbalanced baseline).
         tail: the epoch's last samples (less than a step): "short_step" (one step with fewer
-            micro-batches per rank, bins less full) or "carry" (they lead the next epoch).
+            micro-batches per rank, bins less full) or "carry" (they lead the next epoch; those of
+            the last epoch a run trains are never trained: `PackedBatchSampler.carried_over()` names them).
         samples_per_step: a fixed number of samples per optimizer step (what sample-based LR
             schedules assume); each step then runs as many micro-batches per rank as its samples
             need (variable), spread over R * m bins of balanced cost (bins are then less full: pair
@@ -266,11 +269,7 @@ def _fixed_samples_steps(cols: _Columns, stream: np.ndarray, config: PlannerConf
         if partial and config.tail == "carry":
             return steps, tuple(int(stream[p]) for p in positions)
         config.layout.check_oversize(cols.slots[positions], stream[positions])
-        groups = [[int(p) for p in positions]]  # _last_step_groups re-packs them into R * m bins
-        slots, capacity = cols.slots[positions], config.layout.capacity
-        min_bins = -(-int(slots[slots <= capacity].sum()) // capacity) + int((slots > capacity).sum())
-        per_rank = -(-min_bins // config.dp_size)  # oversize samples: a bin each, however long
-        last, per_rank = _last_step_groups(groups, cols, config, per_rank=max(1, per_rank))
+        last, per_rank = _split_step(positions, cols, config)
         if last is None and partial:
             return steps, tuple(int(stream[p]) for p in positions)
         if last is None:
@@ -278,6 +277,79 @@ def _fixed_samples_steps(cols: _Columns, stream: np.ndarray, config: PlannerConf
         steps.extend(_steps_from_bins(_make_bins(last, cols, stream, config), config, per_rank, rng))
         bar.update(positions[-1] + 1)
     return steps, ()
+
+
+def _split_step(positions: np.ndarray, cols: _Columns, config: PlannerConfig):
+    """One step's samples (stream positions) in R * m non-empty bins: (groups, m), groups None when they
+    need more bins than they are samples. m is the fewest per rank their slots allow, more if the fit needs it."""
+    groups = [[int(p) for p in positions]]  # _last_step_groups re-packs them into R * m bins
+    slots, capacity = cols.slots[positions], config.layout.capacity
+    min_bins = -(-int(slots[slots <= capacity].sum()) // capacity) + int((slots > capacity).sum())
+    per_rank = -(-min_bins // config.dp_size)  # oversize samples: a bin each, however long
+    return _last_step_groups(groups, cols, config, per_rank=max(1, per_rank))
+
+
+def _copies_in_a_step(num_samples: int, samples_per_step: int) -> int:
+    """How often one sample can come in one step of a plan whose epochs follow each other.
+
+    A stream is the samples carried in (fewer than a step), then the epoch's permutation. When the
+    dataset divides into whole steps nothing is ever carried: once. Otherwise a carried sample can meet
+    its own occurrence in the first step: twice, as long as the permutation alone fills a step (the
+    carried part then comes from the permutation's end, each sample once); a dataset smaller than a
+    step can carry a sample again and again: bounded by the step."""
+    if num_samples % samples_per_step == 0:
+        return 1
+    return 2 if num_samples >= samples_per_step else samples_per_step
+
+
+def _largest_step(slots: np.ndarray, n: int, copies: int) -> np.ndarray:
+    """[n] sample indices (N * copies >= n) of the n largest samples, each at most `copies` times: distinct
+    samples before a repeat of one of equal size, the largest first."""
+    order = np.argsort(-slots, kind="stable")[:n]
+    candidates = np.tile(order, copies)
+    repeat = np.repeat(np.arange(copies), len(order))
+    return candidates[np.lexsort((repeat, -slots[candidates]))][:n]
+
+
+def _check_steps_split(cols: _Columns, config: PlannerConfig) -> None:
+    """ValueError when a step of `samples_per_step` samples that some epoch can draw cannot be split over
+    the ranks: decided from the dataset, not from one epoch's shuffle (which met such a step first in
+    whatever epoch drew it, hours into a run).
+
+    A step runs R * m micro-batches of at least one sample each. With samples_per_step a multiple of R
+    every step splits (at most one bin per sample). Otherwise a step holds at most R * (n // R) bins,
+    and the worst step is its n largest samples (`_copies_in_a_step` times each): the planner's own
+    split is tried on them. Oversize samples under oversize="error" are left to the plan's error naming them.
+    """
+    n, dp, capacity = config.samples_per_step, config.dp_size, config.layout.capacity
+    if n is None or n % dp == 0:
+        return
+    if config.layout.oversize == "error" and (cols.slots > capacity).any():
+        return
+    worst = _largest_step(cols.slots, n, _copies_in_a_step(len(cols.slots), n))  # n of them: N * copies >= n
+    groups, _ = _split_step(np.arange(n), _Columns(cols.tokens[worst], cols.slots[worst], cols.extra[worst]), config)
+    if groups is not None:
+        return
+    most = dp * (n // dp)
+    slots = cols.slots[worst]
+    need = len(best_fit_decreasing(slots[slots <= capacity], capacity)) + int((slots > capacity).sum())
+    named = list(dict.fromkeys(worst.tolist()))
+    ids = ", ".join(map(str, named[:8])) + (" ..." if len(named) > 8 else "")
+    twice = "" if len(named) == n else "; a sample carried into the next epoch can come again in the same step"
+    big = int((slots > capacity // 2).sum())
+    raise ValueError(
+        f"samples_per_step={n} is not a multiple of dp_size={dp}: a step runs at most {most} micro-batches "
+        f"({most // dp} per rank), but the {n} largest samples the dataset can put in one step (samples {ids}{twice}) "
+        f"need {need} bins of capacity {capacity} ({big} of them take more than half a bin), and an epoch's "
+        f"shuffle can draw them together; use a samples_per_step that is a multiple of dp_size "
+        f"({most} or {most + dp}: every step then splits) or raise the capacity")
+
+
+def check_steps_split(table: SampleTable, config: PlannerConfig) -> None:
+    """ValueError if some epoch of `table` under `config` could draw a step of `samples_per_step` samples
+    that cannot be split over the ranks (see `_check_steps_split`); None when every step splits. O(N log N)."""
+    if config.samples_per_step is not None and config.samples_per_step % config.dp_size:
+        _check_steps_split(_columns(table, config), config)
 
 
 def _unsplittable_step(index: int, positions: np.ndarray, cols: _Columns, stream: np.ndarray,
@@ -331,6 +403,7 @@ def plan_epoch(table: SampleTable, config: PlannerConfig, *, epoch: int = 0, car
     # A sample may be carried more than once: an epoch's carried samples lead the next epoch beside its own
     # permutation, so both occurrences can be left over together. Each occurrence is planned once.
     cols = _columns(table, config)
+    _check_steps_split(cols, config)  # from the dataset: the same answer in every epoch
     rng = np.random.default_rng([config.seed, epoch])
     order = rng.permutation(len(table)) if config.shuffle else np.arange(len(table))
     stream = np.concatenate([np.asarray(carried_in, dtype=np.int64), order])

@@ -100,13 +100,19 @@ def check_audio_seqlens_type(seqlens, name: str = "audio_seqlens") -> None:
     was flattened, a 0-dim one read as one clip, float lengths truncated. Reads no values.
 
     Raises:
-        ValueError: naming the shape, the dtype, or the first entry of a list that is no int.
+        ValueError: naming the shape, the dtype, the first entry of a list that is no int, or the type and value of
+            anything else (a scalar was a TypeError, 'int' object is not iterable; bytes were read as their byte
+            values, a set in hash order, a dict's keys as lengths).
     """
     if isinstance(seqlens, torch.Tensor):
         if seqlens.dim() != 1:
             raise ValueError(f"{name} must be [A], one raw length per audio clip, got shape {tuple(seqlens.shape)}")
         if not is_integer_tensor(seqlens):
             raise ValueError(f"{name} must hold integer raw audio lengths, got dtype {seqlens.dtype}")
+    elif seqlens is not None and not isinstance(seqlens, (list, tuple, range)):
+        shown = repr(seqlens) if len(repr(seqlens)) <= 40 else repr(seqlens)[:40] + "..."
+        raise ValueError(f"{name} must be [A], one raw length per audio clip (an integer tensor, or a list or tuple "
+                         f"of ints), got {type(seqlens).__name__} {shown}")
     elif seqlens is not None:
         raw = list(seqlens)
         bad = next((i for i, n in enumerate(raw) if isinstance(n, bool) or not isinstance(n, int)), None)

@@ -89,7 +89,9 @@ def _iterator(data_iterator) -> Iterator:
 
 def read_micro_batch(data_iterator: Iterator, *, broadcast_from_tp_rank0: bool) -> dict | MicroBatch:
     """The iterator's next item: every rank reads its (deterministic) iterator, or TP rank 0 reads and
-    broadcasts it. Returns a collated batch dict or a packed `MicroBatch`; anything else is a ValueError."""
+    broadcasts it. Returns a collated batch dict or a packed `MicroBatch`; anything else is a ValueError.
+    An exhausted iterator's StopIteration propagates unchanged, as from Megatron-LM's and Megatron-Bridge's
+    own steps (`next(data_iterator)`): a loop may catch it to end an epoch."""
     if not broadcast_from_tp_rank0:
         batch = next(_iterator(data_iterator))
     else:

@@ -291,6 +291,13 @@ def data_iterator_a_list(m):
 
 
 @case
+def data_iterator_exhausted(m):
+    """An exhausted iterator: the bare StopIteration of Megatron-LM's and Megatron-Bridge's own steps
+    (next(data_iterator)), kept so that a loop catching it to end an epoch works with ours too."""
+    return make_forward_step()(iter([]), m["gpt"])
+
+
+@case
 def megatron_rerun_data_iterator_accepted(m):
     """Megatron-LM wraps iterators in RerunDataIterator, which has __next__ but no __iter__."""
     from megatron.core.rerun_state_machine import RerunDataIterator

@@ -114,3 +114,24 @@ def test_audio_seqlens_and_feature_mask_with_different_clip_counts_are_refused()
         ids, OMNI, attention_mask=attention_mask, audio_seqlens=audio_seqlens)
     with pytest.raises(ValueError, match=r"audio_seqlens has 3 entries but feature_attention_mask has 2 clips"):
         packing.pack_batch(batch, label_style="hf", mrope=rope, require_media_counts=False)
+
+
+@pytest.mark.parametrize("packer", sorted(PACKERS) + ["get_rope_index"])
+@pytest.mark.parametrize("seqlens, shown", [
+    (10, "int 10"),  # a TypeError: 'int' object is not iterable
+    (10.0, "float 10.0"),
+    (b"\n", r"bytes b'\\n'"),  # iterated as [10]: one clip of 10 raw frames, silently
+    ({10}, r"set \{10\}"),  # no order: clips matched to lengths in hash order
+    ({10: 1}, r"dict \{10: 1\}"),  # its keys read as the lengths
+    ("10", "str '10'"),
+])
+def test_audio_seqlens_that_is_no_sequence_of_lengths_is_named(packer, seqlens, shown):
+    batch = _batch([TWO_TOKENS], audio_seqlens=seqlens)
+    with pytest.raises(ValueError, match=rf"audio_seqlens must be \[A\], one raw length per audio clip \(an integer "
+                                         rf"tensor, or a list or tuple of ints\), got {shown}"):
+        if packer == "get_rope_index":
+            get_rope_index(batch["input_ids"], OMNI, audio_seqlens=seqlens)
+        else:
+            PACKERS[packer](batch, label_style="hf", mrope=OMNI)
+    for good in ([TEN], (TEN,), torch.tensor([TEN])):  # what it takes, as before
+        PACKERS["pack"](_batch([TWO_TOKENS], audio_seqlens=good), label_style="hf", mrope=OMNI)

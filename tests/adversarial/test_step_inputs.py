@@ -44,6 +44,7 @@ EXPECTED = {
                                  r"pack_batch/pad_batch to read$"),
     "data_iterator_none": (ERR, "ValueError", r"data_iterator must be an iterator .* got NoneType"),
     "data_iterator_a_list": (ERR, "ValueError", r"data_iterator must be an iterator .* got list; pass iter"),
+    "data_iterator_exhausted": (ERR, "StopIteration", r"^$"),
     "megatron_rerun_data_iterator_accepted": ("ok", True),
     "model_without_config": (ERR, "ValueError", r"NoConfig has no Megatron TransformerConfig at \.config \(got NoneType\)"),
     "model_without_parameters": (ERR, "ValueError", r"NoParameters has no parameters"),

@@ -13,7 +13,7 @@ from megatron_vlm_packing.packing.indices import host_ramp
 
 parallel_configs = st.tuples(
     st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 3, 4]), st.booleans(), st.booleans()
-)
+).filter(lambda config: config[0] > 1 or not config[2])  # SP needs TP, as Megatron-Core's config says
 
 
 def test_multiples_for_parallel():
@@ -41,6 +41,16 @@ def test_multiples_refuse_what_is_not_a_size_or_a_flag(kwargs, expected):
     # A bool read as size 1, or a truthy string read as "on", would align the pack for another layout.
     with pytest.raises(ValueError, match=expected):
         PackMultiples.for_parallel(**kwargs)
+
+
+def test_sequence_parallelism_without_tensor_parallelism_is_refused_as_megatron_core_does():
+    # Megatron-Core's ModelParallelConfig raises "Cannot use sequence parallelism without tensor parallelism"
+    # (0.16.1 and 0.19); the multiples took it and aligned as if SP were off, a layout no model can have.
+    for tp in (1, np.int64(1)):
+        with pytest.raises(ValueError, match=r"sequence_parallel=True needs tp_size > 1, got tp_size=1 \(cp_size=2\): "
+                                             r"Megatron-Core refuses sequence parallelism without tensor parallelism"):
+            PackMultiples.for_parallel(tp_size=tp, cp_size=2, sequence_parallel=True)
+    assert PackMultiples.for_parallel(tp_size=1, cp_size=2) == PackMultiples(4, 4)
 
 
 @pytest.mark.parametrize("pad_to", [np.int64(16), np.uint16(16)], ids=["int64", "uint16"])

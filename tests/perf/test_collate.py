@@ -533,3 +533,25 @@ def test_a_dense_micro_batch_is_made_ready_for_the_loader_too():
     for name in ("input_ids", "labels", "loss_mask", "position_ids", "padding_mask"):
         assert torch.equal(getattr(ready, name), getattr(dense, name)), name
     assert ready.loss_weights_checked and ready.labels_checked and ready.media_checked_by_packer
+
+
+def test_for_the_loader_names_both_cp_sizes_when_the_pack_was_made_for_another():
+    """A micro-batch packed for cp_size=2 made ready for cp_size=4 (or 3) failed deep in the CP index with
+    'physical_lengths must be ... multiples of 2*cp_size=8; ... misfit', naming neither the cp it was packed
+    for nor that the two differ."""
+    from megatron_vlm_packing.packing.collate import for_the_loader
+
+    packed = pack_batch(collate(synthetic_samples(4, seed=3, cfg=DATA)), cp_size=2, label_style="hf", mrope=ROPE)
+    for cp in (4, 3):
+        with pytest.raises(ValueError, match=rf"for_the_loader: cp_size={cp} but the micro-batch was packed for "
+                                             rf"cp_size=2 \(segment multiple 4\): a CP rank's index splits each "
+                                             rf"document into 2\*cp_size={2 * cp} chunks, and \(document, length\) \[\("):
+            for_the_loader(packed, cp)
+    plain = pack_batch(collate(synthetic_samples(4, seed=3, cfg=DATA)), label_style="hf", mrope=ROPE)
+    with pytest.raises(ValueError, match=r"cp_size=2 but the micro-batch was packed for cp_size=1 \(segment "
+                                         r"multiple 1\)"):
+        for_the_loader(plain, 2)
+    with pytest.raises(ValueError, match=r"cp_size must be an int >= 1, got 0"):
+        for_the_loader(packed, 0)
+    for cp in (1, 2):  # 1: a model that selects its CP tokens itself
+        assert type(for_the_loader(packed, cp)) is LoaderMicroBatch

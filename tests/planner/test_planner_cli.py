@@ -42,3 +42,12 @@ def test_plan_command_refuses_counts_it_cannot_show_naming_them(capsys):
     assert main(["plan", "--samples", "3", "--dp", "8"]) == 2
     assert ("the epoch has no full step: its 3 samples fill fewer bins than a step's 8 (--dp 8 x --micro-batches 1)"
             in capsys.readouterr().err)
+
+
+def test_plan_and_inspect_refuse_sp_without_tp(capsys):
+    """`plan --sp --tp 1` planned as if SP were off; Megatron-Core refuses SP without TP (ModelParallelConfig)."""
+    for argv in (["plan", "--samples", "100", "--sp"], ["plan", "--samples", "100", "--sp", "--tp", "1"],
+                 ["demo", "--planner", "--sp"], ["inspect", "5,3", "--sp"]):
+        assert main(argv) == 2, argv
+        assert "sequence_parallel=True needs tp_size > 1, got tp_size=1" in capsys.readouterr().err, argv
+    assert main(["plan", "--samples", "100", "--sp", "--tp", "2", "--steps-shown", "0"]) == 0

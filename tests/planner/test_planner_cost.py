@@ -320,3 +320,36 @@ def test_a_bool_tensor_or_array_among_counts_is_refused(flag):
         SampleTable.from_samples([SampleMetadata(3, image_grids=((1, flag, 2),))])
     counts = SampleTable.from_samples([SampleMetadata(torch.tensor(4)), SampleMetadata(np.array(3))]).text_tokens
     assert counts.tolist() == [4, 3]  # integer tensors and arrays are counts, as before
+
+
+def _qwen3_vl_video_ids(t: int, h: int, w: int, seconds: list[float]) -> list[str]:
+    """A Qwen3-VL video as its processor expands it (transformers' `Qwen3VLProcessor.replace_video_token`): the
+    chat template's vision_start / vision_end around, and per temporal grid step `<{s:.1f} seconds>`, then
+    vision_start, h*w/4 placeholders (merge 2), vision_end. The timestamp is tokenized as Qwen's tokenizer
+    splits it: '<', one token per digit, '.', ' seconds', '>'."""
+    ids = ["<|vision_start|>"]
+    for step in range(t):
+        whole, tenth = f"{seconds[step]:.1f}".split(".")
+        ids += ["<", *whole, ".", tenth, " seconds", ">", "<|vision_start|>"] + ["<|video_pad|>"] * (h * w // 4)
+        ids += ["<|vision_end|>"]
+    return ids + ["<|vision_end|>"]
+
+
+def test_qwen3_vl_video_timestamps_and_frame_blocks_are_counted():
+    """Qwen3-VL's processor writes a timestamp and a vision_start / vision_end pair per temporal grid step of a
+    video; the counter counted one block of t*h*w/4 placeholders and 2 wrappers per video, so a 4-step 16x16
+    video took 290 tokens where 258 were planned, and bins overflowed the capacity pack_batch was given.
+    `video_frame_tokens` counts them: 2 + the timestamp's tokens (6 below 10 s, 7 below 100 s)."""
+    grids = [(4, 16, 16), (2, 8, 4)]
+    seconds = [[0.5, 1.5, 2.5, 3.5], [1.0, 3.0]]  # the processor's mean time of each step's two frames
+    text = 11  # tokens outside the videos
+    ids = ["x"] * text + _qwen3_vl_video_ids(*grids[0], seconds[0]) + _qwen3_vl_video_ids(*grids[1], seconds[1])
+    table = SampleTable.from_samples([SampleMetadata(text, video_grids=tuple(grids))])
+    assert len(ids) == 11 + (2 + 4 * (6 + 2 + 64)) + (2 + 2 * (6 + 2 + 8)) == 335
+    assert TokenCounter(video_frame_tokens=8)(table).tolist() == [len(ids)]
+    assert TokenCounter()(table).tolist() == [11 + (2 + 256) + (2 + 16)]  # Qwen2-VL / Qwen2.5-VL: one block
+    long = _qwen3_vl_video_ids(3, 4, 4, [8.5, 10.5, 12.5])  # 7 tokens from 10 s on: the longest's count bounds it
+    counted = TokenCounter(video_frame_tokens=9)(SampleTable.from_samples([SampleMetadata(0, video_grids=((3, 4, 4),))]))
+    assert counted.tolist() == [2 + 3 * (9 + 4)] and counted[0] - len(long) == 1  # over by the first step's digit
+    with pytest.raises(ValueError, match="TokenCounter.video_frame_tokens must be an int >= 0, got -1"):
+        TokenCounter(video_frame_tokens=-1)

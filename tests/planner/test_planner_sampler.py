@@ -518,3 +518,21 @@ def test_a_sampler_refuses_arguments_of_the_wrong_type(samples):
         PackedBatchSampler(table, _config(), dp_rank=0, progress="no")  # drew the progress line
     with pytest.raises(ValueError, match=r"progress must be a bool, got 'no'"):
         plan_epoch(table, _config(), progress="no")
+
+
+def test_carried_over_names_the_samples_the_last_epoch_left_untrained(samples):
+    """tail="carry": an epoch's last samples (less than a step) lead the next epoch, so those of the last epoch a
+    run trains are never trained. The sampler kept them only in a private field (and in state_dict's "carried"),
+    so a run could not see how many it left out."""
+    table = SampleTable.from_samples([metadata(s) for s in samples])
+    sampler = PackedBatchSampler(table, _config(tail="carry"), dp_rank=0)
+    first = sampler.plan()
+    assert sampler.carried_over() == ()  # nothing carried into the first epoch
+    iterator = iter(sampler)
+    taken = [next(iterator) for _ in range(len(sampler))]
+    assert first.carried and sampler.carried_over() == first.carried  # its last micro-batch taken, not finished
+    assert list(iterator) == [] and sampler.carried_over() == first.carried  # finished: the same samples
+    assert not {s for b in taken for s in b} & set(first.carried)  # not trained in this epoch
+    assert tuple(sampler.state_dict()["carried"]) == first.carried
+    second = sampler.plan()
+    assert set(first.carried) <= {s for b in second.bins() for s in b.samples}  # a next epoch trains them first

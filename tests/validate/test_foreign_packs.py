@@ -61,6 +61,7 @@ def test_bridge_layout_with_real_boundaries_is_clean():
        cp=st.sampled_from([1, 2, 4]), tp=st.sampled_from([1, 2]), sp=st.booleans(), fp8=st.booleans(),
        seed=st.integers(0, 1000))
 def test_our_packs_validate_clean_over_random_plans(lengths, cp, tp, sp, fp8, seed):
+    sp = sp and tp > 1  # SP needs TP (Megatron-Core refuses it at tp=1)
     g = torch.Generator().manual_seed(seed)
     width = max(lengths)
     keep = torch.arange(width)[None] < torch.tensor(lengths)[:, None]
