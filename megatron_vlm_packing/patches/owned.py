@@ -96,6 +96,19 @@ def signature_naming(function, names: tuple[str, ...], patch: str) -> inspect.Si
     return signature
 
 
+def probe_failure(function, error: Exception, patch: str) -> RuntimeError:
+    """The error for a defect probe that `function` (the upstream one the probe runs) failed with `error`.
+
+    A failure is neither answer. Read as "fixed upstream" it would skip the patch, and the adapters that ask
+    would accept the layout it protects; read as "defect present" it would install a patch over a function
+    nobody checked. Raise it `from error`.
+    """
+    return RuntimeError(f"{describe_value(function)} raised {type(error).__name__}: {error} on {patch}'s defect "
+                        f"probe: this version behaves in a way the patch does not know, so whether the defect is "
+                        f"there cannot be told (a failure is never read as fixed); revise the patch for this "
+                        f"version (nothing was applied)")
+
+
 def describe_attribute(owner, name: str) -> str:
     """`module.Class.name` (or `module.name`, or `a module.Class object's name`) for messages."""
     if isinstance(owner, types.ModuleType):
