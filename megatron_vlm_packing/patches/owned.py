@@ -96,6 +96,24 @@ def signature_naming(function, names: tuple[str, ...], patch: str) -> inspect.Si
     return signature
 
 
+def upstream_own(owner, name: str, module: str, patch: str):
+    """`owner.name`, checked to be the function `module` defines under `name` (upstream's own), for a patch
+    that replaces it: the replacement never calls what it replaces.
+
+    Raises:
+        RuntimeError: it holds something else (another plugin's wrapper or replacement, named): replacing it
+            would silently drop that plugin's code while ours is applied; nothing is replaced.
+    """
+    held = patch_target(owner, name, patch)
+    code = getattr(held, "__code__", None)
+    if getattr(held, "__globals__", {}).get("__name__") == module and getattr(code, "co_name", None) == name:
+        return held
+    raise RuntimeError(f"{describe_attribute(owner, name)} holds {describe_value(held)}, not {module}'s own {name}: "
+                       f"{patch} replaces it (it never calls what it replaces), which would silently drop that "
+                       f"code while ours is applied; apply {patch} before the other plugin patches it (their "
+                       f"wrapper then wraps ours), or remove theirs (nothing was applied)")
+
+
 def probe_failure(function, error: Exception, patch: str) -> RuntimeError:
     """The error for a defect probe that `function` (the upstream one the probe runs) failed with `error`.
 

@@ -18,9 +18,11 @@ probe is a RuntimeError, not a count. Delete it once upstream's THD rope
 is loop-free (no issue filed upstream yet; the loop is `_apply_rotary_pos_emb_thd`'s `for` over
 `sequence_splits`). Fused rope (`apply_rope_fusion=True`) never reaches this function.
 
-A replacement, not a wrapper: it never calls what it replaces, so a wrapper another plugin put on
-`rope_utils._apply_rotary_pos_emb_thd` before ours does not run while ours is applied (undo gives it
-back). Only holders still holding the function that `rope_utils` held are replaced.
+A replacement, not a wrapper: it never calls what it replaces. Applied over a wrapper another plugin put
+on `rope_utils._apply_rotary_pos_emb_thd` (one that syncs: a sync-free one stands for the fix), it would drop
+that wrapper silently, so apply refuses (RuntimeError naming it) unless Megatron's own function is there; a
+wrapper put on after ours wraps ours and keeps running. Only holders still holding the function that
+`rope_utils` held are replaced.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ import sys
 
 import torch
 
-from megatron_vlm_packing.patches.owned import OwnedAttributes, patch_target, probe_failure, signature_naming
+from megatron_vlm_packing.patches.owned import (
+    OwnedAttributes, patch_target, probe_failure, signature_naming, upstream_own,
+)
 from megatron_vlm_packing.rope.megatron_thd import CpLocalFreqs, thd_rope_host_syncs, thd_rope_rows
 
 _OWNED = OwnedAttributes(__name__)  # the holders' _apply_rotary_pos_emb_thd; .original(): the unpatched one
@@ -101,7 +105,8 @@ def apply_thd_rotary() -> bool:
     installed function already runs without host syncs).
 
     Raises:
-        RuntimeError: the function is gone, raised on the sync probe, or hides its arguments; nothing is applied.
+        RuntimeError: the function is gone, raised on the sync probe, hides its arguments, or is not Megatron's
+            own (another plugin's wrapper, which replacing would drop); nothing is applied.
     """
     if _OWNED.active():
         return True
@@ -111,6 +116,7 @@ def apply_thd_rotary() -> bool:
     if _host_syncs(original) == 0:
         return False
     replacement = _loop_free(original, rope_utils._apply_rotary_pos_emb_bshd)
+    upstream_own(rope_utils, "_apply_rotary_pos_emb_thd", rope_utils.__name__, __name__)  # never drop a wrapper
     for name in _HOLDERS:
         module = sys.modules.get(name)
         if module is not None and getattr(module, "_apply_rotary_pos_emb_thd", None) is original:
