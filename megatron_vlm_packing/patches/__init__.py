@@ -25,6 +25,13 @@ modules): `bridge_deepstack_sp` (Qwen3-VL deepstack gradients under TP + SP; Qwe
 forward of a Bridge model; the Bridge adapters refuse a layout whose defect is present and unpatched.
 Qwen3-Omni's packed THD path is applied on its own: `apply_bridge_qwen3_omni_packed()` (the thinker
 refuses `packed_seq_params`; the Omni adapter refuses packed micro-batches until it is applied).
+
+Threads: apply and undo from one thread, the one that builds the models (no lock). torchrun runs one process
+per rank, DataLoader workers are processes, and this package applies patches only while models are built
+(`use_packed_mrope`) or a job is launched. Two threads applying one patch at once may both install it (the
+later wrapping the earlier): a call then runs right or fails loudly (a wrapper leaves tensors another already
+CP-selected or scattered, recognised by their length; LLaVA's boundaries expanded twice are a ValueError),
+and undo refuses with a RuntimeError (checked by hand for the Qwen3-Omni patch, not tested).
 """
 
 from megatron_vlm_packing.patches.llava_boundaries import (
