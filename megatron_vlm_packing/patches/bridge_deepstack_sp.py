@@ -71,11 +71,13 @@ def upstream_deepstack_split_is_plain_slice() -> bool:
     """
     split = _OWNED.original("split_deepstack_embs") or patch_target(import_bridge_module(QWEN3_VL_MODEL),
                                                                      "split_deepstack_embs", __name__)
-    probe = torch.ones(4, 1, requires_grad=True)
     try:
-        _, (cut,) = split(torch.ones(1, 4, dtype=torch.bool), [probe], tp_size=2, tp_rank=0,
-                          cp_size=1, cp_rank=0, sequence_parallel=True)
-        cut.sum().backward()
+        # Its own graph whatever the caller's mode: an adapter built under torch.no_grad() asks here too.
+        with torch.inference_mode(False), torch.enable_grad():
+            probe = torch.ones(4, 1, requires_grad=True)
+            _, (cut,) = split(torch.ones(1, 4, dtype=torch.bool), [probe], tp_size=2, tp_rank=0,
+                              cp_size=1, cp_rank=0, sequence_parallel=True)
+            cut.sum().backward()
     except Exception as err:  # a changed upstream (a gathering backward needs a group): not one we know
         raise probe_failure(split, err, __name__) from err
     return probe.grad is not None and float(probe.grad.sum()) < probe.shape[0]

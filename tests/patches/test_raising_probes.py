@@ -120,3 +120,17 @@ def test_thd_rotary_probe_of_a_raising_rope(monkeypatch):
     with pytest.raises(RuntimeError, match=message):
         thd_rotary.apply_thd_rotary()
     assert not thd_rotary._OWNED and rope_utils._apply_rotary_pos_emb_thd is raising_rope
+
+
+@pytest.mark.bridge
+@needs_bridge
+@pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
+def test_deepstack_probe_answers_under_the_callers_grad_mode(grad_mode):
+    """An adapter built inside `torch.no_grad()` (an evaluation before training) asks the probe there: its
+    backward found no graph, and that failure was read as fixed (TP + SP then accepted with rank-partial
+    vision gradients). The probe records its own graph, whatever the caller's mode."""
+    bridge_deepstack_sp.undo_bridge_deepstack_sp()
+    assert bridge_deepstack_sp.upstream_deepstack_split_is_plain_slice()  # Bridge 0.6.2: the defect
+    with grad_mode():
+        assert bridge_deepstack_sp.upstream_deepstack_split_is_plain_slice()
+        assert not torch.is_grad_enabled()
