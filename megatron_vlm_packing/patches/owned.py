@@ -115,16 +115,17 @@ def upstream_own(owner, name: str, module: str, patch: str):
 
 
 def probe_failure(function, error: Exception, patch: str) -> RuntimeError:
-    """The error for a defect probe that `function` (the upstream one the probe runs) failed with `error`.
+    """The error for a defect probe that failed with `error` on `function` (the upstream one it runs, or
+    whose source it reads).
 
     A failure is neither answer. Read as "fixed upstream" it would skip the patch, and the adapters that ask
     would accept the layout it protects; read as "defect present" it would install a patch over a function
     nobody checked. Raise it `from error`.
     """
-    return RuntimeError(f"{describe_value(function)} raised {type(error).__name__}: {error} on {patch}'s defect "
-                        f"probe: this version behaves in a way the patch does not know, so whether the defect is "
-                        f"there cannot be told (a failure is never read as fixed); revise the patch for this "
-                        f"version (nothing was applied)")
+    return RuntimeError(f"{patch}'s defect probe got {type(error).__name__}: {error} from "
+                        f"{describe_value(function)}: this version behaves in a way the patch does not know, so "
+                        f"whether the defect is there cannot be told (a failure is never read as fixed); revise "
+                        f"the patch for this version (nothing was applied)")
 
 
 def describe_attribute(owner, name: str) -> str:

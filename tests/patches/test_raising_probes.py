@@ -16,7 +16,7 @@ from megatron_vlm_packing.patches import bridge_deepstack_sp, bridge_qwen3_omni_
 
 _NO_BRIDGE = bridge_unavailable_reason()
 needs_bridge = pytest.mark.skipif(_NO_BRIDGE is not None, reason=_NO_BRIDGE or "")
-FAILED = r"raised {kind}: .*{text}.*defect probe.*never read as fixed.*nothing was applied"
+FAILED = r"defect probe got {kind}: .*{text}.* from .*{name}: .*never read as fixed.*nothing was applied"
 
 
 class _NoGroupBackward(torch.autograd.Function):
@@ -50,7 +50,7 @@ def test_deepstack_probe_of_a_raising_split(monkeypatch, split, kind, text):
     holders = [import_bridge_module(name) for name in bridge_deepstack_sp._HOLDERS]
     for module in holders:
         monkeypatch.setattr(module, "split_deepstack_embs", split)
-    message = rf"{split.__name__} " + FAILED.format(kind=kind, text=text)
+    message = FAILED.format(kind=kind, text=text, name=split.__name__)
     with pytest.raises(RuntimeError, match=message):
         bridge_deepstack_sp.upstream_deepstack_split_is_plain_slice()
     with pytest.raises(RuntimeError, match=message):
@@ -83,7 +83,7 @@ def test_omni_probe_of_a_raising_thinker(monkeypatch, forward, kind, text):
     bridge_qwen3_omni_packed.undo_bridge_qwen3_omni_packed()
     cls = bridge_qwen3_omni_packed._thinker_class()
     monkeypatch.setattr(cls, "forward", forward)
-    message = rf"{forward.__name__} " + FAILED.format(kind=kind, text=text)
+    message = FAILED.format(kind=kind, text=text, name=forward.__name__)
     with pytest.raises(RuntimeError, match=message):
         bridge_qwen3_omni_packed.thinker_refuses_packing()
     with pytest.raises(RuntimeError, match=message):
@@ -114,7 +114,7 @@ def test_thd_rotary_probe_of_a_raising_rope(monkeypatch):
     thd_rotary.undo_thd_rotary()
     for module in (rope_utils, rotary_pos_embedding):
         monkeypatch.setattr(module, "_apply_rotary_pos_emb_thd", raising_rope)
-    message = r"raising_rope " + FAILED.format(kind="IndexError", text=r"cu_seqlens of 4 entries")
+    message = FAILED.format(kind="IndexError", text=r"cu_seqlens of 4 entries", name="raising_rope")
     with pytest.raises(RuntimeError, match=message):
         thd_rotary.upstream_thd_rope_syncs()
     with pytest.raises(RuntimeError, match=message):
@@ -134,3 +134,18 @@ def test_deepstack_probe_answers_under_the_callers_grad_mode(grad_mode):
     with grad_mode():
         assert bridge_deepstack_sp.upstream_deepstack_split_is_plain_slice()
         assert not torch.is_grad_enabled()
+
+
+@pytest.mark.parametrize("read", ["upstream_scatters_standalone_embeddings", "upstream_scatters_mask_with_decoder_input"])
+def test_gpt_model_probes_of_a_forward_without_source(monkeypatch, read):
+    """The GPTModel checks read upstream's source: where there is none to read (a function built at run time,
+    a build shipped without .py files), the check says so, not an OSError from inspect."""
+    from megatron_vlm_packing.patches import gpt_model_forward
+
+    namespace = {}
+    exec("def forward(self, input_ids, position_ids, decoder_input=None, padding_mask=None):\n    pass", namespace)
+    no_source = type("NoSourceGPTModel", (), {"forward": namespace["forward"], "_preprocess": namespace["forward"]})
+    monkeypatch.setattr(gpt_model_forward, "_gpt_model", lambda: no_source)
+    with pytest.raises(RuntimeError, match=FAILED.format(kind="OSError", text="could not get source code",
+                                                         name="forward")):
+        getattr(gpt_model_forward, read)()
