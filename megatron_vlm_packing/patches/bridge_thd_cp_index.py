@@ -66,7 +66,7 @@ def apply_bridge_thd_cp_index() -> bool:
         return False
     module = import_bridge_module(PACKED_SEQ_UTILS)
     # Gone: a new name nobody calls would fix nothing; another plugin's: replacing it would drop their code.
-    upstream_own(module, "get_thd_cp_partition_indices", PACKED_SEQ_UTILS, __name__)
+    upstream_own(module, "get_thd_cp_partition_indices", "megatron.bridge", __name__)
     _OWNED.set(module, "get_thd_cp_partition_indices", thd_cp_partition_indices)
     return True
 

@@ -96,19 +96,21 @@ def signature_naming(function, names: tuple[str, ...], patch: str) -> inspect.Si
     return signature
 
 
-def upstream_own(owner, name: str, module: str, patch: str):
-    """`owner.name`, checked to be the function `module` defines under `name` (upstream's own), for a patch
-    that replaces it: the replacement never calls what it replaces.
+def upstream_own(owner, name: str, package: str, patch: str):
+    """`owner.name`, checked to be upstream's own function: named `name` and defined in a module of `package`
+    ("megatron.core", "megatron.bridge"; a move between its modules is no foreign code), for a patch that
+    replaces it: the replacement never calls what it replaces.
 
     Raises:
         RuntimeError: it holds something else (another plugin's wrapper or replacement, named): replacing it
             would silently drop that plugin's code while ours is applied; nothing is replaced.
     """
     held = patch_target(owner, name, patch)
-    code = getattr(held, "__code__", None)
-    if getattr(held, "__globals__", {}).get("__name__") == module and getattr(code, "co_name", None) == name:
+    defined_in = getattr(held, "__globals__", {}).get("__name__") or ""
+    if getattr(getattr(held, "__code__", None), "co_name", None) == name \
+            and (defined_in == package or defined_in.startswith(package + ".")):
         return held
-    raise RuntimeError(f"{describe_attribute(owner, name)} holds {describe_value(held)}, not {module}'s own {name}: "
+    raise RuntimeError(f"{describe_attribute(owner, name)} holds {describe_value(held)}, not {package}'s own {name}: "
                        f"{patch} replaces it (it never calls what it replaces), which would silently drop that "
                        f"code while ours is applied; apply {patch} before the other plugin patches it (their "
                        f"wrapper then wraps ours), or remove theirs (nothing was applied)")

@@ -116,7 +116,7 @@ def apply_thd_rotary() -> bool:
     if _host_syncs(original) == 0:
         return False
     replacement = _loop_free(original, rope_utils._apply_rotary_pos_emb_bshd)
-    upstream_own(rope_utils, "_apply_rotary_pos_emb_thd", rope_utils.__name__, __name__)  # never drop a wrapper
+    upstream_own(rope_utils, "_apply_rotary_pos_emb_thd", "megatron.core", __name__)  # never drop a wrapper
     for name in _HOLDERS:
         module = sys.modules.get(name)
         if module is not None and getattr(module, "_apply_rotary_pos_emb_thd", None) is original:

@@ -92,3 +92,36 @@ def test_a_wrapper_installed_after_apply_keeps_running_and_undo_waits_for_it(cas
         setattr(owner, case.name, ours)  # the other plugin undoes first
     case.undo()
     assert getattr(owner, case.name) is upstream and not case.applied()
+
+
+def _defined_in(function, module: str):
+    """`function`'s code, as if defined in `module` (its globals otherwise the same)."""
+    import types
+
+    moved = types.FunctionType(function.__code__, {**function.__globals__, "__name__": module}, function.__name__,
+                               function.__defaults__, function.__closure__)
+    moved.__kwdefaults__ = function.__kwdefaults__
+    return moved
+
+
+@pytest.mark.parametrize("module, accepted", [
+    ("megatron.core.models.common.embeddings.rope_thd", True),  # moved between upstream's modules
+    ("megatron.core_plugins.rope", False),  # a name that only starts like upstream's package
+    ("other_plugin.rope", False),
+])
+def test_thd_rotary_takes_upstreams_function_from_any_of_its_modules(module, accepted):
+    rope_utils = _rope_utils()
+    thd_rotary.undo_thd_rotary()
+    upstream = rope_utils._apply_rotary_pos_emb_thd
+    rope_utils._apply_rotary_pos_emb_thd = installed = _defined_in(upstream, module)
+    try:
+        if accepted:
+            assert thd_rotary.apply_thd_rotary() and rope_utils._apply_rotary_pos_emb_thd is not installed
+            thd_rotary.undo_thd_rotary()
+        else:
+            with pytest.raises(RuntimeError, match=rf"holds {module}\._apply_rotary_pos_emb_thd, not megatron\.core's"):
+                thd_rotary.apply_thd_rotary()
+        assert rope_utils._apply_rotary_pos_emb_thd is installed and not thd_rotary.thd_rotary_applied()
+    finally:
+        thd_rotary.undo_thd_rotary()
+        rope_utils._apply_rotary_pos_emb_thd = upstream
