@@ -12,10 +12,14 @@
 
 `Qwen3VLAdapter` refuses, with a ValueError naming the patch, a layout whose Bridge defect is not
 patched here (`patches.apply_bridge_patches()`): deepstack gradients under TP + SP, the TE-only THD
-CP index; `Qwen25VLAdapter` likewise for CP.
+CP index; `Qwen25VLAdapter` likewise for CP. Both ask again for every micro-batch (`PatchRequirement`):
+a patch undone after the adapter was built counts.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -182,10 +186,19 @@ def _check_unpacked_audio(micro_batch: MicroBatch, token: int, n_window: int) ->
                                   token_id=token, field="audio", items_per_sample=audio.audios_per_sample)
 
 
-def _require_patch(active: bool, defect: bool, what: str, apply_name: str) -> None:
-    if defect and not active:
-        raise ValueError(f"{what}: call megatron_vlm_packing.patches.{apply_name}() (or apply_bridge_patches()) "
-                         f"before training")
+@dataclasses.dataclass(frozen=True)
+class PatchRequirement:
+    """A Bridge patch the model's layout needs here (its defect is present), asked when the adapter is built
+    and for every micro-batch: the adapter is built once per model, and the patch may be undone after."""
+
+    applied: Callable[[], bool]  # the patch module's is_applied: does our replacement run now
+    what: str  # the defect, for the message
+    apply_name: str  # the patches function that fixes it
+
+    def check(self) -> None:
+        if not self.applied():
+            raise ValueError(f"{self.what}: call megatron_vlm_packing.patches.{self.apply_name}() (or "
+                             f"apply_bridge_patches()) before training")
 
 
 class Qwen3VLAdapter(ModelAdapter):
@@ -193,6 +206,7 @@ class Qwen3VLAdapter(ModelAdapter):
 
     consumes = frozenset({"images", "videos"})
     needs = LocalizeNeeds(full_input_ids=True, full_position_ids=True)
+    patch_requirements: tuple[PatchRequirement, ...] = ()  # set by __init__: the patches this layout needs
     rotary = "mrope"
 
     def __init__(self, model):
@@ -203,17 +217,24 @@ class Qwen3VLAdapter(ModelAdapter):
 
         tp, cp, sp = _layout(model)
         deepstack = bool(getattr(model.vision_transformer_config, "deepstack_visual_indexes", None))
-        if tp > 1 and sp and deepstack:
-            _require_patch(bridge_deepstack_sp.is_applied(),
-                           bridge_deepstack_sp.upstream_deepstack_split_is_plain_slice(),
-                           "Bridge's Qwen3-VL deepstack embeddings get wrong vision gradients under TP + SP",
-                           "apply_bridge_deepstack_sp")
-        if cp > 1:
-            _require_patch(bridge_thd_cp_index.is_applied(), not bridge_thd_cp_index.te_thd_partition_available(),
-                           "Bridge's packed CP token selection needs Transformer Engine's thd_get_partitioned_indices",
-                           "apply_bridge_thd_cp_index")
+        needed = []
+        if tp > 1 and sp and deepstack and bridge_deepstack_sp.upstream_deepstack_split_is_plain_slice():
+            needed.append(PatchRequirement(
+                bridge_deepstack_sp.is_applied,
+                "Bridge's Qwen3-VL deepstack embeddings get wrong vision gradients under TP + SP",
+                "apply_bridge_deepstack_sp"))
+        if cp > 1 and not bridge_thd_cp_index.te_thd_partition_available():
+            needed.append(PatchRequirement(
+                bridge_thd_cp_index.is_applied,
+                "Bridge's packed CP token selection needs Transformer Engine's thd_get_partitioned_indices",
+                "apply_bridge_thd_cp_index"))
+        self.patch_requirements = tuple(needed)
+        for requirement in self.patch_requirements:
+            requirement.check()
 
     def check(self, micro_batch: MicroBatch) -> None:
+        for requirement in self.patch_requirements:  # asked again: an undo after building the adapter counts
+            requirement.check()
         super().check(micro_batch)
         check_unpacked_ids(micro_batch, self.vocab_size)
         check_unpacked_vision(micro_batch, self.mrope)
@@ -244,6 +265,7 @@ class Qwen25VLAdapter(ModelAdapter):
 
     consumes = frozenset({"images", "videos"})
     needs = LocalizeNeeds(full_input_ids=True, full_position_ids=True)
+    patch_requirements: tuple[PatchRequirement, ...] = ()  # CP > 1: its CP patch
 
     rotary = "mrope"
 
@@ -256,14 +278,17 @@ class Qwen25VLAdapter(ModelAdapter):
             from megatron_vlm_packing.patches import bridge_qwen25_vl_cp
             from megatron_vlm_packing.rope import use_packed_mrope
 
-            _require_patch(bridge_qwen25_vl_cp.is_applied(), True,
-                           f"Bridge's Qwen25VLModel does not select context-parallel tokens (with "
-                           f"context_parallel_size={cp} every CP rank would run the whole sequence)",
-                           "apply_bridge_qwen25_vl_cp")
+            self.patch_requirements = (PatchRequirement(
+                bridge_qwen25_vl_cp.is_applied,
+                f"Bridge's Qwen25VLModel does not select context-parallel tokens (with context_parallel_size={cp} "
+                f"every CP rank would run the whole sequence)", "apply_bridge_qwen25_vl_cp"),)
+            self.patch_requirements[0].check()
             # Under THD + CP the rotary must return the full table from full positions (bug class 6).
             use_packed_mrope(model.language_model)
 
     def check(self, micro_batch: MicroBatch) -> None:
+        for requirement in self.patch_requirements:  # asked again: an undo after building the adapter counts
+            requirement.check()
         super().check(micro_batch)
         check_unpacked_ids(micro_batch, self.vocab_size)
         check_unpacked_vision(micro_batch, self.mrope)

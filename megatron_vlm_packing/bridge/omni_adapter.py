@@ -122,10 +122,18 @@ class Qwen3OmniAdapter(ModelAdapter):
         # Bridge 0.6.2's dense audio path asks the encoder for `_get_feat_extract_output_lengths`,
         # which transformers 5.x's encoder no longer has.
         self.dense_audio_runs = audio is None or hasattr(audio, "_get_feat_extract_output_lengths")
-        from megatron_vlm_packing.patches.bridge_qwen3_omni_packed import is_applied, thinker_refuses_packing
+        from megatron_vlm_packing.patches.bridge_qwen3_omni_packed import thinker_refuses_packing
 
-        self.takes_packed_seq_params = is_applied() or not thinker_refuses_packing()
+        self.upstream_takes_packing = not thinker_refuses_packing()  # Bridge's own forward: fixed for the process
         self.dense_deepstack_defect = dense_deepstack_defect(model)
+
+    @property
+    def takes_packed_seq_params(self) -> bool:
+        """Bridge's thinker takes packed input, or the packing patch runs now: asked per micro-batch, so an
+        apply or undo after this adapter was built counts (the adapter is built once per model)."""
+        from megatron_vlm_packing.patches.bridge_qwen3_omni_packed import is_applied
+
+        return self.upstream_takes_packing or is_applied()
 
     def check(self, micro_batch: MicroBatch) -> None:
         if not micro_batch.is_packed and micro_batch.vision is not None and self.dense_deepstack_defect:

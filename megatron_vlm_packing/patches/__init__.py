@@ -25,6 +25,13 @@ modules): `bridge_deepstack_sp` (Qwen3-VL deepstack gradients under TP + SP; Qwe
 forward of a Bridge model; the Bridge adapters refuse a layout whose defect is present and unpatched.
 Qwen3-Omni's packed THD path is applied on its own: `apply_bridge_qwen3_omni_packed()` (the thinker
 refuses `packed_seq_params`; the Omni adapter refuses packed micro-batches until it is applied).
+
+Threads: apply and undo from one thread, the one that builds the models (no lock). torchrun runs one process
+per rank, DataLoader workers are processes, and this package applies patches only while models are built
+(`use_packed_mrope`) or a job is launched. Two threads applying one patch at once may both install it (the
+later wrapping the earlier): a call then runs right or fails loudly (a wrapper leaves tensors another already
+CP-selected or scattered, recognised by their length; LLaVA's boundaries expanded twice are a ValueError),
+and undo refuses with a RuntimeError (checked by hand for the Qwen3-Omni patch, not tested).
 """
 
 from megatron_vlm_packing.patches.llava_boundaries import (
@@ -52,9 +59,10 @@ def apply_all() -> dict[str, bool]:
     fix, nothing installed).
 
     Raises:
-        RuntimeError: a patch's target is gone or its signature hidden by an earlier wrapper, or a later
-            plugin holds the attribute of a patch to install again; the patches before it in the order
-            stay applied (`undo_all` undoes them).
+        RuntimeError: a patch's target is gone or its signature hidden by an earlier wrapper, a defect probe
+            fails on upstream's function (named, with the exception), another plugin's wrapper holds the THD
+            rope (`thd_rotary` replaces it), or a later plugin holds the attribute of a patch to install again;
+            the patches before it in the order stay applied (`undo_all` undoes them).
     """
     return {"sp_embedding_scatter": apply_sp_embedding_scatter(),
             "sp_padding_mask_scatter": apply_sp_padding_mask_scatter(),
@@ -67,6 +75,11 @@ def apply_bridge_patches() -> dict[str, bool]:
 
     `bridge_qwen25_vl_cp` has no defect check at apply time: it is always installed (True) and checks per
     call (a packed CP call whose `decoder_input` is still full length); dense and CP = 1 calls pass through.
+
+    Raises:
+        RuntimeError: as `apply_all`, and where a defect probe fails on Bridge's function (named, with the
+            exception) or another plugin's wrapper holds `get_thd_cp_partition_indices` (ours replaces it);
+            the patches before it stay applied (`undo_bridge_patches` undoes them).
     """
     return {"bridge_deepstack_sp": apply_bridge_deepstack_sp(), "bridge_thd_cp_index": apply_bridge_thd_cp_index(),
             "bridge_qwen25_vl_cp": apply_bridge_qwen25_vl_cp()}

@@ -16,8 +16,9 @@ gradient of every row. (CP parts stay partial: Megatron sums replicated grads ov
 
 Defect check (`upstream_deepstack_split_is_plain_slice`): split a probe with tp_size=2, tp_rank=0
 and backpropagate: a plain cut leaves zero gradient on the other rank's rows without any
-collective. A fixed upstream (which needs a process group to gather) is left alone; a module without
-`split_deepstack_embs` is a RuntimeError (not read as fixed: the adapter would then accept TP + SP).
+collective. A split that raises (an upstream whose backward gathers needs a process group) and a
+module without `split_deepstack_embs` are RuntimeErrors, never read as fixed: the adapters would then
+accept TP + SP with rank-partial vision gradients.
 Delete once Bridge scatters deepstack embeddings with a gathering backward.
 """
 
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_vlm_packing.bridge.imports import import_bridge_module
-from megatron_vlm_packing.patches.owned import OwnedAttributes, patch_target
+from megatron_vlm_packing.patches.owned import OwnedAttributes, patch_target, probe_failure
 
 QWEN3_VL_MODEL = "megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model"
 # Every module that imports the split by name and calls it: Qwen3-VL's model, and the Qwen3-Omni thinker
@@ -63,16 +64,22 @@ def upstream_deepstack_split_is_plain_slice() -> bool:
 
     Judged on Bridge's own split even while the patch is applied: the module's function is then ours,
     which reported the defect gone (and, with parallel state up, ran its TP all-reduce in the probe).
+
+    Raises:
+        RuntimeError: the split is gone, or it raised on the probe (forward or backward; named, with the
+            exception): neither answer can be told.
     """
     split = _OWNED.original("split_deepstack_embs") or patch_target(import_bridge_module(QWEN3_VL_MODEL),
                                                                      "split_deepstack_embs", __name__)
-    probe = torch.ones(4, 1, requires_grad=True)
     try:
-        _, (cut,) = split(torch.ones(1, 4, dtype=torch.bool), [probe], tp_size=2, tp_rank=0,
-                          cp_size=1, cp_rank=0, sequence_parallel=True)
-        cut.sum().backward()
-    except Exception:  # a changed (e.g. group-taking) upstream: not the defect we know
-        return False
+        # Its own graph whatever the caller's mode: an adapter built under torch.no_grad() asks here too.
+        with torch.inference_mode(False), torch.enable_grad():
+            probe = torch.ones(4, 1, requires_grad=True)
+            _, (cut,) = split(torch.ones(1, 4, dtype=torch.bool), [probe], tp_size=2, tp_rank=0,
+                              cp_size=1, cp_rank=0, sequence_parallel=True)
+            cut.sum().backward()
+    except Exception as err:  # a changed upstream (a gathering backward needs a group): not one we know
+        raise probe_failure(split, err, __name__) from err
     return probe.grad is not None and float(probe.grad.sum()) < probe.shape[0]
 
 
@@ -97,7 +104,11 @@ def is_applied() -> bool:
 
 
 def apply_bridge_deepstack_sp() -> bool:
-    """Give Qwen3-VL's deepstack SP cut a gathering backward. Idempotent; returns whether active."""
+    """Give Qwen3-VL's deepstack SP cut a gathering backward. Idempotent; returns whether active.
+
+    Raises:
+        RuntimeError: the defect probe cannot tell (`upstream_deepstack_split_is_plain_slice`); nothing is applied.
+    """
     if _OWNED.active():
         return True
     if not upstream_deepstack_split_is_plain_slice():

@@ -30,8 +30,9 @@ packed path and leaves every dense call to Bridge's own code:
   (`set_input_tensor`), so it only needs the boundaries and this rank's positions. Bridge's deepstack
   block asserts that every deepstack level feeds a layer of the first stage.
 
-Feature check: the original forward is run on an empty object with `packed_seq_params`; the defect
-raises NotImplementedError mentioning "packed" before touching the model. Delete this patch once
+Feature check: the original forward is run with `packed_seq_params` on an object whose every attribute
+read stops the call; the defect raises NotImplementedError mentioning "packed" before touching the model,
+a fixed forward reads the model. Any other failure is a RuntimeError, never read as fixed. Delete this patch once
 Bridge's thinker takes packed input (Megatron-Bridge #4304) and passes the parity tests.
 
 Shape legend: T = physical packed tokens, Tl = T / cp, H = hidden size, A = audio clips.
@@ -41,11 +42,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import types
 
 import torch
 
-from megatron_vlm_packing.patches.owned import OwnedAttributes, patch_target, signature_naming
+from megatron_vlm_packing.patches.owned import OwnedAttributes, patch_target, probe_failure, signature_naming
 
 THINKER_MODULE = "megatron.bridge.models.qwen_omni.modeling_qwen3_omni.thinker_model"
 _OWNED = OwnedAttributes(__name__)  # Bridge's Qwen3OmniThinkerModel.forward while the patch is applied
@@ -59,22 +59,41 @@ def _thinker_class():
     return patch_target(import_bridge_module(THINKER_MODULE), "Qwen3OmniThinkerModel", __name__)
 
 
+class _PastTheGuard(Exception):
+    """The probed forward read an attribute of its model: it got past any packing guard. Not an
+    AttributeError, so that `getattr(self, name, default)` and `hasattr` inside the forward let it through."""
+
+
+class _StatelessThinker:
+    """The probe's `self`: reading any attribute raises `_PastTheGuard`."""
+
+    def __getattr__(self, name):
+        raise _PastTheGuard(name)
+
+
 def thinker_refuses_packing(forward=None) -> bool:
     """True when the thinker's (original) forward refuses `packed_seq_params` (the defect).
 
-    The forward is called on an empty object: the defect raises before any model state is read;
-    a forward that takes packed input fails differently (or not at all) and counts as fixed.
+    The forward is called with `packed_seq_params` on an object whose every attribute read raises
+    `_PastTheGuard`. Bridge 0.6.2 raises NotImplementedError naming packing before it reads the model (the
+    defect); a forward that reads its model's state (or returns) got past any such guard (fixed).
+
+    Raises:
+        RuntimeError: the forward failed otherwise (a signature without `packed_seq_params`, another
+            NotImplementedError, any other exception; named, with the exception): neither answer can be told.
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
     forward = forward or _OWNED.original("forward") or _thinker_class().forward
     try:
-        forward(types.SimpleNamespace(), input_ids=torch.zeros(1, 1, dtype=torch.long),
+        forward(_StatelessThinker(), input_ids=torch.zeros(1, 1, dtype=torch.long),
                 packed_seq_params=PackedSeqParams(qkv_format="thd"))
-    except NotImplementedError as err:
-        return "packed" in str(err).lower()
-    except Exception:  # noqa: BLE001 - any other failure means it got past the packing guard
+    except _PastTheGuard:
         return False
+    except Exception as err:
+        if isinstance(err, NotImplementedError) and "packed" in str(err).lower():
+            return True
+        raise probe_failure(forward, err, __name__) from err
     return False
 
 
@@ -83,7 +102,12 @@ def is_applied() -> bool:
 
 
 def apply_bridge_qwen3_omni_packed() -> bool:
-    """Give Bridge's Qwen3-Omni thinker a packed THD path. Idempotent; returns whether it is active."""
+    """Give Bridge's Qwen3-Omni thinker a packed THD path. Idempotent; returns whether it is active.
+
+    Raises:
+        RuntimeError: the thinker is gone, the defect probe cannot tell (`thinker_refuses_packing`), or an
+            earlier wrapper hides the forward's arguments; nothing is applied.
+    """
     if is_applied():
         return True
     _OWNED.restore()  # records of a patch an earlier patch's undo removed (an original is back): install again

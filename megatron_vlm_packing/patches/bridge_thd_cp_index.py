@@ -10,7 +10,9 @@ and 2*cp-1-r), which `parallel.cp.cp_partition_index` implements; the patch rout
 Defect check: Megatron-Core's TE binding (`megatron.core.utils.tex`) lacks
 `thd_get_partitioned_indices`. Where it has it, the patch does nothing: TE's own kernel runs.
 Only `packed_seq_utils`' own name is replaced: the copies `training.gpt_step` and Wan's utils import by
-name keep Bridge's function (our adapters' models reach it through `packed_seq_utils`).
+name keep Bridge's function (our adapters' models reach it through `packed_seq_utils`). A replacement:
+applied over another plugin's wrapper it would drop it, so apply refuses (RuntimeError naming it) unless
+Bridge's own function is there; a wrapper put on after ours wraps ours and keeps running.
 Delete once Bridge / Megatron-Core carry a TE-free THD partition.
 """
 
@@ -19,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from megatron_vlm_packing.bridge.imports import import_bridge_module
-from megatron_vlm_packing.patches.owned import OwnedAttributes, patch_target
+from megatron_vlm_packing.patches.owned import OwnedAttributes, upstream_own
 
 PACKED_SEQ_UTILS = "megatron.bridge.training.utils.packed_seq_utils"
 _OWNED = OwnedAttributes(__name__)  # Bridge's get_thd_cp_partition_indices while the patch is applied
@@ -51,14 +53,20 @@ def is_applied() -> bool:
 
 def apply_bridge_thd_cp_index() -> bool:
     """Route Bridge's THD CP partition to ours where TE's kernel is absent. Idempotent; returns
-    whether the patch is active."""
+    whether the patch is active.
+
+    Raises:
+        RuntimeError: Bridge's function is gone, or another plugin's code holds the name (replacing it would
+            drop that code: ours never calls what it replaces); nothing is applied.
+    """
     if _OWNED.active():
         return True
     _OWNED.restore()  # records of a patch an earlier patch's undo removed (an original is back): install again
     if te_thd_partition_available():
         return False
     module = import_bridge_module(PACKED_SEQ_UTILS)
-    patch_target(module, "get_thd_cp_partition_indices", __name__)  # a new name nobody calls would fix nothing
+    # Gone: a new name nobody calls would fix nothing; another plugin's: replacing it would drop their code.
+    upstream_own(module, "get_thd_cp_partition_indices", "megatron.bridge", __name__)
     _OWNED.set(module, "get_thd_cp_partition_indices", thd_cp_partition_indices)
     return True
 

@@ -25,7 +25,7 @@ import textwrap
 
 import torch
 
-from megatron_vlm_packing.patches.owned import OwnedAttributes, signature_naming
+from megatron_vlm_packing.patches.owned import OwnedAttributes, probe_failure, signature_naming
 
 
 def _gpt_model():
@@ -34,10 +34,29 @@ def _gpt_model():
     return GPTModel
 
 
+def _source(function, *, parsed: bool = False):
+    """The source of `function` (through functools.wraps), which these feature checks read; its syntax
+    tree when `parsed`.
+
+    Raises:
+        RuntimeError: there is none to read (a function built at run time, a build without .py files), or
+            it does not parse alone (a lambda's line).
+    """
+    try:
+        source = textwrap.dedent(inspect.getsource(function))
+        return ast.parse(source) if parsed else source
+    except Exception as err:
+        raise probe_failure(function, err, __name__) from err
+
+
 def upstream_scatters_standalone_embeddings() -> bool:
-    """Feature check: does GPTModel scatter embeddings itself when its embedding does not?"""
+    """Feature check: does GPTModel scatter embeddings itself when its embedding does not?
+
+    Raises:
+        RuntimeError: the source of `GPTModel.forward` / `_preprocess` cannot be read.
+    """
     GPTModel = _gpt_model()
-    source = "".join(inspect.getsource(fn) for fn in (GPTModel.forward, getattr(GPTModel, "_preprocess", GPTModel.forward)))
+    source = "".join(_source(fn) for fn in (GPTModel.forward, getattr(GPTModel, "_preprocess", GPTModel.forward)))
     return "not self.embedding.scatter_to_sequence_parallel" in source
 
 
@@ -49,9 +68,12 @@ def upstream_scatters_mask_with_decoder_input() -> bool:
     version that scatters or checks the mask there would see a mask this patch already scattered,
     so the patch stands down. A source without that branch (rewritten upstream) reads as the defect
     present: the patch then applies, and still leaves a mask already local alone.
+
+    Raises:
+        RuntimeError: the source of `GPTModel._preprocess` (or `forward`) cannot be read.
     """
     GPTModel = _gpt_model()
-    tree = ast.parse(textwrap.dedent(inspect.getsource(getattr(GPTModel, "_preprocess", GPTModel.forward))))
+    tree = _source(getattr(GPTModel, "_preprocess", GPTModel.forward), parsed=True)
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and _tests_decoder_input_given(node.test):
             return any(isinstance(name, ast.Name) and name.id == "padding_mask"

@@ -18,6 +18,15 @@ For `PlannedPackedSeqParams` (what `LLaVAAdapter` passes for a micro-batch with 
 the same is done from the plan's host ints (`expand_planned_call`): nothing is read back to the host.
 Feature check: upstream would have to hand `packed_seq_params` to `_preprocess_data` to fix it;
 the patch applies only while it does not. Delete it once upstream remaps the boundaries itself.
+
+Why a signature and not a behaviour probe (as the rotary and Bridge patches run): the behaviour is only
+observable through a built `LLaVAModel` (a vision tower, a projector and a language model, whose
+constructors need Megatron's model-parallel state, which `apply_all` may precede) running a forward with
+an image (under PP only the first stage holds the encoder, so stages could disagree). Without a model,
+the signature is the one observable. It reads "fixed" only for an upstream that names `packed_seq_params`
+in `_preprocess_data`, which is when this patch must be re-checked anyway (tests/llava's parity suite runs
+the packed model against each sample alone); a wrapper without functools.wraps that hides the name reads
+as the defect present. A missing `_preprocess_data` is a RuntimeError (`patch_target`), never read as fixed.
 """
 
 from __future__ import annotations
@@ -39,6 +48,12 @@ def _llava():
 
 
 def upstream_remaps_packed_boundaries() -> bool:
+    """Does `LLaVAModel._preprocess_data` take `packed_seq_params` (upstream's fix; why a signature: see
+    the module docstring)?
+
+    Raises:
+        RuntimeError: `LLaVAModel._preprocess_data` does not exist here (renamed or removed upstream).
+    """
     return "packed_seq_params" in inspect.signature(patch_target(_llava(), "_preprocess_data", __name__)).parameters
 
 

@@ -96,6 +96,40 @@ def signature_naming(function, names: tuple[str, ...], patch: str) -> inspect.Si
     return signature
 
 
+def upstream_own(owner, name: str, package: str, patch: str):
+    """`owner.name`, checked to be upstream's own function: named `name` and defined in a module of `package`
+    ("megatron.core", "megatron.bridge"; a move between its modules is no foreign code), for a patch that
+    replaces it: the replacement never calls what it replaces.
+
+    Raises:
+        RuntimeError: it holds something else (another plugin's wrapper or replacement, named): replacing it
+            would silently drop that plugin's code while ours is applied; nothing is replaced.
+    """
+    held = patch_target(owner, name, patch)
+    defined_in = getattr(held, "__globals__", {}).get("__name__") or ""
+    if getattr(getattr(held, "__code__", None), "co_name", None) == name \
+            and (defined_in == package or defined_in.startswith(package + ".")):
+        return held
+    raise RuntimeError(f"{describe_attribute(owner, name)} holds {describe_value(held)}, not {package}'s own {name}: "
+                       f"{patch} replaces it (it never calls what it replaces), which would silently drop that "
+                       f"code while ours is applied; apply {patch} before the other plugin patches it (their "
+                       f"wrapper then wraps ours), or remove theirs (nothing was applied)")
+
+
+def probe_failure(function, error: Exception, patch: str) -> RuntimeError:
+    """The error for a defect probe that failed with `error` on `function` (the upstream one it runs, or
+    whose source it reads).
+
+    A failure is neither answer. Read as "fixed upstream" it would skip the patch, and the adapters that ask
+    would accept the layout it protects; read as "defect present" it would install a patch over a function
+    nobody checked. Raise it `from error`.
+    """
+    return RuntimeError(f"{patch}'s defect probe got {type(error).__name__}: {error} from "
+                        f"{describe_value(function)}: this version behaves in a way the patch does not know, so "
+                        f"whether the defect is there cannot be told (a failure is never read as fixed); revise "
+                        f"the patch for this version (nothing was applied)")
+
+
 def describe_attribute(owner, name: str) -> str:
     """`module.Class.name` (or `module.name`, or `a module.Class object's name`) for messages."""
     if isinstance(owner, types.ModuleType):

@@ -13,13 +13,16 @@ with per-token mRoPE frequencies a packed step became slower than padding. The r
   same way. Results equal upstream's bit for bit (the same rows, the same rotation).
 
 Feature check, not a version string: the patch applies only while the installed function syncs
-(`megatron_thd.thd_rope_host_syncs`, run with the sync counter). Delete it once upstream's THD rope
+(`megatron_thd.thd_rope_host_syncs`, run with the sync counter); a function that raises on that
+probe is a RuntimeError, not a count. Delete it once upstream's THD rope
 is loop-free (no issue filed upstream yet; the loop is `_apply_rotary_pos_emb_thd`'s `for` over
 `sequence_splits`). Fused rope (`apply_rope_fusion=True`) never reaches this function.
 
-A replacement, not a wrapper: it never calls what it replaces, so a wrapper another plugin put on
-`rope_utils._apply_rotary_pos_emb_thd` before ours does not run while ours is applied (undo gives it
-back). Only holders still holding the function that `rope_utils` held are replaced.
+A replacement, not a wrapper: it never calls what it replaces. Applied over a wrapper another plugin put
+on `rope_utils._apply_rotary_pos_emb_thd` (one that syncs: a sync-free one stands for the fix), it would drop
+that wrapper silently, so apply refuses (RuntimeError naming it) unless Megatron's own function is there; a
+wrapper put on after ours wraps ours and keeps running. Only holders still holding the function that
+`rope_utils` held are replaced.
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ import sys
 
 import torch
 
-from megatron_vlm_packing.patches.owned import OwnedAttributes, patch_target, signature_naming
+from megatron_vlm_packing.patches.owned import (
+    OwnedAttributes, patch_target, probe_failure, signature_naming, upstream_own,
+)
 from megatron_vlm_packing.rope.megatron_thd import CpLocalFreqs, thd_rope_host_syncs, thd_rope_rows
 
 _OWNED = OwnedAttributes(__name__)  # the holders' _apply_rotary_pos_emb_thd; .original(): the unpatched one
@@ -45,8 +50,20 @@ def _rope_utils():
 
 
 def upstream_thd_rope_syncs() -> int:
-    """Host syncs of one call of the installed (unpatched) THD rope on 3 documents at CP 2."""
-    return thd_rope_host_syncs(_OWNED.original("_apply_rotary_pos_emb_thd") or _installed_thd_rope())
+    """Host syncs of one call of the installed (unpatched) THD rope on 3 documents at CP 2.
+
+    Raises:
+        RuntimeError: the function is gone, or it raised on the probe (named, with the exception).
+    """
+    return _host_syncs(_OWNED.original("_apply_rotary_pos_emb_thd") or _installed_thd_rope())
+
+
+def _host_syncs(apply_thd) -> int:
+    """`thd_rope_host_syncs(apply_thd)`; a failure is no count (0 would read as fixed): a RuntimeError."""
+    try:
+        return thd_rope_host_syncs(apply_thd)
+    except Exception as err:
+        raise probe_failure(apply_thd, err, __name__) from err
 
 
 def _installed_thd_rope():
@@ -85,15 +102,21 @@ def thd_rotary_applied() -> bool:
 
 def apply_thd_rotary() -> bool:
     """Install the loop-free THD rope. Idempotent; returns whether it is active (False where the
-    installed function already runs without host syncs)."""
+    installed function already runs without host syncs).
+
+    Raises:
+        RuntimeError: the function is gone, raised on the sync probe, hides its arguments, or is not Megatron's
+            own (another plugin's wrapper, which replacing would drop); nothing is applied.
+    """
     if _OWNED.active():
         return True
     _OWNED.restore()  # records of a patch an earlier patch's undo removed (an original is back): install again
     rope_utils = _rope_utils()
     original = _installed_thd_rope()
-    if thd_rope_host_syncs(original) == 0:
+    if _host_syncs(original) == 0:
         return False
     replacement = _loop_free(original, rope_utils._apply_rotary_pos_emb_bshd)
+    upstream_own(rope_utils, "_apply_rotary_pos_emb_thd", "megatron.core", __name__)  # never drop a wrapper
     for name in _HOLDERS:
         module = sys.modules.get(name)
         if module is not None and getattr(module, "_apply_rotary_pos_emb_thd", None) is original:

@@ -258,7 +258,8 @@ def use_packed_mrope(model, *, interleaved: bool = False) -> PackedMropeHandle:
     another `interleaved`); `handle.undo()` is stack-safe (`PackedMropeHandle`). Raises ValueError for a model that is
     not mrope, uses fused rope (Megatron-Core's fused kernels take no 3D positions) or interleaved
     rotary halves, and RuntimeError where Megatron-Core's THD rope would not take each document's
-    CP chunks from the full table (`megatron_thd.thd_rope_takes_document_chunks`). The model must be
+    CP chunks from the full table (`megatron_thd.thd_rope_takes_document_chunks`), or where
+    `patches.thd_rotary` cannot apply (another plugin's wrapper holds the THD rope it would replace). The model must be
     called as `model(...)` (the hooks run in `__call__`); at CP > 1 the rotary refuses a direct `model.forward`.
     """
     _check_interleaved(interleaved)

@@ -27,6 +27,9 @@ Not shimmed (use torch optimizers in CPU tests): `clip_grad_norm_fp32` asserts
 Nothing happens on import. `apply_cpu_shims()` applies everything (idempotent) and refuses when
 CUDA is available; `undo_cpu_shims()` restores every patched attribute (stack-safe: it refuses, changing
 nothing, while something installed after the shim holds one of them or a later TorchFunctionMode is active).
+The attributes follow `patches.owned`'s rule: an earlier patch undone after the shim (its original back over
+one of ours) turns it off (`cpu_shims_applied()` False) and `apply_cpu_shims()` installs it again; an apply
+that fails part way leaves nothing set.
 """
 
 from __future__ import annotations
@@ -152,17 +155,35 @@ _ACTIVE: list[_Patches] = []  # at most one entry: the applied shim (explicit st
 def apply_cpu_shims() -> None:
     """Make Megatron-Core run on the CPU in this process. Idempotent; undo with `undo_cpu_shims`.
 
+    Where an earlier patch's undo put an original back over part of the shim (`mock.patch.object` entered
+    before it, exited after), the shim is off (`cpu_shims_applied`) and is installed again. An apply that
+    fails part way (a shimmed module that does not import) restores what it had set before raising.
+
     Raises:
-        RuntimeError: CUDA is available (the shim would hide real device bugs).
+        RuntimeError: CUDA is available (the shim would hide real device bugs), or the shim is partly off and
+            something installed after it holds one of its attributes (see `undo_cpu_shims`).
     """
-    if _ACTIVE:
+    if cpu_shims_applied():
         return
     if torch.cuda.is_available():
         raise RuntimeError("apply_cpu_shims() is for CPU-only machines; CUDA is available here")
+    undo_cpu_shims()  # records of a shim an earlier patch's undo turned off in part: install afresh
+    patches = _Patches()
+    try:
+        _set_attributes(patches)
+    except BaseException:
+        patches.owned.restore()  # no shim half-applied and unrecorded: undo could never restore it
+        raise
+    patches.mode = CudaToCpuMode()
+    patches.mode.__enter__()
+    _ACTIVE.append(patches)
+
+
+def _set_attributes(patches: _Patches) -> None:
+    """Every attribute the shim replaces, recorded in `patches` as it is set."""
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer import torch_norm
 
-    patches = _Patches()
     patches.set(torch.cuda, "current_device", lambda: "cpu")
     patches.set(torch.cuda, "synchronize", lambda *a, **k: None)
     patches.set(torch.cuda, "current_stream", lambda *a, **k: _NullStream())
@@ -181,9 +202,6 @@ def apply_cpu_shims() -> None:
     clip_init = clip_vit_model.CLIPViTModel.__init__
     if clip_init.__defaults__ and clip_init.__defaults__[0] is torch.nn.LayerNorm:
         patches.set(clip_init, "__defaults__", (norm_cls, norm_cls) + clip_init.__defaults__[2:])
-    patches.mode = CudaToCpuMode()
-    patches.mode.__enter__()
-    _ACTIVE.append(patches)
 
 
 def undo_cpu_shims() -> None:
@@ -206,4 +224,8 @@ def undo_cpu_shims() -> None:
 
 
 def cpu_shims_applied() -> bool:
-    return bool(_ACTIVE)
+    """The shim runs: applied, every attribute holds its value (or a wrapper of it), its mode on the stack."""
+    if not _ACTIVE:
+        return False
+    patches = _ACTIVE[-1]
+    return patches.owned.active() and any(mode is patches.mode for mode in _function_mode_stack())

@@ -59,3 +59,28 @@ def test_dense_vision_under_tp_and_sp_is_refused_until_the_thinker_split_is_patc
     with pytest.raises(Exception) as err:  # text only: no deepstack features to cut
         adapter.check(types.SimpleNamespace(is_packed=False, vision=None))
     assert "deepstack" not in str(err.value)
+
+
+def test_packed_refusal_reads_the_packing_patch_when_asked_not_when_built(omni_model):
+    """The adapter is built once per model; `apply_bridge_qwen3_omni_packed()` may come after it (a packed
+    micro-batch then refused wrongly) and an undo after it (a packed micro-batch then let through to a thinker
+    that refuses it, or to whatever replaced the patch). The check asks whether the patch runs now."""
+    from megatron_vlm_packing.bridge.omni_adapter import Qwen3OmniAdapter
+    from megatron_vlm_packing.patches import bridge_qwen3_omni_packed
+
+    packed = types.SimpleNamespace(is_packed=True, vision=None)
+    bridge_qwen3_omni_packed.undo_bridge_qwen3_omni_packed()
+    built_before = Qwen3OmniAdapter(omni_model)
+    with pytest.raises(ValueError, match=r"refuses packed_seq_params.*apply_bridge_qwen3_omni_packed\(\)"):
+        built_before.check(packed)
+    assert bridge_qwen3_omni_packed.apply_bridge_qwen3_omni_packed()
+    try:
+        with pytest.raises(Exception) as err:  # past the refusal: the namespace is no full micro-batch
+            built_before.check(packed)
+        assert "packed_seq_params" not in str(err.value)
+        built_after = Qwen3OmniAdapter(omni_model)
+    finally:
+        bridge_qwen3_omni_packed.undo_bridge_qwen3_omni_packed()
+    for adapter in (built_before, built_after):
+        with pytest.raises(ValueError, match=r"refuses packed_seq_params"):
+            adapter.check(packed)

@@ -36,6 +36,7 @@ class Family:
     targets: Callable[[], list[tuple[object, str]]]
     count: int  # len(targets()), known before importing anything
     marks: tuple = ()
+    replaces: bool = False  # never calls what it replaces: refuses to apply over another plugin's wrapper
 
 
 def _thd_holders():
@@ -75,7 +76,7 @@ def _apply_cpu_shims() -> bool:
 
 FAMILIES = [
     Family("thd_rotary", thd_rotary.apply_thd_rotary, thd_rotary.undo_thd_rotary, thd_rotary.thd_rotary_applied,
-           _thd_holders, 2),
+           _thd_holders, 2, replaces=True),
     Family("gpt_model_forward", _apply_gpt, _undo_gpt,
            lambda: bool(gpt_model_forward._APPLIED) and gpt_model_forward._OWNED.active(), _gpt_forward, 1),
     Family("llava_boundaries", llava_boundaries.apply_llava_packed_boundaries,
@@ -91,7 +92,7 @@ FAMILIES = [
     Family("bridge_thd_cp_index", bridge_thd_cp_index.apply_bridge_thd_cp_index,
            bridge_thd_cp_index.undo_bridge_thd_cp_index, bridge_thd_cp_index.is_applied,
            lambda: [(import_bridge_module(bridge_thd_cp_index.PACKED_SEQ_UTILS), "get_thd_cp_partition_indices")], 1,
-           needs_bridge),
+           needs_bridge, replaces=True),
     Family("bridge_qwen25_vl_cp", bridge_qwen25_vl_cp.apply_bridge_qwen25_vl_cp,
            bridge_qwen25_vl_cp.undo_bridge_qwen25_vl_cp, bridge_qwen25_vl_cp.is_applied,
            lambda: [(import_bridge_module(bridge_qwen25_vl_cp.QWEN25_VL_MODEL).Qwen25VLModel, "forward")], 1,
@@ -252,14 +253,16 @@ def test_undo_bridge_patches_checks_every_patch_before_undoing_any():
 def test_an_earlier_patch_undone_after_ours_leaves_ours_off_and_apply_reinstalls(family):
     """`mock.patch.object` entered before ours and exited after puts the original back over ours: the patch
     must then read as off (an adapter relies on it), undo must not refuse the original, and apply must
-    install again rather than answer True from its records."""
+    install again rather than answer True from its records. A replacing patch refuses to apply over another
+    plugin's wrapper (tests/patches/test_replacing_patches.py): its earlier patch sets upstream's own function."""
     from unittest import mock
 
     targets = family.targets()
     family.undo()
     originals = held(targets)
+    earlier = originals[0] if family.replaces else later_plugin(originals[0])
     try:
-        with mock.patch.object(*targets[0], later_plugin(originals[0])):
+        with mock.patch.object(*targets[0], earlier):
             assert family.apply()
         assert same(held(targets)[:1], originals[:1]) and not family.applied()
         assert family.apply() and family.applied()
