@@ -162,6 +162,13 @@ def undo_sp_embedding_scatter() -> None:
     _undo("embedding")
 
 
+def embedding_scatter_applied() -> bool:
+    """Does the embedding-scatter fix run now: switched on, and GPTModel.forward still holds our wrapper (an
+    earlier patch's undo may have put its original back over ours). What `GPTModelAdapter` asks per
+    micro-batch."""
+    return "embedding" in _APPLIED and _OWNED.active()
+
+
 def apply_sp_padding_mask_scatter() -> bool:
     """Scatter a full-length padding_mask under SP when decoder_input is given, where Megatron-Core
     does not (`upstream_scatters_mask_with_decoder_input`). Returns whether the patch is active."""
