@@ -11,6 +11,13 @@ row (dense, causal), so no real token attends to them, and their losses carry we
 mixture-of-experts router reads it (pads must not count in the load-balancing loss); so on a
 GPTModel without the keyword an MoE model refuses micro-batches that have pad slots, and a dense
 model runs them.
+
+Under sequence parallelism a GPTModel built with `scatter_embedding_sequence_parallel=False` (a VLM's
+language model, reused alone) relies on `GPTModel` to scatter the embeddings it makes; megatron-core
+before 0.19 never does (bug class 3: every TP rank ran the whole sequence, a shape error deep inside
+attention or the loss). Where this megatron-core lacks the fix, the adapter refuses such a model while
+`patches.apply_sp_embedding_scatter()` is off, asked for every micro-batch (the patch may be undone after
+the adapter was built).
 """
 
 from __future__ import annotations
@@ -59,6 +66,27 @@ def refuse_unread_seconds(micro_batch: MicroBatch, rotary: str, model_name: str)
         refuse_seconds_unread_by(micro_batch.mrope_config.family, seconds, model_name)
 
 
+def needs_embedding_scatter_patch(model: nn.Module) -> bool:
+    """Bug class 3: does `model`, called standalone (no `decoder_input`), need
+    `patches.apply_sp_embedding_scatter()` for its embeddings to be scattered under SP?
+
+    Only a first pipeline stage embeds (later stages have no `embedding`); with TP = 1 the scatter keeps
+    every token anyway. Reads the upstream source (`upstream_scatters_standalone_embeddings`) only for
+    that layout, once, when the adapter is built.
+
+    Raises:
+        RuntimeError: that layout, and the source of `GPTModel.forward` cannot be read (the probe cannot tell).
+    """
+    embedding = getattr(model, "embedding", None)
+    config = model.config
+    if embedding is None or getattr(embedding, "scatter_to_sequence_parallel", True) \
+            or not config.sequence_parallel or int(config.tensor_model_parallel_size or 1) == 1:
+        return False
+    from megatron_vlm_packing.patches.gpt_model_forward import upstream_scatters_standalone_embeddings
+
+    return not upstream_scatters_standalone_embeddings()
+
+
 def _uses_packed_mrope(model: nn.Module) -> bool:
     from megatron_vlm_packing.rope.rotary import PackedMultimodalRotaryEmbedding
 
@@ -71,6 +99,9 @@ class GPTModelAdapter(ModelAdapter):
     Raises (when built):
         ValueError: an mRoPE GPTModel under CP > 1 whose rotary is Megatron-Core's own (it CP-slices
             the whole packed table: bug class 6); install ours with `rope.use_packed_mrope(model)`.
+    Raises (per micro-batch, `check`):
+        ValueError: a model whose embeddings nothing scatters under SP (`needs_embedding_scatter_patch`)
+            while `patches.apply_sp_embedding_scatter()` is off (bug class 3).
     """
 
     consumes = frozenset()
@@ -83,6 +114,8 @@ class GPTModelAdapter(ModelAdapter):
         self.mrope = None
         self.needs = LocalizeNeeds(full_input_ids=False, full_position_ids=self.rotary == "mrope")
         self.refuse_megatron_mrope_under_cp(model)
+        self.tp_size = int(model.config.tensor_model_parallel_size or 1)
+        self.needs_embedding_scatter_patch = needs_embedding_scatter_patch(model)
 
     def refuse_megatron_mrope_under_cp(self, model: nn.Module) -> None:
         """Bug class 6: Megatron-Core's mRoPE rotary CP-slices the whole packed table."""
@@ -92,7 +125,20 @@ class GPTModelAdapter(ModelAdapter):
                              f"CP-slices the whole packed table (bug class 6): call "
                              f"megatron_vlm_packing.rope.use_packed_mrope(model) first")
 
+    def refuse_unscattered_embeddings(self) -> None:
+        """Bug class 3, asked per micro-batch: the patch's live state, not the state when the adapter was built."""
+        from megatron_vlm_packing.patches.gpt_model_forward import embedding_scatter_applied
+
+        if self.needs_embedding_scatter_patch and not embedding_scatter_applied():
+            raise ValueError(f"{self.model_name} was built with scatter_embedding_sequence_parallel=False and runs at "
+                             f"tensor_model_parallel_size={self.tp_size} with sequence_parallel=True: called "
+                             f"standalone, this megatron-core's GPTModel never scatters its embeddings, so every TP "
+                             f"rank would run the whole sequence instead of 1/{self.tp_size} of it (bug class 3); "
+                             f"call megatron_vlm_packing.patches.apply_sp_embedding_scatter() (or patches.apply_all()) "
+                             f"before training, or build the model with scatter_embedding_sequence_parallel=True")
+
     def check(self, micro_batch: MicroBatch) -> None:
+        self.refuse_unscattered_embeddings()
         super().check(micro_batch)
         check_unpacked_ids(micro_batch, self.vocab_size)
         check_position_kind(micro_batch, self.rotary, self.model_name)

@@ -5,7 +5,8 @@
    its embeddings under SP: every TP rank ran the full sequence and the output doubled in length
    (bug class 3). Megatron-Core fixed it in `GPTModel._preprocess` (0.19: "scatter here so a
    standalone LM forward isn't double-gathered"); the patch applies only where that fix is absent,
-   and is deleted once megatron-core < 0.19 is no longer supported.
+   and is deleted once megatron-core < 0.19 is no longer supported. It scatters the `padding_mask` with
+   the embeddings, as upstream does where it embeds (the MoE router reads it per local token).
 2. `apply_sp_padding_mask_scatter()`: when the caller supplies `decoder_input`, Megatron-Core
    (0.16-0.19) leaves `padding_mask` full length while the decoder sees T/tp tokens per rank, so
    the MoE router's mask no longer lines up with its tokens. The patch scatters a full-length mask,
@@ -122,6 +123,10 @@ def _install() -> None:
                 and not self.embedding.scatter_to_sequence_parallel:
             emb = self.embedding(input_ids=call["input_ids"], position_ids=call.get("position_ids"))
             call["decoder_input"] = scatter_sequence(emb, 0)
+            if call.get("padding_mask") is not None:
+                # Upstream scatters the mask where it embeds (full length, as it asserts); handed decoder_input
+                # it no longer does, and the MoE router got a [B, T] mask for T/tp tokens (a shape error).
+                call["padding_mask"] = scatter_sequence(call["padding_mask"], 1)  # [B, T] -> [B, T/tp]
         mask = call.get("padding_mask")
         if sp and "padding_mask" in _APPLIED and mask is not None and call.get("decoder_input") is not None:
             from megatron.core import parallel_state as ps
@@ -148,8 +153,8 @@ def _undo(fix: str) -> None:
 
 
 def apply_sp_embedding_scatter() -> bool:
-    """Scatter standalone-LM embeddings under SP where Megatron-Core does not. Returns whether the
-    patch is active (False where upstream already has the fix)."""
+    """Scatter standalone-LM embeddings (and the `padding_mask` with them) under SP where Megatron-Core does
+    not. Returns whether the patch is active (False where upstream already has the fix)."""
     if upstream_scatters_standalone_embeddings():
         return False
     _install()  # again too where an earlier patch's undo removed it
@@ -160,6 +165,13 @@ def apply_sp_embedding_scatter() -> bool:
 
 def undo_sp_embedding_scatter() -> None:
     _undo("embedding")
+
+
+def embedding_scatter_applied() -> bool:
+    """Does the embedding-scatter fix run now: switched on, and GPTModel.forward still holds our wrapper (an
+    earlier patch's undo may have put its original back over ours). What `GPTModelAdapter` asks per
+    micro-batch."""
+    return "embedding" in _APPLIED and _OWNED.active()
 
 
 def apply_sp_padding_mask_scatter() -> bool:

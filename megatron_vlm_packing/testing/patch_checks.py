@@ -86,3 +86,48 @@ def run_sp_patch_checks(rank: int, world_size: int, seed: int = 9) -> dict:
     result["decoder_local_tokens_expected"] = packed.num_physical_tokens // 2
     dist.barrier()
     return result
+
+
+def _step_outcome(step, model, batch: dict) -> dict:
+    """The shipped step's loss sum and token count on `batch`, or the exception it raised (type: message)."""
+    try:
+        output, loss_func = step(iter([dict(batch)]), model)
+        loss_sum, num_tokens, _ = loss_func(output)
+        return dict(loss=float(loss_sum), tokens=int(num_tokens))
+    except Exception as err:  # the outcome is the point: a refusal, or the bug's shape error
+        return dict(error=f"{type(err).__name__}: {err}")
+
+
+def run_standalone_sp_step_checks(rank: int, world_size: int, seed: int = 13) -> dict:
+    """The shipped `make_forward_step` on a GPTModel built with `scatter_embedding_sequence_parallel=False` (as
+    a VLM's language model is) and called standalone at TP=2 + SP (bug class 3). One step (so one adapter,
+    built at its first call) runs with the embedding-scatter patch off, on, and off again; also the TP=1
+    step's loss on the same weights, the truth. Where megatron-core lacks the fix the patch is needed: off,
+    the step must refuse (not crash inside attention, or train every rank on the whole sequence)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_vlm_packing.step import make_forward_step
+
+    cfg = TinyGPTConfig()
+    batch = variable_batch([7, 3, 12, 5], 12, vocab_size=cfg.vocab_size, seed=seed)
+    patch.undo_sp_embedding_scatter()
+    initialize_parallel(seed=seed)
+    torch.manual_seed(seed)
+    reference = build_tiny_gpt(cfg, scatter_embedding_sequence_parallel=False)
+    state = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    result = dict(upstream_has_fix=patch.upstream_scatters_standalone_embeddings(),
+                  reference=_step_outcome(make_forward_step(), reference, batch))
+    initialize_parallel(tp=2, seed=seed)
+    model = build_tiny_gpt(replace(cfg, tensor_parallel=2, sequence_parallel=True),
+                           scatter_embedding_sequence_parallel=False)
+    load_sharded(model, state, ps.get_tensor_model_parallel_rank(), 2)
+    step = make_forward_step()
+    result["unpatched"] = _step_outcome(step, model, batch)
+    patch.apply_sp_embedding_scatter()
+    try:
+        result["patched"] = _step_outcome(step, model, batch)
+    finally:
+        patch.undo_sp_embedding_scatter()
+    result["undone_after_the_adapter_was_built"] = _step_outcome(step, model, batch)
+    dist.barrier()
+    return result
