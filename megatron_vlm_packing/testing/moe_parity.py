@@ -4,6 +4,8 @@
 (EP = 1) it records the auxiliary loss Megatron-Core attaches in the router for the same real
 tokens packed three ways through the shipped step: padded to a fixed length with our padding
 mask, padded without the mask, and packed with no padding at all (the truth).
+`run_packed_vlm_moe_aux_loss(rank, world_size)` does the same for that MoE model as the language model of a
+`PackedVLM` (which embeds and passes `decoder_input` and the mask itself).
 `run_standalone_moe_sp(rank, world_size)` does the same at TP=2 + SP for a language model built with
 `scatter_embedding_sequence_parallel=False` and called standalone, with only
 `patches.apply_sp_embedding_scatter()` applied.
@@ -78,6 +80,21 @@ def run_moe_aux_loss(rank: int, world_size: int, seed: int = 5) -> dict:
         padded_with_mask=aux_loss(model, batch, pad_to=PAD_TO),
         padded_without_mask=aux_loss(model, batch, pad_to=PAD_TO, adapter=WithoutPaddingMaskAdapter),
     )
+
+
+def run_packed_vlm_moe_aux_loss(rank: int, world_size: int, seed: int = 5) -> dict:
+    """`run_moe_aux_loss` with the MoE model as a `PackedVLM`'s language model (text only): padded with our mask
+    and with no padding at all, the router's aux loss for the same real tokens."""
+    from megatron_vlm_packing.models.packed_vlm import PackedVLM
+
+    initialize_parallel(seed=seed)
+    torch.manual_seed(seed)
+    model = PackedVLM(build_tiny_gpt(MOE, scatter_embedding_sequence_parallel=False)).train()
+    lengths = [7, 3, 12, 5, 9]
+    batch = variable_batch(lengths, 12, vocab_size=MOE.vocab_size, seed=seed)
+    batch["labels"] = torch.where(batch["attention_mask"].bool(), batch["input_ids"], -100)
+    return dict(pad_slots=PAD_TO - sum(lengths), no_padding=aux_loss(model, batch, pad_to=None),
+                padded_with_mask=aux_loss(model, batch, pad_to=PAD_TO))
 
 
 def run_standalone_moe_sp(rank: int, world_size: int, seed: int = 5) -> dict:
