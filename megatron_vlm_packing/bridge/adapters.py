@@ -213,9 +213,11 @@ class Qwen3VLAdapter(ModelAdapter):
         model = bridge_model_of(model, (QWEN3_VL_MODEL_CLASS,), type(self).__name__)
         super().__init__(model)
         self.mrope = qwen3_vl_mrope(model)
-        from megatron_vlm_packing.patches import bridge_deepstack_sp, bridge_thd_cp_index
+        from megatron_vlm_packing.patches import bridge_deepstack_sp, bridge_qwen3_vl_moe_pads, bridge_thd_cp_index
 
         tp, cp, sp = _layout(model)
+        self.moe_config = model.config if getattr(model.config, "num_moe_experts", None) else None
+        self.tp_rank_chunk = (tp, sp)
         deepstack = bool(getattr(model.vision_transformer_config, "deepstack_visual_indexes", None))
         needed = []
         if tp > 1 and sp and deepstack and bridge_deepstack_sp.upstream_deepstack_split_is_plain_slice():
@@ -231,10 +233,24 @@ class Qwen3VLAdapter(ModelAdapter):
         self.patch_requirements = tuple(needed)
         for requirement in self.patch_requirements:
             requirement.check()
+        # Pads need the block patch only when the micro-batch has some: asked per micro-batch (`check`).
+        self.pads_requirement = None
+        if self.moe_config is not None and bridge_qwen3_vl_moe_pads.upstream_block_drops_padding_mask():
+            self.pads_requirement = PatchRequirement(
+                bridge_qwen3_vl_moe_pads.is_applied,
+                "Bridge's Qwen3-VL MoE block takes no padding_mask, so its router would count the pack's pad slots "
+                "in its load-balancing loss", "apply_bridge_qwen3_vl_moe_pads")
 
     def check(self, micro_batch: MicroBatch) -> None:
         for requirement in self.patch_requirements:  # asked again: an undo after building the adapter counts
             requirement.check()
+        pad_slots = micro_batch.stats.physical_tokens - micro_batch.stats.real_tokens
+        if self.moe_config is not None and pad_slots:
+            from megatron_vlm_packing.patches.bridge_qwen3_vl_moe_pads import refuse_full_recompute
+
+            if self.pads_requirement is not None:
+                self.pads_requirement.check()
+            refuse_full_recompute(self.moe_config, pad_slots)
         super().check(micro_batch)
         check_unpacked_ids(micro_batch, self.vocab_size)
         check_unpacked_vision(micro_batch, self.mrope)
@@ -257,7 +273,27 @@ class Qwen3VLAdapter(ModelAdapter):
         return model(input_ids=mb.input_ids, position_ids=positions, attention_mask=None,
                      labels=full_length(mb.labels, mb, IGNORE_INDEX), packed_seq_params=mb.packed_seq_params,
                      pixel_values=vision.pixel_values, image_grid_thw=vision.image_grid_thw,
-                     pixel_values_videos=vision.pixel_values_videos, video_grid_thw=vision.video_grid_thw)
+                     pixel_values_videos=vision.pixel_values_videos, video_grid_thw=vision.video_grid_thw,
+                     **self.router_padding_mask(mb))
+
+    def router_padding_mask(self, mb: MicroBatch) -> dict:
+        """The keyword that hands an MoE model's router the plan's padding mask, none without pad slots (or MoE).
+
+        `Qwen3VLModel.forward` spreads `extra_block_kwargs` into its language model's keywords, whose own
+        `extra_block_kwargs` reach the block (`patches.bridge_qwen3_vl_moe_pads`). The block's tokens on this rank
+        are the micro-batch's CP-local ones (Bridge selects them with the same partition as `localize`), then this
+        TP rank's SP chunk: the mask is cut the same way. Host ints only."""
+        if self.moe_config is None or mb.stats.physical_tokens == mb.stats.real_tokens:
+            return {}
+        mask = mb.padding_mask  # [1, T_local]
+        tp, sp = self.tp_rank_chunk
+        if sp and tp > 1:
+            from megatron.core import parallel_state
+
+            chunk = mask.shape[-1] // tp
+            rank = parallel_state.get_tensor_model_parallel_rank()
+            mask = mask[:, rank * chunk:(rank + 1) * chunk]
+        return {"extra_block_kwargs": {"extra_block_kwargs": {"padding_mask": mask}}}
 
 
 class Qwen25VLAdapter(ModelAdapter):

@@ -21,7 +21,8 @@ The packed mRoPE rotary is installed per model, not globally: `rope.use_packed_m
 Megatron-Bridge patches (`apply_bridge_patches`, not part of `apply_all`: they import Bridge's model
 modules): `bridge_deepstack_sp` (Qwen3-VL deepstack gradients under TP + SP; Qwen3-Omni dense rows too) and
 `bridge_thd_cp_index` (packed CP token selection without TE's kernel), `bridge_qwen25_vl_cp`
-(Qwen2.5-VL's missing CP token selection). Apply them before the first
+(Qwen2.5-VL's missing CP token selection), `bridge_qwen3_vl_moe_pads` (the Qwen3-VL block hands the plan's
+padding mask to its MoE routers). Apply them before the first
 forward of a Bridge model; the Bridge adapters refuse a layout whose defect is present and unpatched.
 Qwen3-Omni's packed THD path is applied on its own: `apply_bridge_qwen3_omni_packed()` (the thinker
 refuses `packed_seq_params`; the Omni adapter refuses packed micro-batches until it is applied).
@@ -40,6 +41,9 @@ from megatron_vlm_packing.patches.llava_boundaries import (
 from megatron_vlm_packing.patches.bridge_deepstack_sp import apply_bridge_deepstack_sp, undo_bridge_deepstack_sp
 from megatron_vlm_packing.patches.bridge_qwen25_vl_cp import apply_bridge_qwen25_vl_cp, undo_bridge_qwen25_vl_cp
 from megatron_vlm_packing.patches.bridge_thd_cp_index import apply_bridge_thd_cp_index, undo_bridge_thd_cp_index
+from megatron_vlm_packing.patches.bridge_qwen3_vl_moe_pads import (
+    apply_bridge_qwen3_vl_moe_pads, undo_bridge_qwen3_vl_moe_pads,
+)
 from megatron_vlm_packing.patches.thd_rotary import apply_thd_rotary, undo_thd_rotary, upstream_thd_rope_syncs
 from megatron_vlm_packing.patches.bridge_qwen3_omni_packed import (
     apply_bridge_qwen3_omni_packed, undo_bridge_qwen3_omni_packed,
@@ -49,7 +53,8 @@ from megatron_vlm_packing.patches.gpt_model_forward import (
     undo_sp_padding_mask_scatter, upstream_scatters_standalone_embeddings,
 )
 from megatron_vlm_packing.patches import (
-    bridge_deepstack_sp, bridge_qwen25_vl_cp, bridge_thd_cp_index, gpt_model_forward, llava_boundaries, thd_rotary,
+    bridge_deepstack_sp, bridge_qwen25_vl_cp, bridge_qwen3_vl_moe_pads, bridge_thd_cp_index, gpt_model_forward,
+    llava_boundaries, thd_rotary,
 )
 from megatron_vlm_packing.patches.owned import check_restorable
 
@@ -82,7 +87,8 @@ def apply_bridge_patches() -> dict[str, bool]:
             the patches before it stay applied (`undo_bridge_patches` undoes them).
     """
     return {"bridge_deepstack_sp": apply_bridge_deepstack_sp(), "bridge_thd_cp_index": apply_bridge_thd_cp_index(),
-            "bridge_qwen25_vl_cp": apply_bridge_qwen25_vl_cp()}
+            "bridge_qwen25_vl_cp": apply_bridge_qwen25_vl_cp(),
+            "bridge_qwen3_vl_moe_pads": apply_bridge_qwen3_vl_moe_pads()}
 
 
 def undo_bridge_patches() -> None:
@@ -91,7 +97,9 @@ def undo_bridge_patches() -> None:
     Raises:
         RuntimeError: a later patch wraps one of their attributes; none is undone.
     """
-    check_restorable(bridge_qwen25_vl_cp._OWNED, bridge_thd_cp_index._OWNED, bridge_deepstack_sp._OWNED)
+    check_restorable(bridge_qwen3_vl_moe_pads._OWNED, bridge_qwen25_vl_cp._OWNED, bridge_thd_cp_index._OWNED,
+                     bridge_deepstack_sp._OWNED)
+    undo_bridge_qwen3_vl_moe_pads()
     undo_bridge_qwen25_vl_cp()
     undo_bridge_thd_cp_index()
     undo_bridge_deepstack_sp()
@@ -113,7 +121,8 @@ def undo_all() -> None:
 __all__ = [
     "apply_bridge_deepstack_sp", "apply_bridge_patches", "apply_bridge_thd_cp_index", "undo_bridge_deepstack_sp",
     "undo_bridge_patches", "undo_bridge_thd_cp_index", "apply_bridge_qwen25_vl_cp", "undo_bridge_qwen25_vl_cp",
-    "apply_bridge_qwen3_omni_packed", "undo_bridge_qwen3_omni_packed",
+    "apply_bridge_qwen3_omni_packed", "undo_bridge_qwen3_omni_packed", "apply_bridge_qwen3_vl_moe_pads",
+    "undo_bridge_qwen3_vl_moe_pads",
     "apply_llava_packed_boundaries", "undo_llava_packed_boundaries", "upstream_remaps_packed_boundaries",
     "apply_all", "apply_sp_embedding_scatter", "apply_sp_padding_mask_scatter", "undo_all",
     "undo_sp_embedding_scatter", "undo_sp_padding_mask_scatter", "upstream_scatters_standalone_embeddings",

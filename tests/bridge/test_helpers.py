@@ -135,26 +135,32 @@ def test_bridge_patches_detect_apply_once_and_undo():
     from megatron_vlm_packing.patches import bridge_thd_cp_index as cp_index
 
     from megatron_vlm_packing.patches import bridge_qwen25_vl_cp as qwen25_cp
+    from megatron_vlm_packing.patches import bridge_qwen3_vl_moe_pads as moe_pads
 
     model = import_bridge_module(deepstack.QWEN3_VL_MODEL)
     utils = import_bridge_module(cp_index.PACKED_SEQ_UTILS)
     qwen25 = import_bridge_module(qwen25_cp.QWEN25_VL_MODEL).Qwen25VLModel
-    originals = (model.split_deepstack_embs, utils.get_thd_cp_partition_indices, qwen25.forward)
-    active = {"bridge_deepstack_sp": True, "bridge_thd_cp_index": True, "bridge_qwen25_vl_cp": True}
+    block = import_bridge_module(moe_pads.QWEN3_VL_BLOCK).Qwen3VLTransformerBlock
+    originals = (model.split_deepstack_embs, utils.get_thd_cp_partition_indices, qwen25.forward, block.forward)
+    active = {"bridge_deepstack_sp": True, "bridge_thd_cp_index": True, "bridge_qwen25_vl_cp": True,
+              "bridge_qwen3_vl_moe_pads": True}
+    assert moe_pads.upstream_block_drops_padding_mask()  # the 0.6.2 block takes no padding_mask
     assert deepstack.upstream_deepstack_split_is_plain_slice()  # the 0.6.2 defect is seen
     try:
         assert apply_bridge_patches() == active
-        patched = (model.split_deepstack_embs, utils.get_thd_cp_partition_indices, qwen25.forward)
+        patched = (model.split_deepstack_embs, utils.get_thd_cp_partition_indices, qwen25.forward, block.forward)
         assert apply_bridge_patches() == active
-        assert (model.split_deepstack_embs, utils.get_thd_cp_partition_indices, qwen25.forward) == patched  # idempotent
+        assert (model.split_deepstack_embs, utils.get_thd_cp_partition_indices, qwen25.forward,
+                block.forward) == patched  # idempotent
         assert all(p is not o for p, o in zip(patched, originals))
         assert deepstack.upstream_deepstack_split_is_plain_slice()  # judged on Bridge's split, not on ours
+        assert moe_pads.upstream_block_drops_padding_mask()  # judged on Bridge's forward, not on ours
         # Without SP the patched split is Bridge's own (nothing to gather).
         mask, embeds = torch.ones(1, 4, dtype=torch.bool), [torch.arange(4.0)[:, None]]
         assert model.split_deepstack_embs(mask, embeds)[1][0] is embeds[0]
     finally:
         undo_bridge_patches()
-    assert (model.split_deepstack_embs, utils.get_thd_cp_partition_indices, qwen25.forward) == originals
+    assert (model.split_deepstack_embs, utils.get_thd_cp_partition_indices, qwen25.forward, block.forward) == originals
 
 
 @pytest.mark.bridge
