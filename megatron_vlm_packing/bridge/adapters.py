@@ -208,6 +208,9 @@ class Qwen3VLAdapter(ModelAdapter):
     needs = LocalizeNeeds(full_input_ids=True, full_position_ids=True)
     patch_requirements: tuple[PatchRequirement, ...] = ()  # set by __init__: the patches this layout needs
     rotary = "mrope"
+    moe_config = None  # set by __init__: an MoE model's config (its router must not count pad slots)
+    pads_requirement: PatchRequirement | None = None  # MoE: the block patch that hands its router the mask
+    tp_rank_chunk: tuple[int, bool] = (1, False)  # (tp, sequence_parallel): the SP chunk of the mask
 
     def __init__(self, model):
         model = bridge_model_of(model, (QWEN3_VL_MODEL_CLASS,), type(self).__name__)
@@ -234,7 +237,6 @@ class Qwen3VLAdapter(ModelAdapter):
         for requirement in self.patch_requirements:
             requirement.check()
         # Pads need the block patch only when the micro-batch has some: asked per micro-batch (`check`).
-        self.pads_requirement = None
         if self.moe_config is not None and bridge_qwen3_vl_moe_pads.upstream_block_drops_padding_mask():
             self.pads_requirement = PatchRequirement(
                 bridge_qwen3_vl_moe_pads.is_applied,
