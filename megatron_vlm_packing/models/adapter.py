@@ -1,8 +1,8 @@
 """Model adapters: how each model type takes a `MicroBatch`, declared, never sniffed from a signature.
 
 An adapter says which optional inputs the model consumes ("images", "videos", "audio",
-"extra:<key>"), which sequence-aligned fields it needs full length under CP (`LocalizeNeeds`),
-whether it takes `packed_seq_params`, and how to call it. The forward step refuses, with a
+"image_tiles", "extra:<key>"), which sequence-aligned fields it needs full length under CP
+(`LocalizeNeeds`), whether it takes `packed_seq_params`, and how to call it. The forward step refuses, with a
 `ValueError` naming the input, anything the micro-batch carries that the adapter does not consume
 (bug class 10: inputs silently dropped between the step and the model).
 
@@ -38,7 +38,8 @@ class ModelAdapter:
     """How one model type takes a micro-batch. Subclass, set the class attributes, write `forward`.
 
     Class attributes:
-        consumes: optional inputs the model takes ("images", "videos", "audio", "extra:<key>").
+        consumes: optional inputs the model takes ("images", "videos", "audio", "image_tiles",
+            "extra:<key>"; `MicroBatch.inputs_present`).
         needs: which fields stay full length under CP.
         takes_packed_seq_params: False for a model that can only run dense rows.
 
@@ -69,7 +70,8 @@ class ModelAdapter:
             raise ValueError(
                 f"the micro-batch carries {unconsumed} but {self.model_name}'s adapter "
                 f"({type(self).__name__}) consumes only {sorted(self.consumes) or 'no optional inputs'}: "
-                f"it would be dropped silently; remove it from the batch or use an adapter that consumes it"
+                f"it would be dropped silently; remove it from the batch or use an adapter that consumes it "
+                f"({'; '.join(micro_batch.describe_input(name) for name in unconsumed)})"
             )
         if micro_batch.is_packed and not self.takes_packed_seq_params:
             raise ValueError(

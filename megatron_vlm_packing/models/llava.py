@@ -219,7 +219,7 @@ class LLaVAAdapter(ModelAdapter):
     the hidden states on the others.
     """
 
-    consumes = frozenset({"images"})
+    consumes = frozenset({"images", "image_tiles"})
     needs = LocalizeNeeds(full_input_ids=True, full_position_ids=True, full_labels=True)
 
     def __init__(self, model):

@@ -207,14 +207,31 @@ class MicroBatch:
     def inputs_present(self) -> frozenset[str]:
         """Names of the optional inputs this micro-batch carries; an adapter must consume each.
 
-        "images", "videos", "audio", and "extra:<key>" per per-token extra.
+        "images", "videos", "audio", "image_tiles" (`vision.num_image_tiles`, read by LLaVA alone: a model
+        that does not read it would take every image as one tile) and "extra:<key>" per per-token extra.
         """
         present = set()
         if self.vision is not None and self.vision.has_images:
             present.add("images")
         if self.vision is not None and self.vision.has_videos:
             present.add("videos")
+        if self.vision is not None and self.vision.num_image_tiles is not None:
+            present.add("image_tiles")
         if self.audio is not None:
             present.add("audio")
         present.update(f"extra:{key}" for key in self.extras)
         return frozenset(present)
+
+    def describe_input(self, name: str) -> str:
+        """`name` (one of `inputs_present()`) as the field that holds it and its size, for error messages."""
+        vision = self.vision
+        if name == "images":
+            return f"images: vision.pixel_values of shape {tuple(vision.pixel_values.shape)}"
+        if name == "videos":
+            return f"videos: vision.pixel_values_videos of shape {tuple(vision.pixel_values_videos.shape)}"
+        if name == "image_tiles":
+            return f"image_tiles: vision.num_image_tiles, {vision.num_image_tiles.numel()} entries"
+        if name == "audio":
+            return f"audio: audio.input_features of shape {tuple(self.audio.input_features.shape)}"
+        key = name[len("extra:"):]
+        return f"{name}: extras[{key!r}] of shape {tuple(self.extras[key].shape)}"
