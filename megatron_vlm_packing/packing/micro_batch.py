@@ -58,6 +58,36 @@ class VisionInputs:
     def has_videos(self) -> bool:
         return self.pixel_values_videos is not None
 
+    def fields_without_media(self) -> tuple[str, ...]:
+        """Each field that describes images (videos) while `pixel_values` (`pixel_values_videos`) is None, with
+        the items it describes; () when none. No model reads a grid, a per-sample count, tiles or seconds without
+        the pixels they describe: an mRoPE index reads grids alone before the micro-batch is built, and the
+        packers keep none of them without pixels. Reads shapes and host ints only (no sync)."""
+        kinds = (("image", "pixel_values", self.pixel_values,
+                  (("image_grid_thw", self.image_grid_thw), ("images_per_sample", self.images_per_sample),
+                   ("num_image_tiles", self.num_image_tiles))),
+                 ("video", "pixel_values_videos", self.pixel_values_videos,
+                  (("video_grid_thw", self.video_grid_thw), ("videos_per_sample", self.videos_per_sample),
+                   ("second_per_grid_ts", self.second_per_grid_ts))))
+        found = []
+        for kind, pixels_name, pixels, fields in kinds:
+            if pixels is not None:
+                continue
+            for name, value in fields:
+                items = _items_described(value)
+                if items:
+                    found.append(f"vision.{name} describes {items} {kind}(s) but vision.{pixels_name} is None")
+        return tuple(found)
+
+
+def _items_described(value) -> int:
+    """Items a vision field describes: rows of a grid [I, 3], entries of a [I] tensor, the sum of per-sample counts."""
+    if value is None:
+        return 0
+    if isinstance(value, torch.Tensor):
+        return value.shape[0] if value.dim() else 1
+    return sum(value)
+
 
 @dataclass(frozen=True)
 class AudioInputs:

@@ -41,7 +41,9 @@ def bridge(single_process_megatron):
 
 EDITS = {
     "vision removed": (lambda mb: R(mb, vision=None), r"image placeholder tokens \(id 255\) but no image inputs"),
-    "videos removed": (lambda mb: R(mb, vision=R(mb.vision, pixel_values_videos=None, video_grid_thw=None)),
+    # every video field removed (one left without the pixels is refused first: `test_silent_vision_fields`)
+    "videos removed": (lambda mb: R(mb, vision=R(mb.vision, pixel_values_videos=None, video_grid_thw=None,
+                                                 videos_per_sample=None, second_per_grid_ts=None)),
                        r"video placeholder tokens \(id 254\) but no video inputs"),
     "4 patches cut": (lambda mb: R(mb, vision=R(mb.vision, pixel_values=mb.vision.pixel_values[:-4])),
                       r"pixel_values has 44 patches but image_grid_thw describes 48"),
