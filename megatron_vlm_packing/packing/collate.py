@@ -186,7 +186,7 @@ def in_one_storage(micro_batch: MicroBatch) -> MicroBatch:
 def _refuse_graphs(micro_batch: MicroBatch) -> None:
     """ValueError naming the fields of `micro_batch` whose tensors carry a graph (error path only)."""
     named = [(f.name, getattr(micro_batch, f.name)) for f in dataclasses.fields(micro_batch)
-             if f.name not in ("checked_loss_mask", "checked_labels")]  # loss_mask / labels themselves, named once
+             if f.name not in ("checked_loss_mask", "checked_labels", "checked_positions")]  # named once, as themselves
     for holder in ("vision", "audio"):
         value = getattr(micro_batch, holder)
         named += [(f"{holder}.{f.name}", getattr(value, f.name)) for f in dataclasses.fields(value)] if value else []
@@ -269,6 +269,7 @@ def _map_each(micro_batch: MicroBatch, fn: Callable[[torch.Tensor], torch.Tensor
         indices=indices, cp_index=once(micro_batch.cp_index),
         checked_loss_mask=once(micro_batch.checked_loss_mask),  # the same tensor as loss_mask stays the same
         checked_labels=once(micro_batch.checked_labels),  # likewise the same tensor as labels
+        checked_positions=once(micro_batch.checked_positions),  # and as position_ids
         # the packer's media marks follow the moved objects only if they held before the move
         checked_media=(input_ids, vision, audio) if micro_batch.media_checked_by_packer else None)
 

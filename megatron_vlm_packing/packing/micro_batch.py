@@ -176,6 +176,10 @@ class MicroBatch:
             counts hold for the micro-batch only while these are its own (`media_checked_by_packer`): a
             `dataclasses.replace` of the ids, the vision or the audio (a transform, an edited loader
             micro-batch) keeps the marks, so a model must check such media itself.
+        checked_positions: the dense `position_ids` tensor the packer made, one document per row (`pad_batch`,
+            `pad_llava_batch`; kept like `checked_labels`); other dense positions (built by hand, a transform's) are
+            read by the step for a restart inside a row (`train.step.check_unpacked_dense_positions`, one host
+            sync then only): a dense row of several documents trains as one causal document.
     """
 
     input_ids: torch.Tensor
@@ -199,6 +203,7 @@ class MicroBatch:
     checked_media: tuple | None = field(default=None, repr=False, compare=False)
     checked_labels: torch.Tensor | None = field(default=None, repr=False, compare=False)
     checked_vocab_size: int | None = field(default=None, compare=False)
+    checked_positions: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def vocab_checked(self, vocab_size: int | None) -> bool:
         """The packer's checks bound the ids and labels it checked below `vocab_size` (always, when None)."""
@@ -208,6 +213,11 @@ class MicroBatch:
     def labels_checked(self) -> bool:
         """The packer checked these very labels (`checked_labels` is `labels`)."""
         return self.checked_labels is not None and self.checked_labels is self.labels
+
+    @property
+    def positions_checked(self) -> bool:
+        """The packer made these very positions (`checked_positions` is `position_ids`)."""
+        return self.checked_positions is not None and self.checked_positions is self.position_ids
 
     @property
     def media_checked_by_packer(self) -> bool:

@@ -212,6 +212,40 @@ def check_unpacked_labels(micro_batch: MicroBatch, vocab_size: int | None) -> No
     check_label_values(rows, torch.ones_like(rows, dtype=torch.bool), vocab_size)  # the one host sync
 
 
+def check_unpacked_dense_positions(micro_batch: MicroBatch) -> None:
+    """Dense positions no packer made (a micro-batch built by hand, or whose `position_ids` a transform replaced:
+    not the packer's `checked_positions`) must hold one document per row: a real token at position 0 (on every
+    channel, for mRoPE) after the row's first real token starts another document, which a dense causal row lets
+    attend to every document before it (Megatron-Core's dense rotary does not even read the positions: the row
+    trained as one document, silently). `pad_batch` refuses such 1D positions; packing with `document_lengths`
+    gives each document its own segment. Packed micro-batches and the packers' dense ones: no sync here.
+
+    Raises:
+        ValueError: naming the row, the slot where it restarts and the real tokens before it. One host sync
+            (dense micro-batches with positions of their own only).
+    """
+    if micro_batch.is_packed or micro_batch.positions_checked:
+        return
+    from megatron_vlm_packing.packing.localize import check_not_a_stripped_pack
+
+    check_not_a_stripped_pack(micro_batch)  # a pack that lost its boundaries is named as one (no read)
+    positions, real = micro_batch.position_ids, micro_batch.padding_mask.logical_not()
+    at_zero = positions == 0 if positions.dim() == 2 else (positions == 0).all(dim=0)  # [B, L]
+    try:  # [1, L] positions stand for every row, as the model broadcasts them
+        at_zero, real = torch.broadcast_tensors(at_zero, real)
+    except RuntimeError:
+        raise ValueError(f"position_ids of shape {tuple(positions.shape)} do not lay out the dense rows of the "
+                         f"padding_mask {tuple(real.shape)}: [B, L] or mRoPE [3, B, L]") from None
+    real_before = real.long().cumsum(dim=1) - real.long()  # [B, L] real tokens before each slot
+    restarts = real & at_zero & (real_before > 0)
+    if bool(restarts.any()):  # the one host sync
+        row, slot = (int(i) for i in torch.nonzero(restarts)[0])
+        raise ValueError(f"position_ids row {row} restarts at 0 at slot {slot} (after {int(real_before[row, slot])} "
+                         f"real tokens): the dense row holds several documents, and a dense causal row lets each "
+                         f"attend to the ones before it; give the collated batch to make_forward_step(pack=True) "
+                         f"(with document_lengths= for rows of several documents), or one document per row")
+
+
 def check_loader_vocab(micro_batch: MicroBatch, vocab_size: int | None, *,
                        unembedded_token_id: int | None = None) -> MicroBatch:
     """A micro-batch from the data iterator whose ids and labels its packer bound below no vocabulary, or a
@@ -255,11 +289,12 @@ def check_loader_vocab(micro_batch: MicroBatch, vocab_size: int | None, *,
 
 
 def prepare_for_model(micro_batch: MicroBatch, adapter: ModelAdapter, layout: ParallelLayout) -> MicroBatch:
-    """Refuse loss weights and labels no packer checked (`check_unpacked_loss_weights`, `check_unpacked_labels`)
-    and what the model cannot take (`adapter.check`), then cut the full-length micro-batch to this CP rank as
+    """Refuse loss weights, labels and dense positions no packer checked (`check_unpacked_loss_weights`,
+    `check_unpacked_labels`, `check_unpacked_dense_positions`) and what the model cannot take (`adapter.check`), then cut the full-length micro-batch to this CP rank as
     the adapter declares (`localize`); returns the rank-local micro-batch."""
     check_unpacked_loss_weights(micro_batch)
     check_unpacked_labels(micro_batch, getattr(adapter, "vocab_size", None))
+    check_unpacked_dense_positions(micro_batch)
     adapter.check(micro_batch)
     return localize(micro_batch, layout, adapter.needs)
 
