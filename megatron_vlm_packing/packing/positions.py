@@ -290,9 +290,35 @@ def queue_position_checks(batch: Mapping, keep: Callable[[], torch.Tensor], mrop
         expected = torch.arange(real.shape[1], device=real.device).expand_as(real)
         checks.add(any_true(real & (given != expected)), lambda v: v[0] != 0,
                    lambda: check_1d_positions(given, real, where))
-    elif given.is_floating_point():  # fractional mRoPE positions (Qwen3-Omni): NaN / inf would reach the rotary
-        not_finite = keep()[None] & ~torch.isfinite(given)  # [3, B, S], real tokens only (pads are rebuilt)
-        checks.add(any_true(not_finite), lambda v: v[0] != 0, lambda: _refuse_not_finite(given, not_finite, where))
+    else:
+        if given.is_floating_point():  # fractional mRoPE positions (Qwen3-Omni): NaN / inf would reach the rotary
+            not_finite = keep()[None] & ~torch.isfinite(given)  # [3, B, S], real tokens only (pads are rebuilt)
+            checks.add(any_true(not_finite), lambda v: v[0] != 0, lambda: _refuse_not_finite(given, not_finite, where))
+        restarts = position_restarts(given, keep())
+        checks.add(any_true(restarts), lambda v: v[0] != 0, lambda: _refuse_mrope_restart(restarts, keep(), where))
+
+
+def position_restarts(positions: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """[B, S] bool: real tokens at position 0 (on every channel of mRoPE positions) after a real token of their row.
+
+    Only a document's first token sits at 0 on every channel (text and the first item start there; a later item
+    follows its vision / audio start token, so at least one channel is above 0): such a token inside a row opens
+    another document, which packing would merge with the ones before it (bug class 11). Reads no value.
+
+    Args:
+        positions: [B, S] or [3, B, S]. real: [B, S] bool, True at real tokens.
+    """
+    at_zero = positions == 0 if positions.dim() == 2 else (positions == 0).all(dim=0)
+    real_before = real.long().cumsum(dim=1) - real.long()
+    return real & at_zero & (real_before > 0)
+
+
+def _refuse_mrope_restart(restarts: torch.Tensor, real: torch.Tensor, where: Callable[[int, int], str]) -> None:
+    b, t = _first_bad(restarts)
+    before = int(real[b, :t].sum())
+    raise ValueError(f"position_ids {where(b, t)} is 0 on every channel after {before} real tokens of its row: the "
+                     f"mRoPE positions restart, so the row holds several documents, which would train as one; give "
+                     f"document_lengths (each document a segment of its own, positions per document)")
 
 
 def _refuse_not_finite(given: torch.Tensor, not_finite: torch.Tensor, where: Callable[[int, int], str]) -> None:

@@ -229,18 +229,18 @@ def check_unpacked_dense_positions(micro_batch: MicroBatch) -> None:
     from megatron_vlm_packing.packing.localize import check_not_a_stripped_pack
 
     check_not_a_stripped_pack(micro_batch)  # a pack that lost its boundaries is named as one (no read)
+    from megatron_vlm_packing.packing.positions import position_restarts
+
     positions, real = micro_batch.position_ids, micro_batch.padding_mask.logical_not()
-    at_zero = positions == 0 if positions.dim() == 2 else (positions == 0).all(dim=0)  # [B, L]
     try:  # [1, L] positions stand for every row, as the model broadcasts them
-        at_zero, real = torch.broadcast_tensors(at_zero, real)
+        real = real.expand(torch.broadcast_shapes(positions.shape[-2:], real.shape))
     except RuntimeError:
         raise ValueError(f"position_ids of shape {tuple(positions.shape)} do not lay out the dense rows of the "
                          f"padding_mask {tuple(real.shape)}: [B, L] or mRoPE [3, B, L]") from None
-    real_before = real.long().cumsum(dim=1) - real.long()  # [B, L] real tokens before each slot
-    restarts = real & at_zero & (real_before > 0)
+    restarts = position_restarts(positions, real)  # [B, L]
     if bool(restarts.any()):  # the one host sync
         row, slot = (int(i) for i in torch.nonzero(restarts)[0])
-        raise ValueError(f"position_ids row {row} restarts at 0 at slot {slot} (after {int(real_before[row, slot])} "
+        raise ValueError(f"position_ids row {row} restarts at 0 at slot {slot} (after {int(real[row, :slot].sum())} "
                          f"real tokens): the dense row holds several documents, and a dense causal row lets each "
                          f"attend to the ones before it; give the collated batch to make_forward_step(pack=True) "
                          f"(with document_lengths= for rows of several documents), or one document per row")
