@@ -278,16 +278,24 @@ def micro_batch_to(micro_batch: MicroBatch, device: torch.device) -> MicroBatch:
     """Every tensor of the micro-batch on `device`, copied with `non_blocking=True` (asynchronous
     from pinned memory); nothing is read back to the host.
 
+    Args:
+        device: a torch.device, a device string ('cpu', 'cuda:0'), or an int: an index of the machine's
+            accelerator, as `torch.device(3)` reads it ('cuda:3' on an NVIDIA machine). A negative int or a bool
+            is no device.
+
     Raises:
-        ValueError: `device` is no device (torch.device() refuses it; `Tensor.to(None)` moved nothing), or
-            the micro-batch holds meta tensors (`micro_batch_to(mb, "meta")`: no values) and `device` is not meta.
+        ValueError: `device` is no device (torch.device() refuses it, with torch's reason; `Tensor.to(None)` moved
+            nothing), or the micro-batch holds meta tensors (`micro_batch_to(mb, "meta")`: no values) and `device`
+            is not meta.
     """
     if not isinstance(device, torch.device):
         try:
             device = torch.device(device)
-        except (RuntimeError, TypeError):
+        except (RuntimeError, TypeError) as error:
+            reason = str(error).splitlines()[0]  # torch's TypeError lists every signature after its first line
             raise ValueError(f"device must be a torch.device or a device string such as 'cpu' or 'cuda:0', "
-                             f"got {device!r}") from None
+                             f"got {device!r} (an int is an accelerator device index >= 0, as torch.device(3) "
+                             f"reads it; a bool is none): {reason}") from None
 
     def move(tensor: torch.Tensor) -> torch.Tensor:
         if tensor.is_meta and device.type != "meta":  # else torch's NotImplementedError ('Cannot copy out of meta')
