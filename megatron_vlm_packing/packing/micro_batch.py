@@ -176,10 +176,12 @@ class MicroBatch:
             counts hold for the micro-batch only while these are its own (`media_checked_by_packer`): a
             `dataclasses.replace` of the ids, the vision or the audio (a transform, an edited loader
             micro-batch) keeps the marks, so a model must check such media itself.
-        checked_positions: the dense `position_ids` tensor the packer made, one document per row (`pad_batch`,
-            `pad_llava_batch`; kept like `checked_labels`); other dense positions (built by hand, a transform's) are
-            read by the step for a restart inside a row (`train.step.check_unpacked_dense_positions`, one host
-            sync then only): a dense row of several documents trains as one causal document.
+        checked_positions: the `position_ids` tensor the packer made or checked, restarting only where a row
+            (dense) or a document of its plan (packed) starts (`pack_batch`, `pad_batch`, LLaVA's packers; kept like
+            `checked_labels`); other positions (built by hand, a transform's) are read by the step for a restart
+            inside a row or document (`train.step.check_unpacked_dense_positions` /
+            `check_unpacked_packed_positions`, one host sync then only): several documents in one would train as
+            one causal document.
     """
 
     input_ids: torch.Tensor
@@ -216,7 +218,9 @@ class MicroBatch:
 
     @property
     def positions_checked(self) -> bool:
-        """The packer made these very positions (`checked_positions` is `position_ids`)."""
+        """The packer made these very positions (`checked_positions` is `position_ids`). Only the positions are
+        compared: a `replace` of the boundaries alone keeps the mark (the parity controls declare a pack one
+        document on purpose, to show what the parity check catches)."""
         return self.checked_positions is not None and self.checked_positions is self.position_ids
 
     @property

@@ -246,6 +246,38 @@ def check_unpacked_dense_positions(micro_batch: MicroBatch) -> None:
                          f"(with document_lengths= for rows of several documents), or one document per row")
 
 
+def check_unpacked_packed_positions(micro_batch: MicroBatch) -> None:
+    """Packed positions no packer made (a micro-batch built by hand, or whose positions a transform replaced: not
+    the packer's `checked_positions`) must restart only where a document of `packed_seq_params` starts: a real token at position 0 (every channel, for mRoPE) after a real token of its own segment opens
+    another document inside it, and attention runs over whole segments, so it attended to the documents before it
+    (bug class 11; the step trained it silently). The packers' micro-batches, moved or not: no sync here.
+
+    Raises:
+        ValueError: naming the document, its slots, the slot where positions restart and the real tokens before
+            it. One host sync (packed micro-batches with positions of their own only).
+    """
+    if not micro_batch.is_packed or micro_batch.positions_checked:
+        return
+    from megatron_vlm_packing.packing.localize import check_packed_seq_params
+    from megatron_vlm_packing.packing.positions import position_restarts, real_before_in_segment
+
+    check_packed_seq_params(micro_batch)  # metadata only: well-formed boundary tensors before they are used
+    params = micro_batch.packed_seq_params
+    bounds = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+    real = micro_batch.padding_mask.logical_not().reshape(1, -1)  # [1, T]
+    restarts = position_restarts(micro_batch.position_ids, real, real_before=real_before_in_segment(real, bounds))
+    if bool(restarts.any()):  # the one host sync
+        slot = int(torch.nonzero(restarts)[0, 1])
+        starts = bounds.long().cpu()
+        document = int(torch.searchsorted(starts[1:], torch.tensor(slot), right=True))
+        end = int(starts[document + 1]) - 1 if document + 1 < starts.numel() else real.shape[1] - 1
+        raise ValueError(f"position_ids restart at 0 at slot {slot} inside document {document} (slots "
+                         f"{int(starts[document])}..{end}), after {int(real[0, int(starts[document]):slot].sum())} real "
+                         f"tokens: the document holds several, and attention runs over each document of "
+                         f"packed_seq_params whole, so each attends to the ones before it; give every document its "
+                         f"own boundaries (pack_batch does, with document_lengths= for rows of several documents)")
+
+
 def check_loader_vocab(micro_batch: MicroBatch, vocab_size: int | None, *,
                        unembedded_token_id: int | None = None) -> MicroBatch:
     """A micro-batch from the data iterator whose ids and labels its packer bound below no vocabulary, or a
@@ -289,12 +321,14 @@ def check_loader_vocab(micro_batch: MicroBatch, vocab_size: int | None, *,
 
 
 def prepare_for_model(micro_batch: MicroBatch, adapter: ModelAdapter, layout: ParallelLayout) -> MicroBatch:
-    """Refuse loss weights, labels and dense positions no packer checked (`check_unpacked_loss_weights`,
-    `check_unpacked_labels`, `check_unpacked_dense_positions`) and what the model cannot take (`adapter.check`), then cut the full-length micro-batch to this CP rank as
-    the adapter declares (`localize`); returns the rank-local micro-batch."""
+    """Refuse loss weights, labels and positions no packer checked (`check_unpacked_loss_weights`,
+    `check_unpacked_labels`, `check_unpacked_dense_positions`, `check_unpacked_packed_positions`) and what the
+    model cannot take (`adapter.check`), then cut the full-length micro-batch to this CP rank as the adapter
+    declares (`localize`); returns the rank-local micro-batch."""
     check_unpacked_loss_weights(micro_batch)
     check_unpacked_labels(micro_batch, getattr(adapter, "vocab_size", None))
     check_unpacked_dense_positions(micro_batch)
+    check_unpacked_packed_positions(micro_batch)
     adapter.check(micro_batch)
     return localize(micro_batch, layout, adapter.needs)
 
