@@ -224,7 +224,7 @@ def check_unpacked_dense_positions(micro_batch: MicroBatch) -> None:
         ValueError: naming the row, the slot where it restarts and the real tokens before it. One host sync
             (dense micro-batches with positions of their own only).
     """
-    if micro_batch.is_packed or micro_batch.positions_checked:
+    if micro_batch.is_packed or micro_batch.positions_checked or not _positions_readable(micro_batch):
         return
     from megatron_vlm_packing.packing.localize import check_not_a_stripped_pack
 
@@ -246,17 +246,26 @@ def check_unpacked_dense_positions(micro_batch: MicroBatch) -> None:
                          f"(with document_lengths= for rows of several documents), or one document per row")
 
 
+def _positions_readable(micro_batch: MicroBatch) -> bool:
+    """Positions and padding mask are real tensors the restart checks can read; others are named by `localize`'s
+    `check_field_types` (a complex or non-tensor field was an AttributeError or a TypeError here)."""
+    return all(isinstance(t, torch.Tensor) and not t.is_complex() and not t.is_meta
+               for t in (micro_batch.position_ids, micro_batch.padding_mask))
+
+
 def check_unpacked_packed_positions(micro_batch: MicroBatch) -> None:
     """Packed positions no packer made (a micro-batch built by hand, or whose positions a transform replaced: not
-    the packer's `checked_positions`) must restart only where a document of `packed_seq_params` starts: a real token at position 0 (every channel, for mRoPE) after a real token of its own segment opens
-    another document inside it, and attention runs over whole segments, so it attended to the documents before it
-    (bug class 11; the step trained it silently). The packers' micro-batches, moved or not: no sync here.
+    the packer's `checked_positions`) must restart only where a document of `packed_seq_params` starts: a real
+    token at position 0 (every channel, for mRoPE) after a real token of its own segment opens another document
+    inside it, and attention runs over whole segments, so it attended to the documents before it (bug class 11;
+    the step trained it silently). The packers' micro-batches, moved or not: no sync here. Fields that are no
+    tensors or positions of another length are left to `localize`'s checks, which name them.
 
     Raises:
         ValueError: naming the document, its slots, the slot where positions restart and the real tokens before
             it. One host sync (packed micro-batches with positions of their own only).
     """
-    if not micro_batch.is_packed or micro_batch.positions_checked:
+    if not micro_batch.is_packed or micro_batch.positions_checked or not _positions_readable(micro_batch):
         return
     from megatron_vlm_packing.packing.localize import check_packed_seq_params
     from megatron_vlm_packing.packing.positions import position_restarts, real_before_in_segment
@@ -265,15 +274,17 @@ def check_unpacked_packed_positions(micro_batch: MicroBatch) -> None:
     params = micro_batch.packed_seq_params
     bounds = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
     real = micro_batch.padding_mask.logical_not().reshape(1, -1)  # [1, T]
+    if micro_batch.position_ids.shape[-1] != real.shape[1] or micro_batch.position_ids.dim() not in (2, 3):
+        return  # localize names positions that do not lay out the pack
     restarts = position_restarts(micro_batch.position_ids, real, real_before=real_before_in_segment(real, bounds))
     if bool(restarts.any()):  # the one host sync
         slot = int(torch.nonzero(restarts)[0, 1])
         starts = bounds.long().cpu()
         document = int(torch.searchsorted(starts[1:], torch.tensor(slot), right=True))
         end = int(starts[document + 1]) - 1 if document + 1 < starts.numel() else real.shape[1] - 1
+        first = int(starts[document])
         raise ValueError(f"position_ids restart at 0 at slot {slot} inside document {document} (slots "
-                         f"{int(starts[document])}..{end}), after {int(real[0, int(starts[document]):slot].sum())} real "
-                         f"tokens: the document holds several, and attention runs over each document of "
+                         f"{first}..{end}), after {int(real[0, first:slot].sum())} real tokens: the document holds several, and attention runs over each document of "
                          f"packed_seq_params whole, so each attends to the ones before it; give every document its "
                          f"own boundaries (pack_batch does, with document_lengths= for rows of several documents)")
 

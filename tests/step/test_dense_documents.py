@@ -54,9 +54,11 @@ def test_a_hand_built_dense_row_of_two_documents_is_refused(setup):
 def test_mrope_positions_restarting_in_a_dense_row_are_refused(setup):
     """[3, B, L]: a real token at 0 on every channel after the row's first real token opens another document."""
     vlm = setup["models"]["vlm"]
+    joined, cloned = (lambda mb: R(mb, position_ids=_joined(mb.position_ids)),  # noqa: E731
+                      lambda mb: R(mb, position_ids=mb.position_ids.clone()))
     with pytest.raises(ValueError, match=RESTART):
-        step_loss(vlm, setup["vlm_batch"], pack=False, transform=lambda mb: R(mb, position_ids=_joined(mb.position_ids)))
-    assert step_loss(vlm, setup["vlm_batch"], pack=False, transform=lambda mb: R(mb, position_ids=mb.position_ids.clone()))
+        step_loss(vlm, setup["vlm_batch"], pack=False, transform=joined)
+    assert step_loss(vlm, setup["vlm_batch"], pack=False, transform=cloned)
 
 
 def test_hand_built_dense_rows_of_one_document_train(setup):
