@@ -69,3 +69,13 @@ def test_the_check_reads_only_positions_no_packer_made(setup):
     with count_host_syncs() as syncs:
         check_unpacked_packed_positions(R(loader, position_ids=loader.position_ids.clone()))
     assert syncs.total == 1, syncs.report()
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_hand_built_positions_that_are_no_tensor_are_named(setup, pack):
+    """Was an AttributeError ('list' object has no attribute 'dim') in the adapter's position check."""
+    from megatron_vlm_packing import pad_batch
+
+    mb = setup["packed"] if pack else pad_batch(setup["text"], label_style="hf")
+    with pytest.raises(ValueError, match=r"sequence fields and extras are tensors, but \{'position_ids': 'list'\}"):
+        step_loss(setup["gpt"], R(mb, position_ids=mb.position_ids.tolist()), pack=pack)
