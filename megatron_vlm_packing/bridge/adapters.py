@@ -171,9 +171,11 @@ def _check_unpacked_seconds(vision: VisionInputs) -> None:
 
 
 def _check_unpacked_audio(micro_batch: MicroBatch, token: int, n_window: int) -> None:
-    """`check_unpacked_vision`'s audio part (Qwen3-Omni): placeholders without clips, and each sample's
-    placeholders against whole clips of its own (each clip's tokens from its mask and `n_window`)."""
-    from megatron_vlm_packing.models.audio import audio_tokens_per_clip_from_mask
+    """`check_unpacked_vision`'s audio part (Qwen3-Omni): placeholders without clips, each clip's `audio_lengths`
+    against its mask (the thinker reads the mask alone: lengths that are not the mask's, which positions and
+    `validate` read as the clips' frames, were dropped silently), and each sample's placeholders against whole
+    clips of its own (each clip's tokens from its mask and `n_window`)."""
+    from megatron_vlm_packing.models.audio import audio_tokens_per_clip_from_mask, check_audio_lengths
     from megatron_vlm_packing.models.merge import (check_placeholders_per_sample, refuse_orphan_placeholders,
                                                    sample_boundaries)
 
@@ -181,6 +183,7 @@ def _check_unpacked_audio(micro_batch: MicroBatch, token: int, n_window: int) ->
     if audio is None:
         refuse_orphan_placeholders(ids, "audio", token)
         return
+    check_audio_lengths(audio.audio_lengths, audio.feature_attention_mask)
     check_placeholders_per_sample(ids, sample_boundaries(ids, micro_batch.packed_seq_params),
                                   audio_tokens_per_clip_from_mask(audio.feature_attention_mask, n_window),
                                   token_id=token, field="audio", items_per_sample=audio.audios_per_sample)

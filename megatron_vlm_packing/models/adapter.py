@@ -1,8 +1,8 @@
 """Model adapters: how each model type takes a `MicroBatch`, declared, never sniffed from a signature.
 
 An adapter says which optional inputs the model consumes ("images", "videos", "audio",
-"extra:<key>"), which sequence-aligned fields it needs full length under CP (`LocalizeNeeds`),
-whether it takes `packed_seq_params`, and how to call it. The forward step refuses, with a
+"image_tiles", "extra:<key>"), which sequence-aligned fields it needs full length under CP
+(`LocalizeNeeds`), whether it takes `packed_seq_params`, and how to call it. The forward step refuses, with a
 `ValueError` naming the input, anything the micro-batch carries that the adapter does not consume
 (bug class 10: inputs silently dropped between the step and the model).
 
@@ -38,7 +38,8 @@ class ModelAdapter:
     """How one model type takes a micro-batch. Subclass, set the class attributes, write `forward`.
 
     Class attributes:
-        consumes: optional inputs the model takes ("images", "videos", "audio", "extra:<key>").
+        consumes: optional inputs the model takes ("images", "videos", "audio", "image_tiles",
+            "extra:<key>"; `MicroBatch.inputs_present`).
         needs: which fields stay full length under CP.
         takes_packed_seq_params: False for a model that can only run dense rows.
 
@@ -69,8 +70,10 @@ class ModelAdapter:
             raise ValueError(
                 f"the micro-batch carries {unconsumed} but {self.model_name}'s adapter "
                 f"({type(self).__name__}) consumes only {sorted(self.consumes) or 'no optional inputs'}: "
-                f"it would be dropped silently; remove it from the batch or use an adapter that consumes it"
+                f"it would be dropped silently; remove it from the batch or use an adapter that consumes it "
+                f"({'; '.join(micro_batch.describe_input(name) for name in unconsumed)})"
             )
+        refuse_vision_fields_without_media(micro_batch)
         if micro_batch.is_packed and not self.takes_packed_seq_params:
             raise ValueError(
                 f"{self.model_name} cannot take packed_seq_params ({type(self).__name__}), so a packed "
@@ -97,6 +100,27 @@ class ModelAdapter:
     def forward(self, model: nn.Module, micro_batch: MicroBatch):
         """Call `model` (possibly wrapped) on a localized micro-batch; return its output."""
         raise NotImplementedError(f"{type(self).__name__} must implement forward(model, micro_batch)")
+
+
+def refuse_vision_fields_without_media(micro_batch: MicroBatch) -> None:
+    """Grids, per-sample counts, tiles or seconds of images (videos) no pixels of which the micro-batch carries
+    (`VisionInputs.fields_without_media`) are read by no model: before, every adapter passed the pixels alone
+    (or nothing) and such fields were dropped silently. Only a micro-batch built or edited by hand carries them:
+    the packers keep none (a micro-batch whose media they checked, `media_checked_by_packer`, is not looked at:
+    the grids an mRoPE index read alone beside another kind's pixels are kept there for `validate`). Reads no
+    tensor value.
+
+    Raises:
+        ValueError: naming each field and the items it describes.
+    """
+    vision = micro_batch.vision
+    if vision is None or micro_batch.media_checked_by_packer:
+        return
+    found = vision.fields_without_media()
+    if found:
+        raise ValueError(f"{'; '.join(found)}: nothing reads them without those pixels, so they would be dropped "
+                         f"silently; drop them from the micro-batch (an mRoPE index reads grids alone before the "
+                         f"micro-batch is built, as pack_batch(mrope=) does)")
 
 
 def check_loader_shape(micro_batch: MicroBatch, multiples, options) -> None:

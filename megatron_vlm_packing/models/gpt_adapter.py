@@ -139,10 +139,10 @@ class GPTModelAdapter(ModelAdapter):
 
     def check(self, micro_batch: MicroBatch) -> None:
         self.refuse_unscattered_embeddings()
+        refuse_unread_seconds(micro_batch, self.rotary, self.model_name)  # first: it says why (a 1D rotary)
         super().check(micro_batch)
         check_unpacked_ids(micro_batch, self.vocab_size)
         check_position_kind(micro_batch, self.rotary, self.model_name)
-        refuse_unread_seconds(micro_batch, self.rotary, self.model_name)
         if self.is_moe and not self.takes_padding_mask and micro_batch.stats.physical_tokens > micro_batch.stats.real_tokens:
             raise ValueError(f"{self.model_name} is a mixture-of-experts model whose forward takes no padding_mask, "
                              f"so its router would count {micro_batch.stats.physical_tokens - micro_batch.stats.real_tokens} "

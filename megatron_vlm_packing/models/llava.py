@@ -219,7 +219,7 @@ class LLaVAAdapter(ModelAdapter):
     the hidden states on the others.
     """
 
-    consumes = frozenset({"images"})
+    consumes = frozenset({"images", "image_tiles"})
     needs = LocalizeNeeds(full_input_ids=True, full_position_ids=True, full_labels=True)
 
     def __init__(self, model):
@@ -289,6 +289,7 @@ class LLaVAAdapter(ModelAdapter):
 
     def check(self, micro_batch: MicroBatch) -> None:
         super().check(micro_batch)
+        refuse_patch_grid(micro_batch)
         self.image_inputs(micro_batch)
         if not micro_batch.is_packed:
             return
@@ -316,6 +317,20 @@ class LLaVAAdapter(ModelAdapter):
                                   labels=micro_batch.labels, loss_mask=micro_batch.loss_mask,
                                   num_image_tiles=tiles, packed_seq_params=params)
         return output if loss_mask is None else (output, loss_mask)
+
+
+def refuse_patch_grid(micro_batch: MicroBatch) -> None:
+    """LLaVAModel's vision tower takes whole tiles ([tiles, C, H, W] with `num_image_tiles`) and no patch grid: a
+    Qwen-VL style `image_grid_thw` in a hand-built micro-batch was dropped silently. Reads no value.
+
+    Raises:
+        ValueError: naming the field and the images it describes.
+    """
+    grid = micro_batch.vision.image_grid_thw if micro_batch.vision is not None else None
+    if grid is not None:
+        raise ValueError(f"vision.image_grid_thw describes {grid.shape[0]} image(s) but LLaVAModel takes whole tiles "
+                         f"and no patch grid: it would be dropped silently; drop it (LLaVA's images are "
+                         f"[tiles, C, H, W], with num_image_tiles per image)")
 
 
 def _refuse_unexpanded_boundaries() -> None:

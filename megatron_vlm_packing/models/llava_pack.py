@@ -238,11 +238,12 @@ def pack_llava_batch(batch: dict, space: LlavaSpace, *, label_style: str = "mega
                        row_tokens=len(row_lengths) * max(expanded_rows))
     loss_mask = pack_rows(weights, indices)  # its weights were checked in the rows' read
     packed_labels = pack_rows(labels, indices, pad_value=IGNORE_INDEX)  # checked in the rows' read too
+    positions = segment_positions(indices)  # restarting per document of the plan
     return MicroBatch(
         input_ids=pack_rows(ids, indices, pad_value=pad_token_id),
         labels=packed_labels, checked_labels=packed_labels, loss_mask=loss_mask, checked_loss_mask=loss_mask,
         checked_vocab_size=space.vocab_size,
-        position_ids=segment_positions(indices), padding_mask=~indices.is_real[None],
+        position_ids=positions, checked_positions=positions, padding_mask=~indices.is_real[None],
         packed_seq_params=make_packed_seq_params(plan, indices), rope_cu_seqlens=indices.cu_seqlens, stats=stats,
         vision=vision, plan=plan, indices=indices,
     )
@@ -305,10 +306,11 @@ def pad_llava_batch(batch: dict, space: LlavaSpace, *, label_style: str = "megat
     rows_expanded = rows * (space.pipeline_length or longest)
     loss_mask = rows_of(weights, 0.0)  # its weights were checked in the rows' read
     padded_labels = rows_of(labels, IGNORE_INDEX)  # checked in the rows' read too
+    positions = torch.arange(length, device=ids.device)[None].expand(rows, length)  # one document per row
     return MicroBatch(
         input_ids=rows_of(ids, pad_token_id), labels=padded_labels, loss_mask=loss_mask,
         checked_loss_mask=loss_mask, checked_labels=padded_labels, checked_vocab_size=space.vocab_size,
-        position_ids=torch.arange(length, device=ids.device)[None].expand(rows, length), padding_mask=~keep,
+        position_ids=positions, checked_positions=positions, padding_mask=~keep,
         packed_seq_params=None, rope_cu_seqlens=None, vision=vision,
         stats=BatchStats(real_tokens=sum(expanded), physical_tokens=rows_expanded, row_tokens=rows_expanded),
         plan=LlavaRows(tiles=host_tiles, expanded_lengths=tuple(expanded)),

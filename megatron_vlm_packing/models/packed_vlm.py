@@ -311,10 +311,10 @@ class PackedVLMAdapter(ModelAdapter):
             self.media_token_ids["spatial_merge_size"] = model.spatial_merge_size
 
     def check(self, micro_batch: MicroBatch) -> None:
+        refuse_unread_seconds(micro_batch, self.rotary, self.model_name)  # first: it says why (a 1D rotary)
         super().check(micro_batch)
         check_unpacked_ids(micro_batch, self.vocab_size)
         check_position_kind(micro_batch, self.rotary, self.model_name)
-        refuse_unread_seconds(micro_batch, self.rotary, self.model_name)
 
     def _packing_counts_clips_like(self, model: nn.Module) -> bool:
         """Packing counted each clip's tokens with the mRoPE config's `audio_n_window` (else its

@@ -227,6 +227,7 @@ def _packed_micro_batch(plan: PackPlan, indices: PackIndices, input_ids: torch.T
         loss_mask=loss_mask,
         checked_loss_mask=loss_mask,  # its weights were checked in the read (or over the packed tokens)
         position_ids=positions,
+        checked_positions=positions,  # restarting per document of the plan (given ones checked in the read)
         padding_mask=padding_mask_of(indices),
         packed_seq_params=make_packed_seq_params(plan, indices),
         rope_cu_seqlens=indices.cu_seqlens,

@@ -208,7 +208,7 @@ def in_one_storage(micro_batch: MicroBatch) -> MicroBatch:
 def _refuse_graphs(micro_batch: MicroBatch) -> None:
     """ValueError naming the fields of `micro_batch` whose tensors carry a graph (error path only)."""
     named = [(f.name, getattr(micro_batch, f.name)) for f in dataclasses.fields(micro_batch)
-             if f.name not in ("checked_loss_mask", "checked_labels")]  # loss_mask / labels themselves, named once
+             if f.name not in ("checked_loss_mask", "checked_labels", "checked_positions")]  # named once, as themselves
     for holder in ("vision", "audio"):
         value = getattr(micro_batch, holder)
         named += [(f"{holder}.{f.name}", getattr(value, f.name)) for f in dataclasses.fields(value)] if value else []
@@ -291,6 +291,7 @@ def _map_each(micro_batch: MicroBatch, fn: Callable[[torch.Tensor], torch.Tensor
         indices=indices, cp_index=once(micro_batch.cp_index),
         checked_loss_mask=once(micro_batch.checked_loss_mask),  # the same tensor as loss_mask stays the same
         checked_labels=once(micro_batch.checked_labels),  # likewise the same tensor as labels
+        checked_positions=once(micro_batch.checked_positions),  # and as position_ids
         # the packer's media marks follow the moved objects only if they held before the move
         checked_media=(input_ids, vision, audio) if micro_batch.media_checked_by_packer else None)
 
@@ -299,16 +300,24 @@ def micro_batch_to(micro_batch: MicroBatch, device: torch.device) -> MicroBatch:
     """Every tensor of the micro-batch on `device`, copied with `non_blocking=True` (asynchronous
     from pinned memory); nothing is read back to the host.
 
+    Args:
+        device: a torch.device, a device string ('cpu', 'cuda:0'), or an int: an index of the machine's
+            accelerator, as `torch.device(3)` reads it ('cuda:3' on an NVIDIA machine). A negative int or a bool
+            is no device.
+
     Raises:
-        ValueError: `device` is no device (torch.device() refuses it; `Tensor.to(None)` moved nothing), or
-            the micro-batch holds meta tensors (`micro_batch_to(mb, "meta")`: no values) and `device` is not meta.
+        ValueError: `device` is no device (torch.device() refuses it, with torch's reason; `Tensor.to(None)` moved
+            nothing), or the micro-batch holds meta tensors (`micro_batch_to(mb, "meta")`: no values) and `device`
+            is not meta.
     """
     if not isinstance(device, torch.device):
         try:
             device = torch.device(device)
-        except (RuntimeError, TypeError):
+        except (RuntimeError, TypeError) as error:
+            reason = str(error).splitlines()[0]  # torch's TypeError lists every signature after its first line
             raise ValueError(f"device must be a torch.device or a device string such as 'cpu' or 'cuda:0', "
-                             f"got {device!r}") from None
+                             f"got {device!r} (an int is an accelerator device index >= 0, as torch.device(3) "
+                             f"reads it; a bool is none): {reason}") from None
 
     def move(tensor: torch.Tensor) -> torch.Tensor:
         if tensor.is_meta and device.type != "meta":  # else torch's NotImplementedError ('Cannot copy out of meta')

@@ -157,6 +157,7 @@ def _dense_micro_batch(rows: Rows, length: int, pad_token_id: int, batch, media:
         loss_mask=loss_mask,
         checked_loss_mask=loss_mask,  # its weights were checked in the rows' read
         position_ids=positions,
+        checked_positions=positions,  # from each row's real length (or given, checked in the rows' read)
         padding_mask=~keep,
         packed_seq_params=None,
         rope_cu_seqlens=None,

@@ -58,6 +58,36 @@ class VisionInputs:
     def has_videos(self) -> bool:
         return self.pixel_values_videos is not None
 
+    def fields_without_media(self) -> tuple[str, ...]:
+        """Each field that describes images (videos) while `pixel_values` (`pixel_values_videos`) is None, with
+        the items it describes; () when none. No model reads a grid, a per-sample count, tiles or seconds without
+        the pixels they describe: an mRoPE index reads grids alone before the micro-batch is built, and the
+        packers keep none of them without pixels. Reads shapes and host ints only (no sync)."""
+        kinds = (("image", "pixel_values", self.pixel_values,
+                  (("image_grid_thw", self.image_grid_thw), ("images_per_sample", self.images_per_sample),
+                   ("num_image_tiles", self.num_image_tiles))),
+                 ("video", "pixel_values_videos", self.pixel_values_videos,
+                  (("video_grid_thw", self.video_grid_thw), ("videos_per_sample", self.videos_per_sample),
+                   ("second_per_grid_ts", self.second_per_grid_ts))))
+        found = []
+        for kind, pixels_name, pixels, fields in kinds:
+            if pixels is not None:
+                continue
+            for name, value in fields:
+                items = _items_described(value)
+                if items:
+                    found.append(f"vision.{name} describes {items} {kind}(s) but vision.{pixels_name} is None")
+        return tuple(found)
+
+
+def _items_described(value) -> int:
+    """Items a vision field describes: rows of a grid [I, 3], entries of a [I] tensor, the sum of per-sample counts."""
+    if value is None:
+        return 0
+    if isinstance(value, torch.Tensor):
+        return value.shape[0] if value.dim() else 1
+    return sum(value)
+
 
 @dataclass(frozen=True)
 class AudioInputs:
@@ -146,6 +176,12 @@ class MicroBatch:
             counts hold for the micro-batch only while these are its own (`media_checked_by_packer`): a
             `dataclasses.replace` of the ids, the vision or the audio (a transform, an edited loader
             micro-batch) keeps the marks, so a model must check such media itself.
+        checked_positions: the `position_ids` tensor the packer made or checked, restarting only where a row
+            (dense) or a document of its plan (packed) starts (`pack_batch`, `pad_batch`, LLaVA's packers; kept like
+            `checked_labels`); other positions (built by hand, a transform's) are read by the step for a restart
+            inside a row or document (`train.step.check_unpacked_dense_positions` /
+            `check_unpacked_packed_positions`, one host sync then only): several documents in one would train as
+            one causal document.
     """
 
     input_ids: torch.Tensor
@@ -169,6 +205,7 @@ class MicroBatch:
     checked_media: tuple | None = field(default=None, repr=False, compare=False)
     checked_labels: torch.Tensor | None = field(default=None, repr=False, compare=False)
     checked_vocab_size: int | None = field(default=None, compare=False)
+    checked_positions: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def vocab_checked(self, vocab_size: int | None) -> bool:
         """The packer's checks bound the ids and labels it checked below `vocab_size` (always, when None)."""
@@ -178,6 +215,13 @@ class MicroBatch:
     def labels_checked(self) -> bool:
         """The packer checked these very labels (`checked_labels` is `labels`)."""
         return self.checked_labels is not None and self.checked_labels is self.labels
+
+    @property
+    def positions_checked(self) -> bool:
+        """The packer made these very positions (`checked_positions` is `position_ids`). Only the positions are
+        compared: a `replace` of the boundaries alone keeps the mark (the parity controls declare a pack one
+        document on purpose, to show what the parity check catches)."""
+        return self.checked_positions is not None and self.checked_positions is self.position_ids
 
     @property
     def media_checked_by_packer(self) -> bool:
@@ -207,14 +251,31 @@ class MicroBatch:
     def inputs_present(self) -> frozenset[str]:
         """Names of the optional inputs this micro-batch carries; an adapter must consume each.
 
-        "images", "videos", "audio", and "extra:<key>" per per-token extra.
+        "images", "videos", "audio", "image_tiles" (`vision.num_image_tiles`, read by LLaVA alone: a model
+        that does not read it would take every image as one tile) and "extra:<key>" per per-token extra.
         """
         present = set()
         if self.vision is not None and self.vision.has_images:
             present.add("images")
         if self.vision is not None and self.vision.has_videos:
             present.add("videos")
+        if self.vision is not None and self.vision.num_image_tiles is not None:
+            present.add("image_tiles")
         if self.audio is not None:
             present.add("audio")
         present.update(f"extra:{key}" for key in self.extras)
         return frozenset(present)
+
+    def describe_input(self, name: str) -> str:
+        """`name` (one of `inputs_present()`) as the field that holds it and its size, for error messages."""
+        vision = self.vision
+        if name == "images":
+            return f"images: vision.pixel_values of shape {tuple(vision.pixel_values.shape)}"
+        if name == "videos":
+            return f"videos: vision.pixel_values_videos of shape {tuple(vision.pixel_values_videos.shape)}"
+        if name == "image_tiles":
+            return f"image_tiles: vision.num_image_tiles, {vision.num_image_tiles.numel()} entries"
+        if name == "audio":
+            return f"audio: audio.input_features of shape {tuple(self.audio.input_features.shape)}"
+        key = name[len("extra:"):]
+        return f"{name}: extras[{key!r}] of shape {tuple(self.extras[key].shape)}"

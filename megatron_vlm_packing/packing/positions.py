@@ -293,9 +293,54 @@ def queue_position_checks(batch: Mapping, keep: Callable[[], torch.Tensor], mrop
         expected = torch.arange(real.shape[1], device=real.device).expand_as(real)
         checks.add(any_true(real & (given != expected)), lambda v: v[0] != 0,
                    lambda: check_1d_positions(given, real, where))
-    elif given.is_floating_point():  # fractional mRoPE positions (Qwen3-Omni): NaN / inf would reach the rotary
-        not_finite = keep()[None] & ~torch.isfinite(given)  # [3, B, S], real tokens only (pads are rebuilt)
-        checks.add(any_true(not_finite), lambda v: v[0] != 0, lambda: _refuse_not_finite(given, not_finite, where))
+    else:
+        if given.is_floating_point():  # fractional mRoPE positions (Qwen3-Omni): NaN / inf would reach the rotary
+            not_finite = keep()[None] & ~torch.isfinite(given)  # [3, B, S], real tokens only (pads are rebuilt)
+            checks.add(any_true(not_finite), lambda v: v[0] != 0, lambda: _refuse_not_finite(given, not_finite, where))
+        restarts = position_restarts(given, keep())
+        checks.add(any_true(restarts), lambda v: v[0] != 0, lambda: _refuse_mrope_restart(restarts, keep(), where))
+
+
+def position_restarts(positions: torch.Tensor, real: torch.Tensor, *,
+                      real_before: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, S] bool: real tokens at position 0 (on every channel of mRoPE positions) after a real token of their row
+    (of their document, with `real_before` from `real_before_in_segment` for a pack).
+
+    Only a document's first token sits at 0 on every channel (text and the first item start there; a later item
+    follows its vision / audio start token, so at least one channel is above 0): such a token inside a row opens
+    another document, which packing would merge with the ones before it (bug class 11). Reads no value.
+
+    Args:
+        positions: [B, S] or [3, B, S]. real: [B, S] bool, True at real tokens.
+        real_before: [B, S] long, real tokens before each slot that count (default: those of its row).
+    """
+    at_zero = positions == 0 if positions.dim() == 2 else (positions == 0).all(dim=0)
+    if real_before is None:
+        real_before = real.long().cumsum(dim=1) - real.long()
+    return real & at_zero & (real_before > 0)
+
+
+def real_before_in_segment(real: torch.Tensor, cu_seqlens_padded: torch.Tensor) -> torch.Tensor:
+    """[1, T] long: real tokens before each slot of a pack within its own segment. Reads no value.
+
+    Args:
+        real: [1, T] bool, True at real tokens. cu_seqlens_padded: [N+1] int, physical segment boundaries (slots
+            past the last one count as its last segment's).
+    """
+    before = real.long().cumsum(dim=1) - real.long()  # [1, T] in the whole pack
+    slots = torch.arange(real.shape[1], device=real.device)
+    bounds = cu_seqlens_padded.to(device=real.device, dtype=torch.long)
+    segment = torch.searchsorted(bounds[1:], slots, right=True).clamp(max=max(bounds.numel() - 2, 0))  # [T]
+    start = bounds[segment].clamp(0, max(real.shape[1] - 1, 0))  # [T] each slot's segment's first slot
+    return before - before[0, start][None]
+
+
+def _refuse_mrope_restart(restarts: torch.Tensor, real: torch.Tensor, where: Callable[[int, int], str]) -> None:
+    b, t = _first_bad(restarts)
+    before = int(real[b, :t].sum())
+    raise ValueError(f"position_ids {where(b, t)} is 0 on every channel after {before} real tokens of its row: the "
+                     f"mRoPE positions restart, so the row holds several documents, which would train as one; give "
+                     f"document_lengths (each document a segment of its own, positions per document)")
 
 
 def _refuse_not_finite(given: torch.Tensor, not_finite: torch.Tensor, where: Callable[[int, int], str]) -> None:

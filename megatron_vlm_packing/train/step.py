@@ -35,7 +35,7 @@ from torch import nn
 from megatron_vlm_packing.models.adapter import ModelAdapter, adapter_for, check_loader_mrope, unwrap_model
 from megatron_vlm_packing.packing.bounds import is_int
 from megatron_vlm_packing.packing.collate import own_storages
-from megatron_vlm_packing.packing.localize import localize
+from megatron_vlm_packing.packing.localize import check_field_types, localize
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
 from megatron_vlm_packing.packing.row_fields import check_dense_tensors, check_flags, check_pack_arguments
 from megatron_vlm_packing.parallel.layout import ParallelLayout
@@ -214,6 +214,83 @@ def check_unpacked_labels(micro_batch: MicroBatch, vocab_size: int | None) -> No
     check_label_values(rows, torch.ones_like(rows, dtype=torch.bool), vocab_size)  # the one host sync
 
 
+def check_unpacked_dense_positions(micro_batch: MicroBatch) -> None:
+    """Dense positions no packer made (a micro-batch built by hand, or whose `position_ids` a transform replaced:
+    not the packer's `checked_positions`) must hold one document per row: a real token at position 0 (on every
+    channel, for mRoPE) after the row's first real token starts another document, which a dense causal row lets
+    attend to every document before it (Megatron-Core's dense rotary does not even read the positions: the row
+    trained as one document, silently). `pad_batch` refuses such 1D positions; packing with `document_lengths`
+    gives each document its own segment. Packed micro-batches and the packers' dense ones: no sync here.
+
+    Raises:
+        ValueError: naming the row, the slot where it restarts and the real tokens before it. One host sync
+            (dense micro-batches with positions of their own only).
+    """
+    if micro_batch.is_packed or micro_batch.positions_checked or not _positions_readable(micro_batch):
+        return
+    from megatron_vlm_packing.packing.localize import check_not_a_stripped_pack
+
+    check_not_a_stripped_pack(micro_batch)  # a pack that lost its boundaries is named as one (no read)
+    from megatron_vlm_packing.packing.positions import position_restarts
+
+    positions, real = micro_batch.position_ids, micro_batch.padding_mask.logical_not()
+    try:  # [1, L] positions stand for every row, as the model broadcasts them
+        real = real.expand(torch.broadcast_shapes(positions.shape[-2:], real.shape))
+    except RuntimeError:
+        raise ValueError(f"position_ids of shape {tuple(positions.shape)} do not lay out the dense rows of the "
+                         f"padding_mask {tuple(real.shape)}: [B, L] or mRoPE [3, B, L]") from None
+    restarts = position_restarts(positions, real)  # [B, L]
+    if bool(restarts.any()):  # the one host sync
+        row, slot = (int(i) for i in torch.nonzero(restarts)[0])
+        raise ValueError(f"position_ids row {row} restarts at 0 at slot {slot} (after {int(real[row, :slot].sum())} "
+                         f"real tokens): the dense row holds several documents, and a dense causal row lets each "
+                         f"attend to the ones before it; give the collated batch to make_forward_step(pack=True) "
+                         f"(with document_lengths= for rows of several documents), or one document per row")
+
+
+def _positions_readable(micro_batch: MicroBatch) -> bool:
+    """Positions and padding mask are real tensors the restart checks can read; others are named by `localize`'s
+    `check_field_types` (a complex or non-tensor field was an AttributeError or a TypeError here)."""
+    return all(isinstance(t, torch.Tensor) and not t.is_complex() and not t.is_meta
+               for t in (micro_batch.position_ids, micro_batch.padding_mask))
+
+
+def check_unpacked_packed_positions(micro_batch: MicroBatch) -> None:
+    """Packed positions no packer made (a micro-batch built by hand, or whose positions a transform replaced: not
+    the packer's `checked_positions`) must restart only where a document of `packed_seq_params` starts: a real
+    token at position 0 (every channel, for mRoPE) after a real token of its own segment opens another document
+    inside it, and attention runs over whole segments, so it attended to the documents before it (bug class 11;
+    the step trained it silently). The packers' micro-batches, moved or not: no sync here. Fields that are no
+    tensors or positions of another length are left to `localize`'s checks, which name them.
+
+    Raises:
+        ValueError: naming the document, its slots, the slot where positions restart and the real tokens before
+            it. One host sync (packed micro-batches with positions of their own only).
+    """
+    if not micro_batch.is_packed or micro_batch.positions_checked or not _positions_readable(micro_batch):
+        return
+    from megatron_vlm_packing.packing.localize import check_packed_seq_params
+    from megatron_vlm_packing.packing.positions import position_restarts, real_before_in_segment
+
+    check_packed_seq_params(micro_batch)  # metadata only: well-formed boundary tensors before they are used
+    params = micro_batch.packed_seq_params
+    bounds = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+    real = micro_batch.padding_mask.logical_not().reshape(1, -1)  # [1, T]
+    if micro_batch.position_ids.shape[-1] != real.shape[1] or micro_batch.position_ids.dim() not in (2, 3):
+        return  # localize names positions that do not lay out the pack
+    restarts = position_restarts(micro_batch.position_ids, real, real_before=real_before_in_segment(real, bounds))
+    if bool(restarts.any()):  # the one host sync
+        slot = int(torch.nonzero(restarts)[0, 1])
+        starts = bounds.long().cpu()
+        document = int(torch.searchsorted(starts[1:], torch.tensor(slot), right=True))
+        end = int(starts[document + 1]) - 1 if document + 1 < starts.numel() else real.shape[1] - 1
+        first = int(starts[document])
+        raise ValueError(f"position_ids restart at 0 at slot {slot} inside document {document} (slots "
+                         f"{first}..{end}), after {int(real[0, first:slot].sum())} real tokens: the document holds several, and attention runs over each document of "
+                         f"packed_seq_params whole, so each attends to the ones before it; give every document its "
+                         f"own boundaries (pack_batch does, with document_lengths= for rows of several documents)")
+
+
 def check_loader_vocab(micro_batch: MicroBatch, vocab_size: int | None, *,
                        unembedded_token_id: int | None = None) -> MicroBatch:
     """A micro-batch from the data iterator whose ids and labels its packer bound below no vocabulary, or a
@@ -257,11 +334,16 @@ def check_loader_vocab(micro_batch: MicroBatch, vocab_size: int | None, *,
 
 
 def prepare_for_model(micro_batch: MicroBatch, adapter: ModelAdapter, layout: ParallelLayout) -> MicroBatch:
-    """Refuse loss weights and labels no packer checked (`check_unpacked_loss_weights`, `check_unpacked_labels`)
-    and what the model cannot take (`adapter.check`), then cut the full-length micro-batch to this CP rank as
-    the adapter declares (`localize`); returns the rank-local micro-batch."""
+    """Refuse loss weights and labels no packer checked (`check_unpacked_loss_weights`, `check_unpacked_labels`),
+    other sequence fields that are no tensors (`localize.check_field_types`), positions no packer made
+    (`check_unpacked_dense_positions`, `check_unpacked_packed_positions`) and what the model cannot take
+    (`adapter.check`), then cut the full-length micro-batch to this CP rank as the adapter declares (`localize`);
+    returns the rank-local micro-batch."""
     check_unpacked_loss_weights(micro_batch)
     check_unpacked_labels(micro_batch, getattr(adapter, "vocab_size", None))
+    check_field_types(micro_batch)  # metadata only: a list or None is named here, not an AttributeError in a check
+    check_unpacked_dense_positions(micro_batch)
+    check_unpacked_packed_positions(micro_batch)
     adapter.check(micro_batch)
     return localize(micro_batch, layout, adapter.needs)
 

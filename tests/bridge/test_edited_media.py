@@ -41,7 +41,9 @@ def bridge(single_process_megatron):
 
 EDITS = {
     "vision removed": (lambda mb: R(mb, vision=None), r"image placeholder tokens \(id 255\) but no image inputs"),
-    "videos removed": (lambda mb: R(mb, vision=R(mb.vision, pixel_values_videos=None, video_grid_thw=None)),
+    # every video field removed (one left without the pixels is refused first: `test_silent_vision_fields`)
+    "videos removed": (lambda mb: R(mb, vision=R(mb.vision, pixel_values_videos=None, video_grid_thw=None,
+                                                 videos_per_sample=None, second_per_grid_ts=None)),
                        r"video placeholder tokens \(id 254\) but no video inputs"),
     "4 patches cut": (lambda mb: R(mb, vision=R(mb.vision, pixel_values=mb.vision.pixel_values[:-4])),
                       r"pixel_values has 44 patches but image_grid_thw describes 48"),
@@ -115,8 +117,14 @@ OMNI_EDITS = {
                       r"pixel_values has 4 patches but image_grid_thw describes 8"),
     "clips of two samples swapped": (
         lambda mb: R(mb, audio=R(mb.audio, feature_attention_mask=mb.audio.feature_attention_mask.flip(0),
-                                 input_features=mb.audio.input_features.flip(0))),
+                                 input_features=mb.audio.input_features.flip(0),
+                                 audio_lengths=mb.audio.audio_lengths[::-1])),  # else refused as lengths cut
         r"audio placeholder tokens \(id 253\), which do not cover whole audios"),
+    # the thinker reads the mask alone: lengths (what positions and `validate` read as the clips' frames) that are
+    # not the mask's were dropped silently
+    "audio lengths cut": (lambda mb: R(mb, audio=R(mb.audio, audio_lengths=tuple(n - 1 for n in
+                                                                                 mb.audio.audio_lengths))),
+                          r"audio_lengths \[\d+, .*\] but feature_attention_mask has \[\d+, .*\] real frames per clip"),
     # the thinker's audio tower casts the features and takes the mask's `.bool()` / `.sum()`
     "audio features made int64": (lambda mb: R(mb, audio=R(mb.audio, input_features=mb.audio.input_features.long())),
                                   r"input_features must hold floating-point mel features, got dtype torch.int64"),

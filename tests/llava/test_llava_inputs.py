@@ -179,3 +179,15 @@ def test_the_llava_collator_refuses_the_image_token_as_pad_id_when_built():
     with pytest.raises(ValueError, match="pad_token_id=127 is LLaVA's image token"):
         pad_llava_batch(_batch(torch.zeros(1, 3, 2, 2)), SPACE, pad_token_id=IMG)
     assert LlavaPackingCollator(space=SPACE, pad_token_id=0).pad_token_id == 0
+
+
+def test_a_patch_grid_beside_llava_images_is_refused():
+    """LLaVA's tower takes whole tiles [tiles, C, H, W] and no patch grid: a Qwen-VL style `image_grid_thw` added
+    to a hand-built micro-batch was dropped silently (every adapter of LLaVA's call passes images and tiles only)."""
+    adapter = _adapter()
+    packed = pack_llava_batch(_batch(torch.zeros(1, 3, 2, 2)), SPACE)
+    adapter.check(packed)
+    with_grid = replace(packed, vision=replace(packed.vision, image_grid_thw=torch.tensor([[1, 2, 2]])))
+    with pytest.raises(ValueError, match=r"vision.image_grid_thw describes 1 image\(s\) but LLaVAModel takes whole "
+                                         r"tiles and no patch grid"):
+        adapter.check(with_grid)

@@ -555,3 +555,14 @@ def test_for_the_loader_names_both_cp_sizes_when_the_pack_was_made_for_another()
         for_the_loader(packed, 0)
     for cp in (1, 2):  # 1: a model that selects its CP tokens itself
         assert type(for_the_loader(packed, cp)) is LoaderMicroBatch
+
+
+@pytest.mark.parametrize("device, reason", [(-1, r"Device index must not be negative"), (True, r"got \(bool\)")])
+def test_a_refused_device_says_what_an_int_means_and_why_torch_refused(device, reason):
+    """An int is an accelerator index (torch.device(3): 'cuda:3' on an NVIDIA machine), so the message names that
+    form too, and torch's own reason: "a device string" alone misled a caller whose index was negative or a bool."""
+    ids = torch.ones(1, 4, dtype=torch.long)
+    packed = pack_batch({"input_ids": ids, "labels": ids}, label_style="hf")
+    with pytest.raises(ValueError, match=rf"got {device!r} \(an int is an accelerator device index >= 0, as "
+                                         rf"torch.device\(3\) reads it; a bool is none\): .*{reason}"):
+        micro_batch_to(packed, device)
