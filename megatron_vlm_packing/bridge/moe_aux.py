@@ -3,8 +3,8 @@
 `run_bridge_moe_aux_loss(rank, world_size, layouts)` is a `run_distributed` target. For each (tp, cp, sp)
 layout it builds the tiny Qwen3-VL MoE as Bridge's provider does, with the router's aux loss on, and records
 the aux loss Megatron-Core attaches for the same real tokens (images and videos included) packed through the
-shipped step twice: with only the layout's alignment pads, and padded to a fixed length (`pad_to`, many pad
-slots). With `patches.apply_bridge_patches()` the two agree; the adapter's refusal without the pads patch is
+shipped step three ways: with only the layout's alignment pads, padded to a fixed length (`pad_to`, many pad
+slots), and as dense right-padded rows (`pack=False`). With `patches.apply_bridge_patches()` the two agree; the adapter's refusal without the pads patch is
 recorded too.
 """
 
@@ -30,7 +30,7 @@ def _moe_model(tp: int, cp: int, sp: bool):
     return cfg, build_with_provider(provider, swaps=swaps, seed=SEED).train()
 
 
-def _aux_loss(model, batch: dict, *, pad_to: int | None, cp: int) -> float:
+def _aux_loss(model, batch: dict, *, pad_to: int | None, cp: int, pack: bool = True) -> float:
     """The router's aux losses of one micro-batch (forward + backward) summed over the TP x CP group."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -38,7 +38,7 @@ def _aux_loss(model, batch: dict, *, pad_to: int | None, cp: int) -> float:
     from megatron_vlm_packing import make_forward_step
     from megatron_vlm_packing.testing.moe_parity import recorded_aux_losses
 
-    step = make_forward_step(pack=True, label_style="hf", pad_to=pad_to, with_state=cp > 1)
+    step = make_forward_step(pack=pack, label_style="hf", pad_to=pad_to, with_state=cp > 1)
     with recorded_aux_losses() as values:
         args = (None, iter([dict(batch)]), model) if cp > 1 else (iter([dict(batch)]), model)
         output, loss_func = step(*args)
@@ -65,6 +65,7 @@ def run_bridge_moe_aux_loss(rank: int, world_size: int, layouts: list[tuple[int,
         try:
             result["aligned"] = _aux_loss(model, batch, pad_to=None, cp=cp)
             result["padded"] = _aux_loss(model, batch, pad_to=PAD_TO, cp=cp)
+            result["dense"] = _aux_loss(model, batch, pad_to=None, cp=cp, pack=False)  # right-padded rows
             undo_bridge_qwen3_vl_moe_pads()
             try:
                 _aux_loss(model, batch, pad_to=PAD_TO, cp=cp)

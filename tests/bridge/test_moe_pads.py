@@ -25,6 +25,7 @@ def results():
 def test_router_aux_loss_ignores_pad_slots(results, layout):
     r = results[layout]
     assert abs(r["padded"] - r["aligned"]) <= 1e-5 * abs(r["aligned"]), r
+    assert abs(r["dense"] - r["aligned"]) <= 1e-5 * abs(r["aligned"]), r  # rows' pads left out too
 
 
 @pytest.mark.parametrize("layout", LAYOUTS[1:], ids=["tp2-sp", "cp2"])
