@@ -204,6 +204,59 @@ class PatchRequirement:
                              f"apply_bridge_patches()) before training")
 
 
+@dataclasses.dataclass(frozen=True)
+class RouterPadMask:
+    """An MoE language model on Bridge's Qwen3-VL block (Qwen3-VL MoE, Qwen3-Omni's thinker): its routers must be
+    handed the plan's padding mask, or they count the pad slots in their load-balancing loss
+    (`patches.bridge_qwen3_vl_moe_pads` lets the block take it)."""
+
+    config: object  # the language model's TransformerConfig
+    requirement: PatchRequirement | None  # None: Bridge's block takes padding_mask itself
+
+    @classmethod
+    def of(cls, config) -> "RouterPadMask | None":
+        """For an MoE `config` (`num_moe_experts`), else None."""
+        if not getattr(config, "num_moe_experts", None):
+            return None
+        from megatron_vlm_packing.patches import bridge_qwen3_vl_moe_pads as patch
+
+        requirement = None
+        if patch.upstream_block_drops_padding_mask():
+            requirement = PatchRequirement(
+                patch.is_applied, "Bridge's Qwen3-VL MoE block takes no padding_mask, so its router would count the "
+                "pack's pad slots in its load-balancing loss", "apply_bridge_qwen3_vl_moe_pads")
+        return cls(config, requirement)
+
+    def check(self, micro_batch: MicroBatch) -> None:
+        """A micro-batch with pad slots needs the patch (asked now: it may be undone after the adapter was built),
+        and no full recompute (`bridge_qwen3_vl_moe_pads.refuse_full_recompute`). Host ints only."""
+        pad_slots = micro_batch.stats.physical_tokens - micro_batch.stats.real_tokens
+        if not pad_slots:
+            return
+        from megatron_vlm_packing.patches.bridge_qwen3_vl_moe_pads import refuse_full_recompute
+
+        if self.requirement is not None:
+            self.requirement.check()
+        refuse_full_recompute(self.config, pad_slots)
+
+    def mask(self, micro_batch: MicroBatch):
+        """[B, t] bool, True at pad slots, laid out like the block's tokens on this rank, or None without pad slots.
+
+        The block's tokens are the micro-batch's CP-local ones (Bridge selects them with the partition `localize`
+        used), then under SP this TP rank's contiguous chunk of the sequence: the mask is cut the same way."""
+        if micro_batch.stats.physical_tokens == micro_batch.stats.real_tokens:
+            return None
+        mask = micro_batch.padding_mask
+        tp = int(self.config.tensor_model_parallel_size or 1)
+        if self.config.sequence_parallel and tp > 1:
+            from megatron.core import parallel_state
+
+            chunk = mask.shape[-1] // tp
+            rank = parallel_state.get_tensor_model_parallel_rank()
+            mask = mask[..., rank * chunk:(rank + 1) * chunk]
+        return mask
+
+
 class Qwen3VLAdapter(ModelAdapter):
     """Megatron-Bridge `Qwen3VLModel` (Qwen3-VL dense and MoE)."""
 
@@ -211,19 +264,15 @@ class Qwen3VLAdapter(ModelAdapter):
     needs = LocalizeNeeds(full_input_ids=True, full_position_ids=True)
     patch_requirements: tuple[PatchRequirement, ...] = ()  # set by __init__: the patches this layout needs
     rotary = "mrope"
-    moe_config = None  # set by __init__: an MoE model's config (its router must not count pad slots)
-    pads_requirement: PatchRequirement | None = None  # MoE: the block patch that hands its router the mask
-    tp_rank_chunk: tuple[int, bool] = (1, False)  # (tp, sequence_parallel): the SP chunk of the mask
+    router_pads: RouterPadMask | None = None  # set by __init__ for an MoE model
 
     def __init__(self, model):
         model = bridge_model_of(model, (QWEN3_VL_MODEL_CLASS,), type(self).__name__)
         super().__init__(model)
         self.mrope = qwen3_vl_mrope(model)
-        from megatron_vlm_packing.patches import bridge_deepstack_sp, bridge_qwen3_vl_moe_pads, bridge_thd_cp_index
+        from megatron_vlm_packing.patches import bridge_deepstack_sp, bridge_thd_cp_index
 
         tp, cp, sp = _layout(model)
-        self.moe_config = model.config if getattr(model.config, "num_moe_experts", None) else None
-        self.tp_rank_chunk = (tp, sp)
         deepstack = bool(getattr(model.vision_transformer_config, "deepstack_visual_indexes", None))
         needed = []
         if tp > 1 and sp and deepstack and bridge_deepstack_sp.upstream_deepstack_split_is_plain_slice():
@@ -239,23 +288,13 @@ class Qwen3VLAdapter(ModelAdapter):
         self.patch_requirements = tuple(needed)
         for requirement in self.patch_requirements:
             requirement.check()
-        # Pads need the block patch only when the micro-batch has some: asked per micro-batch (`check`).
-        if self.moe_config is not None and bridge_qwen3_vl_moe_pads.upstream_block_drops_padding_mask():
-            self.pads_requirement = PatchRequirement(
-                bridge_qwen3_vl_moe_pads.is_applied,
-                "Bridge's Qwen3-VL MoE block takes no padding_mask, so its router would count the pack's pad slots "
-                "in its load-balancing loss", "apply_bridge_qwen3_vl_moe_pads")
+        self.router_pads = RouterPadMask.of(model.config)
 
     def check(self, micro_batch: MicroBatch) -> None:
         for requirement in self.patch_requirements:  # asked again: an undo after building the adapter counts
             requirement.check()
-        pad_slots = micro_batch.stats.physical_tokens - micro_batch.stats.real_tokens
-        if self.moe_config is not None and pad_slots:
-            from megatron_vlm_packing.patches.bridge_qwen3_vl_moe_pads import refuse_full_recompute
-
-            if self.pads_requirement is not None:
-                self.pads_requirement.check()
-            refuse_full_recompute(self.moe_config, pad_slots)
+        if self.router_pads is not None:
+            self.router_pads.check(micro_batch)
         super().check(micro_batch)
         check_unpacked_ids(micro_batch, self.vocab_size)
         check_unpacked_vision(micro_batch, self.mrope)
@@ -279,26 +318,13 @@ class Qwen3VLAdapter(ModelAdapter):
                      labels=full_length(mb.labels, mb, IGNORE_INDEX), packed_seq_params=mb.packed_seq_params,
                      pixel_values=vision.pixel_values, image_grid_thw=vision.image_grid_thw,
                      pixel_values_videos=vision.pixel_values_videos, video_grid_thw=vision.video_grid_thw,
-                     **self.router_padding_mask(mb))
+                     **self._router_padding_mask(mb))
 
-    def router_padding_mask(self, mb: MicroBatch) -> dict:
-        """The keyword that hands an MoE model's router the plan's padding mask, none without pad slots (or MoE).
-
-        `Qwen3VLModel.forward` spreads `extra_block_kwargs` into its language model's keywords, whose own
-        `extra_block_kwargs` reach the block (`patches.bridge_qwen3_vl_moe_pads`). The block's tokens on this rank
-        are the micro-batch's CP-local ones (Bridge selects them with the same partition as `localize`), then this
-        TP rank's SP chunk: the mask is cut the same way. Host ints only."""
-        if self.moe_config is None or mb.stats.physical_tokens == mb.stats.real_tokens:
-            return {}
-        mask = mb.padding_mask  # [1, T_local]
-        tp, sp = self.tp_rank_chunk
-        if sp and tp > 1:
-            from megatron.core import parallel_state
-
-            chunk = mask.shape[-1] // tp
-            rank = parallel_state.get_tensor_model_parallel_rank()
-            mask = mask[:, rank * chunk:(rank + 1) * chunk]
-        return {"extra_block_kwargs": {"extra_block_kwargs": {"padding_mask": mask}}}
+    def _router_padding_mask(self, mb: MicroBatch) -> dict:
+        """`Qwen3VLModel.forward` spreads `extra_block_kwargs` into its language model's keywords, whose own
+        `extra_block_kwargs` reach the block."""
+        mask = self.router_pads.mask(mb) if self.router_pads is not None else None
+        return {} if mask is None else {"extra_block_kwargs": {"extra_block_kwargs": {"padding_mask": mask}}}
 
 
 class Qwen25VLAdapter(ModelAdapter):

@@ -1,7 +1,8 @@
-"""Bridge's Qwen3-VL MoE under packing: the router's load-balancing loss must not count pad slots.
+"""Bridge's MoE models under packing (Qwen3-VL MoE, an MoE Qwen3-Omni thinker): the router's load-balancing
+loss must not count pad slots.
 
-`run_bridge_moe_aux_loss(rank, world_size, layouts)` is a `run_distributed` target. For each (tp, cp, sp)
-layout it builds the tiny Qwen3-VL MoE as Bridge's provider does, with the router's aux loss on, and records
+`run_bridge_moe_aux_loss(rank, world_size, cases)` is a `run_distributed` target. For each (family, tp, cp, sp)
+it builds the tiny model as Bridge's provider does, with the router's aux loss on, and records
 the aux loss Megatron-Core attaches for the same real tokens (images and videos included) packed through the
 shipped step three ways: with only the layout's alignment pads, padded to a fixed length (`pad_to`, many pad
 slots), and as dense right-padded rows (`pack=False`). With `patches.apply_bridge_patches()` the two agree; the adapter's refusal without the pads patch is
@@ -12,25 +13,44 @@ from __future__ import annotations
 
 import torch
 
-PAD_TO = 256
+PAD_TO = 256  # the tiny batches hold 83 (Qwen3-VL) and 53 (Omni) real tokens
 SEED = 3
 
 
-def _moe_model(tp: int, cp: int, sp: bool):
-    """The tiny Qwen3-VL MoE with the router's aux loss on (the parity suite runs it off)."""
-    from megatron_vlm_packing.bridge.build import build_with_provider
-    from megatron_vlm_packing.bridge.tiny import (TinyBridgeConfig, packed_core_attention, qwen3_vl_te_free_swaps,
-                                                  tiny_bridge_provider)
-
-    cfg = TinyBridgeConfig(family="qwen3_vl_moe", tensor_parallel=tp, context_parallel=cp, sequence_parallel=sp)
-    provider = tiny_bridge_provider(cfg)
+def _with_aux_loss(provider):
+    """The provider's MoE router with its load-balancing loss on (the parity suites run it off)."""
     provider.moe_aux_loss_coeff = 1.0
     provider.moe_router_load_balancing_type = "aux_loss"
-    swaps = qwen3_vl_te_free_swaps(packed_core_attention(cfg.attention_backend))
-    return cfg, build_with_provider(provider, swaps=swaps, seed=SEED).train()
+    return provider
 
 
-def _aux_loss(model, batch: dict, *, pad_to: int | None, cp: int, pack: bool = True) -> float:
+def _moe_model_and_batch(family: str, tp: int, cp: int, sp: bool):
+    """(model, collated batch, mrope config) of the tiny Qwen3-VL MoE or an MoE Qwen3-Omni thinker."""
+    from megatron_vlm_packing.bridge.build import build_with_provider
+    from megatron_vlm_packing.bridge.tiny import packed_core_attention
+
+    layout = dict(tensor_parallel=tp, context_parallel=cp, sequence_parallel=sp)
+    if family == "qwen3_vl_moe":
+        from megatron_vlm_packing.bridge.samples import collate_qwen_vl, qwen_vl_samples
+        from megatron_vlm_packing.bridge.tiny import TinyBridgeConfig, qwen3_vl_te_free_swaps, tiny_bridge_provider
+
+        cfg = TinyBridgeConfig(family=family, **layout)
+        provider, swaps = tiny_bridge_provider(cfg), qwen3_vl_te_free_swaps(packed_core_attention(cfg.attention_backend))
+        batch = collate_qwen_vl(qwen_vl_samples(cfg, 4, seed=SEED))
+    else:
+        from megatron_vlm_packing.bridge.build_omni import (TinyOmniConfig, collate_omni, omni_samples,
+                                                            omni_te_free_swaps, tiny_omni_provider)
+
+        cfg = TinyOmniConfig(**layout)
+        provider, swaps = tiny_omni_provider(cfg), omni_te_free_swaps(packed_core_attention(cfg.attention_backend))
+        provider.num_moe_experts, provider.moe_router_topk = 4, 2  # the tiny thinker is dense otherwise
+        provider.moe_ffn_hidden_size, provider.moe_token_dispatcher_type = provider.ffn_hidden_size, "allgather"
+        batch = collate_omni(omni_samples(cfg, 3, seed=SEED))
+    model = build_with_provider(_with_aux_loss(provider), swaps=swaps, seed=SEED).train()
+    return model, batch, cfg.mrope_config()
+
+
+def _aux_loss(model, batch: dict, mrope, *, pad_to: int | None, cp: int, pack: bool = True) -> float:
     """The router's aux losses of one micro-batch (forward + backward) summed over the TP x CP group."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -38,7 +58,7 @@ def _aux_loss(model, batch: dict, *, pad_to: int | None, cp: int, pack: bool = T
     from megatron_vlm_packing import make_forward_step
     from megatron_vlm_packing.testing.moe_parity import recorded_aux_losses
 
-    step = make_forward_step(pack=pack, label_style="hf", pad_to=pad_to, with_state=cp > 1)
+    step = make_forward_step(pack=pack, label_style="hf", pad_to=pad_to, with_state=cp > 1, mrope=mrope)
     with recorded_aux_losses() as values:
         args = (None, iter([dict(batch)]), model) if cp > 1 else (iter([dict(batch)]), model)
         output, loss_func = step(*args)
@@ -48,31 +68,36 @@ def _aux_loss(model, batch: dict, *, pad_to: int | None, cp: int, pack: bool = T
     return float(aux)
 
 
-def run_bridge_moe_aux_loss(rank: int, world_size: int, layouts: list[tuple[int, int, bool]]) -> list[dict]:
-    from megatron_vlm_packing.bridge.samples import collate_qwen_vl, qwen_vl_samples
-    from megatron_vlm_packing.patches import apply_bridge_patches, undo_bridge_patches
+def run_bridge_moe_aux_loss(rank: int, world_size: int, cases: list[tuple[str, int, int, bool]]) -> list[dict]:
+    """Per (family, tp, cp, sp): the aux loss packed with alignment pads only ("aligned"), padded to `PAD_TO`
+    ("padded"), as dense rows ("dense", Qwen3-VL: Bridge's dense Omni audio path needs a shim), and the adapter's
+    refusal of a padded micro-batch with the pads patch undone."""
+    from megatron_vlm_packing.patches import (apply_bridge_patches, apply_bridge_qwen3_omni_packed,
+                                              undo_bridge_patches, undo_bridge_qwen3_omni_packed)
     from megatron_vlm_packing.patches.bridge_qwen3_vl_moe_pads import undo_bridge_qwen3_vl_moe_pads
     from megatron_vlm_packing.testing.distributed import initialize_parallel
 
     results = []
-    for tp, cp, sp in layouts:
+    for family, tp, cp, sp in cases:
         initialize_parallel(tp=tp, cp=cp, seed=SEED)
-        cfg, model = _moe_model(tp, cp, sp)
-        batch = collate_qwen_vl(qwen_vl_samples(cfg, 4, seed=SEED))
-        result = dict(layout=(tp, cp, sp), real=int(batch["attention_mask"].sum()))
+        model, batch, mrope = _moe_model_and_batch(family, tp, cp, sp)
+        result = dict(case=(family, tp, cp, sp), real=int(batch["attention_mask"].sum()))
         undo_bridge_patches()
         apply_bridge_patches()
+        apply_bridge_qwen3_omni_packed()
         try:
-            result["aligned"] = _aux_loss(model, batch, pad_to=None, cp=cp)
-            result["padded"] = _aux_loss(model, batch, pad_to=PAD_TO, cp=cp)
-            result["dense"] = _aux_loss(model, batch, pad_to=None, cp=cp, pack=False)  # right-padded rows
+            result["aligned"] = _aux_loss(model, batch, mrope, pad_to=None, cp=cp)
+            result["padded"] = _aux_loss(model, batch, mrope, pad_to=PAD_TO, cp=cp)
+            if family == "qwen3_vl_moe":
+                result["dense"] = _aux_loss(model, batch, mrope, pad_to=None, cp=cp, pack=False)  # right-padded rows
             undo_bridge_qwen3_vl_moe_pads()
             try:
-                _aux_loss(model, batch, pad_to=PAD_TO, cp=cp)
+                _aux_loss(model, batch, mrope, pad_to=PAD_TO, cp=cp)
                 result["refused_without_patch"] = None
             except ValueError as err:
                 result["refused_without_patch"] = str(err)
         finally:
+            undo_bridge_qwen3_omni_packed()
             undo_bridge_patches()
         results.append(result)
     return results

@@ -108,6 +108,7 @@ class Qwen3OmniAdapter(ModelAdapter):
     consumes = frozenset({"images", "videos", "audio"})
     needs = LocalizeNeeds(full_input_ids=True, full_position_ids=True)
     rotary = "mrope"
+    router_pads = None  # set by __init__ for an MoE thinker (`bridge.adapters.RouterPadMask`)
 
     def __init__(self, model: nn.Module):
         from megatron_vlm_packing.bridge.adapters import bridge_model_of
@@ -126,6 +127,9 @@ class Qwen3OmniAdapter(ModelAdapter):
 
         self.upstream_takes_packing = not thinker_refuses_packing()  # Bridge's own forward: fixed for the process
         self.dense_deepstack_defect = dense_deepstack_defect(model)
+        from megatron_vlm_packing.bridge.adapters import RouterPadMask
+
+        self.router_pads = RouterPadMask.of(getattr(model, "thinker", model).config)  # an MoE thinker's routers
 
     @property
     def takes_packed_seq_params(self) -> bool:
@@ -150,6 +154,8 @@ class Qwen3OmniAdapter(ModelAdapter):
                 f"{self.model_name}: this Megatron-Bridge's Qwen3-Omni thinker refuses packed_seq_params "
                 f"(NotImplementedError); call megatron_vlm_packing.patches.apply_bridge_qwen3_omni_packed() "
                 f"before the first forward, or use pack=False")
+        if self.router_pads is not None:
+            self.router_pads.check(micro_batch)
         super().check(micro_batch)
         from megatron_vlm_packing.bridge.adapters import check_unpacked_vision
         from megatron_vlm_packing.models.adapter import check_unpacked_ids
@@ -175,5 +181,7 @@ class Qwen3OmniAdapter(ModelAdapter):
 
     def forward(self, model: nn.Module, micro_batch: MicroBatch):
         mb = micro_batch
+        mask = self.router_pads.mask(mb) if self.router_pads is not None else None
+        blocks = {} if mask is None else {"extra_block_kwargs": {"padding_mask": mask}}  # the thinker hands them on
         return model(input_ids=mb.input_ids, position_ids=mb.position_ids, labels=mb.labels,
-                     loss_mask=mb.loss_mask, packed_seq_params=mb.packed_seq_params, **media_kwargs(mb))
+                     loss_mask=mb.loss_mask, packed_seq_params=mb.packed_seq_params, **media_kwargs(mb), **blocks)

@@ -1,17 +1,19 @@
-"""Patch of Megatron-Bridge's Qwen3-VL language-model block (`Qwen3VLTransformerBlock.forward`): the plan's
-padding mask reaches the MoE router.
+"""Patch of Megatron-Bridge's Qwen3-VL language-model block (`Qwen3VLTransformerBlock.forward`, also the Qwen3-Omni
+thinker's): the plan's padding mask reaches the MoE router.
 
 Megatron-Core's `TransformerBlock.forward` takes `padding_mask` ([b, s] bool, True at pad slots) and hands it
 to every layer, whose MoE router then leaves pad slots out of its load-balancing loss, its z-loss and its token
 counts. Bridge 0.6.2's Qwen3-VL block overrides `forward` without it, so the pad slots of a pack (CP and SP
-alignment, `pad_to` for static shapes) are routed and counted, silently: on the tiny Qwen3-VL MoE the router's
-aux loss for the same 83 real tokens was 174.7 packed without pad slots and 561.6 with 173 pad slots.
+alignment, `pad_to` for static shapes, dense rows) are routed and counted, silently: on the tiny Qwen3-VL MoE the
+router's aux loss for the same 83 real tokens was 174.7 packed without pad slots and 561.6 with 173 pad slots (an
+MoE Qwen3-Omni thinker: 106.3 and 640.0).
 
 The wrapper takes `padding_mask` (laid out like the block's tokens on this rank: CP-local, then this TP rank's
 SP chunk) and hands it to each of the block's layers for this call only (a forward pre-hook per layer, removed
 when the call returns), where Megatron-Core's block would pass it. The adapter reaches it through Bridge's own
 plumbing: `Qwen3VLModel.forward(extra_block_kwargs=...)` is spread into the language model's keywords, whose
-own `extra_block_kwargs` go to the block (`bridge.adapters.Qwen3VLAdapter.forward`). A call without the mask
+own `extra_block_kwargs` go to the block (`bridge.adapters.Qwen3VLAdapter.forward`); the Omni thinker hands its
+`extra_block_kwargs` to the language model as they are (`bridge.omni_adapter`). A call without the mask
 runs Bridge's forward untouched.
 
 Full activation recompute (`recompute_granularity="full"`) runs the layers again during backward, after this
