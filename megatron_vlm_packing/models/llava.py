@@ -209,6 +209,30 @@ def leaking_documents(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, cu_seql
     return (torch.nonzero(opens & no_pad & weighted).flatten() + 1).tolist()
 
 
+_TOKEN_BALANCING = ("sinkhorn", "quantile_balancing")  # balance over every routed token: pads included
+
+
+def router_pad_counters(config) -> tuple[str, ...]:
+    """The settings of an MoE `config` whose router counts every token it routes (a load-balancing loss with a
+    coefficient, token-level balancing, a z-loss, expert capacity, expert bias): where pad slots are routed
+    without a padding mask, these read them as tokens. () for a dense model or a router that counts nothing."""
+    if not getattr(config, "num_moe_experts", None):
+        return ()
+    kinds = getattr(config, "moe_router_load_balancing_type", "none")
+    kinds = [kinds] if isinstance(kinds, str) else list(kinds)
+    coeffs = getattr(config, "moe_aux_loss_coeff", 0.0)
+    coeffs = list(coeffs) if isinstance(coeffs, (list, tuple)) else [coeffs] * len(kinds)
+    found = [f"moe_router_load_balancing_type={kind!r} with moe_aux_loss_coeff={coeff}"
+             for kind, coeff in zip(kinds, coeffs) if kind.endswith("aux_loss") and coeff]
+    found += [f"moe_router_load_balancing_type={kind!r}" for kind in kinds if kind in _TOKEN_BALANCING]
+    for name in ("moe_z_loss_coeff", "moe_expert_capacity_factor"):
+        if getattr(config, name, None):
+            found.append(f"{name}={getattr(config, name)}")
+    if getattr(config, "moe_router_enable_expert_bias", False):
+        found.append("moe_router_enable_expert_bias=True")
+    return tuple(found)
+
+
 class LLaVAAdapter(ModelAdapter):
     """Megatron-Core `LLaVAModel`: images ([tiles, C, H, W] pixels) with `num_image_tiles`.
 
@@ -221,11 +245,15 @@ class LLaVAAdapter(ModelAdapter):
 
     consumes = frozenset({"images", "image_tiles"})
     needs = LocalizeNeeds(full_input_ids=True, full_position_ids=True, full_labels=True)
+    router_pad_counters: tuple[str, ...] = ()  # set by __init__: an MoE language model's token-counting settings
 
     def __init__(self, model):
         super().__init__(model)
         self.space = LlavaSpace.of(model)
         self.unembedded_token_id = self.space.image_token_index  # replaced by image embeddings, never embedded
+        # LLaVAModel.forward takes no padding_mask (0.16.1, 0.19.2): an MoE language model routes the pad slots.
+        language_model = getattr(model, "language_model", None)
+        self.router_pad_counters = router_pad_counters(getattr(language_model, "config", None))
 
     def image_inputs(self, micro_batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(images [tiles, C, H, W] (empty when none), num_image_tiles [I] int), counts checked: from
@@ -289,6 +317,7 @@ class LLaVAAdapter(ModelAdapter):
 
     def check(self, micro_batch: MicroBatch) -> None:
         super().check(micro_batch)
+        self.refuse_routed_pads(micro_batch)
         refuse_patch_grid(micro_batch)
         self.image_inputs(micro_batch)
         if not micro_batch.is_packed:
@@ -305,6 +334,15 @@ class LLaVAAdapter(ModelAdapter):
                                       micro_batch.loss_mask, image_token_index=self.space.image_token_index)
         if leaks:
             raise ValueError(leak_message(leaks))
+
+    def refuse_routed_pads(self, micro_batch: MicroBatch) -> None:
+        """An MoE language model whose router counts tokens (`router_pad_counters`) would count the pad slots:
+        LLaVAModel hands it no padding_mask. Host ints only."""
+        pad_slots = micro_batch.stats.physical_tokens - micro_batch.stats.real_tokens
+        if self.router_pad_counters and pad_slots:
+            raise ValueError(f"{self.model_name}'s forward takes no padding_mask, so its MoE router would route the "
+                             f"micro-batch's {pad_slots} pad slots and count them ({', '.join(self.router_pad_counters)}); "
+                             f"turn those off, or feed micro-batches without pad slots")
 
     def forward(self, model, micro_batch: MicroBatch):
         images, tiles = self.image_inputs(micro_batch)
