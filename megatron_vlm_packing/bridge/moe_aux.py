@@ -5,7 +5,8 @@ loss must not count pad slots.
 it builds the tiny model as Bridge's provider does, with the router's aux loss on, and records
 the aux loss Megatron-Core attaches for the same real tokens (images and videos included) packed through the
 shipped step three ways: with only the layout's alignment pads, padded to a fixed length (`pad_to`, many pad
-slots), and as dense right-padded rows (`pack=False`). With `patches.apply_bridge_patches()` the two agree; the adapter's refusal without the pads patch is
+slots), and as dense right-padded rows (`pack=False`). With `patches.apply_bridge_patches()` they agree; the
+adapter's refusal without the pads patch is
 recorded too.
 """
 
@@ -35,7 +36,8 @@ def _moe_model_and_batch(family: str, tp: int, cp: int, sp: bool):
         from megatron_vlm_packing.bridge.tiny import TinyBridgeConfig, qwen3_vl_te_free_swaps, tiny_bridge_provider
 
         cfg = TinyBridgeConfig(family=family, **layout)
-        provider, swaps = tiny_bridge_provider(cfg), qwen3_vl_te_free_swaps(packed_core_attention(cfg.attention_backend))
+        provider = tiny_bridge_provider(cfg)
+        swaps = qwen3_vl_te_free_swaps(packed_core_attention(cfg.attention_backend))
         batch = collate_qwen_vl(qwen_vl_samples(cfg, 4, seed=SEED))
     else:
         from megatron_vlm_packing.bridge.build_omni import (TinyOmniConfig, collate_omni, omni_samples,

@@ -340,9 +340,10 @@ class LLaVAAdapter(ModelAdapter):
         LLaVAModel hands it no padding_mask. Host ints only."""
         pad_slots = micro_batch.stats.physical_tokens - micro_batch.stats.real_tokens
         if self.router_pad_counters and pad_slots:
+            counters = ", ".join(self.router_pad_counters)
             raise ValueError(f"{self.model_name}'s forward takes no padding_mask, so its MoE router would route the "
-                             f"micro-batch's {pad_slots} pad slots and count them ({', '.join(self.router_pad_counters)}); "
-                             f"turn those off, or feed micro-batches without pad slots")
+                             f"micro-batch's {pad_slots} pad slots and count them ({counters}); turn those off, or "
+                             f"feed micro-batches without pad slots")
 
     def forward(self, model, micro_batch: MicroBatch):
         images, tiles = self.image_inputs(micro_batch)

@@ -172,9 +172,9 @@ def check_mrope_position_dtype(dtype: torch.dtype, owner: str) -> None:
         raise ValueError(f"{owner} dtype {dtype}: mRoPE positions must hold integer or real positions")
     if dtype in HALF_EXACT_WHOLE_NUMBERS:
         raise ValueError(f"{owner} dtype {dtype}, which holds whole numbers exactly only up to "
-                         f"{HALF_EXACT_WHOLE_NUMBERS[dtype]} (fractional positions fewer): larger positions would reach the "
-                         f"rotary rounded, and the dtype is refused whatever the values (they are not read); give "
-                         f"mRoPE positions as int64 or float32")
+                         f"{HALF_EXACT_WHOLE_NUMBERS[dtype]} (fractional positions fewer): larger positions would "
+                         f"reach the rotary rounded, and the dtype is refused whatever the values (they are not "
+                         f"read); give mRoPE positions as int64 or float32")
 
 
 def positions_config(mrope):

@@ -59,7 +59,8 @@ def refuse_full_recompute(config, pad_slots: int | None = None) -> None:
     if getattr(config, "recompute_granularity", None) == "full":
         raise ValueError(f"recompute_granularity='full' re-runs Bridge's Qwen3-VL MoE layers in backward without the "
                          f"padding mask, so the recomputed router would count the micro-batch's "
-                         f"{'' if pad_slots is None else f'{pad_slots} '}pad slots; use selective recompute, or a pack with no pad slots (pad_to=None, CP = 1, no SP)")
+                         f"{'' if pad_slots is None else f'{pad_slots} '}pad slots; use selective recompute, or "
+                         f"packs with no pad slots (pad_to=None, CP = 1, no SP)")
 
 
 def _hand_to_layer(padding_mask, module, args, kwargs):
