@@ -175,9 +175,12 @@ class Qwen3OmniAdapter(ModelAdapter):
             raise ValueError(f"{self.model_name}: Bridge's dense Qwen3-Omni audio path calls the audio encoder's "
                              f"_get_feat_extract_output_lengths, which this transformers' encoder lacks; "
                              f"train audio packed (pack=True, patches.apply_bridge_qwen3_omni_packed())")
-        if audio.audios_per_sample and max(audio.audios_per_sample) > 1:
-            raise ValueError(f"{self.model_name}: Bridge's dense Qwen3-Omni path takes at most one audio clip per "
-                             f"row (audios_per_sample={list(audio.audios_per_sample)}); train audio packed")
+        # Bridge pairs each row's audio placeholders with one clip (zip(clips, rows, strict=True)): a row with two
+        # clips, or a row without one beside a row with one, failed inside it with "zip() argument 2 is longer".
+        if audio.audios_per_sample and any(n != 1 for n in audio.audios_per_sample):
+            raise ValueError(f"{self.model_name}: Bridge's dense Qwen3-Omni path takes exactly one audio clip in "
+                             f"every row once any row has audio (audios_per_sample={list(audio.audios_per_sample)}); "
+                             f"train audio packed")
 
     def forward(self, model: nn.Module, micro_batch: MicroBatch):
         mb = micro_batch
