@@ -240,11 +240,15 @@ class RouterPadMask:
         refuse_full_recompute(self.config, pad_slots)
 
     def mask(self, micro_batch: MicroBatch):
-        """[B, t] bool, True at pad slots, laid out like the block's tokens on this rank, or None without pad slots.
+        """[B, t] bool, True at pad slots, laid out like the block's tokens on this rank; None while the block
+        cannot take it (the patch is off: `check` refused pad slots then).
 
+        Given whenever the block takes it, pad slots or not, as Megatron-Core's GPTModel is given one: its router
+        counts tokens on another path with a mask than without (under TP / CP the aux loss each rank attaches
+        differed 2x between the two), so a micro-batch without pads must not switch paths.
         The block's tokens are the micro-batch's CP-local ones (Bridge selects them with the partition `localize`
         used), then under SP this TP rank's contiguous chunk of the sequence: the mask is cut the same way."""
-        if micro_batch.stats.physical_tokens == micro_batch.stats.real_tokens:
+        if self.requirement is not None and not self.requirement.applied():
             return None
         mask = micro_batch.padding_mask
         tp = int(self.config.tensor_model_parallel_size or 1)

@@ -47,8 +47,13 @@ def _moe_model_and_batch(family: str, tp: int, cp: int, sp: bool):
         provider, swaps = tiny_omni_provider(cfg), omni_te_free_swaps(packed_core_attention(cfg.attention_backend))
         provider.num_moe_experts, provider.moe_router_topk = 4, 2  # the tiny thinker is dense otherwise
         provider.moe_ffn_hidden_size, provider.moe_token_dispatcher_type = provider.ffn_hidden_size, "allgather"
-        batch = collate_omni(omni_samples(cfg, 3, seed=SEED))
+        samples = omni_samples(cfg, 4, seed=SEED)
+        batch = collate_omni([samples[0], samples[3]])  # one clip in every row, as Bridge's dense audio path takes
     model = build_with_provider(_with_aux_loss(provider), swaps=swaps, seed=SEED).train()
+    if family == "qwen3_omni":
+        from megatron_vlm_packing.bridge.truth import dense_audio_shim
+
+        dense_audio_shim(model.thinker.audio_model)  # Bridge's dense audio path asks the encoder for it
     return model, batch, cfg.mrope_config()
 
 
@@ -90,8 +95,7 @@ def run_bridge_moe_aux_loss(rank: int, world_size: int, cases: list[tuple[str, i
         try:
             result["aligned"] = _aux_loss(model, batch, mrope, pad_to=None, cp=cp)
             result["padded"] = _aux_loss(model, batch, mrope, pad_to=PAD_TO, cp=cp)
-            if family == "qwen3_vl_moe":
-                result["dense"] = _aux_loss(model, batch, mrope, pad_to=None, cp=cp, pack=False)  # right-padded rows
+            result["dense"] = _aux_loss(model, batch, mrope, pad_to=None, cp=cp, pack=False)  # right-padded rows
             undo_bridge_qwen3_vl_moe_pads()
             try:
                 _aux_loss(model, batch, mrope, pad_to=PAD_TO, cp=cp)

@@ -1,5 +1,5 @@
 """Bridge's MoE models packed (Qwen3-VL MoE, an MoE Qwen3-Omni thinker): the router's load-balancing loss is the
-same with many pad slots as with only the layout's alignment, and for Qwen3-VL as dense right-padded rows
+same with many pad slots as with only the layout's alignment, and as dense right-padded rows
 (`patches.bridge_qwen3_vl_moe_pads` hands Bridge's block the plan's padding mask), at TP=1, TP2 + SP and CP2;
 without the patch the adapters refuse a micro-batch with pad slots. Bridge's block took no padding_mask: for the
 same real tokens the aux loss was 174.7 without pad slots and 561.6 with 173 (Qwen3-VL MoE), 106.3 and 640.0
