@@ -40,6 +40,8 @@ from megatron_vlm_packing.packing.micro_batch import MicroBatch
 from megatron_vlm_packing.packing.row_fields import check_dense_tensors, check_flags, check_pack_arguments
 from megatron_vlm_packing.parallel.layout import ParallelLayout
 from megatron_vlm_packing.train.loss import loss_func
+from megatron_vlm_packing.train.unpacked_checks import (  # noqa: F401 (importable from here, as before)
+    check_unpacked_dense_positions, check_unpacked_labels, check_unpacked_loss_weights, check_unpacked_packed_positions)
 from megatron_vlm_packing.validate.step_probe import StepProbe
 
 
@@ -171,124 +173,6 @@ def extra_keys_of(adapter: ModelAdapter) -> tuple[str, ...]:
     packer refused such a key as unknown, so an adapter declaring one could never receive it from a
     collated batch (only from a PackingCollator given extra_keys=)."""
     return tuple(sorted(name[len("extra:"):] for name in adapter.consumes if name.startswith("extra:")))
-
-
-def check_unpacked_loss_weights(micro_batch: MicroBatch) -> None:
-    """Loss weights no packer checked (a MicroBatch built by hand, or whose `loss_mask` a transform
-    replaced: it is not the packer's `checked_loss_mask`) must be finite and >= 0 at every slot, as
-    `pack_batch` requires of real tokens: a NaN, inf or negative weight would reach the loss. Micro-
-    batches packed by `pack_batch` / `pad_batch` / the collators were checked when packed: no sync here.
-
-    Raises:
-        ValueError: naming the loss_mask slot (row, position) and its value, or a loss_mask that is not
-            a real tensor.
-    """
-    if micro_batch.loss_weights_checked:
-        return
-    from megatron_vlm_packing.packing.checks import as_rows, check_loss_weights
-
-    weights = micro_batch.loss_mask
-    if not isinstance(weights, torch.Tensor) or weights.is_complex():
-        raise ValueError(f"loss_mask must be a real tensor of per-token weights, got "
-                         f"{weights.dtype if isinstance(weights, torch.Tensor) else type(weights).__name__}")
-    rows = as_rows(weights)
-    check_loss_weights(rows, torch.ones_like(rows, dtype=torch.bool))  # one host sync: hand-built micro-batches only
-
-
-def check_unpacked_labels(micro_batch: MicroBatch, vocab_size: int | None) -> None:
-    """Labels no packer checked (a transform's, a `replace`: not the packer's `checked_labels`), or checked
-    below no vocabulary or a larger one (`MicroBatch.vocab_checked`), must be an integer tensor of -100 or
-    token ids in [0, vocab_size) at every slot (>= 0 when the vocabulary is unknown): a label >= the
-    vocabulary reached Megatron's vocab-parallel cross entropy, which masks it (the token's loss silently
-    the log-sum-exp of its logits). Labels packed below this vocabulary were checked: no sync here.
-
-    Raises:
-        ValueError: labels that are no integer tensor, or naming the first bad slot (row, position), its
-            value and the count. One host sync (micro-batches with labels of their own only).
-    """
-    if micro_batch.labels_checked and micro_batch.vocab_checked(vocab_size):
-        return
-    from megatron_vlm_packing.packing.checks import check_label_values, integer_token_rows
-
-    rows = integer_token_rows(micro_batch.labels, "labels")
-    check_label_values(rows, torch.ones_like(rows, dtype=torch.bool), vocab_size)  # the one host sync
-
-
-def check_unpacked_dense_positions(micro_batch: MicroBatch) -> None:
-    """Dense positions no packer made (a micro-batch built by hand, or whose `position_ids` a transform replaced:
-    not the packer's `checked_positions`) must hold one document per row: a real token at position 0 (on every
-    channel, for mRoPE) after the row's first real token starts another document, which a dense causal row lets
-    attend to every document before it (Megatron-Core's dense rotary does not even read the positions: the row
-    trained as one document, silently). `pad_batch` refuses such 1D positions; packing with `document_lengths`
-    gives each document its own segment. Packed micro-batches and the packers' dense ones: no sync here.
-
-    Raises:
-        ValueError: naming the row, the slot where it restarts and the real tokens before it. One host sync
-            (dense micro-batches with positions of their own only).
-    """
-    if micro_batch.is_packed or micro_batch.positions_checked or not _positions_readable(micro_batch):
-        return
-    from megatron_vlm_packing.packing.localize import check_not_a_stripped_pack
-
-    check_not_a_stripped_pack(micro_batch)  # a pack that lost its boundaries is named as one (no read)
-    from megatron_vlm_packing.packing.positions import position_restarts
-
-    positions, real = micro_batch.position_ids, micro_batch.padding_mask.logical_not()
-    try:  # [1, L] positions stand for every row, as the model broadcasts them
-        real = real.expand(torch.broadcast_shapes(positions.shape[-2:], real.shape))
-    except RuntimeError:
-        raise ValueError(f"position_ids of shape {tuple(positions.shape)} do not lay out the dense rows of the "
-                         f"padding_mask {tuple(real.shape)}: [B, L] or mRoPE [3, B, L]") from None
-    restarts = position_restarts(positions, real)  # [B, L]
-    if bool(restarts.any()):  # the one host sync
-        row, slot = (int(i) for i in torch.nonzero(restarts)[0])
-        raise ValueError(f"position_ids row {row} restarts at 0 at slot {slot} (after {int(real[row, :slot].sum())} "
-                         f"real tokens): the dense row holds several documents, and a dense causal row lets each "
-                         f"attend to the ones before it; give the collated batch to make_forward_step(pack=True) "
-                         f"(with document_lengths= for rows of several documents), or one document per row")
-
-
-def _positions_readable(micro_batch: MicroBatch) -> bool:
-    """Positions and padding mask are real tensors the restart checks can read; others are named by `localize`'s
-    `check_field_types` (a complex or non-tensor field was an AttributeError or a TypeError here)."""
-    return all(isinstance(t, torch.Tensor) and not t.is_complex() and not t.is_meta
-               for t in (micro_batch.position_ids, micro_batch.padding_mask))
-
-
-def check_unpacked_packed_positions(micro_batch: MicroBatch) -> None:
-    """Packed positions no packer made (a micro-batch built by hand, or whose positions a transform replaced: not
-    the packer's `checked_positions`) must restart only where a document of `packed_seq_params` starts: a real
-    token at position 0 (every channel, for mRoPE) after a real token of its own segment opens another document
-    inside it, and attention runs over whole segments, so it attended to the documents before it (bug class 11;
-    the step trained it silently). The packers' micro-batches, moved or not: no sync here. Fields that are no
-    tensors or positions of another length are left to `localize`'s checks, which name them.
-
-    Raises:
-        ValueError: naming the document, its slots, the slot where positions restart and the real tokens before
-            it. One host sync (packed micro-batches with positions of their own only).
-    """
-    if not micro_batch.is_packed or micro_batch.positions_checked or not _positions_readable(micro_batch):
-        return
-    from megatron_vlm_packing.packing.localize import check_packed_seq_params
-    from megatron_vlm_packing.packing.positions import position_restarts, real_before_in_segment
-
-    check_packed_seq_params(micro_batch)  # metadata only: well-formed boundary tensors before they are used
-    params = micro_batch.packed_seq_params
-    bounds = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-    real = micro_batch.padding_mask.logical_not().reshape(1, -1)  # [1, T]
-    if micro_batch.position_ids.shape[-1] != real.shape[1] or micro_batch.position_ids.dim() not in (2, 3):
-        return  # localize names positions that do not lay out the pack
-    restarts = position_restarts(micro_batch.position_ids, real, real_before=real_before_in_segment(real, bounds))
-    if bool(restarts.any()):  # the one host sync
-        slot = int(torch.nonzero(restarts)[0, 1])
-        starts = bounds.long().cpu()
-        document = int(torch.searchsorted(starts[1:], torch.tensor(slot), right=True))
-        end = int(starts[document + 1]) - 1 if document + 1 < starts.numel() else real.shape[1] - 1
-        first = int(starts[document])
-        raise ValueError(f"position_ids restart at 0 at slot {slot} inside document {document} (slots "
-                         f"{first}..{end}), after {int(real[0, first:slot].sum())} real tokens: the document holds several, and attention runs over each document of "
-                         f"packed_seq_params whole, so each attends to the ones before it; give every document its "
-                         f"own boundaries (pack_batch does, with document_lengths= for rows of several documents)")
 
 
 def check_loader_vocab(micro_batch: MicroBatch, vocab_size: int | None, *,
