@@ -100,11 +100,13 @@ def truth(family: str, samples: list[dict], *, tied: bool = False):
 
 def one_document_on_later_stages(micro_batch):
     """Deliberate mistake (a control): later pipeline stages attend across the whole pack as one
-    document, as a stage that ignored the boundaries would; the first stage keeps them."""
-    from dataclasses import replace
-
+    document, as a stage that ignored the boundaries would; the first stage keeps them. Declared
+    (`declare_boundaries`): the step refuses boundaries other than the plan's, and the control shows that the
+    parity check catches them."""
     from megatron.core import parallel_state as ps
     from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_vlm_packing.packing.micro_batch import declare_boundaries
 
     if ps.is_pipeline_first_stage():
         return micro_batch
@@ -112,7 +114,7 @@ def one_document_on_later_stages(micro_batch):
     cu = torch.tensor([0, total], dtype=torch.int32, device=micro_batch.input_ids.device)
     one = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
                           cu_seqlens_kv_padded=cu, max_seqlen_q=total, max_seqlen_kv=total)
-    return replace(micro_batch, packed_seq_params=one)
+    return declare_boundaries(micro_batch, one)
 
 
 def with_megatron_ddp(model):

@@ -239,12 +239,13 @@ def pack_llava_batch(batch: dict, space: LlavaSpace, *, label_style: str = "mega
     loss_mask = pack_rows(weights, indices)  # its weights were checked in the rows' read
     packed_labels = pack_rows(labels, indices, pad_value=IGNORE_INDEX)  # checked in the rows' read too
     positions = segment_positions(indices)  # restarting per document of the plan
+    params = make_packed_seq_params(plan, indices)  # the plan's (collapsed; the patch expands them)
     return MicroBatch(
         input_ids=pack_rows(ids, indices, pad_value=pad_token_id),
         labels=packed_labels, checked_labels=packed_labels, loss_mask=loss_mask, checked_loss_mask=loss_mask,
         checked_vocab_size=space.vocab_size,
         position_ids=positions, checked_positions=positions, padding_mask=~indices.is_real[None],
-        packed_seq_params=make_packed_seq_params(plan, indices), rope_cu_seqlens=indices.cu_seqlens, stats=stats,
+        packed_seq_params=params, checked_boundaries=params, rope_cu_seqlens=indices.cu_seqlens, stats=stats,
         vision=vision, plan=plan, indices=indices,
     )
 

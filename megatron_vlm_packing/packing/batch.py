@@ -221,6 +221,7 @@ def _packed_micro_batch(plan: PackPlan, indices: PackIndices, input_ids: torch.T
                         extras=None, placeholders_checked=(), mrope_config=None,
                         vocab_size: int | None = None) -> MicroBatch:
     """The `MicroBatch` of a pack (both of `pack_batch`'s paths): [1, T] fields, boundaries, stats."""
+    params = make_packed_seq_params(plan, indices)
     return MicroBatch(
         input_ids=input_ids,
         labels=labels,
@@ -229,7 +230,8 @@ def _packed_micro_batch(plan: PackPlan, indices: PackIndices, input_ids: torch.T
         position_ids=positions,
         checked_positions=positions,  # restarting per document of the plan (given ones checked in the read)
         padding_mask=padding_mask_of(indices),
-        packed_seq_params=make_packed_seq_params(plan, indices),
+        packed_seq_params=params,
+        checked_boundaries=params,  # the plan's: what the positions, padding mask and CP index were made from
         rope_cu_seqlens=indices.cu_seqlens,
         stats=BatchStats(real_tokens=plan.num_real_tokens, physical_tokens=plan.total, row_tokens=row_tokens),
         vision=vision,

@@ -282,16 +282,18 @@ def _map_each(micro_batch: MicroBatch, fn: Callable[[torch.Tensor], torch.Tensor
     if isinstance(indices, PackIndices):
         indices = indices.map_tensors(fn, memo)
     input_ids, vision, audio = once(micro_batch.input_ids), fields(micro_batch.vision), fields(micro_batch.audio)
+    params = fields(micro_batch.packed_seq_params)
     return dataclasses.replace(
         micro_batch, input_ids=input_ids, labels=once(micro_batch.labels),
         loss_mask=once(micro_batch.loss_mask), position_ids=once(micro_batch.position_ids),
-        padding_mask=once(micro_batch.padding_mask), packed_seq_params=fields(micro_batch.packed_seq_params),
+        padding_mask=once(micro_batch.padding_mask), packed_seq_params=params,
         rope_cu_seqlens=once(micro_batch.rope_cu_seqlens), vision=vision,
         audio=audio, extras={k: once(v) for k, v in micro_batch.extras.items()},
         indices=indices, cp_index=once(micro_batch.cp_index),
         checked_loss_mask=once(micro_batch.checked_loss_mask),  # the same tensor as loss_mask stays the same
         checked_labels=once(micro_batch.checked_labels),  # likewise the same tensor as labels
         checked_positions=once(micro_batch.checked_positions),  # and as position_ids
+        checked_boundaries=params if micro_batch.boundaries_checked else None,  # the moved copy of the packer's
         # the packer's media marks follow the moved objects only if they held before the move
         checked_media=(input_ids, vision, audio) if micro_batch.media_checked_by_packer else None)
 

@@ -13,7 +13,7 @@ L = audio frames.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Mapping
 
 import torch
@@ -154,7 +154,7 @@ class MicroBatch:
         checked_loss_mask: the `loss_mask` tensor whose weights the packer checked (finite and >= 0) in
             its read, set by `pack_batch` / `pad_batch` / LLaVA's packers (kept by moves and `replace`);
             a micro-batch whose `loss_mask` is another tensor (built or changed by hand) is checked by
-            the step (`train.step.check_unpacked_loss_weights`, one host sync then only).
+            the step (`train.unpacked_checks.check_unpacked_loss_weights`, one host sync then only).
         mrope_config: the `rope.MRopeConfig` that made the mRoPE `position_ids` (`pack_batch` / `pad_batch`
             / `PackingCollator` given `mrope=` a config; kept by `localize`, the moves and `replace`). None
             when the positions are 1D, were given in the batch, or came from a callable `mrope`: a callable
@@ -164,7 +164,7 @@ class MicroBatch:
             (`models.adapter.check_loader_mrope`, `rope.config.POSITION_FIELDS`).
         checked_labels: the `labels` tensor whose values the packer checked (-100 or a token id >= 0, below its
             `vocab_size` when given), kept like `checked_loss_mask`; other labels (a transform's, a replace) are
-            checked by the step (`train.step.check_unpacked_labels`, one host sync then only).
+            checked by the step (`train.unpacked_checks.check_unpacked_labels`, one host sync then only).
         checked_vocab_size: the `vocab_size` the packer checked the real ids and the labels below (`pack_batch` /
             `pad_batch` / the collators given one, or the step against the model's); None when only their
             lower bounds were checked (a `PackingCollator` without `pack_options=dict(vocab_size=...)`: it
@@ -179,9 +179,17 @@ class MicroBatch:
         checked_positions: the `position_ids` tensor the packer made or checked, restarting only where a row
             (dense) or a document of its plan (packed) starts (`pack_batch`, `pad_batch`, LLaVA's packers; kept like
             `checked_labels`); other positions (built by hand, a transform's) are read by the step for a restart
-            inside a row or document (`train.step.check_unpacked_dense_positions` /
+            inside a row or document (`train.unpacked_checks.check_unpacked_dense_positions` /
             `check_unpacked_packed_positions`, one host sync then only): several documents in one would train as
-            one causal document.
+            one causal document. Packed, the mark vouches only for the plan's documents: with boundaries that are
+            not the plan's (below) the positions are read too.
+        checked_boundaries: the `PackedSeqParams` the packer made (`pack_batch`, LLaVA's packers; kept by `localize`,
+            the moves, pinning, a DataLoader's pickle and `replace` of other fields). Other `packed_seq_params` (a
+            transform's, a `replace`) are compared by the step with the plan the positions, padding mask, labels and
+            CP index were made from (`train.unpacked_checks.check_packed_documents`: no read when they hold the
+            plan's own boundary tensors, one host sync otherwise) and refused where they differ; without a plan
+            (`plan=None, indices=None`) the positions are read against them. Only a control that breaks the
+            boundaries on purpose declares its own (`declare_boundaries`).
     """
 
     input_ids: torch.Tensor
@@ -206,6 +214,7 @@ class MicroBatch:
     checked_labels: torch.Tensor | None = field(default=None, repr=False, compare=False)
     checked_vocab_size: int | None = field(default=None, compare=False)
     checked_positions: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    checked_boundaries: object | None = field(default=None, repr=False, compare=False)
 
     def vocab_checked(self, vocab_size: int | None) -> bool:
         """The packer's checks bound the ids and labels it checked below `vocab_size` (always, when None)."""
@@ -219,9 +228,15 @@ class MicroBatch:
     @property
     def positions_checked(self) -> bool:
         """The packer made these very positions (`checked_positions` is `position_ids`). Only the positions are
-        compared: a `replace` of the boundaries alone keeps the mark (the parity controls declare a pack one
-        document on purpose, to show what the parity check catches)."""
+        compared: packed, they hold for the plan's documents, so the step trusts them only with boundaries that
+        are the plan's too (`boundaries_checked`, or compared with the plan)."""
         return self.checked_positions is not None and self.checked_positions is self.position_ids
+
+    @property
+    def boundaries_checked(self) -> bool:
+        """The packer made these very boundaries (`checked_boundaries` is `packed_seq_params`), or a control
+        declared them (`declare_boundaries`)."""
+        return self.checked_boundaries is not None and self.checked_boundaries is self.packed_seq_params
 
     @property
     def media_checked_by_packer(self) -> bool:
@@ -279,3 +294,18 @@ class MicroBatch:
             return f"audio: audio.input_features of shape {tuple(self.audio.input_features.shape)}"
         key = name[len("extra:"):]
         return f"{name}: extras[{key!r}] of shape {tuple(self.extras[key].shape)}"
+
+
+def declare_boundaries(micro_batch: MicroBatch, packed_seq_params) -> MicroBatch:
+    """`micro_batch` with `packed_seq_params` in place of its own, declared checked (`checked_boundaries`): the
+    step neither compares them with the plan nor reads the positions against them, and the pack trains as they
+    say, however wrong. Only for controls that break the boundaries on purpose, to show what a parity check
+    catches (the parity suite's uniform and off-by-one cases, Bridge's one-document pipeline stages); a plain
+    `dataclasses.replace(micro_batch, packed_seq_params=...)` is checked by the step.
+
+    Raises:
+        ValueError: `micro_batch` is not a MicroBatch.
+    """
+    if not isinstance(micro_batch, MicroBatch):
+        raise ValueError(f"declare_boundaries takes a MicroBatch, got {type(micro_batch).__name__}")
+    return replace(micro_batch, packed_seq_params=packed_seq_params, checked_boundaries=packed_seq_params)

@@ -27,7 +27,7 @@ from megatron_vlm_packing.models.adapter import adapter_for
 from megatron_vlm_packing.models.tiny_gpt import TinyGPTConfig, build_tiny_gpt
 from megatron_vlm_packing.packing import shift_labels_within_rows
 from megatron_vlm_packing.packing.localize import localize
-from megatron_vlm_packing.packing.micro_batch import MicroBatch
+from megatron_vlm_packing.packing.micro_batch import MicroBatch, declare_boundaries
 from megatron_vlm_packing.parallel.cp import cp_partition_index, dense_cp_partition_index
 from megatron_vlm_packing.parallel.layout import ParallelLayout
 from megatron_vlm_packing.step import make_forward_step
@@ -124,17 +124,19 @@ def _with_cu_seqlens(params, cu: torch.Tensor, cu_padded: torch.Tensor):
 
 
 def corrupt(case: ParityCase, mb: MicroBatch) -> MicroBatch:
-    """Apply the case's one deliberate mistake to a full-length packed micro-batch."""
+    """Apply the case's one deliberate mistake to a full-length packed micro-batch. Boundaries are broken through
+    `declare_boundaries`: the step refuses boundaries other than the plan's, and these cases show that the parity
+    check itself catches them."""
     params, total = mb.packed_seq_params, mb.stats.physical_tokens
     if case.corruption == "uniform_cu_seqlens":  # rows relaid at a fixed stride: boundaries ignore samples
         cu = torch.tensor(list(range(0, total, ROW_LENGTH)) + [total], dtype=torch.int32,
                           device=mb.input_ids.device)
-        return replace(mb, packed_seq_params=_with_cu_seqlens(params, cu, cu))
+        return declare_boundaries(mb, _with_cu_seqlens(params, cu, cu))
     if case.corruption == "boundary_off_by_one":
         shift = torch.zeros_like(params.cu_seqlens_q)
         shift[1:-1] = 1
-        return replace(mb, packed_seq_params=_with_cu_seqlens(params, params.cu_seqlens_q + shift,
-                                                               params.cu_seqlens_q_padded + shift))
+        return declare_boundaries(mb, _with_cu_seqlens(params, params.cu_seqlens_q + shift,
+                                                       params.cu_seqlens_q_padded + shift))
     if case.corruption == "labels_shifted_after_packing":  # the hand-rolled packer's mistake
         ids = mb.input_ids
         labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)

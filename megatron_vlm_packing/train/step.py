@@ -41,7 +41,8 @@ from megatron_vlm_packing.packing.row_fields import check_dense_tensors, check_f
 from megatron_vlm_packing.parallel.layout import ParallelLayout
 from megatron_vlm_packing.train.loss import loss_func
 from megatron_vlm_packing.train.unpacked_checks import (  # noqa: F401 (importable from here, as before)
-    check_unpacked_dense_positions, check_unpacked_labels, check_unpacked_loss_weights, check_unpacked_packed_positions)
+    check_packed_documents, check_unpacked_dense_positions, check_unpacked_labels, check_unpacked_loss_weights,
+    check_unpacked_packed_positions)
 from megatron_vlm_packing.validate.step_probe import StepProbe
 
 
@@ -219,15 +220,16 @@ def check_loader_vocab(micro_batch: MicroBatch, vocab_size: int | None, *,
 
 def prepare_for_model(micro_batch: MicroBatch, adapter: ModelAdapter, layout: ParallelLayout) -> MicroBatch:
     """Refuse loss weights and labels no packer checked (`check_unpacked_loss_weights`, `check_unpacked_labels`),
-    other sequence fields that are no tensors (`localize.check_field_types`), positions no packer made
-    (`check_unpacked_dense_positions`, `check_unpacked_packed_positions`) and what the model cannot take
+    other sequence fields that are no tensors (`localize.check_field_types`), positions no packer made and packed
+    boundaries that are not the plan's (`check_unpacked_dense_positions`, `check_packed_documents`: the
+    `train.unpacked_checks`) and what the model cannot take
     (`adapter.check`), then cut the full-length micro-batch to this CP rank as the adapter declares (`localize`);
     returns the rank-local micro-batch."""
     check_unpacked_loss_weights(micro_batch)
     check_unpacked_labels(micro_batch, getattr(adapter, "vocab_size", None))
     check_field_types(micro_batch)  # metadata only: a list or None is named here, not an AttributeError in a check
     check_unpacked_dense_positions(micro_batch)
-    check_unpacked_packed_positions(micro_batch)
+    check_packed_documents(micro_batch)  # boundaries against the plan, positions against the boundaries
     adapter.check(micro_batch)
     return localize(micro_batch, layout, adapter.needs)
 

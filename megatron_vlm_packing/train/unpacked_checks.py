@@ -1,10 +1,12 @@
-"""The step's checks of what no packer made or checked: loss weights, labels and positions that a `transform=`,
-a `dataclasses.replace` or a hand-built `MicroBatch` gave the micro-batch. Each reads the tensor back to the
-host (one sync), and only when the packer's mark (`MicroBatch.checked_*`) does not vouch for the field: the
+"""The step's checks of what no packer made or checked: loss weights, labels, positions and packed boundaries that
+a `transform=`, a `dataclasses.replace` or a hand-built `MicroBatch` gave the micro-batch. Each reads the tensor back
+to the host (one sync), and only when the packer's mark (`MicroBatch.checked_*`) does not vouch for the field: the
 packers' own micro-batches, moved or not, cost nothing here.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -95,8 +97,9 @@ def _positions_readable(micro_batch: MicroBatch) -> bool:
 
 def check_unpacked_packed_positions(micro_batch: MicroBatch) -> None:
     """Packed positions no packer made (a micro-batch built by hand, or whose positions a transform replaced: not
-    the packer's `checked_positions`) must restart only where a document of `packed_seq_params` starts: a real
-    token at position 0 (every channel, for mRoPE) after a real token of its own segment opens another document
+    the packer's `checked_positions`), or the packer's beside boundaries it did not make (not `boundaries_checked`:
+    they restart where the plan's documents do), must restart only where a document of `packed_seq_params` starts:
+    a real token at position 0 (every channel, for mRoPE) after a real token of its own segment opens another document
     inside it, and attention runs over whole segments, so it attended to the documents before it (bug class 11;
     the step trained it silently). The packers' micro-batches, moved or not: no sync here. Fields that are no
     tensors or positions of another length are left to `localize`'s checks, which name them.
@@ -105,7 +108,8 @@ def check_unpacked_packed_positions(micro_batch: MicroBatch) -> None:
         ValueError: naming the document, its slots, the slot where positions restart and the real tokens before
             it. One host sync (packed micro-batches with positions of their own only).
     """
-    if not micro_batch.is_packed or micro_batch.positions_checked or not _positions_readable(micro_batch):
+    packers = micro_batch.positions_checked and micro_batch.boundaries_checked  # the plan's documents, both
+    if not micro_batch.is_packed or packers or not _positions_readable(micro_batch):
         return
     from megatron_vlm_packing.packing.localize import check_packed_seq_params
     from megatron_vlm_packing.packing.positions import position_restarts, real_before_in_segment
@@ -124,6 +128,99 @@ def check_unpacked_packed_positions(micro_batch: MicroBatch) -> None:
         end = int(starts[document + 1]) - 1 if document + 1 < starts.numel() else real.shape[1] - 1
         first = int(starts[document])
         raise ValueError(f"position_ids restart at 0 at slot {slot} inside document {document} (slots "
-                         f"{first}..{end}), after {int(real[0, first:slot].sum())} real tokens: the document holds several, and attention runs over each document of "
-                         f"packed_seq_params whole, so each attends to the ones before it; give every document its "
-                         f"own boundaries (pack_batch does, with document_lengths= for rows of several documents)")
+                         f"{first}..{end}), after {int(real[0, first:slot].sum())} real tokens: the document holds "
+                         f"several, and attention runs over each document of packed_seq_params whole, so each attends "
+                         f"to the ones before it; give every document its own boundaries (pack_batch does, with "
+                         f"document_lengths= for rows of several documents)")
+
+
+def check_packed_documents(micro_batch: MicroBatch) -> None:
+    """A packed micro-batch's boundaries against its plan (`boundaries_of_the_plan`), then its positions against its
+    boundaries (`check_unpacked_packed_positions`) unless the positions are the packer's and the boundaries the
+    plan's. The packers' own micro-batches, moved or not (the loader's too): no sync here.
+
+    Raises:
+        ValueError: boundaries that are not the plan's, or positions that restart inside a document of them.
+    """
+    if not micro_batch.is_packed:
+        return
+    if not (boundaries_of_the_plan(micro_batch) and micro_batch.positions_checked):
+        check_unpacked_packed_positions(micro_batch)
+
+
+def boundaries_of_the_plan(micro_batch: MicroBatch) -> bool:
+    """Whether a packed micro-batch's boundaries are the ones its positions, padding mask, labels and CP index were
+    made from: the packer's own `PackedSeqParams` (`boundaries_checked`; or declared by a control,
+    `packing.micro_batch.declare_boundaries`), or other ones whose every boundary set equals the plan's
+    (`indices`): each set that is the plan's own tensor is known without a read, the others are read back
+    together (one host sync). False when there is no plan to compare with (built with `plan=None,
+    indices=None`): the positions are read then.
+
+    Raises:
+        ValueError: a boundary set other than the plan's (documents merged, a boundary shifted, another padded
+            set), naming it, the entry (where which document starts) and both values; malformed boundaries
+            (`localize.check_packed_seq_params`).
+    """
+    if micro_batch.boundaries_checked:
+        return True
+    from megatron_vlm_packing.packing.indices import PackIndices
+    from megatron_vlm_packing.packing.localize import check_packed_seq_params
+
+    indices = micro_batch.indices
+    if not isinstance(indices, PackIndices):
+        return False
+    check_packed_seq_params(micro_batch)  # metadata only: integer [N+1] sets on one device
+    plan = indices.plan
+    expected = {"real": [0, *itertools.accumulate(plan.real_lengths)],
+                "physical": [0, *itertools.accumulate(plan.physical_lengths)]}
+    own = ((indices.cu_seqlens, expected["real"]), (indices.cu_seqlens_padded, expected["physical"]))
+    sets = _boundary_sets(micro_batch.packed_seq_params)
+    values = {id(cu): ints for cu, ints in own}  # the plan's own tensors: their values are the plan's ints
+    unread = list({id(cu): cu for _, cu, _ in sets if id(cu) not in values}.values())
+    if unread:  # the one host sync: boundaries no packer made, read together
+        flat = iter(torch.cat([cu.reshape(-1).long() for cu in unread]).tolist())
+        values.update({id(cu): [next(flat) for _ in range(cu.numel())] for cu in unread})
+    for label, cu, kind in sets:
+        if values[id(cu)] != expected[kind]:
+            _refuse_boundaries(label, values[id(cu)], expected[kind], kind)
+    return True
+
+
+def _boundary_sets(params) -> list[tuple[str, torch.Tensor, str]]:
+    """(what to call it, tensor, "real" / "physical") for each boundary set attention reads: `cu_seqlens_q` / `_kv`
+    (real), `cu_seqlens_q_padded` / `_kv_padded` (physical), or the real set again where the padded one is None
+    (attention then takes it as the physical set)."""
+    sets = [(f"cu_seqlens_{side}", getattr(params, f"cu_seqlens_{side}"), "real") for side in ("q", "kv")]
+    for side in ("q", "kv"):
+        padded = getattr(params, f"cu_seqlens_{side}_padded")
+        if padded is not None:
+            sets.append((f"cu_seqlens_{side}_padded", padded, "physical"))
+        else:
+            sets.append((f"cu_seqlens_{side} (the physical boundaries: cu_seqlens_{side}_padded is None)",
+                         getattr(params, f"cu_seqlens_{side}"), "physical"))
+    return [(label, cu, kind) for label, cu, kind in sets if cu is not None]
+
+
+def _refuse_boundaries(label: str, got: list[int], plan: list[int], kind: str) -> None:
+    """ValueError: `packed_seq_params.<label>` holds `got`, not the plan's `plan` (the first entry that differs,
+    or the document counts)."""
+    def shown(values: list[int]) -> str:
+        return str(values) if len(values) <= 12 else f"[{', '.join(map(str, values[:8]))}, ..., {values[-1]}]"
+
+    def documents(values: list[int]) -> str:
+        return f"{len(values) - 1} document{'' if len(values) == 2 else 's'}"
+
+    head = f"packed_seq_params.{label} is {shown(got)}"
+    if len(got) != len(plan):
+        where = f"{head} ({documents(got)}) but the pack plan's {kind} boundaries are {shown(plan)} ({documents(plan)})"
+    else:
+        entry = next(i for i, (a, b) in enumerate(zip(got, plan)) if a != b)
+        place = "the start of the pack" if entry == 0 else \
+            "the end of the last document" if entry == len(plan) - 1 else f"where document {entry} starts"
+        where = (f"{head} but the pack plan's {kind} boundaries are {shown(plan)}: entry {entry} ({place}) is "
+                 f"{got[entry]}, the plan's {plan[entry]}")
+    raise ValueError(f"{where}; the micro-batch's positions, padding mask, labels and CP index were made from the "
+                     f"plan's documents, so attention over these would join or split them silently (a transform or a "
+                     f"replace of packed_seq_params): keep the packer's boundaries (another max_seqlen_* is fine), or "
+                     f"give each document its own when packing (pack_batch with document_lengths=)")
+

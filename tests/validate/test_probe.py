@@ -21,14 +21,18 @@ def _batch(seed: int = 0):
 
 
 def _uniform(packed, width: int):
-    """Bug class 4 made harmful: [0, S, 2S, ...] laid over a real-length pack (samples merge)."""
+    """Bug class 4 made harmful: [0, S, 2S, ...] laid over a real-length pack (samples merge). Declared
+    (`declare_boundaries`): the step would otherwise refuse boundaries that are not the plan's before the probe
+    could show that it catches them."""
     from dataclasses import replace
+
+    from megatron_vlm_packing.packing.micro_batch import declare_boundaries
 
     total = packed.input_ids.shape[1]
     cu = torch.tensor(list(range(0, total, width)) + [total], dtype=torch.int32)
     params = replace(packed.packed_seq_params, cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
                      cu_seqlens_kv_padded=cu, max_seqlen_q=width, max_seqlen_kv=width)
-    return replace(packed, packed_seq_params=params)
+    return declare_boundaries(packed, params)
 
 
 def _crossing(packed):
