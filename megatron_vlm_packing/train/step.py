@@ -35,14 +35,14 @@ from torch import nn
 from megatron_vlm_packing.models.adapter import ModelAdapter, adapter_for, check_loader_mrope, unwrap_model
 from megatron_vlm_packing.packing.bounds import is_int
 from megatron_vlm_packing.packing.collate import own_storages
-from megatron_vlm_packing.packing.localize import check_field_types, localize
+from megatron_vlm_packing.packing.localize import localize
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
 from megatron_vlm_packing.packing.row_fields import check_dense_tensors, check_flags, check_pack_arguments
 from megatron_vlm_packing.parallel.layout import ParallelLayout
 from megatron_vlm_packing.train.loss import loss_func
 from megatron_vlm_packing.train.unpacked_checks import (  # noqa: F401 (importable from here, as before)
-    check_packed_documents, check_unpacked_dense_positions, check_unpacked_labels, check_unpacked_loss_weights,
-    check_unpacked_packed_positions)
+    check_packed_documents, check_unpacked_dense_positions, check_unpacked_fields, check_unpacked_labels,
+    check_unpacked_loss_weights, check_unpacked_packed_positions)
 from megatron_vlm_packing.validate.step_probe import StepProbe
 
 
@@ -219,17 +219,12 @@ def check_loader_vocab(micro_batch: MicroBatch, vocab_size: int | None, *,
 
 
 def prepare_for_model(micro_batch: MicroBatch, adapter: ModelAdapter, layout: ParallelLayout) -> MicroBatch:
-    """Refuse loss weights and labels no packer checked (`check_unpacked_loss_weights`, `check_unpacked_labels`),
-    other sequence fields that are no tensors (`localize.check_field_types`), positions no packer made and packed
-    boundaries that are not the plan's (`check_unpacked_dense_positions`, `check_packed_documents`: the
-    `train.unpacked_checks`) and what the model cannot take
+    """Refuse loss weights and labels no packer checked, other sequence fields that are no tensors, positions no
+    packer made and packed boundaries that are not the plan's (`train.unpacked_checks.check_unpacked_fields`: one
+    host sync for all) and what the model cannot take
     (`adapter.check`), then cut the full-length micro-batch to this CP rank as the adapter declares (`localize`);
     returns the rank-local micro-batch."""
-    check_unpacked_loss_weights(micro_batch)
-    check_unpacked_labels(micro_batch, getattr(adapter, "vocab_size", None))
-    check_field_types(micro_batch)  # metadata only: a list or None is named here, not an AttributeError in a check
-    check_unpacked_dense_positions(micro_batch)
-    check_packed_documents(micro_batch)  # boundaries against the plan, positions against the boundaries
+    check_unpacked_fields(micro_batch, getattr(adapter, "vocab_size", None))  # one host sync for all, if any runs
     adapter.check(micro_batch)
     return localize(micro_batch, layout, adapter.needs)
 

@@ -1,27 +1,74 @@
 """The step's checks of what no packer made or checked: loss weights, labels, positions and packed boundaries that
-a `transform=`, a `dataclasses.replace` or a hand-built `MicroBatch` gave the micro-batch. Each reads the tensor back
-to the host (one sync), and only when the packer's mark (`MicroBatch.checked_*`) does not vouch for the field: the
-packers' own micro-batches, moved or not, cost nothing here.
+a `transform=`, a `dataclasses.replace` or a hand-built `MicroBatch` gave the micro-batch. Each runs only when the
+packer's mark (`MicroBatch.checked_*`) does not vouch for the field: the packers' own micro-batches, moved or not,
+cost nothing here. The step queues every check that runs and reads their results back together
+(`check_unpacked_fields`: one host sync for a micro-batch with any such field); each `check_*` below reads alone.
 """
 
 from __future__ import annotations
 
 import itertools
+from typing import Callable
 
 import torch
 
+from megatron_vlm_packing.packing.checks import DeferredChecks
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
 
 
+class OneRead(DeferredChecks):
+    """`DeferredChecks` whose values are moved to the first queued value's device: a hand-built micro-batch's fields
+    may lie on several (`localize` names that after these checks), and the read is one `cat`."""
+
+    def add(self, values, fails: Callable[[list], bool], raiser: Callable | None, *, screen: bool = False) -> int:
+        device = self.entries[0][0][0].device if self.entries else values.device
+        return super().add(values.to(device), fails, raiser, screen=screen)
+
+    def add_fault(self, fault: torch.Tensor, raiser: Callable[[], None]) -> None:
+        """Queue `fault` ([..] bool, True where a value is bad) as one flag; `raiser` names the first fault."""
+        self.add(fault.any().long().reshape(1), lambda v: v[0] != 0, raiser)
+
+
+def check_unpacked_fields(micro_batch: MicroBatch, vocab_size: int | None) -> None:
+    """The step's checks of fields no packer checked, in this order, read back together: loss weights
+    (`check_unpacked_loss_weights`), labels (`check_unpacked_labels`), sequence fields that are no tensors
+    (`localize.check_field_types`, metadata), dense positions (`check_unpacked_dense_positions`), packed boundaries
+    and positions (`check_packed_documents`).
+
+    Raises:
+        ValueError: the first fault, as the check that finds it names it. One host sync when any check runs.
+    """
+    from megatron_vlm_packing.packing.localize import check_field_types
+
+    checks = OneRead()
+    queue_loss_weights(micro_batch, checks)
+    queue_labels(micro_batch, vocab_size, checks)
+    check_field_types(micro_batch)  # metadata only: a list or None is named here, not an AttributeError below
+    queue_dense_positions(micro_batch, checks)
+    queue_packed_documents(micro_batch, checks)
+    checks.read()  # the one host sync (none queued: none)
+
+
+def _read_alone(queue: Callable[[OneRead], None]) -> None:
+    checks = OneRead()
+    queue(checks)
+    checks.read()
+
+
 def check_unpacked_loss_weights(micro_batch: MicroBatch) -> None:
+    """`queue_loss_weights`, read alone."""
+    _read_alone(lambda checks: queue_loss_weights(micro_batch, checks))
+
+
+def queue_loss_weights(micro_batch: MicroBatch, checks: OneRead) -> None:
     """Loss weights no packer checked (a MicroBatch built by hand, or whose `loss_mask` a transform
     replaced: it is not the packer's `checked_loss_mask`) must be finite and >= 0 at every slot, as
     `pack_batch` requires of real tokens: a NaN, inf or negative weight would reach the loss. Micro-
     batches packed by `pack_batch` / `pad_batch` / the collators were checked when packed: no sync here.
 
     Raises:
-        ValueError: naming the loss_mask slot (row, position) and its value, or a loss_mask that is not
-            a real tensor.
+        ValueError: a loss_mask that is not a real tensor; at the read, naming the loss_mask slot (row, position)
+            and its value.
     """
     if micro_batch.loss_weights_checked:
         return
@@ -32,10 +79,17 @@ def check_unpacked_loss_weights(micro_batch: MicroBatch) -> None:
         raise ValueError(f"loss_mask must be a real tensor of per-token weights, got "
                          f"{weights.dtype if isinstance(weights, torch.Tensor) else type(weights).__name__}")
     rows = as_rows(weights)
-    check_loss_weights(rows, torch.ones_like(rows, dtype=torch.bool))  # one host sync: hand-built micro-batches only
+    as_float32 = rows.float()  # what the loss reads: a float64 weight above float32's range is inf there
+    checks.add_fault(~(torch.isfinite(as_float32) & (as_float32 >= 0)),
+                     lambda: check_loss_weights(rows, torch.ones_like(rows, dtype=torch.bool)))
 
 
 def check_unpacked_labels(micro_batch: MicroBatch, vocab_size: int | None) -> None:
+    """`queue_labels`, read alone."""
+    _read_alone(lambda checks: queue_labels(micro_batch, vocab_size, checks))
+
+
+def queue_labels(micro_batch: MicroBatch, vocab_size: int | None, checks: OneRead) -> None:
     """Labels no packer checked (a transform's, a `replace`: not the packer's `checked_labels`), or checked
     below no vocabulary or a larger one (`MicroBatch.vocab_checked`), must be an integer tensor of -100 or
     token ids in [0, vocab_size) at every slot (>= 0 when the vocabulary is unknown): a label >= the
@@ -43,18 +97,27 @@ def check_unpacked_labels(micro_batch: MicroBatch, vocab_size: int | None) -> No
     the log-sum-exp of its logits). Labels packed below this vocabulary were checked: no sync here.
 
     Raises:
-        ValueError: labels that are no integer tensor, or naming the first bad slot (row, position), its
-            value and the count. One host sync (micro-batches with labels of their own only).
+        ValueError: labels that are no integer tensor; at the read, naming the first bad slot (row, position), its
+            value and the count (micro-batches with labels of their own only).
     """
     if micro_batch.labels_checked and micro_batch.vocab_checked(vocab_size):
         return
+    from megatron_vlm_packing.packing.batch import IGNORE_INDEX
     from megatron_vlm_packing.packing.checks import check_label_values, integer_token_rows
 
     rows = integer_token_rows(micro_batch.labels, "labels")
-    check_label_values(rows, torch.ones_like(rows, dtype=torch.bool), vocab_size)  # the one host sync
+    bad = (rows != IGNORE_INDEX) & (rows < 0)
+    if vocab_size is not None:
+        bad = bad | (rows >= vocab_size)
+    checks.add_fault(bad, lambda: check_label_values(rows, torch.ones_like(rows, dtype=torch.bool), vocab_size))
 
 
 def check_unpacked_dense_positions(micro_batch: MicroBatch) -> None:
+    """`queue_dense_positions`, read alone."""
+    _read_alone(lambda checks: queue_dense_positions(micro_batch, checks))
+
+
+def queue_dense_positions(micro_batch: MicroBatch, checks: OneRead) -> None:
     """Dense positions no packer made (a micro-batch built by hand, or whose `position_ids` a transform replaced:
     not the packer's `checked_positions`) must hold one document per row: a real token at position 0 (on every
     channel, for mRoPE) after the row's first real token starts another document, which a dense causal row lets
@@ -63,8 +126,9 @@ def check_unpacked_dense_positions(micro_batch: MicroBatch) -> None:
     gives each document its own segment. Packed micro-batches and the packers' dense ones: no sync here.
 
     Raises:
-        ValueError: naming the row, the slot where it restarts and the real tokens before it. One host sync
-            (dense micro-batches with positions of their own only).
+        ValueError: positions that do not lay out the rows, a pack without its boundaries; at the read, naming the
+            row, the slot where it restarts and the real tokens before it (dense micro-batches with positions of their
+            own only).
     """
     if micro_batch.is_packed or micro_batch.positions_checked or not _positions_readable(micro_batch):
         return
@@ -80,12 +144,16 @@ def check_unpacked_dense_positions(micro_batch: MicroBatch) -> None:
         raise ValueError(f"position_ids of shape {tuple(positions.shape)} do not lay out the dense rows of the "
                          f"padding_mask {tuple(real.shape)}: [B, L] or mRoPE [3, B, L]") from None
     restarts = position_restarts(positions, real)  # [B, L]
-    if bool(restarts.any()):  # the one host sync
-        row, slot = (int(i) for i in torch.nonzero(restarts)[0])
-        raise ValueError(f"position_ids row {row} restarts at 0 at slot {slot} (after {int(real[row, :slot].sum())} "
-                         f"real tokens): the dense row holds several documents, and a dense causal row lets each "
-                         f"attend to the ones before it; give the collated batch to make_forward_step(pack=True) "
-                         f"(with document_lengths= for rows of several documents), or one document per row")
+    checks.add_fault(restarts, lambda: _refuse_dense_restart(restarts, real))
+
+
+def _refuse_dense_restart(restarts: torch.Tensor, real: torch.Tensor) -> None:
+    """ValueError naming the first restart of `restarts` ([B, L] bool, one at least). Reads back (error path)."""
+    row, slot = (int(i) for i in torch.nonzero(restarts)[0])
+    raise ValueError(f"position_ids row {row} restarts at 0 at slot {slot} (after {int(real[row, :slot].sum())} "
+                     f"real tokens): the dense row holds several documents, and a dense causal row lets each "
+                     f"attend to the ones before it; give the collated batch to make_forward_step(pack=True) "
+                     f"(with document_lengths= for rows of several documents), or one document per row")
 
 
 def _positions_readable(micro_batch: MicroBatch) -> bool:
@@ -96,6 +164,11 @@ def _positions_readable(micro_batch: MicroBatch) -> bool:
 
 
 def check_unpacked_packed_positions(micro_batch: MicroBatch) -> None:
+    """`queue_packed_positions`, read alone."""
+    _read_alone(lambda checks: queue_packed_positions(micro_batch, checks))
+
+
+def queue_packed_positions(micro_batch: MicroBatch, checks: OneRead) -> None:
     """Packed positions no packer made (a micro-batch built by hand, or whose positions a transform replaced: not
     the packer's `checked_positions`), or the packer's beside boundaries it did not make (not `boundaries_checked`:
     they restart where the plan's documents do), must restart only where a document of `packed_seq_params` starts:
@@ -105,8 +178,8 @@ def check_unpacked_packed_positions(micro_batch: MicroBatch) -> None:
     tensors or positions of another length are left to `localize`'s checks, which name them.
 
     Raises:
-        ValueError: naming the document, its slots, the slot where positions restart and the real tokens before
-            it. One host sync (packed micro-batches with positions of their own only).
+        ValueError: malformed boundaries (`localize.check_packed_seq_params`); at the read, naming the document, its
+            slots, the slot where positions restart and the real tokens before it.
     """
     packers = micro_batch.positions_checked and micro_batch.boundaries_checked  # the plan's documents, both
     if not micro_batch.is_packed or packers or not _positions_readable(micro_batch):
@@ -121,45 +194,57 @@ def check_unpacked_packed_positions(micro_batch: MicroBatch) -> None:
     if micro_batch.position_ids.shape[-1] != real.shape[1] or micro_batch.position_ids.dim() not in (2, 3):
         return  # localize names positions that do not lay out the pack
     restarts = position_restarts(micro_batch.position_ids, real, real_before=real_before_in_segment(real, bounds))
-    if bool(restarts.any()):  # the one host sync
-        slot = int(torch.nonzero(restarts)[0, 1])
-        starts = bounds.long().cpu()
-        document = int(torch.searchsorted(starts[1:], torch.tensor(slot), right=True))
-        end = int(starts[document + 1]) - 1 if document + 1 < starts.numel() else real.shape[1] - 1
-        first = int(starts[document])
-        raise ValueError(f"position_ids restart at 0 at slot {slot} inside document {document} (slots "
-                         f"{first}..{end}), after {int(real[0, first:slot].sum())} real tokens: the document holds "
-                         f"several, and attention runs over each document of packed_seq_params whole, so each attends "
-                         f"to the ones before it; give every document its own boundaries (pack_batch does, with "
-                         f"document_lengths= for rows of several documents)")
+    checks.add_fault(restarts, lambda: _refuse_packed_restart(restarts, real, bounds))
+
+
+def _refuse_packed_restart(restarts: torch.Tensor, real: torch.Tensor, bounds: torch.Tensor) -> None:
+    """ValueError naming the first restart of `restarts` ([1, T] bool, one at least) and its document of `bounds`
+    ([N+1] physical boundaries). Reads back (error path)."""
+    slot = int(torch.nonzero(restarts)[0, 1])
+    starts = bounds.long().cpu()
+    document = int(torch.searchsorted(starts[1:], torch.tensor(slot), right=True))
+    end = int(starts[document + 1]) - 1 if document + 1 < starts.numel() else real.shape[1] - 1
+    first = int(starts[document])
+    raise ValueError(f"position_ids restart at 0 at slot {slot} inside document {document} (slots "
+                     f"{first}..{end}), after {int(real[0, first:slot].sum())} real tokens: the document holds "
+                     f"several, and attention runs over each document of packed_seq_params whole, so each attends "
+                     f"to the ones before it; give every document its own boundaries (pack_batch does, with "
+                     f"document_lengths= for rows of several documents)")
 
 
 def check_packed_documents(micro_batch: MicroBatch) -> None:
-    """A packed micro-batch's boundaries against its plan (`boundaries_of_the_plan`), then its positions against its
-    boundaries (`check_unpacked_packed_positions`) unless the positions are the packer's and the boundaries the
-    plan's. The packers' own micro-batches, moved or not (the loader's too): no sync here.
+    """`queue_packed_documents`, read alone."""
+    _read_alone(lambda checks: queue_packed_documents(micro_batch, checks))
+
+
+def queue_packed_documents(micro_batch: MicroBatch, checks: OneRead) -> None:
+    """A packed micro-batch's boundaries against its plan (`queue_plan_boundaries`), then its positions against its
+    boundaries (`queue_packed_positions`) unless the positions are the packer's and the boundaries the plan's (a
+    fault in the boundaries is raised first). The packers' own micro-batches, moved or not (the loader's too):
+    nothing queued.
 
     Raises:
-        ValueError: boundaries that are not the plan's, or positions that restart inside a document of them.
+        ValueError: at the read, boundaries that are not the plan's, or positions that restart inside a document of
+            them.
     """
     if not micro_batch.is_packed:
         return
-    if not (boundaries_of_the_plan(micro_batch) and micro_batch.positions_checked):
-        check_unpacked_packed_positions(micro_batch)
+    if not (queue_plan_boundaries(micro_batch, checks) and micro_batch.positions_checked):
+        queue_packed_positions(micro_batch, checks)
 
 
-def boundaries_of_the_plan(micro_batch: MicroBatch) -> bool:
+def queue_plan_boundaries(micro_batch: MicroBatch, checks: OneRead) -> bool:
     """Whether a packed micro-batch's boundaries are the ones its positions, padding mask, labels and CP index were
     made from: the packer's own `PackedSeqParams` (`boundaries_checked`; or declared by a control,
     `packing.micro_batch.declare_boundaries`), or other ones whose every boundary set equals the plan's
-    (`indices`): each set that is the plan's own tensor is known without a read, the others are read back
-    together (one host sync). False when there is no plan to compare with (built with `plan=None,
+    (`indices`): each set that is the plan's own tensor is known without a read, the others are queued on
+    `checks` and compared at its read. False when there is no plan to compare with (built with `plan=None,
     indices=None`): the positions are read then.
 
     Raises:
-        ValueError: a boundary set other than the plan's (documents merged, a boundary shifted, another padded
-            set), naming it, the entry (where which document starts) and both values; malformed boundaries
-            (`localize.check_packed_seq_params`).
+        ValueError: malformed boundaries (`localize.check_packed_seq_params`); now or at the read, a boundary set
+            other than the plan's (documents merged, a boundary shifted, another padded set), naming it, the entry
+            (where which document starts) and both values.
     """
     if micro_batch.boundaries_checked:
         return True
@@ -177,12 +262,20 @@ def boundaries_of_the_plan(micro_batch: MicroBatch) -> bool:
     sets = _boundary_sets(micro_batch.packed_seq_params)
     values = {id(cu): ints for cu, ints in own}  # the plan's own tensors: their values are the plan's ints
     unread = list({id(cu): cu for _, cu, _ in sets if id(cu) not in values}.values())
-    if unread:  # the one host sync: boundaries no packer made, read together
-        flat = iter(torch.cat([cu.reshape(-1).long() for cu in unread]).tolist())
+
+    def differs(host: list) -> bool:  # host: the unread sets' values, in order
+        flat = iter(host)
         values.update({id(cu): [next(flat) for _ in range(cu.numel())] for cu in unread})
-    for label, cu, kind in sets:
-        if values[id(cu)] != expected[kind]:
-            _refuse_boundaries(label, values[id(cu)], expected[kind], kind)
+        return any(values[id(cu)] != expected[kind] for _, cu, kind in sets)
+
+    def refuse() -> None:
+        label, cu, kind = next(entry for entry in sets if values[id(entry[1])] != expected[entry[2]])
+        _refuse_boundaries(label, values[id(cu)], expected[kind], kind)
+
+    if unread:  # boundaries no packer made: read with the other checks
+        checks.add(torch.cat([cu.reshape(-1).long() for cu in unread]), differs, refuse)
+    elif differs([]):  # the plan's own tensors in other roles (a real set as the physical one): no read
+        refuse()
     return True
 
 
