@@ -79,9 +79,10 @@ def assert_identical(a, b) -> None:
             assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
         elif isinstance(x, torch.Tensor):
             assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), field.name
-        elif field.name not in ("checked_loss_mask", "checked_media"):  # the packer's marks: compared below
+        elif field.name not in ("checked_loss_mask", "checked_media", "checked_boundaries"):  # marks: below
             assert x == y, field.name
     assert a.loss_weights_checked and b.loss_weights_checked
+    assert a.boundaries_checked and b.boundaries_checked
     assert a.media_checked_by_packer and b.media_checked_by_packer
 
 
