@@ -1,4 +1,7 @@
-"""Command line: `megatron-vlm-packing {demo,plan,inspect,check}` (also `python -m megatron_vlm_packing`)."""
+"""Command line: `megatron-vlm-packing {demo,plan,inspect,check}` (also `python -m megatron_vlm_packing`).
+
+Building the parser imports nothing heavy (`--help` and argument errors leave torch, Megatron-Core and
+transformers unloaded); each `cmd_*` imports what its subcommand runs."""
 
 from __future__ import annotations
 
@@ -134,10 +137,26 @@ def _add_demo_command(sub) -> None:
     demo.set_defaults(func=cmd_demo)
 
 
-def _add_plan_command(sub) -> None:
-    """`plan`: the planner's own arguments (`planner.report.add_plan_arguments`)."""
-    from megatron_vlm_packing.planner.report import add_plan_arguments
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """`plan`'s arguments (also the defaults of `demo --planner`, `planner.report.plan_args_from`). Here, not in the
+    planner, whose package imports Megatron-Core: `plan --help` imports nothing heavy."""
+    parser.add_argument("--samples", type=int_at_least(1), default=20000, help="synthetic samples (default 20000)")
+    parser.add_argument("--capacity", type=int, default=32768, help="physical tokens per bin")
+    parser.add_argument("--dp", type=int, default=8, help="data-parallel ranks")
+    parser.add_argument("--micro-batches", type=int, default=1, help="micro-batches per rank per step")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--cp", type=int, default=1)
+    parser.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1, as Megatron-Core does)")
+    parser.add_argument("--fp8", action="store_true")
+    parser.add_argument("--steps-shown", type=int_at_least(0), default=2,  # -1 sliced off the last step
+                        help="steps whose per-rank cost is printed")
+    parser.add_argument("--seed", type=int_at_least(0), default=0,
+                        help="epoch shuffle seed, >= 0 (default 0; numpy takes no negative seed)")
+    parser.add_argument("--progress", action="store_true", help="progress line on stderr while planning")
 
+
+def _add_plan_command(sub) -> None:
+    """`plan`: the planner's own arguments (`add_plan_arguments`)."""
     plan = sub.add_parser("plan", help="dataset-level packing: per-rank cost with and without balancing")
     add_plan_arguments(plan)
     plan.set_defaults(func=cmd_plan)
@@ -158,7 +177,7 @@ def _add_inspect_command(sub) -> None:
 
 def _check_description() -> str:
     """`check --help`'s text: the exit statuses, what --hf-config compares, and the keys a saved FILE holds."""
-    from megatron_vlm_packing.validate.saved import saved_keys_help
+    from megatron_vlm_packing.validate.saved_keys import saved_keys_help  # plain strings: imports nothing heavy
 
     return ("Exit status 0 when clean, 1 on violations, 2 when the file (or one of its fields, or --hf-config) "
             "cannot be read.\nWith --hf-config, each document's mRoPE positions are compared with the model's own "

@@ -52,6 +52,10 @@ def test_every_name_the_readme_imports_exists():
             assert hasattr(module, name), f"README imports {name} from {match.group(1)}, which has none"
 
 
+def test_token_counter_presets_example_counts_what_its_asserts_say():
+    run(block_with("TokenCounter.for_family"), {})
+
+
 def _qwen2_5_vl_config():
     transformers = pytest.importorskip("transformers")
     return transformers.Qwen2_5_VLConfig()

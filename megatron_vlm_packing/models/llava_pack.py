@@ -21,7 +21,7 @@ from megatron_vlm_packing.models.llava import (
     LlavaPackPlan, LlavaSpace, image_expansion, llava_pack_plan,
 )
 from megatron_vlm_packing.packing.checks import is_integer_tensor
-from megatron_vlm_packing.packing.bounds import is_int
+from megatron_vlm_packing.packing.bounds import int_entries, is_int
 from megatron_vlm_packing.packing.media import check_floating_media
 from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch, VisionInputs
 
@@ -58,6 +58,8 @@ def _llava_row_values(batch: dict, ids: torch.Tensor, keep: torch.Tensor, space:
     if given is None:  # LLaVA's default: one tile per image
         extra, tiles = is_image.long() * (space.img_seq_len - 1), None
     else:
+        if isinstance(given, (list, tuple, range)):  # [True, 2] was an int64 tensor to torch: True read as 1 tile
+            given = int_entries(given, "num_image_tiles", "tile counts")
         tiles = torch.as_tensor(given, device=ids.device).reshape(-1)
         # .int() would truncate 1.5 tiles to 1 and read True as 1 tile, silently. An empty list is
         # float32 to torch (no images): not refused.

@@ -8,7 +8,8 @@ refuse it against `INT64_MAX`.
 An integer option (a size, a count, a seed, an id) is a Python int or a numpy integer (`is_int`): not a
 bool (True compared equal to 1 and ran as a count of 1), nor a float (int(2.5) is 2), a string or a
 tensor. What holds it keeps it as a Python int (`checked_int`): a numpy int64 wraps silently in
-arithmetic where a Python int does not.
+arithmetic where a Python int does not. Counts given as a list or tuple (`audio_seqlens`, `document_lengths`,
+`num_image_tiles`) follow the same rule entry by entry (`int_entries`): a numpy-based dataset yields np.int64.
 """
 
 import numbers
@@ -44,3 +45,20 @@ def checked_int(value, name: str, *, least: int | None = None, optional: bool = 
         bound = "" if least is None else f" >= {least}"
         raise ValueError(f"{name} must be {'None or ' if optional else ''}an int{bound}, got {value!r}")
     return int(value)
+
+
+def int_entries(values, name: str, what: str) -> list[int]:
+    """The entries of a list, tuple or range of counts as Python ints, each by `is_int`'s rule.
+
+    Example: int_entries([np.int64(10), 1], "audio_seqlens", "raw audio lengths") -> [10, 1];
+    int_entries([10, True], ...) -> ValueError "audio_seqlens entry 1 is True: raw audio lengths must be ints".
+
+    Raises:
+        ValueError: "{name} entry {i} is {entry!r}: {what} must be ints" for the first bool (numpy's too), float,
+            string or other non-integer entry.
+    """
+    entries = list(values)
+    bad = next((i for i, n in enumerate(entries) if not is_int(n)), None)
+    if bad is not None:
+        raise ValueError(f"{name} entry {bad} is {entries[bad]!r}: {what} must be ints")
+    return [int(n) for n in entries]

@@ -21,6 +21,7 @@ from typing import Mapping
 
 import torch
 
+from megatron_vlm_packing.packing.bounds import int_entries
 from megatron_vlm_packing.packing.lengths import real_lengths
 
 DOCUMENT_KEY = "document_lengths"
@@ -30,7 +31,7 @@ def document_table(value, lengths: list[int]) -> list[list[int]]:
     """Per-row document lengths as host ints, checked against the rows' real lengths.
 
     Raises:
-        ValueError: not integers, a negative or zero length before the row's last document, or a
+        ValueError: not integers (numpy ints are), a negative or zero length before the row's last document, or a
         row whose documents do not sum to its real length (naming the row and numbers).
     """
     if isinstance(value, torch.Tensor):
@@ -39,9 +40,8 @@ def document_table(value, lengths: list[int]) -> list[list[int]]:
                              f"shape {tuple(value.shape)} {value.dtype}")
         rows = value.tolist()
     elif isinstance(value, (list, tuple)) and all(isinstance(r, (list, tuple)) for r in value):
-        rows = [list(r) for r in value]
-        if any(isinstance(x, bool) or not isinstance(x, int) for r in rows for x in r):
-            raise ValueError(f"{DOCUMENT_KEY} must hold ints, got {value!r}")
+        # numpy ints as Python ints (a numpy-based dataset yields them); a bool, float or string refused
+        rows = [int_entries(r, f"{DOCUMENT_KEY} row {b}", "document lengths") for b, r in enumerate(value)]
     else:
         raise ValueError(f"{DOCUMENT_KEY} must be a [B, D] integer tensor or B lists of ints, got {type(value).__name__}")
     if len(rows) != len(lengths):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_vlm_packing.packing.bounds import int_entries
 from megatron_vlm_packing.packing.checks import is_integer_tensor
 from megatron_vlm_packing.packing.media import (
     MediaHost, MediaTokens, items_per_row, media_tensor, never_fails, position_input, row_counts,
@@ -123,7 +124,9 @@ def check_audio_seqlens(batch: dict, host: MediaHost, tokens: MediaTokens, audio
     from megatron_vlm_packing.rope.omni import audio_tokens_per_clip
 
     check_audio_seqlens_type(seqlens)
-    raw = host.values["audio_seqlens"] if isinstance(seqlens, torch.Tensor) else list(seqlens)
+    # Python ints either way: numpy ints (`int_entries`) would wrap in `audio_output_length`'s arithmetic.
+    raw = host.values["audio_seqlens"] if isinstance(seqlens, torch.Tensor) else int_entries(seqlens, "audio_seqlens",
+                                                                                              "raw audio lengths")
 
     clips = audio_tokens_per_clip(raw, tokens.audio_n_window)
     if clips.empty:

@@ -57,38 +57,57 @@ from megatron_vlm_packing.patches import (
     llava_boundaries, thd_rotary,
 )
 from megatron_vlm_packing.patches.owned import check_restorable
+from megatron_vlm_packing.patches.together import Patch, apply_together
+
+
+def _core_patches() -> tuple[Patch, ...]:
+    """`apply_all`'s patches in its order, each with its undo and whether it runs now."""
+    return (Patch("sp_embedding_scatter", apply_sp_embedding_scatter, undo_sp_embedding_scatter,
+                  gpt_model_forward.embedding_scatter_applied),
+            Patch("sp_padding_mask_scatter", apply_sp_padding_mask_scatter, undo_sp_padding_mask_scatter,
+                  gpt_model_forward.padding_mask_scatter_applied),
+            Patch("llava_packed_boundaries", apply_llava_packed_boundaries, undo_llava_packed_boundaries,
+                  llava_boundaries._OWNED.active),
+            Patch("thd_rotary", apply_thd_rotary, undo_thd_rotary, thd_rotary.thd_rotary_applied))
 
 
 def apply_all() -> dict[str, bool]:
     """Apply every patch, in the order above; returns which are active here (False: megatron-core has the
-    fix, nothing installed).
+    fix, nothing installed). All or nothing (`together.apply_together`): where one raises, the patches this call
+    applied are undone (those applied before the call stay) and the error is raised as it came.
 
     Raises:
         RuntimeError: a patch's target is gone or its signature hidden by an earlier wrapper, a defect probe
             fails on upstream's function (named, with the exception), another plugin's wrapper holds the THD
-            rope (`thd_rotary` replaces it), or a later plugin holds the attribute of a patch to install again;
-            the patches before it in the order stay applied (`undo_all` undoes them).
+            rope (`thd_rotary` replaces it), or a later plugin holds the attribute of a patch to install again.
     """
-    return {"sp_embedding_scatter": apply_sp_embedding_scatter(),
-            "sp_padding_mask_scatter": apply_sp_padding_mask_scatter(),
-            "llava_packed_boundaries": apply_llava_packed_boundaries(),
-            "thd_rotary": apply_thd_rotary()}
+    return apply_together(_core_patches())
+
+
+def _bridge_patches() -> tuple[Patch, ...]:
+    """`apply_bridge_patches`'s patches in its order, each with its undo and whether it runs now."""
+    return (Patch("bridge_deepstack_sp", apply_bridge_deepstack_sp, undo_bridge_deepstack_sp,
+                  bridge_deepstack_sp.is_applied),
+            Patch("bridge_thd_cp_index", apply_bridge_thd_cp_index, undo_bridge_thd_cp_index,
+                  bridge_thd_cp_index.is_applied),
+            Patch("bridge_qwen25_vl_cp", apply_bridge_qwen25_vl_cp, undo_bridge_qwen25_vl_cp,
+                  bridge_qwen25_vl_cp.is_applied),
+            Patch("bridge_qwen3_vl_moe_pads", apply_bridge_qwen3_vl_moe_pads, undo_bridge_qwen3_vl_moe_pads,
+                  bridge_qwen3_vl_moe_pads.is_applied))
 
 
 def apply_bridge_patches() -> dict[str, bool]:
-    """Apply every Megatron-Bridge patch whose defect is present; returns which are active.
+    """Apply every Megatron-Bridge patch whose defect is present; returns which are active. All or nothing, as
+    `apply_all`.
 
     `bridge_qwen25_vl_cp` has no defect check at apply time: it is always installed (True) and checks per
     call (a packed CP call whose `decoder_input` is still full length); dense and CP = 1 calls pass through.
 
     Raises:
         RuntimeError: as `apply_all`, and where a defect probe fails on Bridge's function (named, with the
-            exception) or another plugin's wrapper holds `get_thd_cp_partition_indices` (ours replaces it);
-            the patches before it stay applied (`undo_bridge_patches` undoes them).
+            exception) or another plugin's wrapper holds `get_thd_cp_partition_indices` (ours replaces it).
     """
-    return {"bridge_deepstack_sp": apply_bridge_deepstack_sp(), "bridge_thd_cp_index": apply_bridge_thd_cp_index(),
-            "bridge_qwen25_vl_cp": apply_bridge_qwen25_vl_cp(),
-            "bridge_qwen3_vl_moe_pads": apply_bridge_qwen3_vl_moe_pads()}
+    return apply_together(_bridge_patches())
 
 
 def undo_bridge_patches() -> None:

@@ -187,3 +187,8 @@ def apply_sp_padding_mask_scatter() -> bool:
 
 def undo_sp_padding_mask_scatter() -> None:
     _undo("padding_mask")
+
+
+def padding_mask_scatter_applied() -> bool:
+    """Does the padding-mask scatter fix run now (as `embedding_scatter_applied`)."""
+    return "padding_mask" in _APPLIED and _OWNED.active()

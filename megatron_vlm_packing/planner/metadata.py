@@ -8,13 +8,16 @@ index) so that lengths and costs of 100k samples are computed with a handful of 
 "expanded" length, bug class 2: boundaries live in the space attention sees). The default follows
 the Qwen-VL / Qwen-Omni layout: every image or video contributes t*h*w / merge^2 tokens and every
 audio clip frames // audio_pool tokens (whole pooling windows); a Qwen3-VL video adds its per-frame
-timestamp text and blocks (`TokenCounter.video_frame_tokens`); LLaVA-style models plug in their own `expanded_tokens`.
+timestamp text and blocks (`TokenCounter.for_family("qwen3_vl")`, or `from_hf_config`); LLaVA-style models plug in
+their own `expanded_tokens`.
 
 Shape legend: N = samples, I = images (all samples), V = videos, A = audio clips.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -196,16 +199,23 @@ class TokenCounter:
             `pack_batch` counts with, else 50): `audio_frames` are then each clip's mel frames and a clip takes
             `rope.omni.audio_output_length(frames, audio_n_window)` tokens, the rule `pack_batch` counts its
             placeholders by (`audio_pool` unused). None: frames after the input convolution, pooled by `audio_pool`.
-        video_frame_tokens: tokens each temporal grid step of a video takes besides its h*w/merge^2 placeholders.
-            0 (Qwen2-VL, Qwen2.5-VL): a video is one block. Qwen3-VL's processor writes each step as
-            `<{t:.1f} seconds>`, vision_start, its placeholders, vision_end (inside the video's own wrappers):
-            2 + the timestamp's tokens, which Qwen's tokenizer splits as '<', one per digit, '.', ' seconds', '>'
-            (6 below 10 s, 7 below 100 s: check `len(tokenizer("<12.5 seconds>").input_ids)` with yours). Pass
-            the count of the longest video's last step: earlier steps with fewer digits are then counted a token
-            or two long (their bins a little less full, never over the capacity). Left at 0, a Qwen3-VL video
-            of t steps was planned t * (2 + timestamp) tokens short, and its bin overflowed the capacity.
-            Metadata counted from tokenized samples (`text_tokens` = tokens less placeholders and wrappers)
-            already holds them: leave it 0.
+        video_frame_tokens: tokens each temporal grid step of a video takes besides its h*w/merge^2 placeholders
+            and its timestamp (`video_timestamp_seconds`). 0 (Qwen2-VL, Qwen2.5-VL, Qwen3-Omni): a video is one
+            block. Qwen3-VL's processor writes each step as `<{t:.1f} seconds>`, vision_start, its placeholders,
+            vision_end (inside the video's own wrappers): `for_family("qwen3_vl")` counts the pair (2) and the
+            timestamps exactly. Set by hand, without timestamps, it counts 2 + a fixed timestamp per step
+            (6 tokens below 10 s, 7 below 100 s; pass the longest video's last step's: earlier steps are then
+            counted a token or two long). Left at 0 with no timestamps, a Qwen3-VL video of t steps was planned
+            t * (2 + timestamp) tokens short, and its bin overflowed the capacity. Metadata counted from
+            tokenized samples (`text_tokens` = tokens less placeholders and wrappers) already holds them: leave
+            it 0.
+        video_timestamp_seconds: Qwen3-VL's per-step timestamps, counted exactly (`planner.presets`): seconds
+            between temporal grid steps (1.0 at its processor's default 2 frames a second; 2.0 at fps=1);
+            step k's timestamp `<{(k + 0.25) * seconds:.1f} seconds>` takes 5 tokens + one per whole-second
+            digit. None (the default): no timestamps.
+
+    The default `TokenCounter()` is the Qwen2-VL / Qwen2.5-VL layout (merge 2, no timestamps, audio pooled by 2);
+    `TokenCounter.for_family(family)` and `TokenCounter.from_hf_config(hf_config)` give a family's processor.
     """
 
     spatial_merge: int = 2
@@ -214,12 +224,46 @@ class TokenCounter:
     audio_wrappers: int = 2
     audio_n_window: int | None = None
     video_frame_tokens: int = 0
+    video_timestamp_seconds: float | None = None
 
     def __post_init__(self) -> None:
         for name, least in (("spatial_merge", 1), ("audio_pool", 1), ("vision_wrappers", 0), ("audio_wrappers", 0),
                             ("video_frame_tokens", 0)):
             checked_int(getattr(self, name), f"TokenCounter.{name}", least=least)
         checked_int(self.audio_n_window, "TokenCounter.audio_n_window", least=1, optional=True)
+        seconds = self.video_timestamp_seconds
+        if seconds is not None and (isinstance(seconds, (bool, np.bool_)) or not isinstance(seconds, numbers.Real)
+                                    or not math.isfinite(seconds) or seconds <= 0):
+            raise ValueError(f"TokenCounter.video_timestamp_seconds must be None or a finite number > 0, got "
+                             f"{seconds!r}")
+
+    @classmethod
+    def for_family(cls, family: str, *, spatial_merge: int = 2, audio_n_window: int = 50) -> "TokenCounter":
+        """The counter of `family`'s processor (an `MRopeConfig.family`: "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
+        "qwen3_omni"): Qwen3-VL's per-step vision_start / vision_end and timestamps, Qwen3-Omni's audio rule
+        (`audio_n_window`, its audio encoder's window); the others are the default layout. `spatial_merge`: the
+        vision config's `spatial_merge_size`.
+
+        Raises:
+            ValueError: an unknown family (naming the known ones), or a field out of range.
+        """
+        from megatron_vlm_packing.planner.presets import family_fields
+
+        return cls(spatial_merge=spatial_merge, **family_fields(family, audio_n_window=audio_n_window))
+
+    @classmethod
+    def from_hf_config(cls, hf_config) -> "TokenCounter":
+        """`for_family` of a transformers config, read as `rope.MRopeConfig.from_hf_config` reads it (its family,
+        `vision_config.spatial_merge_size`, Qwen3-Omni's `audio_config.n_window`).
+
+        Raises:
+            ValueError: a model type of no supported family, or a field `MRopeConfig.from_hf_config` refuses.
+        """
+        from megatron_vlm_packing.rope.config import MRopeConfig
+
+        mrope = MRopeConfig.from_hf_config(hf_config)
+        return cls.for_family(mrope.family, spatial_merge=mrope.spatial_merge_size,
+                              audio_n_window=mrope.audio_n_window)
 
     def __call__(self, table: SampleTable) -> np.ndarray:
         """[N] int64 expanded token counts. ValueError for a grid whose h or w the merge does not
@@ -241,7 +285,11 @@ class TokenCounter:
         audio = self._clip_tokens(table.audio_frames) + self.audio_wrappers
         total = table.text_tokens.astype(np.float64)
         total += table.per_sample_sum(vision(table.image_grids), table.image_owner)
-        video_steps = table.video_grids[:, 0].astype(np.float64) * self.video_frame_tokens  # Qwen3-VL's timestamps
+        video_steps = table.video_grids[:, 0].astype(np.float64) * self.video_frame_tokens  # Qwen3-VL's blocks
+        if self.video_timestamp_seconds is not None:
+            from megatron_vlm_packing.planner.presets import timestamp_tokens
+
+            video_steps += timestamp_tokens(table.video_grids[:, 0], self.video_timestamp_seconds)
         total += table.per_sample_sum(vision(table.video_grids) + video_steps, table.video_owner)
         total += table.per_sample_sum(audio, table.audio_owner)
         refuse_uncountable(total)

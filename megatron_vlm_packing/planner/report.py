@@ -7,27 +7,11 @@ import time
 
 import numpy as np
 
-from megatron_vlm_packing.cli import int_at_least
+from megatron_vlm_packing.cli import add_plan_arguments  # noqa: F401 (its home was here)
 from megatron_vlm_packing.packing.plan import PackMultiples
 from megatron_vlm_packing.planner.bins import BinLayout
 from megatron_vlm_packing.planner.schedule import EpochPlan, PlannerConfig, plan_epoch
 from megatron_vlm_packing.planner.synthetic import synthetic_table
-
-
-def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--samples", type=int_at_least(1), default=20000, help="synthetic samples (default 20000)")
-    parser.add_argument("--capacity", type=int, default=32768, help="physical tokens per bin")
-    parser.add_argument("--dp", type=int, default=8, help="data-parallel ranks")
-    parser.add_argument("--micro-batches", type=int, default=1, help="micro-batches per rank per step")
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--cp", type=int, default=1)
-    parser.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1, as Megatron-Core does)")
-    parser.add_argument("--fp8", action="store_true")
-    parser.add_argument("--steps-shown", type=int_at_least(0), default=2,  # -1 sliced off the last step
-                        help="steps whose per-rank cost is printed")
-    parser.add_argument("--seed", type=int_at_least(0), default=0,
-                        help="epoch shuffle seed, >= 0 (default 0; numpy takes no negative seed)")
-    parser.add_argument("--progress", action="store_true", help="progress line on stderr while planning")
 
 
 def _summary(plan: EpochPlan) -> tuple[float, float, float]:

@@ -15,6 +15,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 import torch
 
+from megatron_vlm_packing.packing.bounds import int_entries
 from megatron_vlm_packing.packing.checks import check_dense, is_integer_tensor, token_place
 from megatron_vlm_packing.packing.lengths import widened_unsigned
 from megatron_vlm_packing.rope.config import SECONDS_FAMILIES, MRopeConfig
@@ -96,8 +97,9 @@ def check_seconds_dtype(seconds, name: str = "second_per_grid_ts") -> None:
 
 
 def check_audio_seqlens_type(seqlens, name: str = "audio_seqlens") -> None:
-    """Raw audio lengths (Qwen3-Omni), one per clip: an [A] integer tensor or a list of ints. An [A, 1] tensor
-    was flattened, a 0-dim one read as one clip, float lengths truncated. Reads no values.
+    """Raw audio lengths (Qwen3-Omni), one per clip: an [A] integer tensor or a list of ints (numpy ints too,
+    `bounds.int_entries`). An [A, 1] tensor was flattened, a 0-dim one read as one clip, float lengths truncated.
+    Reads no values.
 
     Raises:
         ValueError: naming the shape, the dtype, the first entry of a list that is no int, or the type and value of
@@ -114,10 +116,7 @@ def check_audio_seqlens_type(seqlens, name: str = "audio_seqlens") -> None:
         raise ValueError(f"{name} must be [A], one raw length per audio clip (an integer tensor, or a list or tuple "
                          f"of ints), got {type(seqlens).__name__} {shown}")
     elif seqlens is not None:
-        raw = list(seqlens)
-        bad = next((i for i, n in enumerate(raw) if isinstance(n, bool) or not isinstance(n, int)), None)
-        if bad is not None:
-            raise ValueError(f"{name} entry {bad} is {raw[bad]!r}: raw audio lengths must be ints")
+        int_entries(seqlens, name, "raw audio lengths")  # numpy ints as Python ints; bool, float, str refused
 
 
 def _seconds_bad(seconds) -> tuple[torch.Tensor, torch.Tensor] | None:

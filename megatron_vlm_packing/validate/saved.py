@@ -10,7 +10,7 @@ from typing import Mapping
 
 import torch
 
-from megatron_vlm_packing.validate.inputs import SAVED_KEYS
+from megatron_vlm_packing.validate.saved_keys import SAVED_KEYS, saved_keys_help  # noqa: F401 (the help's home was here)
 from megatron_vlm_packing.validate.validate import POSITIONS_1D
 
 
@@ -54,11 +54,6 @@ def _refused_global(message: str) -> str | None:
     """The class a weights-only load refused (e.g. 'numpy.ndarray'), from torch's UnpicklingError message."""
     found = re.search(r"(?:but got|Unsupported global: GLOBAL) <?(?:class )?'?([\w.]+)", message)
     return found.group(1) if found else None
-
-
-def saved_keys_help() -> str:
-    """One line per key, for `check --help`."""
-    return "\n".join(f"  {key}: {meaning}" for key, meaning in SAVED_KEYS.items())
 
 
 def load_hf_mrope_config(path: str | os.PathLike, *, text_offset: str = "max_hw"):
