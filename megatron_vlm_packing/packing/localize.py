@@ -95,8 +95,13 @@ def check_packed_seq_params(micro_batch: MicroBatch) -> None:
         if value is None or isinstance(value, torch.Tensor):  # a tensor's value is read by the kernel, not here
             continue
         if indices is not None and value < indices.plan.max_seqlen:
-            raise ValueError(f"packed_seq_params.{name}={value} is below the longest physical document "
-                             f"({indices.plan.max_seqlen} slots): attention would leave its tail uncomputed")
+            refuse_short_max_seqlen(name, value, indices.plan.max_seqlen)
+
+
+def refuse_short_max_seqlen(name: str, value: int, longest: int) -> None:
+    """ValueError: `packed_seq_params.<name>` is `value`, below `longest`, the longest physical document."""
+    raise ValueError(f"packed_seq_params.{name}={value} is below the longest physical document ({longest} slots): "
+                     f"attention would leave its tail uncomputed")
 
 
 def packed_cp_index(micro_batch: MicroBatch, layout: ParallelLayout) -> torch.Tensor:

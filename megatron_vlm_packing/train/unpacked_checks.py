@@ -1,5 +1,5 @@
-"""The step's checks of what no packer made or checked: loss weights, labels, positions and packed boundaries that
-a `transform=`, a `dataclasses.replace` or a hand-built `MicroBatch` gave the micro-batch. Each runs only when the
+"""The step's checks of what no packer made or checked: loss weights, labels, positions, packed boundaries (every
+field of `packed_seq_params`, and `rope_cu_seqlens`: `train.plan_boundaries`) that a `transform=`, a `dataclasses.replace` or a hand-built `MicroBatch` gave the micro-batch. Each runs only when the
 packer's mark (`MicroBatch.checked_*`) does not vouch for the field: the packers' own micro-batches, moved or not,
 cost nothing here. The step queues every check that runs and reads their results back together
 (`check_unpacked_fields`: one host sync for a micro-batch with any such field); each `check_*` below reads alone.
@@ -7,13 +7,13 @@ cost nothing here. The step queues every check that runs and reads their results
 
 from __future__ import annotations
 
-import itertools
 from typing import Callable
 
 import torch
 
 from megatron_vlm_packing.packing.checks import DeferredChecks
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
+from megatron_vlm_packing.train.plan_boundaries import queue_plan_boundaries, queue_rope_boundaries
 
 
 class OneRead(DeferredChecks):
@@ -33,7 +33,7 @@ def check_unpacked_fields(micro_batch: MicroBatch, vocab_size: int | None) -> No
     """The step's checks of fields no packer checked, in this order, read back together: loss weights
     (`check_unpacked_loss_weights`), labels (`check_unpacked_labels`), sequence fields that are no tensors
     (`localize.check_field_types`, metadata), dense positions (`check_unpacked_dense_positions`), packed boundaries
-    and positions (`check_packed_documents`).
+    and positions (`check_packed_documents`), `rope_cu_seqlens` (`plan_boundaries.queue_rope_boundaries`).
 
     Raises:
         ValueError: the first fault, as the check that finds it names it. One host sync when any check runs.
@@ -46,6 +46,7 @@ def check_unpacked_fields(micro_batch: MicroBatch, vocab_size: int | None) -> No
     check_field_types(micro_batch)  # metadata only: a list or None is named here, not an AttributeError below
     queue_dense_positions(micro_batch, checks)
     queue_packed_documents(micro_batch, checks)
+    queue_rope_boundaries(micro_batch, checks)
     checks.read()  # the one host sync (none queued: none)
 
 
@@ -231,89 +232,3 @@ def queue_packed_documents(micro_batch: MicroBatch, checks: OneRead) -> None:
         return
     if not (queue_plan_boundaries(micro_batch, checks) and micro_batch.positions_checked):
         queue_packed_positions(micro_batch, checks)
-
-
-def queue_plan_boundaries(micro_batch: MicroBatch, checks: OneRead) -> bool:
-    """Whether a packed micro-batch's boundaries are the ones its positions, padding mask, labels and CP index were
-    made from: the packer's own `PackedSeqParams` (`boundaries_checked`; or declared by a control,
-    `packing.micro_batch.declare_boundaries`), or other ones whose every boundary set equals the plan's
-    (`indices`): each set that is the plan's own tensor is known without a read, the others are queued on
-    `checks` and compared at its read. False when there is no plan to compare with (built with `plan=None,
-    indices=None`): the positions are read then.
-
-    Raises:
-        ValueError: malformed boundaries (`localize.check_packed_seq_params`); now or at the read, a boundary set
-            other than the plan's (documents merged, a boundary shifted, another padded set), naming it, the entry
-            (where which document starts) and both values.
-    """
-    if micro_batch.boundaries_checked:
-        return True
-    from megatron_vlm_packing.packing.indices import PackIndices
-    from megatron_vlm_packing.packing.localize import check_packed_seq_params
-
-    indices = micro_batch.indices
-    if not isinstance(indices, PackIndices):
-        return False
-    check_packed_seq_params(micro_batch)  # metadata only: integer [N+1] sets on one device
-    plan = indices.plan
-    expected = {"real": [0, *itertools.accumulate(plan.real_lengths)],
-                "physical": [0, *itertools.accumulate(plan.physical_lengths)]}
-    own = ((indices.cu_seqlens, expected["real"]), (indices.cu_seqlens_padded, expected["physical"]))
-    sets = _boundary_sets(micro_batch.packed_seq_params)
-    values = {id(cu): ints for cu, ints in own}  # the plan's own tensors: their values are the plan's ints
-    unread = list({id(cu): cu for _, cu, _ in sets if id(cu) not in values}.values())
-
-    def differs(host: list) -> bool:  # host: the unread sets' values, in order
-        flat = iter(host)
-        values.update({id(cu): [next(flat) for _ in range(cu.numel())] for cu in unread})
-        return any(values[id(cu)] != expected[kind] for _, cu, kind in sets)
-
-    def refuse() -> None:
-        label, cu, kind = next(entry for entry in sets if values[id(entry[1])] != expected[entry[2]])
-        _refuse_boundaries(label, values[id(cu)], expected[kind], kind)
-
-    if unread:  # boundaries no packer made: read with the other checks
-        checks.add(torch.cat([cu.reshape(-1).long() for cu in unread]), differs, refuse)
-    elif differs([]):  # the plan's own tensors in other roles (a real set as the physical one): no read
-        refuse()
-    return True
-
-
-def _boundary_sets(params) -> list[tuple[str, torch.Tensor, str]]:
-    """(what to call it, tensor, "real" / "physical") for each boundary set attention reads: `cu_seqlens_q` / `_kv`
-    (real), `cu_seqlens_q_padded` / `_kv_padded` (physical), or the real set again where the padded one is None
-    (attention then takes it as the physical set)."""
-    sets = [(f"cu_seqlens_{side}", getattr(params, f"cu_seqlens_{side}"), "real") for side in ("q", "kv")]
-    for side in ("q", "kv"):
-        padded = getattr(params, f"cu_seqlens_{side}_padded")
-        if padded is not None:
-            sets.append((f"cu_seqlens_{side}_padded", padded, "physical"))
-        else:
-            sets.append((f"cu_seqlens_{side} (the physical boundaries: cu_seqlens_{side}_padded is None)",
-                         getattr(params, f"cu_seqlens_{side}"), "physical"))
-    return [(label, cu, kind) for label, cu, kind in sets if cu is not None]
-
-
-def _refuse_boundaries(label: str, got: list[int], plan: list[int], kind: str) -> None:
-    """ValueError: `packed_seq_params.<label>` holds `got`, not the plan's `plan` (the first entry that differs,
-    or the document counts)."""
-    def shown(values: list[int]) -> str:
-        return str(values) if len(values) <= 12 else f"[{', '.join(map(str, values[:8]))}, ..., {values[-1]}]"
-
-    def documents(values: list[int]) -> str:
-        return f"{len(values) - 1} document{'' if len(values) == 2 else 's'}"
-
-    head = f"packed_seq_params.{label} is {shown(got)}"
-    if len(got) != len(plan):
-        where = f"{head} ({documents(got)}) but the pack plan's {kind} boundaries are {shown(plan)} ({documents(plan)})"
-    else:
-        entry = next(i for i, (a, b) in enumerate(zip(got, plan)) if a != b)
-        place = "the start of the pack" if entry == 0 else \
-            "the end of the last document" if entry == len(plan) - 1 else f"where document {entry} starts"
-        where = (f"{head} but the pack plan's {kind} boundaries are {shown(plan)}: entry {entry} ({place}) is "
-                 f"{got[entry]}, the plan's {plan[entry]}")
-    raise ValueError(f"{where}; the micro-batch's positions, padding mask, labels and CP index were made from the "
-                     f"plan's documents, so attention over these would join or split them silently (a transform or a "
-                     f"replace of packed_seq_params): keep the packer's boundaries (another max_seqlen_* is fine), or "
-                     f"give each document its own when packing (pack_batch with document_lengths=)")
-
