@@ -180,8 +180,9 @@ def queue_rope_boundaries(micro_batch: MicroBatch, checks: OneRead) -> None:
         return held[0] != held[1]
 
     checks.add(torch.cat([rope.reshape(-1).long(), real.reshape(-1).long().to(rope.device)]), differs,
-               lambda: refuse_boundaries("rope_cu_seqlens", held[0], "the real boundaries of packed_seq_params.cu_seqlens_q",
-                                         held[1], _ROPE_FIX, owner="cu_seqlens_q's"))
+               lambda: refuse_boundaries("rope_cu_seqlens", held[0],
+                                         "the real boundaries of packed_seq_params.cu_seqlens_q", held[1], _ROPE_FIX,
+                                         owner="cu_seqlens_q's"))
 
 
 def with_the_plans_tensors(micro_batch: MicroBatch) -> MicroBatch:

@@ -224,7 +224,8 @@ def prepare_for_model(micro_batch: MicroBatch, adapter: ModelAdapter, layout: Pa
     host sync for all) and what the model cannot take
     (`adapter.check`), then cut the full-length micro-batch to this CP rank as the adapter declares (`localize`);
     returns the rank-local micro-batch."""
-    check_unpacked_fields(micro_batch, getattr(adapter, "vocab_size", None))  # one host sync for all, if any runs
+    # one host sync for all, if any runs; boundaries it found equal to the plan's become the plan's own tensors
+    micro_batch = check_unpacked_fields(micro_batch, getattr(adapter, "vocab_size", None))
     adapter.check(micro_batch)
     return localize(micro_batch, layout, adapter.needs)
 

@@ -1,5 +1,6 @@
 """The step's checks of what no packer made or checked: loss weights, labels, positions, packed boundaries (every
-field of `packed_seq_params`, and `rope_cu_seqlens`: `train.plan_boundaries`) that a `transform=`, a `dataclasses.replace` or a hand-built `MicroBatch` gave the micro-batch. Each runs only when the
+field of `packed_seq_params`, and `rope_cu_seqlens`: `train.plan_boundaries`) that a `transform=`, a
+`dataclasses.replace` or a hand-built `MicroBatch` gave the micro-batch. Each runs only when the
 packer's mark (`MicroBatch.checked_*`) does not vouch for the field: the packers' own micro-batches, moved or not,
 cost nothing here. The step queues every check that runs and reads their results back together
 (`check_unpacked_fields`: one host sync for a micro-batch with any such field); each `check_*` below reads alone.
@@ -13,7 +14,8 @@ import torch
 
 from megatron_vlm_packing.packing.checks import DeferredChecks
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
-from megatron_vlm_packing.train.plan_boundaries import queue_plan_boundaries, queue_rope_boundaries
+from megatron_vlm_packing.train.plan_boundaries import (
+    queue_plan_boundaries, queue_rope_boundaries, with_the_plans_tensors)
 
 
 class OneRead(DeferredChecks):
@@ -29,11 +31,15 @@ class OneRead(DeferredChecks):
         self.add(fault.any().long().reshape(1), lambda v: v[0] != 0, raiser)
 
 
-def check_unpacked_fields(micro_batch: MicroBatch, vocab_size: int | None) -> None:
+def check_unpacked_fields(micro_batch: MicroBatch, vocab_size: int | None) -> MicroBatch:
     """The step's checks of fields no packer checked, in this order, read back together: loss weights
     (`check_unpacked_loss_weights`), labels (`check_unpacked_labels`), sequence fields that are no tensors
     (`localize.check_field_types`, metadata), dense positions (`check_unpacked_dense_positions`), packed boundaries
     and positions (`check_packed_documents`), `rope_cu_seqlens` (`plan_boundaries.queue_rope_boundaries`).
+
+    Returns:
+        `micro_batch`, with the plan's own boundary tensors in place of those the read found equal to them
+        (`plan_boundaries.with_the_plans_tensors`: `localize` then reads none).
 
     Raises:
         ValueError: the first fault, as the check that finds it names it. One host sync when any check runs.
@@ -48,6 +54,7 @@ def check_unpacked_fields(micro_batch: MicroBatch, vocab_size: int | None) -> No
     queue_packed_documents(micro_batch, checks)
     queue_rope_boundaries(micro_batch, checks)
     checks.read()  # the one host sync (none queued: none)
+    return with_the_plans_tensors(micro_batch)
 
 
 def _read_alone(queue: Callable[[OneRead], None]) -> None:

@@ -133,3 +133,28 @@ def test_the_fields_are_checked_from_the_plans_host_ints(setup):
         with count_host_syncs() as syncs:
             check_unpacked_fields(_params(loader, copies=False, **fields), None)
         assert syncs.total == reads, syncs.report()
+
+
+def test_boundaries_found_equal_become_the_plans_own_tensors(setup):
+    """After the read, `localize` sees the plan's own tensors (`plan_indices_of`: the CP index from host ints), with
+    the other fields as given; declared boundaries and the packer's own are left as they are."""
+    from megatron_vlm_packing.packing.localize import plan_indices_of
+    from megatron_vlm_packing.packing.micro_batch import declare_boundaries
+    from megatron_vlm_packing.train.unpacked_checks import check_unpacked_fields
+
+    loader = setup["loader"]
+    indices = loader.indices
+    copies = _params(loader, copies=True, max_seqlen_q=64, max_seqlen_kv=64)
+    copies = R(copies, rope_cu_seqlens=loader.rope_cu_seqlens.clone())
+    assert plan_indices_of(copies) is None
+    checked = check_unpacked_fields(copies, None)
+    params = checked.packed_seq_params
+    assert params.cu_seqlens_q is indices.cu_seqlens and params.cu_seqlens_kv is indices.cu_seqlens
+    assert params.cu_seqlens_q_padded is indices.cu_seqlens_padded
+    assert params.cu_seqlens_kv_padded is indices.cu_seqlens_padded
+    assert (params.max_seqlen_q, params.max_seqlen_kv) == (64, 64) and checked.rope_cu_seqlens is indices.cu_seqlens
+    assert plan_indices_of(checked) is indices and checked.boundaries_checked
+    assert copies.packed_seq_params.cu_seqlens_q is not indices.cu_seqlens  # the given params are not changed
+    declared = declare_boundaries(loader, copies.packed_seq_params)
+    assert check_unpacked_fields(declared, None).packed_seq_params is copies.packed_seq_params
+    assert check_unpacked_fields(loader, None) is loader
