@@ -264,6 +264,8 @@ class RouterPadMask:
 class Qwen3VLAdapter(ModelAdapter):
     """Megatron-Bridge `Qwen3VLModel` (Qwen3-VL dense and MoE)."""
 
+    checks_unpacked_ids = True  # check() refuses ids no packer checked: the step reads them in its one read
+
     consumes = frozenset({"images", "videos"})
     needs = LocalizeNeeds(full_input_ids=True, full_position_ids=True)
     patch_requirements: tuple[PatchRequirement, ...] = ()  # set by __init__: the patches this layout needs
@@ -333,6 +335,8 @@ class Qwen3VLAdapter(ModelAdapter):
 
 class Qwen25VLAdapter(ModelAdapter):
     """Megatron-Bridge `Qwen25VLModel` (Qwen2.5-VL)."""
+
+    checks_unpacked_ids = True  # check() refuses ids no packer checked: the step reads them in its one read
 
     consumes = frozenset({"images", "videos"})
     needs = LocalizeNeeds(full_input_ids=True, full_position_ids=True)

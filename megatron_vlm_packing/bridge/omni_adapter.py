@@ -105,6 +105,8 @@ class Qwen3OmniAdapter(ModelAdapter):
     `mrope` is the model's own `MRopeConfig` (the step packs each sample's positions with it).
     """
 
+    checks_unpacked_ids = True  # check() refuses ids no packer checked: the step reads them in its one read
+
     consumes = frozenset({"images", "videos", "audio"})
     needs = LocalizeNeeds(full_input_ids=True, full_position_ids=True)
     rotary = "mrope"

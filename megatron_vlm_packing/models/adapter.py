@@ -48,6 +48,10 @@ class ModelAdapter:
     `unembedded_token_id` (None: every id is embedded) is an id the model replaces before its embedding
     (LLaVA's image token, which may lie outside the vocabulary): the step's check of a loader micro-batch's
     ids against the vocabulary (`train.step.check_loader_vocab`) skips it, as the model's own packer does.
+    `checks_unpacked_ids` (False) says that `check` refuses ids no packer checked outside [0, vocab_size)
+    (`check_unpacked_ids`): the step then reads them in its one read of what no packer checked
+    (`train.unpacked_checks.check_unpacked_fields`), so `check` reads nothing for clean ids, and checks them itself
+    after `check` if `check` did not.
 
     An adapter is built once per model (`adapter_for(model)`), so `__init__` may read the model's
     config (e.g. to check an mRoPE setting) and raise a ValueError for a model it cannot drive.
@@ -58,6 +62,7 @@ class ModelAdapter:
     takes_packed_seq_params: bool = True
     vocab_size: int | None = None
     unembedded_token_id: int | None = None
+    checks_unpacked_ids: bool = False
 
     def __init__(self, model: nn.Module):
         self.model_name = type(model).__name__
@@ -194,15 +199,16 @@ def check_unpacked_ids(micro_batch: MicroBatch, vocab_size: int | None) -> None:
     """Input ids no packer checked (not the ids of `MicroBatch.checked_media`: a transform's, a `replace`)
     must be an integer tensor of ids in [0, vocab_size) (>= 0 when the vocabulary is unknown), for models
     that embed the ids as they are (GPTModel, PackedVLM, Bridge's Qwen-VL; not LLaVA, whose image token is
-    negative). Else a negative or too large id was an IndexError inside the embedding. Packed ids: no sync.
+    negative). Else a negative or too large id was an IndexError inside the embedding. Packed ids: no sync; ids
+    an adapter that `checks_unpacked_ids` declares were read in the step's one read (`MicroBatch.ids_checked`): no
+    sync either, unless they are bad (then read again here, to be named in the adapter's order).
 
     Raises:
         ValueError: ids that are no integer tensor, or naming the first bad slot and its value. One host sync.
     """
-    checked = micro_batch.checked_media
-    ids = micro_batch.input_ids
-    if checked is not None and checked[0] is ids and micro_batch.vocab_checked(vocab_size):
+    if micro_batch.ids_checked(vocab_size):  # the packer's, or the step's one read (`checks_unpacked_ids`)
         return
+    ids = micro_batch.input_ids
     from megatron_vlm_packing.packing.checks import check_ids, integer_token_rows
 
     rows = integer_token_rows(ids, "input_ids")

@@ -288,6 +288,8 @@ class PackedVLM(nn.Module):
 class PackedVLMAdapter(ModelAdapter):
     """`PackedVLM` takes the full ids (it merges media, then selects its CP tokens with `cp_index`)."""
 
+    checks_unpacked_ids = True  # check() refuses ids no packer checked: the step reads them in its one read
+
     def __init__(self, model: PackedVLM):
         super().__init__(model)
         # A pipeline stage after the first holds no towers: the first stage consumed the media.

@@ -139,7 +139,12 @@ class MicroBatch:
         position_ids: [1, T] / [B, L] long (restarting per document), or [3, 1, T] / [3, B, L] (mRoPE).
         padding_mask: bool, True exactly at pad slots (from the plan, never from token values).
         packed_seq_params: Megatron-Core `PackedSeqParams` (THD, both boundary sets); None when dense.
-        rope_cu_seqlens: [N+1] int32 real boundaries (where rotary positions restart); None when dense.
+        rope_cu_seqlens: [N+1] int32 real boundaries of the plan (where rotary positions restart), full length on
+            every CP rank (`localize` does not cut it); None when dense. No rotary of this package reads it
+            (Megatron-Core's THD rotary takes `packed_seq_params`, the mRoPE paths the positions): it is for a
+            user's rotary. One that is not the plan's own `indices.cu_seqlens` (a transform's) is compared by the
+            step with the plan's real boundaries (`cu_seqlens_q` without a plan) and refused where it differs
+            (`train.plan_boundaries.queue_rope_boundaries`, in the step's one read).
         vision: images and videos with per-sample counts; None when the batch has none.
         audio: audio clips with per-sample counts; None when the batch has none.
         extras: other per-token tensors, laid out like `input_ids` (pad slots 0).
@@ -184,12 +189,19 @@ class MicroBatch:
             one causal document. Packed, the mark vouches only for the plan's documents: with boundaries that are
             not the plan's (below) the positions are read too.
         checked_boundaries: the `PackedSeqParams` the packer made (`pack_batch`, LLaVA's packers; kept by `localize`,
-            the moves, pinning, a DataLoader's pickle and `replace` of other fields). Other `packed_seq_params` (a
-            transform's, a `replace`) are compared by the step with the plan the positions, padding mask, labels and
-            CP index were made from (`train.unpacked_checks.check_packed_documents`: no read when they hold the
-            plan's own boundary tensors, one host sync otherwise) and refused where they differ; without a plan
+            the moves, pinning, a DataLoader's pickle and `replace` of other fields). Every field of other
+            `packed_seq_params` (a transform's, a `replace`) is compared by the step with the plan the positions,
+            padding mask, labels and CP index were made from (`train.plan_boundaries`: `qkv_format` "thd", the four
+            boundary sets the plan's, `max_seqlen_*` at least its longest physical document, `pad_between_seqs` not
+            False over pad slots; from the plan's host ints, but sets in new tensors and a tensor `max_seqlen_*`,
+            read in the step's one host sync) and refused where they differ; sets found equal are swapped for the
+            plan's own tensors (and the new params marked here), so `localize` reads none. Without a plan
             (`plan=None, indices=None`) the positions are read against them. Only a control that breaks the
-            boundaries on purpose declares its own (`declare_boundaries`).
+            boundaries on purpose declares its own (`declare_boundaries`). The mark is the object: write a new
+            `PackedSeqParams` (`dataclasses.replace`), never one of its fields in place.
+        checked_ids: (`input_ids` tensor, vocab_size) the step found in [0, vocab_size) in its one read
+            (`train.unpacked_checks.check_unpacked_fields`, for an adapter that `checks_unpacked_ids`), so the
+            adapter's `check_unpacked_ids` reads nothing (`ids_checked`); None otherwise.
     """
 
     input_ids: torch.Tensor
@@ -215,10 +227,21 @@ class MicroBatch:
     checked_vocab_size: int | None = field(default=None, compare=False)
     checked_positions: torch.Tensor | None = field(default=None, repr=False, compare=False)
     checked_boundaries: object | None = field(default=None, repr=False, compare=False)
+    checked_ids: tuple | None = field(default=None, repr=False, compare=False)
 
     def vocab_checked(self, vocab_size: int | None) -> bool:
         """The packer's checks bound the ids and labels it checked below `vocab_size` (always, when None)."""
         return vocab_size is None or (self.checked_vocab_size is not None and self.checked_vocab_size <= vocab_size)
+
+    def ids_checked(self, vocab_size: int | None) -> bool:
+        """These very `input_ids` are known to lie in [0, vocab_size) (>= 0 when None): the packer's
+        (`checked_media`, below `checked_vocab_size`) or the step's (`checked_ids`, its one read)."""
+        packer = self.checked_media
+        if packer is not None and packer[0] is self.input_ids and self.vocab_checked(vocab_size):
+            return True
+        step = self.checked_ids
+        return step is not None and step[0] is self.input_ids and \
+            (vocab_size is None or (step[1] is not None and step[1] <= vocab_size))
 
     @property
     def labels_checked(self) -> bool:

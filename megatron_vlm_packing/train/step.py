@@ -32,7 +32,8 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 from torch import nn
 
-from megatron_vlm_packing.models.adapter import ModelAdapter, adapter_for, check_loader_mrope, unwrap_model
+from megatron_vlm_packing.models.adapter import (
+    ModelAdapter, adapter_for, check_loader_mrope, check_unpacked_ids, unwrap_model)
 from megatron_vlm_packing.packing.bounds import is_int
 from megatron_vlm_packing.packing.collate import own_storages
 from megatron_vlm_packing.packing.localize import localize
@@ -224,9 +225,13 @@ def prepare_for_model(micro_batch: MicroBatch, adapter: ModelAdapter, layout: Pa
     host sync for all) and what the model cannot take
     (`adapter.check`), then cut the full-length micro-batch to this CP rank as the adapter declares (`localize`);
     returns the rank-local micro-batch."""
-    # one host sync for all, if any runs; boundaries it found equal to the plan's become the plan's own tensors
-    micro_batch = check_unpacked_fields(micro_batch, getattr(adapter, "vocab_size", None))
-    adapter.check(micro_batch)
+    vocab_size, checks_ids = getattr(adapter, "vocab_size", None), getattr(adapter, "checks_unpacked_ids", False)
+    # one host sync for all, if any runs (the ids too, when the adapter checks them); boundaries it found equal to
+    # the plan's become the plan's own tensors
+    micro_batch = check_unpacked_fields(micro_batch, vocab_size, ids=checks_ids)
+    adapter.check(micro_batch)  # names a bad id after its other refusals (reading the ids again: the error path only)
+    if checks_ids:
+        check_unpacked_ids(micro_batch, vocab_size)  # declared but not made by check(): no read for clean ids
     return localize(micro_batch, layout, adapter.needs)
 
 

@@ -8,6 +8,7 @@ cost nothing here. The step queues every check that runs and reads their results
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -31,15 +32,17 @@ class OneRead(DeferredChecks):
         self.add(fault.any().long().reshape(1), lambda v: v[0] != 0, raiser)
 
 
-def check_unpacked_fields(micro_batch: MicroBatch, vocab_size: int | None) -> MicroBatch:
+def check_unpacked_fields(micro_batch: MicroBatch, vocab_size: int | None, *, ids: bool = False) -> MicroBatch:
     """The step's checks of fields no packer checked, in this order, read back together: loss weights
     (`check_unpacked_loss_weights`), labels (`check_unpacked_labels`), sequence fields that are no tensors
     (`localize.check_field_types`, metadata), dense positions (`check_unpacked_dense_positions`), packed boundaries
-    and positions (`check_packed_documents`), `rope_cu_seqlens` (`plan_boundaries.queue_rope_boundaries`).
+    and positions (`check_packed_documents`), `rope_cu_seqlens` (`plan_boundaries.queue_rope_boundaries`), and with
+    `ids` (the adapter `checks_unpacked_ids`) the ids in [0, vocab_size) (`queue_ids_screen`).
 
     Returns:
         `micro_batch`, with the plan's own boundary tensors in place of those the read found equal to them
-        (`plan_boundaries.with_the_plans_tensors`: `localize` then reads none).
+        (`plan_boundaries.with_the_plans_tensors`: `localize` then reads none), and clean ids marked
+        (`checked_ids`: the adapter's `check_unpacked_ids` then reads none; bad ones it reads and names, in its order).
 
     Raises:
         ValueError: the first fault, as the check that finds it names it. One host sync when any check runs.
@@ -53,8 +56,29 @@ def check_unpacked_fields(micro_batch: MicroBatch, vocab_size: int | None) -> Mi
     queue_dense_positions(micro_batch, checks)
     queue_packed_documents(micro_batch, checks)
     queue_rope_boundaries(micro_batch, checks)
-    checks.read()  # the one host sync (none queued: none)
+    screened = queue_ids_screen(micro_batch, vocab_size, checks) if ids else None
+    host = checks.read()  # the one host sync (none queued: none)
+    if screened is not None and host[screened][0] == 0:
+        micro_batch = replace(micro_batch, checked_ids=(micro_batch.input_ids, vocab_size))
     return with_the_plans_tensors(micro_batch)
+
+
+def queue_ids_screen(micro_batch: MicroBatch, vocab_size: int | None, checks: OneRead) -> int | None:
+    """Queue whether ids no packer checked (not `MicroBatch.ids_checked`) hold a value outside [0, vocab_size) (< 0
+    when None), as `models.adapter.check_unpacked_ids` checks them, without raising: the adapter names a bad id in
+    its own `check`, after its other refusals, as before. Returns the entry's index in `checks`' read (its one
+    value is 0 when the ids are clean), or None when nothing was queued (checked ids; ids that are no integer
+    tensor, which `check_unpacked_ids` names)."""
+    from megatron_vlm_packing.packing.checks import as_rows, is_integer_tensor
+
+    ids = micro_batch.input_ids
+    if micro_batch.ids_checked(vocab_size) or not isinstance(ids, torch.Tensor) or not is_integer_tensor(ids):
+        return None
+    rows = as_rows(ids)
+    bad = rows < 0
+    if vocab_size is not None:
+        bad = bad | (rows >= vocab_size)
+    return checks.add(bad.any().long().reshape(1), lambda values: False, None)  # never raises: the adapter names it
 
 
 def _read_alone(queue: Callable[[OneRead], None]) -> None:

@@ -63,3 +63,40 @@ def test_the_first_fault_in_the_steps_order_is_named(setup):
         step_loss(setup["gpt"], setup["batch"], transform=faults)
     with pytest.raises(ValueError, match=r"labels .* is -7: a label must be -100"):
         step_loss(setup["gpt"], setup["batch"], transform=lambda mb: R(faults(mb), loss_mask=mb.loss_mask))
+
+
+def _own_ids_too(mb):
+    return R(_own_fields(mb), input_ids=mb.input_ids.clone())
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_ids_of_its_own_ride_the_same_read(setup, pack):
+    """The adapter's check of ids no packer checked (`models.adapter.check_unpacked_ids`) read them alone: a
+    transform that replaced ids and labels cost 2 reads."""
+    packers, loss = _step_syncs(setup, pack=pack)
+    own, own_loss = _step_syncs(setup, pack=pack, transform=_own_ids_too)
+    assert own - packers == 1
+    assert own_loss == pytest.approx(loss)
+
+
+def test_a_bad_id_is_named_where_the_adapter_checks_ids(setup):
+    """Labels before ids (the step's read first), the adapter's own refusals before ids (its check, in its order)."""
+    def bad_ids(mb):
+        ids = mb.input_ids.clone()
+        ids[0, 2] = 500
+        return R(_own_ids_too(mb), input_ids=ids)
+
+    with pytest.raises(ValueError, match=r"input_ids row 0 position 2 is 500: token ids must lie in \[0, 128\)"):
+        step_loss(setup["gpt"], setup["batch"], transform=bad_ids)
+
+    def bad_ids_and_labels(mb):
+        mb = bad_ids(mb)
+        labels = mb.labels.clone()
+        labels[0, 4] = -7
+        return R(mb, labels=labels)
+
+    with pytest.raises(ValueError, match=r"labels .* is -7: a label must be -100"):
+        step_loss(setup["gpt"], setup["batch"], transform=bad_ids_and_labels)
+    extra = lambda mb: R(bad_ids(mb), extras={"token_types": torch.zeros_like(mb.input_ids)})  # noqa: E731
+    with pytest.raises(ValueError, match=r"the micro-batch carries \['extra:token_types'\]"):
+        step_loss(setup["gpt"], setup["batch"], transform=extra)
