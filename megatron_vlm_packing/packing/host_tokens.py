@@ -46,8 +46,9 @@ def pack_tokens_on_host(rows, indices: PackIndices, *, pad_token_id: int,
     Raises:
         ValueError: the device path's error for the first bad id, label or loss weight.
     """
-    tokens = PackedHostTokens.of(rows.input_ids, rows.raw_labels, rows.loss_values, rows.label_style, indices,
-                                 pad_token_id=pad_token_id)
+    loss_values = None if rows.loss_values is None else rows.loss_values.numpy()
+    tokens = PackedHostTokens.of(rows.input_ids.numpy(), rows.raw_labels.numpy(), loss_values, rows.label_style,
+                                 indices, pad_token_id=pad_token_id)
     check_packed_values(rows.unchecked_values, rows.label_style, vocab_size, **tokens.check_arguments())
     return tokens.tensors()
 
@@ -70,25 +71,25 @@ class PackedHostTokens:
     first_labels: np.ndarray | None
 
     @classmethod
-    def of(cls, input_ids: torch.Tensor, raw_labels: torch.Tensor, loss_values: torch.Tensor | None,
+    def of(cls, input_ids: np.ndarray, raw_labels: np.ndarray, loss_values: np.ndarray | None,
            label_style: str, indices: PackIndices, *, pad_token_id: int) -> "PackedHostTokens":
         """Pack [B, S] `input_ids`, labels as given (Megatron targets, or HF labels shifted inside each
-        document) and `loss_values` (or None); every tensor one numpy can view (`packs_on_host`)."""
+        document) and `loss_values` (or None): numpy views of the rows' tensors (`packs_on_host`)."""
         plan = indices.plan
         hf = label_style == "hf"
         flat_length = len(plan.row_lengths) * plan.row_capacity
-        raw = raw_labels.numpy().reshape(flat_length)
+        raw = raw_labels.reshape(flat_length)
         # Hugging Face: no shifted target holds a document's first label, checked all the same.
         first_labels = raw[[row * plan.row_capacity for row in plan.segment_rows]] if hf else None
         if not indices.has_pad_slots:  # each document's real tokens as they are: row prefixes (labels shifted)
-            ids = cat_row_prefixes(input_ids.numpy(), plan)
+            ids = cat_row_prefixes(input_ids, plan)
             labels = cat_row_next_tokens(raw, plan, IGNORE_INDEX) if hf else cat_row_prefixes(raw, plan)
-            values = None if loss_values is None else cat_row_prefixes(loss_values.numpy(), plan)
+            values = None if loss_values is None else cat_row_prefixes(loss_values, plan)
             return cls(ids, labels, values, labels != IGNORE_INDEX, first_labels)
-        ids = cat_documents_host(input_ids.numpy().reshape(flat_length), indices.row_slices, pad_token_id)
+        ids = cat_documents_host(input_ids.reshape(flat_length), indices.row_slices, pad_token_id)
         labels = cat_documents_host(raw, indices.next_token_slices if hf else indices.row_slices, IGNORE_INDEX)
         values = None if loss_values is None else \
-            cat_documents_host(loss_values.numpy().reshape(flat_length), indices.row_slices, 0)
+            cat_documents_host(loss_values.reshape(flat_length), indices.row_slices, 0)
         return cls(ids, labels, values, labels != IGNORE_INDEX, first_labels)
 
     def check_arguments(self) -> dict:

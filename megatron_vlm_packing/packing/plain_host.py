@@ -7,9 +7,9 @@ dispatch, deferred checks for a batch on an accelerator) is most of the time at 
 Python layers cost more than the numpy work itself.
 
 `pack_plain_batch_on_host` packs such a batch with the same pieces (`make_pack_plan`, `plan_indices`,
-`host_tokens.PackedHostTokens`) and the same tests (`lengths.right_padded_host_lengths`,
-`checks.packed_value_faults`, `positions.host_positions_differ`); `pack_batch` builds the same
-`MicroBatch` from its result as from the general path's. It raises nothing of its own: a batch it does
+`host_tokens.PackedHostTokens`) and the same tests (`lengths.right_padded_row_lengths`,
+`checks.packed_value_faults`, `positions.host_positions_differ`), over numpy views of the tensors (each
+tensor crosses once); `pack_batch` builds the same `MicroBatch` from its result as from the general path's. It raises nothing of its own: a batch it does
 not recognise as plain, or one that fails any test, returns None, and `pack_batch` takes its general
 path, which raises the error naming the field and the numbers (or, for a test tripped only by pad
 slots, packs it). So the errors are one code's, and tests/packing/test_plain_host.py holds the two
@@ -22,18 +22,17 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from megatron_vlm_packing.packing.checks import packed_value_faults
 from megatron_vlm_packing.packing.host_tokens import PackedHostTokens
-from megatron_vlm_packing.packing.lengths import right_padded_host_lengths
-from megatron_vlm_packing.packing.pack import on_host_without_grad
+from megatron_vlm_packing.packing.lengths import right_padded_row_lengths
 from megatron_vlm_packing.packing.indices import PackIndices, plan_indices
 from megatron_vlm_packing.packing.plan import PackMultiples, PackPlan, make_pack_plan
 from megatron_vlm_packing.packing.positions import host_positions_differ
 
 PLAIN_KEYS = frozenset({"input_ids", "tokens", "labels", "loss_mask", "attention_mask", "position_ids"})
-_INTEGER_MASK_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
 
 
 class PlainPack(NamedTuple):
@@ -68,7 +67,7 @@ def pack_plain_batch_on_host(batch, *, multiples: PackMultiples, pad_to: int | N
     if mask is None:
         lengths = [row_length] * batch_size
     else:
-        lengths = right_padded_host_lengths(mask)
+        lengths = right_padded_row_lengths(mask)
         if lengths is None:
             return None
     try:
@@ -85,7 +84,8 @@ def pack_plain_batch_on_host(batch, *, multiples: PackMultiples, pad_to: int | N
 
 
 def _plain_rows(batch, label_style: str, vocab_size):
-    """(ids, labels, loss values or None, mask or None, [B, S] positions or None) of a plain batch, else None."""
+    """numpy views (ids, labels, loss values or None, mask or None, [B, S] positions or None) of a plain
+    batch, else None."""
     if type(batch) is not dict or not PLAIN_KEYS.issuperset(batch.keys()) or label_style not in ("megatron", "hf"):
         return None
     if vocab_size is not None and (type(vocab_size) is not int or vocab_size < 1):
@@ -93,21 +93,36 @@ def _plain_rows(batch, label_style: str, vocab_size):
     ids, tokens = batch.get("input_ids"), batch.get("tokens")
     if (ids is None) == (tokens is None):
         return None
-    ids = ids if ids is not None else tokens
-    labels, loss_values = batch.get("labels"), batch.get("loss_mask")
-    mask, positions = batch.get("attention_mask"), batch.get("position_ids")
-    if not (isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.dtype == torch.int64 and ids.numel()
-            and on_host_without_grad(ids)):
+    ids = _host_view(ids if ids is not None else tokens)
+    if ids is None or ids.ndim != 2 or ids.dtype != np.int64 or not ids.size:
         return None
-    shape = ids.shape
-    if not (isinstance(labels, torch.Tensor) and labels.shape == shape and labels.dtype == torch.int64
-            and on_host_without_grad(labels)):
+    labels = _host_view(batch.get("labels"))
+    if labels is None or labels.shape != ids.shape or labels.dtype != np.int64:
         return None
-    for optional in (loss_values, positions):
-        if optional is not None and not (isinstance(optional, torch.Tensor) and optional.shape == shape
-                                         and on_host_without_grad(optional)):
-            return None
-    if mask is not None and not (isinstance(mask, torch.Tensor) and mask.shape == shape
-                                 and mask.dtype in _INTEGER_MASK_DTYPES and on_host_without_grad(mask)):
+    rows = [ids, labels]
+    for key, dtypes in (("loss_mask", _VALUE_DTYPES), ("attention_mask", _MASK_DTYPES), ("position_ids", _VALUE_DTYPES)):
+        value = batch.get(key)
+        if value is not None:
+            value = _host_view(value)
+            if value is None or value.shape != ids.shape or value.dtype not in dtypes:
+                return None
+        rows.append(value)
+    return rows
+
+
+def _host_view(value) -> np.ndarray | None:
+    """The numpy view of a tensor, else None: not a tensor, or one `Tensor.numpy` refuses (on another device,
+    carrying autograd, sparse or nested, of a dtype numpy lacks). One C call checks all that, where reading
+    each property costs a call per tensor (a nested tensor's shape even raises)."""
+    if not isinstance(value, torch.Tensor):
         return None
-    return ids, labels, loss_values, mask, positions
+    try:
+        return value.numpy()
+    except (RuntimeError, TypeError):
+        return None
+
+
+# The dtypes the general path's host reads take from numpy (`pack.on_host_without_grad`: no uint16 to uint64, which
+# it reads as int64, no complex), and the integer masks it reads on the host (`lengths.right_padded_lengths_on_host`).
+_MASK_DTYPES = frozenset(map(np.dtype, (np.bool_, np.uint8, np.int8, np.int16, np.int32, np.int64)))
+_VALUE_DTYPES = _MASK_DTYPES | frozenset(map(np.dtype, (np.float16, np.float32, np.float64)))

@@ -159,6 +159,23 @@ def test_any_mask_gives_the_same_lengths_or_error_three_ways(mask, dtype):
     assert_same_three_ways({"input_ids": ids, "labels": ids + 1, "attention_mask": torch.tensor(mask).to(dtype)})
 
 
+
+M = 2 ** 63 - 1
+
+
+@pytest.mark.parametrize("mask, dtype", [
+    ([[M, M, 5, 0, 0], [1, 1, 1, 1, 1]], torch.int64),  # row sum wraps to 3, the first zero's place
+    ([[-(2 ** 63), 1, 0, 0, 0], [1, 1, 1, 1, 1]], torch.int64),
+    ([[1, 1, 255, 0, 0], [1, 0, 0, 0, 0]], torch.uint8),
+    ([[1, 1, -1, 0, 0], [1, 0, 0, 0, 0]], torch.int16),
+    ([[1, 1, 2 ** 31 - 1, 0, 0], [1, 0, 0, 0, 0]], torch.int32),
+    ([[1, 1, 1, 1, 1], [0, 0, 0, 0, 0]], torch.int16),
+], ids=["int64_wrapping_sum", "int64_min", "uint8_255", "int16_minus_one", "int32_max", "int16_full_and_empty"])
+def test_extreme_mask_values_give_the_same_lengths_or_error_three_ways(mask, dtype):
+    """Values whose row sums wrap or that only an unsigned reading of the mask's width sees as > 1."""
+    ids = torch.arange(1, 11).reshape(2, 5)
+    assert_same_three_ways({"input_ids": ids, "labels": ids + 1, "attention_mask": torch.tensor(mask, dtype=dtype)})
+
 def _clean():
     ids = torch.tensor([[5, 6, 7, 0], [8, 9, 4, 3]])
     return {"input_ids": ids, "labels": torch.tensor([[6, 7, 1, -100], [9, 4, 3, 2]]),
@@ -206,6 +223,10 @@ def _deferred_batches():
         "nan_weight": {**clean, "loss_mask": torch.tensor([[1.0, float("nan"), 1, 0], [1, 1, 1, 1]])},
         "restarting_positions": {**clean, "position_ids": torch.tensor([[0, 1, 0, 0], [0, 1, 2, 3]])},
         "not_a_dict": list(clean.items()),
+        # A nested tensor (strided layout) has no sizes: reading its shape raised a RuntimeError before the
+        # general path could name it.
+        **{f"nested_{key}": {**clean, key: torch.nested.nested_tensor(list(clean[key]))}
+           for key in ("input_ids", "labels", "loss_mask", "attention_mask", "position_ids")},
     }
 
 
