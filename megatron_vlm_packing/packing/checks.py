@@ -246,7 +246,7 @@ def packed_value_faults(label_style: str, vocab_size: int | None, *, ids: np.nda
     out of range, Megatron labels that copy their ids, a loss weight negative / not finite). All False on
     a clean batch; a True may come from pad slots only (an id test tripped by `pad_token_id`), which the
     row checks then clear."""
-    bad_ids = bool(ids.min() < 0 or (vocab_size is not None and ids.max() >= vocab_size))
+    bad_ids = _ids_out_of_range(ids, vocab_size)
     ignored = targets.size - int(np.count_nonzero(is_target))
     bad_labels = _labels_out_of_range(targets, ignored, vocab_size) or bool(
         first_labels is not None and first_labels.size
@@ -277,9 +277,32 @@ def check_row_values(inputs: ValueInputs, label_style: str, vocab_size: int | No
         check_loss_weights(inputs.loss_values, keep, inputs.where)
 
 
+def _ids_out_of_range(ids: np.ndarray, vocab_size: int | None) -> bool:
+    """An id below 0, or one at or above `vocab_size` (non-empty `ids`)."""
+    unsigned, bound = _unsigned_bound(ids, vocab_size)
+    if unsigned is not None:
+        return bool(np.maximum.reduce(unsigned) >= bound)
+    return bool(ids.min() < 0 or (vocab_size is not None and ids.max() >= vocab_size))
+
+
 def _labels_out_of_range(labels: np.ndarray, ignored: int, vocab_size: int | None) -> bool:
     """A label below 0 other than the `ignored` -100s, or one at or above `vocab_size` (non-empty `labels`)."""
+    unsigned, bound = _unsigned_bound(labels, vocab_size)
+    if unsigned is not None:  # every -100 is out of [0, bound): no other value may be
+        return np.count_nonzero(unsigned >= bound) != ignored
     return np.count_nonzero(labels < 0) != ignored or (vocab_size is not None and labels.max() >= vocab_size)
+
+
+def _unsigned_bound(values: np.ndarray, vocab_size: int | None) -> tuple[np.ndarray | None, object]:
+    """Signed integers of width w: (their unsigned view, the bound b) such that a value lies outside
+    [0, vocab_size) exactly when its unsigned view is >= b, one test (a pass, where two made the lower and
+    upper bounds): a negative value reads as >= 2**(w-1), and b = min(vocab_size, 2**(w-1)), the top of the
+    non-negative values (no vocab_size: nothing above them is out). (None, None) for other dtypes."""
+    if values.dtype.kind != "i":
+        return None, None
+    unsigned = np.dtype(f"u{values.dtype.itemsize}")
+    half = 1 << (8 * values.dtype.itemsize - 1)
+    return values.view(unsigned), unsigned.type(half if vocab_size is None else min(vocab_size, half))
 
 
 def host_array(values: torch.Tensor) -> np.ndarray:
