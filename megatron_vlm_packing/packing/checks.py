@@ -257,7 +257,8 @@ def packed_value_faults(label_style: str, vocab_size: int | None, *, ids: np.nda
         and np.count_nonzero(targets != ids) == ignored
     bad_weights = False
     if loss_values is not None and loss_values.dtype != np.bool_:
-        low, high = float(loss_values.min()), float(loss_values.max())  # NaN propagates (min / max do not warn)
+        # NaN propagates (min / max do not warn); the ufuncs' reductions themselves, not ndarray.min's Python layer
+        low, high = float(np.minimum.reduce(loss_values)), float(np.maximum.reduce(loss_values))
         bad_weights = not (low >= 0 and high <= _FLOAT32_MAX)  # NaN fails both
     return bad_ids, bad_labels, copied_ids, bad_weights
 
@@ -298,11 +299,17 @@ def _unsigned_bound(values: np.ndarray, vocab_size: int | None) -> tuple[np.ndar
     [0, vocab_size) exactly when its unsigned view is >= b, one test (a pass, where two made the lower and
     upper bounds): a negative value reads as >= 2**(w-1), and b = min(vocab_size, 2**(w-1)), the top of the
     non-negative values (no vocab_size: nothing above them is out). (None, None) for other dtypes."""
-    if values.dtype.kind != "i":
+    unsigned_half = _UNSIGNED_HALF.get(values.dtype)
+    if unsigned_half is None:
         return None, None
-    unsigned = np.dtype(f"u{values.dtype.itemsize}")
-    half = 1 << (8 * values.dtype.itemsize - 1)
-    return values.view(unsigned), unsigned.type(half if vocab_size is None else min(vocab_size, half))
+    unsigned, half = unsigned_half
+    return values.view(unsigned), unsigned(half if vocab_size is None else min(vocab_size, half))
+
+
+# Signed integer dtype -> (the unsigned type of its width, 2**(w-1)).
+_UNSIGNED_HALF = {np.dtype(signed): (unsigned, 1 << (8 * np.dtype(signed).itemsize - 1))
+                  for signed, unsigned in ((np.int8, np.uint8), (np.int16, np.uint16), (np.int32, np.uint32),
+                                           (np.int64, np.uint64))}
 
 
 def host_array(values: torch.Tensor) -> np.ndarray:

@@ -138,7 +138,8 @@ class PackPlan:
         segment multiple, the last one grown to a multiple of `total`, itself a multiple of `segment`).
         (`check_int32_total` it makes itself). The checks cost 10 us of a 4-row micro-batch's 300 in a
         DataLoader worker; tests/packing/test_plan.py rebuilds random plans through the checking constructor
-        and compares."""
+        and compares. `fields` may also hold the cached properties' values (`total`, ...), which are then read
+        without functools' Python layer."""
         plan = object.__new__(cls)
         plan.__dict__.update(fields)
         return plan
@@ -233,7 +234,8 @@ def make_pack_plan(
             )
         aligned = pad_to
     physical[-1] += aligned - sum(physical)
-    check_int32_total(aligned, sum(real))
+    num_real = sum(real)
+    check_int32_total(aligned, num_real)
     return PackPlan._made_by_make_pack_plan(
         row_lengths=lengths,
         row_capacity=row_capacity,
@@ -241,6 +243,10 @@ def make_pack_plan(
         real_lengths=real,
         physical_lengths=tuple(physical),
         multiples=multiples,
+        # the cached properties, computed here (several readers per micro-batch)
+        total=aligned,
+        num_real_tokens=num_real,
+        max_seqlen=max(physical),
     )
 
 
