@@ -102,12 +102,14 @@ class PackedHostTokens:
 
         Writes the weights over a float32 `loss_values` (no second [T] array): call it after the checks
         (`check_arguments`), which must see the values as given."""
-        # value * True / value * False in float32: the same bits as the device path's weights (written over
-        # the packed float32 values, a fresh copy, instead of a second [T] array).
-        values, is_target = self.loss_values, self.is_target
-        if values is None:
-            weights = is_target.astype(np.float32)
-        else:
-            weights = np.multiply(values, is_target, out=values if values.dtype == np.float32 else None,
-                                  dtype=np.float32)
+        weights = loss_weights_host(self.loss_values, self.is_target)
         return torch.from_numpy(self.ids[None]), torch.from_numpy(self.labels[None]), torch.from_numpy(weights[None])
+
+
+def loss_weights_host(values: np.ndarray | None, is_target: np.ndarray) -> np.ndarray:
+    """[T] float32 loss weights: the packed loss value at each target, else 0 (`is_target` as float32 without
+    values). Writes over float32 `values` (a fresh packed copy, checked before: no second [T] array)."""
+    # value * True / value * False in float32: the same bits as the device path's weights.
+    if values is None:
+        return is_target.astype(np.float32)
+    return np.multiply(values, is_target, out=values if values.dtype == np.float32 else None, dtype=np.float32)

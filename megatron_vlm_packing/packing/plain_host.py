@@ -25,9 +25,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from megatron_vlm_packing.packing.checks import packed_value_faults
-from megatron_vlm_packing.packing.host_tokens import PackedHostTokens
+from megatron_vlm_packing.packing.checks import IGNORE_INDEX, packed_value_faults
+from megatron_vlm_packing.packing.host_tokens import PackedHostTokens, loss_weights_host
 from megatron_vlm_packing.packing.lengths import right_padded_row_lengths
+from megatron_vlm_packing.packing.pack import cat_row_next_tokens
 from megatron_vlm_packing.packing.indices import PackIndices, plan_indices
 from megatron_vlm_packing.packing.plan import PackMultiples, PackPlan, make_pack_plan
 from megatron_vlm_packing.packing.positions import host_positions_differ
@@ -75,12 +76,45 @@ def pack_plain_batch_on_host(batch, *, multiples: PackMultiples, pad_to: int | N
     except ValueError:
         return None
     indices = plan_indices(plan)
+    if not indices.has_pad_slots:
+        return _pack_row_prefixes(input_ids, raw_labels, loss_values, given_positions, indices, label_style,
+                                  vocab_size)
     tokens = PackedHostTokens.of(input_ids, raw_labels, loss_values, label_style, indices, pad_token_id=pad_token_id)
     if any(packed_value_faults(label_style, vocab_size, **tokens.check_arguments())):
         return None
     if given_positions is not None and host_positions_differ(given_positions, indices):
         return None
     return PlainPack(plan, indices, *tokens.tensors())
+
+
+def _pack_row_prefixes(input_ids: np.ndarray, labels: np.ndarray, loss_values: np.ndarray | None,
+                       given_positions: np.ndarray | None, indices: PackIndices, label_style: str,
+                       vocab_size: int | None) -> PlainPack | None:
+    """`PackedHostTokens` + `packed_value_faults` + `host_positions_differ` + `tensors` for a plan without pad
+    slots (every document its row's prefix), in one function: the same copies (`cat_row_prefixes`' and
+    `cat_row_next_tokens`') and tests, without their layers, which cost a DataLoader worker more than the work
+    itself at a few rows when its caches are cold (the dataset's work ran just before)."""
+    plan = indices.plan
+    documents = list(zip(plan.segment_rows, plan.real_lengths))
+    ids = np.concatenate([input_ids[row, :n] for row, n in documents])
+    first_labels = None
+    if label_style == "hf":  # shifted inside each document; no target holds its first label, checked all the same
+        targets = cat_row_next_tokens(labels, plan, IGNORE_INDEX)
+        first_labels = labels[list(plan.segment_rows), 0]
+    else:
+        targets = np.concatenate([labels[row, :n] for row, n in documents])
+    values = None if loss_values is None else np.concatenate([loss_values[row, :n] for row, n in documents])
+    is_target = targets != IGNORE_INDEX
+    if any(packed_value_faults(label_style, vocab_size, ids=ids, targets=targets, is_target=is_target,
+                               first_labels=first_labels, loss_values=values)):
+        return None
+    # every slot real: the positions are each document's 0..n-1 (`segment_positions` views these offsets)
+    offsets = indices.offset_in_segment_host
+    if given_positions is not None and np.count_nonzero(
+            np.concatenate([given_positions[row, :n] for row, n in documents]) != offsets):
+        return None
+    return PlainPack(plan, indices, torch.from_numpy(ids[None]), torch.from_numpy(targets[None]),
+                     torch.from_numpy(loss_weights_host(values, is_target)[None]))
 
 
 def _plain_rows(batch, label_style: str, vocab_size):

@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import megatron_vlm_packing.packing.batch as batch_module
+import megatron_vlm_packing.packing.plain_host as plain_host_module
 from megatron_vlm_packing.packing import pack_batch
 from megatron_vlm_packing.packing.plain_host import pack_plain_batch_on_host
 from megatron_vlm_packing.packing.plan import PackMultiples
@@ -147,6 +148,42 @@ def test_a_bad_value_gives_the_same_error_or_result_three_ways(lengths, style, l
     if batch is None:
         return
     assert_same_three_ways(batch, **layout(cp, tp, fp8, vocab, style, keep.sum(1).tolist(), pad_extra))
+
+
+ROW_PREFIX_BATCHES = {**BATCHES, "cp": st.just(1), "tp": st.just(1), "fp8": st.just(False),
+                      "pad_extra": st.sampled_from([None, 0])}  # plans without pad slots: documents are row prefixes
+
+
+@settings(max_examples=80, deadline=None)
+@given(**ROW_PREFIX_BATCHES, bad=st.sampled_from([None, *BAD_VALUES]), at_pad=st.booleans(),
+       slot=st.integers(0, 10 ** 6))
+def test_plans_without_pad_slots_pack_the_same_three_ways(lengths, style, loss_dtype, mask_form, cp, tp, fp8, vocab,
+                                                          seed, positions, pad_extra, bad, at_pad, slot):
+    """The plain path's one-function branch for plans without pad slots (`plain_host._pack_row_prefixes`),
+    on clean batches and with one bad value."""
+    if bad is not None:
+        positions = positions or bad[0] == "position_ids"
+        if bad[0] == "loss_mask" and (loss_dtype is None or not loss_dtype.is_floating_point):
+            loss_dtype = torch.float32
+    batch, keep = plain_batch(lengths, style, loss_dtype, mask_form, seed, positions)
+    if bad is not None:
+        batch = with_bad_value(batch, keep, *bad, at_pad=at_pad, slot=slot)
+        if batch is None:
+            return
+    calls = []
+    real = plain_host_module._pack_row_prefixes
+
+    def spy(*args, **kwargs):
+        calls.append(real(*args, **kwargs))
+        return calls[-1]
+
+    with mock.patch.object(plain_host_module, "_pack_row_prefixes", spy):
+        taken, packs = assert_same_three_ways(batch, **layout(cp, tp, fp8, vocab, style, keep.sum(1).tolist(),
+                                                              pad_extra))
+    if taken:
+        assert calls and calls[-1] is not None  # no pad slots: the one-function branch packed it
+    if bad is None:
+        assert taken == (mask_form in PLAIN_MASKS and loss_dtype != torch.bfloat16 and packs)
 
 
 @settings(max_examples=60, deadline=None)
@@ -323,6 +360,10 @@ def _hostile_cases():
         "uint8_weights_255": ({**clean, "loss_mask": (clean["loss_mask"] * 255).to(torch.uint8)}, {}),
         "int8_weights": ({**clean, "loss_mask": clean["loss_mask"].to(torch.int8)}, {}),
         "ordered_dict": (collections.OrderedDict(clean), {}),
+        # Hugging Face labels: a document's first label, which no shifted target holds, is checked all the same
+        "hf_bad_first_label": ({**clean, "labels": _with(clean["labels"], (1, 0), -7)}, dict(label_style="hf")),
+        "hf_first_label_at_vocab": ({**clean, "labels": _with(clean["labels"], (0, 0), 10)},
+                                    dict(label_style="hf", vocab_size=10)),
         "keys_reversed": (dict(reversed(list(clean.items()))), dict(extra_keys=[], position_layout="B3S")),
     })
     for dtype in (torch.int32, torch.uint8, torch.int8, torch.float16, torch.float64, torch.bool):
