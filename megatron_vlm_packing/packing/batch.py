@@ -174,7 +174,7 @@ def pack_batch(
                             label_style=label_style, pad_token_id=pad_token_id, vocab_size=vocab_size)
         if plain is not None:
             return _packed_micro_batch(plain.plan, plain.indices, plain.input_ids, plain.labels, plain.loss_mask,
-                                       segment_positions(plain.indices),
+                                       plain.position_ids,
                                        row_tokens=len(plain.plan.row_lengths) * plain.plan.row_capacity,
                                        vocab_size=vocab_size)
     media = MediaTokens.resolve(mrope, image_token_id=image_token_id, video_token_id=video_token_id,

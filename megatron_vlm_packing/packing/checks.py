@@ -246,9 +246,17 @@ def packed_value_faults(label_style: str, vocab_size: int | None, *, ids: np.nda
     out of range, Megatron labels that copy their ids, a loss weight negative / not finite). All False on
     a clean batch; a True may come from pad slots only (an id test tripped by `pad_token_id`), which the
     row checks then clear."""
-    bad_ids = _ids_out_of_range(ids, vocab_size)
     ignored = targets.size - int(np.count_nonzero(is_target))
-    bad_labels = _labels_out_of_range(targets, ignored, vocab_size) or bool(
+    signed = _UNSIGNED_HALF.get(ids.dtype.num)
+    if signed is not None and targets.dtype.num == ids.dtype.num:  # the two tests inline: a worker's common case
+        unsigned, half = signed
+        bound = unsigned(half if vocab_size is None else min(vocab_size, half))
+        bad_ids = bool(np.maximum.reduce(ids.view(unsigned)) >= bound)
+        bad_labels = np.count_nonzero(targets.view(unsigned) >= bound) != ignored
+    else:
+        bad_ids = _ids_out_of_range(ids, vocab_size)
+        bad_labels = _labels_out_of_range(targets, ignored, vocab_size)
+    bad_labels = bad_labels or bool(
         first_labels is not None and first_labels.size
         and _labels_out_of_range(first_labels, int(np.count_nonzero(first_labels == IGNORE_INDEX)), vocab_size))
     # Every -100 target differs from its id (ids are >= 0), so no other target differs exactly when
@@ -256,7 +264,7 @@ def packed_value_faults(label_style: str, vocab_size: int | None, *, ids: np.nda
     copied_ids = label_style == "megatron" and targets.size - ignored >= 2 \
         and np.count_nonzero(targets != ids) == ignored
     bad_weights = False
-    if loss_values is not None and loss_values.dtype != np.bool_:
+    if loss_values is not None and loss_values.dtype.kind != "b":
         # NaN propagates (min / max do not warn); the ufuncs' reductions themselves, not ndarray.min's Python layer
         low, high = float(np.minimum.reduce(loss_values)), float(np.maximum.reduce(loss_values))
         bad_weights = not (low >= 0 and high <= _FLOAT32_MAX)  # NaN fails both
@@ -279,35 +287,32 @@ def check_row_values(inputs: ValueInputs, label_style: str, vocab_size: int | No
 
 
 def _ids_out_of_range(ids: np.ndarray, vocab_size: int | None) -> bool:
-    """An id below 0, or one at or above `vocab_size` (non-empty `ids`)."""
-    unsigned, bound = _unsigned_bound(ids, vocab_size)
-    if unsigned is not None:
-        return bool(np.maximum.reduce(unsigned) >= bound)
+    """An id below 0, or one at or above `vocab_size` (non-empty `ids`). Signed ints: one unsigned test
+    (`_UNSIGNED_HALF`), a maximum."""
+    signed = _UNSIGNED_HALF.get(ids.dtype.num)
+    if signed is not None:
+        unsigned, half = signed
+        bound = unsigned(half if vocab_size is None else min(vocab_size, half))
+        return bool(np.maximum.reduce(ids.view(unsigned)) >= bound)
     return bool(ids.min() < 0 or (vocab_size is not None and ids.max() >= vocab_size))
 
 
 def _labels_out_of_range(labels: np.ndarray, ignored: int, vocab_size: int | None) -> bool:
-    """A label below 0 other than the `ignored` -100s, or one at or above `vocab_size` (non-empty `labels`)."""
-    unsigned, bound = _unsigned_bound(labels, vocab_size)
-    if unsigned is not None:  # every -100 is out of [0, bound): no other value may be
-        return np.count_nonzero(unsigned >= bound) != ignored
+    """A label below 0 other than the `ignored` -100s, or one at or above `vocab_size` (non-empty `labels`).
+    Signed ints: one unsigned test (`_UNSIGNED_HALF`), a count: every -100 is out, no other value may be."""
+    signed = _UNSIGNED_HALF.get(labels.dtype.num)
+    if signed is not None:
+        unsigned, half = signed
+        bound = unsigned(half if vocab_size is None else min(vocab_size, half))
+        return np.count_nonzero(labels.view(unsigned) >= bound) != ignored
     return np.count_nonzero(labels < 0) != ignored or (vocab_size is not None and labels.max() >= vocab_size)
 
 
-def _unsigned_bound(values: np.ndarray, vocab_size: int | None) -> tuple[np.ndarray | None, object]:
-    """Signed integers of width w: (their unsigned view, the bound b) such that a value lies outside
-    [0, vocab_size) exactly when its unsigned view is >= b, one test (a pass, where two made the lower and
-    upper bounds): a negative value reads as >= 2**(w-1), and b = min(vocab_size, 2**(w-1)), the top of the
-    non-negative values (no vocab_size: nothing above them is out). (None, None) for other dtypes."""
-    unsigned_half = _UNSIGNED_HALF.get(values.dtype)
-    if unsigned_half is None:
-        return None, None
-    unsigned, half = unsigned_half
-    return values.view(unsigned), unsigned(half if vocab_size is None else min(vocab_size, half))
-
-
-# Signed integer dtype -> (the unsigned type of its width, 2**(w-1)).
-_UNSIGNED_HALF = {np.dtype(signed): (unsigned, 1 << (8 * np.dtype(signed).itemsize - 1))
+# Signed integers of width w: a value lies outside [0, vocab_size) exactly when its unsigned view is >= b =
+# min(vocab_size, 2**(w-1)), one test where two made the lower and upper bounds: a negative value reads as
+# >= 2**(w-1), the top of the non-negative values (no vocab_size: nothing above them is out).
+# Signed integer dtype's type number (an int key: no descriptor hashed) -> (the unsigned type of its width, 2**(w-1)).
+_UNSIGNED_HALF = {np.dtype(signed).num: (unsigned, 1 << (8 * np.dtype(signed).itemsize - 1))
                   for signed, unsigned in ((np.int8, np.uint8), (np.int16, np.uint16), (np.int32, np.uint32),
                                            (np.int64, np.uint64))}
 

@@ -112,4 +112,4 @@ def loss_weights_host(values: np.ndarray | None, is_target: np.ndarray) -> np.nd
     # value * True / value * False in float32: the same bits as the device path's weights.
     if values is None:
         return is_target.astype(np.float32)
-    return np.multiply(values, is_target, out=values if values.dtype == np.float32 else None, dtype=np.float32)
+    return np.multiply(values, is_target, out=values if values.dtype.char == "f" else None, dtype=np.float32)

@@ -89,6 +89,7 @@ class PackIndices:
             the CPU a micro-batch's 1D `position_ids` are a view of it (`pack.segment_positions`, no
             copy per micro-batch): never write either in place.
         is_real: [T] bool, True at real tokens, False at pad slots.
+        has_pad_slots: some document has pad slots (physical length > real length).
         next_is_real: [T] bool, True where the next slot is a real token of the same document
             (where a next-token target exists inside the sample).
         source: [T] long, flat index b*S+s of each slot's source token (0 at pad slots).
@@ -100,6 +101,8 @@ class PackIndices:
 
     def __init__(self, plan: PackPlan, device: torch.device):
         self.plan, self.device = plan, device
+        # (an attribute, read several times per micro-batch: no property call each time)
+        self.has_pad_slots = plan.real_lengths != plan.physical_lengths
         cu_real = (0, *itertools.accumulate(plan.real_lengths))
         cu_padded = (0, *itertools.accumulate(plan.physical_lengths)) if self.has_pad_slots else cu_real
         # With no pad slots the two sets are one tensor on every device (nothing writes boundaries in
@@ -158,10 +161,6 @@ class PackIndices:
     def next_token_slices(self) -> DocumentSlices:
         """Each document's next-token targets (labels[1:n]) in the flattened rows (host ints)."""
         return DocumentSlices.of(self.plan, shift=1)
-
-    @property
-    def has_pad_slots(self) -> bool:
-        return self.plan.real_lengths != self.plan.physical_lengths
 
     @functools.cached_property
     def offset_in_segment_host(self) -> np.ndarray:

@@ -9,11 +9,17 @@ Python layers cost more than the numpy work itself.
 `pack_plain_batch_on_host` packs such a batch with the same pieces (`make_pack_plan`, `plan_indices`,
 `host_tokens.PackedHostTokens`) and the same tests (`lengths.right_padded_row_lengths`,
 `checks.packed_value_faults`, `positions.host_positions_differ`), over numpy views of the tensors (each
-tensor crosses once); `pack_batch` builds the same `MicroBatch` from its result as from the general path's. It raises nothing of its own: a batch it does
+tensor crosses once); a plan without pad slots (cp = 1, no total multiple or pad_to to fill) takes one
+function for the copies, tests and weights (`_pack_row_prefixes`). `pack_batch` builds the same
+`MicroBatch` from its result as from the general path's. It raises nothing of its own: a batch it does
 not recognise as plain, or one that fails any test, returns None, and `pack_batch` takes its general
 path, which raises the error naming the field and the numbers (or, for a test tripped only by pad
 slots, packs it). So the errors are one code's, and tests/packing/test_plain_host.py holds the two
 paths equal on random and hostile batches.
+
+Why so few layers: a DataLoader worker packs right after the dataset's own work, with cold caches, where
+each Python function and each distinct numpy or torch operation first read costs microseconds (4 x 2048:
+about 100 us of 400 went to the layers of the same work).
 
 Shape legend: B = rows, S = row length, T = physical packed tokens.
 """
@@ -28,7 +34,7 @@ import torch
 from megatron_vlm_packing.packing.checks import IGNORE_INDEX, packed_value_faults
 from megatron_vlm_packing.packing.host_tokens import PackedHostTokens, loss_weights_host
 from megatron_vlm_packing.packing.lengths import right_padded_row_lengths
-from megatron_vlm_packing.packing.pack import cat_row_next_tokens
+from megatron_vlm_packing.packing.pack import cat_row_next_tokens, segment_positions
 from megatron_vlm_packing.packing.indices import PackIndices, plan_indices
 from megatron_vlm_packing.packing.plan import PackMultiples, PackPlan, make_pack_plan
 from megatron_vlm_packing.packing.positions import host_positions_differ
@@ -37,13 +43,15 @@ PLAIN_KEYS = frozenset({"input_ids", "tokens", "labels", "loss_mask", "attention
 
 
 class PlainPack(NamedTuple):
-    """A plain batch packed and checked: its plan and indices, and [1, T] ids, labels and float32 loss weights."""
+    """A plain batch packed and checked: its plan and indices, [1, T] ids, labels and float32 loss weights, and
+    [1, T] positions restarting per document (`pack.segment_positions`)."""
 
     plan: PackPlan
     indices: PackIndices
     input_ids: torch.Tensor
     labels: torch.Tensor
     loss_mask: torch.Tensor
+    position_ids: torch.Tensor
 
 
 def pack_plain_batch_on_host(batch, *, multiples: PackMultiples, pad_to: int | None, label_style: str,
@@ -84,7 +92,7 @@ def pack_plain_batch_on_host(batch, *, multiples: PackMultiples, pad_to: int | N
         return None
     if given_positions is not None and host_positions_differ(given_positions, indices):
         return None
-    return PlainPack(plan, indices, *tokens.tensors())
+    return PlainPack(plan, indices, *tokens.tensors(), segment_positions(indices))
 
 
 def _pack_row_prefixes(input_ids: np.ndarray, labels: np.ndarray, loss_values: np.ndarray | None,
@@ -114,12 +122,17 @@ def _pack_row_prefixes(input_ids: np.ndarray, labels: np.ndarray, loss_values: n
             np.concatenate([given_positions[row, :n] for row, n in documents]) != offsets):
         return None
     return PlainPack(plan, indices, torch.from_numpy(ids[None]), torch.from_numpy(targets[None]),
-                     torch.from_numpy(loss_weights_host(values, is_target)[None]))
+                     torch.from_numpy(loss_weights_host(values, is_target)[None]),
+                     torch.from_numpy(offsets[None]))  # what `segment_positions` views on the CPU
 
 
 def _plain_rows(batch, label_style: str, vocab_size):
     """numpy views (ids, labels, loss values or None, mask or None, [B, S] positions or None) of a plain
-    batch, else None."""
+    batch, else None.
+
+    Each tensor is read with `Tensor.numpy`, whose own C checks refuse what numpy cannot view (another
+    device, autograd, a sparse or nested layout, a dtype numpy lacks) with a RuntimeError or TypeError: one
+    call per tensor, where reading each property is one (a nested tensor's shape even raises)."""
     if type(batch) is not dict or not PLAIN_KEYS.issuperset(batch.keys()) or label_style not in ("megatron", "hf"):
         return None
     if vocab_size is not None and (type(vocab_size) is not int or vocab_size < 1):
@@ -127,36 +140,30 @@ def _plain_rows(batch, label_style: str, vocab_size):
     ids, tokens = batch.get("input_ids"), batch.get("tokens")
     if (ids is None) == (tokens is None):
         return None
-    ids = _host_view(ids if ids is not None else tokens)
-    if ids is None or ids.ndim != 2 or ids.dtype != np.int64 or not ids.size:
+    tensors = (ids if ids is not None else tokens, batch.get("labels"), batch.get("loss_mask"),
+               batch.get("attention_mask"), batch.get("position_ids"))
+    try:
+        rows = [value if value is None else value.numpy() if isinstance(value, torch.Tensor) else _NOT_A_TENSOR
+                for value in tensors]
+    except (RuntimeError, TypeError):
         return None
-    labels = _host_view(batch.get("labels"))
-    if labels is None or labels.shape != ids.shape or labels.dtype != np.int64:
+    ids = rows[0]
+    if ids is None or ids is _NOT_A_TENSOR or ids.ndim != 2 or ids.dtype.num not in _LABEL_DTYPES or not ids.size \
+            or rows[1] is None:
         return None
-    rows = [ids, labels]
-    for key, dtypes in (("loss_mask", _VALUE_DTYPES), ("attention_mask", _MASK_DTYPES), ("position_ids", _VALUE_DTYPES)):
-        value = batch.get(key)
-        if value is not None:
-            value = _host_view(value)
-            if value is None or value.shape != ids.shape or value.dtype not in dtypes:
-                return None
-        rows.append(value)
+    for value, dtypes in zip(rows[1:], (_LABEL_DTYPES, _VALUE_DTYPES, _MASK_DTYPES, _VALUE_DTYPES)):
+        if value is not None and (value is _NOT_A_TENSOR or value.shape != ids.shape
+                                  or value.dtype.num not in dtypes):
+            return None
     return rows
 
 
-def _host_view(value) -> np.ndarray | None:
-    """The numpy view of a tensor, else None: not a tensor, or one `Tensor.numpy` refuses (on another device,
-    carrying autograd, sparse or nested, of a dtype numpy lacks). One C call checks all that, where reading
-    each property costs a call per tensor (a nested tensor's shape even raises)."""
-    if not isinstance(value, torch.Tensor):
-        return None
-    try:
-        return value.numpy()
-    except (RuntimeError, TypeError):
-        return None
+_NOT_A_TENSOR = object()  # a value that is no tensor (the general path names it)
 
 
-# The dtypes the general path's host reads take from numpy (`pack.on_host_without_grad`: no uint16 to uint64, which
-# it reads as int64, no complex), and the integer masks it reads on the host (`lengths.right_padded_lengths_on_host`).
-_MASK_DTYPES = frozenset(map(np.dtype, (np.bool_, np.uint8, np.int8, np.int16, np.int32, np.int64)))
-_VALUE_DTYPES = _MASK_DTYPES | frozenset(map(np.dtype, (np.float16, np.float32, np.float64)))
+# The dtypes (numpy's type numbers: an int's hash, where a dtype's costs numpy's descriptor code) the general path's
+# host reads take from numpy (`pack.on_host_without_grad`: no uint16 to uint64, which it reads as int64, no complex),
+# the integer masks it reads on the host (`lengths.right_padded_lengths_on_host`), and int64 ids and labels.
+_MASK_DTYPES = frozenset(np.dtype(t).num for t in (np.bool_, np.uint8, np.int8, np.int16, np.int32, np.int64))
+_VALUE_DTYPES = _MASK_DTYPES | frozenset(np.dtype(t).num for t in (np.float16, np.float32, np.float64))
+_LABEL_DTYPES = frozenset({np.dtype(np.int64).num})

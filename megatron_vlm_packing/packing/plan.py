@@ -210,7 +210,8 @@ def make_pack_plan(
         ValueError: no real tokens at all, a length out of range, or a `pad_to` that is too small
         or not aligned (naming the numbers).
     """
-    pad_to = checked_pad_to(pad_to)
+    if pad_to is not None:  # (no call for the common None: a plan is made per micro-batch)
+        pad_to = checked_pad_to(pad_to)
     lengths = tuple(map(int, row_lengths))
     if lengths and (min(lengths) < 0 or max(lengths) > row_capacity):
         out_of_range = [(b, n) for b, n in enumerate(lengths) if not 0 <= n <= row_capacity]
@@ -223,7 +224,7 @@ def make_pack_plan(
     if not rows:
         raise ValueError(f"the batch has no real tokens ({len(lengths)} rows, all empty): nothing to pack")
     physical = [round_up(n, multiples.segment) for n in real] if multiples.segment > 1 else list(real)
-    aligned = round_up(sum(physical), multiples.total)
+    aligned = sum(physical) if multiples.total == 1 else round_up(sum(physical), multiples.total)
     if pad_to is not None:
         if pad_to % multiples.total:
             raise ValueError(f"pad_to={pad_to} is not a multiple of the total multiple {multiples.total}")
@@ -235,7 +236,8 @@ def make_pack_plan(
         aligned = pad_to
     physical[-1] += aligned - sum(physical)
     num_real = sum(real)
-    check_int32_total(aligned, num_real)
+    if aligned >= 2**31:
+        check_int32_total(aligned, num_real)  # raises
     return PackPlan._made_by_make_pack_plan(
         row_lengths=lengths,
         row_capacity=row_capacity,

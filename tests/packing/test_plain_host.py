@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -233,6 +234,9 @@ def test_a_clean_batch_takes_the_plain_path_in_every_plain_form():
         for kwargs in ({}, dict(cp_size=2), dict(tp_size=2, sequence_parallel=True, fp8=True), dict(pad_to=64),
                        dict(vocab_size=10)):
             assert assert_same_three_ways(batch, **kwargs) == (True, True), (name, kwargs)
+            # 1D positions view the indices' offsets (no copy per micro-batch), as on the general path
+            micro = pack_batch(batch, host_reads=True, **kwargs)
+            assert np.shares_memory(micro.position_ids.numpy(), micro.indices.offset_in_segment_host), (name, kwargs)
 
 
 def _deferred_batches():
