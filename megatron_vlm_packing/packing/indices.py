@@ -162,12 +162,18 @@ class PackIndices:
         """Each document's next-token targets (labels[1:n]) in the flattened rows (host ints)."""
         return DocumentSlices.of(self.plan, shift=1)
 
-    @functools.cached_property
+    @property
     def offset_in_segment_host(self) -> np.ndarray:
         """[T] int64 numpy `offset_in_segment`, for indices on the CPU (a slice costs numpy a fraction of
-        a microsecond, torch several; `pack.segment_positions` views it without a second crossing)."""
-        ramp = host_ramp(self.plan.max_seqlen)
-        return np.concatenate([ramp[:n] for n in self.plan.physical_lengths])
+        a microsecond, torch several; `pack.segment_positions` views it without a second crossing). Built
+        once, kept in the instance's dict under its own name (a property with its own cache, not a
+        cached_property: one Python call instead of functools' layer, in a DataLoader worker's cold caches)."""
+        offsets = self.__dict__.get("offset_in_segment_host")
+        if offsets is None:
+            ramp = host_ramp(self.plan.max_seqlen)
+            offsets = self.__dict__["offset_in_segment_host"] = np.concatenate(
+                [ramp[:n] for n in self.plan.physical_lengths])
+        return offsets
 
     @functools.cached_property
     def offset_in_segment(self) -> torch.Tensor:

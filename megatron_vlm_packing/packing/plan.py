@@ -131,19 +131,6 @@ class PackPlan:
             raise ValueError(f"total {self.total} is not a multiple of {self.multiples.total}")
         check_int32_total(self.total, sum(self.real_lengths))
 
-    @classmethod
-    def _made_by_make_pack_plan(cls, **fields) -> "PackPlan":
-        """The plan `make_pack_plan` computed, not checked a second time: its own checks imply every check
-        of `__post_init__` (N >= 1 documents of >= 1 real tokens each, physical lengths rounded up to the
-        segment multiple, the last one grown to a multiple of `total`, itself a multiple of `segment`).
-        (`check_int32_total` it makes itself). The checks cost 10 us of a 4-row micro-batch's 300 in a
-        DataLoader worker; tests/packing/test_plan.py rebuilds random plans through the checking constructor
-        and compares. `fields` may also hold the cached properties' values (`total`, ...), which are then read
-        without functools' Python layer."""
-        plan = object.__new__(cls)
-        plan.__dict__.update(fields)
-        return plan
-
     @property
     def num_segments(self) -> int:
         return len(self.segment_rows)
@@ -238,7 +225,14 @@ def make_pack_plan(
     num_real = sum(real)
     if aligned >= 2**31:
         check_int32_total(aligned, num_real)  # raises
-    return PackPlan._made_by_make_pack_plan(
+    # The plan computed here, not checked a second time: these checks imply every check of `PackPlan.__post_init__`
+    # (N >= 1 documents of >= 1 real tokens each, physical lengths rounded up to the segment multiple, the last one
+    # grown to a multiple of `total`, itself a multiple of `segment`; `check_int32_total`). Those cost 10 us of a
+    # 4-row micro-batch's 300 in a DataLoader worker, a constructor's layer some more with cold caches;
+    # tests/packing/test_plan.py rebuilds random plans through the checking constructor and compares. The cached
+    # properties' values (`total`, ...) are stored too: read then without functools' Python layer.
+    plan = object.__new__(PackPlan)
+    plan.__dict__.update(
         row_lengths=lengths,
         row_capacity=row_capacity,
         segment_rows=rows,
@@ -250,6 +244,7 @@ def make_pack_plan(
         num_real_tokens=num_real,
         max_seqlen=max(physical),
     )
+    return plan
 
 
 def check_int32_total(total: int, real: int | None = None) -> None:
