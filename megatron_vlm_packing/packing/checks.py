@@ -252,7 +252,9 @@ def packed_value_faults(label_style: str, vocab_size: int | None, *, ids: np.nda
         unsigned, half = signed
         bound = unsigned(half if vocab_size is None else min(vocab_size, half))
         bad_ids = bool(np.maximum.reduce(ids.view(unsigned)) >= bound)
-        bad_labels = np.count_nonzero(targets.view(unsigned) >= bound) != ignored
+        # (no vocab_size: the signed test, numpy's unsigned comparison is the slower loop)
+        bad_labels = np.count_nonzero((targets < 0) if vocab_size is None else (targets.view(unsigned) >= bound)) \
+            != ignored
     else:
         bad_ids = _ids_out_of_range(ids, vocab_size)
         bad_labels = _labels_out_of_range(targets, ignored, vocab_size)
@@ -301,7 +303,7 @@ def _labels_out_of_range(labels: np.ndarray, ignored: int, vocab_size: int | Non
     """A label below 0 other than the `ignored` -100s, or one at or above `vocab_size` (non-empty `labels`).
     Signed ints: one unsigned test (`_UNSIGNED_HALF`), a count: every -100 is out, no other value may be."""
     signed = _UNSIGNED_HALF.get(labels.dtype.num)
-    if signed is not None:
+    if signed is not None and vocab_size is not None:  # (no vocab_size: the signed test below is one pass too)
         unsigned, half = signed
         bound = unsigned(half if vocab_size is None else min(vocab_size, half))
         return np.count_nonzero(labels.view(unsigned) >= bound) != ignored
