@@ -46,8 +46,8 @@ class ModelAdapter:
     `vocab_size` (set by `__init__` from the model, `model_vocab_size`; None: unknown) is what the step
     packs with: ids and labels outside [0, vocab_size) are a ValueError in the packer's read.
     `unembedded_token_id` (None: every id is embedded) is an id the model replaces before its embedding
-    (LLaVA's image token, which may lie outside the vocabulary): the step's check of a loader micro-batch's
-    ids against the vocabulary (`train.step.check_loader_vocab`) skips it, as the model's own packer does.
+    (LLaVA's image token, which may lie outside the vocabulary): the step's checks of ids against the vocabulary
+    (`train.step.check_loader_vocab`, `check_unpacked_ids`) skip it, as the model's own packer does.
     `checks_unpacked_ids` (False) says that `check` refuses ids no packer checked outside [0, vocab_size)
     (`check_unpacked_ids`): the step then reads them in its one read of what no packer checked
     (`train.unpacked_checks.check_unpacked_fields`), so `check` reads nothing for clean ids, and checks them itself
@@ -195,24 +195,27 @@ def check_loader_mrope(micro_batch: MicroBatch, mrope, source: str) -> None:
                          f"pad_batch) with mrope= the model's MRopeConfig")
 
 
-def check_unpacked_ids(micro_batch: MicroBatch, vocab_size: int | None) -> None:
-    """Input ids no packer checked (not the ids of `MicroBatch.checked_media`: a transform's, a `replace`)
-    must be an integer tensor of ids in [0, vocab_size) (>= 0 when the vocabulary is unknown), for models
-    that embed the ids as they are (GPTModel, PackedVLM, Bridge's Qwen-VL; not LLaVA, whose image token is
-    negative). Else a negative or too large id was an IndexError inside the embedding. Packed ids: no sync; ids
+def check_unpacked_ids(micro_batch: MicroBatch, vocab_size: int | None, *,
+                       unembedded_token_id: int | None = None) -> None:
+    """Input ids no packer checked (not the ids of `MicroBatch.checked_media` / `checked_ids`: a transform's, a
+    `replace`) must be an integer tensor of ids in [0, vocab_size) (>= 0 when the vocabulary is unknown) at every
+    slot but those holding `unembedded_token_id` (an id the model replaces before its embedding: LLaVA's image
+    token, -200 by default). Else a negative or too large id was an IndexError inside the embedding at TP=1, and at
+    TP > 1 a zero embedding (the vocab-parallel embedding masks it on every rank), silently. Packed ids: no sync; ids
     an adapter that `checks_unpacked_ids` declares were read in the step's one read (`MicroBatch.ids_checked`): no
     sync either, unless they are bad (then read again here, to be named in the adapter's order).
 
     Raises:
         ValueError: ids that are no integer tensor, or naming the first bad slot and its value. One host sync.
     """
-    if micro_batch.ids_checked(vocab_size):  # the packer's, or the step's one read (`checks_unpacked_ids`)
+    if micro_batch.ids_checked(vocab_size, unembedded_token_id):  # the packer's, or the step's one read
         return
     ids = micro_batch.input_ids
     from megatron_vlm_packing.packing.checks import check_ids, integer_token_rows
 
     rows = integer_token_rows(ids, "input_ids")
-    check_ids(rows, torch.ones_like(rows, dtype=torch.bool), vocab_size, "input_ids")
+    embedded = torch.ones_like(rows, dtype=torch.bool) if unembedded_token_id is None else rows != unembedded_token_id
+    check_ids(rows, embedded, vocab_size, "input_ids")
 
 
 def model_vocab_size(model: nn.Module) -> int | None:

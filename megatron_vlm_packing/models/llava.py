@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from megatron_vlm_packing.models.adapter import ModelAdapter, model_vocab_size
+from megatron_vlm_packing.models.adapter import ModelAdapter, check_unpacked_ids, model_vocab_size
 # LlavaRows, expanded_packed_seq_params and llava_pack_plan are re-exported.
 from megatron_vlm_packing.models.llava_plan import (  # noqa: F401
     LlavaPackPlan, LlavaRows, PlannedPackedSeqParams, check_expanded_total, expanded_packed_seq_params, llava_pack_plan,
@@ -243,6 +243,8 @@ class LLaVAAdapter(ModelAdapter):
     the hidden states on the others.
     """
 
+    # check() refuses ids no packer checked, its image token excepted: the step reads them in its one read
+    checks_unpacked_ids = True
     consumes = frozenset({"images", "image_tiles"})
     needs = LocalizeNeeds(full_input_ids=True, full_position_ids=True, full_labels=True)
     router_pad_counters: tuple[str, ...] = ()  # set by __init__: an MoE language model's token-counting settings
@@ -317,6 +319,9 @@ class LLaVAAdapter(ModelAdapter):
 
     def check(self, micro_batch: MicroBatch) -> None:
         super().check(micro_batch)
+        # the collapsed ids the embedding reads, its image tokens replaced: an id outside the vocabulary was an
+        # IndexError there at TP=1, and at TP > 1 a zero embedding (masked on every rank), silently
+        check_unpacked_ids(micro_batch, self.vocab_size, unembedded_token_id=self.unembedded_token_id)
         self.refuse_routed_pads(micro_batch)
         refuse_patch_grid(micro_batch)
         self.image_inputs(micro_batch)

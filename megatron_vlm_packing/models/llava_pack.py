@@ -242,8 +242,9 @@ def pack_llava_batch(batch: dict, space: LlavaSpace, *, label_style: str = "mega
     packed_labels = pack_rows(labels, indices, pad_value=IGNORE_INDEX)  # checked in the rows' read too
     positions = segment_positions(indices)  # restarting per document of the plan
     params = make_packed_seq_params(plan, indices)  # the plan's (collapsed; the patch expands them)
+    packed_ids = pack_rows(ids, indices, pad_value=pad_token_id)  # its text ids were checked in the rows' read
     return MicroBatch(
-        input_ids=pack_rows(ids, indices, pad_value=pad_token_id),
+        input_ids=packed_ids, checked_ids=(packed_ids, space.vocab_size, space.image_token_index),
         labels=packed_labels, checked_labels=packed_labels, loss_mask=loss_mask, checked_loss_mask=loss_mask,
         checked_vocab_size=space.vocab_size,
         position_ids=positions, checked_positions=positions, padding_mask=~indices.is_real[None],
@@ -310,8 +311,10 @@ def pad_llava_batch(batch: dict, space: LlavaSpace, *, label_style: str = "megat
     loss_mask = rows_of(weights, 0.0)  # its weights were checked in the rows' read
     padded_labels = rows_of(labels, IGNORE_INDEX)  # checked in the rows' read too
     positions = torch.arange(length, device=ids.device)[None].expand(rows, length)  # one document per row
+    row_ids = rows_of(ids, pad_token_id)  # its text ids were checked in the rows' read
     return MicroBatch(
-        input_ids=rows_of(ids, pad_token_id), labels=padded_labels, loss_mask=loss_mask,
+        input_ids=row_ids, checked_ids=(row_ids, space.vocab_size, space.image_token_index),
+        labels=padded_labels, loss_mask=loss_mask,
         checked_loss_mask=loss_mask, checked_labels=padded_labels, checked_vocab_size=space.vocab_size,
         position_ids=positions, checked_positions=positions, padding_mask=~keep,
         packed_seq_params=None, rope_cu_seqlens=None, vision=vision,

@@ -295,7 +295,14 @@ def _map_each(micro_batch: MicroBatch, fn: Callable[[torch.Tensor], torch.Tensor
         checked_positions=once(micro_batch.checked_positions),  # and as position_ids
         checked_boundaries=params if micro_batch.boundaries_checked else None,  # the moved copy of the packer's
         # the packer's media marks follow the moved objects only if they held before the move
-        checked_media=(input_ids, vision, audio) if micro_batch.media_checked_by_packer else None)
+        checked_media=(input_ids, vision, audio) if micro_batch.media_checked_by_packer else None,
+        checked_ids=_moved_ids_mark(micro_batch, input_ids))
+
+
+def _moved_ids_mark(micro_batch: MicroBatch, input_ids: torch.Tensor) -> tuple | None:
+    """`checked_ids` for the moved `input_ids`: the same bounds, if the mark held for the ids before the move."""
+    mark = micro_batch.checked_ids
+    return (input_ids, *mark[1:]) if mark is not None and mark[0] is micro_batch.input_ids else None
 
 
 def micro_batch_to(micro_batch: MicroBatch, device: torch.device) -> MicroBatch:

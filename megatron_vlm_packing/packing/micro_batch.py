@@ -199,9 +199,11 @@ class MicroBatch:
             (`plan=None, indices=None`) the positions are read against them. Only a control that breaks the
             boundaries on purpose declares its own (`declare_boundaries`). The mark is the object: write a new
             `PackedSeqParams` (`dataclasses.replace`), never one of its fields in place.
-        checked_ids: (`input_ids` tensor, vocab_size) the step found in [0, vocab_size) in its one read
-            (`train.unpacked_checks.check_unpacked_fields`, for an adapter that `checks_unpacked_ids`), so the
-            adapter's `check_unpacked_ids` reads nothing (`ids_checked`); None otherwise.
+        checked_ids: (`input_ids` tensor, vocab_size, unembedded_token_id): ids found in [0, vocab_size) (>= 0 when
+            None) at every slot but those holding `unembedded_token_id` (None: every slot), by the step in its one read
+            (`train.unpacked_checks.check_unpacked_fields`, for an adapter that `checks_unpacked_ids`) or by LLaVA's
+            packers in theirs (their real text ids; the image token, never embedded, excepted), so the adapter's
+            `check_unpacked_ids` reads nothing (`ids_checked`); kept by the moves; None otherwise.
     """
 
     input_ids: torch.Tensor
@@ -233,15 +235,19 @@ class MicroBatch:
         """The packer's checks bound the ids and labels it checked below `vocab_size` (always, when None)."""
         return vocab_size is None or (self.checked_vocab_size is not None and self.checked_vocab_size <= vocab_size)
 
-    def ids_checked(self, vocab_size: int | None) -> bool:
-        """These very `input_ids` are known to lie in [0, vocab_size) (>= 0 when None): the packer's
-        (`checked_media`, below `checked_vocab_size`) or the step's (`checked_ids`, its one read)."""
+    def ids_checked(self, vocab_size: int | None, unembedded_token_id: int | None = None) -> bool:
+        """These very `input_ids` are known to lie in [0, vocab_size) (>= 0 when None), but at slots holding
+        `unembedded_token_id` (an id the model replaces before its embedding: LLaVA's image token): the packer's
+        (`checked_media`, below `checked_vocab_size`) or `checked_ids` (the step's one read, LLaVA's packers), when
+        it excepted no id or this one."""
         packer = self.checked_media
         if packer is not None and packer[0] is self.input_ids and self.vocab_checked(vocab_size):
             return True
-        step = self.checked_ids
-        return step is not None and step[0] is self.input_ids and \
-            (vocab_size is None or (step[1] is not None and step[1] <= vocab_size))
+        if self.checked_ids is None or self.checked_ids[0] is not self.input_ids:
+            return False
+        _, bound, excepted = self.checked_ids
+        return excepted in (None, unembedded_token_id) and \
+            (vocab_size is None or (bound is not None and bound <= vocab_size))
 
     @property
     def labels_checked(self) -> bool:

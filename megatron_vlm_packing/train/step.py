@@ -216,7 +216,16 @@ def check_loader_vocab(micro_batch: MicroBatch, vocab_size: int | None, *,
             check_label_values(as_rows(labels), torch.ones_like(as_rows(labels), dtype=torch.bool), vocab_size)
         except ValueError as error:
             raise ValueError(f"{error}{hint}") from None
-    return replace(micro_batch, checked_vocab_size=vocab_size)
+    return replace(micro_batch, checked_vocab_size=vocab_size, checked_ids=_ids_mark_below(micro_batch, vocab_size))
+
+
+def _ids_mark_below(micro_batch: MicroBatch, vocab_size: int) -> tuple | None:
+    """The packer's `checked_ids` (LLaVA's, which may bound no vocabulary) now bounded by `vocab_size`, which
+    `check_loader_vocab` just checked its real ids below (the same id excepted); else as it was."""
+    mark = micro_batch.checked_ids
+    if mark is None or mark[0] is not micro_batch.input_ids:
+        return mark
+    return (mark[0], vocab_size, mark[2])
 
 
 def prepare_for_model(micro_batch: MicroBatch, adapter: ModelAdapter, layout: ParallelLayout) -> MicroBatch:
@@ -226,12 +235,13 @@ def prepare_for_model(micro_batch: MicroBatch, adapter: ModelAdapter, layout: Pa
     (`adapter.check`), then cut the full-length micro-batch to this CP rank as the adapter declares (`localize`);
     returns the rank-local micro-batch."""
     vocab_size, checks_ids = getattr(adapter, "vocab_size", None), getattr(adapter, "checks_unpacked_ids", False)
+    unembedded = getattr(adapter, "unembedded_token_id", None)  # LLaVA's image token: never embedded, not screened
     # one host sync for all, if any runs (the ids too, when the adapter checks them); boundaries it found equal to
     # the plan's become the plan's own tensors
-    micro_batch = check_unpacked_fields(micro_batch, vocab_size, ids=checks_ids)
+    micro_batch = check_unpacked_fields(micro_batch, vocab_size, ids=checks_ids, unembedded_token_id=unembedded)
     adapter.check(micro_batch)  # names a bad id after its other refusals (reading the ids again: the error path only)
-    if checks_ids:
-        check_unpacked_ids(micro_batch, vocab_size)  # declared but not made by check(): no read for clean ids
+    if checks_ids:  # declared but not made by check(): no read for clean ids
+        check_unpacked_ids(micro_batch, vocab_size, unembedded_token_id=unembedded)
     return localize(micro_batch, layout, adapter.needs)
 
 

@@ -32,12 +32,14 @@ class OneRead(DeferredChecks):
         self.add(fault.any().long().reshape(1), lambda v: v[0] != 0, raiser)
 
 
-def check_unpacked_fields(micro_batch: MicroBatch, vocab_size: int | None, *, ids: bool = False) -> MicroBatch:
+def check_unpacked_fields(micro_batch: MicroBatch, vocab_size: int | None, *, ids: bool = False,
+                          unembedded_token_id: int | None = None) -> MicroBatch:
     """The step's checks of fields no packer checked, in this order, read back together: loss weights
     (`check_unpacked_loss_weights`), labels (`check_unpacked_labels`), sequence fields that are no tensors
     (`localize.check_field_types`, metadata), dense positions (`check_unpacked_dense_positions`), packed boundaries
     and positions (`check_packed_documents`), `rope_cu_seqlens` (`plan_boundaries.queue_rope_boundaries`), and with
-    `ids` (the adapter `checks_unpacked_ids`) the ids in [0, vocab_size) (`queue_ids_screen`).
+    `ids` (the adapter `checks_unpacked_ids`) the ids in [0, vocab_size), `unembedded_token_id` (the adapter's: LLaVA's
+    image token) excepted (`queue_ids_screen`).
 
     Returns:
         `micro_batch`, with the plan's own boundary tensors in place of those the read found equal to them
@@ -56,28 +58,33 @@ def check_unpacked_fields(micro_batch: MicroBatch, vocab_size: int | None, *, id
     queue_dense_positions(micro_batch, checks)
     queue_packed_documents(micro_batch, checks)
     queue_rope_boundaries(micro_batch, checks)
-    screened = queue_ids_screen(micro_batch, vocab_size, checks) if ids else None
+    screened = queue_ids_screen(micro_batch, vocab_size, checks, unembedded_token_id) if ids else None
     host = checks.read()  # the one host sync (none queued: none)
     if screened is not None and host[screened][0] == 0:
-        micro_batch = replace(micro_batch, checked_ids=(micro_batch.input_ids, vocab_size))
+        micro_batch = replace(micro_batch, checked_ids=(micro_batch.input_ids, vocab_size, unembedded_token_id))
     return with_the_plans_tensors(micro_batch)
 
 
-def queue_ids_screen(micro_batch: MicroBatch, vocab_size: int | None, checks: OneRead) -> int | None:
+def queue_ids_screen(micro_batch: MicroBatch, vocab_size: int | None, checks: OneRead,
+                     unembedded_token_id: int | None = None) -> int | None:
     """Queue whether ids no packer checked (not `MicroBatch.ids_checked`) hold a value outside [0, vocab_size) (< 0
-    when None), as `models.adapter.check_unpacked_ids` checks them, without raising: the adapter names a bad id in
-    its own `check`, after its other refusals, as before. Returns the entry's index in `checks`' read (its one
-    value is 0 when the ids are clean), or None when nothing was queued (checked ids; ids that are no integer
-    tensor, which `check_unpacked_ids` names)."""
+    when None) at a slot that does not hold `unembedded_token_id`, as `models.adapter.check_unpacked_ids` checks
+    them, without raising: the adapter names a bad id in its own `check`, after its other refusals, as before.
+    Returns the entry's index in `checks`' read (its one value is 0 when the ids are clean), or None when nothing
+    was queued (checked ids; ids that are no integer tensor, which `check_unpacked_ids` names). LLaVA's ids are
+    its collapsed ones, one slot per image token: the ids its embedding reads, the image tokens replaced."""
     from megatron_vlm_packing.packing.checks import as_rows, is_integer_tensor
 
     ids = micro_batch.input_ids
-    if micro_batch.ids_checked(vocab_size) or not isinstance(ids, torch.Tensor) or not is_integer_tensor(ids):
+    if micro_batch.ids_checked(vocab_size, unembedded_token_id) or not isinstance(ids, torch.Tensor) \
+            or not is_integer_tensor(ids):
         return None
     rows = as_rows(ids)
     bad = rows < 0
     if vocab_size is not None:
         bad = bad | (rows >= vocab_size)
+    if unembedded_token_id is not None:
+        bad = bad & (rows != unembedded_token_id)
     return checks.add(bad.any().long().reshape(1), lambda values: False, None)  # never raises: the adapter names it
 
 

@@ -8,7 +8,9 @@
 - `make_forward_step(pack=False)` (LLaVA's own batched rows through the step, to compare padded with
   packed) against the same reference, on one process and under TP=2 + SP;
 - host syncs of a packed forward + backward through the step at CP=2 and at TP=2 + SP, counted per
-  source (tests/perf/test_llava_sync_budget.py holds the assertions).
+  source (tests/perf/test_llava_sync_budget.py holds the assertions);
+- ids no packer checked under TP=2 + SP, one outside the vocabulary (which the vocab-parallel embedding
+  masks to a zero embedding on every rank) and a clean copy (tests/llava/test_llava_hand_built_ids.py).
 
 `launch()` runs it once per test session; both test files read the same result.
 """
@@ -169,6 +171,37 @@ def sp_shard_controls(model, seed: int) -> dict:
     return out
 
 
+def hand_built_ids(model, seed: int) -> dict:
+    """What the step does with a micro-batch whose first real text id a transform set to an id outside the
+    vocabulary ("refused: <its message>" or "trained: loss <value>"), packed and dense, and with a clean copy of the
+    packer's ids ("trained as the packer's" when the loss is the packer's)."""
+    from megatron_vlm_packing.testing.llava_parity import batches
+    from megatron_vlm_packing.testing.step_models import step_loss
+
+    batch, image, out = batches("hf", seed)[1], model.image_token_index, {}
+
+    def own_ids(value):
+        def transform(mb):
+            ids = mb.input_ids.clone()
+            if value is not None:
+                row, position = (int(i) for i in torch.nonzero((ids != image) & ~mb.padding_mask)[0])
+                ids[row, position] = value
+            return replace(mb, input_ids=ids)
+        return transform
+
+    vocab = model.language_model.vocab_size
+    for value, pack in itertools.product((vocab, vocab + 1000, -1), (True, False)):
+        try:
+            loss = step_loss(model, batch, label_style="hf", pack=pack, transform=own_ids(value))
+            out[f"{value}, pack={pack}"] = f"trained: loss {loss}"
+        except ValueError as err:
+            out[f"{value}, pack={pack}"] = f"refused: {err}"
+    same = abs(step_loss(model, batch, label_style="hf", transform=own_ids(None)) -
+               step_loss(model, batch, label_style="hf")) <= 1e-6
+    out["clean copy"] = "trained as the packer's" if same else "another loss"
+    return out
+
+
 def run_llava_checks(rank: int, world_size: int, seed: int = 11) -> dict:
     """Every check in one launch (2 processes); what rank 0 saw (reductions make the parity global)."""
     from megatron.core import parallel_state as ps
@@ -203,6 +236,7 @@ def run_llava_checks(rank: int, world_size: int, seed: int = 11) -> dict:
             lap("TP=2+SP parity")
             result["TP=2+SP, control: no shard factor"] = sp_shard_controls(model, seed)
             result["syncs TP=2+SP"] = sync_row(model, batches("hf", seed)[0], kernel, padded=True)
+            result["TP=2+SP, hand-built ids"] = hand_built_ids(model, seed)
         lap("TP=2+SP syncs")
         initialize_parallel(cp=2, seed=seed)
         with llava_cp_without_te():
