@@ -196,9 +196,10 @@ class MicroBatch:
             False over pad slots; from the plan's host ints, but sets in new tensors and a tensor `max_seqlen_*`,
             read in the step's one host sync) and refused where they differ; sets found equal are swapped for the
             plan's own tensors (and the new params marked here), so `localize` reads none. Without a plan
-            (`plan=None, indices=None`) the positions are read against them. Only a control that breaks the
-            boundaries on purpose declares its own (`declare_boundaries`). The mark is the object: write a new
-            `PackedSeqParams` (`dataclasses.replace`), never one of its fields in place.
+            (`plan=None, indices=None`) the positions are read against them, and `max_seqlen_*` / `pad_between_seqs`
+            held to the same rules against them in that read (`plan_boundaries.queue_own_boundary_fields`). Only a
+            control that breaks the boundaries on purpose declares its own (`declare_boundaries`). The mark is the
+            object: write a new `PackedSeqParams` (`dataclasses.replace`), never one of its fields in place.
         checked_ids: (`input_ids` tensor, vocab_size, unembedded_token_id): ids found in [0, vocab_size) (>= 0 when
             None) at every slot but those holding `unembedded_token_id` (None: every slot), by the step in its one read
             (`train.unpacked_checks.check_unpacked_fields`, for an adapter that `checks_unpacked_ids`) or by LLaVA's

@@ -3,7 +3,10 @@
 plan's own tensor. The plan's host ints decide each one without a read, but boundary sets held in new tensors and a
 `max_seqlen_*` given as a tensor, which ride the step's one read (`train.unpacked_checks.check_unpacked_fields`).
 Once the read found them equal, the micro-batch takes the plan's own tensors (`with_the_plans_tensors`), so that
-`localize` builds the CP index from the plan's host ints, as for the packer's own boundaries.
+`localize` builds the CP index from the plan's host ints, as for the packer's own boundaries. A micro-batch without a
+plan (`plan=None, indices=None`) has its `max_seqlen_*` and `pad_between_seqs` held to the same rules
+(`check_max_seqlen`, `check_pad_between_seqs`) against its own boundary sets, read with its positions
+(`queue_own_boundary_fields`).
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ def queue_plan_boundaries(micro_batch: MicroBatch, checks: OneRead) -> bool:
         return False
     check_packed_seq_params(micro_batch)  # metadata only: thd, integer [N+1] sets on one device
     params = micro_batch.packed_seq_params
-    check_pad_between_seqs(params, indices)
+    check_pad_between_seqs(params, indices.plan.real_lengths, indices.plan.physical_lengths, "the pack plan")
     expected = plan_boundary_ints(indices)
     sets = [(f"packed_seq_params.{label}", cu, kind) for label, cu, kind in _boundary_sets(params)]
     queue_equal_sets(sets, indices, expected, checks, _PARAMS_FIX)
@@ -98,16 +101,8 @@ def queue_equal_sets(sets: list[tuple[str, torch.Tensor, str]], indices: PackInd
 
 
 def queue_max_seqlen(params, longest: int, checks: OneRead) -> None:
-    """`max_seqlen_q` / `max_seqlen_kv` (types checked by `localize.check_packed_seq_params`) at least `longest`, the
-    plan's longest physical document: flash and TE kernels size their grid by it and leave the rest of a longer
-    document uncomputed, silently. A larger one is what a fixed kernel grid (CUDA graphs) uses, and is harmless;
-    None makes TE derive it (a read of its own). Ints now; a one-value tensor at `checks`' read.
-
-    Raises:
-        ValueError: naming the field, its value and `longest`.
-    """
-    from megatron_vlm_packing.packing.localize import refuse_short_max_seqlen
-
+    """`check_max_seqlen` of `max_seqlen_q` / `max_seqlen_kv` (types checked by `localize.check_packed_seq_params`)
+    against `longest`, the plan's longest physical document: ints now, a one-value tensor at `checks`' read."""
     for name in ("max_seqlen_q", "max_seqlen_kv"):
         value = getattr(params, name)
         if isinstance(value, torch.Tensor):
@@ -118,35 +113,114 @@ def queue_max_seqlen(params, longest: int, checks: OneRead) -> None:
                 return host[0] < longest
 
             checks.add(value.reshape(1).long(), short,
-                       lambda name=name, held=held: refuse_short_max_seqlen(name, held[name], longest))
-        elif value is not None and value < longest:
-            refuse_short_max_seqlen(name, value, longest)
+                       lambda name=name, held=held: check_max_seqlen(name, held[name], longest))
+        else:
+            check_max_seqlen(name, value, longest)
 
 
-def check_pad_between_seqs(params, indices: PackIndices) -> None:
-    """`pad_between_seqs` (Megatron-Core >= 0.19 hands it to TE) None, True, or False only over a plan without pad
-    slots: the packer sets True exactly when a document has pad slots, and TE given False takes the padded set
-    as the real one (the pad slots as tokens). True over a plan without pad slots only keeps FlashAttention off
-    (TE's padded kernels read the same sets); None makes TE infer it from the two sets. Host ints only.
+def check_max_seqlen(name: str, value: int | None, longest: int) -> None:
+    """The rule for `packed_seq_params.<name>` (a host int, or None): at least `longest`, the longest physical
+    document, since flash and TE kernels size their grid by it and leave the rest of a longer document uncomputed,
+    silently. A larger one is what a fixed kernel grid (CUDA graphs) uses, and is harmless; None makes TE derive it
+    (a read of its own).
+
+    Raises:
+        ValueError: naming the field, its value and `longest`.
+    """
+    from megatron_vlm_packing.packing.localize import refuse_short_max_seqlen
+
+    if value is not None and value < longest:
+        refuse_short_max_seqlen(name, value, longest)
+
+
+def pad_between_seqs_of(params) -> bool | None:
+    """`params.pad_between_seqs` (None when the installed `PackedSeqParams` has none), a bool or None.
+
+    Raises:
+        ValueError: a value that is no bool (or None), naming its type.
+    """
+    value = getattr(params, "pad_between_seqs", None)
+    if value is not None and not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"packed_seq_params.pad_between_seqs must be a bool or None, got {type(value).__name__} "
+                         f"{value!r}")
+    return value
+
+
+def check_pad_between_seqs(params, real_lengths, physical_lengths, owner: str) -> None:
+    """The rule for `pad_between_seqs` (Megatron-Core >= 0.19 hands it to TE): None, True, or False only where no
+    document has pad slots (`real_lengths` == `physical_lengths`, host ints: the plan's, or read from the sets of a
+    micro-batch without one, `owner` naming which): the packer sets True exactly when a document has pad slots,
+    and TE given False takes the padded set as the real one (the pad slots as tokens). True without pad slots only
+    keeps FlashAttention off (TE's padded kernels read the same sets); None makes TE infer it from the two sets.
 
     Raises:
         ValueError: a value that is no bool (or None), or False over pad slots, naming the first padded document.
     """
-    value = getattr(params, "pad_between_seqs", None)
-    if value is None or value is True:
+    value = pad_between_seqs_of(params)
+    if value is None or value or list(real_lengths) == list(physical_lengths):
         return
-    if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"packed_seq_params.pad_between_seqs must be a bool or None, got {type(value).__name__} "
-                         f"{value!r}")
-    plan = indices.plan
-    if value or plan.real_lengths == plan.physical_lengths:
-        return
-    document, (real, physical) = next((i, pair) for i, pair in enumerate(zip(plan.real_lengths, plan.physical_lengths))
+    document, (real, physical) = next((i, pair) for i, pair in enumerate(zip(real_lengths, physical_lengths))
                                       if pair[0] != pair[1])
-    raise ValueError(f"packed_seq_params.pad_between_seqs is False but the pack plan has pad slots (document "
+    raise ValueError(f"packed_seq_params.pad_between_seqs is False but {owner} has pad slots (document "
                      f"{document}: {real} real tokens in {physical} slots), as the packer sets it: True; TE given "
                      f"False takes the padded boundaries as the real ones and attends to the pad slots: keep the "
                      f"packer's (or None, which TE infers from the two sets)")
+
+
+def queue_own_boundary_fields(micro_batch: MicroBatch, checks: OneRead) -> None:
+    """A packed micro-batch without a plan (`plan=None, indices=None`, its boundaries no packer's): `max_seqlen_q` /
+    `max_seqlen_kv` against the longest physical document of its own q / kv sets (`check_max_seqlen`) and
+    `pad_between_seqs` against its own `cu_seqlens_q` / `cu_seqlens_q_padded` (`check_pad_between_seqs`), the rules
+    the plan's host ints are held to. The sets (and a tensor `max_seqlen_*`) are queued on `checks` only: call it
+    where the step reads such a micro-batch's positions against these boundaries anyway
+    (`unpacked_checks.queue_packed_positions`), so they ride that read. Nothing is queued when no rule needs a value
+    (every `max_seqlen_*` None, `pad_between_seqs` not False or no padded set of its own).
+
+    Raises:
+        ValueError: malformed boundaries (`localize.check_packed_seq_params`), a `pad_between_seqs` that is no bool;
+            at the read, a short `max_seqlen_*` or False over pad slots, as on the plan path.
+    """
+    from megatron_vlm_packing.packing.localize import check_packed_seq_params
+
+    check_packed_seq_params(micro_batch)  # metadata only: well-formed, same-length sets on one device
+    params = micro_batch.packed_seq_params
+    real = params.cu_seqlens_q
+    physical = {"q": params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else real}
+    physical["kv"] = next((cu for cu in (params.cu_seqlens_kv_padded, params.cu_seqlens_kv) if cu is not None),
+                          physical["q"])
+    lengths = {"max_seqlen_q": physical["q"], "max_seqlen_kv": physical["kv"]}
+    read = {name: cu for name, cu in lengths.items() if getattr(params, name) is not None}
+    pads_to_find = pad_between_seqs_of(params) is False and physical["q"] is not real
+    tensors = [*read.values(), *((real, physical["q"]) if pads_to_find else ()),
+               *(value for value in (params.max_seqlen_q, params.max_seqlen_kv) if isinstance(value, torch.Tensor))]
+    tensors = list({id(t): t for t in tensors}.values())
+    if not tensors:
+        return
+    held = {}
+
+    def host_lengths(cu) -> list[int]:
+        bounds = held[id(cu)]
+        return [end - start for start, end in zip(bounds, bounds[1:])]
+
+    def apply_rules() -> None:
+        for name, cu in read.items():
+            value = getattr(params, name)
+            check_max_seqlen(name, held[id(value)][0] if isinstance(value, torch.Tensor) else value,
+                             max(host_lengths(cu)))
+        if pads_to_find:
+            check_pad_between_seqs(params, host_lengths(real), host_lengths(physical["q"]),
+                                   "packed_seq_params.cu_seqlens_q_padded")
+
+    def fails(host: list) -> bool:
+        flat = iter(host)
+        held.update({id(t): [next(flat) for _ in range(t.numel())] for t in tensors})
+        try:
+            apply_rules()
+        except ValueError:
+            return True
+        return False
+
+    checks.add(torch.cat([t.reshape(-1).long().to(real.device) for t in tensors]), fails, apply_rules)
 
 
 def queue_rope_boundaries(micro_batch: MicroBatch, checks: OneRead) -> None:

@@ -16,7 +16,7 @@ import torch
 from megatron_vlm_packing.packing.checks import DeferredChecks
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
 from megatron_vlm_packing.train.plan_boundaries import (
-    queue_plan_boundaries, queue_rope_boundaries, with_the_plans_tensors)
+    queue_own_boundary_fields, queue_plan_boundaries, queue_rope_boundaries, with_the_plans_tensors)
 
 
 class OneRead(DeferredChecks):
@@ -220,20 +220,35 @@ def queue_packed_positions(micro_batch: MicroBatch, checks: OneRead) -> None:
         ValueError: malformed boundaries (`localize.check_packed_seq_params`); at the read, naming the document, its
             slots, the slot where positions restart and the real tokens before it.
     """
-    packers = micro_batch.positions_checked and micro_batch.boundaries_checked  # the plan's documents, both
-    if not micro_batch.is_packed or packers or not _positions_readable(micro_batch):
+    if not _packed_positions_to_read(micro_batch):
         return
     from megatron_vlm_packing.packing.localize import check_packed_seq_params
     from megatron_vlm_packing.packing.positions import position_restarts, real_before_in_segment
 
     check_packed_seq_params(micro_batch)  # metadata only: well-formed boundary tensors before they are used
+    if not _positions_lay_out_pack(micro_batch):
+        return  # localize names positions that do not lay out the pack
     params = micro_batch.packed_seq_params
     bounds = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
     real = micro_batch.padding_mask.logical_not().reshape(1, -1)  # [1, T]
-    if micro_batch.position_ids.shape[-1] != real.shape[1] or micro_batch.position_ids.dim() not in (2, 3):
-        return  # localize names positions that do not lay out the pack
     restarts = position_restarts(micro_batch.position_ids, real, real_before=real_before_in_segment(real, bounds))
     checks.add_fault(restarts, lambda: _refuse_packed_restart(restarts, real, bounds))
+
+
+def reads_packed_positions(micro_batch: MicroBatch) -> bool:
+    """Whether `queue_packed_positions` queues a read: a pack whose positions and boundaries are not both the
+    packer's, with positions and padding mask that lay it out (others are named by `localize`'s checks)."""
+    return _packed_positions_to_read(micro_batch) and _positions_lay_out_pack(micro_batch)
+
+
+def _packed_positions_to_read(micro_batch: MicroBatch) -> bool:
+    packers = micro_batch.positions_checked and micro_batch.boundaries_checked  # the plan's documents, both
+    return micro_batch.is_packed and not packers and _positions_readable(micro_batch)
+
+
+def _positions_lay_out_pack(micro_batch: MicroBatch) -> bool:
+    positions = micro_batch.position_ids
+    return positions.shape[-1] == micro_batch.padding_mask.numel() and positions.dim() in (2, 3)
 
 
 def _refuse_packed_restart(restarts: torch.Tensor, real: torch.Tensor, bounds: torch.Tensor) -> None:
@@ -259,14 +274,20 @@ def check_packed_documents(micro_batch: MicroBatch) -> None:
 def queue_packed_documents(micro_batch: MicroBatch, checks: OneRead) -> None:
     """A packed micro-batch's boundaries against its plan (`queue_plan_boundaries`), then its positions against its
     boundaries (`queue_packed_positions`) unless the positions are the packer's and the boundaries the plan's (a
-    fault in the boundaries is raised first). The packers' own micro-batches, moved or not (the loader's too):
-    nothing queued.
+    fault in the boundaries is raised first). Without a plan, its `max_seqlen_*` and `pad_between_seqs` against its
+    own boundaries, in the read of its positions (`plan_boundaries.queue_own_boundary_fields`), then the positions.
+    The packers' own micro-batches, moved or not (the loader's too): nothing queued.
 
     Raises:
-        ValueError: at the read, boundaries that are not the plan's, or positions that restart inside a document of
-            them.
+        ValueError: at the read, boundaries that are not the plan's, a `max_seqlen_*` or `pad_between_seqs` its
+            boundaries refuse, or positions that restart inside a document of them.
     """
     if not micro_batch.is_packed:
         return
-    if not (queue_plan_boundaries(micro_batch, checks) and micro_batch.positions_checked):
-        queue_packed_positions(micro_batch, checks)
+    if queue_plan_boundaries(micro_batch, checks):
+        if not micro_batch.positions_checked:
+            queue_packed_positions(micro_batch, checks)
+        return
+    if reads_packed_positions(micro_batch):  # no plan: the positions are read against these boundaries, and
+        queue_own_boundary_fields(micro_batch, checks)  # max_seqlen_* / pad_between_seqs against them, in that read
+    queue_packed_positions(micro_batch, checks)

@@ -1,0 +1,123 @@
+"""A packed micro-batch with no plan (`plan=None, indices=None`: built by hand with its `PackedSeqParams` only) has
+`max_seqlen_q` / `max_seqlen_kv` and `pad_between_seqs` compared with its own boundaries, by the rules and with the
+messages the plan path uses (tests/step/test_replaced_param_fields.py): `max_seqlen_*` at least the longest physical
+document of its sets (flash and TE kernels size their grid by it and leave the rest of a longer document uncomputed),
+`pad_between_seqs` not False while `cu_seqlens_q_padded` differs from `cu_seqlens_q` (TE then takes the padded set as
+the real one). The boundaries ride the read the step makes of such a micro-batch anyway (its positions against its
+boundaries): no sync more.
+
+Before, only the positions were read against the boundaries: a short `max_seqlen_*` reached attention (on an
+accelerator it trained silently; the CPU reference attention here refuses it itself, with its own message, after
+the step) and `pad_between_seqs=False` over pad slots trained silently.
+
+Real Megatron-Core GPTModel (tiny, CPU, one process).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from megatron_vlm_packing import pack_batch
+from megatron_vlm_packing.packing.collate import PackingCollator
+from megatron_vlm_packing.testing.step_models import step_loss
+from megatron_vlm_packing.testing.sync_counter import count_host_syncs
+
+R = dataclasses.replace
+PAD_TO = 32  # real boundaries [0, 10, 22], physical [0, 10, 32] (the last document holds the pad slots)
+LONGEST = 22  # the longest physical document
+HAS_PAD_BETWEEN_SEQS = "pad_between_seqs" in {f.name for f in dataclasses.fields(PackedSeqParams)}
+needs_pad_flag = pytest.mark.skipif(not HAS_PAD_BETWEEN_SEQS, reason="this megatron-core's PackedSeqParams has no "
+                                                                       "pad_between_seqs (TE infers it)")
+
+
+@pytest.fixture(scope="module")
+def setup(single_process_megatron):
+    from megatron_vlm_packing.testing.step_models import tiny_step_models
+
+    torch.manual_seed(0)
+    ids = torch.randint(1, 120, (2, 12))
+    text = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.tensor([[1] * 10 + [0] * 2, [1] * 12])}
+    return dict(gpt=tiny_step_models()["gpt"], text=text, loader=PackingCollator(label_style="hf", pad_to=PAD_TO)(text),
+                without_pads=pack_batch(text, label_style="hf"))
+
+
+def _planless(mb, *, copies: bool = False, **fields):
+    """`mb` without its plan, with a new `PackedSeqParams` (its boundary tensors, or equal copies) and `fields`."""
+    params = mb.packed_seq_params
+    if copies:
+        real, padded = params.cu_seqlens_q.clone(), params.cu_seqlens_q_padded.clone()
+        params = R(params, cu_seqlens_q=real, cu_seqlens_kv=real, cu_seqlens_q_padded=padded,
+                   cu_seqlens_kv_padded=padded)
+    return R(mb, packed_seq_params=R(params, **fields), plan=None, indices=None)
+
+
+def _refused(setup, message, **fields):
+    for copies in (False, True):
+        with pytest.raises(ValueError, match=message):
+            step_loss(setup["gpt"], _planless(setup["loader"], copies=copies, **fields), pad_to=PAD_TO)
+
+
+@pytest.mark.parametrize("value", [12, torch.tensor(12)], ids=["int", "tensor"])
+@pytest.mark.parametrize("name", ["max_seqlen_q", "max_seqlen_kv"])
+def test_a_max_seqlen_below_the_longest_document_of_its_boundaries_is_refused(setup, name, value):
+    _refused(setup, rf"packed_seq_params\.{name}=12 is below the longest physical document \({LONGEST} slots\): "
+                    rf"attention would leave its tail uncomputed", **{name: value})
+
+
+def test_the_longest_document_is_read_from_the_kv_sets_for_max_seqlen_kv(setup):
+    """Each side against its own sets: kv sets whose longest document holds 31 slots need max_seqlen_kv >= 31."""
+    kv_real, kv_padded = torch.tensor([0, 1, 22], dtype=torch.int32), torch.tensor([0, 1, 32], dtype=torch.int32)
+    _refused(setup, r"packed_seq_params\.max_seqlen_kv=22 is below the longest physical document \(31 slots\)",
+             cu_seqlens_kv=kv_real, cu_seqlens_kv_padded=kv_padded, max_seqlen_q=LONGEST, max_seqlen_kv=LONGEST)
+
+
+def test_a_max_seqlen_at_or_above_the_longest_document_trains_as_the_packers(setup):
+    gpt, loader = setup["gpt"], setup["loader"]
+    expected = step_loss(gpt, loader, pad_to=PAD_TO)
+    for value in (LONGEST, 64, torch.tensor(LONGEST)):  # None: Megatron-Core's rotary takes max() of both
+        item = _planless(loader, copies=True, max_seqlen_q=value, max_seqlen_kv=value)
+        assert step_loss(gpt, item, pad_to=PAD_TO) == pytest.approx(expected)
+
+
+@needs_pad_flag
+def test_pad_between_seqs_false_over_pad_slots_is_refused(setup):
+    _refused(setup, r"packed_seq_params\.pad_between_seqs is False but packed_seq_params\.cu_seqlens_q_padded has pad "
+                    r"slots \(document 1: 12 real tokens in 22 slots\), as the packer sets it: True",
+             pad_between_seqs=False)
+
+
+@needs_pad_flag
+def test_pad_between_seqs_must_be_a_bool_or_none(setup):
+    _refused(setup, r"packed_seq_params\.pad_between_seqs must be a bool or None, got str 'False'",
+             pad_between_seqs="False")
+
+
+@needs_pad_flag
+def test_pad_between_seqs_false_without_pad_slots_true_or_none_train_as_the_packers(setup):
+    gpt, loader, without_pads = setup["gpt"], setup["loader"], setup["without_pads"]
+    assert without_pads.packed_seq_params.pad_between_seqs is False  # the packer's own, real == physical
+    expected = step_loss(gpt, without_pads)
+    no_padded_sets = R(without_pads.packed_seq_params, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None)
+    for mb in (without_pads, R(without_pads, packed_seq_params=no_padded_sets)):
+        assert step_loss(gpt, _planless(mb, pad_between_seqs=False)) == pytest.approx(expected)
+    expected = step_loss(gpt, loader, pad_to=PAD_TO)
+    for flag in (True, None):
+        assert step_loss(gpt, _planless(loader, copies=True, pad_between_seqs=flag), pad_to=PAD_TO) == \
+            pytest.approx(expected)
+
+
+@pytest.mark.parametrize("fields", [dict(max_seqlen_q=LONGEST, max_seqlen_kv=64),
+                                    dict(max_seqlen_q=torch.tensor(64), max_seqlen_kv=torch.tensor(LONGEST)),
+                                    dict(max_seqlen_q=None, max_seqlen_kv=None)], ids=["ints", "tensor", "none"])
+@pytest.mark.parametrize("copies", [False, True])
+def test_the_fields_ride_the_read_of_the_positions(setup, fields, copies):
+    """The step reads such a micro-batch's positions against its boundaries anyway: one read for all."""
+    from megatron_vlm_packing.train.unpacked_checks import check_unpacked_fields
+
+    with count_host_syncs() as syncs:
+        check_unpacked_fields(_planless(setup["loader"], copies=copies, **fields), None)
+    assert syncs.total == 1, syncs.report()
