@@ -19,30 +19,17 @@ import dataclasses
 
 import pytest
 import torch
-from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron_vlm_packing import pack_batch
-from megatron_vlm_packing.packing.collate import PackingCollator
 from megatron_vlm_packing.testing.step_models import step_loss
 from megatron_vlm_packing.testing.sync_counter import count_host_syncs
+from tests.step.two_documents import LONGEST, PAD_TO, needs_pad_flag, two_document_setup
 
 R = dataclasses.replace
-PAD_TO = 32  # real boundaries [0, 10, 22], physical [0, 10, 32] (the last document holds the pad slots)
-LONGEST = 22  # the longest physical document
-HAS_PAD_BETWEEN_SEQS = "pad_between_seqs" in {f.name for f in dataclasses.fields(PackedSeqParams)}
-needs_pad_flag = pytest.mark.skipif(not HAS_PAD_BETWEEN_SEQS, reason="this megatron-core's PackedSeqParams has no "
-                                                                       "pad_between_seqs (TE infers it)")
 
 
 @pytest.fixture(scope="module")
 def setup(single_process_megatron):
-    from megatron_vlm_packing.testing.step_models import tiny_step_models
-
-    torch.manual_seed(0)
-    ids = torch.randint(1, 120, (2, 12))
-    text = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.tensor([[1] * 10 + [0] * 2, [1] * 12])}
-    return dict(gpt=tiny_step_models()["gpt"], text=text, loader=PackingCollator(label_style="hf", pad_to=PAD_TO)(text),
-                without_pads=pack_batch(text, label_style="hf"))
+    return two_document_setup()
 
 
 def _planless(mb, *, copies: bool = False, **fields):

@@ -20,24 +20,17 @@ import pickle
 import pytest
 import torch
 
-from megatron_vlm_packing import pack_batch
-from megatron_vlm_packing.packing.collate import PackingCollator, micro_batch_to, own_storages
+from megatron_vlm_packing.packing.collate import micro_batch_to, own_storages
 from megatron_vlm_packing.testing.step_models import step_loss
 from megatron_vlm_packing.testing.sync_counter import count_host_syncs
+from tests.step.two_documents import PAD_TO, two_document_setup
 
 R = dataclasses.replace
-PAD_TO = 32  # the plan: real boundaries [0, 10, 22], physical [0, 10, 32] (the last document holds the pad slots)
 
 
 @pytest.fixture(scope="module")
 def setup(single_process_megatron):
-    from megatron_vlm_packing.testing.step_models import tiny_step_models
-
-    torch.manual_seed(0)
-    ids = torch.randint(1, 120, (2, 12))
-    text = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.tensor([[1] * 10 + [0] * 2, [1] * 12])}
-    return dict(gpt=tiny_step_models()["gpt"], text=text, packed=pack_batch(text, label_style="hf", pad_to=PAD_TO),
-                loader=PackingCollator(label_style="hf", pad_to=PAD_TO)(text))
+    return two_document_setup()
 
 
 def _cu(*values: int) -> torch.Tensor:

@@ -18,30 +18,17 @@ import dataclasses
 
 import pytest
 import torch
-from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron_vlm_packing import pack_batch
-from megatron_vlm_packing.packing.collate import PackingCollator
 from megatron_vlm_packing.testing.step_models import step_loss
 from megatron_vlm_packing.testing.sync_counter import count_host_syncs
+from tests.step.two_documents import LONGEST, PAD_TO, needs_pad_flag, two_document_setup
 
 R = dataclasses.replace
-PAD_TO = 32  # the plan: real boundaries [0, 10, 22], physical [0, 10, 32] (the last document holds the pad slots)
-LONGEST = 22  # the plan's longest physical document
-HAS_PAD_BETWEEN_SEQS = "pad_between_seqs" in {f.name for f in dataclasses.fields(PackedSeqParams)}
-needs_pad_flag = pytest.mark.skipif(not HAS_PAD_BETWEEN_SEQS, reason="this megatron-core's PackedSeqParams has no "
-                                                                       "pad_between_seqs (TE infers it)")
 
 
 @pytest.fixture(scope="module")
 def setup(single_process_megatron):
-    from megatron_vlm_packing.testing.step_models import tiny_step_models
-
-    torch.manual_seed(0)
-    ids = torch.randint(1, 120, (2, 12))
-    text = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.tensor([[1] * 10 + [0] * 2, [1] * 12])}
-    return dict(gpt=tiny_step_models()["gpt"], text=text, packed=pack_batch(text, label_style="hf", pad_to=PAD_TO),
-                loader=PackingCollator(label_style="hf", pad_to=PAD_TO)(text))
+    return two_document_setup()
 
 
 def _params(mb, *, copies: bool, **fields):
@@ -100,8 +87,7 @@ def test_pad_between_seqs_must_be_a_bool_or_none(setup):
 def test_pad_between_seqs_true_or_none_trains_as_the_packers(setup):
     """True makes TE read the padded set (right for any plan; the packer's own value without pad slots is False,
     which lets FlashAttention run); None makes TE infer it from the two sets."""
-    gpt, text = setup["gpt"], setup["text"]
-    without_pads = pack_batch(text, label_style="hf")  # real == physical: the packer says False
+    gpt, without_pads = setup["gpt"], setup["without_pads"]  # real == physical: the packer says False
     assert without_pads.packed_seq_params.pad_between_seqs is False
     for mb in (setup["loader"], without_pads):
         expected = step_loss(gpt, mb)
