@@ -23,7 +23,7 @@ from megatron_vlm_packing.models.llava import (
 from megatron_vlm_packing.packing.checks import is_integer_tensor
 from megatron_vlm_packing.packing.bounds import int_entries, is_int
 from megatron_vlm_packing.packing.media import check_floating_media
-from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch, VisionInputs
+from megatron_vlm_packing.packing.micro_batch import BatchStats, IdsMark, MicroBatch, VisionInputs
 
 _IMAGE_KEYS = ("images", "pixel_values")
 IGNORE_INDEX = -100
@@ -244,7 +244,7 @@ def pack_llava_batch(batch: dict, space: LlavaSpace, *, label_style: str = "mega
     params = make_packed_seq_params(plan, indices)  # the plan's (collapsed; the patch expands them)
     packed_ids = pack_rows(ids, indices, pad_value=pad_token_id)  # its text ids were checked in the rows' read
     return MicroBatch(
-        input_ids=packed_ids, checked_ids=(packed_ids, space.vocab_size, space.image_token_index),
+        input_ids=packed_ids, checked_ids=IdsMark(packed_ids, space.vocab_size, space.image_token_index),
         labels=packed_labels, checked_labels=packed_labels, loss_mask=loss_mask, checked_loss_mask=loss_mask,
         checked_vocab_size=space.vocab_size,
         position_ids=positions, checked_positions=positions, padding_mask=~indices.is_real[None],
@@ -313,7 +313,7 @@ def pad_llava_batch(batch: dict, space: LlavaSpace, *, label_style: str = "megat
     positions = torch.arange(length, device=ids.device)[None].expand(rows, length)  # one document per row
     row_ids = rows_of(ids, pad_token_id)  # its text ids were checked in the rows' read
     return MicroBatch(
-        input_ids=row_ids, checked_ids=(row_ids, space.vocab_size, space.image_token_index),
+        input_ids=row_ids, checked_ids=IdsMark(row_ids, space.vocab_size, space.image_token_index),
         labels=padded_labels, loss_mask=loss_mask,
         checked_loss_mask=loss_mask, checked_labels=padded_labels, checked_vocab_size=space.vocab_size,
         position_ids=positions, checked_positions=positions, padding_mask=~keep,

@@ -30,7 +30,7 @@ import torch
 
 from megatron_vlm_packing.packing.arena import LARGE_BYTES, arena_of, byte_offset, into_one_storage, nbytes, view_at
 from megatron_vlm_packing.packing.bounds import checked_int
-from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch
+from megatron_vlm_packing.packing.micro_batch import BatchStats, IdsMark, MicroBatch
 from megatron_vlm_packing.packing.indices import PackIndices, apply_once
 from megatron_vlm_packing.packing.plan import PackMultiples, PackPlan
 from megatron_vlm_packing.packing.row_fields import check_dense_tensors
@@ -299,10 +299,10 @@ def _map_each(micro_batch: MicroBatch, fn: Callable[[torch.Tensor], torch.Tensor
         checked_ids=_moved_ids_mark(micro_batch, input_ids))
 
 
-def _moved_ids_mark(micro_batch: MicroBatch, input_ids: torch.Tensor) -> tuple | None:
+def _moved_ids_mark(micro_batch: MicroBatch, input_ids: torch.Tensor) -> IdsMark | None:
     """`checked_ids` for the moved `input_ids`: the same bounds, if the mark held for the ids before the move."""
     mark = micro_batch.checked_ids
-    return (input_ids, *mark[1:]) if mark is not None and mark[0] is micro_batch.input_ids else None
+    return mark._replace(input_ids=input_ids) if mark is not None and mark.input_ids is micro_batch.input_ids else None
 
 
 def micro_batch_to(micro_batch: MicroBatch, device: torch.device) -> MicroBatch:

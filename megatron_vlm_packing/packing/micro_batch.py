@@ -14,7 +14,7 @@ L = audio frames.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Mapping, NamedTuple
 
 import torch
 
@@ -121,6 +121,14 @@ class BatchStats:
     row_tokens: int
 
 
+class IdsMark(NamedTuple):
+    """`MicroBatch.checked_ids`: which `input_ids` tensor was found in range, below which bound, with which id excepted."""
+
+    input_ids: torch.Tensor  # the very tensor checked (the mark holds while `MicroBatch.input_ids` is it)
+    vocab_size: int | None  # ids found in [0, vocab_size); None: only >= 0
+    unembedded_token_id: int | None  # slots holding this id were not checked (LLaVA's image token); None: every slot
+
+
 @dataclass(frozen=True)
 class MicroBatch:
     """One micro-batch as the model will see it, packed (THD) or dense (rows).
@@ -200,7 +208,7 @@ class MicroBatch:
             held to the same rules against them in that read (`plan_boundaries.queue_own_boundary_fields`). Only a
             control that breaks the boundaries on purpose declares its own (`declare_boundaries`). The mark is the
             object: write a new `PackedSeqParams` (`dataclasses.replace`), never one of its fields in place.
-        checked_ids: (`input_ids` tensor, vocab_size, unembedded_token_id): ids found in [0, vocab_size) (>= 0 when
+        checked_ids: an `IdsMark` (`input_ids` tensor, vocab_size, unembedded_token_id): ids found in [0, vocab_size) (>= 0 when
             None) at every slot but those holding `unembedded_token_id` (None: every slot), by the step in its one read
             (`train.unpacked_checks.check_unpacked_fields`, for an adapter that `checks_unpacked_ids`) or by LLaVA's
             packers in theirs (their real text ids; the image token, never embedded, excepted), so the adapter's
@@ -230,7 +238,7 @@ class MicroBatch:
     checked_vocab_size: int | None = field(default=None, compare=False)
     checked_positions: torch.Tensor | None = field(default=None, repr=False, compare=False)
     checked_boundaries: object | None = field(default=None, repr=False, compare=False)
-    checked_ids: tuple | None = field(default=None, repr=False, compare=False)
+    checked_ids: IdsMark | None = field(default=None, repr=False, compare=False)
 
     def vocab_checked(self, vocab_size: int | None) -> bool:
         """The packer's checks bound the ids and labels it checked below `vocab_size` (always, when None)."""
@@ -244,11 +252,11 @@ class MicroBatch:
         packer = self.checked_media
         if packer is not None and packer[0] is self.input_ids and self.vocab_checked(vocab_size):
             return True
-        if self.checked_ids is None or self.checked_ids[0] is not self.input_ids:
+        mark = self.checked_ids
+        if mark is None or mark.input_ids is not self.input_ids:
             return False
-        _, bound, excepted = self.checked_ids
-        return excepted in (None, unembedded_token_id) and \
-            (vocab_size is None or (bound is not None and bound <= vocab_size))
+        return mark.unembedded_token_id in (None, unembedded_token_id) and \
+            (vocab_size is None or (mark.vocab_size is not None and mark.vocab_size <= vocab_size))
 
     @property
     def labels_checked(self) -> bool:

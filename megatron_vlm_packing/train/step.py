@@ -37,7 +37,7 @@ from megatron_vlm_packing.models.adapter import (
 from megatron_vlm_packing.packing.bounds import is_int
 from megatron_vlm_packing.packing.collate import own_storages
 from megatron_vlm_packing.packing.localize import localize
-from megatron_vlm_packing.packing.micro_batch import MicroBatch
+from megatron_vlm_packing.packing.micro_batch import IdsMark, MicroBatch
 from megatron_vlm_packing.packing.row_fields import check_dense_tensors, check_flags, check_pack_arguments
 from megatron_vlm_packing.parallel.layout import ParallelLayout
 from megatron_vlm_packing.train.loss import loss_func
@@ -219,13 +219,13 @@ def check_loader_vocab(micro_batch: MicroBatch, vocab_size: int | None, *,
     return replace(micro_batch, checked_vocab_size=vocab_size, checked_ids=_ids_mark_below(micro_batch, vocab_size))
 
 
-def _ids_mark_below(micro_batch: MicroBatch, vocab_size: int) -> tuple | None:
+def _ids_mark_below(micro_batch: MicroBatch, vocab_size: int) -> IdsMark | None:
     """The packer's `checked_ids` (LLaVA's, which may bound no vocabulary) now bounded by `vocab_size`, which
     `check_loader_vocab` just checked its real ids below (the same id excepted); else as it was."""
     mark = micro_batch.checked_ids
-    if mark is None or mark[0] is not micro_batch.input_ids:
+    if mark is None or mark.input_ids is not micro_batch.input_ids:
         return mark
-    return (mark[0], vocab_size, mark[2])
+    return mark._replace(vocab_size=vocab_size)
 
 
 def prepare_for_model(micro_batch: MicroBatch, adapter: ModelAdapter, layout: ParallelLayout) -> MicroBatch:

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from megatron_vlm_packing.packing.checks import DeferredChecks
-from megatron_vlm_packing.packing.micro_batch import MicroBatch
+from megatron_vlm_packing.packing.micro_batch import IdsMark, MicroBatch
 from megatron_vlm_packing.train.plan_boundaries import (
     queue_own_boundary_fields, queue_plan_boundaries, queue_rope_boundaries, with_the_plans_tensors)
 
@@ -61,7 +61,7 @@ def check_unpacked_fields(micro_batch: MicroBatch, vocab_size: int | None, *, id
     screened = queue_ids_screen(micro_batch, vocab_size, checks, unembedded_token_id) if ids else None
     host = checks.read()  # the one host sync (none queued: none)
     if screened is not None and host[screened][0] == 0:
-        micro_batch = replace(micro_batch, checked_ids=(micro_batch.input_ids, vocab_size, unembedded_token_id))
+        micro_batch = replace(micro_batch, checked_ids=IdsMark(micro_batch.input_ids, vocab_size, unembedded_token_id))
     return with_the_plans_tensors(micro_batch)
 
 
