@@ -156,14 +156,16 @@ def llava_pad_to(pad_to, space: LlavaSpace) -> int | None:
 
 
 def checked_llava_pad_token_id(pad_token_id, space: LlavaSpace) -> int:
-    """`pad_token_id` as a Python int (`rows.check_pad_token_id`), and not `space`'s image token.
+    """`pad_token_id` as a Python int (`rows.check_pad_token_id`, below `space.vocab_size` when known), and not
+    `space`'s image token.
 
     Raises:
-        ValueError: a bad id, or LLaVA's image token: LLaVAModel would expand every pad slot into an image.
+        ValueError: a bad id, one outside the vocabulary, or LLaVA's image token: LLaVAModel would expand every
+            pad slot into an image.
     """
     from megatron_vlm_packing.packing.rows import check_pad_token_id
 
-    pad_token_id = check_pad_token_id(pad_token_id)
+    pad_token_id = check_pad_token_id(pad_token_id, space.vocab_size)
     if pad_token_id == space.image_token_index:
         raise ValueError(f"pad_token_id={pad_token_id} is LLaVA's image token: pad slots would become images")
     return pad_token_id

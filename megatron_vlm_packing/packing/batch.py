@@ -180,7 +180,7 @@ def pack_batch(
     media = MediaTokens.resolve(mrope, image_token_id=image_token_id, video_token_id=video_token_id,
                                 audio_token_id=audio_token_id, spatial_merge_size=spatial_merge_size,
                                 require_counts=require_media_counts)
-    pad_token_id = check_pad_token_id(pad_token_id)  # a numpy int as its int
+    pad_token_id = check_pad_token_id(pad_token_id, vocab_size)  # a numpy int as its int
     pad_to = checked_pad_to(pad_to)  # an option error is named before any batch error
     extra_keys = checked_extra_keys(extra_keys)
     check_position_layout(position_layout)
@@ -256,7 +256,8 @@ def _pack_plain(batch, *, extra_keys, position_layout, tp_size, cp_size, sequenc
     if type(extra_keys) not in (tuple, list) or extra_keys \
             or position_layout is not None and position_layout not in POSITION_LAYOUTS \
             or type(pad_token_id) is not int or not 0 <= pad_token_id <= INT64_MAX \
-            or not (pad_to is None or type(pad_to) is int) or (type(vocab_size) is int and vocab_size > INT64_MAX):
+            or not (pad_to is None or type(pad_to) is int) \
+            or (type(vocab_size) is int and not pad_token_id < vocab_size <= INT64_MAX):
         return None
     try:
         multiples = PackMultiples.for_parallel(tp_size=tp_size, cp_size=cp_size, sequence_parallel=sequence_parallel,

@@ -132,12 +132,19 @@ def checked_loss_values(batch: Mapping, shape: tuple[int, int]) -> torch.Tensor 
     return None if loss_mask is None else widened_unsigned(loss_mask, "loss_mask")
 
 
-def check_pad_token_id(pad_token_id) -> int:
-    """`pad_token_id` as a Python int: a ValueError unless it is an int in [0, 2**63 - 1] (`bounds.is_int`)."""
+def check_pad_token_id(pad_token_id, vocab_size=None) -> int:
+    """`pad_token_id` as a Python int: a ValueError unless it is an int in [0, 2**63 - 1] (`bounds.is_int`) and,
+    when `vocab_size` is given (checked first, `check_vocab_size`), below it: the model embeds every pad slot,
+    and an id outside its table is an index error at TP=1 (a device-side assert on a GPU)."""
     if not is_int(pad_token_id) or pad_token_id < 0:
         raise ValueError(f"pad_token_id must be a non-negative int (the id written at pad slots), got {pad_token_id!r}")
     if pad_token_id > INT64_MAX:
         raise ValueError(f"pad_token_id must be at most 2**63 - 1 (ids are int64), got {pad_token_id}")
+    check_vocab_size(vocab_size)
+    if vocab_size is not None and pad_token_id >= vocab_size:
+        raise ValueError(f"pad_token_id={pad_token_id} is no token id of the model (vocab_size={vocab_size}): every "
+                         f"pad slot is embedded, and an id outside [0, {vocab_size}) is an index error at TP=1 (a "
+                         f"device-side assert on a GPU); pad with an id in [0, {vocab_size})")
     return int(pad_token_id)
 
 

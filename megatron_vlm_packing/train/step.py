@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Callable, Iterator, Mapping
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -216,7 +217,20 @@ def check_loader_vocab(micro_batch: MicroBatch, vocab_size: int | None, *,
             check_label_values(as_rows(labels), torch.ones_like(as_rows(labels), dtype=torch.bool), vocab_size)
         except ValueError as error:
             raise ValueError(f"{error}{hint}") from None
+    _refuse_pad_ids_outside(ids.numpy(), pads.numpy(), vocab_size)
     return replace(micro_batch, checked_vocab_size=vocab_size, checked_ids=_ids_mark_below(micro_batch, vocab_size))
+
+
+def _refuse_pad_ids_outside(ids: np.ndarray, pads: np.ndarray, vocab_size: int) -> None:
+    """A ValueError naming the first pad slot whose id lies outside [0, vocab_size): the model embeds pad slots
+    too (an index error at TP=1, a device-side assert on a GPU). ids, pads: [1, T] or [B, S], host memory."""
+    bad = pads & ((ids < 0) | (ids >= vocab_size))
+    if bad.any():
+        place = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"input_ids pad slot {place} holds {int(ids[place])} (the pad_token_id), no token id of the "
+                         f"model (vocab_size={vocab_size}): every pad slot is embedded (an index error at TP=1, a "
+                         f"device-side assert on a GPU); give the collator a pad_token_id in [0, {vocab_size}), and "
+                         f"pack_options=dict(vocab_size={vocab_size}) to refuse it in the DataLoader worker")
 
 
 def _ids_mark_below(micro_batch: MicroBatch, vocab_size: int) -> IdsMark | None:
