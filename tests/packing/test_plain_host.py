@@ -47,6 +47,23 @@ def plain_path_spied(taken: list):
         yield
 
 
+@contextlib.contextmanager
+def positions_compared_per_document(per_document: bool, compared: list):
+    """Given positions of plans without pad slots compared per document (`plain_host._checked_given_offsets`'
+    branch for long documents) from any length when `per_document`, else never; `compared` gets a True for
+    each call of that branch (it reads the shared ramp)."""
+    real = plain_host_module.host_ramp
+
+    def spy(length):
+        compared.append(True)
+        return real(length)
+
+    threshold = 0 if per_document else 2 ** 62
+    with mock.patch.object(plain_host_module, "_COMPARED_PER_DOCUMENT_FROM", threshold), \
+            mock.patch.object(plain_host_module, "host_ramp", spy):
+        yield
+
+
 def outcome(call):
     try:
         return call()
@@ -155,13 +172,13 @@ ROW_PREFIX_BATCHES = {**BATCHES, "cp": st.just(1), "tp": st.just(1), "fp8": st.j
                       "pad_extra": st.sampled_from([None, 0])}  # plans without pad slots: documents are row prefixes
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(**ROW_PREFIX_BATCHES, bad=st.sampled_from([None, *BAD_VALUES]), at_pad=st.booleans(),
-       slot=st.integers(0, 10 ** 6))
+       slot=st.integers(0, 10 ** 6), per_document=st.booleans())
 def test_plans_without_pad_slots_pack_the_same_three_ways(lengths, style, loss_dtype, mask_form, cp, tp, fp8, vocab,
-                                                          seed, positions, pad_extra, bad, at_pad, slot):
+                                                          seed, positions, pad_extra, bad, at_pad, slot, per_document):
     """The plain path's one-function branch for plans without pad slots (`plain_host._pack_row_prefixes`),
-    on clean batches and with one bad value."""
+    on clean batches and with one bad value, given positions compared both ways."""
     if bad is not None:
         positions = positions or bad[0] == "position_ids"
         if bad[0] == "loss_mask" and (loss_dtype is None or not loss_dtype.is_floating_point):
@@ -178,11 +195,14 @@ def test_plans_without_pad_slots_pack_the_same_three_ways(lengths, style, loss_d
         calls.append(real(*args, **kwargs))
         return calls[-1]
 
-    with mock.patch.object(plain_host_module, "_pack_row_prefixes", spy):
+    compared = []
+    with mock.patch.object(plain_host_module, "_pack_row_prefixes", spy), \
+            positions_compared_per_document(per_document, compared):
         taken, packs = assert_same_three_ways(batch, **layout(cp, tp, fp8, vocab, style, keep.sum(1).tolist(),
                                                               pad_extra))
     if taken:
         assert calls and calls[-1] is not None  # no pad slots: the one-function branch packed it
+        assert any(compared) == (per_document and "position_ids" in batch)
     if bad is None:
         assert taken == (mask_form in PLAIN_MASKS and loss_dtype != torch.bfloat16 and packs)
 
@@ -222,7 +242,8 @@ def _clean():
             "position_ids": torch.arange(4).expand(2, 4).clone()}
 
 
-def test_a_clean_batch_takes_the_plain_path_in_every_plain_form():
+@pytest.mark.parametrize("per_document", [False, True], ids=["positions_compared_at_once", "per_document"])
+def test_a_clean_batch_takes_the_plain_path_in_every_plain_form(per_document):
     forms = {"as_given": _clean(), "tokens_key": {"tokens": _clean()["input_ids"],
                                                   **{k: v for k, v in _clean().items() if k != "input_ids"}},
              "bool_mask": {**_clean(), "attention_mask": _clean()["attention_mask"].bool()},
@@ -233,10 +254,25 @@ def test_a_clean_batch_takes_the_plain_path_in_every_plain_form():
     for name, batch in forms.items():
         for kwargs in ({}, dict(cp_size=2), dict(tp_size=2, sequence_parallel=True, fp8=True), dict(pad_to=64),
                        dict(vocab_size=10)):
-            assert assert_same_three_ways(batch, **kwargs) == (True, True), (name, kwargs)
-            # 1D positions view the indices' offsets (no copy per micro-batch), as on the general path
-            micro = pack_batch(batch, host_reads=True, **kwargs)
+            with positions_compared_per_document(per_document, []):
+                assert assert_same_three_ways(batch, **kwargs) == (True, True), (name, kwargs)
+                # 1D positions view the indices' offsets (no copy per micro-batch), as on the general path
+                micro = pack_batch(batch, host_reads=True, **kwargs)
             assert np.shares_memory(micro.position_ids.numpy(), micro.indices.offset_in_segment_host), (name, kwargs)
+
+
+@pytest.mark.parametrize("per_document", [False, True], ids=["positions_compared_at_once", "per_document"])
+def test_a_wrong_position_at_any_real_token_is_named_three_ways(per_document):
+    """Each document's first, inner and last real token: a given position off there is the general path's error
+    (the per-document comparison reads every slot of every document)."""
+    clean = _clean()
+    for row, length in enumerate((3, 4)):
+        for place in range(length):
+            for value in (place + 1, -1):
+                positions = _with(clean["position_ids"], (row, place), value)
+                with positions_compared_per_document(per_document, []):
+                    taken, packs = assert_same_three_ways({**clean, "position_ids": positions})
+                assert not taken and not packs, (row, place, value)
 
 
 def _deferred_batches():
@@ -376,11 +412,13 @@ def _hostile_cases():
     return cases
 
 
+@pytest.mark.parametrize("per_document", [False, True], ids=["positions_compared_at_once", "per_document"])
 @pytest.mark.parametrize("name", list(_hostile_cases()))
-def test_hostile_layouts_dtypes_and_extremes_are_the_same_three_ways(name):
+def test_hostile_layouts_dtypes_and_extremes_are_the_same_three_ways(name, per_document):
     """What the Hypothesis batches do not hold: strided tensors, other position / weight dtypes, extreme values."""
     batch, kwargs = _hostile_cases()[name]
-    taken, packs = assert_same_three_ways(batch, **kwargs)
+    with positions_compared_per_document(per_document, []):
+        taken, packs = assert_same_three_ways(batch, **kwargs)
     # Left to the general path: a test tripped by pad slots only, a weight < 0 that float32 makes -0.0, a dict subclass.
     general_only = ("pad_token_at_vocab_size_in_pad_slots", "float64_negative_subnormal_weight", "ordered_dict")
     assert taken == (packs and name not in general_only)
