@@ -106,10 +106,16 @@ class PackedHostTokens:
         return torch.from_numpy(self.ids[None]), torch.from_numpy(self.labels[None]), torch.from_numpy(weights[None])
 
 
-def loss_weights_host(values: np.ndarray | None, is_target: np.ndarray) -> np.ndarray:
+def loss_weights_host(values: np.ndarray | None, is_target: np.ndarray | None, *, length: int = 0) -> np.ndarray:
     """[T] float32 loss weights: the packed loss value at each target, else 0 (`is_target` as float32 without
-    values). Writes over float32 `values` (a fresh packed copy, checked before: no second [T] array)."""
+    values). Writes over float32 `values` (a fresh packed copy, checked before: no second [T] array).
+
+    `is_target` None: every one of the `length` slots is a target (no -100), and the weights are the values
+    as float32 (ones without values), the bits of value * True, with no pass over [T] bools (at 64 x 32768,
+    0.25 ms of 6)."""
     # value * True / value * False in float32: the same bits as the device path's weights.
+    if is_target is None:
+        return np.ones(length, dtype=np.float32) if values is None else values.astype(np.float32, copy=False)
     if values is None:
         return is_target.astype(np.float32)
     return np.multiply(values, is_target, out=values if values.dtype.char == "f" else None, dtype=np.float32)

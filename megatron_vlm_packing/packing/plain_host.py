@@ -121,8 +121,10 @@ def _pack_row_prefixes(input_ids: np.ndarray, labels: np.ndarray, loss_values: n
         _checked_given_offsets(given_positions, documents, indices)
     if offsets is None:
         return None
+    if np.count_nonzero(is_target) == is_target.size:  # no -100 target: the weights are the values
+        is_target = None
     return PlainPack(plan, indices, torch.from_numpy(ids[None]), torch.from_numpy(targets[None]),
-                     torch.from_numpy(loss_weights_host(values, is_target)[None]),
+                     torch.from_numpy(loss_weights_host(values, is_target, length=ids.size)[None]),
                      torch.from_numpy(offsets[None]))  # what `segment_positions` views on the CPU
 
 

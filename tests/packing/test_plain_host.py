@@ -98,6 +98,8 @@ def assert_identical(a, b) -> None:
             assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
         elif isinstance(x, torch.Tensor):
             assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), field.name
+            if x.is_floating_point():  # bit for bit (-0.0 and 0.0 are equal values)
+                assert torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)), field.name
         elif field.name not in ("checked_loss_mask", "checked_media", "checked_boundaries"):  # marks: below
             assert x == y, field.name
     assert a.loss_weights_checked and b.loss_weights_checked
@@ -405,7 +407,15 @@ def _hostile_cases():
         "hf_first_label_at_vocab": ({**clean, "labels": _with(clean["labels"], (0, 0), 10)},
                                     dict(label_style="hf", vocab_size=10)),
         "keys_reversed": (dict(reversed(list(clean.items()))), dict(extra_keys=[], position_layout="B3S")),
+        # no -100 among the real targets (the clean batch's): the weights are the values, bit for bit
+        "negative_zero_and_subnormal_weights": (
+            {**clean, "loss_mask": _with(_with(clean["loss_mask"], (0, 1), -0.0), (1, 2), 1e-40)}, {}),
+        "an_ignored_target_negative_zero_weight": (
+            {**clean, "labels": _with(clean["labels"], (1, 1), -100),
+             "loss_mask": _with(clean["loss_mask"], (1, 1), -0.0)}, {}),
     })
+    for dtype in (torch.float16, torch.bool, torch.int64):
+        cases[f"no_ignored_target_{dtype}_weights"] = ({**clean, "loss_mask": clean["loss_mask"].to(dtype)}, {})
     for dtype in (torch.int32, torch.uint8, torch.int8, torch.float16, torch.float64, torch.bool):
         cases[f"positions_{dtype}"] = ({**clean, "position_ids": clean["position_ids"].to(dtype)}, {})
     cases["positions_halves"] = ({**clean, "position_ids": clean["position_ids"] / 2}, {})
