@@ -274,15 +274,11 @@ def packed_value_faults(label_style: str, vocab_size: int | None, *, ids: np.nda
 
 def _targets_copy_ids(ids: np.ndarray, targets: np.ndarray, is_target: np.ndarray, ignored: int, *,
                       ids_in_range: bool) -> bool:
-    """Whether exactly the `ignored` slots' targets differ from their ids: `np.count_nonzero(targets != ids)
-    == ignored`, the test of Megatron labels that copy their ids (with ids >= 0, every -100 target differs
-    from its id, so no other target differs).
-
-    With every id in range (>= 0), one target that differs from its id settles it first: the first target
-    among the first 4096 slots (`argmax` of bools stops at the first True, but reads slowly: 0.45 ms to
-    find none in 700k), which differs in any batch of shifted labels unless a token repeats there. The full
-    comparison only when it does not settle it: at 64 x 32768 it read 11 MB of packed ids and labels, 0.22
-    ms of 6.7."""
+    """`np.count_nonzero(targets != ids) == ignored`: Megatron labels that copy their ids (with ids >= 0, every
+    -100 target differs from its id, so no other target differs). With every id in range (>= 0), the first
+    target among the first 4096 slots settles it when it differs from its id, as in any batch of shifted
+    labels unless a token repeats there (a bools' `argmax` stops at the first True but reads slowly: 0.45 ms
+    to find none in 700k); the full comparison read 11 MB at 64 x 32768, 0.22 ms of 6.7."""
     if ids_in_range:
         head = is_target[:4096]
         first = int(head.argmax())

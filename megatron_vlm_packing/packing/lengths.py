@@ -220,8 +220,8 @@ def right_padded_row_lengths(rows: np.ndarray) -> list[int] | None:
     held them exact (64-bit sums of larger values wrap). The sums come first because the first pass is the
     one that reads the mask from memory, which numpy's signed sum does faster than its unsigned maximum: at
     64 x 32768 int64 with cold caches, 1.5 ms where the maximum first took 2.0 ms; the same 0.04 ms at
-    4 x 2048 (one core). One numpy call fewer than reading each row's minimum
-    back (`take`); torch's fused min-with-index took 2 to 4x longer (4 x 2048 to 64 x 32768, one core)."""
+    4 x 2048 (one core). One numpy call fewer than reading each row's minimum back (`take`); torch's fused
+    min-with-index took 2 to 4x longer (4 x 2048 to 64 x 32768, one core)."""
     width = rows.dtype.itemsize
     signed = rows.view(_SIGNED_OF_WIDTH[width])  # 0/1 either way; numpy's signed sums are the faster loop
     sums = np.add.reduce(signed, axis=1)
