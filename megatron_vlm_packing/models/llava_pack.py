@@ -23,7 +23,7 @@ from megatron_vlm_packing.models.llava import (
 from megatron_vlm_packing.packing.checks import is_integer_tensor
 from megatron_vlm_packing.packing.bounds import int_entries, is_int
 from megatron_vlm_packing.packing.media import check_floating_media
-from megatron_vlm_packing.packing.micro_batch import BatchStats, IdsMark, MicroBatch, VisionInputs
+from megatron_vlm_packing.packing.micro_batch import BatchStats, IdsMark, MicroBatch, VisionInputs, boundaries_mark
 
 _IMAGE_KEYS = ("images", "pixel_values")
 IGNORE_INDEX = -100
@@ -250,7 +250,8 @@ def pack_llava_batch(batch: dict, space: LlavaSpace, *, label_style: str = "mega
         labels=packed_labels, checked_labels=packed_labels, loss_mask=loss_mask, checked_loss_mask=loss_mask,
         checked_vocab_size=space.vocab_size,
         position_ids=positions, checked_positions=positions, padding_mask=~indices.is_real[None],
-        packed_seq_params=params, checked_boundaries=params, rope_cu_seqlens=indices.cu_seqlens, stats=stats,
+        packed_seq_params=params, checked_boundaries=boundaries_mark(params), rope_cu_seqlens=indices.cu_seqlens,
+        stats=stats,
         vision=vision, plan=plan, indices=indices,
     )
 

@@ -16,7 +16,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron_vlm_packing.packing.checks import check_packed_values, host_array
 from megatron_vlm_packing.packing.host_tokens import pack_tokens_on_host, packs_on_host
 from megatron_vlm_packing.packing.media import MediaTokens, checked_placeholders
-from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch
+from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch, boundaries_mark
 from megatron_vlm_packing.packing.plain_host import PlainPack, pack_plain_batch_on_host
 from megatron_vlm_packing.packing.pack import pack_next_token_labels, pack_positions, pack_rows, segment_positions
 from megatron_vlm_packing.packing.positions import (
@@ -231,7 +231,7 @@ def _packed_micro_batch(plan: PackPlan, indices: PackIndices, input_ids: torch.T
         checked_positions=positions,  # restarting per document of the plan (given ones checked in the read)
         padding_mask=padding_mask_of(indices),
         packed_seq_params=params,
-        checked_boundaries=params,  # the plan's: what the positions, padding mask and CP index were made from
+        checked_boundaries=boundaries_mark(params),  # the plan's: what the positions, padding mask and CP index were made from
         rope_cu_seqlens=indices.cu_seqlens,
         stats=BatchStats(real_tokens=plan.num_real_tokens, physical_tokens=plan.total, row_tokens=row_tokens),
         vision=vision,

@@ -30,7 +30,7 @@ import torch
 
 from megatron_vlm_packing.packing.arena import LARGE_BYTES, arena_of, byte_offset, into_one_storage, nbytes, view_at
 from megatron_vlm_packing.packing.bounds import checked_int
-from megatron_vlm_packing.packing.micro_batch import BatchStats, IdsMark, MicroBatch
+from megatron_vlm_packing.packing.micro_batch import BatchStats, IdsMark, MicroBatch, boundaries_mark
 from megatron_vlm_packing.packing.indices import PackIndices, apply_once
 from megatron_vlm_packing.packing.plan import PackMultiples, PackPlan
 from megatron_vlm_packing.packing.row_fields import check_dense_tensors
@@ -293,7 +293,7 @@ def _map_each(micro_batch: MicroBatch, fn: Callable[[torch.Tensor], torch.Tensor
         checked_loss_mask=once(micro_batch.checked_loss_mask),  # the same tensor as loss_mask stays the same
         checked_labels=once(micro_batch.checked_labels),  # likewise the same tensor as labels
         checked_positions=once(micro_batch.checked_positions),  # and as position_ids
-        checked_boundaries=params if micro_batch.boundaries_checked else None,  # the moved copy of the packer's
+        checked_boundaries=boundaries_mark(params) if micro_batch.boundaries_checked else None,  # the moved copy
         # the packer's media marks follow the moved objects only if they held before the move
         checked_media=(input_ids, vision, audio) if micro_batch.media_checked_by_packer else None,
         checked_ids=_moved_ids_mark(micro_batch, input_ids))

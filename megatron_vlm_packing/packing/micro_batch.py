@@ -121,8 +121,35 @@ class BatchStats:
     row_tokens: int
 
 
+class BoundariesMark(NamedTuple):
+    """`MicroBatch.checked_boundaries`: the `PackedSeqParams` object the packer made (or a control declared) and
+    its fields as they were then, so a field written in place afterwards (`params.cu_seqlens_q = ...`, the same
+    object with a new value) ends the mark as a new object does. Tensors are compared by identity, other values
+    (ints, flags, None) by equality: a DataLoader's pickle keeps a tensor shared but makes new int objects."""
+
+    params: object
+    fields: tuple[tuple[str, object], ...]
+
+    def holds_for(self, params) -> bool:
+        """`params` is the marked object and every field still holds the value it held when marked."""
+        if params is not self.params:
+            return False
+        missing = object()
+        for name, value in self.fields:
+            now = getattr(params, name, missing)
+            if now is not value and (isinstance(value, torch.Tensor) or isinstance(now, torch.Tensor) or now != value):
+                return False
+        return True
+
+
+def boundaries_mark(params) -> BoundariesMark | None:
+    """The mark a packer sets for the `PackedSeqParams` it made (`MicroBatch.checked_boundaries`); None for None."""
+    return None if params is None else BoundariesMark(params, tuple(vars(params).items()))
+
+
 class IdsMark(NamedTuple):
-    """`MicroBatch.checked_ids`: which `input_ids` tensor was found in range, below which bound, with which id excepted."""
+    """`MicroBatch.checked_ids`: which `input_ids` tensor was found in range, below which bound, which id
+    excepted."""
 
     input_ids: torch.Tensor  # the very tensor checked (the mark holds while `MicroBatch.input_ids` is it)
     vocab_size: int | None  # ids found in [0, vocab_size); None: only >= 0
@@ -196,8 +223,9 @@ class MicroBatch:
             `check_unpacked_packed_positions`, one host sync then only): several documents in one would train as
             one causal document. Packed, the mark vouches only for the plan's documents: with boundaries that are
             not the plan's (below) the positions are read too.
-        checked_boundaries: the `PackedSeqParams` the packer made (`pack_batch`, LLaVA's packers; kept by `localize`,
-            the moves, pinning, a DataLoader's pickle and `replace` of other fields). Every field of other
+        checked_boundaries: a `BoundariesMark` of the `PackedSeqParams` the packer made and of its fields as made
+            (`pack_batch`, LLaVA's packers; kept by `localize`, the moves, pinning, a DataLoader's pickle and
+            `replace` of other fields). Every field of other
             `packed_seq_params` (a transform's, a `replace`) is compared by the step with the plan the positions,
             padding mask, labels and CP index were made from (`train.plan_boundaries`: `qkv_format` "thd", the four
             boundary sets the plan's, `max_seqlen_*` at least its longest physical document, `pad_between_seqs` not
@@ -206,12 +234,13 @@ class MicroBatch:
             plan's own tensors (and the new params marked here), so `localize` reads none. Without a plan
             (`plan=None, indices=None`) the positions are read against them, and `max_seqlen_*` / `pad_between_seqs`
             held to the same rules against them in that read (`plan_boundaries.queue_own_boundary_fields`). Only a
-            control that breaks the boundaries on purpose declares its own (`declare_boundaries`). The mark is the
-            object: write a new `PackedSeqParams` (`dataclasses.replace`), never one of its fields in place.
-        checked_ids: an `IdsMark` (`input_ids` tensor, vocab_size, unembedded_token_id): ids found in [0, vocab_size) (>= 0 when
-            None) at every slot but those holding `unembedded_token_id` (None: every slot), by the step in its one read
-            (`train.unpacked_checks.check_unpacked_fields`, for an adapter that `checks_unpacked_ids`) or by LLaVA's
-            packers in theirs (their real text ids; the image token, never embedded, excepted), so the adapter's
+            control that breaks the boundaries on purpose declares its own (`declare_boundaries`). A field written
+            in place (`params.cu_seqlens_q = ...`) ends the mark like new params; a tensor edited in place
+            (`params.cu_seqlens_q[1] = 9`) is not seen: write new tensors.
+        checked_ids: an `IdsMark` (`input_ids` tensor, vocab_size, unembedded_token_id): ids found in [0, vocab_size)
+            (>= 0 when None) at every slot but those holding `unembedded_token_id` (None: every slot), by the step in
+            its one read (`train.unpacked_checks.check_unpacked_fields`, for an adapter that `checks_unpacked_ids`)
+            or by LLaVA's packers in theirs (their real text ids; the image token, never embedded, excepted), so the adapter's
             `check_unpacked_ids` reads nothing (`ids_checked`); kept by the moves; None otherwise.
     """
 
@@ -237,7 +266,7 @@ class MicroBatch:
     checked_labels: torch.Tensor | None = field(default=None, repr=False, compare=False)
     checked_vocab_size: int | None = field(default=None, compare=False)
     checked_positions: torch.Tensor | None = field(default=None, repr=False, compare=False)
-    checked_boundaries: object | None = field(default=None, repr=False, compare=False)
+    checked_boundaries: BoundariesMark | None = field(default=None, repr=False, compare=False)
     checked_ids: IdsMark | None = field(default=None, repr=False, compare=False)
 
     def vocab_checked(self, vocab_size: int | None) -> bool:
@@ -274,7 +303,7 @@ class MicroBatch:
     def boundaries_checked(self) -> bool:
         """The packer made these very boundaries (`checked_boundaries` is `packed_seq_params`), or a control
         declared them (`declare_boundaries`)."""
-        return self.checked_boundaries is not None and self.checked_boundaries is self.packed_seq_params
+        return self.checked_boundaries is not None and self.checked_boundaries.holds_for(self.packed_seq_params)
 
     @property
     def media_checked_by_packer(self) -> bool:
@@ -346,4 +375,5 @@ def declare_boundaries(micro_batch: MicroBatch, packed_seq_params) -> MicroBatch
     """
     if not isinstance(micro_batch, MicroBatch):
         raise ValueError(f"declare_boundaries takes a MicroBatch, got {type(micro_batch).__name__}")
-    return replace(micro_batch, packed_seq_params=packed_seq_params, checked_boundaries=packed_seq_params)
+    return replace(micro_batch, packed_seq_params=packed_seq_params,
+                   checked_boundaries=boundaries_mark(packed_seq_params))

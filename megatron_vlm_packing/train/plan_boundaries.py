@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from megatron_vlm_packing.packing.indices import PackIndices
-from megatron_vlm_packing.packing.micro_batch import MicroBatch
+from megatron_vlm_packing.packing.micro_batch import MicroBatch, boundaries_mark
 
 if TYPE_CHECKING:  # unpacked_checks imports this module
     from megatron_vlm_packing.train.unpacked_checks import OneRead
@@ -273,7 +273,7 @@ def with_the_plans_tensors(micro_batch: MicroBatch) -> MicroBatch:
     if not micro_batch.boundaries_checked:
         params = _on_the_plans_tensors(micro_batch.packed_seq_params, indices)
         if params is not None:
-            changes.update(packed_seq_params=params, checked_boundaries=params)
+            changes.update(packed_seq_params=params, checked_boundaries=boundaries_mark(params))
     rope = micro_batch.rope_cu_seqlens
     if isinstance(rope, torch.Tensor) and rope is not indices.cu_seqlens and rope.device == indices.device:
         changes["rope_cu_seqlens"] = indices.cu_seqlens

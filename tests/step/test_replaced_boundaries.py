@@ -20,7 +20,8 @@ import pickle
 import pytest
 import torch
 
-from megatron_vlm_packing.packing.collate import micro_batch_to, own_storages
+from megatron_vlm_packing import pack_batch
+from megatron_vlm_packing.packing.collate import PackingCollator, micro_batch_to, own_storages
 from megatron_vlm_packing.testing.step_models import step_loss
 from megatron_vlm_packing.testing.sync_counter import count_host_syncs
 from tests.step.two_documents import PAD_TO, two_document_setup
@@ -133,3 +134,34 @@ def test_declared_boundaries_train_as_they_say(setup):
     assert declare_boundaries(setup["packed"], setup["packed"].packed_seq_params).boundaries_checked
     with pytest.raises(ValueError, match="declare_boundaries takes a MicroBatch"):
         declare_boundaries(setup["text"], setup["packed"].packed_seq_params)
+
+
+
+FRESH = {"packed": lambda text: pack_batch(text, label_style="hf", pad_to=PAD_TO),
+         "loader": lambda text: PackingCollator(label_style="hf", pad_to=PAD_TO)(text)}
+
+
+def _written_in_place(setup, which, **fields):
+    """A fresh packer-made micro-batch whose own `PackedSeqParams` object has `fields` written into it
+    (`params.cu_seqlens_q = ...`, as a transform might): the micro-batch still holds the packer's object."""
+    mb = FRESH[which](setup["text"])
+    for name, value in fields.items():
+        setattr(mb.packed_seq_params, name, value)
+    return mb
+
+
+@pytest.mark.parametrize("which", sorted(FRESH))
+def test_fields_written_in_place_into_the_packers_params_are_checked(setup, which):
+    """The mark holds the params' fields as the packer wrote them: a field rebound in place (the same
+    PackedSeqParams object, a new value) is compared with the plan like replaced params."""
+    shifted = _cu(0, 9, 22)
+    with pytest.raises(ValueError, match=r"packed_seq_params\.cu_seqlens_q is \[0, 9, 22\] but the pack plan's "
+                                         r"real boundaries are \[0, 10, 22\]"):
+        step_loss(setup["gpt"], _written_in_place(setup, which, cu_seqlens_q=shifted, cu_seqlens_kv=shifted),
+                  pad_to=PAD_TO)
+    with pytest.raises(ValueError, match=r"max_seqlen_q"):
+        step_loss(setup["gpt"], _written_in_place(setup, which, max_seqlen_q=4), pad_to=PAD_TO)
+    untouched = _written_in_place(setup, which)
+    assert untouched.boundaries_checked
+    assert step_loss(setup["gpt"], untouched, pad_to=PAD_TO) == pytest.approx(
+        step_loss(setup["gpt"], setup[which], pad_to=PAD_TO))
