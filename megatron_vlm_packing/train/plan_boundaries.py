@@ -190,7 +190,8 @@ def queue_own_boundary_fields(micro_batch: MicroBatch, checks: OneRead) -> None:
                           physical["q"])
     lengths = {"max_seqlen_q": physical["q"], "max_seqlen_kv": physical["kv"]}
     read = {name: cu for name, cu in lengths.items() if getattr(params, name) is not None}
-    pads_to_find = pad_between_seqs_of(params) is False and physical["q"] is not real
+    flag = pad_between_seqs_of(params)  # numpy's False too: `is False` passed np.False_, which TE reads as False
+    pads_to_find = flag is not None and not flag and physical["q"] is not real
     tensors = [*read.values(), *((real, physical["q"]) if pads_to_find else ()),
                *(value for value in (params.max_seqlen_q, params.max_seqlen_kv) if isinstance(value, torch.Tensor))]
     tensors = list({id(t): t for t in tensors}.values())

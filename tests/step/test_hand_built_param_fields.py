@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -71,10 +72,12 @@ def test_a_max_seqlen_at_or_above_the_longest_document_trains_as_the_packers(set
 
 
 @needs_pad_flag
-def test_pad_between_seqs_false_over_pad_slots_is_refused(setup):
+@pytest.mark.parametrize("false", [False, np.False_], ids=["bool", "numpy"])
+def test_pad_between_seqs_false_over_pad_slots_is_refused(setup, false):
+    """numpy's False too (a bool here, and TE reads it as False): it passed `is False` and trained silently."""
     _refused(setup, r"packed_seq_params\.pad_between_seqs is False but packed_seq_params\.cu_seqlens_q_padded has pad "
                     r"slots \(document 1: 12 real tokens in 22 slots\), as the packer sets it: True",
-             pad_between_seqs=False)
+             pad_between_seqs=false)
 
 
 @needs_pad_flag
