@@ -192,11 +192,10 @@ def queue_own_boundary_fields(micro_batch: MicroBatch, checks: OneRead) -> None:
     read = {name: cu for name, cu in lengths.items() if getattr(params, name) is not None}
     flag = pad_between_seqs_of(params)  # numpy's False too: `is False` passed np.False_, which TE reads as False
     pads_to_find = flag is not None and not flag and physical["q"] is not real
-    tensors = [*read.values(), *((real, physical["q"]) if pads_to_find else ()),
-               *(value for value in (params.max_seqlen_q, params.max_seqlen_kv) if isinstance(value, torch.Tensor))]
+    sets = {name: getattr(params, name) for name in _SETS if getattr(params, name) is not None}
+    tensors = [*sets.values(), *(value for value in (params.max_seqlen_q, params.max_seqlen_kv)
+                                 if isinstance(value, torch.Tensor))]
     tensors = list({id(t): t for t in tensors}.values())
-    if not tensors:
-        return
     held = {}
 
     def host_lengths(cu) -> list[int]:
@@ -204,6 +203,8 @@ def queue_own_boundary_fields(micro_batch: MicroBatch, checks: OneRead) -> None:
         return [end - start for start, end in zip(bounds, bounds[1:])]
 
     def apply_rules() -> None:
+        check_own_boundary_values({name: held[id(cu)] for name, cu in sets.items()},
+                                  micro_batch.padding_mask.numel())
         for name, cu in read.items():
             value = getattr(params, name)
             check_max_seqlen(name, held[id(value)][0] if isinstance(value, torch.Tensor) else value,
@@ -222,6 +223,37 @@ def queue_own_boundary_fields(micro_batch: MicroBatch, checks: OneRead) -> None:
         return False
 
     checks.add(torch.cat([t.reshape(-1).long().to(real.device) for t in tensors]), fails, apply_rules)
+
+
+def check_own_boundary_values(sets: dict[str, list[int]], total: int) -> None:
+    """The values of a plan-less pack's boundary sets (`sets`: name -> host ints, those given) lay out its `total`
+    slots as the plan's would: each set starts at 0 and never decreases, the physical set (`cu_seqlens_q_padded`,
+    else `cu_seqlens_q`) ends at `total`, and no document holds more real tokens than slots. Else the CP index and
+    the THD rotary met them first (a RuntimeError there: allocated size, negative repeats), and TE read them as
+    given (a set short of the pack's length: its last slots in no document).
+
+    Raises:
+        ValueError: naming the set, the entry or document and the values.
+    """
+    for name, values in sets.items():
+        if values[0] != 0:
+            raise ValueError(f"packed_seq_params.{name} starts at {values[0]}, not 0: the first document starts at "
+                             f"the pack's first slot")
+        drop = next((i for i in range(1, len(values)) if values[i] < values[i - 1]), None)
+        if drop is not None:
+            raise ValueError(f"packed_seq_params.{name} decreases at entry {drop}: {values[drop - 1]} then "
+                             f"{values[drop]} (document {drop - 1} would have a negative length)")
+    padded = "cu_seqlens_q_padded" if "cu_seqlens_q_padded" in sets else "cu_seqlens_q"
+    if sets[padded][-1] != total:
+        raise ValueError(f"packed_seq_params.{padded} ends at {sets[padded][-1]} but the micro-batch holds {total} "
+                         f"slots: the physical boundaries lay out every slot of the pack")
+    real, physical = sets["cu_seqlens_q"], sets[padded]
+    over = next(((i, r1 - r0, p1 - p0) for i, (r0, r1, p0, p1) in enumerate(zip(real, real[1:], physical,
+                                                                                physical[1:])) if r1 - r0 > p1 - p0),
+                None)
+    if over is not None:
+        raise ValueError(f"packed_seq_params.cu_seqlens_q holds {over[1]} real tokens in document {over[0]} but "
+                         f"{padded} gives it {over[2]} slots")
 
 
 def queue_rope_boundaries(micro_batch: MicroBatch, checks: OneRead) -> None:

@@ -111,3 +111,36 @@ def test_the_fields_ride_the_read_of_the_positions(setup, fields, copies):
     with count_host_syncs() as syncs:
         check_unpacked_fields(_planless(setup["loader"], copies=copies, **fields), None)
     assert syncs.total == 1, syncs.report()
+
+
+def _cu(*values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(cu_seqlens_q_padded=_cu(0, 10, 30), cu_seqlens_kv_padded=_cu(0, 10, 30)),
+     r"packed_seq_params\.cu_seqlens_q_padded ends at 30 but the micro-batch holds 32 slots"),
+    (dict(cu_seqlens_q_padded=_cu(0, 10, 34), cu_seqlens_kv_padded=_cu(0, 10, 34), max_seqlen_q=64,
+          max_seqlen_kv=64), r"packed_seq_params\.cu_seqlens_q_padded ends at 34 but the micro-batch holds 32 slots"),
+    (dict(cu_seqlens_q=_cu(0, 10, 10, 22), cu_seqlens_kv=_cu(0, 10, 10, 22), cu_seqlens_q_padded=_cu(0, 20, 10, 32),
+          cu_seqlens_kv_padded=_cu(0, 20, 10, 32)),
+     r"packed_seq_params\.cu_seqlens_q_padded decreases at entry 2: 20 then 10"),
+    (dict(cu_seqlens_q=_cu(0, 10, 5), cu_seqlens_kv=_cu(0, 10, 5)),
+     r"packed_seq_params\.cu_seqlens_q decreases at entry 2: 10 then 5"),
+    (dict(cu_seqlens_q=_cu(2, 10, 22), cu_seqlens_kv=_cu(2, 10, 22)),
+     r"packed_seq_params\.cu_seqlens_q starts at 2, not 0"),
+    (dict(cu_seqlens_q=_cu(0, 12, 22), cu_seqlens_kv=_cu(0, 12, 22)),
+     r"packed_seq_params\.cu_seqlens_q holds 12 real tokens in document 0 but cu_seqlens_q_padded gives it 10 slots"),
+], ids=["ends-short", "ends-long", "padded-decreases", "real-decreases", "starts-late", "real-over-physical"])
+def test_boundary_values_that_do_not_lay_out_the_pack_are_refused_by_the_step(setup, fields, message):
+    """The step's read of a plan-less pack's positions holds its boundaries' values too: before, these reached the
+    CP index / THD rotary (a RuntimeError there: allocated size, negative repeats) or attention (the CPU reference
+    names them; TE read a set that does not end at the pack's length as given)."""
+    from megatron_vlm_packing.train.unpacked_checks import check_unpacked_fields
+
+    for copies in (False, True):
+        item = R(_planless(setup["loader"], copies=copies, **fields), rope_cu_seqlens=None)
+        with pytest.raises(ValueError, match=message):
+            check_unpacked_fields(item, None)
+        with pytest.raises(ValueError, match=message):
+            step_loss(setup["gpt"], item, pad_to=PAD_TO)
