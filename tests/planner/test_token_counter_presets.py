@@ -22,7 +22,7 @@ from megatron_vlm_packing.rope import MRopeConfig
 from megatron_vlm_packing.rope.omni import audio_tokens_per_clip
 
 SAMPLE_FPS, TEMPORAL_PATCH, MIN_FRAMES, MAX_FRAMES = 2, 2, 4, 768  # Qwen3VLVideoProcessor's defaults
-VOCAB = {"<|vision_start|>": 5, "<|vision_end|>": 6, "<|video_pad|>": 8}
+VOCAB = {"<|vision_start|>": 5, "<|vision_end|>": 6, "<|video_pad|>": 8, "<|image_pad|>": 9}
 QWEN3_VL = MRopeConfig(family="qwen3_vl", image_token_id=9, video_token_id=8, vision_start_token_id=5,
                        mrope_section=(24, 20, 20))
 
@@ -150,3 +150,60 @@ def test_unknown_families_and_bad_seconds_are_refused():
     slower = replace(TokenCounter.for_family("qwen3_vl"), video_timestamp_seconds=2.0)  # a processor at fps=1
     table = SampleTable.from_samples([SampleMetadata(0, video_grids=((6, 2, 2),))])
     assert slower(table).tolist() == [2 + 6 * (1 + 2 + 5) + 5 * 1 + 2]  # steps at 0.5 ... 10.5 s: the last has 2 digits
+
+
+def _image_tokens(h: int, w: int) -> list[str]:
+    """An image as every Qwen-VL processor expands it: vision_start, h*w/merge^2 placeholders, vision_end."""
+    return ["<|vision_start|>"] + ["<|image_pad|>"] * (h * w // 4) + ["<|vision_end|>"]
+
+
+def _one_block_video_tokens(t: int, h: int, w: int) -> list[str]:
+    """A Qwen2-VL / Qwen2.5-VL video: one block of t*h*w/merge^2 placeholders inside its two wrappers."""
+    return ["<|vision_start|>"] + ["<|video_pad|>"] * (t * h * w // 4) + ["<|vision_end|>"]
+
+
+# Each sample: (text tokens, [(image h, w)], [(video total frames at 30 fps, h, w)]): images alone, videos alone,
+# both, several of each, and none
+MIXED = [(4, [(4, 4)], []), (0, [(8, 4), (4, 12)], []), (6, [(4, 8)], [(60, 4, 4)]), (2, [], [(330, 8, 4)]),
+         (9, [(12, 8), (4, 4)], [(30, 4, 8), (120, 8, 8)]), (3, [], [])]
+
+
+def _pack_mixed(family: str, mrope: MRopeConfig) -> tuple:
+    """(pack_batch's packed batch, `TokenCounter.for_family(family)`'s counts) of the `MIXED` samples."""
+    rows, image_grids, video_grids, metadata = [], [], [], []
+    for words, images, videos in MIXED:
+        tokens = ["x"] * words + [token for h, w in images for token in _image_tokens(h, w)]
+        images_here = tuple((1, h, w) for h, w in images)
+        videos_here = []
+        for frames, h, w in videos:
+            if family == "qwen3_vl":
+                grid, made = _video_tokens(frames, 30, h, w)
+            else:
+                grid = (math.ceil(len(_sampled_frames(frames, 30)) / TEMPORAL_PATCH), h, w)
+                made = _one_block_video_tokens(*grid)
+            tokens += made
+            videos_here.append(grid)
+        rows.append(_ids(tokens))
+        image_grids += images_here
+        video_grids += videos_here
+        metadata.append(SampleMetadata(words, image_grids=images_here, video_grids=tuple(videos_here)))
+    width = max(map(len, rows))
+    ids = torch.tensor([row + [0] * (width - len(row)) for row in rows])
+    keep = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows])
+    batch = {"input_ids": ids, "labels": torch.where(keep.bool(), ids, -100), "attention_mask": keep,
+             "image_grid_thw": torch.tensor(image_grids), "video_grid_thw": torch.tensor(video_grids)}
+    if family == "qwen2_5_vl":
+        batch["second_per_grid_ts"] = torch.ones(len(video_grids))
+    packed = pack_batch(batch, label_style="hf", mrope=mrope)
+    return packed, TokenCounter.for_family(family)(SampleTable.from_samples(metadata)), rows
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_each_preset_counts_what_pack_batch_packs_of_images_and_mixed_rows(family):
+    """Rows of images alone, of images and videos together (Qwen3-VL's videos with their timestamps) and of text
+    alone: each family's counter gives pack_batch's real tokens, row by row."""
+    mrope = replace(QWEN3_VL, family=family, mrope_interleaved=False) if family != "qwen3_vl" else QWEN3_VL
+    packed, counted, rows = _pack_mixed(family, mrope)
+    assert counted.tolist() == list(packed.plan.real_lengths) == [len(row) for row in rows]
+    assert int(counted.sum()) == packed.stats.real_tokens
+
