@@ -18,6 +18,8 @@ import bisect
 
 import numpy as np
 
+from megatron_vlm_packing.packing.bounds import checked_int
+
 FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_omni", "qwen3_vl")
 QWEN3_VL_STEP_SECONDS = 1.0  # the video processor's 2 frames a second, 2 frames a temporal patch
 _FIXED_TOKENS = 5  # '<', '.', the tenth, ' seconds', '>'
@@ -27,10 +29,12 @@ def family_fields(family: str, *, audio_n_window: int) -> dict:
     """The `TokenCounter` fields that differ from its defaults (the Qwen2-VL / Qwen2.5-VL layout) for `family`.
 
     Raises:
-        ValueError: a family not in `FAMILIES`.
+        ValueError: a family not in `FAMILIES`, or an `audio_n_window` that is no int >= 1 (whatever the family:
+            one without audio would otherwise drop it unread, a bad value passing as a good one).
     """
     if family not in FAMILIES:
         raise ValueError(f"TokenCounter.for_family: unknown family {family!r}; known: {sorted(FAMILIES)}")
+    audio_n_window = checked_int(audio_n_window, "TokenCounter.for_family: audio_n_window", least=1)
     if family == "qwen3_vl":  # vision_start / vision_end and a timestamp around every temporal grid step
         return {"video_frame_tokens": 2, "video_timestamp_seconds": QWEN3_VL_STEP_SECONDS}
     if family == "qwen3_omni":  # each clip takes `audio_output_length` of its mel frames

@@ -207,3 +207,11 @@ def test_each_preset_counts_what_pack_batch_packs_of_images_and_mixed_rows(famil
     assert counted.tolist() == list(packed.plan.real_lengths) == [len(row) for row in rows]
     assert int(counted.sum()) == packed.stats.real_tokens
 
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_omni"])
+@pytest.mark.parametrize("window", [0, -5, 2.5, True])
+def test_for_family_refuses_a_bad_audio_window_of_every_family(family, window):
+    """`audio_n_window` is checked whatever the family: before, a family without audio dropped it unread, so
+    for_family("qwen3_vl", audio_n_window=0) returned a counter as if the value were fine."""
+    with pytest.raises(ValueError, match=rf"audio_n_window must be an int >= 1, got {window!r}"):
+        TokenCounter.for_family(family, audio_n_window=window)
