@@ -65,11 +65,15 @@ def _llava_row_values(batch: dict, ids: torch.Tensor, keep: torch.Tensor, space:
         # float32 to torch (no images): not refused.
         if tiles.numel() and not is_integer_tensor(tiles):
             raise ValueError(f"num_image_tiles must hold integer tile counts, got dtype {tiles.dtype}")
-        tiles = tiles.int()
+        # Read as given (int64): cast to int32 first, 2**32 + 2 tiles were read back as 2, silently. Counts that
+        # pass the read's checks sum to the images' tiles, so the int32 ones handed on are exact.
+        tiles = tiles.long()
         extra = image_expansion(ids, tiles, img_seq_len=space.img_seq_len, image_token_index=space.image_token_index,
                                 check=False)  # meaningful once the counts agree (checked after the read)
     parts = [is_image.sum(1), extra.sum(1), is_image[:, 0].long(), (is_image & ~keep).sum().reshape(1)]
-    return torch.cat([p.long() for p in parts] + ([tiles.long()] if tiles is not None else [])), tiles
+    if tiles is None:
+        return torch.cat([p.long() for p in parts]), None
+    return torch.cat([p.long() for p in parts] + [tiles]), tiles.int()
 
 
 def _llava_rows(values: list[int], rows: int, tiles, images, device):

@@ -115,3 +115,16 @@ def test_num_image_tiles_entries_that_are_no_ints_are_refused(bad):
     message = rf"num_image_tiles entry 0 is {re.escape(repr(bad))}: tile counts must be ints"
     with pytest.raises(ValueError, match=message):
         pack_llava_batch(*_tiled([bad, 2]))
+
+
+WRAPPED = 2**32 + 2  # 2 as an int32
+
+
+@pytest.mark.parametrize("tiles", [[1, WRAPPED], [np.int64(1), np.uint64(WRAPPED)], torch.tensor([1, WRAPPED]),
+                                   np.array([1, WRAPPED])], ids=["list", "numpy entries", "tensor", "ndarray"])
+def test_num_image_tiles_past_int32_are_refused_not_wrapped(tiles):
+    """The counts are read as given: before, they were cast to int32 first, so 2**32 + 2 tiles packed as 2 beside
+    images of 3 tiles, silently."""
+    from megatron_vlm_packing.models.llava_pack import pack_llava_batch
+    with pytest.raises(ValueError, match=rf"num_image_tiles sums to {1 + WRAPPED} tiles but the images hold 3"):
+        pack_llava_batch(*_tiled(tiles))
