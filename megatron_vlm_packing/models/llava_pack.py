@@ -21,7 +21,7 @@ from megatron_vlm_packing.models.llava import (
     LlavaPackPlan, LlavaSpace, image_expansion, llava_pack_plan,
 )
 from megatron_vlm_packing.packing.checks import is_integer_tensor
-from megatron_vlm_packing.packing.bounds import int_entries, is_int
+from megatron_vlm_packing.packing.bounds import INT64_MAX, int_entries, is_int
 from megatron_vlm_packing.packing.media import check_floating_media
 from megatron_vlm_packing.packing.micro_batch import BatchStats, IdsMark, MicroBatch, VisionInputs, boundaries_mark
 
@@ -60,6 +60,9 @@ def _llava_row_values(batch: dict, ids: torch.Tensor, keep: torch.Tensor, space:
     else:
         if isinstance(given, (list, tuple, range)):  # [True, 2] was an int64 tensor to torch: True read as 1 tile
             given = int_entries(given, "num_image_tiles", "tile counts")
+            big = next((i for i, t in enumerate(given) if t > INT64_MAX), None)
+            if big is not None:  # torch's "Overflow when unpacking long long" named neither field nor entry
+                raise ValueError(f"num_image_tiles entry {big} is {given[big]}: tile counts must be at most 2**63 - 1")
         tiles = torch.as_tensor(given, device=ids.device).reshape(-1)
         # .int() would truncate 1.5 tiles to 1 and read True as 1 tile, silently. An empty list is
         # float32 to torch (no images): not refused.

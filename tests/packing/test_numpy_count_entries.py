@@ -128,3 +128,12 @@ def test_num_image_tiles_past_int32_are_refused_not_wrapped(tiles):
     from megatron_vlm_packing.models.llava_pack import pack_llava_batch
     with pytest.raises(ValueError, match=rf"num_image_tiles sums to {1 + WRAPPED} tiles but the images hold 3"):
         pack_llava_batch(*_tiled(tiles))
+
+
+@pytest.mark.parametrize("big", [2**63, np.uint64(2**64 - 1), 2**64 + 2])
+def test_num_image_tiles_past_int64_are_named(big):
+    """Before, torch's own "Overflow when unpacking long long" named neither the field nor the entry."""
+    from megatron_vlm_packing.models.llava_pack import pack_llava_batch
+    with pytest.raises(ValueError, match=rf"num_image_tiles entry 1 is {int(big)}: tile counts must be at most "
+                                         r"2\*\*63 - 1"):
+        pack_llava_batch(*_tiled([1, big]))
