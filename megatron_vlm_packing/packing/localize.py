@@ -72,6 +72,9 @@ def check_packed_seq_params(micro_batch: MicroBatch) -> None:
                          f"other format as dense rows, so the whole pack would train as one causal document")
     if params.cu_seqlens_q is None:
         raise ValueError("packed_seq_params.cu_seqlens_q is None: a packed micro-batch needs its real boundaries")
+    if params.cu_seqlens_kv is None:
+        raise ValueError("packed_seq_params.cu_seqlens_kv is None: Megatron-Core's rotary and attention read the kv "
+                         "boundaries too (self-attention: the same sets as cu_seqlens_q)")
     sizes, devices = {}, {}
     for name in ("cu_seqlens_q", "cu_seqlens_q_padded", "cu_seqlens_kv", "cu_seqlens_kv_padded"):
         cu = getattr(params, name)
@@ -89,6 +92,7 @@ def check_packed_seq_params(micro_batch: MicroBatch) -> None:
                          f"(rope_cu_seqlens, where the rotary restarts, too)")
     # The attention backends' own rule (one function): what they take passes here, what they refuse fails here.
     check_max_seqlen_type(params, allow_tensor=True)
+    _refuse_max_seqlen_megatron_cannot_take(params)
     indices = plan_indices_of(micro_batch)
     for name in ("max_seqlen_q", "max_seqlen_kv"):
         value = getattr(params, name)
@@ -96,6 +100,22 @@ def check_packed_seq_params(micro_batch: MicroBatch) -> None:
             continue
         if indices is not None and value < indices.plan.max_seqlen:
             refuse_short_max_seqlen(name, value, indices.plan.max_seqlen)
+
+
+def _refuse_max_seqlen_megatron_cannot_take(params) -> None:
+    """A `max_seqlen_*` the backends take but Megatron-Core's rotary does not: None (it sizes its frequency table
+    by `max(max_seqlen_q, max_seqlen_kv)`: a TypeError) or a one-value tensor that is not 0-dim (`torch.arange`
+    of a [1] tensor: a TypeError). Metadata only."""
+    for name in ("max_seqlen_q", "max_seqlen_kv"):
+        value = getattr(params, name)
+        if value is None:
+            raise ValueError(f"packed_seq_params.{name} is None: Megatron-Core's rotary sizes its frequency table by "
+                             f"it and attention kernels their grid; give the longest physical document (the packers "
+                             f"set it)")
+        if isinstance(value, torch.Tensor) and value.dim() != 0:
+            raise ValueError(f"packed_seq_params.{name} must be a positive int, got Tensor of shape "
+                             f"{tuple(value.shape)} and dtype {value.dtype} (a 0-dim integer tensor is taken too: "
+                             f"Megatron-Core's rotary takes no other shape)")
 
 
 def refuse_short_max_seqlen(name: str, value: int, longest: int) -> None:

@@ -161,8 +161,9 @@ def test_fields_the_adapter_keeps_full_are_not_length_checked():
 def test_without_padded_boundaries_the_real_ones_are_the_physical_ones():
     # cu_seqlens_q_padded None is legal in PackedSeqParams (TE and our attention fall back to cu_seqlens_q);
     # localize raised AttributeError ('NoneType' object has no attribute 'dim')
-    mb = _with_params(_packed(), cu_seqlens_q=torch.tensor([0, 8, 12, 16], dtype=torch.int32),
-                      cu_seqlens_kv=None, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None)
+    real = torch.tensor([0, 8, 12, 16], dtype=torch.int32)  # (cu_seqlens_kv None is refused: the rotary reads it)
+    mb = _with_params(_packed(), cu_seqlens_q=real, cu_seqlens_kv=real, cu_seqlens_q_padded=None,
+                      cu_seqlens_kv_padded=None)
     local = localize(mb, ParallelLayout(cp_size=2, cp_rank=1))
     assert torch.equal(local.cp_index, cp_partition_index(torch.tensor([0, 8, 12, 16]), 2, 1))
 

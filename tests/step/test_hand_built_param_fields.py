@@ -102,7 +102,8 @@ def test_pad_between_seqs_false_without_pad_slots_true_or_none_train_as_the_pack
 
 @pytest.mark.parametrize("fields", [dict(max_seqlen_q=LONGEST, max_seqlen_kv=64),
                                     dict(max_seqlen_q=torch.tensor(64), max_seqlen_kv=torch.tensor(LONGEST)),
-                                    dict(max_seqlen_q=None, max_seqlen_kv=None)], ids=["ints", "tensor", "none"])
+                                    dict(max_seqlen_q=np.int64(LONGEST), max_seqlen_kv=np.int32(64))],
+                         ids=["ints", "tensor", "numpy"])  # None: refused (tests/step/test_params_field_forms.py)
 @pytest.mark.parametrize("copies", [False, True])
 def test_the_fields_ride_the_read_of_the_positions(setup, fields, copies):
     """The step reads such a micro-batch's positions against its boundaries anyway: one read for all."""
