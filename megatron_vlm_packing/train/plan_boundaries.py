@@ -248,12 +248,28 @@ def check_own_boundary_values(sets: dict[str, list[int]], total: int) -> None:
         raise ValueError(f"packed_seq_params.{padded} ends at {sets[padded][-1]} but the micro-batch holds {total} "
                          f"slots: the physical boundaries lay out every slot of the pack")
     real, physical = sets["cu_seqlens_q"], sets[padded]
+    _refuse_kv_sets_unlike_q(sets, real, physical)
     over = next(((i, r1 - r0, p1 - p0) for i, (r0, r1, p0, p1) in enumerate(zip(real, real[1:], physical,
                                                                                 physical[1:])) if r1 - r0 > p1 - p0),
                 None)
     if over is not None:
         raise ValueError(f"packed_seq_params.cu_seqlens_q holds {over[1]} real tokens in document {over[0]} but "
                          f"{padded} gives it {over[2]} slots")
+
+
+def _refuse_kv_sets_unlike_q(sets: dict[str, list[int]], real: list[int], physical: list[int]) -> None:
+    """A plan-less pack's kv sets (those given) equal its q sets: the decoder's self-attention reads one set of
+    documents for queries and keys (the plan path holds both to the plan's). Before, only the CPU reference
+    attention refused kv sets of their own; TE read them as given."""
+    for kv, q, expected in (("cu_seqlens_kv", "cu_seqlens_q", real),
+                            ("cu_seqlens_kv_padded", "cu_seqlens_q_padded" if "cu_seqlens_q_padded" in sets
+                             else "cu_seqlens_q", physical)):
+        given = sets.get(kv)
+        if given is not None and given != expected:
+            entry = next(i for i, (a, b) in enumerate(zip(given, expected)) if a != b)
+            raise ValueError(f"packed_seq_params.{kv} differs from {q} at entry {entry} ({given[entry]} vs "
+                             f"{expected[entry]}): self-attention reads one set of documents for queries and keys, "
+                             f"so the kv sets must equal the q sets")
 
 
 def queue_rope_boundaries(micro_batch: MicroBatch, checks: OneRead) -> None:

@@ -56,11 +56,15 @@ def test_a_max_seqlen_below_the_longest_document_of_its_boundaries_is_refused(se
                     rf"attention would leave its tail uncomputed", **{name: value})
 
 
-def test_the_longest_document_is_read_from_the_kv_sets_for_max_seqlen_kv(setup):
-    """Each side against its own sets: kv sets whose longest document holds 31 slots need max_seqlen_kv >= 31."""
+def test_kv_sets_unlike_the_q_sets_are_refused(setup):
+    """Self-attention reads one set of documents for queries and keys: kv sets of their own (real or physical) are
+    refused, naming the first entry that differs (before, only the CPU reference attention refused them; TE read
+    them as given)."""
     kv_real, kv_padded = torch.tensor([0, 1, 22], dtype=torch.int32), torch.tensor([0, 1, 32], dtype=torch.int32)
-    _refused(setup, r"packed_seq_params\.max_seqlen_kv=22 is below the longest physical document \(31 slots\)",
+    _refused(setup, r"packed_seq_params\.cu_seqlens_kv differs from cu_seqlens_q at entry 1 \(1 vs 10\)",
              cu_seqlens_kv=kv_real, cu_seqlens_kv_padded=kv_padded, max_seqlen_q=LONGEST, max_seqlen_kv=LONGEST)
+    _refused(setup, r"packed_seq_params\.cu_seqlens_kv_padded differs from cu_seqlens_q_padded at entry 1 "
+                    r"\(12 vs 10\)", cu_seqlens_kv_padded=torch.tensor([0, 12, 32], dtype=torch.int32))
 
 
 def test_a_max_seqlen_at_or_above_the_longest_document_trains_as_the_packers(setup):
