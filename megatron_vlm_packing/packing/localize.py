@@ -60,8 +60,9 @@ def check_packed_seq_params(micro_batch: MicroBatch) -> None:
             as dense rows: it trains as one causal document), a boundary set that is missing, not a
             one-dimensional integer tensor, or of another length or device than `cu_seqlens_q`; a
             `rope_cu_seqlens` that is not a one-dimensional integer tensor or on another device; a `max_seqlen_*`
-            that is not a positive int (numpy's too) or a one-value integer tensor (the attention
-            backends' rule, `attention.boundaries.check_max_seqlen_type`); or, when the boundaries are
+            that is not a positive int (numpy's too) or a 0-dim integer tensor (the attention backends' rule,
+            `attention.boundaries.check_max_seqlen_type`, which takes None and any one-value tensor, narrowed to
+            what Megatron-Core's rotary takes); a `cu_seqlens_kv` that is None; or, when the boundaries are
             the plan's own, a `max_seqlen_*` below the plan's longest physical document (attention
             kernels size their grid by it and leave the rest of a longer document uncomputed).
     """
@@ -92,30 +93,27 @@ def check_packed_seq_params(micro_batch: MicroBatch) -> None:
                          f"(rope_cu_seqlens, where the rotary restarts, too)")
     # The attention backends' own rule (one function): what they take passes here, what they refuse fails here.
     check_max_seqlen_type(params, allow_tensor=True)
-    _refuse_max_seqlen_megatron_cannot_take(params)
     indices = plan_indices_of(micro_batch)
     for name in ("max_seqlen_q", "max_seqlen_kv"):
         value = getattr(params, name)
-        if value is None or isinstance(value, torch.Tensor):  # a tensor's value is read by the kernel, not here
-            continue
-        if indices is not None and value < indices.plan.max_seqlen:
+        _refuse_max_seqlen_megatron_cannot_take(name, value)
+        # a tensor's value is read in the step's one read (`train.plan_boundaries.queue_max_seqlen`), not here
+        if not isinstance(value, torch.Tensor) and indices is not None and value < indices.plan.max_seqlen:
             refuse_short_max_seqlen(name, value, indices.plan.max_seqlen)
 
 
-def _refuse_max_seqlen_megatron_cannot_take(params) -> None:
+def _refuse_max_seqlen_megatron_cannot_take(name: str, value) -> None:
     """A `max_seqlen_*` the backends take but Megatron-Core's rotary does not: None (it sizes its frequency table
     by `max(max_seqlen_q, max_seqlen_kv)`: a TypeError) or a one-value tensor that is not 0-dim (`torch.arange`
     of a [1] tensor: a TypeError). Metadata only."""
-    for name in ("max_seqlen_q", "max_seqlen_kv"):
-        value = getattr(params, name)
-        if value is None:
-            raise ValueError(f"packed_seq_params.{name} is None: Megatron-Core's rotary sizes its frequency table by "
-                             f"it and attention kernels their grid; give the longest physical document (the packers "
-                             f"set it)")
-        if isinstance(value, torch.Tensor) and value.dim() != 0:
-            raise ValueError(f"packed_seq_params.{name} must be a positive int, got Tensor of shape "
-                             f"{tuple(value.shape)} and dtype {value.dtype} (a 0-dim integer tensor is taken too: "
-                             f"Megatron-Core's rotary takes no other shape)")
+    if value is None:
+        raise ValueError(f"packed_seq_params.{name} is None: Megatron-Core's rotary sizes its frequency table by "
+                         f"it and attention kernels their grid; give the longest physical document (the packers "
+                         f"set it)")
+    if isinstance(value, torch.Tensor) and value.dim() != 0:
+        raise ValueError(f"packed_seq_params.{name} must be a positive int, got Tensor of shape "
+                         f"{tuple(value.shape)} and dtype {value.dtype} (a 0-dim integer tensor is taken too: "
+                         f"Megatron-Core's rotary takes no other shape)")
 
 
 def refuse_short_max_seqlen(name: str, value: int, longest: int) -> None:

@@ -118,18 +118,18 @@ def queue_max_seqlen(params, longest: int, checks: OneRead) -> None:
             check_max_seqlen(name, value, longest)
 
 
-def check_max_seqlen(name: str, value: int | None, longest: int) -> None:
-    """The rule for `packed_seq_params.<name>` (a host int, or None): at least `longest`, the longest physical
-    document, since flash and TE kernels size their grid by it and leave the rest of a longer document uncomputed,
-    silently. A larger one is what a fixed kernel grid (CUDA graphs) uses, and is harmless; None makes TE derive it
-    (a read of its own).
+def check_max_seqlen(name: str, value: int, longest: int) -> None:
+    """The rule for `packed_seq_params.<name>` (a host int; None is refused before, `localize.check_packed_seq_params`):
+    at least `longest`, the longest physical document, since flash and TE kernels size their grid by it and leave
+    the rest of a longer document uncomputed, silently. A larger one is what a fixed kernel grid (CUDA graphs) uses,
+    and is harmless.
 
     Raises:
         ValueError: naming the field, its value and `longest`.
     """
     from megatron_vlm_packing.packing.localize import refuse_short_max_seqlen
 
-    if value is not None and value < longest:
+    if value < longest:
         refuse_short_max_seqlen(name, value, longest)
 
 
@@ -173,8 +173,8 @@ def queue_own_boundary_fields(micro_batch: MicroBatch, checks: OneRead) -> None:
     `pad_between_seqs` against its own `cu_seqlens_q` / `cu_seqlens_q_padded` (`check_pad_between_seqs`), the rules
     the plan's host ints are held to. The sets (and a tensor `max_seqlen_*`) are queued on `checks` only: call it
     where the step reads such a micro-batch's positions against these boundaries anyway
-    (`unpacked_checks.queue_packed_positions`), so they ride that read. Nothing is queued when no rule needs a value
-    (every `max_seqlen_*` None, `pad_between_seqs` not False or no padded set of its own).
+    (`unpacked_checks.queue_packed_positions`), so they ride that read (the sets' own values are always held to
+    `check_own_boundary_values`).
 
     Raises:
         ValueError: malformed boundaries (`localize.check_packed_seq_params`), a `pad_between_seqs` that is no bool;
@@ -186,10 +186,9 @@ def queue_own_boundary_fields(micro_batch: MicroBatch, checks: OneRead) -> None:
     params = micro_batch.packed_seq_params
     real = params.cu_seqlens_q
     physical = {"q": params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else real}
-    physical["kv"] = next((cu for cu in (params.cu_seqlens_kv_padded, params.cu_seqlens_kv) if cu is not None),
-                          physical["q"])
-    lengths = {"max_seqlen_q": physical["q"], "max_seqlen_kv": physical["kv"]}
-    read = {name: cu for name, cu in lengths.items() if getattr(params, name) is not None}
+    # check_packed_seq_params refused a None cu_seqlens_kv and a None max_seqlen_*
+    physical["kv"] = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
+    read = {"max_seqlen_q": physical["q"], "max_seqlen_kv": physical["kv"]}
     flag = pad_between_seqs_of(params)  # numpy's False too: `is False` passed np.False_, which TE reads as False
     pads_to_find = flag is not None and not flag and physical["q"] is not real
     sets = {name: getattr(params, name) for name in _SETS if getattr(params, name) is not None}
