@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_vlm_packing.packing.bounds import is_int, tensor_hint
+from megatron_vlm_packing.packing.bounds import checked_int, is_int, tensor_hint
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -39,6 +39,8 @@ class PackMultiples:
     total: int = 1
 
     def __post_init__(self) -> None:
+        for name in ("segment", "total"):  # 1.5 was kept and made every physical length a float
+            object.__setattr__(self, name, checked_int(getattr(self, name), f"PackMultiples.{name}"))
         if self.segment < 1 or self.total < 1 or self.total % self.segment:
             raise ValueError(
                 f"PackMultiples needs segment >= 1 and total a multiple of segment; got "

@@ -33,6 +33,8 @@ class ParallelLayout:
         if not is_int(self.cp_rank) or not 0 <= self.cp_rank < self.cp_size:
             raise ValueError(f"ParallelLayout.cp_rank must be in [0, {self.cp_size}), got {self.cp_rank!r}")
         object.__setattr__(self, "cp_rank", int(self.cp_rank))
+        if not isinstance(self.sequence_parallel, bool):  # "no" was kept, and read as on
+            raise ValueError(f"ParallelLayout.sequence_parallel must be a bool, got {self.sequence_parallel!r}")
 
     @classmethod
     def from_megatron(cls, config) -> "ParallelLayout":

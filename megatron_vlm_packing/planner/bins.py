@@ -52,6 +52,7 @@ class BinLayout:
         if not is_int(self.capacity):
             # 4096.0 was accepted and made every bin's physical length a float
             raise ValueError(f"capacity must be an int, got {self.capacity!r}")
+        object.__setattr__(self, "capacity", int(self.capacity))  # a numpy int as its int
         if self.capacity < 1 or self.capacity % self.multiples.total:
             raise ValueError(f"capacity={self.capacity} must be a positive multiple of the total multiple "
                              f"{self.multiples.total} (segment {self.multiples.segment})")

@@ -60,8 +60,8 @@ class TransformerShape:
             if f.name == "gated":
                 if not isinstance(value, bool):
                     raise ValueError(f"TransformerShape.gated must be a bool, got {value!r}")
-            else:
-                checked_int(value, f"TransformerShape.{f.name}", least=least)
+            else:  # kept as a Python int: numpy int32 sizes wrapped in the FLOP products (71x low at 70B)
+                object.__setattr__(self, f.name, checked_int(value, f"TransformerShape.{f.name}", least=least))
 
     def linear_flops_per_token(self) -> float:
         """Forward + backward GEMM FLOPs per token: 6 x parameters touched per token."""
@@ -93,6 +93,8 @@ class CostModel:
                if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 <= v < math.inf}
         if bad:  # "1" and None were TypeErrors from the comparison
             raise ValueError(f"cost coefficients must be finite numbers >= 0; got {bad}")
+        for name, value in vars(self).items():  # numpy floats as Python floats (float16 sums round)
+            object.__setattr__(self, name, float(value))
 
     @classmethod
     def from_shapes(cls, lm: TransformerShape, *, vision: TransformerShape | None = None,

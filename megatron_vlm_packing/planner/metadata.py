@@ -229,13 +229,16 @@ class TokenCounter:
     def __post_init__(self) -> None:
         for name, least in (("spatial_merge", 1), ("audio_pool", 1), ("vision_wrappers", 0), ("audio_wrappers", 0),
                             ("video_frame_tokens", 0)):
-            checked_int(getattr(self, name), f"TokenCounter.{name}", least=least)
-        checked_int(self.audio_n_window, "TokenCounter.audio_n_window", least=1, optional=True)
+            object.__setattr__(self, name, checked_int(getattr(self, name), f"TokenCounter.{name}", least=least))
+        object.__setattr__(self, "audio_n_window",
+                           checked_int(self.audio_n_window, "TokenCounter.audio_n_window", least=1, optional=True))
         seconds = self.video_timestamp_seconds
         if seconds is not None and (isinstance(seconds, (bool, np.bool_)) or not isinstance(seconds, numbers.Real)
                                     or not math.isfinite(seconds) or seconds <= 0):
             raise ValueError(f"TokenCounter.video_timestamp_seconds must be None or a finite number > 0, got "
                              f"{seconds!r}")
+        if seconds is not None:  # a numpy float32 as the Python float it rounds the timestamps with
+            object.__setattr__(self, "video_timestamp_seconds", float(seconds))
 
     @classmethod
     def for_family(cls, family: str, *, spatial_merge: int = 2, audio_n_window: int = 50) -> "TokenCounter":

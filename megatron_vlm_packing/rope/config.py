@@ -110,8 +110,10 @@ class MRopeConfig:
             object.__setattr__(self, name, int(value))
         for name in ("position_id_per_seconds", "tokens_per_second"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            if (isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or not math.isfinite(value)
+                    or value <= 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+            object.__setattr__(self, name, float(value))  # np.float32 (a number) was refused; numpy kept as float
 
     @classmethod
     def from_hf_config(cls, hf_config, *, text_offset: str = "max_hw") -> "MRopeConfig":

@@ -20,7 +20,7 @@ from megatron_vlm_packing.packing.row_fields import check_pad_token_id, check_vo
 from megatron_vlm_packing.parallel.layout import ParallelLayout
 from megatron_vlm_packing.planner import BinLayout, PlannerConfig
 from megatron_vlm_packing.planner.balance import assign_to_ranks
-from megatron_vlm_packing.planner.cost import TransformerShape
+from megatron_vlm_packing.planner.cost import CostModel, TransformerShape
 from megatron_vlm_packing.planner.metadata import TokenCounter, llava_tokens
 from megatron_vlm_packing.rope.config import MRopeConfig
 from megatron_vlm_packing.train.step import StepOptions
@@ -55,11 +55,17 @@ SITES = {
     "llava._dense_length": lambda v: _dense_length(3, 2, 0, 2, v),
     "pad_token_id": check_pad_token_id,
     "int_field": lambda v: int_field(v, "count", 1),
-    # these accepted numpy ints before (without giving them back): the bools and floats stay refused
-    "TransformerShape.hidden": lambda v: 4 if TransformerShape(**{**SHAPE, "hidden": v}) else None,
-    "TokenCounter.spatial_merge": lambda v: 4 if TokenCounter(spatial_merge=v) else None,
+    # these kept the numpy int before (int32 arithmetic wrapped in TransformerShape's FLOP count)
+    **{f"TransformerShape.{name}": (lambda name: lambda v: getattr(TransformerShape(**{**SHAPE, name: v}), name))(name)
+       for name in (*SHAPE, "vocab")},
+    **{f"TokenCounter.{name}": (lambda name: lambda v: getattr(TokenCounter(**{name: v}), name))(name)
+       for name in ("spatial_merge", "audio_pool", "vision_wrappers", "audio_wrappers", "audio_n_window",
+                    "video_frame_tokens")},
+    "BinLayout.capacity": lambda v: BinLayout(capacity=v).capacity,
+    "PackMultiples.segment": lambda v: PackMultiples(segment=v, total=8).segment,
+    "PackMultiples.total": lambda v: PackMultiples(segment=1, total=v).total,
+    "ParallelLayout.tp_size": lambda v: ParallelLayout(tp_size=v).tp_size,
     "llava_tokens": lambda v: 4 if llava_tokens(v) else None,
-    "BinLayout.capacity": lambda v: 4 if BinLayout(capacity=v) else None,
     "assign_to_ranks": lambda v: len(assign_to_ranks(np.ones(8), v, 2)),
     "vocab_size": lambda v: 4 if check_vocab_size(v) is None else None,
     # lengths: these took a one-element integer tensor too (operator.index), the only options that did
@@ -84,7 +90,7 @@ def test_bools_floats_and_other_types_stay_refused(site, value):
     if value is None and site in ("LlavaSpace.max_length", "PlannerConfig.samples_per_step", "vocab_size",
                                   "StepOptions.seq_length", "dense_row_length", "llava._dense_length",
                                   "MediaTokens.image_token_id", "pad_to", "make_pack_plan.pad_to",
-                                  "StepOptions.pad_to"):
+                                  "StepOptions.pad_to", "TokenCounter.audio_n_window"):
         pytest.skip("None is this option's default")
     if isinstance(value, torch.Tensor) and site == "int_field":
         pytest.skip("int_field reads a one-element integer tensor (a saved batch's field)")
@@ -170,3 +176,34 @@ def test_a_bool_tensor_is_no_length(flag):
         StepOptions(pad_to=flag)
     with pytest.raises(ValueError, match="dense_packed_seq_params needs int batch_size and seq_length"):
         dense_packed_seq_params(flag, 8)
+
+
+def test_int32_shapes_price_as_python_ints():
+    """A 70B-shaped TransformerShape of numpy int32 sizes (a config read through numpy) priced its linear FLOPs
+    in int32, which wrapped: 5.9e9 per token where Python ints give 4.2e11, a 71x error in every balance."""
+    sizes = dict(hidden=8192, layers=80, heads=64, head_dim=128, kv_groups=8, ffn=28672, vocab=152064)
+    as_int32 = CostModel.from_shapes(TransformerShape(**{k: np.int32(v) for k, v in sizes.items()}))
+    assert as_int32 == CostModel.from_shapes(TransformerShape(**sizes))
+    assert type(as_int32.lm_linear) is float and as_int32.lm_linear == pytest.approx(4.1818e11, rel=1e-4)
+
+
+def test_numpy_floats_are_kept_as_python_floats():
+    """numpy floats are numbers: taken, and kept as Python floats (np.float32 was refused by MRopeConfig)."""
+    cost = CostModel(lm_linear=np.float32(2.5), lm_attention=np.float64(0.5), vision_linear=np.float16(1))
+    assert [type(v) for v in vars(cost).values()] == [float] * 7 and cost.lm_linear == 2.5
+    seconds = TokenCounter(video_timestamp_seconds=np.float32(2.0)).video_timestamp_seconds
+    assert seconds == 2.0 and type(seconds) is float
+    config = MRopeConfig(family="qwen2_5_vl", tokens_per_second=np.float32(2.0), position_id_per_seconds=np.int64(25))
+    assert (config.tokens_per_second, config.position_id_per_seconds) == (2.0, 25.0)
+    assert type(config.tokens_per_second) is float and type(config.position_id_per_seconds) is float
+    with pytest.raises(ValueError, match="tokens_per_second must be a finite number > 0, got np.float32"):
+        MRopeConfig(family="qwen2_5_vl", tokens_per_second=np.float32("nan"))
+    with pytest.raises(ValueError, match="tokens_per_second must be a finite number > 0, got np.True_"):
+        MRopeConfig(family="qwen2_5_vl", tokens_per_second=np.bool_(True))
+
+
+@pytest.mark.parametrize("flag", ["no", 1, None, np.bool_(True)], ids=repr)
+def test_parallel_layout_sequence_parallel_is_a_bool(flag):
+    """ParallelLayout(sequence_parallel="no") was kept, and read as on wherever the layout is tested for it."""
+    with pytest.raises(ValueError, match="sequence_parallel must be a bool"):
+        ParallelLayout(tp_size=2, sequence_parallel=flag)
