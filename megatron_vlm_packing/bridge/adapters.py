@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 
+from megatron_vlm_packing.bridge.tower_inputs import TowerWidths, refuse_images_of_frames_beside_videos
 from megatron_vlm_packing.models.adapter import ModelAdapter, check_unpacked_ids
 from megatron_vlm_packing.packing.localize import LocalizeNeeds
 from megatron_vlm_packing.packing.micro_batch import MicroBatch, VisionInputs
@@ -271,11 +272,13 @@ class Qwen3VLAdapter(ModelAdapter):
     patch_requirements: tuple[PatchRequirement, ...] = ()  # set by __init__: the patches this layout needs
     rotary = "mrope"
     router_pads: RouterPadMask | None = None  # set by __init__ for an MoE model
+    tower_widths: TowerWidths  # set by __init__: the widths its vision tower takes
 
     def __init__(self, model):
         model = bridge_model_of(model, (QWEN3_VL_MODEL_CLASS,), type(self).__name__)
         super().__init__(model)
         self.mrope = qwen3_vl_mrope(model)
+        self.tower_widths = TowerWidths.of(self.model_name, getattr(model, "vision_model", None))
         from megatron_vlm_packing.patches import bridge_deepstack_sp, bridge_thd_cp_index
 
         tp, cp, sp = _layout(model)
@@ -302,8 +305,10 @@ class Qwen3VLAdapter(ModelAdapter):
         if self.router_pads is not None:
             self.router_pads.check(micro_batch)
         super().check(micro_batch)
+        self.tower_widths.check(micro_batch)
         check_unpacked_ids(micro_batch, self.vocab_size)
         check_unpacked_vision(micro_batch, self.mrope)
+        refuse_images_of_frames_beside_videos(micro_batch, self.model_name)
         self.refuse_seconds(micro_batch)
 
     def refuse_seconds(self, micro_batch: MicroBatch) -> None:
@@ -343,11 +348,13 @@ class Qwen25VLAdapter(ModelAdapter):
     patch_requirements: tuple[PatchRequirement, ...] = ()  # CP > 1: its CP patch
 
     rotary = "mrope"
+    tower_widths: TowerWidths  # set by __init__: the widths its vision tower takes
 
     def __init__(self, model):
         model = bridge_model_of(model, (QWEN25_VL_MODEL_CLASS,), type(self).__name__)
         super().__init__(model)
         self.mrope = qwen25_vl_mrope(model)
+        self.tower_widths = TowerWidths.of(self.model_name, getattr(model, "visual", None))
         _, cp, _ = _layout(model)
         if cp > 1:
             from megatron_vlm_packing.patches import bridge_qwen25_vl_cp
@@ -365,6 +372,7 @@ class Qwen25VLAdapter(ModelAdapter):
         for requirement in self.patch_requirements:  # asked again: an undo after building the adapter counts
             requirement.check()
         super().check(micro_batch)
+        self.tower_widths.check(micro_batch)
         check_unpacked_ids(micro_batch, self.vocab_size)
         check_unpacked_vision(micro_batch, self.mrope)
 

@@ -121,7 +121,11 @@ class Qwen3OmniAdapter(ModelAdapter):
         if problem is not None:
             raise ValueError(problem)
         self.mrope = qwen3_omni_mrope(model)
-        audio = getattr(getattr(model, "thinker", model), "audio_model", None)
+        thinker = getattr(model, "thinker", model)
+        audio = getattr(thinker, "audio_model", None)
+        from megatron_vlm_packing.bridge.tower_inputs import TowerWidths
+
+        self.tower_widths = TowerWidths.of(self.model_name, getattr(thinker, "visual", None), audio)
         # Bridge 0.6.2's dense audio path asks the encoder for `_get_feat_extract_output_lengths`,
         # which transformers 5.x's encoder no longer has.
         self.dense_audio_runs = audio is None or hasattr(audio, "_get_feat_extract_output_lengths")
@@ -159,6 +163,7 @@ class Qwen3OmniAdapter(ModelAdapter):
         if self.router_pads is not None:
             self.router_pads.check(micro_batch)
         super().check(micro_batch)
+        self.tower_widths.check(micro_batch)
         from megatron_vlm_packing.bridge.adapters import check_unpacked_vision
         from megatron_vlm_packing.models.adapter import check_unpacked_ids
 

@@ -53,11 +53,14 @@ def micro_batch_of(batch: dict, mrope, layout):
 def _unchecked_adapter(model):
     """The family's adapter without its refusal of an unpatched layout ("unpatched" cases only)."""
     from megatron_vlm_packing.bridge import adapters
+    from megatron_vlm_packing.bridge.tower_inputs import TowerWidths
 
     cls, mrope_of = ((adapters.Qwen25VLAdapter, adapters.qwen25_vl_mrope) if type(model).__name__ == "Qwen25VLModel"
                      else (adapters.Qwen3VLAdapter, adapters.qwen3_vl_mrope))
     adapter = object.__new__(cls)
     adapter.model_name, adapter.mrope = type(model).__name__, mrope_of(model)
+    adapter.tower_widths = TowerWidths.of(adapter.model_name, getattr(model, "vision_model", None)
+                                          or getattr(model, "visual", None))
     return adapter
 
 
