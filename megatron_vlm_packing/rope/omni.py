@@ -170,7 +170,7 @@ def queue_omni_index(input_ids, config: MRopeConfig, checks, *, image_grid_thw=N
     """Queue on `checks` (a `packing.checks.DeferredChecks`) what the Qwen3-Omni index reads: its value
     checks and, with grids or audio lengths, the kept ids and every grid, seconds and audio length (the block loop runs
     on the host). Reads and raises nothing; `finish_omni_index` does. Types checked by the caller."""
-    from megatron_vlm_packing.rope.index import _any_bad_grid, _seconds_bad, check_grid_shape, checked_audio_in_video
+    from megatron_vlm_packing.rope.index_checks import any_bad_grid, check_grid_shape, checked_audio_in_video, seconds_and_bad
 
     device, merge = input_ids.device, config.spatial_merge_size
     image_grid_thw = check_grid_shape(image_grid_thw, "image_grid_thw")  # uint16 / uint32 as int64
@@ -178,8 +178,8 @@ def queue_omni_index(input_ids, config: MRopeConfig, checks, *, image_grid_thw=N
     # Exactly the tokens whose mask is 1, as the thinker keeps them (`attention_mask[i] == 1`); the Qwen-VL models
     # keep any nonzero, and so does their rule in `rope.index`.
     keep = attention_mask == 1 if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
-    seconds = _seconds_bad(second_per_grids)
-    flags = (_any_bad_grid(image_grid_thw, merge, device), _any_bad_grid(video_grid_thw, merge, device),
+    seconds = seconds_and_bad(second_per_grids)
+    flags = (any_bad_grid(image_grid_thw, merge, device), any_bad_grid(video_grid_thw, merge, device),
              seconds[1].any().to(device=device, dtype=torch.long) if seconds is not None
              else torch.zeros((), dtype=torch.long, device=device))
     entries, slots = {"flags": checks.add(flags, lambda host: False, None)}, None
@@ -224,7 +224,7 @@ def finish_omni_index(queued: QueuedOmniIndex, host: list, *, audio_seqlens=None
     read), as Qwen3-Omni's reference computes them; raises the index's ValueErrors in their order
     (grid entries, seconds, then block by block). `audio_seqlens`: host raw audio lengths given
     after the read (they then replace the queued ones). Reads nothing."""
-    from megatron_vlm_packing.rope.index import check_grid, check_seconds
+    from megatron_vlm_packing.rope.index_checks import check_grid, check_seconds
 
     config, input_ids, keep = queued.config, queued.input_ids, queued.keep
     image_bad, video_bad, seconds_bad = host[queued.entries["flags"]]
