@@ -3,8 +3,8 @@
 `get_rope_index` (or `queue_rope_index` on a caller's read, then `finish_rope_index`) checks types and
 shapes without a read (`rope.index_checks`), queues the value checks and the video block count, raises the
 failed checks in their documented order, then computes the positions with the vectorised rule of the Qwen-VL
-families in `rope.index_rules` (Qwen3-Omni: `rope.omni`). Shape legend: B = rows, S = row length,
-K = runs (text runs and vision blocks) over the whole batch.
+families in `rope.index_rules` (Qwen3-Omni: `rope.omni_index`, its rule `rope.omni`). Shape legend: B = rows,
+S = row length, K = runs (text runs and vision blocks) over the whole batch.
 """
 
 from __future__ import annotations
@@ -81,12 +81,12 @@ def queue_rope_index(input_ids, config: MRopeConfig, checks, *, image_grid_thw=N
                      attention_mask=None, second_per_grid_ts=None, mm_token_type_ids=None, audio_seqlens=None,
                      use_audio_in_video=None, where: Callable[[int, int], str] = token_place):
     """Queue on `checks` (a `packing.checks.DeferredChecks`, or anything with its `add`) the values the
-    index must read: its value checks and the video block count (Qwen3-Omni: `omni.queue_omni_index`).
+    index must read: its value checks and the video block count (Qwen3-Omni: `omni_index.queue_omni_index`).
     Reads nothing and raises nothing for bad values (`finish_rope_index` does, from the read). The
     caller has run `check_rope_types`. Arguments: those of `get_rope_index`, and `where` (row,
     position) -> how an error names a token (default "row r position p")."""
     if config.family == "qwen3_omni":
-        from megatron_vlm_packing.rope.omni import queue_omni_index
+        from megatron_vlm_packing.rope.omni_index import queue_omni_index
 
         return queue_omni_index(input_ids, config, checks, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
                                 attention_mask=attention_mask, audio_seqlens=audio_seqlens,
@@ -167,7 +167,7 @@ def finish_rope_index(queued, host: list, *, audio_seqlens=None) -> RopeIndex:
     `checks.read()` returned). Raises the index's ValueErrors; reads nothing more on the clean path.
     `audio_seqlens` (Qwen3-Omni): host raw audio lengths known only after the read."""
     if not isinstance(queued, QueuedRopeIndex):
-        from megatron_vlm_packing.rope.omni import finish_omni_index
+        from megatron_vlm_packing.rope.omni_index import finish_omni_index
 
         return RopeIndex(*finish_omni_index(queued, host, audio_seqlens=audio_seqlens))
     _raise_failed_checks(queued, host[queued.entry])

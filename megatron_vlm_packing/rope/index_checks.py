@@ -4,7 +4,7 @@
 shapes, dtypes, inputs the family's index would drop unread); the grid and seconds rules (`check_grid`,
 `check_seconds`) raise on the error path from the values queued as `any_bad_grid` / `seconds_and_bad`. The
 packers and the Bridge adapters check the same fields with these same functions (one rule each), which is
-why they live apart from the index itself (`rope/index.py`, Qwen3-Omni's `rope/omni.py`).
+why they live apart from the index itself (`rope/index.py`, Qwen3-Omni's `rope/omni_index.py`).
 """
 
 from __future__ import annotations
