@@ -158,7 +158,7 @@ def _check_unpacked_seconds(vision: VisionInputs) -> None:
     positions) is one real, finite, non-negative entry per video, as packing checks it. Extra entries were
     dropped, too few an IndexError (StopIteration) inside the model, NaN positions silent. One host read."""
     from megatron_vlm_packing.packing.media import check_seconds_count, refuse_seconds_without_videos
-    from megatron_vlm_packing.rope.index import check_seconds, check_seconds_dtype
+    from megatron_vlm_packing.rope.index_checks import check_seconds, check_seconds_dtype
 
     seconds = vision.second_per_grid_ts
     if seconds is None:
@@ -314,8 +314,8 @@ class Qwen3VLAdapter(ModelAdapter):
     def refuse_seconds(self, micro_batch: MicroBatch) -> None:
         """Seconds per grid step are not handed to the model (it takes none; dropped here before): its index
         (Qwen3-VL's, which places frames by the timestamp text between them) reads none
-        (`rope.index.refuse_seconds_unread_by`, the one rule)."""
-        from megatron_vlm_packing.rope.index import refuse_seconds_unread_by
+        (`rope.index_checks.refuse_seconds_unread_by`, the one rule)."""
+        from megatron_vlm_packing.rope.index_checks import refuse_seconds_unread_by
 
         vision = micro_batch.vision
         refuse_seconds_unread_by(self.mrope.family, vision.second_per_grid_ts if vision is not None else None,

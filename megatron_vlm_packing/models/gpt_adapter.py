@@ -51,13 +51,14 @@ def check_position_kind(micro_batch: MicroBatch, rotary: str, model_name: str) -
 def refuse_unread_seconds(micro_batch: MicroBatch, rotary: str, model_name: str) -> None:
     """`second_per_grid_ts` of a model that takes none (GPTModel, PackedVLM) must have been read by the index
     that made its mRoPE positions: with a 1D rotary nothing reads them, and an index of a family outside
-    `rope.config.SECONDS_FAMILIES` reads none (`rope.index.refuse_seconds_unread_by`, the one rule). Positions given
-    in the batch or made by a callable (`mrope_config` None) are taken as made from them. Reads no values.
+    `rope.config.SECONDS_FAMILIES` reads none (`rope.index_checks.refuse_seconds_unread_by`, the one rule).
+    Positions given in the batch or made by a callable (`mrope_config` None) are taken as made from them. Reads no
+    values.
 
     Raises:
         ValueError: naming the field, its entries, the model and its rotary (or the index's family).
     """
-    from megatron_vlm_packing.rope.index import refuse_seconds_unread_by
+    from megatron_vlm_packing.rope.index_checks import refuse_seconds_unread_by
 
     seconds = micro_batch.vision.second_per_grid_ts if micro_batch.vision is not None else None
     if rotary != "mrope":

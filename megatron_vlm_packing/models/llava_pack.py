@@ -17,9 +17,8 @@ from typing import Callable, Mapping
 
 import torch
 
-from megatron_vlm_packing.models.llava import (
-    LlavaPackPlan, LlavaSpace, image_expansion, llava_pack_plan,
-)
+from megatron_vlm_packing.models.llava import LlavaPackPlan, LlavaSpace, llava_pack_plan
+from megatron_vlm_packing.models.llava_expansion import image_expansion
 from megatron_vlm_packing.packing.checks import is_integer_tensor
 from megatron_vlm_packing.packing.bounds import INT64_MAX, int_entries, is_int
 from megatron_vlm_packing.packing.media import check_floating_media

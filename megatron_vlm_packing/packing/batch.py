@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron_vlm_packing.packing.checks import check_packed_values, host_array
+from megatron_vlm_packing.packing.packed_value_checks import check_packed_values, host_array
 from megatron_vlm_packing.packing.host_tokens import pack_tokens_on_host, packs_on_host
 from megatron_vlm_packing.packing.media import MediaTokens, checked_placeholders
 from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch, boundaries_mark
@@ -152,7 +152,7 @@ def pack_batch(
         host_reads: the batch is on the CPU, where reading a value back costs no sync (a DataLoader
             worker: `PackingCollator` sets it). The real lengths are then read first and the value
             checks of ids, labels and loss weights run after packing, over the T packed tokens
-            (`checks.check_packed_values`), instead of riding the one read as screens over all B*S
+            (`packed_value_checks.check_packed_values`), instead of riding the one read as screens over all B*S
             slots; the same errors for the same bad tokens. A batch on an accelerator is a ValueError.
 
     Pre-packed rows: `document_lengths` ([B, D] ints, see `packing.documents`) makes every document

@@ -3,7 +3,7 @@
 `pack_batch(host_reads=True)` (a DataLoader worker) packs on the CPU, where every op is small and
 torch's fixed cost per call (several microseconds, and as much again each time a tensor crosses to
 numpy and back) is most of the time for a micro-batch of a few rows. Here each [B, S] input crosses
-to numpy once, the three fields are packed, checked (`checks.check_packed_values`) and weighted in
+to numpy once, the three fields are packed, checked (`packed_value_checks.check_packed_values`) and weighted in
 numpy, and each [1, T] result crosses back once. Same values as `pack_rows` +
 `batch.pack_labels_and_weights` (tests/packing/test_host_reads.py compares the two paths).
 
@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from megatron_vlm_packing.packing.checks import IGNORE_INDEX, check_packed_values
+from megatron_vlm_packing.packing.checks import IGNORE_INDEX
+from megatron_vlm_packing.packing.packed_value_checks import check_packed_values
 from megatron_vlm_packing.packing.pack import (
     cat_documents_host, cat_row_next_tokens, cat_row_prefixes, on_host_without_grad,
 )
@@ -93,7 +94,8 @@ class PackedHostTokens:
         return cls(ids, labels, values, labels != IGNORE_INDEX, first_labels)
 
     def check_arguments(self) -> dict:
-        """The keywords of `checks.check_packed_values` / `checks.packed_value_faults` for these tokens."""
+        """The keywords of `packed_value_checks.check_packed_values` / `packed_value_checks.packed_value_faults`
+        for these tokens."""
         return dict(ids=self.ids, targets=self.labels, is_target=self.is_target, first_labels=self.first_labels,
                     loss_values=self.loss_values)
 

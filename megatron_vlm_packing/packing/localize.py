@@ -4,7 +4,8 @@ Contract item 5: one CP index (TransformerEngine's zigzag per physical document,
 row) is applied to every sequence-aligned tensor. Whether `input_ids` and `position_ids` stay full
 length is what the model's adapter declares (`LocalizeNeeds`), never guessed from a tensor's rank:
 a model that merges vision embeddings needs the full ids and selects its CP tokens itself, with
-the `cp_index` carried on the result.
+the `cp_index` carried on the result. Before cutting anything it checks, from metadata and shapes only,
+the packed boundaries (`packed_params_checks.check_packed_seq_params`) and every field it cuts (here).
 
 Shape legend: T = physical tokens of the whole pack, Tl = T / cp; dense rows [B, L] -> [B, L / cp].
 """
@@ -16,11 +17,12 @@ from typing import Mapping
 
 import torch
 
-from megatron_vlm_packing.attention.boundaries import check_max_seqlen_type, physical_boundary_set
+from megatron_vlm_packing.attention.boundaries import physical_boundary_set
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
 from megatron_vlm_packing.packing.indices import PackIndices
+from megatron_vlm_packing.packing.packed_params_checks import check_packed_seq_params, plan_indices_of
 from megatron_vlm_packing.packing.plan import PackPlan
-from megatron_vlm_packing.parallel.cp import check_boundary_tensor, cp_partition_index, dense_cp_partition_index
+from megatron_vlm_packing.parallel.cp import cp_partition_index, dense_cp_partition_index
 from megatron_vlm_packing.parallel.layout import ParallelLayout
 
 
@@ -40,86 +42,6 @@ class LocalizeNeeds:
     full_input_ids: bool = False
     full_position_ids: bool = False
     full_labels: bool = False
-
-
-def plan_indices_of(micro_batch: MicroBatch) -> PackIndices | None:
-    """The micro-batch's `PackIndices` when its physical boundaries are the plan's own (the plan's host
-    ints then describe them exactly: no read needed), else None (hand-built boundaries)."""
-    indices = micro_batch.indices
-    if isinstance(indices, PackIndices) \
-            and physical_boundary_set(micro_batch.packed_seq_params)[1] is indices.cu_seqlens_padded:
-        return indices
-    return None
-
-
-def check_packed_seq_params(micro_batch: MicroBatch) -> None:
-    """A packed micro-batch's `PackedSeqParams`, checked from metadata and the plan's host ints (no host read).
-
-    Raises:
-        ValueError: `qkv_format` is not "thd" (Megatron-Core's attention and rotary then treat the pack
-            as dense rows: it trains as one causal document), a boundary set that is missing, not a
-            one-dimensional integer tensor, or of another length or device than `cu_seqlens_q`; a
-            `rope_cu_seqlens` that is not a one-dimensional integer tensor or on another device; a `max_seqlen_*`
-            that is not a positive int (numpy's too) or a 0-dim integer tensor (the attention backends' rule,
-            `attention.boundaries.check_max_seqlen_type`, which takes None and any one-value tensor, narrowed to
-            what Megatron-Core's rotary takes); a `cu_seqlens_kv` that is None; or, when the boundaries are
-            the plan's own, a `max_seqlen_*` below the plan's longest physical document (attention
-            kernels size their grid by it and leave the rest of a longer document uncomputed).
-    """
-    params = micro_batch.packed_seq_params
-    if getattr(params, "qkv_format", None) != "thd":
-        raise ValueError(f"packed_seq_params.qkv_format must be 'thd' for a packed micro-batch, got "
-                         f"{getattr(params, 'qkv_format', None)!r}: Megatron-Core's attention and rotary treat any "
-                         f"other format as dense rows, so the whole pack would train as one causal document")
-    if params.cu_seqlens_q is None:
-        raise ValueError("packed_seq_params.cu_seqlens_q is None: a packed micro-batch needs its real boundaries")
-    if params.cu_seqlens_kv is None:
-        raise ValueError("packed_seq_params.cu_seqlens_kv is None: Megatron-Core's rotary and attention read the kv "
-                         "boundaries too (self-attention: the same sets as cu_seqlens_q)")
-    sizes, devices = {}, {}
-    for name in ("cu_seqlens_q", "cu_seqlens_q_padded", "cu_seqlens_kv", "cu_seqlens_kv_padded"):
-        cu = getattr(params, name)
-        if cu is not None:
-            check_boundary_tensor(f"packed_seq_params.{name}", cu)
-            sizes[name], devices[name] = cu.numel(), str(cu.device)
-    if len(set(sizes.values())) > 1:
-        raise ValueError(f"packed_seq_params boundary sets must all have N+1 entries, got sizes {sizes}")
-    rope = micro_batch.rope_cu_seqlens  # where the rotary restarts: read on the boundaries' device
-    if rope is not None:
-        check_boundary_tensor("rope_cu_seqlens", rope)
-        devices["rope_cu_seqlens"] = str(rope.device)
-    if len(set(devices.values())) > 1:
-        raise ValueError(f"packed_seq_params boundary sets must all be on one device, got {devices} "
-                         f"(rope_cu_seqlens, where the rotary restarts, too)")
-    # The attention backends' own rule (one function): what they take passes here, what they refuse fails here.
-    check_max_seqlen_type(params, allow_tensor=True)
-    indices = plan_indices_of(micro_batch)
-    for name in ("max_seqlen_q", "max_seqlen_kv"):
-        value = getattr(params, name)
-        _refuse_max_seqlen_megatron_cannot_take(name, value)
-        # a tensor's value is read in the step's one read (`train.plan_boundaries.queue_max_seqlen`), not here
-        if not isinstance(value, torch.Tensor) and indices is not None and value < indices.plan.max_seqlen:
-            refuse_short_max_seqlen(name, value, indices.plan.max_seqlen)
-
-
-def _refuse_max_seqlen_megatron_cannot_take(name: str, value) -> None:
-    """A `max_seqlen_*` the backends take but Megatron-Core's rotary does not: None (it sizes its frequency table
-    by `max(max_seqlen_q, max_seqlen_kv)`: a TypeError) or a one-value tensor that is not 0-dim (`torch.arange`
-    of a [1] tensor: a TypeError). Metadata only."""
-    if value is None:
-        raise ValueError(f"packed_seq_params.{name} is None: Megatron-Core's rotary sizes its frequency table by "
-                         f"it and attention kernels their grid; give the longest physical document (the packers "
-                         f"set it)")
-    if isinstance(value, torch.Tensor) and value.dim() != 0:
-        raise ValueError(f"packed_seq_params.{name} must be a positive int, got Tensor of shape "
-                         f"{tuple(value.shape)} and dtype {value.dtype} (a 0-dim integer tensor is taken too: "
-                         f"Megatron-Core's rotary takes no other shape)")
-
-
-def refuse_short_max_seqlen(name: str, value: int, longest: int) -> None:
-    """ValueError: `packed_seq_params.<name>` is `value`, below `longest`, the longest physical document."""
-    raise ValueError(f"packed_seq_params.{name}={value} is below the longest physical document ({longest} slots): "
-                     f"attention would leave its tail uncomputed")
 
 
 def packed_cp_index(micro_batch: MicroBatch, layout: ParallelLayout) -> torch.Tensor:

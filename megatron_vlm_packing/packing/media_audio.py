@@ -120,7 +120,7 @@ def check_audio_seqlens(batch: dict, host: MediaHost, tokens: MediaTokens, audio
     seqlens = batch.get("audio_seqlens")
     if not position_input(seqlens):
         return
-    from megatron_vlm_packing.rope.index import check_audio_seqlens_type  # the one type / shape check of them
+    from megatron_vlm_packing.rope.index_checks import check_audio_seqlens_type  # the one type / shape check of them
     from megatron_vlm_packing.rope.omni import audio_tokens_per_clip
 
     check_audio_seqlens_type(seqlens)

@@ -8,7 +8,7 @@ Python layers cost more than the numpy work itself.
 
 `pack_plain_batch_on_host` packs such a batch with the same pieces (`make_pack_plan`, `plan_indices`,
 `host_tokens.PackedHostTokens`) and the same tests (`lengths.right_padded_row_lengths`,
-`checks.packed_value_faults`, `positions.host_positions_differ`), over numpy views of the tensors (each
+`packed_value_checks.packed_value_faults`, `positions.host_positions_differ`), over numpy views of the tensors (each
 tensor crosses once); a plan without pad slots (cp = 1, no total multiple or pad_to to fill) takes one
 function for the copies, tests and weights (`_pack_row_prefixes`). `pack_batch` builds the same
 `MicroBatch` from its result as from the general path's. It raises nothing of its own: a batch it does
@@ -31,7 +31,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from megatron_vlm_packing.packing.checks import IGNORE_INDEX, packed_value_faults
+from megatron_vlm_packing.packing.checks import IGNORE_INDEX
+from megatron_vlm_packing.packing.packed_value_checks import packed_value_faults
 from megatron_vlm_packing.packing.host_tokens import PackedHostTokens, loss_weights_host
 from megatron_vlm_packing.packing.lengths import right_padded_row_lengths
 from megatron_vlm_packing.packing.pack import cat_row_next_tokens, segment_positions

@@ -363,7 +363,8 @@ def queue_rope_positions(batch: Mapping, input_ids: torch.Tensor, keep: Callable
 
     if not isinstance(mrope, MRopeConfig):
         return None
-    from megatron_vlm_packing.rope.index import check_rope_types, queue_rope_index
+    from megatron_vlm_packing.rope.index import queue_rope_index
+    from megatron_vlm_packing.rope.index_checks import check_rope_types
 
     kwargs = {k: batch[k] for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts", "mm_token_type_ids",
                                     "audio_seqlens", "use_audio_in_video") if batch.get(k) is not None}

@@ -169,7 +169,7 @@ def queue_row_reads(batch: Mapping, input_ids: torch.Tensor, name: str, label_st
     and loss weights (`checks.queue_value_checks`). `input_ids` [B, S] long, named `name` in errors.
 
     `on_host=True` (a batch on the CPU, `pack_batch(host_reads=True)`): the lengths are read at once
-    and no value screen is queued: the caller checks the packed values (`checks.check_packed_values`)
+    and no value screen is queued: the caller checks the packed values (`packed_value_checks.check_packed_values`)
     with `QueuedRows.unchecked_values`."""
     shape = tuple(input_ids.shape)
     mask = batch.get("attention_mask")
@@ -213,7 +213,7 @@ def read_rows(batch, *, label_style: str, mrope, media: MediaTokens, extra_keys=
     `on_host=True` (a batch on the CPU, where a read costs no sync) reads the lengths at once and
     leaves the value checks of ids, labels and loss weights (`Rows.unchecked_values` holds what they
     read) and of [B, S] position_ids (`Rows.unchecked_positions`) to the caller:
-    `pack_batch(host_reads=True)` makes them over the packed tokens (`checks.check_packed_values`,
+    `pack_batch(host_reads=True)` makes them over the packed tokens (`packed_value_checks.check_packed_values`,
     `positions.check_1d_positions_on_host`).
 
     With `document_lengths` in the batch every document becomes a row of its own first

@@ -7,7 +7,7 @@ collapsed-space boundaries on the expanded sequence and documents bleed into eac
 for a THD call:
 - fills `num_image_tiles` when it is omitted with LLaVA's documented default (one tile per image:
   per image tile given, else per image token on stages without images), so every stage agrees;
-- remaps both boundary sets (`models.llava.remap_packed_seq_params`) on every stage that runs the
+- remaps both boundary sets (`models.llava_expansion.remap_packed_seq_params`) on every stage that runs the
   language model, `pre_process=False` stages included (their input has the expanded length too),
   with LLaVA's own shard factor and, under PP, the fixed length LLaVA pads rows to;
 - refuses (ValueError) a pack whose expansion breaks 2*cp per document or the shard factor, that
@@ -73,7 +73,8 @@ def packed_boundaries_expanded() -> bool:
 
 def expand_packed_call(model, call: dict) -> None:
     """Rewrite `call` (LLaVAModel.forward's bound arguments) for a THD pack: tiles, expanded boundaries."""
-    from megatron_vlm_packing.models.llava import LlavaSpace, leak_message, leaking_documents, remap_packed_seq_params
+    from megatron_vlm_packing.models.llava import LlavaSpace
+    from megatron_vlm_packing.models.llava_expansion import leak_message, leaking_documents, remap_packed_seq_params
 
     params, input_ids = call["packed_seq_params"], call.get("input_ids")
     if getattr(params, "llava_plan", None) is not None:
@@ -101,7 +102,8 @@ def expand_packed_call(model, call: dict) -> None:
 def expand_planned_call(model, call: dict) -> None:
     """`expand_packed_call` for `models.llava.PlannedPackedSeqParams`: every count from the plan's host
     ints (tiles, leaks, expanded lengths), so nothing is read back to the host."""
-    from megatron_vlm_packing.models.llava import LlavaSpace, expanded_packed_seq_params, leak_message
+    from megatron_vlm_packing.models.llava import LlavaSpace, expanded_packed_seq_params
+    from megatron_vlm_packing.models.llava_expansion import leak_message
 
     params = call["packed_seq_params"]
     plan, space = params.llava_plan, LlavaSpace.of(model)

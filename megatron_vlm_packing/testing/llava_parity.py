@@ -27,7 +27,7 @@ from megatron_vlm_packing.testing.parity import full_gradients, gather_cp_tokens
 
 
 def expanded_cu_seqlens_padded(adapter, mb) -> torch.Tensor:
-    from megatron_vlm_packing.models.llava import remap_packed_seq_params
+    from megatron_vlm_packing.models.llava_expansion import remap_packed_seq_params
 
     s = adapter.space
     _, tiles = adapter.image_inputs(mb)
@@ -144,7 +144,8 @@ def one_tile_checks(model, seed: int) -> dict:
 def leak_checks(model, seed: int) -> dict:
     """A plain pack (no pad slot before image-opening documents), Megatron labels: the patch refuses
     it; upstream's forward (boundaries expanded by hand) loses one weighted token per such document."""
-    from megatron_vlm_packing.models.llava import LlavaSpace, remap_packed_seq_params
+    from megatron_vlm_packing.models.llava import LlavaSpace
+    from megatron_vlm_packing.models.llava_expansion import remap_packed_seq_params
     from megatron_vlm_packing.packing import pack_batch
     from megatron_vlm_packing.patches import llava_boundaries
 

@@ -50,17 +50,18 @@ def queue_plan_boundaries(micro_batch: MicroBatch, checks: OneRead) -> bool:
     boundary set equal to the plan's (a set that is the plan's own tensor is known without a read, the others are
     queued on `checks` and compared at its read), `max_seqlen_*` at least the plan's longest physical document
     (`queue_max_seqlen`) and `pad_between_seqs` as the packer sets it (`check_pad_between_seqs`); `qkv_format` and
-    the sets' types `localize.check_packed_seq_params` checks. False when there is no plan to compare with (built
-    with `plan=None, indices=None`): the positions are read then.
+    the sets' types `packed_params_checks.check_packed_seq_params` checks. False when there is no plan to compare
+    with (built with `plan=None, indices=None`): the positions are read then.
 
     Raises:
-        ValueError: malformed boundaries (`localize.check_packed_seq_params`), another `pad_between_seqs`; now or at
-            the read, a boundary set other than the plan's (documents merged, a boundary shifted, another padded
-            set), naming it, the entry (where which document starts) and both values, or a short `max_seqlen_*`.
+        ValueError: malformed boundaries (`packed_params_checks.check_packed_seq_params`), another
+            `pad_between_seqs`; now or at the read, a boundary set other than the plan's (documents merged, a
+            boundary shifted, another padded set), naming it, the entry (where which document starts) and both
+            values, or a short `max_seqlen_*`.
     """
     if micro_batch.boundaries_checked:
         return True
-    from megatron_vlm_packing.packing.localize import check_packed_seq_params
+    from megatron_vlm_packing.packing.packed_params_checks import check_packed_seq_params
 
     indices = micro_batch.indices
     if not isinstance(indices, PackIndices):
@@ -101,8 +102,9 @@ def queue_equal_sets(sets: list[tuple[str, torch.Tensor, str]], indices: PackInd
 
 
 def queue_max_seqlen(params, longest: int, checks: OneRead) -> None:
-    """`check_max_seqlen` of `max_seqlen_q` / `max_seqlen_kv` (types checked by `localize.check_packed_seq_params`)
-    against `longest`, the plan's longest physical document: ints now, a one-value tensor at `checks`' read."""
+    """`check_max_seqlen` of `max_seqlen_q` / `max_seqlen_kv` (types checked by
+    `packed_params_checks.check_packed_seq_params`) against `longest`, the plan's longest physical document: ints
+    now, a one-value tensor at `checks`' read."""
     for name in ("max_seqlen_q", "max_seqlen_kv"):
         value = getattr(params, name)
         if isinstance(value, torch.Tensor):
@@ -119,15 +121,15 @@ def queue_max_seqlen(params, longest: int, checks: OneRead) -> None:
 
 
 def check_max_seqlen(name: str, value: int, longest: int) -> None:
-    """The rule for `packed_seq_params.<name>` (a host int; None is refused before, `localize.check_packed_seq_params`):
-    at least `longest`, the longest physical document, since flash and TE kernels size their grid by it and leave
-    the rest of a longer document uncomputed, silently. A larger one is what a fixed kernel grid (CUDA graphs) uses,
-    and is harmless.
+    """The rule for `packed_seq_params.<name>` (a host int; None is refused before,
+    `packed_params_checks.check_packed_seq_params`): at least `longest`, the longest physical document, since flash
+    and TE kernels size their grid by it and leave the rest of a longer document uncomputed, silently. A larger one
+    is what a fixed kernel grid (CUDA graphs) uses, and is harmless.
 
     Raises:
         ValueError: naming the field, its value and `longest`.
     """
-    from megatron_vlm_packing.packing.localize import refuse_short_max_seqlen
+    from megatron_vlm_packing.packing.packed_params_checks import refuse_short_max_seqlen
 
     if value < longest:
         refuse_short_max_seqlen(name, value, longest)
@@ -177,10 +179,10 @@ def queue_own_boundary_fields(micro_batch: MicroBatch, checks: OneRead) -> None:
     `check_own_boundary_values`).
 
     Raises:
-        ValueError: malformed boundaries (`localize.check_packed_seq_params`), a `pad_between_seqs` that is no bool;
-            at the read, a short `max_seqlen_*` or False over pad slots, as on the plan path.
+        ValueError: malformed boundaries (`packed_params_checks.check_packed_seq_params`), a `pad_between_seqs`
+            that is no bool; at the read, a short `max_seqlen_*` or False over pad slots, as on the plan path.
     """
-    from megatron_vlm_packing.packing.localize import check_packed_seq_params
+    from megatron_vlm_packing.packing.packed_params_checks import check_packed_seq_params
 
     check_packed_seq_params(micro_batch)  # metadata only: well-formed, same-length sets on one device
     params = micro_batch.packed_seq_params

@@ -217,12 +217,12 @@ def queue_packed_positions(micro_batch: MicroBatch, checks: OneRead) -> None:
     tensors or positions of another length are left to `localize`'s checks, which name them.
 
     Raises:
-        ValueError: malformed boundaries (`localize.check_packed_seq_params`); at the read, naming the document, its
-            slots, the slot where positions restart and the real tokens before it.
+        ValueError: malformed boundaries (`packed_params_checks.check_packed_seq_params`); at the read, naming the
+            document, its slots, the slot where positions restart and the real tokens before it.
     """
     if not _packed_positions_to_read(micro_batch):
         return
-    from megatron_vlm_packing.packing.localize import check_packed_seq_params
+    from megatron_vlm_packing.packing.packed_params_checks import check_packed_seq_params
     from megatron_vlm_packing.packing.positions import position_restarts, real_before_in_segment
 
     check_packed_seq_params(micro_batch)  # metadata only: well-formed boundary tensors before they are used

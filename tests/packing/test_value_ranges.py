@@ -1,4 +1,4 @@
-"""`checks.packed_value_faults`' range tests of ids and labels (one unsigned comparison each for signed
+"""`packed_value_checks.packed_value_faults`' range tests of ids and labels (one unsigned comparison each for signed
 integers) against their definitions: an id outside [0, vocab_size); a label other than -100 outside it.
 Every signed and unsigned width, the extremes of each, vocab sizes below, at and above 2**(w-1). And its
 test of Megatron labels that copy their ids (settled by the first target where it differs) against its
@@ -11,9 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_vlm_packing.packing.checks import (
-    IGNORE_INDEX, _ids_out_of_range, _labels_out_of_range, _targets_copy_ids,
-)
+from megatron_vlm_packing.packing.checks import IGNORE_INDEX
+from megatron_vlm_packing.packing.packed_value_checks import _ids_out_of_range, _labels_out_of_range, _targets_copy_ids
 
 DTYPES = (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64)
 

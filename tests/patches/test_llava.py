@@ -9,8 +9,9 @@ import pytest
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron_vlm_packing.models.llava import (
-    LlavaSpace, image_expansion, leaking_documents, llava_expanded_lengths, llava_pack_plan, remap_packed_seq_params,
+from megatron_vlm_packing.models.llava import LlavaSpace, llava_pack_plan
+from megatron_vlm_packing.models.llava_expansion import (
+    image_expansion, leaking_documents, llava_expanded_lengths, remap_packed_seq_params,
 )
 from megatron_vlm_packing.models.llava_pack import pack_llava_batch
 

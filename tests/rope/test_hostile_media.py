@@ -288,7 +288,7 @@ def test_omni_use_audio_in_video_that_is_not_a_bool_is_refused(flag):
 
 
 def test_check_grid_reads_an_unsigned_grid_as_int64():
-    from megatron_vlm_packing.rope.index import check_grid
+    from megatron_vlm_packing.rope.index_checks import check_grid
 
     with pytest.raises(ValueError, match=r"image_grid_thw row 0 is \[1, 3, 4\]"):
         check_grid(torch.tensor([[1, 3, 4]], dtype=torch.uint32), "image_grid_thw", 2)

@@ -124,7 +124,7 @@ def test_the_fields_are_checked_from_the_plans_host_ints(setup):
 def test_boundaries_found_equal_become_the_plans_own_tensors(setup):
     """After the read, `localize` sees the plan's own tensors (`plan_indices_of`: the CP index from host ints), with
     the other fields as given; declared boundaries and the packer's own are left as they are."""
-    from megatron_vlm_packing.packing.localize import plan_indices_of
+    from megatron_vlm_packing.packing.packed_params_checks import plan_indices_of
     from megatron_vlm_packing.packing.micro_batch import declare_boundaries
     from megatron_vlm_packing.train.unpacked_checks import check_unpacked_fields
 
