@@ -176,7 +176,7 @@ class PackedVLM(nn.Module):
         """Full-sequence embeddings with image / video / audio rows merged: [S, B, H] (packed: [T, 1, H]).
 
         `media_checked`: packing's one read already checked every sample's placeholders against its
-        items, the grids against the patches and the audio masks (packing/media.py, media_audio.py; the adapter sets
+        items, the grids against the patches and the audio masks (packing/media*.py; the adapter sets
         it when the micro-batch carries those per-sample counts), so no host sync is made here.
         `audio_lengths`: A host ints, real frames per clip (the tower then reads no mask back).
         `placeholders_checked`: (kind, id) pairs whose placeholders packing checked in its one read
@@ -321,7 +321,7 @@ class PackedVLMAdapter(ModelAdapter):
     def _packing_counts_clips_like(self, model: nn.Module) -> bool:
         """Packing counted each clip's tokens with the mRoPE config's `audio_n_window` (else its
         default): trust its check only when the audio tower uses the same window."""
-        from megatron_vlm_packing.packing.media import MediaTokens
+        from megatron_vlm_packing.packing.media_tokens import MediaTokens
 
         window = getattr(self.mrope, "audio_n_window", None) or MediaTokens.audio_n_window
         tower = getattr(unwrap_model(model), "audio", None)  # under Megatron's wrappers too
@@ -340,7 +340,7 @@ class PackedVLMAdapter(ModelAdapter):
             media.update(input_features=audio.input_features, feature_attention_mask=audio.feature_attention_mask,
                          audios_per_sample=audio.audios_per_sample, audio_lengths=audio.audio_lengths)
         # Packing fills the per-sample counts only after checking every sample's placeholders against
-        # its items (packing/media.py, media_audio.py, in its one read): the model then needs no read of its own, when
+        # its items (packing/media*.py, in its one read): the model then needs no read of its own, when
         # packing counted the placeholder ids this model places (a loader may be configured otherwise), and only
         # for the ids and media packing checked: after a replace (a transform, an edited loader micro-batch)
         # the marks are kept but no longer hold, so the model checks everything itself.

@@ -2,7 +2,7 @@
 
 from megatron_vlm_packing.packing.batch import IGNORE_INDEX, PackedBatch, make_packed_seq_params, pack_batch, shift_labels_within_rows
 from megatron_vlm_packing.packing.dense_batch import pad_batch
-from megatron_vlm_packing.packing.media import MediaTokens
+from megatron_vlm_packing.packing.media_tokens import MediaTokens
 from megatron_vlm_packing.packing.micro_batch import AudioInputs, BatchStats, MicroBatch, VisionInputs
 from megatron_vlm_packing.packing.dense import (
     dense_packed_seq_params, pad_or_truncate_attention_mask_4d, pad_or_truncate_keep_mask,

@@ -15,7 +15,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_vlm_packing.packing.packed_value_checks import check_packed_values, host_array
 from megatron_vlm_packing.packing.host_tokens import pack_tokens_on_host, packs_on_host
-from megatron_vlm_packing.packing.media import MediaTokens, checked_placeholders
+from megatron_vlm_packing.packing.media_counts import checked_placeholders
+from megatron_vlm_packing.packing.media_tokens import MediaTokens
 from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch, boundaries_mark
 from megatron_vlm_packing.packing.plain_host import PlainPack, pack_plain_batch_on_host
 from megatron_vlm_packing.packing.pack import pack_next_token_labels, pack_positions, pack_rows, segment_positions

@@ -2,7 +2,7 @@
 place (no imports from this package: any module may use it).
 
 Token ids, placeholder ids and the pad id are written into int64 tensors: a larger Python int would
-overflow there (or wrap), so the modules that take such ids (`media.MediaTokens`, `rows`, `batch`)
+overflow there (or wrap), so the modules that take such ids (`media_tokens.MediaTokens`, `rows`, `batch`)
 refuse it against `INT64_MAX`.
 
 An integer option (a size, a count, a seed, an id) is a Python int or a numpy integer (`is_int`): not a

@@ -13,7 +13,8 @@ import torch
 
 from megatron_vlm_packing.packing.bounds import is_int
 from megatron_vlm_packing.packing.dense import pad_or_truncate_positions, pad_or_truncate_rows
-from megatron_vlm_packing.packing.media import MediaTokens, checked_placeholders
+from megatron_vlm_packing.packing.media_counts import checked_placeholders
+from megatron_vlm_packing.packing.media_tokens import MediaTokens
 from megatron_vlm_packing.packing.micro_batch import BatchStats, MicroBatch
 from megatron_vlm_packing.packing.plan import PackMultiples, round_up
 from megatron_vlm_packing.packing.positions import positions_config

@@ -114,7 +114,7 @@ class DocumentPlaces:
         return cls(tuple(rows), tuple(starts), tuple(ordinals))
 
     def row_name(self, document: int) -> str:
-        """Split row `document` named in the batch as given (`media.row_label`)."""
+        """Split row `document` named in the batch as given (`media_counts.row_label`)."""
         return f"row {self.rows[document]} document {self.ordinals[document]}"
 
     def where(self, document: int, position: int) -> str:

@@ -3,7 +3,7 @@
 Two inputs carry each clip's length: `feature_attention_mask` (the clip's real mel frames, read by
 the audio tower) and `audio_seqlens` (its raw length, read by the mRoPE index). Each must give every
 row exactly the audio placeholder tokens it holds (clip k takes `rope.omni.audio_tokens_per_clip` of
-its length, `media.items_per_row`), and when both are given they must agree clip by clip. Their
+its length, `media_counts.items_per_row`), and when both are given they must agree clip by clip. Their
 values ride the rows' one host read (`queue_audio_reads`), beside the vision values of `media.py`.
 
 Shape legend: A = clips, F = mel bins, L = frames.
@@ -15,9 +15,9 @@ import torch
 
 from megatron_vlm_packing.packing.bounds import int_entries
 from megatron_vlm_packing.packing.checks import is_integer_tensor
-from megatron_vlm_packing.packing.media import (
-    MediaHost, MediaTokens, items_per_row, media_tensor, never_fails, position_input, row_counts,
-)
+from megatron_vlm_packing.packing.media import media_tensor
+from megatron_vlm_packing.packing.media_counts import MediaHost, items_per_row, never_fails, position_input, row_counts
+from megatron_vlm_packing.packing.media_tokens import MediaTokens
 from megatron_vlm_packing.packing.micro_batch import AudioInputs
 
 AUDIO_KEYS = ("input_features", "feature_attention_mask")
@@ -27,7 +27,7 @@ def queue_audio_reads(batch: dict, input_ids: torch.Tensor, keep, tokens: MediaT
                       counted: bool) -> dict:
     """Queue on `checks` (a `rows.DeferredChecks`) the audio values, so that they ride the rows' one
     host read: with `audio_seqlens` entries, its values and the audio placeholder tokens per row (when
-    the id is known and not `counted` already by `media.queue_media_reads`), for `check_audio_seqlens`;
+    the id is known and not `counted` already by `media_counts.queue_media_reads`), for `check_audio_seqlens`;
     the clip frame lengths of `feature_attention_mask` (checked right-padded; its detailed error raised
     when not), for `audio_inputs`. `keep()`: the [B, S] keep-mask. Returns name -> entry.
     """

@@ -113,7 +113,7 @@ def derived_token_types(batch: Mapping, input_ids: torch.Tensor, media, name: st
         ValueError: no placeholder id known, or a grid in the batch whose kind's id is not known (its tokens
             would be typed as text: text positions, or the callable's own error); naming both remedies.
     """
-    from megatron_vlm_packing.packing.media import position_input
+    from megatron_vlm_packing.packing.media_counts import position_input
     from megatron_vlm_packing.rope.index import placeholder_types
 
     image_id = None if media is None else media.image_token_id

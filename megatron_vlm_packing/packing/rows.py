@@ -28,12 +28,12 @@ from megatron_vlm_packing.packing.documents import DOCUMENT_KEY, split_documents
 from megatron_vlm_packing.packing.lengths import (  # noqa: F401 (widened_unsigned re-exported)
     DeferredKeep, keep_mask_deferred, real_lengths, widened_unsigned,
 )
-from megatron_vlm_packing.packing.media import (  # noqa: F401 (VISION_KEYS re-exported)
-    VISION_KEYS, MediaHost, MediaTokens, queue_media_reads, row_label, vision_inputs,
-)
+from megatron_vlm_packing.packing.media import VISION_KEYS, vision_inputs  # noqa: F401 (VISION_KEYS re-exported)
 from megatron_vlm_packing.packing.media_audio import (  # noqa: F401 (AUDIO_KEYS re-exported)
     AUDIO_KEYS, audio_inputs, check_audio_seqlens, queue_audio_reads,
 )
+from megatron_vlm_packing.packing.media_counts import MediaHost, queue_media_reads, row_label
+from megatron_vlm_packing.packing.media_tokens import MediaTokens
 from megatron_vlm_packing.packing.micro_batch import AudioInputs, VisionInputs
 from megatron_vlm_packing.packing.positions import (  # noqa: F401 (re-exported: callers import them from rows)
     batch_positions, check_1d_positions, check_position_layout, normalize_positions, queue_position_checks,

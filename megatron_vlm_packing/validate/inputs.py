@@ -17,7 +17,7 @@ import torch
 
 from megatron_vlm_packing.packing.checks import is_integer_tensor
 from megatron_vlm_packing.packing.lengths import lengths_from_keep_mask, widened_unsigned
-from megatron_vlm_packing.packing.media import given_or_config
+from megatron_vlm_packing.packing.media_tokens import given_or_config
 from megatron_vlm_packing.packing.plan import PackMultiples
 from megatron_vlm_packing.packing.row_fields import check_label_style, check_mrope, check_pad_token_id
 from megatron_vlm_packing.validate.coerce import bool_field, count_field, dense_tensor, flat_tokens, int_field

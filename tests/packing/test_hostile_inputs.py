@@ -197,7 +197,7 @@ def test_placeholder_ids_and_pad_token_id_share_int64s_bound():
     """MediaTokens and pad_token_id are bounded by the one INT64_MAX (packing/bounds.py): its value is accepted
     by both, one more is refused by both."""
     from megatron_vlm_packing.packing.bounds import INT64_MAX
-    from megatron_vlm_packing.packing.media import MediaTokens
+    from megatron_vlm_packing.packing.media_tokens import MediaTokens
     from megatron_vlm_packing.packing.rows import check_pad_token_id
 
     assert INT64_MAX == torch.iinfo(torch.int64).max == M

@@ -13,7 +13,7 @@ from megatron_vlm_packing.models.llava_pack import _dense_length
 from megatron_vlm_packing.packing import pack_batch, pad_batch
 from megatron_vlm_packing.packing.bounds import checked_int, is_int
 from megatron_vlm_packing.packing.dense_batch import dense_row_length
-from megatron_vlm_packing.packing.media import MediaTokens
+from megatron_vlm_packing.packing.media_tokens import MediaTokens
 from megatron_vlm_packing.packing.dense import dense_packed_seq_params
 from megatron_vlm_packing.packing.plan import PackMultiples, checked_pad_to, make_pack_plan
 from megatron_vlm_packing.packing.row_fields import check_pad_token_id, check_vocab_size

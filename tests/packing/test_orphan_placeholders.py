@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from megatron_vlm_packing.packing import pack_batch, pad_batch
-from megatron_vlm_packing.packing.media import MediaTokens, checked_placeholders
+from megatron_vlm_packing.packing.media_counts import checked_placeholders
+from megatron_vlm_packing.packing.media_tokens import MediaTokens
 from megatron_vlm_packing.rope import MRopeConfig
 
 IDS = dict(image_token_id=9, video_token_id=10, audio_token_id=11)

@@ -4,7 +4,7 @@ pack_batch's one read when the step packs or pads, with positions given in the b
 in the step from the model's `MRopeConfig` (the index's checks ride that read); `get_rope_index`
 alone makes one read, its checks'. The model reads nothing back itself: packing's
 one read already checked every sample's placeholders against its items, the grids and the audio
-masks, and carries the per-sample counts and clip lengths as host ints (packing/media.py, media_audio.py), so the
+masks, and carries the per-sample counts and clip lengths as host ints (packing/media*.py), so the
 towers take host lengths and the embeddings are placed by a scatter of host-known size. A micro-batch
 without some kinds (text only, images only) costs the same: packing's read also counts the absent
 kinds' placeholders, and the model trusts it (`MicroBatch.placeholders_checked`).
