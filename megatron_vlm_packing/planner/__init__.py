@@ -15,7 +15,8 @@ from megatron_vlm_packing.planner.cost import CostModel, TransformerShape
 from megatron_vlm_packing.planner.metadata import SampleMetadata, SampleTable, TokenCounter, llava_tokens
 from megatron_vlm_packing.planner.energon import EnergonPackingHooks, PlannedPackingMixin
 from megatron_vlm_packing.planner.sampler import PackedBatchSampler
-from megatron_vlm_packing.planner.schedule import EpochPlan, PlannerConfig, Step, plan_epoch
+from megatron_vlm_packing.planner.epoch_plan import EpochPlan, PlannerConfig, Step
+from megatron_vlm_packing.planner.schedule import plan_epoch
 
 __all__ = [
     "Bin", "BinLayout", "CostModel", "EnergonPackingHooks", "EpochPlan", "PackedBatchSampler",

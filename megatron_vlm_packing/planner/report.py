@@ -10,7 +10,8 @@ import numpy as np
 from megatron_vlm_packing.cli import add_plan_arguments  # noqa: F401 (its home was here)
 from megatron_vlm_packing.packing.plan import PackMultiples
 from megatron_vlm_packing.planner.bins import BinLayout
-from megatron_vlm_packing.planner.schedule import EpochPlan, PlannerConfig, plan_epoch
+from megatron_vlm_packing.planner.epoch_plan import EpochPlan, PlannerConfig
+from megatron_vlm_packing.planner.schedule import plan_epoch
 from megatron_vlm_packing.planner.synthetic import synthetic_table
 
 

@@ -54,8 +54,10 @@ import torch.utils.data
 
 from megatron_vlm_packing.packing.bounds import checked_int, is_int
 from megatron_vlm_packing.packing.row_fields import check_flags
+from megatron_vlm_packing.planner.epoch_plan import EpochPlan, PlannerConfig
+from megatron_vlm_packing.planner.fixed_samples import check_steps_split
 from megatron_vlm_packing.planner.metadata import SampleTable, count_array
-from megatron_vlm_packing.planner.schedule import EpochPlan, PlannerConfig, check_steps_split, plan_epoch
+from megatron_vlm_packing.planner.schedule import plan_epoch
 
 STATE_FORMAT = 2
 """`state_dict()["format"]`. 2 records the layout (`layout_record`); 1 (no "format" key, before
@@ -89,7 +91,7 @@ def layout_record(table: SampleTable, config: PlannerConfig) -> dict:
     Not recorded: `layout.oversize` (a plan under "error" has no oversize sample, so "own_bin" plans
     it the same; the other way round, planning raises), the rank (every rank's state is the same),
     and the cost model under `balance=False` (costs then only price the bins: packing, steps and
-    ranks read sizes alone, see `planner/schedule.py`).
+    ranks read sizes alone, see `planner/schedule.py` and `planner/stream_bins.py`).
     Costs O(N) (a hash of the table's columns; about 1 s for 1M samples): build it once.
     """
     layout = config.layout

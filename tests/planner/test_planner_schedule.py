@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 from megatron_vlm_packing.packing import PackMultiples
 from megatron_vlm_packing.planner import (BinLayout, EpochPlan, PackedBatchSampler, PlannerConfig, SampleMetadata,
                                           SampleTable, plan_epoch)
-from megatron_vlm_packing.planner import schedule
+from megatron_vlm_packing.planner import fixed_samples, schedule
+from megatron_vlm_packing.planner.progress import Progress
+from megatron_vlm_packing.planner.stream_bins import sample_columns
 from megatron_vlm_packing.planner.synthetic import SyntheticMix, synthetic_table
 
 
@@ -227,11 +229,11 @@ def test_fixed_samples_unsplittable_step_raises_not_ends_the_epoch():
         with pytest.raises(ValueError, match=r"samples_per_step=3 is not a multiple of dp_size=2: .* \(samples 3, 4, "
                                              r"5\) need 3 bins of capacity 64"):
             plan_epoch(table, config)
-        cols, stream = schedule._columns(table, config), np.arange(len(texts))
+        cols, stream = sample_columns(table, config), np.arange(len(texts))
         with pytest.raises(ValueError, match=r"samples_per_step=3: step 1 \(samples 3, 4, 5\) needs 2 micro-batches "
                                              r"on each of dp_size=2 ranks \(4 bins"):
-            schedule._fixed_samples_steps(cols, stream, config, np.random.default_rng(0),
-                                          schedule.Progress(len(stream), enabled=False))
+            fixed_samples.fixed_samples_steps(cols, stream, config, np.random.default_rng(0),
+                                              Progress(len(stream), enabled=False))
     table = _random_table(330, 116)
     config = _config(330, 4, 1, 1, False, False, "short_step", 1, 7)
     with pytest.raises(ValueError, match=r"samples_per_step=11 is not a multiple of dp_size=4: .* need 11 bins of "
@@ -428,7 +430,7 @@ def test_fixed_samples_a_dataset_the_check_accepts_splits_in_every_epoch(seed, n
     config = PlannerConfig(layout=BinLayout(capacity=cap, oversize="own_bin"), dp_size=dp, tail=tail, seed=seed,
                            balance=balance, samples_per_step=dp * 2 + 1 + (extra - 1) % (dp - 1))  # no multiple of dp
     try:
-        schedule.check_steps_split(table, config)
+        fixed_samples.check_steps_split(table, config)
     except ValueError:
         assert _worst_step_unsplittable(table, config)
         return
