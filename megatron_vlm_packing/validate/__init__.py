@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 from megatron_vlm_packing.lazy import lazy_exports
 
 if TYPE_CHECKING:  # what type checkers read; at run time `__getattr__` imports each name on first use
-    from megatron_vlm_packing.validate.inputs import PackedInputs, SourceRows, build_inputs
+    from megatron_vlm_packing.validate.inputs import build_inputs
+    from megatron_vlm_packing.validate.packed_inputs import PackedInputs, SourceRows
     from megatron_vlm_packing.validate.probe import ParityProbeError, ProbeResult, parity_probe, split_rows
     from megatron_vlm_packing.validate.report import CHECKS, Check, ValidationReport, Violation
     from megatron_vlm_packing.validate.saved_keys import SAVED_KEYS
@@ -20,7 +21,8 @@ if TYPE_CHECKING:  # what type checkers read; at run time `__getattr__` imports 
     from megatron_vlm_packing.validate.validate import run_checks, validate_packed_batch
 
 _SOURCES = {
-    **dict.fromkeys(("PackedInputs", "SourceRows", "build_inputs"), "megatron_vlm_packing.validate.inputs"),
+    "build_inputs": "megatron_vlm_packing.validate.inputs",
+    **dict.fromkeys(("PackedInputs", "SourceRows"), "megatron_vlm_packing.validate.packed_inputs"),
     **dict.fromkeys(("ParityProbeError", "ProbeResult", "parity_probe", "split_rows"),
                     "megatron_vlm_packing.validate.probe"),
     **dict.fromkeys(("CHECKS", "Check", "ValidationReport", "Violation"), "megatron_vlm_packing.validate.report"),

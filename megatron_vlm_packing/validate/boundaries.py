@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_vlm_packing.packing.bounds import is_int
-from megatron_vlm_packing.validate.inputs import PackedInputs
+from megatron_vlm_packing.validate.packed_inputs import PackedInputs
 from megatron_vlm_packing.validate.report import Violation
 
 

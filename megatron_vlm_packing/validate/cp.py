@@ -15,7 +15,7 @@ import torch
 from megatron_vlm_packing.packing.checks import is_integer_tensor
 from megatron_vlm_packing.parallel.cp import cp_partition_index
 from megatron_vlm_packing.validate.boundaries import Boundaries
-from megatron_vlm_packing.validate.inputs import PackedInputs
+from megatron_vlm_packing.validate.packed_inputs import PackedInputs
 from megatron_vlm_packing.validate.report import Violation
 
 _FULL_ALLOWED = ("input_ids", "position_ids")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from megatron_vlm_packing.validate.boundaries import Boundaries
-from megatron_vlm_packing.validate.inputs import PackedInputs
+from megatron_vlm_packing.validate.packed_inputs import PackedInputs
 from megatron_vlm_packing.validate.report import Violation
 
 

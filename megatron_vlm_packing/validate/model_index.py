@@ -18,7 +18,7 @@ import torch
 
 from megatron_vlm_packing.packing.positions import HALF_EXACT_WHOLE_NUMBERS, seconds_parameter
 from megatron_vlm_packing.validate.documents import Documents
-from megatron_vlm_packing.validate.inputs import PackedInputs
+from megatron_vlm_packing.validate.packed_inputs import PackedInputs
 from megatron_vlm_packing.validate.report import Violation
 
 _ITEMS = (("image", "image_grid_thw"), ("video", "video_grid_thw"), ("audio", "audio_seqlens"))

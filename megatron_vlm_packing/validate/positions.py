@@ -9,8 +9,8 @@ import torch
 
 from megatron_vlm_packing.packing.positions import HALF_EXACT_WHOLE_NUMBERS
 from megatron_vlm_packing.validate.documents import Documents
-from megatron_vlm_packing.validate.inputs import PackedInputs
 from megatron_vlm_packing.validate.model_index import against_model_index
+from megatron_vlm_packing.validate.packed_inputs import PackedInputs
 from megatron_vlm_packing.validate.report import Violation
 from megatron_vlm_packing.validate.vision import MediaFindings
 

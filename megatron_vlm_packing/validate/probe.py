@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 import torch
 
 from megatron_vlm_packing.packing.lengths import real_lengths
-from megatron_vlm_packing.validate.inputs import SourceRows
+from megatron_vlm_packing.validate.packed_inputs import SourceRows
 from megatron_vlm_packing.validate.report import ValidationReport
 from megatron_vlm_packing.validate.validate import validate_packed_batch
 

@@ -13,7 +13,7 @@ from dataclasses import replace
 import torch
 
 from megatron_vlm_packing.validate.documents import Documents, _tail_violation
-from megatron_vlm_packing.validate.inputs import PackedInputs
+from megatron_vlm_packing.validate.packed_inputs import PackedInputs
 from megatron_vlm_packing.validate.report import Violation
 
 

@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 
 from megatron_vlm_packing.validate.documents import Documents
-from megatron_vlm_packing.validate.inputs import PackedInputs
+from megatron_vlm_packing.validate.packed_inputs import PackedInputs
 from megatron_vlm_packing.validate.report import Violation
 
 

@@ -17,7 +17,8 @@ from megatron_vlm_packing.packing.checks import is_integer_tensor
 from megatron_vlm_packing.validate.boundaries import Boundaries, check_alignment, check_boundaries, check_max_seqlen
 from megatron_vlm_packing.validate.cp import check_cp_index, check_cp_ranks
 from megatron_vlm_packing.validate.documents import Documents, check_padding_mask, make_documents, suspect_pad_tails
-from megatron_vlm_packing.validate.inputs import PackedInputs, build_inputs
+from megatron_vlm_packing.validate.inputs import build_inputs
+from megatron_vlm_packing.validate.packed_inputs import PackedInputs
 from megatron_vlm_packing.validate.positions import check_positions
 from megatron_vlm_packing.validate.report import ValidationReport, Violation
 from megatron_vlm_packing.validate.source import check_labels_vs_source, match_source
@@ -32,7 +33,7 @@ def validate_packed_batch(batch=None, **fields) -> ValidationReport:
 
     Args:
         batch: a `MicroBatch` / `PackedBatch`, or a mapping with the keys of
-            `validate.inputs.SAVED_KEYS` (what `megatron-vlm-packing check FILE` reads), or None.
+            `validate.saved_keys.SAVED_KEYS` (what `megatron-vlm-packing check FILE` reads), or None.
         **fields: any `PackedInputs` field or saved key, overriding the batch's: `input_ids`,
             `labels`, `loss_mask`, `position_ids` ([1, T] or [3, 1, T]), `padding_mask`,
             `packed_seq_params` or `cu_seqlens` / `cu_seqlens_padded` / `max_seqlen`,

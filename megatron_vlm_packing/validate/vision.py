@@ -19,7 +19,7 @@ import torch
 
 from megatron_vlm_packing.packing.checks import is_integer_tensor
 from megatron_vlm_packing.validate.documents import Documents
-from megatron_vlm_packing.validate.inputs import PackedInputs
+from megatron_vlm_packing.validate.packed_inputs import PackedInputs
 from megatron_vlm_packing.validate.report import Violation
 
 

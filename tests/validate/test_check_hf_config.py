@@ -24,7 +24,7 @@ from tests.rope.conftest import IMAGE, VIDEO, hf_config, random_rows  # noqa: E4
 
 
 def saved(packed, batch: dict) -> dict:
-    """The saved-batch keys (validate.inputs.SAVED_KEYS) another packer would write for `packed`: no
+    """The saved-batch keys (validate.saved_keys.SAVED_KEYS) another packer would write for `packed`: no
     placeholder ids (the config gives them), the unpacked rows as the source."""
     params = packed.packed_seq_params
     fields = dict(input_ids=packed.input_ids, labels=packed.labels, loss_mask=packed.loss_mask,

@@ -38,7 +38,7 @@ def omni():
 
 
 def saved_fields(packed) -> dict:
-    """The saved-batch keys (validate.inputs.SAVED_KEYS) of a packed micro-batch, as another packer writes them."""
+    """The saved-batch keys (validate.saved_keys.SAVED_KEYS) of a packed micro-batch, as another packer writes them."""
     params, vision, audio = packed.packed_seq_params, packed.vision, packed.audio
     rows = packed.plan.segment_rows
     return dict(input_ids=packed.input_ids, labels=packed.labels, loss_mask=packed.loss_mask,
