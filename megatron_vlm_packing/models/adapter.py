@@ -47,7 +47,7 @@ class ModelAdapter:
     packs with: ids and labels outside [0, vocab_size) are a ValueError in the packer's read.
     `unembedded_token_id` (None: every id is embedded) is an id the model replaces before its embedding
     (LLaVA's image token, which may lie outside the vocabulary): the step's checks of ids against the vocabulary
-    (`train.step.check_loader_vocab`, `check_unpacked_ids`) skip it, as the model's own packer does.
+    (`train.loader_vocab.check_loader_vocab`, `check_unpacked_ids`) skip it, as the model's own packer does.
     `checks_unpacked_ids` (False) says that `check` refuses ids no packer checked outside [0, vocab_size)
     (`check_unpacked_ids`): the step then reads them in its one read of what no packer checked
     (`train.unpacked_checks.check_unpacked_fields`), so `check` reads nothing for clean ids, and checks them itself
@@ -170,7 +170,7 @@ def check_loader_kind(micro_batch: MicroBatch, options) -> None:
 def check_loader_mrope(micro_batch: MicroBatch, mrope, source: str) -> None:
     """A micro-batch packed before the step (a `PackingCollator`, `pack_batch` / `pad_batch` by hand) whose
     mRoPE positions an `MRopeConfig` made (`micro_batch.mrope_config`) must have been made with the
-    model's config `mrope` (what `train.step.resolve_mrope` gives): else every image and video token
+    model's config `mrope` (what `train.build.resolve_mrope` gives): else every image and video token
     trains at positions the model never computes, silently. Only the fields that make positions are
     compared (`rope.config.position_differences`: not `mrope_section` / `mrope_interleaved`, which lay
     out the model's rotary from its own config). Nothing is compared when the micro-batch records no

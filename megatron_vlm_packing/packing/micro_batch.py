@@ -209,7 +209,7 @@ class MicroBatch:
             `pad_batch` / the collators given one, or the step against the model's); None when only their
             lower bounds were checked (a `PackingCollator` without `pack_options=dict(vocab_size=...)`: it
             has no model). The step checks a micro-batch whose bound is unknown or above the model's
-            vocabulary (`vocab_checked`; `train.step.check_loader_vocab`).
+            vocabulary (`vocab_checked`; `train.loader_vocab.check_loader_vocab`).
         checked_media: the (`input_ids`, `vision`, `audio`) objects whose placeholders, grids, per-sample
             counts and audio lengths packing checked in its one read (`pack_batch` / `pad_batch`; kept by
             the moves, which replace it with the moved objects). `placeholders_checked` and the per-sample

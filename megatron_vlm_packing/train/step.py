@@ -5,9 +5,10 @@ and (with `with_state=True`) Megatron-Bridge's `(state, data_iterator, model)` f
 small named stages, each testable alone:
 
     read_micro_batch                      (the iterator's item: a collated dict or a packed MicroBatch)
-      -> micro_batch_for_model            (full-length MicroBatch on the model's device:
+      -> micro_batch_for_model            (`build.py`: full-length MicroBatch on the model's device:
            to_device -> adapter.build_micro_batch | build_micro_batch (pack_batch | pad_batch),
-           or, for a MicroBatch packed in the DataLoader, adapter.micro_batch_from_loader)
+           or, for a MicroBatch packed in the DataLoader, check_loader_vocab (`loader_vocab.py`)
+           -> adapter.micro_batch_from_loader)
       -> transform (optional)
       -> prepare_for_model                (check_unpacked_loss_weights -> adapter.check -> localize:
                                            the one CP selection)
@@ -25,61 +26,28 @@ it (bug class 10). Process groups are looked up here, at the edge; everything be
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Callable, Iterator, Mapping
 
-import numpy as np
 import torch
 from torch import nn
 
-from megatron_vlm_packing.models.adapter import (
-    ModelAdapter, adapter_for, check_loader_mrope, check_unpacked_ids, unwrap_model)
-from megatron_vlm_packing.packing.bounds import is_int
+from megatron_vlm_packing.models.adapter import ModelAdapter, adapter_for, check_unpacked_ids, unwrap_model
 from megatron_vlm_packing.packing.collate import own_storages
 from megatron_vlm_packing.packing.localize import localize
-from megatron_vlm_packing.packing.micro_batch import IdsMark, MicroBatch
-from megatron_vlm_packing.packing.row_fields import check_dense_tensors, check_flags, check_pack_arguments
+from megatron_vlm_packing.packing.micro_batch import MicroBatch
+from megatron_vlm_packing.packing.row_fields import check_flags
 from megatron_vlm_packing.parallel.layout import ParallelLayout
+from megatron_vlm_packing.train.build import BuiltMicroBatch, StepOptions, micro_batch_for_model
+from megatron_vlm_packing.train.build import (  # noqa: F401 (importable from here, as before)
+    build_micro_batch, extra_keys_of, resolve_mrope, to_device,
+)
+from megatron_vlm_packing.train.loader_vocab import check_loader_vocab  # noqa: F401 (as before)
 from megatron_vlm_packing.train.loss import loss_func
 from megatron_vlm_packing.train.unpacked_checks import (  # noqa: F401 (importable from here, as before)
     check_packed_documents, check_unpacked_dense_positions, check_unpacked_fields, check_unpacked_labels,
     check_unpacked_loss_weights, check_unpacked_packed_positions)
 from megatron_vlm_packing.validate.step_probe import StepProbe
-
-
-@dataclass(frozen=True)
-class StepOptions:
-    """How a collated batch becomes a micro-batch (the arguments of `make_forward_step`)."""
-
-    pack: bool = True
-    label_style: str = "hf"
-    pad_to: int | None = None
-    seq_length: int | None = None
-    fp8: bool = False
-    mrope: Any = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.pack, bool):  # pack=None ran dense and pack="no" packed, silently
-            raise ValueError(f"pack must be a bool, got {self.pack!r}")
-        if self.pack and self.seq_length is not None:
-            raise ValueError(f"seq_length={self.seq_length} is the dense row length (pack=False); "
-                             f"with pack=True use pad_to for a fixed packed length")
-        if not self.pack and self.pad_to is not None:
-            raise ValueError(f"pad_to={self.pad_to} is the fixed packed length (pack=True); "
-                             f"with pack=False use seq_length")
-        self._check_values()
-
-    def _check_values(self) -> None:
-        """label_style, fp8, pad_to, seq_length and mrope as the packers take them, checked when the step is made,
-        not at its first micro-batch (from the DataLoader, pad_to="8" was compared with the pack's length as it was)."""
-        pad_to = check_pack_arguments(fp8=self.fp8, label_style=self.label_style, pad_to=self.pad_to, mrope=self.mrope)
-        object.__setattr__(self, "pad_to", pad_to)  # an integer scalar as its int, as pack_batch reads it
-        if self.seq_length is not None and (not is_int(self.seq_length) or self.seq_length < 1):
-            raise ValueError(f"seq_length must be a positive int (the dense row length) or None, "
-                             f"got {self.seq_length!r}")
-        if self.seq_length is not None:
-            object.__setattr__(self, "seq_length", int(self.seq_length))  # a numpy int as its int, as pad_to
 
 
 def _iterator(data_iterator) -> Iterator:
@@ -119,129 +87,6 @@ def read_micro_batch(data_iterator: Iterator, *, broadcast_from_tp_rank0: bool) 
     return batch
 
 
-def to_device(batch: Mapping, device: torch.device) -> dict:
-    """Tensors of the batch on `device` (non-tensor values as they are), as a dict.
-
-    Raises:
-        ValueError: a sparse, nested or meta tensor (a meta tensor has no values to move: `.to()` was a
-            NotImplementedError; the packers refuse the others), naming its key (`row_fields.check_dense_tensors`).
-    """
-    check_dense_tensors(batch)
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-
-def resolve_mrope(options: StepOptions, adapter: ModelAdapter, batch: dict | None = None):
-    """The mRoPE config positions are computed with: the step's, else the model's own (PackedVLM)
-    unless the batch already carries [3, B, S] `position_ids` (then those are packed as given).
-
-    Raises:
-        ValueError: `mrope=` given for a model whose adapter says its rotary is 1D (the positions
-            would be computed and then ignored, or fed to a 1D rotary).
-    """
-    rotary = getattr(adapter, "rotary", None)
-    if options.mrope is not None and rotary == "1d":
-        raise ValueError(f"make_forward_step(mrope=...) was given but {adapter.model_name}'s rotary is 1D "
-                         f"({type(adapter).__name__}): drop mrope= or build an mRoPE model")
-    if options.mrope is not None:
-        return options.mrope
-    given = (batch or {}).get("position_ids")
-    if isinstance(given, torch.Tensor) and given.dim() == 3:
-        return None
-    return getattr(adapter, "mrope", None)
-
-
-def build_micro_batch(batch: dict, layout: ParallelLayout, options: StepOptions, *, mrope=None,
-                      media_token_ids: dict | None = None, extra_keys: tuple[str, ...] = (),
-                      vocab_size: int | None = None) -> MicroBatch:
-    """`pack_batch` (real-length THD) or `pad_batch` (dense rows), aligned for `layout`; full length.
-
-    `media_token_ids` (image/video/audio_token_id, spatial_merge_size: the adapter's) let the
-    packer count each sample's images, videos and clips; `extra_keys` are the per-token tensors the
-    adapter consumes (`extra_keys_of`); `vocab_size` (the model's, `ModelAdapter.vocab_size`) makes ids
-    and labels outside [0, vocab_size) a ValueError in the packer's read.
-    """
-    from megatron_vlm_packing.packing import pack_batch, pad_batch
-
-    common = dict(tp_size=layout.tp_size, cp_size=layout.cp_size, sequence_parallel=layout.sequence_parallel,
-                  fp8=options.fp8, label_style=options.label_style, mrope=mrope, **(media_token_ids or {}),
-                  require_media_counts=False,  # the adapter's check refuses media it does not consume
-                  extra_keys=tuple(extra_keys), vocab_size=vocab_size)
-    if options.pack:
-        return pack_batch(batch, pad_to=options.pad_to, **common)
-    return pad_batch(batch, seq_length=options.seq_length, **common)
-
-
-def extra_keys_of(adapter: ModelAdapter) -> tuple[str, ...]:
-    """The per-token batch keys an adapter consumes ("extra:<key>" in `consumes`). Without them the
-    packer refused such a key as unknown, so an adapter declaring one could never receive it from a
-    collated batch (only from a PackingCollator given extra_keys=)."""
-    return tuple(sorted(name[len("extra:"):] for name in adapter.consumes if name.startswith("extra:")))
-
-
-def check_loader_vocab(micro_batch: MicroBatch, vocab_size: int | None, *,
-                       unembedded_token_id: int | None = None) -> MicroBatch:
-    """A micro-batch from the data iterator whose ids and labels its packer bound below no vocabulary, or a
-    larger one than the model's (`MicroBatch.vocab_checked`: a `PackingCollator` has no model), checked
-    against `vocab_size` where it arrives, in host memory: no device sync. A label >= the vocabulary reached
-    Megatron's vocab-parallel cross entropy, which masks it (its loss silently the log-sum-exp of the
-    logits); a real id >= it became a zero embedding at TP > 1 (every rank masks it).
-
-    Returns the micro-batch marked checked for `vocab_size`, or as given when there is nothing to check, or
-    when its tensors are on a device already (`check_unpacked_labels` and the adapter's id check read them
-    there, one sync). `unembedded_token_id` (the adapter's: LLaVA's image token) is never embedded, so it is no
-    bad id whatever its value (`pack_llava_batch` does not screen it either).
-
-    Raises:
-        ValueError: naming the first real id or label >= `vocab_size` (row, position in the micro-batch), its
-            value, and that the collator can check it with `pack_options=dict(vocab_size=...)`.
-    """
-    ids, labels, pads = micro_batch.input_ids, micro_batch.labels, micro_batch.padding_mask
-    tensors = (ids, labels, pads)
-    if micro_batch.vocab_checked(vocab_size) or not all(isinstance(t, torch.Tensor) and t.is_cpu for t in tensors) \
-            or ids.shape != labels.shape or pads.shape != ids.shape or pads.dtype != torch.bool:
-        return micro_batch  # a hand-built mask of another dtype: the checks after the move read it as it is
-    # numpy: these are host memory on a GPU run too (the worker's pinned buffer), so no device waits on them
-    real = ~pads.numpy()
-    if unembedded_token_id is not None:
-        real &= ids.numpy() != unembedded_token_id
-    bad_ids, bad_labels = real & (ids.numpy() >= vocab_size), labels.numpy() >= vocab_size
-    if bad_ids.any() or bad_labels.any():
-        from megatron_vlm_packing.packing.checks import as_rows, check_ids, check_label_values
-
-        hint = (f"; the data iterator's micro-batch was packed without the model's vocabulary: give "
-                f"PackingCollator pack_options=dict(vocab_size={vocab_size}) (LlavaPackingCollator: "
-                f"space=LlavaSpace.of(model); pack_batch / pad_batch: vocab_size={vocab_size}) to refuse it in the "
-                f"DataLoader worker")
-        try:
-            check_ids(as_rows(ids), as_rows(torch.from_numpy(real)), vocab_size, "input_ids")
-            check_label_values(as_rows(labels), torch.ones_like(as_rows(labels), dtype=torch.bool), vocab_size)
-        except ValueError as error:
-            raise ValueError(f"{error}{hint}") from None
-    _refuse_pad_ids_outside(ids.numpy(), pads.numpy(), vocab_size)
-    return replace(micro_batch, checked_vocab_size=vocab_size, checked_ids=_ids_mark_below(micro_batch, vocab_size))
-
-
-def _refuse_pad_ids_outside(ids: np.ndarray, pads: np.ndarray, vocab_size: int) -> None:
-    """A ValueError naming the first pad slot whose id lies outside [0, vocab_size): the model embeds pad slots
-    too (an index error at TP=1, a device-side assert on a GPU). ids, pads: [1, T] or [B, S], host memory."""
-    bad = pads & ((ids < 0) | (ids >= vocab_size))
-    if bad.any():
-        place = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(f"input_ids pad slot {place} holds {int(ids[place])} (the pad_token_id), no token id of the "
-                         f"model (vocab_size={vocab_size}): every pad slot is embedded (an index error at TP=1, a "
-                         f"device-side assert on a GPU); give the collator a pad_token_id in [0, {vocab_size}), and "
-                         f"pack_options=dict(vocab_size={vocab_size}) to refuse it in the DataLoader worker")
-
-
-def _ids_mark_below(micro_batch: MicroBatch, vocab_size: int) -> IdsMark | None:
-    """The packer's `checked_ids` (LLaVA's, which may bound no vocabulary) now bounded by `vocab_size`, which
-    `check_loader_vocab` just checked its real ids below (the same id excepted); else as it was."""
-    mark = micro_batch.checked_ids
-    if mark is None or mark.input_ids is not micro_batch.input_ids:
-        return mark
-    return mark._replace(vocab_size=vocab_size)
-
-
 def prepare_for_model(micro_batch: MicroBatch, adapter: ModelAdapter, layout: ParallelLayout) -> MicroBatch:
     """Refuse loss weights and labels no packer checked, other sequence fields that are no tensors, positions no
     packer made and packed boundaries that are not the plan's (`train.unpacked_checks.check_unpacked_fields`: one
@@ -257,62 +102,6 @@ def prepare_for_model(micro_batch: MicroBatch, adapter: ModelAdapter, layout: Pa
     if checks_ids:  # declared but not made by check(): no read for clean ids
         check_unpacked_ids(micro_batch, vocab_size, unembedded_token_id=unembedded)
     return localize(micro_batch, layout, adapter.needs)
-
-
-@dataclass(frozen=True)
-class BuiltMicroBatch:
-    """What `micro_batch_for_model` returns.
-
-    Attributes:
-        micro_batch: the full-length micro-batch, on the model's device.
-        batch: the collated batch it was packed from, on the device (None: packed in the DataLoader).
-        repack: `batch -> MicroBatch` packing a collated batch the same way (what the parity probe
-            packs each sample alone with); None when the DataLoader or the adapter packed.
-    """
-
-    micro_batch: MicroBatch
-    batch: dict | None = None
-    repack: Callable[[dict], MicroBatch] | None = None
-
-
-def micro_batch_for_model(item: dict | MicroBatch, adapter: ModelAdapter, layout: ParallelLayout,
-                          options: StepOptions, device: torch.device, *, probing: bool = False) -> BuiltMicroBatch:
-    """The model's full-length micro-batch from what the data iterator yielded.
-
-    Args:
-        item: a collated batch dict (moved to `device`, then built by the adapter's own
-            `build_micro_batch`, else `pack_batch` / `pad_batch`), or a `MicroBatch` packed in the
-            DataLoader (checked for the layout by the adapter and moved, not re-packed).
-        probing: the parity probe will re-pack the batch sample by sample.
-
-    Raises:
-        ValueError: probing a micro-batch the probe cannot re-pack (loader- or adapter-built),
-            `mrope=` for a model whose rotary is 1D, or a loader micro-batch whose mRoPE positions
-            another config made (`check_loader_mrope`).
-    """
-    if isinstance(item, MicroBatch):  # packed in the DataLoader: only moved here
-        if probing:
-            raise ValueError("parity_probe_every needs collated batches (it re-packs each sample alone); "
-                             "the data iterator yielded micro-batches packed in the DataLoader")
-        mrope = resolve_mrope(options, adapter)  # refuses mrope= for a 1D model here too
-        source = "make_forward_step(mrope=...)" if options.mrope is not None \
-            else f"{adapter.model_name}'s own, {type(adapter).__name__}.mrope"
-        check_loader_mrope(item, mrope, source)
-        item = check_loader_vocab(item, getattr(adapter, "vocab_size", None),
-                                  unembedded_token_id=getattr(adapter, "unembedded_token_id", None))
-        return BuiltMicroBatch(adapter.micro_batch_from_loader(item, layout, options, device))
-    batch = to_device(item, device)
-    mrope_used = resolve_mrope(options, adapter, batch)
-    micro_batch = adapter.build_micro_batch(batch, layout, options)
-    if micro_batch is not None:
-        if probing:
-            raise ValueError(f"parity_probe_every: {type(adapter).__name__} builds its own micro-batches "
-                             f"(e.g. in LLaVA's expanded space), which the probe cannot split per sample")
-        return BuiltMicroBatch(micro_batch, batch)
-    repack = partial(build_micro_batch, layout=layout, options=options, mrope=mrope_used,
-                     media_token_ids=getattr(adapter, "media_token_ids", None), extra_keys=extra_keys_of(adapter),
-                     vocab_size=getattr(adapter, "vocab_size", None))
-    return BuiltMicroBatch(repack(batch), batch, repack)
 
 
 def probe_parity(probe: StepProbe, model: nn.Module, adapter: ModelAdapter, layout: ParallelLayout,

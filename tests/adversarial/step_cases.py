@@ -397,7 +397,7 @@ def loader_dense_rows_that_sp_cannot_split(m):
     (Megatron's SP scatter then asserts)."""
     from megatron_vlm_packing.packing import pad_batch
     from megatron_vlm_packing.parallel.layout import ParallelLayout
-    from megatron_vlm_packing.train.step import StepOptions
+    from megatron_vlm_packing.train.build import StepOptions
 
     batch = text_batch()
     batch = {k: v[:, :5] for k, v in batch.items()}

@@ -28,7 +28,7 @@ def test_a_collator_built_with_another_config_than_the_bridge_models_is_refused(
     from megatron_vlm_packing.bridge.adapters import Qwen25VLAdapter
     from megatron_vlm_packing.packing.collate import PackingCollator
     from megatron_vlm_packing.parallel.layout import ParallelLayout
-    from megatron_vlm_packing.train.step import StepOptions, micro_batch_for_model
+    from megatron_vlm_packing.train.build import StepOptions, micro_batch_for_model
 
     adapter = Qwen25VLAdapter(_qwen25_vl(2))
     ids = torch.tensor([[5, 6, 7, 8], [9, 10, 0, 0]])

@@ -60,7 +60,7 @@ def test_the_step_refuses_integer_images_in_a_micro_batch_built_by_hand():
 def _from_loader(space, collator_pad_to=None, **options):
     """A micro-batch packed by LlavaPackingCollator for `space`, taken by the step made with `options`."""
     from megatron_vlm_packing.parallel.layout import ParallelLayout
-    from megatron_vlm_packing.train.step import StepOptions
+    from megatron_vlm_packing.train.build import StepOptions
 
     packed = LlavaPackingCollator(space=space, pad_to=collator_pad_to)(_batch(torch.zeros(1, 3, 2, 2)))
     return _adapter(space).micro_batch_from_loader(packed, ParallelLayout(), StepOptions(**options),

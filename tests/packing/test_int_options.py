@@ -23,7 +23,7 @@ from megatron_vlm_packing.planner.balance import assign_to_ranks
 from megatron_vlm_packing.planner.cost import CostModel, TransformerShape
 from megatron_vlm_packing.planner.metadata import TokenCounter, llava_tokens
 from megatron_vlm_packing.rope.config import MRopeConfig
-from megatron_vlm_packing.train.step import StepOptions
+from megatron_vlm_packing.train.build import StepOptions
 from megatron_vlm_packing.validate.coerce import int_field
 
 NUMPY_INTS = [np.int64(4), np.int32(4), np.uint8(4), np.int16(4)]

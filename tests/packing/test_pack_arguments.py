@@ -9,7 +9,7 @@ from megatron_vlm_packing.models.llava import LlavaSpace
 from megatron_vlm_packing.models.llava_pack import LlavaPackingCollator
 from megatron_vlm_packing.packing.collate import PackingCollator
 from megatron_vlm_packing.packing.row_fields import check_pack_arguments
-from megatron_vlm_packing.train.step import StepOptions
+from megatron_vlm_packing.train.build import StepOptions
 
 SPACE = LlavaSpace(img_seq_len=4, image_token_index=127)
 

@@ -4,8 +4,8 @@ Every pad slot of a micro-batch is embedded with the rest: Megatron-Core's embed
 with the pad id (an IndexError deep inside `F.embedding` on CPU, a device-side assert on a GPU that ends the
 process), so a pad id >= vocab_size is refused by the packers given `vocab_size` (`pack_batch`, `pad_batch`, the
 plain host path, LLaVA's packers) and by the step for a loader micro-batch packed without it
-(`train.step.check_loader_vocab`), with a ValueError naming pad_token_id and the vocabulary. Before, the packers
-wrote it to every pad slot and the step reached the embedding.
+(`train.loader_vocab.check_loader_vocab`), with a ValueError naming pad_token_id and the vocabulary. Before, the
+packers wrote it to every pad slot and the step reached the embedding.
 """
 
 from __future__ import annotations

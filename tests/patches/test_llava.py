@@ -160,7 +160,7 @@ def test_adapter_refuses_leaking_packs_and_keeps_everything_full_under_cp():
     from megatron_vlm_packing.packing.localize import localize
     from megatron_vlm_packing.packing.micro_batch import VisionInputs
     from megatron_vlm_packing.parallel.layout import ParallelLayout
-    from megatron_vlm_packing.train.step import StepOptions
+    from megatron_vlm_packing.train.build import StepOptions
 
     ids = torch.tensor([[5, 6, 7], [IMG, 8, 9]])
     batch = {"input_ids": ids, "labels": ids + 1, "images": torch.zeros(1, 3, 2, 2)}

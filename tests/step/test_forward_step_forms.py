@@ -7,7 +7,7 @@ import torch
 
 from megatron_vlm_packing import loss_func, make_forward_step
 from megatron_vlm_packing.packing.micro_batch import BatchStats
-from megatron_vlm_packing.train.step import StepOptions
+from megatron_vlm_packing.train.build import StepOptions
 
 
 def test_two_and_three_argument_forms():

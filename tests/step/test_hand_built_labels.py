@@ -67,7 +67,7 @@ def test_labels_that_are_not_integers_are_refused(dtype):
 def test_packed_labels_cost_no_sync_and_replaced_ones_one():
     """Labels the packer checked below the model's vocabulary cost no sync; labels checked without it, or
     replaced, one (the step checks a loader's in host memory first: `check_loader_vocab`)."""
-    from megatron_vlm_packing.train.step import check_loader_vocab
+    from megatron_vlm_packing.train.loader_vocab import check_loader_vocab
 
     vocab = dict(vocab_size=64)
     loader = micro_batch_to(PackingCollator(label_style="hf", pack_options=vocab)(_batch()), torch.device("cpu"))

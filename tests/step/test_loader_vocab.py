@@ -95,7 +95,8 @@ def test_a_hand_built_padding_mask_of_another_dtype_is_left_to_the_checks_after_
     labels' check after the move (one sync) still reads it."""
     from dataclasses import replace
 
-    from megatron_vlm_packing.train.step import check_loader_vocab, check_unpacked_labels
+    from megatron_vlm_packing.train.loader_vocab import check_loader_vocab
+    from megatron_vlm_packing.train.unpacked_checks import check_unpacked_labels
 
     micro_batch = PackingCollator(label_style="hf")(_batch_with("labels", 0, 2, GPT_VOCAB))
     int_mask = replace(micro_batch, padding_mask=micro_batch.padding_mask.long())
