@@ -330,11 +330,29 @@ def micro_batch_to(micro_batch: MicroBatch, device: torch.device) -> MicroBatch:
 
     def move(tensor: torch.Tensor) -> torch.Tensor:
         if tensor.is_meta and device.type != "meta":  # else torch's NotImplementedError ('Cannot copy out of meta')
-            raise ValueError(f"the micro-batch holds meta tensors (no values): it cannot move to {device}; move the "
-                             f"micro-batch the collator returned, not its meta copy")
+            names = meta_fields(micro_batch)
+            shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+            raise ValueError(f"the micro-batch holds meta tensors (no values): {shown}; it cannot move to {device}; "
+                             f"move the micro-batch the collator returned, not its meta copy")
         return tensor.to(device, non_blocking=True)
 
     return map_tensors(micro_batch, move)
+
+
+def meta_fields(holder, prefix: str = "") -> list[str]:
+    """Dotted names of the meta tensors (no values) among `holder`'s fields, its dataclass fields' fields and its
+    dicts' entries (`packed_seq_params.max_seqlen_q`, `vision.pixel_values`, `extras['name']`): the error path of
+    `micro_batch_to`, which names what cannot move."""
+    found = []
+    items = holder.items() if isinstance(holder, dict) else \
+        ((f.name, getattr(holder, f.name)) for f in dataclasses.fields(holder))
+    for name, value in items:
+        path = f"{prefix}[{name!r}]" if isinstance(holder, dict) else f"{prefix}{'.' if prefix else ''}{name}"
+        if isinstance(value, torch.Tensor) and value.is_meta:
+            found.append(path)
+        elif isinstance(value, dict) or (dataclasses.is_dataclass(value) and not isinstance(value, type)):
+            found.extend(meta_fields(value, path))
+    return found
 
 
 def check_layout(micro_batch: MicroBatch, multiples: PackMultiples) -> None:

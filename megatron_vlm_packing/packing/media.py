@@ -35,7 +35,7 @@ VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_g
 
 def _grid_rows(batch: dict, name: str, host: MediaHost) -> tuple[torch.Tensor | None, list[list[int]]]:
     """(the [N, 3] grid or None, its rows as host ints read in the one sync); entries must be >= 1."""
-    from megatron_vlm_packing.rope.index import check_grid_shape  # the one type/shape check of a grid
+    from megatron_vlm_packing.rope.index_checks import check_grid_shape  # the one type/shape check of a grid
 
     grid = check_grid_shape(batch.get(name), name)
     if grid is None:
@@ -113,7 +113,7 @@ def vision_inputs(batch: dict, host: MediaHost, tokens: MediaTokens, *,
         raise ValueError(f"video_grid_thw has {video_grid.shape[0]} rows but the batch has no pixel_values_videos "
                          f"(grids alone are read only by an mRoPE index: pass mrope=)")
     if seconds is not None:
-        from megatron_vlm_packing.rope.index import check_seconds_dtype  # the one dtype check of seconds
+        from megatron_vlm_packing.rope.index_checks import check_seconds_dtype  # the one dtype check of seconds
 
         check_seconds_dtype(seconds)
         # Checked whatever reads them (the videos' tower, an MRopeConfig's index, or a position callable, which
@@ -198,7 +198,7 @@ def refuse_seconds_without_videos(seconds) -> None:
     Raises:
         ValueError: naming the field and its entries.
     """
-    from megatron_vlm_packing.rope.index import entry_count
+    from megatron_vlm_packing.rope.index_checks import entry_count
 
     entries = entry_count(seconds)
     if entries:

@@ -17,10 +17,8 @@ import torch
 from megatron_vlm_packing.packing.checks import token_place
 from megatron_vlm_packing.packing.lengths import widened_unsigned
 from megatron_vlm_packing.rope.config import MRopeConfig
-# check_seconds_dtype and entry_count are re-exported: packing/media.py imports them from here.
-from megatron_vlm_packing.rope.index_checks import (  # noqa: F401
-    any_bad_grid, check_grid, check_grid_shape, check_rope_types, check_seconds, check_seconds_dtype, entry_count,
-    seconds_and_bad,
+from megatron_vlm_packing.rope.index_checks import (
+    any_bad_grid, check_grid, check_grid_shape, check_rope_types, check_seconds, seconds_and_bad,
 )
 from megatron_vlm_packing.rope.index_rules import grid_per_run, run_positions, token_runs
 

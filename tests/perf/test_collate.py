@@ -516,7 +516,9 @@ def test_a_micro_batch_of_meta_tensors_is_refused_when_moved_to_a_device_with_va
     meta = micro_batch_to(packed, "meta")
     assert all(t.is_meta for t in tensors_of(meta)) and meta.input_ids.shape == packed.input_ids.shape
     assert micro_batch_to(meta, torch.device("meta")).input_ids.is_meta  # meta to meta: shapes only, as asked
-    with pytest.raises(ValueError, match=r"the micro-batch holds meta tensors \(no values\): it cannot move to cpu"):
+    with pytest.raises(ValueError, match=r"the micro-batch holds meta tensors \(no values\): input_ids, labels, "
+                                         r"loss_mask, position_ids, padding_mask, packed_seq_params\.cu_seqlens_q and "
+                                         r"\d+ more; it cannot move to cpu"):
         micro_batch_from_loader(meta, multiples=PackMultiples.for_parallel(cp_size=2), device=torch.device("cpu"))
 
 

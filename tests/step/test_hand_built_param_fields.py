@@ -149,3 +149,11 @@ def test_boundary_values_that_do_not_lay_out_the_pack_are_refused_by_the_step(se
             check_unpacked_fields(item, None)
         with pytest.raises(ValueError, match=message):
             step_loss(setup["gpt"], item, pad_to=PAD_TO)
+
+
+@pytest.mark.parametrize("name", ["max_seqlen_q", "max_seqlen_kv"])
+def test_a_meta_max_seqlen_is_refused_by_name(setup, name):
+    """A 0-dim `max_seqlen_*` on the meta device (no value) cannot move to the model's device: the step's
+    refusal named no field."""
+    _refused(setup, rf"the micro-batch holds meta tensors \(no values\): packed_seq_params\.{name}; it cannot move",
+             **{name: torch.tensor(64, device="meta")})
