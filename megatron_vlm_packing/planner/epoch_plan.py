@@ -78,6 +78,7 @@ class PlannerConfig:
         if not is_int(self.seed) or self.seed < 0:
             # numpy's generator takes no negative seed: the error came at planning, naming no field
             raise ValueError(f"seed must be an int >= 0, got {self.seed!r}")
+        object.__setattr__(self, "seed", int(self.seed))  # a numpy seed went into the sampler's state_dict as is
         if self.tail not in ("short_step", "carry"):
             raise ValueError(f"tail must be 'short_step' or 'carry', got {self.tail!r}")
 

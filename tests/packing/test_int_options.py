@@ -37,6 +37,7 @@ SITES = {
     "LlavaSpace.image_token_index": lambda v: LlavaSpace(img_seq_len=2, image_token_index=v).image_token_index,
     "LlavaSpace.max_length": lambda v: LlavaSpace(img_seq_len=2, image_token_index=127, max_length=v).max_length,
     "PlannerConfig.dp_size": lambda v: PlannerConfig(layout=BinLayout(capacity=64), dp_size=v).dp_size,
+    "PlannerConfig.seed": lambda v: PlannerConfig(layout=BinLayout(capacity=64), seed=v).seed,
     "PlannerConfig.window_steps": lambda v: PlannerConfig(layout=BinLayout(capacity=64), window_steps=v).window_steps,
     "PlannerConfig.samples_per_step": lambda v: PlannerConfig(layout=BinLayout(capacity=64),
                                                               samples_per_step=v).samples_per_step,
