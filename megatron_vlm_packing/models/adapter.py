@@ -52,6 +52,9 @@ class ModelAdapter:
     (`check_unpacked_ids`): the step then reads them in its one read of what no packer checked
     (`train.unpacked_checks.check_unpacked_fields`), so `check` reads nothing for clean ids, and checks them itself
     after `check` if `check` did not.
+    `pipeline_length` (None: the micro-batch's own) is the sequence length a model pads every micro-batch to
+    under pipeline parallelism whatever the step packs (LLaVA's `language_max_sequence_length`): the length
+    Megatron's schedule must receive (`train.pipeline_shapes`).
 
     An adapter is built once per model (`adapter_for(model)`), so `__init__` may read the model's
     config (e.g. to check an mRoPE setting) and raise a ValueError for a model it cannot drive.
@@ -63,6 +66,7 @@ class ModelAdapter:
     vocab_size: int | None = None
     unembedded_token_id: int | None = None
     checks_unpacked_ids: bool = False
+    pipeline_length: int | None = None
 
     def __init__(self, model: nn.Module):
         self.model_name = type(model).__name__

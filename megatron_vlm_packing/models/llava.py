@@ -145,6 +145,7 @@ class LLaVAAdapter(ModelAdapter):
     def __init__(self, model):
         super().__init__(model)
         self.space = LlavaSpace.of(model)
+        self.pipeline_length = self.space.pipeline_length  # LLaVAModel pads every expanded row to it under PP
         self.unembedded_token_id = self.space.image_token_index  # replaced by image embeddings, never embedded
         # LLaVAModel.forward takes no padding_mask (0.16.1, 0.19.2): an MoE language model routes the pad slots.
         language_model = getattr(model, "language_model", None)

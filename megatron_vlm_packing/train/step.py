@@ -44,6 +44,7 @@ from megatron_vlm_packing.train.build import (  # noqa: F401 (importable from he
 )
 from megatron_vlm_packing.train.loader_vocab import check_loader_vocab  # noqa: F401 (as before)
 from megatron_vlm_packing.train.loss import loss_func
+from megatron_vlm_packing.train.pipeline_shapes import check_for_pipeline
 from megatron_vlm_packing.train.unpacked_checks import (  # noqa: F401 (importable from here, as before)
     check_packed_documents, check_unpacked_dense_positions, check_unpacked_fields, check_unpacked_labels,
     check_unpacked_loss_weights, check_unpacked_packed_positions)
@@ -205,13 +206,14 @@ def make_forward_step(*, pack: bool = True, label_style: str = "hf", pad_to: int
                          f"runs: give parity_probe_every=N too, or drop parity_probe_tolerance")
     probe = None if parity_probe_every is None else StepProbe(parity_probe_every, tolerance=parity_probe_tolerance)
 
-    def forward_step(data_iterator, model):
-        model_adapter = adapters(model)
-        layout = ParallelLayout.from_megatron(_config_of(model))
+    def step(data_iterator, model, state):
+        model_adapter, config = adapters(model), _config_of(model)
+        layout = ParallelLayout.from_megatron(config)
         item = read_micro_batch(data_iterator, broadcast_from_tp_rank0=broadcast_from_tp_rank0)
         built = micro_batch_for_model(item, model_adapter, layout, options, _device_of(model),
                                       probing=probe is not None)
         micro_batch = built.micro_batch if transform is None else _transformed(transform, built.micro_batch)
+        check_for_pipeline(micro_batch, model_adapter, layout, options, config, state)  # before the first send
         local = prepare_for_model(micro_batch, model_adapter, layout)
         output = model_adapter.forward(model, local)
         if probe is not None:
@@ -220,7 +222,11 @@ def make_forward_step(*, pack: bool = True, label_style: str = "hf", pad_to: int
 
     if with_state:
         def forward_step_with_state(state: Any, data_iterator, model):
-            return forward_step(data_iterator, model)
+            return step(data_iterator, model, state)  # Bridge's state: its loop's seq_length (pipeline_shapes)
 
         return forward_step_with_state
+
+    def forward_step(data_iterator, model):
+        return step(data_iterator, model, None)
+
     return forward_step
