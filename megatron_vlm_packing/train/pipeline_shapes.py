@@ -69,8 +69,9 @@ def check_pipeline_shape(length: int, rows: int, *, pipeline_size: int, shapes_e
             raise ValueError(
                 f"at pipeline-parallel size {pipeline_size} Megatron's schedule receives every micro-batch into a "
                 f"buffer of the seq_length given to get_forward_backward_func (variable_seq_lengths is False), "
-                f"which this step cannot see, and this micro-batch's length {length} is its pack's own (the next "
-                f"one differs): give make_forward_step({fix}=<that seq_length>) {or_variable}")
+                f"which this step cannot see, and this micro-batch's length {length} is its own, fixed by neither "
+                f"{fix} nor the model (the next one's may differ): give make_forward_step({fix}=<that seq_length>) "
+                f"{or_variable}")
         return
     divisor = cp_size * sp_tp_size
     sent, received = length // divisor, schedule.seq_length // cp_size // sp_tp_size
@@ -78,7 +79,7 @@ def check_pipeline_shape(length: int, rows: int, *, pipeline_size: int, shapes_e
     if sent == received and not rows_differ:
         return
     per_rank = f" ({sent} vs {received} per rank, divided by cp={cp_size} x sp tp={sp_tp_size})" if divisor > 1 else ""
-    what = f"a micro-batch of length {length}" + (f" ({fixed_by})" if fixed_by else " (its pack's own)")
+    what = f"a micro-batch of length {length}" + (f" ({fixed_by})" if fixed_by else " (its own)")
     if sent != received:
         raise ValueError(
             f"at pipeline-parallel size {pipeline_size} {what} would be sent into the schedule's receive buffer of "

@@ -25,15 +25,15 @@ def results():
 def test_a_pack_of_its_own_length_is_refused_on_every_stage_when_the_schedule_is_unseen(results):
     for stage in results["said"]:  # before: stage 0 packed 21 tokens and sent them into the schedule's buffer
         said = stage["pack_own_length"]
-        assert said is not None and "length 21 is its pack's own" in said, said
+        assert said is not None and "length 21 is its own, fixed by neither pad_to" in said, said
         assert "make_forward_step(pad_to=<that seq_length>)" in said and FIXES[0] in said, said
         said = stage["dense_own_length"]  # dense rows padded to the longest row: the next micro-batch differs
         assert said is not None and "make_forward_step(seq_length=<that seq_length>)" in said, said
 
 
 @pytest.mark.parametrize("case, numbers", [
-    ("bridge_longer", ("length 21 (its pack's own)", "seq_length=32", "make_forward_step(pad_to=32)")),
-    ("bridge_shorter", ("length 21 (its pack's own)", "seq_length=16", "make_forward_step(pad_to=16)")),
+    ("bridge_longer", ("length 21 (its own)", "seq_length=32", "make_forward_step(pad_to=32)")),
+    ("bridge_shorter", ("length 21 (its own)", "seq_length=16", "make_forward_step(pad_to=16)")),
     ("bridge_pad_to_differs", ("length 32 (pad_to=32)", "seq_length=40", "make_forward_step(pad_to=40)")),
     ("bridge_dense_differs", ("length 12 (seq_length=12)", "seq_length=16", "make_forward_step(seq_length=16)")),
 ])
