@@ -172,8 +172,11 @@ def make_forward_step(*, pack: bool = True, label_style: str = "hf", pad_to: int
     Args:
         pack: real-length THD packing (True) or dense right-padded rows (False).
         label_style: "hf" (unshifted labels, shifted inside each sample) or "megatron".
-        pad_to: fixed packed length (static shapes: PP > 1, EP > 1, CUDA graphs).
-        seq_length: fixed dense row length when `pack=False` (shorter than a real row is a ValueError).
+        pad_to: fixed packed length (static shapes: PP > 1, EP > 1, CUDA graphs). At PP > 1 without the model
+            config's `variable_seq_lengths` it must be the pipeline schedule's `seq_length`, and is required where
+            the step cannot read that (`train.pipeline_shapes`: a ValueError naming both, before the model runs).
+        seq_length: fixed dense row length when `pack=False` (shorter than a real row is a ValueError); at PP > 1
+            the same rule as `pad_to`.
         mrope: `rope.MRopeConfig` or a callable giving [3, B, S] positions per sample alone; defaults
             to the model's own (`PackedVLM(mrope=...)`). A ValueError for a model with 1D rotary.
         broadcast_from_tp_rank0: TP rank 0 reads the iterator and broadcasts (Megatron-LM style).
