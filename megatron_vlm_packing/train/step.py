@@ -108,8 +108,9 @@ def prepare_for_model(micro_batch: MicroBatch, adapter: ModelAdapter, layout: Pa
 def probe_parity(probe: StepProbe, model: nn.Module, adapter: ModelAdapter, layout: ParallelLayout,
                  built: BuiltMicroBatch, micro_batch: MicroBatch) -> None:
     """Run the parity probe on `micro_batch` (the step's, after `transform`): the same build and model
-    call for the pack and for each sample of `built.batch` alone (`validate.StepProbe`)."""
-    probe(model, built.batch, micro_batch, pack=built.repack,
+    call for the pack and for each sample of `built.batch` alone (`validate.StepProbe`), each sample with its own
+    media by the packer's counts (`built.micro_batch`'s, untouched by `transform`)."""
+    probe(model, built.batch, micro_batch, pack=built.repack, split_by=built.micro_batch,
           forward=lambda mb: adapter.forward(model, prepare_for_model(mb, adapter, layout)))
 
 

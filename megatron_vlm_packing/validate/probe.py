@@ -15,17 +15,15 @@ import math
 import numbers
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 
-from megatron_vlm_packing.packing.lengths import real_lengths
+from megatron_vlm_packing.packing.media import MediaTokens
 from megatron_vlm_packing.validate.packed_inputs import SourceRows
+from megatron_vlm_packing.validate.probe_split import SampleMedia, split_rows  # noqa: F401 (importable from here)
 from megatron_vlm_packing.validate.report import ValidationReport
 from megatron_vlm_packing.validate.validate import validate_packed_batch
-
-_ROW_KEYS = ("input_ids", "tokens", "labels", "attention_mask", "loss_mask")
-_IMAGE_KEYS = ("pixel_values", "image_grid_thw")
 
 
 @dataclass(frozen=True)
@@ -63,57 +61,14 @@ class ParityProbeError(AssertionError):
         super().__init__(f"{result}: packing is not exact ({worst})\n{report}")
 
 
-def _images_per_row(ids: torch.Tensor, lengths: list[int], grid: torch.Tensor, token_id: int, merge: int) -> list[int]:
-    """How many consecutive grids each row's placeholders take."""
-    sizes = (grid.long().prod(dim=1) // (merge * merge)).tolist()
-    counts, j = [], 0
-    for b, n in enumerate(lengths):
-        need, take = int((ids[b, :n] == token_id).sum()), 0
-        while need > 0 and j + take < len(sizes):
-            need -= sizes[j + take]
-            take += 1
-        if need != 0:
-            raise ValueError(f"row {b}: its image placeholders do not match consecutive image_grid_thw rows {sizes}")
-        counts.append(take)
-        j += take
-    return counts
-
-
-def split_rows(batch: dict, *, image_token_id: int | None = None, spatial_merge_size: int = 2,
-               images_per_row: Sequence[int] | None = None) -> list[tuple[int, dict]]:
-    """Every non-empty row alone: (row, batch of one row cut to its n real tokens, with its own images).
-
-    Images are given to rows by `images_per_row` (a `MicroBatch`'s `vision.images_per_sample`),
-    else by counting each row's `image_token_id` placeholders against consecutive grids.
-
-    Raises:
-        ValueError: a key the probe cannot split per sample (videos, audio, unknown per-sample
-        inputs), or images without `image_token_id`.
-    """
-    unknown = sorted(k for k, v in batch.items() if v is not None and k not in _ROW_KEYS + _IMAGE_KEYS)
-    if unknown:
-        raise ValueError(f"the parity probe splits token rows and images only; the batch also has {unknown}")
-    ids = batch["input_ids"] if batch.get("input_ids") is not None else batch["tokens"]
-    lengths = real_lengths(batch_size=ids.shape[0], row_length=ids.shape[1], attention_mask=batch.get("attention_mask"))
-    images = None
-    if batch.get("pixel_values") is not None and images_per_row is not None:
-        images = [int(n) for n in images_per_row]
-    elif batch.get("pixel_values") is not None:
-        if image_token_id is None:
-            raise ValueError("the batch has pixel_values: the parity probe needs image_token_id to split them per sample")
-        images = _images_per_row(ids, lengths, batch["image_grid_thw"], image_token_id, spatial_merge_size)
-    rows, image_start, patch_start = [], 0, 0
-    for b, n in enumerate(lengths):
-        one = {k: batch[k][b:b + 1, :n] for k in _ROW_KEYS if batch.get(k) is not None}
-        if images is not None:
-            grid = batch["image_grid_thw"][image_start:image_start + images[b]]
-            patches = int(grid.long().prod(dim=1).sum())
-            if images[b]:
-                one.update(image_grid_thw=grid, pixel_values=batch["pixel_values"][patch_start:patch_start + patches])
-            image_start, patch_start = image_start + images[b], patch_start + patches
-        if n:
-            rows.append((b, one))
-    return rows
+def _samples(batch: dict, reference, pack_kwargs: dict, image_keywords: dict) -> list[tuple[int, dict]]:
+    """Each sample of `batch` alone, its media given by `reference`'s per-sample counts (the packer's), else
+    counted with the placeholder ids of `pack_kwargs` / `image_keywords` / `reference`."""
+    ids = {k: pack_kwargs.get(k) for k in ("video_token_id", "audio_token_id")}
+    tokens = MediaTokens.resolve(pack_kwargs.get("mrope"), **ids, **image_keywords, require_counts=False)
+    extra_keys = tuple(getattr(reference, "extras", None) or pack_kwargs.get("extra_keys", ()))
+    return split_rows(batch, media=SampleMedia.of(reference, tokens), extra_keys=extra_keys,
+                      position_layout=pack_kwargs.get("position_layout"))
 
 
 def _document_starts(packed) -> list[int]:
@@ -176,7 +131,8 @@ def parity_probe(
     pack: Callable | None = None,
     tolerance: float = 1e-4,
     image_token_id: int | None = None,
-    spatial_merge_size: int = 2,
+    spatial_merge_size: int | None = None,
+    split_by=None,
     **pack_kwargs,
 ) -> ProbeResult:
     """Packed vs each sample alone, per token, without gradients.
@@ -185,12 +141,17 @@ def parity_probe(
         forward: `forward(micro_batch) -> [1, T] / [1, n]` per-token losses (a model called with
             labels), taking what `pack` returns; `packed_seq_params` is None for a sample alone
             when it needs no padding (it then runs dense, causal).
-        batch: the collated, right-padded batch the pack was made from (token rows, optional images).
+        batch: the collated, right-padded batch the pack was made from: any batch `pack_batch` takes
+            (token rows, pre-packed documents, mRoPE inputs, images, videos, audio clips, declared
+            `extra_keys`); each sample alone gets exactly its own (`probe_split.split_rows`).
         packed: the packed micro-batch to probe (default: `pack(batch)`); must be full length
             (not localized to a CP rank).
         pack: batch -> micro-batch (default: `pack_batch(**pack_kwargs)`); used for each sample alone too.
         tolerance: largest |loss difference| accepted (fp32: 1e-4; use ~5e-2 under bf16).
-        image_token_id, spatial_merge_size: to give each sample its own images.
+        image_token_id, spatial_merge_size: the image placeholder id and merge size (also given to the
+            default `pack`); the video / audio ids go in `pack_kwargs` as `pack_batch` takes them.
+        split_by: a `MicroBatch` packed from `batch` by the packer, whose per-sample media counts give each
+            sample its items (default: `pack(batch)`, never `packed`, which may be the corrupted pack under test).
         **pack_kwargs: for the default `pack` (label_style, mrope, tp_size, sequence_parallel, fp8, ...).
 
     Returns:
@@ -206,17 +167,18 @@ def parity_probe(
         raise ValueError(f"tolerance must be a finite number >= 0, got {tolerance!r}")
     if pack_kwargs.get("cp_size", 1) != 1 or getattr(packed, "cp_index", None) is not None:
         raise ValueError("the parity probe compares full-length packs: cp_size must be 1 and packed not localized")
+    image_keywords = {k: v for k, v in (("image_token_id", image_token_id), ("spatial_merge_size", spatial_merge_size))
+                      if v is not None}
     if pack is None:
         from megatron_vlm_packing import pack_batch
 
-        pack = partial(pack_batch, **pack_kwargs)
-    vision = getattr(packed, "vision", None)
-    rows = split_rows(batch, image_token_id=image_token_id, spatial_merge_size=spatial_merge_size,
-                      images_per_row=getattr(vision, "images_per_sample", None))
-    packed = pack(batch) if packed is None else packed
+        pack = partial(pack_batch, **pack_kwargs, **image_keywords)
+    reference = pack(batch) if split_by is None else split_by
+    rows = _samples(batch, reference, pack_kwargs, image_keywords)
+    packed = reference if packed is None else packed
     if len(_document_starts(packed)) != len(rows):
         result = ProbeResult(float("inf"), float("inf"), 0, (), tolerance)
-        raise ParityProbeError(result, _report(packed, batch, image_token_id, spatial_merge_size, pack_kwargs),
+        raise ParityProbeError(result, _report(packed, batch, image_token_id, spatial_merge_size or 2, pack_kwargs),
                                f"the pack has {len(_document_starts(packed))} documents for {len(rows)} samples")
     with torch.no_grad():
         diffs, per_doc = _differences(forward, packed, rows, pack)
@@ -226,7 +188,7 @@ def parity_probe(
                          num_tokens=every.numel(), per_document=tuple(per_doc), tolerance=tolerance)
     if not result.ok:
         worst = max(range(len(per_doc)), key=per_doc.__getitem__)
-        raise ParityProbeError(result, _report(packed, batch, image_token_id, spatial_merge_size, pack_kwargs),
+        raise ParityProbeError(result, _report(packed, batch, image_token_id, spatial_merge_size or 2, pack_kwargs),
                                f"worst: document {worst} (row {rows[worst][0]}), |dloss| {per_doc[worst]:.3e}")
     return result
 

@@ -98,7 +98,8 @@ def _check_probe_kwargs(probe_kwargs: dict) -> None:
 
     from megatron_vlm_packing.packing.batch import check_pack_options
 
-    own = {"forward", "batch", "tolerance", "pack_kwargs"}  # with_parity_probe passes these itself
+    # with_parity_probe passes these itself; split_by is one micro-batch's, never every call's
+    own = {"forward", "batch", "tolerance", "pack_kwargs", "split_by"}
     probe_keywords = tuple(name for name in inspect.signature(parity_probe).parameters if name not in own)
     check_pack_options(probe_kwargs, "with_parity_probe", also_for="parity_probe", also=probe_keywords)
 
@@ -107,7 +108,9 @@ class StepProbe:
     """The probe as a forward step runs it: counts micro-batches and probes every `every`-th.
 
     Called by the step with the collated batch, the full-length micro-batch it built, how it calls
-    the model on a micro-batch and how it builds one (so each sample alone is built the same way).
+    the model on a micro-batch and how it builds one (so each sample alone is built the same way), and
+    `split_by`: the micro-batch as the packer built it (before any `transform`), whose per-sample media
+    counts give each sample its own images, videos and audio clips.
     `tolerance` None: `default_tolerance(model)`.
     """
 
@@ -118,11 +121,11 @@ class StepProbe:
         self.every, self.tolerance, self.on_result, self.calls = every, tolerance, on_result, 0
 
     def __call__(self, model: torch.nn.Module, batch: dict, micro_batch, *, forward: Callable,
-                 pack: Callable) -> ProbeResult | None:
+                 pack: Callable, split_by=None) -> ProbeResult | None:
         call, self.calls = self.calls, self.calls + 1
         if call % self.every:
             return None
-        result = probe_model(model, batch, model_forward=forward, packed=micro_batch, pack=pack,
+        result = probe_model(model, batch, model_forward=forward, packed=micro_batch, pack=pack, split_by=split_by,
                              tolerance=_tolerance_for(self.tolerance, model))
         if self.on_result is not None:
             self.on_result(result)

@@ -170,10 +170,10 @@ def test_split_rows_gives_each_sample_its_images():
     (r0, a), (r1, b) = split_rows(batch, image_token_id=9)
     assert (r0, r1) == (0, 1) and a["input_ids"].shape == (1, 6) and b["input_ids"].shape == (1, 2)
     assert a["pixel_values"].shape[0] == 16 and b["pixel_values"].flatten().tolist() == [16.0, 17.0, 18.0, 19.0]
-    with pytest.raises(ValueError, match="needs image_token_id"):
+    with pytest.raises(ValueError, match="no per-sample counts and no image_token_id to count them"):
         split_rows(batch)
-    with pytest.raises(ValueError, match=r"also has \['pixel_values_videos'\]"):
-        split_rows({**batch, "pixel_values_videos": torch.zeros(1)}, image_token_id=9)
+    with pytest.raises(ValueError, match=r"cannot split \['num_image_tiles'\] per sample"):
+        split_rows({**batch, "num_image_tiles": torch.ones(2)}, image_token_id=9)
 
 
 def test_a_pack_with_a_different_number_of_documents_fails_before_any_forward():
