@@ -32,7 +32,9 @@ size were checked.
 With prefetching loaders the sampler runs ahead of training: pass the count actually trained to
 `state_dict(consumed=...)`: a count above the micro-batches this epoch has yielded so far means the
 sampler has already moved on while training finishes the previous epoch (a DataLoader prefetches
-across the boundary), and the state is that of the previous epoch.
+across the boundary), and the state is that of the previous epoch. An epoch that gives no rank a
+micro-batch (a dataset too small for one step: everything carried into the next epoch) is a
+ValueError when it is planned.
 `set_epoch` on the epoch a `load_state_dict` resumed keeps its place (the usual
 `for epoch in ...: sampler.set_epoch(epoch)` loop after a resume would otherwise repeat it).
 `len(sampler)` (a DataLoader's len) counts what the next iteration yields: after a resume, the rest
@@ -158,6 +160,19 @@ def _planning_fields(record: dict) -> dict:
     return {key: value for key, value in record.items() if key.split(".")[0] != "cost_model"}
 
 
+def _no_step_error(plan: EpochPlan, num_samples: int, carried: tuple[int, ...], config: PlannerConfig) -> ValueError:
+    """The error for an epoch whose plan gives no rank a micro-batch (everything carried into the next epoch)."""
+    step = (f"samples_per_step={config.samples_per_step}" if config.samples_per_step is not None
+            else f"dp_size={config.dp_size} x micro_batches_per_rank={config.micro_batches_per_rank}")
+    fewer = "a smaller samples_per_step" if config.samples_per_step is not None else "fewer micro_batches_per_rank"
+    return ValueError(
+        f"epoch {plan.epoch} gives no rank a micro-batch: its {num_samples + len(carried)} sample(s) "
+        f"({len(carried)} carried in) fill less than one step ({step}), so all of them would be carried into the "
+        f"next epoch untrained, and a loop over epochs would train nothing while they pile up (until one step holds "
+        f"many copies of each); use more samples, fewer ranks, {fewer}"
+        + (", or tail='short_step'" if config.tail == "carry" else ""))
+
+
 class PackedBatchSampler(torch.utils.data.Sampler):
     """Yields `list[int]` sample indices per micro-batch of rank `dp_rank`, epoch after epoch.
 
@@ -207,6 +222,8 @@ class PackedBatchSampler(torch.utils.data.Sampler):
         key = (epoch, carried)
         if key not in self._plans:
             plan = plan_epoch(self.table, self.config, epoch=epoch, carried_in=carried, progress=self.progress)
+            if not plan.steps:  # a DataLoader of length 0, epoch after epoch, while the carried samples pile up
+                raise _no_step_error(plan, len(self.table), carried, self.config)
             self._plans = {k: v for k, v in self._plans.items() if k[0] in (epoch - 1, epoch + 1)}
             self._plans[key] = plan
         return self._plans[key]

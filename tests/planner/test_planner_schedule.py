@@ -321,10 +321,14 @@ def test_tail_carry_hands_on_a_sample_carried_from_two_epochs(dp_size, num_sampl
     table = SampleTable(text_tokens=tokens)
     config = PlannerConfig(layout=BinLayout(capacity=512 if num_samples > 2 else 100), dp_size=dp_size, tail="carry")
     sampler = PackedBatchSampler(table, config, dp_rank=dp_size - 1)
+    if num_samples == 2:  # they fill no step: the sampler refuses them (tests/planner/test_sampler_misuse.py)
+        with pytest.raises(ValueError, match="epoch 0 gives no rank a micro-batch"):
+            len(sampler)
     carried, planned = (), []
     for epoch in range(8):
         plan = plan_epoch(table, config, epoch=epoch, carried_in=carried)
-        assert list(sampler) == [list(b.samples) for b in plan.micro_batches(dp_size - 1)]
+        if num_samples > 2:
+            assert list(sampler) == [list(b.samples) for b in plan.micro_batches(dp_size - 1)]
         planned += [s for b in plan.bins() for s in b.samples]
         carried = plan.carried
     assert sorted(planned + list(carried)) == sorted(list(range(num_samples)) * 8)  # every occurrence once
