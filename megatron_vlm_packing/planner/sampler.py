@@ -29,12 +29,13 @@ state). The state is plain Python values (`torch.save` / `torch.load` with
 the earlier format (no layout) still loads, with a warning that only its seed, dataset size and DP
 size were checked.
 
-With prefetching loaders the sampler runs ahead of training: pass the count actually trained to
-`state_dict(consumed=...)`: a count above the micro-batches this epoch has yielded so far means the
-sampler has already moved on while training finishes the previous epoch (a DataLoader prefetches
-across the boundary), and the state is that of the previous epoch. An epoch that gives no rank a
-micro-batch (a dataset too small for one step: everything carried into the next epoch) is a
-ValueError when it is planned.
+With prefetching loaders the sampler runs ahead of training: pass the count of the epoch's
+micro-batches actually trained, from the epoch's start (after a resume at p: p + those trained
+since), to `state_dict(consumed=...)`; one below p is refused (it would train micro-batches again).
+A count above the micro-batches this epoch has yielded so far means the sampler has already moved
+on while training finishes the previous epoch (a DataLoader prefetches across the boundary), and
+the state is that of the previous epoch. An epoch that gives no rank a micro-batch (a dataset too
+small for one step: everything carried into the next epoch) is a ValueError when it is planned.
 `set_epoch` on the epoch a `load_state_dict` resumed keeps its place (the usual
 `for epoch in ...: sampler.set_epoch(epoch)` loop after a resume would otherwise repeat it).
 `len(sampler)` (a DataLoader's len) counts what the next iteration yields: after a resume, the rest
@@ -173,6 +174,15 @@ def _no_step_error(plan: EpochPlan, num_samples: int, carried: tuple[int, ...], 
         + (", or tail='short_step'" if config.tail == "carry" else ""))
 
 
+def _check_not_before_resume(consumed: int, epoch: int, resumed_at: int) -> None:
+    """ValueError when `consumed` lies below the position load_state_dict resumed `epoch` at."""
+    if consumed < resumed_at:
+        raise ValueError(f"consumed={consumed} is below {resumed_at}, the micro-batches of epoch {epoch} trained "
+                         f"before this sampler resumed it (load_state_dict): consumed counts the epoch's micro-batches "
+                         f"trained in all, so count them from the epoch's start ({resumed_at} + those trained since); "
+                         f"a state at {consumed} would train micro-batches {consumed} to {resumed_at - 1} again")
+
+
 class PackedBatchSampler(torch.utils.data.Sampler):
     """Yields `list[int]` sample indices per micro-batch of rank `dp_rank`, epoch after epoch.
 
@@ -200,11 +210,14 @@ class PackedBatchSampler(torch.utils.data.Sampler):
         # Bumped whenever the sampler moves to another epoch (or restarts one): an iterator started
         # under another serial stops yielding and does not move the sampler on when it finishes.
         self._serial = 0
-        # (epoch, carried into it, micro-batches of this rank) of the epoch iteration last finished:
-        # a prefetching loader ends an epoch before training does, and state_dict(consumed=) may
-        # still count micro-batches of it.
-        self._previous: tuple[int, tuple[int, ...], int] | None = None
+        # (epoch, carried into it, micro-batches of this rank, resumed at) of the epoch iteration last
+        # finished: a prefetching loader ends an epoch before training does, and state_dict(consumed=)
+        # may still count micro-batches of it.
+        self._previous: tuple[int, tuple[int, ...], int, int] | None = None
         self._resumed = False  # the position came from load_state_dict (set_epoch keeps it)
+        # Micro-batches of the current epoch trained before load_state_dict resumed it: a `consumed`
+        # below them goes back to micro-batches already trained.
+        self._resumed_at = 0
         self._layout: dict | None = None  # layout_record(table, config), built on first use
 
     def layout(self) -> dict:
@@ -297,9 +310,9 @@ class PackedBatchSampler(torch.utils.data.Sampler):
 
     def _finish_epoch(self) -> None:
         """Move from the current epoch (all of it taken) to the start of the next one."""
-        self._previous = (self._epoch, self._carried, self._epoch_length())
+        self._previous = (self._epoch, self._carried, self._epoch_length(), self._resumed_at)
         self._epoch, self._position, self._carried = self._epoch + 1, 0, self.plan().carried
-        self._resumed, self._serial = False, self._serial + 1
+        self._resumed, self._resumed_at, self._serial = False, 0, self._serial + 1
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch `epoch` from its beginning (samples carried so far stay carried); the epoch a
@@ -308,37 +321,22 @@ class PackedBatchSampler(torch.utils.data.Sampler):
         if self._resumed and int(epoch) == self._epoch:
             return
         self._epoch, self._position, self._resumed, self._previous = int(epoch), 0, False, None
-        self._serial += 1
+        self._resumed_at, self._serial = 0, self._serial + 1
 
     def state_dict(self, consumed: int | None = None) -> dict:
         """Where this rank stands: epoch, micro-batches taken (or `consumed`), carried samples.
 
-        `consumed` above the micro-batches yielded in this epoch counts micro-batches of the epoch
-        the sampler just finished (a prefetching loader runs ahead over the epoch boundary); more
-        than either epoch yielded is a ValueError (resuming there would skip samples). A position at
-        the end of an epoch is recorded as the start of the next one (with the samples it carries
-        in), whether or not the iterator has finished: the same state either way.
+        `consumed` counts the epoch's micro-batches trained from its start, those before a resume
+        included: below the position `load_state_dict` resumed it at is a ValueError (resuming there
+        would train them again). Above the micro-batches yielded in this epoch it counts micro-batches
+        of the epoch the sampler just finished (a prefetching loader runs ahead over the epoch
+        boundary); more than either epoch yielded is a ValueError (resuming there would skip
+        samples). A position at the end of an epoch is recorded as the start of the next one (with
+        the samples it carries in), whether or not the iterator has finished: the same state either way.
         """
         epoch, position, carried = self._epoch, self._position, self._carried
         if consumed is not None:
-            if not is_int(consumed):  # int(1.5) was 1
-                raise ValueError(f"consumed must be an int (micro-batches trained) or None, got {consumed!r}")
-            consumed = int(consumed)
-            if 0 <= consumed <= position:
-                position = consumed
-            elif self._previous is not None and position < consumed <= self._previous[2]:
-                # Training is still in the previous epoch; resuming at the new one would skip the
-                # rest of the previous epoch and the first `consumed` micro-batches of this one.
-                epoch, carried, _ = self._previous
-                position = consumed
-                if consumed == self._previous[2]:  # the previous epoch is done: the new one from 0
-                    epoch, position, carried = self._epoch, 0, self._carried
-            else:
-                limit = position if self._previous is None else max(position, self._previous[2])
-                raise ValueError(f"consumed={consumed} must lie in [0, {limit}]: this rank's sampler has yielded "
-                                 f"{position} micro-batch(es) of epoch {self._epoch}"
-                                 + (f" after {self._previous[2]} of epoch {self._previous[0]}"
-                                    if self._previous is not None else ""))
+            epoch, position, carried = self._consumed_at(consumed)
         if position and epoch == self._epoch and position == self._epoch_length():
             # the whole epoch taken, its iterator not yet finished: the state it will have when it is
             epoch, position, carried = epoch + 1, 0, self.plan().carried
@@ -349,6 +347,29 @@ class PackedBatchSampler(torch.utils.data.Sampler):
             "carried": list(carried),
             "layout": dict(self.layout()),
         }
+
+    def _consumed_at(self, consumed) -> tuple[int, int, tuple[int, ...]]:
+        """(epoch, position, carried) where `consumed` micro-batches of an epoch were trained: this epoch's,
+        or the one the sampler just finished (see `state_dict`). ValueError for a count no epoch yielded
+        (resuming there would skip), and for one below the position load_state_dict resumed that epoch at
+        (counted from the resume, not the epoch's start: resuming there would train micro-batches again)."""
+        if not is_int(consumed):  # int(1.5) was 1
+            raise ValueError(f"consumed must be an int (micro-batches trained) or None, got {consumed!r}")
+        consumed, position, previous = int(consumed), self._position, self._previous
+        if 0 <= consumed <= position:
+            _check_not_before_resume(consumed, self._epoch, self._resumed_at)
+            return self._epoch, consumed, self._carried
+        if previous is not None and position < consumed <= previous[2]:
+            # Training is still in the previous epoch; resuming at the new one would skip the
+            # rest of the previous epoch and the first `consumed` micro-batches of this one.
+            _check_not_before_resume(consumed, previous[0], previous[3])
+            if consumed == previous[2]:  # the previous epoch is done: the new one from 0
+                return self._epoch, 0, self._carried
+            return previous[0], consumed, previous[1]
+        limit = position if previous is None else max(position, previous[2])
+        raise ValueError(f"consumed={consumed} must lie in [0, {limit}]: this rank's sampler has yielded "
+                         f"{position} micro-batch(es) of epoch {self._epoch}"
+                         + (f" after {previous[2]} of epoch {previous[0]}" if previous is not None else ""))
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at `state`. ValueError, naming the field and both values, if it was saved under
@@ -367,9 +388,9 @@ class PackedBatchSampler(torch.utils.data.Sampler):
                              f"micro-batch(es) on this rank (an edited state, or one of format 1 saved under "
                              f"another layout?)")
         self._epoch, self._position, self._carried = epoch, position, carried
-        self._previous, self._resumed, self._serial = None, True, self._serial + 1
+        self._previous, self._resumed, self._resumed_at, self._serial = None, True, position, self._serial + 1
         if position and position == length:  # saved at the end of an epoch: resume at the next one
-            self._epoch, self._position, self._carried = epoch + 1, 0, plan.carried
+            self._epoch, self._position, self._carried, self._resumed_at = epoch + 1, 0, plan.carried, 0
 
     def _check_layout(self, state: dict) -> None:
         """ValueError if `state` was saved under another layout than this sampler's."""

@@ -1,4 +1,5 @@
-"""The batch sampler against datasets too small for a step: it trained silently wrong before (empty epochs)."""
+"""The batch sampler against datasets too small for a step and resume counts taken from the wrong start:
+both trained silently wrong before (empty epochs, replayed micro-batches)."""
 
 import numpy as np
 import pytest
@@ -45,3 +46,62 @@ def test_a_dataset_of_one_step_still_plans():
     table = SampleTable(text_tokens=[3, 9, 5])
     assert [len(PackedBatchSampler(table, _config(), dp_rank=r)) for r in range(3)] == [1, 1, 1]
     assert len(PackedBatchSampler(table, _config(dp_size=1, micro_batches_per_rank=1, tail="carry"), dp_rank=0)) == 1
+
+
+def _resumed_at(position: int, config, rank: int = 0) -> PackedBatchSampler:
+    first = PackedBatchSampler(_TABLE, config, dp_rank=rank)
+    it = iter(first)
+    [next(it) for _ in range(position)]
+    resumed = PackedBatchSampler(_TABLE, config, dp_rank=rank)
+    resumed.load_state_dict(first.state_dict())
+    return resumed
+
+
+def test_consumed_below_the_position_an_epoch_was_resumed_at_is_refused():
+    """After a resume at 4, a loop counting its own micro-batches (2 since the restart) passed consumed=2: the state
+    went back to position 2 and a second resume trained micro-batches 2 and 3 again, silently."""
+    config = _config()
+    reference = list(PackedBatchSampler(_TABLE, config, dp_rank=0))
+    resumed = _resumed_at(4, config)
+    it = iter(resumed)
+    taken = [next(it) for _ in range(2)]
+    assert taken == reference[4:6]
+    with pytest.raises(ValueError, match=r"consumed=2 is below 4, the micro-batches of epoch 0 trained before "
+                                         r"this sampler resumed it .* count them from the epoch's start \(4 \+ "
+                                         r"those trained since\)"):
+        resumed.state_dict(consumed=2)
+    state = resumed.state_dict(consumed=6)  # counted from the epoch's start: where it stands
+    assert (state["epoch"], state["position"]) == (0, 6)
+    assert resumed.state_dict(consumed=4)["position"] == 4  # nothing trained since the resume: still allowed
+    again = PackedBatchSampler(_TABLE, config, dp_rank=0)
+    again.load_state_dict(state)
+    assert list(again) == reference[6:]
+
+
+def test_consumed_of_a_resumed_epoch_the_loader_has_left_is_held_to_its_resume_position_too():
+    """A prefetching loader finishes the resumed epoch before training does: consumed then counts that epoch, and
+    a count below its resume position is refused there as well (not read as the previous epoch's position)."""
+    config = _config(tail="carry")
+    reference = list(PackedBatchSampler(_TABLE, config, dp_rank=0))
+    resumed = _resumed_at(5, config)
+    assert list(resumed) == reference[5:]  # the loader has taken the rest: the sampler is in epoch 1, at 0
+    next(iter(resumed))  # and one micro-batch of epoch 1
+    with pytest.raises(ValueError, match=r"consumed=3 is below 5, the micro-batches of epoch 0 trained before"):
+        resumed.state_dict(consumed=3)
+    assert (resumed.state_dict(consumed=1)["epoch"], resumed.state_dict(consumed=1)["position"]) == (1, 1)
+    state = resumed.state_dict(consumed=len(reference) - 1)
+    assert (state["epoch"], state["position"]) == (0, len(reference) - 1)
+
+
+def test_set_epoch_and_the_next_epoch_count_from_zero_again():
+    """The resume position binds only the epoch resumed: set_epoch on another epoch, or the next epoch, starts at 0."""
+    config = _config()
+    resumed = _resumed_at(4, config)
+    list(resumed)  # the rest of epoch 0; now at the start of epoch 1
+    it = iter(resumed)
+    next(it)
+    assert resumed.state_dict(consumed=1)["position"] == 1
+    other = _resumed_at(4, config)
+    other.set_epoch(2)
+    next(iter(other))
+    assert (other.state_dict(consumed=0)["epoch"], other.state_dict(consumed=0)["position"]) == (2, 0)
