@@ -47,118 +47,20 @@ the sampler on again (an iterator whose epoch the sampler has left yields nothin
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import warnings
 from typing import Iterator
 
-import numpy as np
 import torch.utils.data
 
 from megatron_vlm_packing.packing.bounds import checked_int, is_int
 from megatron_vlm_packing.packing.row_fields import check_flags
 from megatron_vlm_packing.planner.epoch_plan import EpochPlan, PlannerConfig
 from megatron_vlm_packing.planner.fixed_samples import check_steps_split
-from megatron_vlm_packing.planner.metadata import SampleTable, count_array
+from megatron_vlm_packing.planner.metadata import SampleTable
+from megatron_vlm_packing.planner.sampler_state import (  # noqa: F401 (layout_record: its home was here)
+    STATE_FORMAT, STATE_KEYS, layout_record, planning_fields, shown_field, state_fields,
+)
 from megatron_vlm_packing.planner.schedule import plan_epoch
-
-STATE_FORMAT = 2
-"""`state_dict()["format"]`. 2 records the layout (`layout_record`); 1 (no "format" key, before
-the layout was recorded) holds only seed, num_samples and dp_size besides the position."""
-
-
-def _fingerprint(*arrays: np.ndarray) -> str:
-    """16 hex digits of a blake2b hash of integer arrays (their shapes included): a few seconds per GB."""
-    digest = hashlib.blake2b(digest_size=8)
-    for array in arrays:
-        array = np.ascontiguousarray(array, dtype="<i8")
-        digest.update(repr(array.shape).encode())
-        digest.update(array)
-    return digest.hexdigest()
-
-
-def _plain(value):
-    """A numpy scalar as its Python value: the state must load under torch.load(weights_only=True)."""
-    return value.item() if isinstance(value, np.generic) else value
-
-
-def _shown(record: dict, key: str) -> str:
-    return f"{key}={record[key]!r}" if key in record else f"no {key}"
-
-
-def layout_record(table: SampleTable, config: PlannerConfig) -> dict:
-    """What decides which samples land in which micro-batch, as plain values keyed by field name.
-
-    The dataset (its size, a fingerprint of its columns and of the token counts
-    `config.expanded_tokens` gives) and every planner setting that moves samples between bins.
-    Not recorded: `layout.oversize` (a plan under "error" has no oversize sample, so "own_bin" plans
-    it the same; the other way round, planning raises), the rank (every rank's state is the same),
-    and the cost model under `balance=False` (costs then only price the bins: packing, steps and
-    ranks read sizes alone, see `planner/schedule.py` and `planner/stream_bins.py`).
-    Costs O(N) (a hash of the table's columns; about 1 s for 1M samples): build it once.
-    """
-    layout = config.layout
-    record = {
-        "num_samples": len(table),
-        "dp_size": config.dp_size,
-        "micro_batches_per_rank": config.micro_batches_per_rank,
-        "samples_per_step": config.samples_per_step,
-        "tail": config.tail,
-        "seed": config.seed,
-        "shuffle": config.shuffle,
-        "balance": config.balance,
-        "window_steps": config.window_steps,
-        "layout.capacity": layout.capacity,
-        "layout.multiples.segment": layout.multiples.segment,
-        "layout.multiples.total": layout.multiples.total,
-        "layout.static_shapes": layout.static_shapes,
-    }
-    if config.balance:
-        record.update(_cost_model_record(config.cost_model))
-    record["table_fingerprint"] = _fingerprint(*(getattr(table, f.name) for f in dataclasses.fields(table)))
-    tokens = count_array(config.expanded_tokens(table), "expanded_tokens")
-    record["expanded_tokens_fingerprint"] = _fingerprint(tokens)
-    return {key: _plain(value) for key, value in record.items()}
-
-
-def _cost_model_record(cost_model) -> dict:
-    """The cost model's coefficients keyed `cost_model.<field>`, or its type if it is no dataclass."""
-    if dataclasses.is_dataclass(cost_model):
-        return {f"cost_model.{f.name}": getattr(cost_model, f.name) for f in dataclasses.fields(cost_model)}
-    # a duck-typed cost model: its type is all that can be compared
-    return {"cost_model": f"{type(cost_model).__module__}.{type(cost_model).__qualname__}"}
-
-
-# The keys each state format saves: 1 before the layout was recorded, STATE_FORMAT by state_dict().
-_STATE_KEYS = {1: frozenset({"format", "epoch", "position", "carried", "seed", "num_samples", "dp_size"}),
-               STATE_FORMAT: frozenset({"format", "epoch", "position", "carried", "layout"})}
-
-
-def _state_fields(state) -> tuple[int, int, tuple[int, ...]]:
-    """(epoch, position, carried) of a saved sampler state, each checked: int() truncated 1.5 to 1 (another
-    epoch, position or sample), and None or a count where a list goes was a TypeError.
-
-    Raises:
-        ValueError: `state` is not a dict, or a field is missing or of the wrong type (naming it and its value).
-    """
-    if not isinstance(state, dict):
-        raise ValueError(f"the sampler state must be a dict (what state_dict() saved), got {type(state).__name__}")
-
-    for key in ("epoch", "position"):
-        if not is_int(state.get(key)) or state[key] < 0:
-            raise ValueError(f"sampler state has {_shown(state, key)}: it must be an int >= 0")
-    carried = state.get("carried")
-    if not isinstance(carried, (list, tuple)) or not all(is_int(i) for i in carried):
-        raise ValueError(f"sampler state has {_shown(state, 'carried')}: it must be a list of sample indices")
-    return int(state["epoch"]), int(state["position"]), tuple(int(i) for i in carried)
-
-
-def _planning_fields(record: dict) -> dict:
-    """`record` less the cost model under balance=False: states saved before it was left out there
-    recorded it, and it moves no sample."""
-    if record.get("balance", True):
-        return record
-    return {key: value for key, value in record.items() if key.split(".")[0] != "cost_model"}
 
 
 def _no_step_error(plan: EpochPlan, num_samples: int, carried: tuple[int, ...], config: PlannerConfig) -> ValueError:
@@ -379,7 +281,7 @@ class PackedBatchSampler(torch.utils.data.Sampler):
         before the iterator finished) resumes at the start of the next epoch. A state of format 1
         (before the layout was recorded) still loads, with a warning: only its seed, dataset size and
         DP size can be checked."""
-        epoch, position, carried = _state_fields(state)
+        epoch, position, carried = state_fields(state)
         self._check_layout(state)
         plan = self._plan_of(epoch, carried)
         length = len(plan.micro_batches(self.dp_rank))
@@ -405,20 +307,20 @@ class PackedBatchSampler(torch.utils.data.Sampler):
                           stacklevel=3)
         elif version == STATE_FORMAT:
             if not isinstance(state.get("layout"), dict):  # else an AttributeError ('get')
-                raise ValueError(f"sampler state has {_shown(state, 'layout')}: it must be a dict (what state_dict() "
-                                 f"saved)")
-            saved = _planning_fields(state["layout"])
+                raise ValueError(f"sampler state has {shown_field(state, 'layout')}: it must be a dict (what "
+                                 f"state_dict() saved)")
+            saved = planning_fields(state["layout"])
         else:
             raise ValueError(f"sampler state has format={version!r}; this version reads formats 1 and {STATE_FORMAT}")
         # A key no format saves is read by nothing here: a typo ("postion") or another object's state
         # resumed as if it were this one's.
-        unread = sorted(map(repr, set(state) - _STATE_KEYS[version]))
+        unread = sorted(map(repr, set(state) - STATE_KEYS[version]))
         if unread:
             raise ValueError(f"sampler state of format {version} has key(s) {', '.join(unread)} that no sampler "
-                             f"saves (it saves {sorted(_STATE_KEYS[version])}): is it this sampler's state_dict()?")
+                             f"saves (it saves {sorted(STATE_KEYS[version])}): is it this sampler's state_dict()?")
         mine = self.layout() if version == STATE_FORMAT else {key: self.layout()[key] for key in saved}
         for key in [*mine, *(k for k in saved if k not in mine)]:
             if key not in saved or key not in mine or saved[key] != mine[key]:
-                raise ValueError(f"sampler state has {_shown(saved, key)} but this sampler has {_shown(mine, key)}: "
-                                 f"it was saved under another layout or dataset, and resuming at its position "
-                                 f"would skip or repeat samples")
+                raise ValueError(f"sampler state has {shown_field(saved, key)} but this sampler has "
+                                 f"{shown_field(mine, key)}: it was saved under another layout or dataset, and "
+                                 f"resuming at its position would skip or repeat samples")
