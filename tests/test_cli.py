@@ -240,3 +240,18 @@ def test_top_level_help_names_every_sub_command(capsys):
     assert description.startswith("Command line"), out
     for command in ("demo", "plan", "inspect", "check"):
         assert command in description, (command, description)
+
+
+@pytest.mark.parametrize("dtype", ["int64", "uint8", "float32"])
+def test_check_a_padding_mask_that_is_not_bool_exits_1_naming_its_dtype(tmp_path, capsys, dtype):
+    """An integer padding mask was reported clean (exit 0); Megatron-Core's MoE router reads `~padding_mask`,
+    which for int64 0 / 1 is -1 / -2, not the complement: its token count for the aux loss came out negative."""
+    import torch
+
+    path, packed = _saved_pack(tmp_path)
+    torch.save({**torch.load(path, weights_only=False), "padding_mask": packed.padding_mask.to(getattr(torch, dtype))},
+               path)
+    assert main(["check", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert f"padding_mask has dtype torch.{dtype}; it must be a bool tensor (True at pad slots)" in out
+    assert "[dtypes]" in out and "[padding_mask]" not in out  # its values still read as the pad slots they mark

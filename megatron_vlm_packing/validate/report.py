@@ -52,8 +52,8 @@ CHECKS: dict[str, Check] = {c.name: c for c in (
     Check("audio_placeholders", 10, None, "audio placeholders do not match audio_seqlens per document"),
     Check("cp_partition", 5, None, "a CP rank's tokens are not TransformerEngine's per-document zigzag"),
     Check("shapes", 10, None, "tensor shapes do not agree with each other"),
-    Check("dtypes", 10, None, "token ids, labels or 1D positions are not integers, or mRoPE positions are in a float "
-                              "dtype that changes them (the rotary reads float32)"),
+    Check("dtypes", 10, None, "token ids, labels or 1D positions are not integers, the padding mask is not bool, or "
+                              "mRoPE positions are in a float dtype that changes them (the rotary reads float32)"),
 )}
 
 

@@ -74,7 +74,8 @@ def _shape_checked(inputs: PackedInputs) -> tuple[PackedInputs, list[Violation]]
 
 
 def _dtype_checked(inputs: PackedInputs) -> tuple[PackedInputs, list[Violation]]:
-    """Report (and drop, except input_ids) token ids, labels and positions that are not integers.
+    """Report (and drop, except input_ids) token ids, labels and positions that are not integers, and
+    report a padding mask that is not bool.
 
     The embedding, the cross entropy and the rotary tables index with them, so a float / bool /
     complex tensor is a broken batch even when its values look right; and the 1D checks compare
@@ -101,6 +102,11 @@ def _dtype_checked(inputs: PackedInputs) -> tuple[PackedInputs, list[Violation]]
                 # without input_ids nothing can be checked: keep whole-valued ids, as ids, so the
                 # dtype is reported once rather than again by every check that reads them
                 changed[name] = value.long()
+    mask = inputs.padding_mask
+    if mask is not None and mask.dtype != torch.bool:  # its values are still read (nonzero: pad) by later checks
+        out.append(Violation("dtypes", f"padding_mask has dtype {mask.dtype}; it must be a bool tensor (True at pad "
+                                       f"slots): Megatron-Core's MoE router counts and masks tokens with "
+                                       f"~padding_mask, which for an integer mask is -1 / -2 (not its complement)"))
     return replace(inputs, **changed), out
 
 
