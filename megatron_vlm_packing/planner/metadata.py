@@ -16,6 +16,7 @@ Shape legend: N = samples, I = images (all samples), V = videos, A = audio clips
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -100,7 +101,7 @@ def _grid_array(grids: list, name: str) -> np.ndarray:
 
 @dataclass(frozen=True)
 class SampleTable:
-    """N samples column-wise.
+    """N samples column-wise. The columns are the table's own read-only copies: changed lengths are a new table.
 
     Attributes:
         text_tokens: [N] int64.
@@ -138,6 +139,10 @@ class SampleTable:
                 raise ValueError(f"{name}_owner must index the {n} samples; got range [{owner.min()}, {owner.max()}]")
         if len(self.audio_frames) and self.audio_frames.min() < 1:
             raise ValueError(f"audio_frames must be >= 1; got {int(self.audio_frames.min())}")
+        # Read-only (each is the table's own copy): a column written in place changed the plans of epochs not yet
+        # planned under a sampler whose state still recorded the old fingerprint (a resume then replanned them).
+        for f in dataclasses.fields(self):
+            getattr(self, f.name).setflags(write=False)
 
     def __len__(self) -> int:
         return len(self.text_tokens)

@@ -105,3 +105,20 @@ def test_set_epoch_and_the_next_epoch_count_from_zero_again():
     other.set_epoch(2)
     next(iter(other))
     assert (other.state_dict(consumed=0)["epoch"], other.state_dict(consumed=0)["position"]) == (2, 0)
+
+
+def test_a_tables_columns_cannot_be_written_in_place():
+    """A SampleTable is frozen but its columns were writable: `table.text_tokens[i] = n` (lengths corrected
+    mid-run) changed the plans of the epochs not yet planned while the sampler's cached layout record kept the old
+    fingerprint, so a resume with the table rebuilt from its source replanned those epochs otherwise and resumed at
+    other samples, silently. The columns are read-only: a new table is a new layout, which a state refuses."""
+    table = SampleTable(text_tokens=np.array([5, 9, 3]), image_grids=[(1, 2, 2)], image_owner=[1],
+                        video_grids=[(2, 4, 4)], video_owner=[0], audio_frames=[30], audio_owner=[2])
+    for name in ("text_tokens", "image_grids", "image_owner", "video_grids", "video_owner", "audio_frames",
+                 "audio_owner"):
+        with pytest.raises(ValueError, match="read-only"):
+            getattr(table, name)[0] = 1
+    given = np.array([5, 9, 3])
+    SampleTable(text_tokens=given)
+    given[0] = 7  # the caller's own array is copied, not frozen
+    assert given[0] == 7
