@@ -151,8 +151,10 @@ def collate(samples: list[dict], *, pad_token_id: int = 0, row_length: int | Non
     appear only when some sample has a video / an audio clip.
 
     Raises:
-        ValueError: a sample longer than `row_length` (nothing is truncated silently).
+        ValueError: no samples, or a sample longer than `row_length` (nothing is truncated silently).
     """
+    if not samples:  # else max()'s "iterable argument is empty"
+        raise ValueError("collate got no samples: a batch needs at least one (did a batch sampler yield [])?")
     longest = max(len(s["input_ids"]) for s in samples)
     row_length = row_length or longest
     if longest > row_length:

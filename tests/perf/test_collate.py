@@ -204,6 +204,13 @@ def test_the_collator_needs_a_batch_dict():
         PackingCollator()(synthetic_samples(2, seed=1, cfg=DATA))
 
 
+def test_an_empty_list_of_samples_is_named():
+    """The synthetic data's collate (the demo's, `megatron_vlm_packing.data.collate`) given no samples raised
+    "max() iterable argument is empty", naming nothing."""
+    with pytest.raises(ValueError, match=r"collate got no samples: a batch needs at least one"):
+        PackingCollator(collate=collate, mrope=ROPE)([])
+
+
 def test_one_storage_keeps_every_dtype_shape_and_value_at_aligned_offsets():
     from megatron_vlm_packing.packing.arena import ALIGN, all_in_one_storage, byte_offset, into_one_storage
 
