@@ -140,6 +140,11 @@ def check_field_types(micro_batch: MicroBatch) -> None:
                       if not isinstance(x, torch.Tensor)})
     if wrong:
         raise ValueError(f"a micro-batch's sequence fields and extras are tensors, but {wrong} are not")
+    if micro_batch.padding_mask.dtype != torch.bool:
+        # An int mask: Megatron-Core's MoE router takes `~padding_mask` (-1 / -2 for 0 / 1), so its aux and z-loss
+        # counted pad slots with negative weights, silently; the packers always make bool.
+        raise ValueError(f"padding_mask must be torch.bool (True at pad slots), got {micro_batch.padding_mask.dtype}: "
+                         f"a hand-built mask needs .bool()")
 
 
 def _kept_full(needs: LocalizeNeeds) -> frozenset[str]:

@@ -360,3 +360,16 @@ def test_cp1_hand_built_boundaries_beside_a_0d_field_name_it(field, needs):
     hand = _with_params(_packed(cp_size=1), **_all_boundaries([0, 5, 7, 10], [0, 5, 7, 10]))
     with pytest.raises(ValueError, match=rf"one row of T slots: .* but \{{'{field}': \(\)\}} have another batch dim"):
         localize(replace(hand, **{field: torch.tensor(1)}), ParallelLayout(), needs)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.uint8, torch.float32])
+@pytest.mark.parametrize("cp_size", [1, 2])
+def test_a_padding_mask_that_is_not_bool_is_refused(dtype, cp_size):
+    """A hand-built int mask reached the model: Megatron-Core's MoE router takes `~padding_mask`, which is
+    -1 / -2 for an int 0 / 1, and counted pad slots with negative weights."""
+    import dataclasses
+
+    mb = pack_batch(batch(), cp_size=cp_size, label_style="hf")
+    cast = dataclasses.replace(mb, padding_mask=mb.padding_mask.to(dtype))
+    with pytest.raises(ValueError, match=rf"padding_mask must be torch.bool \(True at pad slots\), got {dtype}"):
+        localize(cast, ParallelLayout(cp_size=cp_size, cp_rank=0))
