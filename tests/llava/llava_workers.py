@@ -218,8 +218,8 @@ def hostile_references(ref_model, seed: int) -> dict:
 
 def hostile_plans(model, data: list[dict]) -> list[dict]:
     """What each hostile micro-batch exercises, as `model`'s packer plans it: its documents' collapsed ids
-    (real tokens), its empty rows (no document), expanded real lengths, and the expanded total without and
-    with LLaVA's shard factor."""
+    (real tokens), its empty rows (no document), expanded real and physical lengths, the multiples, and the
+    expanded total without and with LLaVA's shard factor."""
     from megatron_vlm_packing.models.llava import LlavaSpace
     from megatron_vlm_packing.models.llava_pack import pack_llava_batch
 
@@ -229,7 +229,8 @@ def hostile_plans(model, data: list[dict]) -> list[dict]:
         unaligned = pack_llava_batch(batch, replace(space, total_multiple=1), label_style="hf").plan
         rows = [ids[:n].tolist() for ids, n in zip(batch["input_ids"], batch["attention_mask"].sum(1))]
         plans.append(dict(documents=[rows[b] for b in plan.segment_rows], empty_rows=len(rows) - plan.num_segments,
-                          expanded_real=plan.expanded_real, total_multiple=space.total_multiple,
+                          expanded_real=plan.expanded_real, expanded_physical=plan.expanded_physical,
+                          segment_multiple=space.segment_multiple, total_multiple=space.total_multiple,
                           unaligned_total=sum(unaligned.expanded_physical), total=sum(plan.expanded_physical)))
     return plans
 
