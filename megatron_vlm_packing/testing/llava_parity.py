@@ -59,7 +59,8 @@ def _observe_outputs(outputs: list, step):
 
 
 def packed_run(model, data: list[dict], label_style: str, *, forward_only: bool = False):
-    """Packed logprobs per micro-batch (last stage, else None) and this rank's full-shape grads."""
+    """Packed logprobs per micro-batch (last stage, else None) and this rank's full-shape grads (CP tokens
+    gathered; TP shards too, under TP)."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -80,7 +81,8 @@ def packed_run(model, data: list[dict], label_style: str, *, forward_only: bool 
         losses = gather_cp_tokens(losses, cu_padded, ps.get_context_parallel_group())
         mask = gather_cp_tokens(mask, cu_padded, ps.get_context_parallel_group())
         logps.append(-losses[mask.bool()])
-    grads = full_gradients(model, cp_group=ps.get_context_parallel_group())
+    grads = full_gradients(model, tp_group=ps.get_tensor_model_parallel_group(),
+                           cp_group=ps.get_context_parallel_group())
     return logps or None, grads
 
 

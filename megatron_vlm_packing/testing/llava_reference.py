@@ -3,7 +3,8 @@
 
 The reference is the single-process model on right-padded rows (LLaVA's own path). Samples cover
 images at sample starts, back-to-back images, an image as a sample's last token, text-only samples
-and the tile cycle [1, 2, 1, 3, 1]. `llava_cp_without_te` lets LLaVA run CP on a CPU without
+and the tile cycle [1, 2, 1, 3, 1]; `hostile_batches` adds short, empty, image-only and repeated samples
+(`HOSTILE_MICRO_BATCHES`, run under TP=2 + SP by tests/llava/llava_workers.py). `llava_cp_without_te` lets LLaVA run CP on a CPU without
 Transformer Engine.
 """
 
@@ -86,6 +87,38 @@ def collated(rows, *, label_style: str, seed: int) -> dict:
 
 def batches(label_style: str, seed: int) -> list[dict]:
     return [collated(rows, label_style=label_style, seed=seed + i) for i, rows in enumerate(MICRO_BATCHES)]
+
+
+# Hostile micro-batches, each expanding to an odd total (at TP=2 + SP the shard factor's pad slot is its last
+# document's): documents of 1 to 4 tokens, an empty row between a document and an image-only one (whose pad slot
+# LLaVA zeroes), image-only documents and ones ending on an image (the last too); no image;
+# the first sample repeated (`REPEATED_ROWS` of micro-batch `REPEATED`); one document of 1 token (at TP=2 + SP
+# the second rank holds only its pad slot); image-only documents alone (no token with a loss in either style).
+HOSTILE_MICRO_BATCHES = (
+    ((T,), (), (IMG,), (T, T), (IMG, IMG), (T, T, T, T), (T, T, IMG)),
+    ((T,), (T, T, T), (T, T, T, T, T)),
+    ((IMG, T, T), (T, T)),
+    ((T,),),
+    ((IMG,), (IMG,)),
+)
+REPEATED, REPEATED_ROWS = 2, (0, 0, 1)
+
+
+def repeated_rows(batch: dict, order: tuple[int, ...]) -> dict:
+    """`batch`'s rows in `order` (a row may repeat), each with its own images and tiles."""
+    per_row = (batch["input_ids"] == IMG).sum(1).tolist()
+    tiles = batch["num_image_tiles"].split(per_row)
+    images = batch["images"].split([int(t.sum()) for t in tiles])
+    index = torch.tensor(order)
+    return dict({k: batch[k][index] for k in ("input_ids", "labels", "attention_mask")},
+                images=torch.cat([images[i] for i in order]), num_image_tiles=torch.cat([tiles[i] for i in order]))
+
+
+def hostile_batches(label_style: str, seed: int) -> list[dict]:
+    """`HOSTILE_MICRO_BATCHES` (`REPEATED` with its rows repeated), then the first micro-batch again (the same dict)."""
+    data = [collated(rows, label_style=label_style, seed=seed + i) for i, rows in enumerate(HOSTILE_MICRO_BATCHES)]
+    data[REPEATED] = repeated_rows(data[REPEATED], REPEATED_ROWS)
+    return data + [data[0]]
 
 
 def batched_targets(batch: dict, label_style: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,6 +5,10 @@
   sequence-parallel, packed through `make_forward_step` + `get_forward_backward_func`, against the
   single-process model on the batched micro-batches (both label styles), with a deliberate-mistake
   control (a pack not padded to LLaVA's SP shard factor is refused, on both of the patch's paths);
+- the same under TP=2 + SP on hostile micro-batches (`llava_reference.HOSTILE_MICRO_BATCHES`: documents of
+  1 token, an empty row, image-only documents, ones ending on an image, none with an image, a repeated sample,
+  none with a loss, one fed twice; each expanding to an odd total), packed and with pack=False, with what each
+  one exercises as the step's packer plans it;
 - `make_forward_step(pack=False)` (LLaVA's own batched rows through the step, to compare padded with
   packed) against the same reference, on one process and under TP=2 + SP;
 - host syncs of a packed forward + backward through the step at CP=2 and at TP=2 + SP, counted per
@@ -141,12 +145,14 @@ def step_run(model, data: list[dict], label_style: str, *, pack: bool = True):
 
 
 def compared(refs: tuple, run: tuple) -> dict:
-    """`llava_parity.compare` of a `step_run` against the batched reference, with the output shapes."""
+    """`llava_parity.compare` of a `step_run` against the batched reference, with the output shapes and
+    the tokens with a loss in each micro-batch (the reference's)."""
     from megatron_vlm_packing.testing.llava_parity import compare
 
     _, ref_logps, ref_grads = refs
     logps, grads, shapes = run
-    return dict(compare(ref_logps, ref_grads, logps, grads), shapes=shapes)
+    return dict(compare(ref_logps, ref_grads, logps, grads), shapes=shapes,
+                tokens_per_micro_batch=[int(logp.numel()) for logp in ref_logps])
 
 
 def sp_shard_controls(model, seed: int) -> dict:
@@ -202,6 +208,43 @@ def hand_built_ids(model, seed: int) -> dict:
     return out
 
 
+def hostile_references(ref_model, seed: int) -> dict:
+    """{label style: (`hostile_batches`, *the batched reference)} on the single-process model."""
+    from megatron_vlm_packing.testing.llava_reference import hostile_batches, reference
+
+    return {style: (hostile_batches(style, seed), *reference(ref_model, hostile_batches(style, seed), style))
+            for style in ("megatron", "hf")}
+
+
+def hostile_plans(model, data: list[dict]) -> list[dict]:
+    """What each hostile micro-batch exercises, as `model`'s packer plans it: its documents' collapsed ids
+    (real tokens), its empty rows (no document), expanded real and physical lengths, the multiples, and the
+    expanded total without and with LLaVA's shard factor."""
+    from megatron_vlm_packing.models.llava import LlavaSpace
+    from megatron_vlm_packing.models.llava_pack import pack_llava_batch
+
+    space, plans = LlavaSpace.of(model), []
+    for batch in data:
+        plan = pack_llava_batch(batch, space, label_style="hf").plan
+        unaligned = pack_llava_batch(batch, replace(space, total_multiple=1), label_style="hf").plan
+        rows = [ids[:n].tolist() for ids, n in zip(batch["input_ids"], batch["attention_mask"].sum(1))]
+        plans.append(dict(documents=[rows[b] for b in plan.segment_rows], empty_rows=len(rows) - plan.num_segments,
+                          expanded_real=plan.expanded_real, expanded_physical=plan.expanded_physical,
+                          segment_multiple=space.segment_multiple, total_multiple=space.total_multiple,
+                          unaligned_total=sum(unaligned.expanded_physical), total=sum(plan.expanded_physical)))
+    return plans
+
+
+def hostile_parity(model, hostile: dict) -> dict:
+    """The hostile micro-batches through the step (packed, and LLaVA's own rows with pack=False) against
+    the batched reference, both label styles, and what they exercise (`hostile_plans`)."""
+    out = {"plans": hostile_plans(model, hostile["hf"][0])}
+    for (style, ref), pack in itertools.product(hostile.items(), (True, False)):
+        out[f"{style} labels" if pack else f"pack=False, {style} labels"] = compared(
+            ref, step_run(model, ref[0], style, pack=pack))
+    return out
+
+
 def run_llava_checks(rank: int, world_size: int, seed: int = 11) -> dict:
     """Every check in one launch (2 processes); what rank 0 saw (reductions make the parity global)."""
     from megatron.core import parallel_state as ps
@@ -221,6 +264,7 @@ def run_llava_checks(rank: int, world_size: int, seed: int = 11) -> dict:
     try:
         ref_model, state, refs = reference_setup(seed)
         result["params"] = len(state)
+        hostile = hostile_references(ref_model, seed)
         batched = batched_syncs(ref_model, batches("hf", seed)[0])
         lap("reference")
         for style, ref in refs.items():
@@ -234,6 +278,8 @@ def run_llava_checks(rank: int, world_size: int, seed: int = 11) -> dict:
                 name = f"TP=2+SP, {style} labels" if pack else f"TP=2+SP, pack=False, {style} labels"
                 result[name] = compared(ref, step_run(model, ref[0], style, pack=pack))
             lap("TP=2+SP parity")
+            result["TP=2+SP, hostile"] = hostile_parity(model, hostile)
+            lap("TP=2+SP hostile")
             result["TP=2+SP, control: no shard factor"] = sp_shard_controls(model, seed)
             result["syncs TP=2+SP"] = sync_row(model, batches("hf", seed)[0], kernel, padded=True)
             result["TP=2+SP, hand-built ids"] = hand_built_ids(model, seed)
