@@ -33,6 +33,7 @@ from megatron_vlm_packing.bridge.tiny import TinyModelConfig, language_fields
 
 QWEN3_OMNI_PROVIDER = "megatron.bridge.models.qwen_omni.qwen3_omni_provider"
 QWEN3_OMNI_THINKER = "megatron.bridge.models.qwen_omni.modeling_qwen3_omni.thinker_model"
+AUDIO_DOWNSAMPLING = ("conv2d1", "conv2d2", "conv2d3", "conv_out")  # the encoder's layers before its positions
 GRIDS = (2, 4)  # image / video h and w in patches (multiples of the 2x2 merge)
 
 
@@ -44,6 +45,9 @@ class TinyOmniConfig(TinyModelConfig):
     Attributes:
         audio_layers, audio_d_model, audio_heads, num_mel_bins: the audio encoder (its window
             n_window stays Hugging Face's 50: 100 frames make 13 audio tokens).
+        audio_he_init: redraw the audio encoder's downsampling layers (`AUDIO_DOWNSAMPLING`) at He
+            scale (`he_init_audio_downsampling`), so its output carries its clip. False keeps
+            transformers' N(0, 0.02), under which the tiny thinker's losses hardly read its audio.
         position_id_per_seconds: temporal positions per second of video or audio.
         seconds_per_grid: seconds per video temporal grid step (fractional -> float t positions).
     Placeholder and wrapper ids are vocab_size - 1 .. vocab_size - 9.
@@ -53,6 +57,7 @@ class TinyOmniConfig(TinyModelConfig):
     audio_d_model: int = 32
     audio_heads: int = 2
     num_mel_bins: int = 16
+    audio_he_init: bool = True
     position_id_per_seconds: int = 25
     seconds_per_grid: float = 0.5
 
@@ -123,12 +128,39 @@ def omni_te_free_swaps(core_attention: type) -> list[tuple[str, dict]]:
                                    "get_gpt_layer_local_spec": gpt_spec})]
 
 
+def he_init_audio_downsampling(encoder: torch.nn.Module, seed: int) -> None:
+    """Redraw the weights of the audio encoder's `AUDIO_DOWNSAMPLING` layers from N(0, 2 / fan_in), from a
+    generator of its own seeded by `seed` (the same weights on every rank and stage, the rest of the model's
+    draw untouched).
+
+    Why: transformers draws every encoder weight from N(0, initializer_range = 0.02) whatever its fan-in.
+    Through the real encoder's downsampling fan-ins (9, 4320, 4320, 7680), each behind a GELU that halves
+    small values, a clip of std 1 leaves at std 2e-2; through the tiny one's (9, 72, 72, 16) at 1.5e-5,
+    before it is added to sinusoidal positions of std 0.6. Measured on `TinyOmniConfig()`: 1.7e-5 of the
+    encoder's output (row norm) changed with its clip zeroed, and every clip zeroed moved the thinker's
+    per-token losses by 4.3e-6, so a pack handing a sample another sample's clip passed any loss check.
+    At He scale 63% of the output is the clip's, and the same zeroing moves the losses by 0.28.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name in AUDIO_DOWNSAMPLING:
+            weight = encoder.get_submodule(name).weight  # conv [out, in, kh, kw] / linear [out, in]
+            fan_in = weight[0].numel()
+            drawn = torch.randn(weight.shape, generator=generator, dtype=torch.float32) * (2.0 / fan_in) ** 0.5
+            weight.copy_(drawn)
+
+
 def build_tiny_omni(cfg: TinyOmniConfig, seed: int = 0):
     """Bridge's `Qwen3OmniModel` for `cfg`. With the same seed the weights at any TP are the shards of
-    the TP=1 weights (CPU initialization); the vision and audio encoders are replicated."""
+    the TP=1 weights (CPU initialization); the vision and audio encoders are replicated (the audio
+    encoder's downsampling layers redrawn by `he_init_audio_downsampling` when `cfg.audio_he_init`)."""
     provider = tiny_omni_provider(cfg)
-    return build_with_provider(provider, swaps=omni_te_free_swaps(packed_core_attention(cfg.attention_backend)),
-                               seed=seed)
+    model = build_with_provider(provider, swaps=omni_te_free_swaps(packed_core_attention(cfg.attention_backend)),
+                                seed=seed)
+    audio = model.thinker.audio_model
+    if cfg.audio_he_init and audio is not None:  # None on later pipeline stages
+        he_init_audio_downsampling(audio, seed)
+    return model
 
 
 def _block(open_id: int, close_id: int, token: int, count: int) -> torch.Tensor:
