@@ -5,10 +5,10 @@ images, videos and audio clips (its packed patch applied). One CPU process, one 
 Before, the first probed micro-batch was a ValueError (videos, seconds and audio could not be split per sample).
 Now the probe passes on the step's own packs and raises `ParityProbeError` on the same batch packed wrong on
 purpose (`testing.probe_controls`): Qwen2.5-VL's videos swapping their seconds (Bridge computes the temporal
-positions from them), a moved boundary; Qwen3-Omni's videos and images holding another sample's values, a moved
-boundary. No audio-content control here: this tiny thinker's losses hardly read its audio tower (measured: every
-clip's features zeroed moves them 3.8e-6, times 10 by 5.5e-5, under the 1e-4 bound); the audio split is held by
-tests/validate/test_probe_media.py (PackedVLM: another sample's clips, 0.37) and test_probe_split.py.
+positions from them), a moved boundary; Qwen3-Omni's videos, images and audio clips holding another sample's values,
+a moved boundary. The audio control needs the tiny thinker's He-scale audio downsampling (`TinyOmniConfig.audio_he_init`,
+tests/bridge/test_omni_audio_signal.py): at transformers' N(0, 0.02) its losses hardly read a clip, and the probe
+passed a pack of foreign clips (3.8e-6 under its 1e-4 tolerance; now 0.22).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ SEED = 3
 TOLERANCE = 2e-5  # fp32 on CPU; measured ~1e-6
 CASES = (("qwen25_vl", "clean"), ("qwen25_vl", "swapped_seconds"), ("qwen25_vl", "moved_boundary"),
          ("qwen3_omni", "clean"), ("qwen3_omni", "foreign_video"), ("qwen3_omni", "foreign_image"),
-         ("qwen3_omni", "moved_boundary"))
+         ("qwen3_omni", "foreign_audio"), ("qwen3_omni", "moved_boundary"))
 
 
 def _batch(family: str, cfg) -> dict:
@@ -51,7 +51,8 @@ def run_bridge_probe_cases(rank, world_size):
     controls = {"clean": None, "swapped_seconds": probe_controls.swapped_seconds,
                 "moved_boundary": probe_controls.moved_boundary,
                 "foreign_image": probe_controls.foreign_media("image"),
-                "foreign_video": probe_controls.foreign_media("video")}
+                "foreign_video": probe_controls.foreign_media("video"),
+                "foreign_audio": probe_controls.foreign_media("audio")}
     configs = {"qwen25_vl": TinyBridgeConfig(family="qwen25_vl"), "qwen3_omni": TinyOmniConfig()}
     apply_bridge_patches()
     apply_bridge_qwen3_omni_packed()
