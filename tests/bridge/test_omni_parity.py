@@ -9,6 +9,12 @@ the loss sum and every parameter gradient are compared, the vision and audio enc
 (each TP rank's own copy).
 The same launch checks bug class 5 at CP=2: a dense call after a packed one gives bit-identical
 output to the dense call before it, and the check bites (a leaked `is_thd_format` changes it).
+The audio comparisons bite too: at TP=1 the same pack with every clip another sample's
+(`testing.probe_controls.foreign_media("audio")`) must move the losses and the audio encoder's gradients far past
+the bounds, and every audio gradient but the attention key bias's (exactly 0) must stand well above the 1e-6 floor
+of the relative error (the smallest, a query bias's, 8.7e-5). With transformers' own draw of the tiny audio encoder the losses hardly read a clip (the
+foreign clips moved them by 4e-6: tests/bridge/test_omni_audio_signal.py); `build_tiny_omni` redraws its
+downsampling layers at He scale.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ pytestmark = pytest.mark.bridge
 LAYOUTS = ((1, 1, False), (2, 1, True), (1, 2, False), (2, 2, True))  # (tp, cp, sp)
 SEED = 3
 NUM_SAMPLES = 5
+GRAD_FLOOR = 1e-6  # of the relative gradient error's denominator
+ZERO_GRAD_AUDIO = ("self_attn.k_proj.bias",)  # exact gradient 0: softmax ignores a per-query constant
 
 
 def _cfg(tp=1, cp=1, sp=False):
@@ -83,8 +91,9 @@ def run_packed(model, mb, layout):
     return adapter.forward(model, local), local
 
 
-def train_step(model, batch):
-    """One micro-batch through the shipped step and Megatron's schedule (forward + backward).
+def train_step(model, batch, transform=None):
+    """One micro-batch through the shipped step and Megatron's schedule (forward + backward); `transform` as
+    `make_forward_step` takes it (a control's wrong pack).
 
     Returns (report [loss_sum, tokens], per-token losses [1, Tl], the localized micro-batch)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -102,7 +111,7 @@ def train_step(model, batch):
 
     adapter = Recording(model)
     reports = get_forward_backward_func()(
-        forward_step_func=make_forward_step(pack=True, label_style="hf", adapter=adapter),
+        forward_step_func=make_forward_step(pack=True, label_style="hf", adapter=adapter, transform=transform),
         data_iterator=iter([batch]), model=[model], num_microbatches=1, seq_length=0, micro_batch_size=1,
         forward_only=False)
     out, local = adapter.seen[0]
@@ -110,9 +119,31 @@ def train_step(model, batch):
 
 
 def grad_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max(max |b|, 1e-6): relative, with a floor for grads that are exactly zero in
+    """max |a - b| / max(max |b|, GRAD_FLOOR): relative, with a floor for grads that are exactly zero in
     exact arithmetic (e.g. attention key biases) and rounding noise here."""
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(GRAD_FLOOR)).item()
+
+
+def audio_grads_near_floor(ref_grads) -> list[str]:
+    """Audio encoder parameters (but those exactly 0) whose reference gradient is within 10x the floor: their
+    relative error would be judged against the floor, not their own scale (the smallest: q_proj.bias, 8.7e-5)."""
+    return [n for n, g in ref_grads.items() if ".audio_model." in n and not n.endswith(ZERO_GRAD_AUDIO)
+            and g.abs().max() < 10 * GRAD_FLOOR]
+
+
+def foreign_audio_control(model, samples, ref) -> dict:
+    """TP=1: the same pack with every clip another sample's, through the same step: worst |dloss| per token and
+    the audio encoder's worst relative gradient error vs each sample alone (`model` fresh, no grads yet)."""
+    from megatron_vlm_packing.bridge.build_omni import collate_omni
+    from megatron_vlm_packing.testing.parity import full_gradients
+    from megatron_vlm_packing.testing.probe_controls import foreign_media
+
+    ref_losses, ref_grads, _ = ref
+    _, out, local = train_step(model, collate_omni(samples), transform=foreign_media("audio"))
+    grads = full_gradients(model)
+    audio = [grad_error(g, ref_grads[n]) for n, g in grads.items() if ".audio_model." in n]
+    return dict(max_dloss=(out[local.loss_mask.bool()] - ref_losses).abs().max().item(), audio_grad_err=max(audio),
+                audio_params_off=sum(e > 1e-2 for e in audio))
 
 
 def packed_case(samples, ref, tp, cp, sp):
@@ -132,8 +163,12 @@ def packed_case(samples, ref, tp, cp, sp):
     model = build_tiny_omni(cfg, seed=SEED)
     load_full_state(model, state, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp)
     layout = ParallelLayout(tp_size=tp, cp_size=cp, cp_rank=ps.get_context_parallel_rank(), sequence_parallel=sp)
+    control = {}
     if tp == 1 and cp == 1:
         refusal_checks(model, micro_batch(collate_omni(samples), cfg), samples)
+        fresh = build_tiny_omni(cfg, seed=SEED)
+        load_full_state(fresh, state, tp_rank=0, tp_size=1)
+        control = foreign_audio_control(fresh, samples, ref)
     report, out, local = train_step(model, collate_omni(samples))
     cp_group = ps.get_context_parallel_group()
     cu_padded = local.packed_seq_params.cu_seqlens_q_padded
@@ -143,17 +178,19 @@ def packed_case(samples, ref, tp, cp, sp):
     mb = micro_batch(collate_omni(samples), cfg)
     grads = full_gradients(model, tp_group=ps.get_tensor_model_parallel_group(), cp_group=cp_group)
     grad_err = max(grad_error(g, ref_grads[n]) for n, g in grads.items())
+    nonzero_grad_err = max(grad_error(g, ref_grads[n]) for n, g in grads.items() if not n.endswith(ZERO_GRAD_AUDIO))
     towers = {k: sum(1 for n in grads if f".{k}." in n and grads[n].abs().sum() > 0) for k in ("visual", "audio_model")}
     dloss_sum = abs(report[0].item() - ref_losses.sum().item())
     assert int(report[1]) == ref_losses.numel(), (report, ref_losses.numel())
-    worst = torch.tensor([(packed_losses - ref_losses).abs().max().item(), grad_err, dloss_sum])
+    worst = torch.tensor([(packed_losses - ref_losses).abs().max().item(), grad_err, dloss_sum, nonzero_grad_err])
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     if cp > 1 and tp > 1:
         rotary_state_check(model, samples, cfg, layout, mb)
     return dict(layout=f"tp={tp} cp={cp} sp={sp}", max_dloss=worst[0].item(), max_rel_grad_err=worst[1].item(),
-                dloss_sum=worst[2].item(),
+                dloss_sum=worst[2].item(), max_rel_grad_err_but_zero_grads=worst[3].item(),
                 tokens=int(packed_losses.numel()), ref_tokens=int(ref_losses.numel()), vision_params=towers["visual"],
-                audio_params=towers["audio_model"], physical=mb.stats.physical_tokens, real=mb.stats.real_tokens)
+                audio_params=towers["audio_model"], physical=mb.stats.physical_tokens, real=mb.stats.real_tokens,
+                audio_grads_near_floor=audio_grads_near_floor(ref_grads), foreign_audio=control)
 
 
 def dense_micro_batch(samples, cfg):
@@ -265,3 +302,6 @@ def test_packed_omni_matches_each_sample_alone():
         assert r["max_dloss"] < 1e-5 and r["dloss_sum"] < 1e-3, r  # a sum of ~300 in fp32
         assert r["max_rel_grad_err"] < 1e-4, r
         assert r["vision_params"] > 10 and r["audio_params"] > 10, r
+        assert r["audio_grads_near_floor"] == [], r  # the relative error reads them, not the floor
+    control = results[0]["foreign_audio"]  # TP=1: another sample's clips must show in losses and grads
+    assert control["max_dloss"] > 1e-2 and control["audio_grad_err"] > 1e-1 and control["audio_params_off"] > 20, control
