@@ -10,11 +10,11 @@ the loss sum and every parameter gradient are compared, the vision and audio enc
 The same launch checks bug class 5 at CP=2: a dense call after a packed one gives bit-identical
 output to the dense call before it, and the check bites (a leaked `is_thd_format` changes it).
 The audio comparisons bite too: at TP=1 the same pack with every clip another sample's
-(`testing.probe_controls.foreign_media("audio")`) must move the losses and the audio encoder's gradients far past
-the bounds, and every audio gradient but the attention key bias's (exactly 0) must stand well above the 1e-6 floor
-of the relative error (the smallest, a query bias's, 8.7e-5). With transformers' own draw of the tiny audio encoder the losses hardly read a clip (the
-foreign clips moved them by 4e-6: tests/bridge/test_omni_audio_signal.py); `build_tiny_omni` redraws its
-downsampling layers at He scale.
+(`testing.probe_controls.foreign_media("audio")`) must move the losses and the audio encoder's gradients far
+past the bounds, and every audio gradient but the attention key bias's (exactly 0) must stand at >= 10x the
+1e-6 floor of the relative error (the smallest, a query bias's, 8.7e-5). With transformers' own draw of the
+tiny audio encoder the losses hardly read a clip (the foreign clips moved them by 5.7e-6:
+tests/bridge/test_omni_audio_signal.py); `build_tiny_omni` redraws its downsampling layers at He scale.
 """
 
 from __future__ import annotations
@@ -304,4 +304,5 @@ def test_packed_omni_matches_each_sample_alone():
         assert r["vision_params"] > 10 and r["audio_params"] > 10, r
         assert r["audio_grads_near_floor"] == [], r  # the relative error reads them, not the floor
     control = results[0]["foreign_audio"]  # TP=1: another sample's clips must show in losses and grads
-    assert control["max_dloss"] > 1e-2 and control["audio_grad_err"] > 1e-1 and control["audio_params_off"] > 20, control
+    assert control["max_dloss"] > 1e-2 and control["audio_grad_err"] > 1e-1, control  # measured 0.22, 2.25
+    assert control["audio_params_off"] > 20, control  # measured 28 of 29 (at transformers' draw: 6)

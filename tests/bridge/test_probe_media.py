@@ -6,9 +6,9 @@ Before, the first probed micro-batch was a ValueError (videos, seconds and audio
 Now the probe passes on the step's own packs and raises `ParityProbeError` on the same batch packed wrong on
 purpose (`testing.probe_controls`): Qwen2.5-VL's videos swapping their seconds (Bridge computes the temporal
 positions from them), a moved boundary; Qwen3-Omni's videos, images and audio clips holding another sample's values,
-a moved boundary. The audio control needs the tiny thinker's He-scale audio downsampling (`TinyOmniConfig.audio_he_init`,
-tests/bridge/test_omni_audio_signal.py): at transformers' N(0, 0.02) its losses hardly read a clip, and the probe
-passed a pack of foreign clips (3.8e-6 under its 1e-4 tolerance; now 0.22).
+a moved boundary. The audio control needs the tiny thinker's He-scale audio downsampling
+(`TinyOmniConfig.audio_he_init`, tests/bridge/test_omni_audio_signal.py): at transformers' N(0, 0.02) its losses
+hardly read a clip, and the probe passed a pack of foreign clips (3.8e-6 under its 1e-4 tolerance; now 0.22).
 """
 
 from __future__ import annotations
