@@ -40,6 +40,10 @@ class TinyModelConfig:
         vision_depth, vision_hidden, vision_heads, patch_size: the vision tower.
         deepstack_visual_indexes: vision layers whose features also enter LM layers 0, 1, ... (Bridge
             asserts they all sit on the first pipeline stage: num_layers / pipeline_parallel >= their count).
+            Keep num_layers above their count: a level enters only the vision placeholders' hidden states,
+            which carry no loss, so a level added after the last layer reaches no trained token (at 2 layers
+            and 2 levels the last level's merger had gradient exactly 0 and no loss check could see it:
+            tests/bridge/test_deepstack_signal.py).
         tensor_parallel, context_parallel, pipeline_parallel, sequence_parallel: must match
             Megatron's parallel state when building.
         tie_embeddings: the output layer shares the word embeddings (small Qwen-VL checkpoints do;
@@ -47,7 +51,7 @@ class TinyModelConfig:
         attention_backend: "reference" (exact, CPU, CP) or "torch" (GPU varlen).
     """
 
-    num_layers: int = 2
+    num_layers: int = 3  # > len(deepstack_visual_indexes): a layer follows every deepstack level
     hidden_size: int = 64
     num_attention_heads: int = 4
     num_query_groups: int = 2
