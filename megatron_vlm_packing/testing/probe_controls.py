@@ -81,3 +81,17 @@ def swapped_seconds(micro_batch: MicroBatch) -> MicroBatch:
     by a model that computes its own temporal positions from them (Bridge's Qwen2.5-VL)."""
     vision = micro_batch.vision
     return replace(micro_batch, vision=replace(vision, second_per_grid_ts=vision.second_per_grid_ts.flip(0)))
+
+
+def shifted_positions(token_id: int, shift: int = 1):
+    """A transform moving the positions of every slot holding `token_id` (an audio or image placeholder) `shift`
+    steps later on every channel (mRoPE [3, 1, T] or [1, T]): the items keep their values and their documents,
+    but sit elsewhere against their own sample's text, as an index that miscounts an item's positions would put
+    them. A whole document shifted would change nothing (rotary attention reads position differences only)."""
+    def corrupt(micro_batch: MicroBatch) -> MicroBatch:
+        slots = micro_batch.input_ids[0] == token_id  # [T]
+        positions = micro_batch.position_ids.clone()
+        positions[..., slots] += shift
+        return replace(micro_batch, position_ids=positions)
+
+    return corrupt

@@ -131,19 +131,36 @@ def audio_grads_near_floor(ref_grads) -> list[str]:
             and g.abs().max() < 10 * GRAD_FLOOR]
 
 
-def foreign_audio_control(model, samples, ref) -> dict:
-    """TP=1: the same pack with every clip another sample's, through the same step: worst |dloss| per token and
-    the audio encoder's worst relative gradient error vs each sample alone (`model` fresh, no grads yet)."""
+def audio_control(model, samples, ref, transform) -> dict:
+    """TP=1: the same pack made wrong by `transform` (a `testing.probe_controls` one), through the same step: worst
+    |dloss| per token and the audio encoder's worst relative gradient error vs each sample alone (`model` fresh,
+    no grads yet)."""
     from megatron_vlm_packing.bridge.build_omni import collate_omni
     from megatron_vlm_packing.testing.parity import full_gradients
-    from megatron_vlm_packing.testing.probe_controls import foreign_media
 
     ref_losses, ref_grads, _ = ref
-    _, out, local = train_step(model, collate_omni(samples), transform=foreign_media("audio"))
+    _, out, local = train_step(model, collate_omni(samples), transform=transform)
     grads = full_gradients(model)
     audio = [grad_error(g, ref_grads[n]) for n, g in grads.items() if ".audio_model." in n]
     return dict(max_dloss=(out[local.loss_mask.bool()] - ref_losses).abs().max().item(), audio_grad_err=max(audio),
                 audio_params_off=sum(e > 1e-2 for e in audio))
+
+
+def audio_controls(cfg, state, samples, ref) -> dict:
+    """TP=1, each on a fresh model: every clip another sample's (`foreign_media("audio")`), and every audio
+    placeholder's positions one step later (`shifted_positions`: an index miscounting the clips)."""
+    from megatron_vlm_packing.bridge.build_omni import build_tiny_omni
+    from megatron_vlm_packing.testing.parity import load_full_state
+    from megatron_vlm_packing.testing.probe_controls import foreign_media, shifted_positions
+
+    controls = {"foreign_audio": foreign_media("audio"),
+                "shifted_audio_positions": shifted_positions(cfg.token_ids["audio_token_id"])}
+    out = {}
+    for name, transform in controls.items():
+        fresh = build_tiny_omni(cfg, seed=SEED)
+        load_full_state(fresh, state, tp_rank=0, tp_size=1)
+        out[name] = audio_control(fresh, samples, ref, transform)
+    return out
 
 
 def packed_case(samples, ref, tp, cp, sp):
@@ -166,9 +183,7 @@ def packed_case(samples, ref, tp, cp, sp):
     control = {}
     if tp == 1 and cp == 1:
         refusal_checks(model, micro_batch(collate_omni(samples), cfg), samples)
-        fresh = build_tiny_omni(cfg, seed=SEED)
-        load_full_state(fresh, state, tp_rank=0, tp_size=1)
-        control = foreign_audio_control(fresh, samples, ref)
+        control = audio_controls(cfg, state, samples, ref)
     report, out, local = train_step(model, collate_omni(samples))
     cp_group = ps.get_context_parallel_group()
     cu_padded = local.packed_seq_params.cu_seqlens_q_padded
@@ -190,7 +205,7 @@ def packed_case(samples, ref, tp, cp, sp):
                 dloss_sum=worst[2].item(), max_rel_grad_err_but_zero_grads=worst[3].item(),
                 tokens=int(packed_losses.numel()), ref_tokens=int(ref_losses.numel()), vision_params=towers["visual"],
                 audio_params=towers["audio_model"], physical=mb.stats.physical_tokens, real=mb.stats.real_tokens,
-                audio_grads_near_floor=audio_grads_near_floor(ref_grads), foreign_audio=control)
+                audio_grads_near_floor=audio_grads_near_floor(ref_grads), controls=control)
 
 
 def dense_micro_batch(samples, cfg):
@@ -303,6 +318,8 @@ def test_packed_omni_matches_each_sample_alone():
         assert r["max_rel_grad_err"] < 1e-4, r
         assert r["vision_params"] > 10 and r["audio_params"] > 10, r
         assert r["audio_grads_near_floor"] == [], r  # the relative error reads them, not the floor
-    control = results[0]["foreign_audio"]  # TP=1: another sample's clips must show in losses and grads
+    control = results[0]["controls"]["foreign_audio"]  # TP=1: another sample's clips must show in losses and grads
     assert control["max_dloss"] > 1e-2 and control["audio_grad_err"] > 1e-1, control  # measured 0.22, 2.25
     assert control["audio_params_off"] > 20, control  # measured 28 of 29 (at transformers' draw: 6)
+    shifted = results[0]["controls"]["shifted_audio_positions"]  # the clips placed one step late in their samples
+    assert shifted["max_dloss"] > 1e-2 and shifted["audio_grad_err"] > 1e-1, shifted
