@@ -15,6 +15,8 @@ past the bounds, and every audio gradient but the attention key bias's (exactly 
 1e-6 floor of the relative error (the smallest, a query bias's, 8.7e-5). With transformers' own draw of the
 tiny audio encoder the losses hardly read a clip (the foreign clips moved them by 5.7e-6:
 tests/bridge/test_omni_audio_signal.py); `build_tiny_omni` redraws its downsampling layers at He scale.
+So must the same pack with every audio placeholder one position late in its own sample
+(`testing.probe_controls.shifted_positions`: an index miscounting the clips).
 """
 
 from __future__ import annotations
@@ -319,7 +321,7 @@ def test_packed_omni_matches_each_sample_alone():
         assert r["vision_params"] > 10 and r["audio_params"] > 10, r
         assert r["audio_grads_near_floor"] == [], r  # the relative error reads them, not the floor
     control = results[0]["controls"]["foreign_audio"]  # TP=1: another sample's clips must show in losses and grads
-    assert control["max_dloss"] > 1e-2 and control["audio_grad_err"] > 1e-1, control  # measured 0.22, 2.25
+    assert control["max_dloss"] > 1e-2 and control["audio_grad_err"] > 1e-1, control  # measured 0.19, 2.25
     assert control["audio_params_off"] > 20, control  # measured 28 of 29 (at transformers' draw: 6)
     shifted = results[0]["controls"]["shifted_audio_positions"]  # the clips placed one step late in their samples
-    assert shifted["max_dloss"] > 1e-2 and shifted["audio_grad_err"] > 1e-1, shifted
+    assert shifted["max_dloss"] > 1e-2 and shifted["audio_grad_err"] > 1e-1, shifted  # measured 0.066, 0.97
