@@ -63,12 +63,16 @@ def test_isolate_fp32_stages_equal_and_hooks_fired(isolate_runs):
               "pre_mlp_layernorm", "mlp.linear_fc1", "mlp.linear_fc2"]
     vision_detail = [d for d in detail if d not in ("self_attention.q_layernorm", "self_attention.k_layernorm")]
 
-    def layers(prefix, names):
-        return [f"{prefix}.layer{i}{suffix}" for i in range(2) for suffix in [f".{n}" for n in names] + [""]]
+    def layers(prefix, names, count):
+        return [f"{prefix}.layer{i}{suffix}" for i in range(count) for suffix in [f".{n}" for n in names] + [""]]
 
-    stages = ["positions", "lm.rotary", "lm.rotary cos/sin", "vision.patch_embed", *layers("vision", vision_detail),
+    from megatron_vlm_packing.bridge.tiny import TinyBridgeConfig
+
+    cfg = TinyBridgeConfig(family="qwen3_vl")
+
+    stages = ["positions", "lm.rotary", "lm.rotary cos/sin", "vision.patch_embed", *layers("vision", vision_detail, cfg.vision_depth),
               "vision.merger.patch_norm", "vision.merger.linear_fc1", "vision.merger.linear_fc2", "vision.merger",
-              "vision.embeds", "vision.deepstack0", "vision.deepstack1", "lm.decoder_input", *layers("lm", detail)]
+              "vision.embeds", "vision.deepstack0", "vision.deepstack1", "lm.decoder_input", *layers("lm", detail, cfg.num_layers)]
     hooked = [s for s in stages if s not in ("positions", "lm.rotary cos/sin", "vision.deepstack0", "vision.deepstack1")]
     assert set(result["hooks"]) == {*hooked, "vision.grid", "vision.deepstack0", "vision.deepstack1"}
     check_hooks(result["hooks"], counts["samples"], counts["with_vision"], counts["items"])
