@@ -34,6 +34,42 @@ def merge_vision_embeddings(
     return text_embeddings.index_copy(0, positions, rows)
 
 
+def check_tower_output(embeddings, *, tower: str, field: str, token_id: int, rows: int, hidden: int,
+                       device: torch.device) -> None:
+    """What a tower returned for the `field` items of a micro-batch must be `[rows, hidden]` floating-point rows on
+    the language model's device: one row per placeholder, in token order. Reads shapes only (no sync).
+
+    Args:
+        embeddings: the tower's output, any object.
+        tower: "vision" or "audio", for the message; field: "image", "video" or "audio".
+        rows: host int, the micro-batch's `token_id` placeholders (checked against its items).
+        hidden: the language model's hidden size H; device: where its embeddings are.
+
+    Raises:
+        ValueError: naming the tower, what it returned and the rows / width expected. A row count that no one
+            compared with the placeholders placed the tower's first rows and trained the rest of them (or the
+            placeholders left over) silently.
+    """
+    if not isinstance(embeddings, torch.Tensor):
+        raise ValueError(f"the {tower} tower returned a {type(embeddings).__name__}, not a tensor: PackedVLM places "
+                         f"one [rows, hidden] tensor per kind; wrap a tower with several outputs (Qwen3-VL's deepstack "
+                         f"features) in a module that returns the [rows, hidden] embeddings")
+    if not embeddings.is_floating_point():
+        raise ValueError(f"the {tower} tower returned a tensor of dtype {embeddings.dtype}: its {field} embeddings "
+                         f"must be floating point")
+    if embeddings.dim() != 2 or embeddings.shape[1] != hidden:
+        raise ValueError(f"the {tower} tower returned a tensor of shape {list(embeddings.shape)}: it must return "
+                         f"[rows, hidden] = [{rows}, {hidden}] (the language model's hidden size), one row per "
+                         f"{field} placeholder token (id {token_id})")
+    if embeddings.shape[0] != rows:
+        raise ValueError(f"the {tower} tower returned {embeddings.shape[0]} rows {list(embeddings.shape)} for the "
+                         f"{rows} {field} placeholder tokens (id {token_id}) of the micro-batch: it must return one "
+                         f"row per placeholder, in token order")
+    if embeddings.device != device:
+        raise ValueError(f"the {tower} tower returned its {field} embeddings on {embeddings.device} but the language "
+                         f"model's are on {device}: move the tower with the model")
+
+
 def check_media_dtypes(*, pixel_values=None, pixel_values_videos=None, input_features=None,
                        feature_attention_mask=None) -> None:
     """The dtypes of the media a model hands its towers (PackedVLM, the Bridge adapters): floating-point pixel

@@ -26,7 +26,7 @@ from megatron_vlm_packing.models.adapter import ModelAdapter, check_unpacked_ids
 from megatron_vlm_packing.models.audio import check_audio_lengths
 from megatron_vlm_packing.models.gpt_adapter import check_position_kind, refuse_unread_seconds
 from megatron_vlm_packing.models.merge import (check_media_dtypes, check_placeholders_per_sample,
-                                               merge_vision_embeddings, place_checked_embeddings,
+                                               check_tower_output, merge_vision_embeddings, place_checked_embeddings,
                                                refuse_orphan_placeholders, sample_boundaries, tokens_per_grid)
 from megatron_vlm_packing.packing.bounds import checked_int, is_int
 from megatron_vlm_packing.packing.localize import LocalizeNeeds
@@ -72,7 +72,8 @@ class PackedVLM(nn.Module):
     Args:
         language_model: a Megatron-Core `GPTModel` built with `scatter_embedding_sequence_parallel=False`.
         vision: module `(pixel_values [P, C], grid_thw [I, 3]) -> [M, H]`, used for images and
-            videos; None for a model without vision.
+            videos, one row per placeholder in token order (a tuple, another shape or row count is a
+            ValueError: `merge.check_tower_output`); None for a model without vision.
         image_token_id: the placeholder id each image embedding replaces.
         video_token_id: the placeholder id of video embeddings; None for a model without video.
         audio: module `(input_features [A, F, L], feature_attention_mask [A, L]) -> [M, H]`
@@ -136,17 +137,27 @@ class PackedVLM(nn.Module):
         """Pipeline stages after the first receive hidden states here (Megatron's schedule calls it)."""
         self.language_model.set_input_tensor(input_tensor)
 
-    def _merge(self, flat, input_ids, bounds, *, token_id, embeddings, tokens_per_item, per_sample, field):
-        """Check each sample's placeholders against its items, then place the item embeddings.
+    def _merge(self, flat, input_ids, bounds, *, token_id, embeddings, tokens_per_item, checked_rows, per_sample,
+               field, tower):
+        """Check each sample's placeholders against its items and the tower's rows against the placeholders, then
+        place the rows (`merge.check_tower_output`).
 
-        `bounds` None: packing's one read already checked them (`media_checked`); place without a sync.
+        `bounds` None: packing's one read already checked the placeholders (`media_checked`): `checked_rows()`
+        counts them from host values and the rows are placed without a sync.
         """
         if token_id is None:
             raise ValueError(f"the micro-batch has {field} inputs but this PackedVLM has no {field}_token_id")
         if bounds is None:
+            rows = checked_rows()
+        else:
+            tokens = tokens_per_item()
+            check_placeholders_per_sample(input_ids, bounds, tokens, token_id=token_id, field=field,
+                                          items_per_sample=per_sample)
+            rows = sum(tokens)
+        check_tower_output(embeddings, tower=tower, field=field, token_id=token_id, rows=rows, hidden=flat.shape[-1],
+                           device=flat.device)
+        if bounds is None:
             return place_checked_embeddings(flat, input_ids, embeddings, token_id=token_id)
-        check_placeholders_per_sample(input_ids, bounds, tokens_per_item(), token_id=token_id, field=field,
-                                      items_per_sample=per_sample)
         return merge_vision_embeddings(flat, input_ids, embeddings, token_id=token_id, field=field)
 
     def _vision_embeddings(self, pixels, grid, checked: bool):
@@ -226,18 +237,28 @@ class PackedVLM(nn.Module):
         """`flat` [B*S, H] with the vision tower's embeddings of `field` ("image" or "video") placed:
         pixels [P, C] and grid [I, 3] of that kind, `per_sample` its items per sample."""
         merge = self.spatial_merge_size
+        # checked: packing found the grids' t*h*w to sum to the patches, h and w multiples of the merge
         return self._merge(flat, input_ids, bounds, token_id=getattr(self, f"{field}_token_id"), field=field,
-                           embeddings=self._vision_embeddings(pixels, grid, checked),
-                           tokens_per_item=lambda: tokens_per_grid(grid, merge), per_sample=per_sample)
+                           embeddings=self._vision_embeddings(pixels, grid, checked), tower="vision",
+                           tokens_per_item=lambda: tokens_per_grid(grid, merge),
+                           checked_rows=lambda: pixels.shape[0] // merge ** 2, per_sample=per_sample)
 
     def _merge_audio(self, flat, input_ids, bounds, features, mask, per_sample, audio_lengths):
         """`flat` [B*S, H] with the audio tower's embeddings placed: features [A, F, L], mask [A, L]."""
         from megatron_vlm_packing.models.audio import audio_tokens_per_clip_from_mask
+        from megatron_vlm_packing.rope.omni import audio_output_length
+
+        window = self.audio.n_window
+
+        def checked_rows() -> int:  # from packing's host lengths (no sync); a direct call without them reads the mask
+            if audio_lengths is None:
+                return sum(audio_tokens_per_clip_from_mask(mask, window))
+            return sum(int(audio_output_length(int(n), window)) for n in audio_lengths)
 
         return self._merge(flat, input_ids, bounds, token_id=self.audio_token_id, field="audio",
                            embeddings=self._audio_embeddings(features, mask, audio_lengths, bounds is None),
-                           tokens_per_item=lambda: audio_tokens_per_clip_from_mask(mask, self.audio.n_window),
-                           per_sample=per_sample)
+                           tower="audio", tokens_per_item=lambda: audio_tokens_per_clip_from_mask(mask, window),
+                           checked_rows=checked_rows, per_sample=per_sample)
 
     def _decoder_input(self, input_ids, cp_index, media: dict, packed_seq_params):
         emb = self.embed(input_ids, packed_seq_params=packed_seq_params, **media)
