@@ -61,6 +61,11 @@ def _check_arguments(language_model, vision, audio, merge, mrope, token_ids: dic
                 raise ValueError(f"{name} and {other} are both {value}: each kind needs its own placeholder id")
     if vision is not None and token_ids["image_token_id"] is None and token_ids["video_token_id"] is None:
         raise ValueError("a vision tower needs image_token_id or video_token_id (the placeholders it fills)")
+    if audio is not None and not hasattr(audio, "n_window"):
+        raise ValueError(f"the audio tower ({type(audio).__name__}) has no n_window: give it the int window of its "
+                         f"encoder (Qwen3-Omni's n_window), with which PackedVLM counts each clip's placeholder tokens")
+    if audio is not None:
+        checked_int(audio.n_window, "the audio tower's n_window", least=1)
     checked_int(merge, "spatial_merge_size", least=1)
     if mrope is not None and not isinstance(mrope, MRopeConfig):
         raise ValueError(f"mrope must be a rope.MRopeConfig or None, got {type(mrope).__name__} {mrope!r:.40}")
@@ -77,7 +82,9 @@ class PackedVLM(nn.Module):
         image_token_id: the placeholder id each image embedding replaces.
         video_token_id: the placeholder id of video embeddings; None for a model without video.
         audio: module `(input_features [A, F, L], feature_attention_mask [A, L]) -> [M, H]`
-            (Qwen3-Omni style); None for a model without audio.
+            (Qwen3-Omni style) with an int `n_window` attribute, its encoder's window: each clip of F real
+            frames takes `rope.omni.audio_output_length(F, n_window)` placeholders; None for a model
+            without audio.
         audio_token_id: the placeholder id of audio embeddings (needed with `audio`).
         mrope: `rope.MRopeConfig` for a language model built with position_embedding_type="mrope":
             installs the packed mRoPE rotary (`rope.use_packed_mrope`) and is the default `mrope=`

@@ -26,6 +26,14 @@ def _rope(**fields):
 
 
 VISION = nn.Linear(2, 2)
+
+
+class _Windowed(nn.Linear):
+    def __init__(self, n_window):
+        super().__init__(2, 2)
+        self.n_window = n_window
+
+
 BAD = [
     # silently wrong before: True matched token 1, 5.5 / -1 / "5" / 2**70 no token (or a TypeError mid-forward)
     ("rope", dict(image_token_id=True), r"image_token_id must be None or an int >= 0 that fits int64, got True"),
@@ -47,6 +55,12 @@ BAD = [
     ("rope", dict(audio="tower", audio_token_id=5),
      r"audio must be None or an nn.Module \(its weights train with the model\), got str 'tower'"),
     ("rope", dict(vision=VISION), r"a vision tower needs image_token_id or video_token_id"),
+    # PackedVLM counts each clip's placeholders with the tower's encoder window (Qwen3-Omni's audio_output_length):
+    # a tower without one was an AttributeError at the first clip, naming no argument
+    ("rope", dict(image_token_id=5, audio=nn.Linear(2, 2), audio_token_id=7),
+     r"the audio tower \(Linear\) has no n_window: give it the int window of its encoder"),
+    ("rope", dict(image_token_id=5, audio=_Windowed(0), audio_token_id=7),
+     r"the audio tower's n_window must be an int >= 1, got 0"),
     # the mRoPE config and the model disagree: positions and placeholder counts used different merges
     ("mrope", dict(image_token_id=9, mrope=_rope(), spatial_merge_size=4),
      r"spatial_merge_size=4 but the mRoPE config says 2"),
@@ -70,3 +84,4 @@ def test_packed_vlm_refuses_a_language_model_that_is_no_megatron_model(models):
         with pytest.raises(ValueError, match=r"language_model must be a Megatron-Core GPTModel"):
             PackedVLM(bad, VISION, image_token_id=5)
     assert PackedVLM(models["rope"], VISION, image_token_id=5, video_token_id=6).spatial_merge_size == 2
+    assert PackedVLM(models["rope"], VISION, image_token_id=5, audio=_Windowed(50), audio_token_id=7).audio.n_window == 50
