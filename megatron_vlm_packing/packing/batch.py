@@ -182,6 +182,7 @@ def pack_batch(
                                 audio_token_id=audio_token_id, spatial_merge_size=spatial_merge_size,
                                 require_counts=require_media_counts)
     pad_token_id = check_pad_token_id(pad_token_id, vocab_size)  # a numpy int as its int
+    media.refuse_pad_placeholder(pad_token_id)
     pad_to = checked_pad_to(pad_to)  # an option error is named before any batch error
     extra_keys = checked_extra_keys(extra_keys)
     check_position_layout(position_layout)

@@ -112,6 +112,7 @@ def pad_batch(
                                 audio_token_id=audio_token_id, spatial_merge_size=spatial_merge_size,
                                 require_counts=require_media_counts)
     pad_token_id = check_pad_token_id(pad_token_id, vocab_size)
+    media.refuse_pad_placeholder(pad_token_id)
     extra_keys = checked_extra_keys(extra_keys)
     rows = read_rows(batch, label_style=label_style, mrope=mrope, media=media, extra_keys=extra_keys,
                      vocab_size=vocab_size, position_layout=position_layout)

@@ -51,6 +51,26 @@ class MediaTokens:
         if not isinstance(self.require_counts, bool):  # "no" read as True
             raise ValueError(f"require_media_counts must be a bool, got {self.require_counts!r}")
 
+    def refuse_pad_placeholder(self, pad_token_id: int) -> None:
+        """The id written at pad slots must be no placeholder id: a model places each kind's embeddings at every
+        token of its id (`PackedVLM` without a read: packing counted the placeholders of the real tokens only),
+        so pad slots before a placeholder (another sample's, a dense row's tail, CP / SP alignment) took its
+        embedding and the placeholders after them the next ones, silently.
+
+        Raises:
+            ValueError: naming pad_token_id and the kind whose id it is.
+        """
+        for kind in ("image", "video", "audio"):
+            if pad_token_id == getattr(self, f"{kind}_token_id"):
+                raise ValueError(f"pad_token_id={pad_token_id} is also the {kind} placeholder id ({kind}_token_id="
+                                 f"{pad_token_id}): the model would take every pad slot for a {kind} placeholder and "
+                                 f"place the {kind} embeddings there; pad with another id")
+
+    def pad_id_clear_of_placeholders(self) -> int:
+        """The smallest id >= 0 that is no placeholder id (the step pads with it: 0 unless a placeholder is 0)."""
+        taken = {self.image_token_id, self.video_token_id, self.audio_token_id}
+        return next(pad for pad in range(4) if pad not in taken)
+
     @classmethod
     def resolve(cls, mrope=None, *, image_token_id=None, video_token_id=None, audio_token_id=None,
                 spatial_merge_size=None, audio_n_window=None, require_counts: bool = True) -> "MediaTokens":

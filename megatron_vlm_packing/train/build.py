@@ -100,9 +100,13 @@ def build_micro_batch(batch: dict, layout: ParallelLayout, options: StepOptions,
     and labels outside [0, vocab_size) a ValueError in the packer's read.
     """
     from megatron_vlm_packing.packing import pack_batch, pad_batch
+    from megatron_vlm_packing.packing.media_tokens import MediaTokens
 
+    media = dict(mrope=mrope, **(media_token_ids or {}))
+    # Pad slots are embedded like tokens: their id must be no placeholder the model fills (0 unless one is 0).
+    pad_token_id = MediaTokens.resolve(**media, require_counts=False).pad_id_clear_of_placeholders()
     common = dict(tp_size=layout.tp_size, cp_size=layout.cp_size, sequence_parallel=layout.sequence_parallel,
-                  fp8=options.fp8, label_style=options.label_style, mrope=mrope, **(media_token_ids or {}),
+                  fp8=options.fp8, label_style=options.label_style, **media, pad_token_id=pad_token_id,
                   require_media_counts=False,  # the adapter's check refuses media it does not consume
                   extra_keys=tuple(extra_keys), vocab_size=vocab_size)
     if options.pack:
