@@ -59,6 +59,11 @@ def _check_arguments(language_model, vision, audio, merge, mrope, token_ids: dic
         for other, other_value in given[i + 1:]:
             if value == other_value:
                 raise ValueError(f"{name} and {other} are both {value}: each kind needs its own placeholder id")
+    vocab_size = getattr(language_model, "vocab_size", None)  # Megatron's padded vocabulary
+    for name, value in given:
+        if is_int(vocab_size) and value >= vocab_size:
+            raise ValueError(f"{name}={value} is no token id of the language model (vocab_size={vocab_size}): every "
+                             f"token is embedded before the media rows replace the placeholders")
     if vision is not None and token_ids["image_token_id"] is None and token_ids["video_token_id"] is None:
         raise ValueError("a vision tower needs image_token_id or video_token_id (the placeholders it fills)")
     if audio is not None and not hasattr(audio, "n_window"):

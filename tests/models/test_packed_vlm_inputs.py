@@ -61,6 +61,11 @@ BAD = [
      r"the audio tower \(Linear\) has no n_window: give it the int window of its encoder"),
     ("rope", dict(image_token_id=5, audio=_Windowed(0), audio_token_id=7),
      r"the audio tower's n_window must be an int >= 1, got 0"),
+    # a placeholder id outside the LM's vocabulary (128 here): every token is embedded before the media rows are
+    # placed, so the step refused each micro-batch for an input_ids value outside [0, 128) (a direct call: an
+    # IndexError in the embedding), naming no argument
+    ("rope", dict(image_token_id=128), r"image_token_id=128 is no token id of the language model \(vocab_size=128\)"),
+    ("rope", dict(image_token_id=5, video_token_id=4000), r"video_token_id=4000 is no token id of the language model"),
     # the mRoPE config and the model disagree: positions and placeholder counts used different merges
     ("mrope", dict(image_token_id=9, mrope=_rope(), spatial_merge_size=4),
      r"spatial_merge_size=4 but the mRoPE config says 2"),
@@ -85,3 +90,4 @@ def test_packed_vlm_refuses_a_language_model_that_is_no_megatron_model(models):
             PackedVLM(bad, VISION, image_token_id=5)
     assert PackedVLM(models["rope"], VISION, image_token_id=5, video_token_id=6).spatial_merge_size == 2
     assert PackedVLM(models["rope"], VISION, image_token_id=5, audio=_Windowed(50), audio_token_id=7).audio.n_window == 50
+
