@@ -91,3 +91,23 @@ def test_packed_vlm_refuses_a_language_model_that_is_no_megatron_model(models):
     assert PackedVLM(models["rope"], VISION, image_token_id=5, video_token_id=6).spatial_merge_size == 2
     assert PackedVLM(models["rope"], VISION, image_token_id=5, audio=_Windowed(50), audio_token_id=7).audio.n_window == 50
 
+def test_packed_vlm_refuses_a_language_model_that_scatters_its_own_embeddings_under_sp(models):
+    """PackedVLM scatters once, after the merge and the CP selection; an LM that also scatters in its embedding
+    would hand the decoder a quarter of the tokens at TP=2. (The config flag set by hand: one process has no TP=2.)"""
+    from megatron_vlm_packing.models.packed_vlm import PackedVLM
+    from megatron_vlm_packing.models.tiny_gpt import TinyGPTConfig, build_tiny_gpt
+
+    scattering = build_tiny_gpt(TinyGPTConfig())  # scatter_embedding_sequence_parallel left at Megatron's True
+    assert scattering.embedding.scatter_to_sequence_parallel
+    scattering.config.sequence_parallel = True
+    try:
+        with pytest.raises(ValueError, match=r"build the language model with scatter_embedding_sequence_parallel="
+                                             r"False: PackedVLM scatters once"):
+            PackedVLM(scattering, VISION, image_token_id=5)
+    finally:
+        scattering.config.sequence_parallel = False
+    models["rope"].config.sequence_parallel = True  # built with the scatter off: accepted under SP
+    try:
+        assert PackedVLM(models["rope"], VISION, image_token_id=5).config.sequence_parallel
+    finally:
+        models["rope"].config.sequence_parallel = False
