@@ -67,6 +67,22 @@ def refuse_unread_seconds(micro_batch: MicroBatch, rotary: str, model_name: str)
         refuse_seconds_unread_by(micro_batch.mrope_config.family, seconds, model_name)
 
 
+def refuse_pads_unmasked_for_moe(micro_batch: MicroBatch, model_name: str, *, is_moe: bool,
+                                 takes_padding_mask: bool) -> None:
+    """Only a mixture-of-experts router reads the padding mask (pads must not count in its load-balancing loss): a
+    language model whose forward takes none (a subclass of an older `GPTModel.forward`) runs micro-batches without
+    pad slots, and refuses the others. The GPT adapter and `PackedVLM`'s share it. Reads host ints only.
+
+    Raises:
+        ValueError: naming the model and its pad slots.
+    """
+    pads = micro_batch.stats.physical_tokens - micro_batch.stats.real_tokens
+    if is_moe and not takes_padding_mask and pads > 0:
+        raise ValueError(f"{model_name} is a mixture-of-experts model whose forward takes no padding_mask, so its "
+                         f"router would count {pads} pad slots in the load-balancing loss; give its forward "
+                         f"Megatron-Core's padding_mask keyword (GPTModel.forward has it) or pack without pad slots")
+
+
 def needs_embedding_scatter_patch(model: nn.Module) -> bool:
     """Bug class 3: does `model`, called standalone (no `decoder_input`), need
     `patches.apply_sp_embedding_scatter()` for its embeddings to be scattered under SP?
@@ -146,11 +162,8 @@ class GPTModelAdapter(ModelAdapter):
         super().check(micro_batch)
         check_unpacked_ids(micro_batch, self.vocab_size)
         check_position_kind(micro_batch, self.rotary, self.model_name)
-        if self.is_moe and not self.takes_padding_mask and micro_batch.stats.physical_tokens > micro_batch.stats.real_tokens:
-            raise ValueError(f"{self.model_name} is a mixture-of-experts model whose forward takes no padding_mask, "
-                             f"so its router would count {micro_batch.stats.physical_tokens - micro_batch.stats.real_tokens} "
-                             f"pad slots in the load-balancing loss; use a megatron-core whose GPTModel.forward "
-                             f"takes padding_mask")
+        refuse_pads_unmasked_for_moe(micro_batch, self.model_name, is_moe=self.is_moe,
+                                     takes_padding_mask=self.takes_padding_mask)
 
     def forward(self, model: nn.Module, micro_batch: MicroBatch):
         kwargs = {"padding_mask": micro_batch.padding_mask} if self.takes_padding_mask else {}

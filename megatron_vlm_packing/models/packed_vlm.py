@@ -24,7 +24,8 @@ from torch import nn
 
 from megatron_vlm_packing.models.adapter import ModelAdapter, check_unpacked_ids, unwrap_model
 from megatron_vlm_packing.models.audio import check_audio_lengths
-from megatron_vlm_packing.models.gpt_adapter import check_position_kind, refuse_unread_seconds
+from megatron_vlm_packing.models.gpt_adapter import (check_position_kind, refuse_pads_unmasked_for_moe,
+                                                     refuse_unread_seconds)
 from megatron_vlm_packing.models.merge import (check_media_dtypes, check_placeholders_per_sample,
                                                check_tower_output, merge_vision_embeddings, place_checked_embeddings,
                                                refuse_orphan_placeholders, sample_boundaries, tokens_per_grid)
@@ -325,6 +326,10 @@ class PackedVLMAdapter(ModelAdapter):
 
     def __init__(self, model: PackedVLM):
         super().__init__(model)
+        # PackedVLM hands its language model the padding mask only where its forward names it (only a router reads it)
+        self.language_model_name = type(model.language_model).__name__
+        self.lm_is_moe = bool(getattr(model.config, "num_moe_experts", None))
+        self.lm_takes_padding_mask = model._lm_takes_padding_mask
         # A pipeline stage after the first holds no towers: the first stage consumed the media.
         later_stage = not getattr(model.language_model, "pre_process", True)
         consumes = set()
@@ -350,6 +355,8 @@ class PackedVLMAdapter(ModelAdapter):
         super().check(micro_batch)
         check_unpacked_ids(micro_batch, self.vocab_size)
         check_position_kind(micro_batch, self.rotary, self.model_name)
+        refuse_pads_unmasked_for_moe(micro_batch, self.language_model_name, is_moe=self.lm_is_moe,
+                                     takes_padding_mask=self.lm_takes_padding_mask)
 
     def _packing_counts_clips_like(self, model: nn.Module) -> bool:
         """Packing counted each clip's tokens with the mRoPE config's `audio_n_window` (else its
