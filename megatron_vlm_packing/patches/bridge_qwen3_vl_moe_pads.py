@@ -5,8 +5,8 @@ Megatron-Core's `TransformerBlock.forward` takes `padding_mask` ([b, s] bool, Tr
 to every layer, whose MoE router then leaves pad slots out of its load-balancing loss, its z-loss and its token
 counts. Bridge 0.6.2's Qwen3-VL block overrides `forward` without it, so the pad slots of a pack (CP and SP
 alignment, `pad_to` for static shapes, dense rows) are routed and counted, silently: on the tiny Qwen3-VL MoE the
-router's aux loss for the same 83 real tokens was 174.7 packed without pad slots and 561.6 with 173 pad slots (an
-MoE Qwen3-Omni thinker: 106.3 and 640.0).
+router's aux loss for the same 83 real tokens is 258.2 packed without pad slots and 861.8 with 173 pad slots (an
+MoE Qwen3-Omni thinker, 44 real tokens: 139.1 and 929.7 with 212; both at the tiny models' 3 language layers).
 
 The wrapper takes `padding_mask` (laid out like the block's tokens on this rank: CP-local, then this TP rank's
 SP chunk) and hands it to each of the block's layers for this call only (a forward pre-hook per layer, removed

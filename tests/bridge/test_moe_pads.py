@@ -2,8 +2,8 @@
 same with many pad slots as with only the layout's alignment, and as dense right-padded rows
 (`patches.bridge_qwen3_vl_moe_pads` hands Bridge's block the plan's padding mask), at TP=1, TP2 + SP and CP2;
 without the patch the adapters refuse a micro-batch with pad slots. Bridge's block took no padding_mask: for the
-same real tokens the aux loss was 174.7 without pad slots and 561.6 with 173 (Qwen3-VL MoE), 106.3 and 640.0
-(Omni), silently."""
+same real tokens the aux loss is 258.2 without pad slots and 861.8 with 173 (Qwen3-VL MoE), 139.1 and 929.7 with
+212 (Omni), silently (the tiny models' 3 language layers)."""
 
 import pytest
 
