@@ -118,7 +118,7 @@ def test_one_position_off_on_an_image_token_exits_1(qwen25, configs, tmp_path, c
     torch.save({**fields, "position_ids": positions}, path)
     status, out = check(capsys, path, "--hf-config", configs["qwen2_5_vl"])
     assert status == 1, out
-    assert "1 violation(s)" in out and f"[mrope_positions] (contract 3)" in out
+    assert "1 violation(s)" in out and "[mrope_positions] (contract 3)" in out
     assert f"documents [{document}]: document {document} token" in out and "where the model's index gives" in out
     status, out = check(capsys, path)  # restarts and distinct channels hold: only the index sees it
     assert status == 0 and "positions: not compared" in out, out
