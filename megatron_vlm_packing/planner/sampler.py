@@ -3,7 +3,8 @@
 Each item is the list of dataset indices of one bin (one packed micro-batch) of this rank, in plan
 order, so a `DataLoader(dataset, batch_sampler=sampler, collate_fn=...)` whose collate right-pads
 the samples and calls `pack_batch(..., pad_to=capacity)` yields exactly the packs the planner
-laid out. Every rank builds the same plan (same metadata, config and seed) and takes its share.
+laid out. Every rank builds the same plan (same metadata, config and seed) and takes its share;
+`check_same_plan_across_ranks(group)` checks that they do (a collective: every rank of the group calls it).
 
 Where it plugs in:
 - Megatron-LM (`--dataloader-type external`): build the DataLoader per rank with
@@ -50,6 +51,7 @@ from __future__ import annotations
 import warnings
 from typing import Iterator
 
+import torch.distributed as dist
 import torch.utils.data
 
 from megatron_vlm_packing.packing.bounds import checked_int, is_int
@@ -58,7 +60,8 @@ from megatron_vlm_packing.planner.epoch_plan import EpochPlan, PlannerConfig
 from megatron_vlm_packing.planner.fixed_samples import check_steps_split
 from megatron_vlm_packing.planner.metadata import SampleTable
 from megatron_vlm_packing.planner.sampler_state import (  # noqa: F401 (layout_record: its home was here)
-    STATE_FORMAT, STATE_KEYS, layout_record, planning_fields, shown_field, state_fields,
+    STATE_FORMAT, STATE_KEYS, layout_record, plan_disagreement, planning_fields, rank_record, shown_field,
+    state_fields,
 )
 from megatron_vlm_packing.planner.schedule import plan_epoch
 
@@ -127,6 +130,36 @@ class PackedBatchSampler(torch.utils.data.Sampler):
         if self._layout is None:
             self._layout = layout_record(self.table, self.config)
         return self._layout
+
+    def check_same_plan_across_ranks(self, group=None) -> None:
+        """ValueError on every rank of `group` unless each of its ranks takes its own share of one plan.
+
+        A collective (one all_gather of a small dict per rank): every rank of `group` must call it, at the
+        same place, e.g. once after building the sampler (and after `load_state_dict`), before iterating.
+        `group` is the data-parallel group, None for the world; in Megatron pass
+        `parallel_state.get_data_parallel_group()` (with TP, PP or CP the world holds other ranks). Under
+        NCCL the current CUDA device must be this rank's (Megatron sets it). Compared: every field of
+        `layout_record` (the table's fingerprints: one table in another order differs, the planner
+        settings), the epoch, the position in it and the samples carried into it, as `state_dict()` has
+        them; and the group must have `config.dp_size` ranks, each a different `dp_rank`. The error names
+        each field that differs, its values and the ranks (in the group) holding each. Never called
+        implicitly (`__iter__` does not): Megatron-LM builds loaders on some ranks only, and a collective
+        there would hang.
+
+        Without torch.distributed initialised there is no other rank to compare with: a sampler with
+        dp_size=1 passes, one with a larger dp_size is a ValueError (its ranks cannot be checked).
+        """
+        if not (dist.is_available() and dist.is_initialized()):
+            if self.config.dp_size == 1:
+                return
+            raise ValueError(f"check_same_plan_across_ranks compares dp_size={self.config.dp_size} ranks but "
+                             f"torch.distributed is not initialised: call it after init_process_group, on every rank")
+        record = rank_record(self.state_dict(), self.dp_rank)
+        records = [None] * dist.get_world_size(group)
+        dist.all_gather_object(records, record, group=group)
+        problem = plan_disagreement(records)
+        if problem is not None:
+            raise ValueError(problem)
 
     def plan(self) -> EpochPlan:
         """The plan of the current epoch and the samples carried into it (built once for them)."""

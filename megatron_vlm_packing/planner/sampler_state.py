@@ -114,3 +114,61 @@ def planning_fields(record: dict) -> dict:
     if record.get("balance", True):
         return record
     return {key: value for key, value in record.items() if key.split(".")[0] != "cost_model"}
+
+
+def rank_record(state: dict, dp_rank: int) -> dict:
+    """What one rank's sampler must share with every other rank of its data-parallel group, from its
+    `state_dict()`: the layout (dataset fingerprints and every planner setting), the epoch, the position
+    in it and the samples carried into it (a count and a fingerprint: at most a step's worth); and its
+    `dp_rank`, which every rank must hold a different one of."""
+    carried = state["carried"]
+    return {**state["layout"], "epoch": state["epoch"], "position": state["position"],
+            "carried": f"{len(carried)} sample(s), fingerprint {_fingerprint(np.asarray(carried, np.int64))}",
+            "dp_rank": dp_rank}
+
+
+def _on_ranks(ranks: list[int]) -> str:
+    return f"on rank {ranks[0]}" if len(ranks) == 1 else f"on ranks {', '.join(map(str, ranks))}"
+
+
+def _differing_fields(records: list[dict]) -> list[str]:
+    """`field: value on ranks ...; other value on ranks ...` for every field the records do not agree on."""
+    fields = list(dict.fromkeys(key for record in records for key in record if key != "dp_rank"))
+    lines = []
+    for key in fields:
+        holders: dict[str, list[int]] = {}
+        for rank, record in enumerate(records):
+            holders.setdefault(repr(record[key]) if key in record else "no such field", []).append(rank)
+        if len(holders) > 1:
+            lines.append(f"{key}: " + "; ".join(f"{value} {_on_ranks(at)}" for value, at in holders.items()))
+    return lines
+
+
+def plan_disagreement(records: list[dict]) -> str | None:
+    """Why the ranks of a group, whose `rank_record`s these are (in group rank order), would not each take its
+    own share of one plan at one place in it; None when they would.
+
+    Either the records differ (each rank plans its own epoch: samples trained twice or never), or the group
+    has another size than dp_size, or two ranks hold one dp_rank (its share trained twice, another by none).
+    """
+    lines = _differing_fields(records)
+    if lines:
+        return (f"the {len(records)} ranks of the group disagree on the plan or their place in it, so each would "
+                f"take its share of another epoch or step (samples trained twice or never):\n  "
+                + "\n  ".join(lines)
+                + "\nBuild every rank's SampleTable in one order (sort a file listing) and its PlannerConfig alike, "
+                  "and resume every rank from one state")
+    dp_size = records[0]["dp_size"]
+    if len(records) != dp_size:
+        return (f"the group has {len(records)} ranks but dp_size={dp_size}, so some shares of the plan would be "
+                f"trained twice or by no rank: pass the data-parallel group (in Megatron "
+                f"parallel_state.get_data_parallel_group()) and its size as PlannerConfig(dp_size=)")
+    holders: dict[int, list[int]] = {}
+    for rank, record in enumerate(records):
+        holders.setdefault(record["dp_rank"], []).append(rank)
+    if len(holders) != dp_size:
+        shared = "; ".join(f"dp_rank={r} {_on_ranks(at)}" for r, at in sorted(holders.items()) if len(at) > 1)
+        missing = ", ".join(str(r) for r in range(dp_size) if r not in holders)
+        return (f"each rank of the group must take its own share of the plan, but {shared}; dp_rank {missing} on "
+                f"none: those micro-batches are trained by no rank, those of a shared dp_rank twice")
+    return None
