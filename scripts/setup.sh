@@ -4,9 +4,12 @@
 #   bash scripts/setup.sh            # .venv on Python 3.12 -> megatron-core 0.19.x (primary target)
 #   PY=3.11 VENV=.venv311 bash scripts/setup.sh   # support floor: megatron-core 0.16.1, torch 2.13 CPU
 #   NO_BRIDGE=1 bash scripts/setup.sh             # skip megatron-bridge (its tests then skip)
+#   NO_ENERGON=1 bash scripts/setup.sh            # skip megatron-energon (its tests then skip)
 #
 # On Python >= 3.12 the `bridge` extra (megatron-bridge's Qwen-VL / Omni model modules) is installed
 # with --no-deps: its own dependency list would replace torch, megatron-core and transformers.
+# The `energon` extra (megatron-energon, about 40 small pure additions, none of them replacing an installed
+# package) is installed there too; the support floor leaves it out, where its tests skip.
 #
 # Re-running is cheap: it does nothing when the install stamp is newer than pyproject.toml.
 set -euo pipefail
@@ -43,8 +46,19 @@ if [ "$py_version" = "3.11" ]; then
   "$venv/bin/python" -m pip install -q "torch==2.13.0" "megatron-core==0.16.1"
 fi
 "$venv/bin/python" -m pip install -q -e ".[test,hf]"
-if [ -z "${NO_BRIDGE:-}" ] && "$venv/bin/python" -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then
-  versions() { "$venv/bin/python" -c 'import torch, megatron.core as m, transformers as t; print(torch.__version__, m.__version__, t.__version__)'; }
+versions() { "$venv/bin/python" -c 'import torch, megatron.core as m, transformers as t; print(torch.__version__, m.__version__, t.__version__)'; }
+primary() { "$venv/bin/python" -c 'import sys; sys.exit(sys.version_info < (3, 12))'; }
+if [ -z "${NO_ENERGON:-}" ] && primary; then
+  before=$(versions)
+  # The pin from pyproject.toml's `energon` extra (installed by name: no second editable install).
+  "$venv/bin/python" -m pip install -q $("$venv/bin/python" -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["energon"])')
+  after=$(versions)
+  if [ "$before" != "$after" ]; then
+    echo "setup.sh: installing megatron-energon changed torch / megatron-core / transformers: $before -> $after" >&2
+    exit 1
+  fi
+fi
+if [ -z "${NO_BRIDGE:-}" ] && primary; then
   before=$(versions)
   "$venv/bin/python" -m pip install -q --no-deps "megatron-bridge==0.6.2" einops omegaconf "antlr4-python3-runtime>=4.9,<4.10"
   after=$(versions)

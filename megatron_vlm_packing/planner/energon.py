@@ -1,32 +1,44 @@
 """Megatron-Energon packing hooks: `select_samples_to_pack` / `pack_selected_samples`.
 
-Energon calls `select_samples_to_pack(samples)` with a buffer of `packing_buffer_size` encoded
-samples and `pack_selected_samples(samples)` once per returned group (method names as in
-Energon's TaskEncoder documentation). `EnergonPackingHooks` implements both from per-sample
-metadata: groups are cost-balanced bins of the layout's capacity (never truncated; an oversize
-sample is an error or a bin of its own), and a group becomes one `MicroBatch` through the user's
-collate (samples -> right-padded batch dict) and `pack_batch(..., pad_to=capacity)`.
+`EnergonPackingHooks` implements both from per-sample metadata: groups are cost-balanced bins of the
+layout's capacity (never truncated; an oversize sample is an error or a bin of its own), and a group
+becomes one `MicroBatch` through the user's collate (samples -> right-padded batch dict) and
+`pack_batch(..., pad_to=capacity)`. `PlannedPackingMixin` lends them, and `batch`, to a task encoder.
 
-Energon's contract, as its `PackingDataset` implements it: the samples `select_samples_to_pack`
-does not return are dropped (nothing is kept for a later buffer), so every sample of the buffer is
-returned in exactly one group; a hook that raises has its error logged by Energon's error handler
-and the whole buffer dropped (fatal after `failure_tolerance` failures in a row), so the checks
-that do not depend on the data run at construction, and `oversize="error"` under Energon drops the
-buffer of an oversize sample (with a log line naming it): use `oversize="own_bin"` to keep it.
-Energon's checkpoint stores the selected groups and packs them after a restore; the hooks hold no
-state of their own (the mixin marks both methods stateless, as Energon's `@stateless` would).
+Energon's contract, as megatron-energon 7.4.1's `TaskEncoder.build_batch` and `PackingDataset` implement
+it (tests/planner/test_planner_energon_real.py drives these hooks through it):
+- With `packing_buffer_size=N`, each DataLoader worker of each rank fills its own buffer of N samples
+  (fewer at the end of its data) as `encode_sample` (or `preencode_sample`) returned them and calls
+  `select_samples_to_pack(buffer)`; then `pack_selected_samples(group)` once per returned non-empty group,
+  one group per yielded pack, after `postencode_sample` where the encoder defines it (so `metadata` and
+  `collate` must read that form too). The packs then go through `batch` (`batch_size` packs, or none
+  when `batch_size=None`); Energon's default `batch` fails on a `MicroBatch`, the mixin's returns the pack.
+- The samples `select_samples_to_pack` does not return are dropped (nothing is kept for a later
+  buffer), and one returned twice is packed twice: every sample of the buffer is in exactly one group.
+- A hook's exception goes to the worker config's `global_error_handler` (default: log it) and what the
+  hook was given is dropped: the whole buffer for `select_samples_to_pack`, the group for
+  `pack_selected_samples`, the packs for `batch`; Energon raises after `failure_tolerance` (default 100)
+  failures in a row, and re-raises its `FatalSampleError` (and system errors) at once. The mixin turns
+  every ValueError of its methods (an oversize sample under oversize="error", a group over the capacity,
+  bad metadata, `pack_batch`'s refusals) into a FatalSampleError, so none costs a buffer silently; the
+  checks that do not depend on the data run at construction.
+- Energon's state (`save_state_rank`) holds the restore keys of the buffered samples, those not yet
+  selected and the groups selected but not yet packed; after `restore_state_rank` they are re-read and
+  re-encoded (`encode_sample` must be `@stateless`, as the default is) and the groups packed by
+  `pack_selected_samples` as saved. A group saved under a larger capacity is refused here, not packed
+  over this one. The hooks hold no state of their own; `@stateless` (the `__stateless__` flag, set here
+  without importing Energon) is recorded for the final packer but needed only to restore a single pack
+  from its restore key, which a `MicroBatch` does not carry.
 
-Energon fills each rank's buffer on its own, so these hooks balance the bins of a buffer against
-each other, not ranks against ranks; `PackedBatchSampler` has the global view for that.
-
-Energon is not imported: the hooks are plain callables, and `PlannedPackingMixin` lends them to a
-task encoder class that sets `packing_hooks`.
+Each worker's buffer is balanced on its own: bins of a buffer against each other, not ranks against
+ranks; `PackedBatchSampler` has the global view for that.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -61,7 +73,7 @@ class EnergonPackingHooks:
     pack_kwargs: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        # Checked here: under Energon, an error in the first buffer is logged and the buffer dropped.
+        # Checked here, before any buffer (hooks bound without the mixin: Energon logs and drops the buffer).
         for name in ("metadata", "collate", "expanded_tokens"):
             if not callable(getattr(self, name)):
                 raise ValueError(f"{name} must be callable, got {type(getattr(self, name)).__name__}")
@@ -135,15 +147,31 @@ class EnergonPackingHooks:
 
 
 class PlannedPackingMixin:
-    """Mixin for a Megatron-Energon task encoder: set the class attribute `packing_hooks`."""
+    """Mixin for a Megatron-Energon task encoder: set the class attribute `packing_hooks`.
+
+    Put it before Energon's `TaskEncoder` / `DefaultTaskEncoder` in the bases (its methods must win). It lends
+    `select_samples_to_pack`, `pack_selected_samples` and `batch` (a pack is one micro-batch: build the dataset
+    with `batch_size=1` or `None`); a ValueError from any of them reaches Energon as its `FatalSampleError`.
+    """
 
     packing_hooks: EnergonPackingHooks
 
     def select_samples_to_pack(self, samples: list) -> list[list]:
-        return self._packing_hooks().select_samples_to_pack(samples)
+        with _fatal_under_energon():
+            return self._packing_hooks().select_samples_to_pack(samples)
 
     def pack_selected_samples(self, samples: list) -> MicroBatch:
-        return self._packing_hooks().pack_selected_samples(samples)
+        with _fatal_under_energon():
+            return self._packing_hooks().pack_selected_samples(samples)
+
+    def batch(self, samples: list) -> MicroBatch:
+        """Energon's batch stage: the one pack itself. Energon's default batched the MicroBatch's fields as
+        a generic dataclass and failed (TypeError) on every pack, each logged and dropped by its handler."""
+        with _fatal_under_energon():
+            if len(samples) != 1:
+                raise ValueError(f"batch got {len(samples)} packs: a packed micro-batch is one pack, so build the "
+                                 f"Energon dataset with batch_size=1 or batch_size=None")
+            return samples[0]
 
     def _packing_hooks(self) -> EnergonPackingHooks:
         hooks = getattr(self, "packing_hooks", None)  # unset: an AttributeError at the first buffer
@@ -152,7 +180,28 @@ class PlannedPackingMixin:
                              f"class or in __init__), got {'nothing' if hooks is None else repr(hooks)}")
         return hooks
 
-    # What Energon's @stateless sets (without importing Energon): both are pure functions of the samples
-    # (no RNG, no state), so Energon may restore a pack from its restore key.
+    # What Energon's @stateless sets (without importing Energon): pure functions of the samples (no RNG, no
+    # state). Energon records the final packer's and the batch's flag; neither is needed to save or restore.
     select_samples_to_pack.__stateless__ = True
     pack_selected_samples.__stateless__ = True
+    batch.__stateless__ = True
+
+
+@contextmanager
+def _fatal_under_energon() -> Iterator[None]:
+    """Re-raise a ValueError as Energon's FatalSampleError (a ValueError too) where Energon is installed.
+
+    Energon's error handler logs any other exception of a hook and drops what the hook was given: the whole
+    buffer for `select_samples_to_pack` (one oversize sample under oversize="error" cost every sample of its
+    buffer, and training went on), the group for `pack_selected_samples`. Its FatalSampleError it re-raises.
+    """
+    try:
+        yield
+    except ValueError as error:
+        try:
+            from megatron.energon.errors import FatalSampleError
+        except ImportError:  # no Energon: the plain ValueError
+            raise error from None
+        if isinstance(error, FatalSampleError):
+            raise
+        raise FatalSampleError(str(error)) from error

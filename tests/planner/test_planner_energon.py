@@ -131,3 +131,17 @@ def test_a_restored_oversize_sample_is_refused_under_oversize_error(samples):
         _hooks(layout=BinLayout(capacity=32)).pack_selected_samples([long])
     packed = _hooks(layout=BinLayout(capacity=32, oversize="own_bin")).pack_selected_samples([long])
     assert packed.plan.real_lengths == (max(tokens),)  # own_bin: alone, never truncated
+
+
+def test_the_mixin_batch_is_the_one_pack(samples):
+    """Energon's batch stage after packing: its default batched the MicroBatch's fields as a generic dataclass
+    and failed on every pack (tests/planner/test_planner_energon_real.py runs it through Energon)."""
+    class Encoder(PlannedPackingMixin):
+        packing_hooks = _hooks(layout=BinLayout(capacity=64, oversize="own_bin"))
+
+    encoder = Encoder()
+    packs = [encoder.pack_selected_samples(g) for g in encoder.select_samples_to_pack(samples[:6])]
+    assert encoder.batch(packs[:1]) is packs[0]
+    with pytest.raises(ValueError, match=r"batch got 2 packs: .* batch_size=1 or batch_size=None"):
+        encoder.batch(packs[:2])
+    assert Encoder.batch.__stateless__ is True
