@@ -154,10 +154,21 @@ class PackedBatchSampler(torch.utils.data.Sampler):
                 return
             raise ValueError(f"check_same_plan_across_ranks compares dp_size={self.config.dp_size} ranks but "
                              f"torch.distributed is not initialised: call it after init_process_group, on every rank")
-        record = rank_record(self.state_dict(), self.dp_rank)
-        records = [None] * dist.get_world_size(group)
-        dist.all_gather_object(records, record, group=group)
-        problem = plan_disagreement(records)
+        caught = None
+        try:
+            record = rank_record(self.state_dict(), self.dp_rank)
+        except Exception as error:  # gathered: the other ranks raise too, not wait in the collective forever
+            record, caught = None, error
+        gathered = [None] * dist.get_world_size(group)
+        failure = None if caught is None else f"{type(caught).__name__}: {caught}"
+        dist.all_gather_object(gathered, {"record": record, "failure": failure}, group=group)
+        if caught is not None:
+            raise caught
+        failed = [(rank, item["failure"]) for rank, item in enumerate(gathered) if item["failure"] is not None]
+        if failed:
+            raise ValueError(f"check_same_plan_across_ranks: rank {failed[0][0]} of the group could not record its "
+                             f"plan ({failed[0][1]}); {len(failed)} rank(s) failed")
+        problem = plan_disagreement([item["record"] for item in gathered])
         if problem is not None:
             raise ValueError(problem)
 

@@ -26,7 +26,7 @@ def _sampler_of(case: str, rank: int) -> PackedBatchSampler:
     """Rank 0 builds the reference sampler; rank 1 builds the one `case` names."""
     tokens = _TOKENS[::-1].copy() if case == "order" and rank == 1 else _TOKENS
     kw = {"capacity": dict(capacity=256), "seed": dict(seed=6), "balance": dict(balance=False),
-          "dp_size": dict(dp_size=1)}.get(case, {})
+          "dp_size": dict(dp_size=1), "fails_on_one_rank": dict(expanded_tokens=_refusing_tokens)}.get(case, {})
     config = _config(**kw) if rank == 1 or case == "dp_size" else _config()
     dp_rank = 0 if case in ("same_dp_rank", "dp_size") else rank
     sampler = PackedBatchSampler(SampleTable(text_tokens=tokens), config, dp_rank=dp_rank)
@@ -38,7 +38,13 @@ def _sampler_of(case: str, rank: int) -> PackedBatchSampler:
     return sampler
 
 
-_CASES = ("same", "same_in_a_group", "order", "capacity", "seed", "balance", "position", "same_dp_rank", "dp_size")
+_CASES = ("same", "same_in_a_group", "order", "capacity", "seed", "balance", "position", "same_dp_rank", "dp_size",
+          "fails_on_one_rank")
+
+
+def _refusing_tokens(table):
+    """A token count hook that refuses this rank's table (e.g. a malformed sample only its copy holds)."""
+    raise ValueError("sample 3 has a grid the merge does not divide")
 
 
 def _check_every_case(rank, world_size):
@@ -123,3 +129,12 @@ def test_without_torch_distributed_one_rank_passes_and_more_are_refused():
     PackedBatchSampler(table, _config(dp_size=1), dp_rank=0).check_same_plan_across_ranks()  # nothing to compare
     with pytest.raises(ValueError, match=r"dp_size=2 ranks but torch.distributed is not initialised"):
         PackedBatchSampler(table, _config(), dp_rank=0).check_same_plan_across_ranks()
+
+
+def test_a_rank_that_cannot_record_its_plan_fails_every_rank(outcomes):
+    """Rank 1's record raised before the all_gather (its token count hook refused its table): rank 0 waited in
+    the collective for ever. Now the failure is gathered: rank 1 raises its own error, rank 0 names rank 1's."""
+    assert outcomes[1]["fails_on_one_rank"] == "sample 3 has a grid the merge does not divide"
+    assert outcomes[0]["fails_on_one_rank"] == (
+        "check_same_plan_across_ranks: rank 1 of the group could not record its plan (ValueError: sample 3 has a "
+        "grid the merge does not divide); 1 rank(s) failed")
