@@ -43,12 +43,21 @@ def setup_distributed(device: str, tp: int, cp: int, seed: int) -> None:
     initialize_parallel(tp=tp, cp=cp, seed=seed)
 
 
+def summed_over_data_and_context(values: torch.Tensor) -> torch.Tensor:
+    """`values` summed over the DP x CP ranks: `loss_func` reports this rank's CP share of the tokens."""
+    from megatron.core import parallel_state as ps
+
+    total = values.detach().clone()
+    dist.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
+    return total
+
+
 def finalize_grads(model: torch.nn.Module, num_tokens: torch.Tensor) -> None:
-    """Sum grads over DP x CP, SP-norm grads over TP, then divide by the global token count."""
+    """Sum grads over DP x CP, SP-norm grads over TP, then divide by `num_tokens`, the global token
+    count (already summed over DP x CP)."""
     from megatron.core import parallel_state as ps
 
     dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
-    dist.all_reduce(num_tokens, group=dp_cp)
     for param in model.parameters():
         if param.grad is None:
             continue
@@ -71,20 +80,24 @@ def train_step(model, optimizer, step_fn, micro_batches) -> dict:
     real = sum(r["packing efficiency"][0] for r in reports)
     physical = sum(r["packing efficiency"][1] for r in reports)
     padded = sum(r["padding efficiency"][1] for r in reports)
-    finalize_grads(model, tokens.clone())
+    # Every rank's loss, over every CP rank's tokens: rank 0's alone was its CP half's mean.
+    loss_sum, tokens = summed_over_data_and_context(torch.stack([loss_sum, tokens]))
+    finalize_grads(model, tokens)
     optimizer.step()
     return dict(loss=(loss_sum / tokens).item(), real=int(real), physical=int(physical), padded=int(padded))
 
 
 @torch.no_grad()
 def held_out_parity(model, samples: list[dict]) -> tuple[float, float]:
-    """Mean per-token loss of the samples packed into one micro-batch, and of each sample alone."""
+    """Mean per-token loss of the samples packed into one micro-batch, and of each sample alone
+    (over every CP rank's tokens)."""
     def mean_loss(step, batches):
-        total, tokens = 0.0, 0.0
+        sums = []
         for b in batches:
             output, loss_fn = step(iter([b]), model)
             loss_sum, num, _ = loss_fn(output)
-            total, tokens = total + loss_sum.item(), tokens + num.item()
+            sums.append(torch.stack([loss_sum.double(), num.double()]))  # float64, as Python sums them
+        total, tokens = summed_over_data_and_context(torch.stack(sums).sum(0)).tolist()
         return total / tokens
 
     model.eval()
