@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from megatron_vlm_packing.testing.step_models import step_loss
+from tests.bridge.tiny_qwen_vl import tiny_qwen_vl_case
 
 pytestmark = pytest.mark.bridge
 R = dataclasses.replace
@@ -23,19 +24,13 @@ FAMILIES = ("qwen3_vl", "qwen25_vl")
 
 @pytest.fixture(scope="module")
 def bridge(single_process_megatron):
-    from megatron_vlm_packing.bridge.samples import collate_qwen_vl, qwen_vl_samples
-    from megatron_vlm_packing.bridge.tiny import TinyBridgeConfig, build_tiny_bridge_model
-    from megatron_vlm_packing.packing.collate import PackingCollator
+    from megatron_vlm_packing.bridge.samples import collate_qwen_vl
 
     out = {}
     for family in FAMILIES:
-        cfg = TinyBridgeConfig(family=family)
-        samples = qwen_vl_samples(cfg, 4, seed=5)
-        batch = collate_qwen_vl(samples)
-        assert batch["pixel_values"].shape[0] and "pixel_values_videos" in batch
-        out[family] = dict(model=build_tiny_bridge_model(cfg, seed=0), batch=batch, cfg=cfg,
-                           loader=PackingCollator(label_style="hf", mrope=cfg.mrope_config())(batch),
-                           alone=[collate_qwen_vl([s]) for s in samples])
+        case = out[family] = tiny_qwen_vl_case(family)
+        assert case["batch"]["pixel_values"].shape[0] and "pixel_values_videos" in case["batch"]
+        case.update(loader=case["collator"](case["batch"]), alone=[collate_qwen_vl([s]) for s in case["samples"]])
     return out
 
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from megatron_vlm_packing.testing.step_models import step_loss
+from tests.bridge.tiny_qwen_vl import tiny_qwen_vl_case
 
 pytestmark = pytest.mark.bridge
 R = dataclasses.replace
@@ -26,18 +27,11 @@ FAMILIES = {"qwen3_vl": "Qwen3VLModel", "qwen25_vl": "Qwen25VLModel"}
 
 @pytest.fixture(scope="module")
 def bridge(single_process_megatron):
-    from megatron_vlm_packing.bridge.samples import collate_qwen_vl, qwen_vl_samples
-    from megatron_vlm_packing.bridge.tiny import TinyBridgeConfig, build_tiny_bridge_model
-    from megatron_vlm_packing.packing.collate import PackingCollator
-
     out = {}
     for family in FAMILIES:
-        cfg = TinyBridgeConfig(family=family)
-        samples = qwen_vl_samples(cfg, 4, seed=5)
-        batch = collate_qwen_vl(samples)
+        case = out[family] = tiny_qwen_vl_case(family)
+        batch, cfg = case["batch"], case["cfg"]
         assert batch["pixel_values"].shape[1] == cfg.patch_features == 96 and "pixel_values_videos" in batch
-        out[family] = dict(model=build_tiny_bridge_model(cfg, seed=0), batch=batch, cfg=cfg, samples=samples,
-                           collator=PackingCollator(label_style="hf", mrope=cfg.mrope_config()))
     return out
 
 
