@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from megatron_vlm_packing.packing.bridge_batch import from_bridge_batch
 from megatron_vlm_packing.packing.packed_value_checks import check_packed_values, host_array
 from megatron_vlm_packing.packing.host_tokens import pack_tokens_on_host, packs_on_host
 from megatron_vlm_packing.packing.media_counts import checked_placeholders
@@ -165,6 +166,7 @@ def pack_batch(
     """
     if type(host_reads) is not bool or type(require_media_counts) is not bool:  # "no" must not switch them on
         check_flags(host_reads=host_reads, require_media_counts=require_media_counts)
+    batch = from_bridge_batch(batch, label_style)  # Megatron-Bridge's collate output: visual_inputs unpacked
     # A plain batch on the host first, before any option handling of the general path: in a DataLoader
     # worker every line run per micro-batch counts (`plain_host`; it defers anything it does not take).
     if host_reads and mrope is None and image_token_id is None and video_token_id is None \

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_vlm_packing.packing.bridge_batch import from_bridge_batch
 from megatron_vlm_packing.packing.bounds import is_int
 from megatron_vlm_packing.packing.dense import pad_or_truncate_positions, pad_or_truncate_rows
 from megatron_vlm_packing.packing.media_counts import checked_placeholders
@@ -108,6 +109,7 @@ def pad_batch(
         after each row's largest position), `padding_mask` True at pad slots.
     """
     check_flags(truncate=truncate, require_media_counts=require_media_counts)  # truncate="no" cut rows
+    batch = from_bridge_batch(batch, label_style)  # Megatron-Bridge's collate output: visual_inputs unpacked
     media = MediaTokens.resolve(mrope, image_token_id=image_token_id, video_token_id=video_token_id,
                                 audio_token_id=audio_token_id, spatial_merge_size=spatial_merge_size,
                                 require_counts=require_media_counts)

@@ -18,6 +18,7 @@ import torch
 
 from megatron_vlm_packing.models.adapter import ModelAdapter, check_loader_mrope
 from megatron_vlm_packing.packing.bounds import is_int
+from megatron_vlm_packing.packing.bridge_batch import from_bridge_batch
 from megatron_vlm_packing.packing.micro_batch import MicroBatch
 from megatron_vlm_packing.packing.row_fields import check_dense_tensors, check_pack_arguments
 from megatron_vlm_packing.parallel.layout import ParallelLayout
@@ -163,7 +164,8 @@ def micro_batch_for_model(item: dict | MicroBatch, adapter: ModelAdapter, layout
         item = check_loader_vocab(item, getattr(adapter, "vocab_size", None),
                                   unembedded_token_id=getattr(adapter, "unembedded_token_id", None))
         return BuiltMicroBatch(adapter.micro_batch_from_loader(item, layout, options, device))
-    batch = to_device(item, device)
+    # Megatron-Bridge's collate output: its visual_inputs unpacked before the move (`packing.bridge_batch`)
+    batch = to_device(from_bridge_batch(item, options.label_style), device)
     mrope_used = resolve_mrope(options, adapter, batch)
     micro_batch = adapter.build_micro_batch(batch, layout, options)
     if micro_batch is not None:

@@ -1,0 +1,171 @@
+"""Megatron-Bridge's own Qwen-VL collate output (`tests/bridge/bridge_collate.py`: `qwen2_5_collate_fn`'s lines on the
+processor's output, with Bridge's own `GenericVisualInputs` and `prepare_sequence_batch`) through the shipped step.
+
+Before, the README's recipe for Bridge users (`make_forward_step(pack=True, label_style="hf", with_state=True)`)
+refused every such batch (`unknown batch key 'visual_inputs'`); unpacked by hand, with `label_style="hf"`, its
+already-shifted labels were shifted again: the tiny Qwen3-VL's loss read 259.84 over 46 targets for 313.00 over 56,
+no error. Now the step unpacks `visual_inputs` and takes the batch with `label_style="megatron"`: the pack is the
+one the Hugging Face-style batch of the same samples gives (per-token losses and every gradient identical), equal
+to each sample alone; the rows' padding to 128 is neither packed nor counted; the wrong combinations are errors.
+Tiny Bridge models (CPU, one process, local specs).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_vlm_packing.testing.step_models import step_loss
+from tests.bridge.bridge_collate import bridge_collate, generic_visual_inputs, processor_output
+from tests.bridge.tiny_qwen_vl import tiny_qwen_vl_case
+
+pytestmark = pytest.mark.bridge
+FAMILIES = ("qwen3_vl", "qwen25_vl")
+LOSS_TOLERANCE, GRAD_TOLERANCE = 1e-5, 1e-5
+
+
+@pytest.fixture(scope="module")
+def cases(single_process_megatron):
+    return {family: tiny_qwen_vl_case(family) for family in FAMILIES}
+
+
+def _run(model, batch: dict, **options) -> dict:
+    """One micro-batch through `make_forward_step(**options)`, backward of its loss sum: the pack's per-token
+    losses at its targets (in pack order), the loss sum and target count, the micro-batch and every gradient."""
+    from megatron_vlm_packing.train.step import make_forward_step
+
+    seen = []
+    model.zero_grad(set_to_none=True)
+    step = make_forward_step(transform=lambda mb: seen.append(mb) or mb, **options)
+    output, loss_fn = step(iter([batch]), model)
+    loss_sum, count, _ = loss_fn(output)
+    loss_sum.backward()
+    mb = seen[0]
+    targets = mb.loss_mask.reshape(output.shape) != 0
+    return dict(losses=output.detach()[targets], sum=loss_sum.item(), count=int(count), micro_batch=mb,
+                grads={n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+
+
+def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
+
+
+def test_the_stand_in_is_bridges_format(cases):
+    """The batch is what Bridge's collate returns: rows padded to 128, labels the next token (-100 where the
+    shifted loss mask is 0), arange positions, the vision in one GenericVisualInputs."""
+    case = cases["qwen3_vl"]
+    batch, hf = bridge_collate(case["samples"], case["cfg"]), processor_output(case["samples"], case["cfg"])
+    assert type(batch["visual_inputs"]).__name__ == "GenericVisualInputs"
+    assert batch["input_ids"].shape[1] == 128 and hf["input_ids"].shape[1] < 128
+    width = hf["input_ids"].shape[1]
+    trained = hf["labels"][:, 1:] != -100
+    assert torch.equal(batch["labels"][:, :width - 1][trained], hf["input_ids"][:, 1:][trained])
+    assert torch.equal(batch["loss_mask"][:, :width - 1], trained.float())
+    assert (batch["labels"][:, width - 1:] == -100).all() and not batch["attention_mask"][:, width:].any()
+    assert torch.equal(batch["position_ids"], torch.arange(128).expand(len(case["samples"]), -1))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bridge_batch_packs_as_the_hf_batch(cases, family):
+    """Bridge's batch (label_style="megatron") and the HF-style batch of the same samples (label_style="hf") give
+    the same pack: identical per-token losses, target count and gradients; the 128-padding is not packed."""
+    case = cases[family]
+    ours = _run(case["model"], case["batch"], pack=True, label_style="hf")
+    bridge = _run(case["model"], bridge_collate(case["samples"], case["cfg"]), pack=True, label_style="megatron")
+    real = sum(len(s["input_ids"]) for s in case["samples"])
+    assert bridge["micro_batch"].stats.real_tokens == ours["micro_batch"].stats.real_tokens == real
+    assert bridge["count"] == ours["count"] and torch.equal(bridge["losses"], ours["losses"])
+    assert torch.equal(bridge["micro_batch"].position_ids, ours["micro_batch"].position_ids)  # each sample's mRoPE
+    assert bridge["grads"].keys() == ours["grads"].keys()
+    assert all(torch.equal(bridge["grads"][n], ours["grads"][n]) for n in ours["grads"])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bridge_batch_packed_equals_each_sample_alone(cases, family):
+    """The pack of Bridge's batch against each sample's own Bridge batch (padded to 128 alone) through the step:
+    per-token losses and the summed gradients, vision tower included."""
+    case = cases[family]
+    packed = _run(case["model"], bridge_collate(case["samples"], case["cfg"]), pack=True, label_style="megatron")
+    alone = [_run(case["model"], bridge_collate([s], case["cfg"]), pack=True, label_style="megatron")
+             for s in case["samples"]]
+    assert packed["count"] == sum(a["count"] for a in alone) > 0
+    assert _max_rel(packed["losses"], torch.cat([a["losses"] for a in alone])) < LOSS_TOLERANCE
+    tower = ("vision_model." if family == "qwen3_vl" else "visual.")
+    assert any(n.startswith(tower) for n in packed["grads"])
+    for name, grad in packed["grads"].items():  # a text-only sample alone leaves the tower without gradients
+        summed = sum(a["grads"].get(name, torch.zeros_like(grad)) for a in alone)
+        assert _max_rel(grad, summed) < GRAD_TOLERANCE, name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bridge_batch_dense_rows_as_the_hf_batch(cases, family):
+    """pack=False: the same dense rows as the HF-style batch (the 128-padding cut back to the layout's length)."""
+    case = cases[family]
+    ours = _run(case["model"], case["batch"], pack=False, label_style="hf")
+    bridge = _run(case["model"], bridge_collate(case["samples"], case["cfg"]), pack=False, label_style="megatron")
+    assert bridge["count"] == ours["count"] and torch.equal(bridge["losses"], ours["losses"])
+
+
+def test_bridge_batch_with_hf_labels_is_refused(cases):
+    """label_style="hf" would shift Bridge's next-token labels a second time (before: no error once unpacked)."""
+    case = cases["qwen3_vl"]
+    with pytest.raises(ValueError, match=r"already next-token targets .* label_style='megatron'"):
+        step_loss(case["model"], bridge_collate(case["samples"], case["cfg"]), pack=True, label_style="hf")
+
+
+def test_in_batch_packed_bridge_batch_is_refused(cases):
+    """Bridge's own in-batch THD packing: refused, saying to turn it off (the step packs)."""
+    case = cases["qwen3_vl"]
+    batch = bridge_collate(case["samples"], case["cfg"], enable_in_batch_packing=True)
+    assert batch["input_ids"].shape[0] == 1 and "cu_seqlens_q" in batch
+    with pytest.raises(ValueError, match=r"in-batch packing .*'cu_seqlens_q'.* enable_in_batch_packing=False"):
+        step_loss(case["model"], batch, pack=True, label_style="megatron")
+
+
+def test_visual_inputs_field_no_adapter_consumes_is_refused(cases):
+    """A field of GenericVisualInputs no adapter reads (Gemma's image_sizes) is named, not dropped."""
+    case = cases["qwen3_vl"]
+    batch = bridge_collate(case["samples"], case["cfg"])
+    fields = batch["visual_inputs"].as_model_kwargs()
+    batch["visual_inputs"] = generic_visual_inputs(**fields, image_sizes=torch.tensor([[32, 64]]))
+    with pytest.raises(ValueError, match=r"visual_inputs carries \{'image_sizes': \(1, 2\)\}, which no model adapter"):
+        step_loss(case["model"], batch, pack=True, label_style="megatron")
+
+
+def test_visual_inputs_field_also_a_batch_key_is_refused(cases):
+    case = cases["qwen3_vl"]
+    batch = bridge_collate(case["samples"], case["cfg"])
+    batch["pixel_values"] = batch["visual_inputs"].pixel_values
+    with pytest.raises(ValueError, match=r"visual_inputs.pixel_values is given and so is the batch key"):
+        step_loss(case["model"], batch, pack=True, label_style="megatron")
+
+
+def test_bridge_positions_other_than_an_arange_are_refused(cases):
+    """Bridge's models discard 2D positions; here they must be the arange its collate writes, else a ValueError
+    (a restart inside a row is read as two documents, never replaced silently)."""
+    case = cases["qwen3_vl"]
+    batch = bridge_collate(case["samples"], case["cfg"])
+    batch["position_ids"][0, 5:] -= 5
+    with pytest.raises(ValueError, match=r"position_ids .* is 0, expected 5 \(it restarts"):
+        step_loss(case["model"], batch, pack=True, label_style="megatron")
+
+
+def test_packing_collator_takes_bridge_batches(cases):
+    """`PackingCollator(label_style="megatron")` around Bridge's collate: the step's pack, loss for loss."""
+    from megatron_vlm_packing.packing.collate import PackingCollator
+
+    case = cases["qwen25_vl"]
+    cfg = case["cfg"]
+    collator = PackingCollator(collate=lambda samples: bridge_collate(samples, cfg), label_style="megatron",
+                               mrope=cfg.mrope_config())
+    loader = step_loss(case["model"], collator(case["samples"]), pack=True, label_style="megatron")
+    assert loader == step_loss(case["model"], case["batch"], pack=True, label_style="hf")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_parity_probe_on_bridge_batches(cases, family, capsys):
+    """The step's parity probe splits Bridge's (unpacked) batch per sample: packed == alone within its bound."""
+    case = cases[family]
+    step_loss(case["model"], bridge_collate(case["samples"], case["cfg"]), pack=True, label_style="megatron",
+              parity_probe_every=1)
+    assert "parity probe" in capsys.readouterr().out
