@@ -13,7 +13,6 @@ import numpy as np
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron_vlm_packing.packing.bridge_batch import from_bridge_batch
 from megatron_vlm_packing.packing.packed_value_checks import check_packed_values, host_array
 from megatron_vlm_packing.packing.host_tokens import pack_tokens_on_host, packs_on_host
 from megatron_vlm_packing.packing.media_counts import checked_placeholders
@@ -26,6 +25,7 @@ from megatron_vlm_packing.packing.positions import (
 )
 from megatron_vlm_packing.packing.indices import PackIndices, plan_indices
 from megatron_vlm_packing.packing.plan import PackMultiples, PackPlan, checked_pad_to, make_pack_plan
+from megatron_vlm_packing.packing.bridge_batch import from_bridge_batch
 from megatron_vlm_packing.packing.rows import (  # noqa: F401
     IGNORE_INDEX, INT64_MAX, Rows, check_flags, check_pad_token_id, checked_extra_keys, loss_weights_of,
     raise_value_errors_first, read_rows, refuse_undense, shift_labels_within_rows,

@@ -22,6 +22,7 @@ from tests.bridge.tiny_qwen_vl import tiny_qwen_vl_case
 pytestmark = pytest.mark.bridge
 FAMILIES = ("qwen3_vl", "qwen25_vl")
 LOSS_TOLERANCE, GRAD_TOLERANCE = 1e-5, 1e-5
+README_BRIDGE_STEP = dict(pack=True, label_style="megatron", with_state=True)  # the README's arguments
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,8 @@ def _run(model, batch: dict, **options) -> dict:
     seen = []
     model.zero_grad(set_to_none=True)
     step = make_forward_step(transform=lambda mb: seen.append(mb) or mb, **options)
-    output, loss_fn = step(iter([batch]), model)
+    args = (iter([batch]), model) if not options.get("with_state") else (None, iter([batch]), model)
+    output, loss_fn = step(*args)
     loss_sum, count, _ = loss_fn(output)
     loss_sum.backward()
     mb = seen[0]
@@ -71,7 +73,7 @@ def test_bridge_batch_packs_as_the_hf_batch(cases, family):
     the same pack: identical per-token losses, target count and gradients; the 128-padding is not packed."""
     case = cases[family]
     ours = _run(case["model"], case["batch"], pack=True, label_style="hf")
-    bridge = _run(case["model"], bridge_collate(case["samples"], case["cfg"]), pack=True, label_style="megatron")
+    bridge = _run(case["model"], bridge_collate(case["samples"], case["cfg"]), **README_BRIDGE_STEP)
     real = sum(len(s["input_ids"]) for s in case["samples"])
     assert bridge["micro_batch"].stats.real_tokens == ours["micro_batch"].stats.real_tokens == real
     assert bridge["count"] == ours["count"] and torch.equal(bridge["losses"], ours["losses"])
@@ -104,6 +106,15 @@ def test_bridge_batch_dense_rows_as_the_hf_batch(cases, family):
     ours = _run(case["model"], case["batch"], pack=False, label_style="hf")
     bridge = _run(case["model"], bridge_collate(case["samples"], case["cfg"]), pack=False, label_style="megatron")
     assert bridge["count"] == ours["count"] and torch.equal(bridge["losses"], ours["losses"])
+
+
+def test_bridge_batch_with_tokens_for_input_ids(cases):
+    """Bridge's batches name the ids `tokens` or `input_ids` (its step reads either): the same pack."""
+    case = cases["qwen3_vl"]
+    batch = bridge_collate(case["samples"], case["cfg"])
+    renamed = {("tokens" if key == "input_ids" else key): value for key, value in batch.items()}
+    assert step_loss(case["model"], renamed, pack=True, label_style="megatron") == \
+        step_loss(case["model"], batch, pack=True, label_style="megatron")
 
 
 def test_bridge_batch_with_hf_labels_is_refused(cases):
