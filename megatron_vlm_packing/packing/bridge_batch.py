@@ -11,7 +11,8 @@ processor's output in four ways, each read here as Bridge's own `vlm_step` reads
 - `labels` are already next-token targets (`labels[t] = input_ids[t + 1]`, -100 where the float `loss_mask`,
   shifted with them, is 0; the row's last slot -100): Megatron's convention. Read with `label_style="hf"` they
   would be shifted a second time (every token trained on the one after its target, one target per row lost,
-  no error), so a batch carrying `visual_inputs` is refused unless `label_style="megatron"`;
+  no error), so a batch carrying `visual_inputs` (or a Bridge pack's boundaries, below) is refused unless
+  `label_style="megatron"`;
 - `position_ids` are one arange per row over the whole padded row: Bridge's Qwen-VL models discard them
   (`Qwen3VLModel` keeps only [3, B, S] mRoPE positions, `Qwen25VLModel` recomputes its own from the ids and
   grids). They pass through unchanged: the packers' check of [B, S] positions (0..n-1 on each row's real
@@ -22,8 +23,11 @@ processor's output in four ways, each read here as Bridge's own `vlm_step` reads
   right-padded batch, so those slots are neither packed nor counted.
 
 Batches Bridge has already packed (`enable_in_batch_packing=True`: one THD row with `cu_seqlens_q` and the
-other `PackedSeqParams` fields as batch keys, `data.packing.in_batch`) are refused with a ValueError saying
-to turn that packing off: the step packs itself, at real lengths and with the layout's alignment.
+other `PackedSeqParams` fields as batch keys, `data.packing.in_batch`) are cut back into the right-padded rows
+they were packed from (`rows_of_bridge_pack`: each document's real tokens, `cu_seqlens_q`, read from its
+physical start, `cu_seqlens_q_padded`; one host read of the boundaries), which the step then packs as any batch:
+at real lengths, aligned for the model's layout, each sample's own mRoPE positions. Bridge's own alignment
+padding is not kept, so `in_batch_packing_pad_to_multiple_of` changes nothing here.
 
 Nothing here imports Bridge: the object is read through `normalized_for_model()`, the method Bridge's step
 calls. Pure: the batch given is not changed.
@@ -52,7 +56,8 @@ def is_bridge_batch(batch) -> bool:
 
 
 def from_bridge_batch(batch, label_style: str):
-    """`batch` with Bridge's `visual_inputs` unpacked into batch keys; any other batch returned as it is.
+    """`batch` with Bridge's `visual_inputs` unpacked into batch keys (and a Bridge pack cut back into its rows);
+    any other batch returned as it is.
 
     Args:
         batch: a collated batch (a mapping). Bridge's: `input_ids` (or `tokens`), `attention_mask`, arange
@@ -60,31 +65,28 @@ def from_bridge_batch(batch, label_style: str):
         label_style: the packer's ("megatron" or "hf"); a Bridge batch needs "megatron".
 
     Returns:
-        a new dict without `visual_inputs` and with its non-None fields as keys (a Bridge batch), else `batch`.
+        a new dict without `visual_inputs` and with its non-None fields as keys (a Bridge batch; a Bridge pack as
+        right-padded rows with an `attention_mask`), else `batch`.
 
     Raises:
-        ValueError: a batch Bridge already packed (names the keys and `enable_in_batch_packing`); a Bridge
-            batch read with `label_style="hf"`; a `visual_inputs` without `normalized_for_model()`, one whose
+        ValueError: a Bridge batch read with `label_style="hf"`; a pack whose boundaries do not describe its row
+            (`rows_of_bridge_pack`); a `visual_inputs` without `normalized_for_model()`, one whose
             field no adapter consumes, or whose field is also a key of the batch (naming the field).
     """
     if not isinstance(batch, Mapping):  # the packers name what it is
         return batch
-    packed = [key for key in BRIDGE_PACKED_KEYS if key in batch]
-    if packed:
-        raise ValueError(
-            f"this batch was already packed by Megatron-Bridge's in-batch packing (it carries {packed}: one THD row "
-            f"whose boundaries the collator chose): set enable_in_batch_packing=False in Bridge's dataset config; "
-            f"the step packs each micro-batch itself, at real lengths, aligned for the model's TP / CP / SP layout, "
-            f"with each sample's own mRoPE positions")
-    if BRIDGE_VISUAL_KEY not in batch:
+    markers = [key for key in (BRIDGE_VISUAL_KEY, *BRIDGE_PACKED_KEYS) if key in batch]
+    if not markers:
         return batch
     if label_style != "megatron":
         raise ValueError(
-            f"this batch is Megatron-Bridge's collate output (it carries {BRIDGE_VISUAL_KEY!r}), whose labels are "
+            f"this batch is Megatron-Bridge's collate output (it carries {markers}), whose labels are "
             f"already next-token targets (labels[t] = input_ids[t + 1], loss_mask shifted with them); "
             f"label_style={label_style!r} would shift them again and train every token on the one after its "
             f"target: use make_forward_step(label_style='megatron') (pack_batch / PackingCollator: "
             f"label_style='megatron')")
+    if any(key in batch for key in BRIDGE_PACKED_KEYS):
+        batch = rows_of_bridge_pack(batch)
     unpacked = {key: value for key, value in batch.items() if key != BRIDGE_VISUAL_KEY}
     for name, value in _visual_fields(batch[BRIDGE_VISUAL_KEY]).items():
         if unpacked.get(name) is not None:
@@ -110,3 +112,77 @@ def _visual_fields(visual_inputs) -> dict:
         raise ValueError(f"{BRIDGE_VISUAL_KEY} carries {shapes}, which no model adapter here consumes (they would "
                          f"be dropped): the step takes {sorted(_UNPACKED_FIELDS)}")
     return fields
+
+
+# The [1, T] sequence fields of a Bridge pack and the value at the slots after each document's real tokens.
+_PACK_FIELD_FILLS = {"input_ids": 0, "tokens": 0, "labels": -100, "loss_mask": 0, "position_ids": 0,
+                     "mm_token_type_ids": 0}
+
+
+def rows_of_bridge_pack(batch: Mapping) -> dict:
+    """Bridge's in-batch pack (one [1, T] THD row, `cu_seqlens_q` and the other `PackedSeqParams` fields as keys)
+    as the right-padded [N, L] rows it was packed from (L = the longest document), with an `attention_mask`.
+
+    Each document's real tokens, `cu_seqlens_q[i + 1] - cu_seqlens_q[i]`, are read from its physical start
+    (`cu_seqlens_q_padded[i]`, or `cu_seqlens_q[i]` without alignment padding) in every sequence field (ids,
+    labels, loss mask, positions, `mm_token_type_ids`); the other keys are kept. Bridge cut labels and loss mask
+    per row before packing, so each document's last label is its own. One host read of the boundaries.
+
+    Raises:
+        ValueError: naming the field and the numbers: no `cu_seqlens_q`, the _kv boundaries differ from the _q ones, boundaries that
+            are not [N + 1] ints from 0, rising by at least 1 (real) and by at least the real length (physical)
+            and ending at T, a sequence field not [1, T], or an `attention_mask` given beside the boundaries.
+    """
+    if batch.get("cu_seqlens_q") is None:
+        raise ValueError(f"the batch carries {[k for k in BRIDGE_PACKED_KEYS if k in batch]}, the fields of a "
+                         f"Megatron-Bridge in-batch pack, without its cu_seqlens_q: where each document is")
+    real = _host_boundaries(batch, "cu_seqlens_q")
+    starts = _host_boundaries(batch, "cu_seqlens_q_padded") if batch.get("cu_seqlens_q_padded") is not None else real
+    for q_key, kv_key in (("cu_seqlens_q", "cu_seqlens_kv"), ("cu_seqlens_q_padded", "cu_seqlens_kv_padded")):
+        if batch.get(kv_key) is not None and _host_boundaries(batch, kv_key) != _host_boundaries(batch, q_key):
+            raise ValueError(f"{kv_key} {_host_boundaries(batch, kv_key)} differs from {q_key} "
+                             f"{_host_boundaries(batch, q_key)}: a Bridge pack attends within the same documents")
+    if batch.get("attention_mask") is not None:
+        raise ValueError("a Bridge pack (cu_seqlens_q given) carries an attention_mask: its packer leaves it None; "
+                         "the boundaries say where each document is")
+    fields = {key: batch[key] for key in _PACK_FIELD_FILLS if batch.get(key) is not None}
+    total = _pack_length(fields)
+    lengths = [b - a for a, b in zip(real, real[1:])]
+    physical = [b - a for a, b in zip(starts, starts[1:])]
+    if len(starts) != len(real) or starts[-1] != total or min(lengths) < 1 or \
+            any(n > room for n, room in zip(lengths, physical)):
+        raise ValueError(f"the Bridge pack's boundaries do not describe its {total} slots: cu_seqlens_q {real}, "
+                         f"cu_seqlens_q_padded {starts if starts is not real else None} (documents of at least 1 token, "
+                         f"each within its physical slots, the last ending at {total})")
+    width = max(lengths)
+    offsets = torch.arange(width)
+    keep = offsets[None, :] < torch.tensor(lengths)[:, None]  # [N, L]
+    slots = (torch.tensor(starts[:-1])[:, None] + offsets[None, :]).clamp(max=total - 1)  # [N, L] pack slots
+    rows = {key: value for key, value in batch.items() if key not in BRIDGE_PACKED_KEYS}
+    for key, value in fields.items():
+        gathered = value[0][slots.to(value.device)]
+        rows[key] = torch.where(keep.to(value.device), gathered, torch.full_like(gathered, _PACK_FIELD_FILLS[key]))
+    rows["attention_mask"] = keep.long().to(next(iter(fields.values())).device)
+    return rows
+
+
+def _host_boundaries(batch: Mapping, key: str) -> list[int]:
+    """batch[key] as a list of ints: an [N + 1] integer tensor (or sequence) from 0, else a ValueError naming it."""
+    value = batch[key]
+    values = value.tolist() if isinstance(value, torch.Tensor) else value
+    if not isinstance(values, (list, tuple)) or len(values) < 2 or not all(type(v) is int for v in values) \
+            or values[0] != 0 or any(b < a for a, b in zip(values, values[1:])):
+        raise ValueError(f"{key} must be [N + 1] non-decreasing int boundaries from 0 (a Bridge pack's), got {value!r}")
+    return list(values)
+
+
+def _pack_length(fields: dict) -> int:
+    """T of a Bridge pack's [1, T] sequence fields, each checked to be [1, T]."""
+    if not fields or not any(key in fields for key in ("input_ids", "tokens")):
+        raise ValueError("a Bridge pack (cu_seqlens_q given) needs its [1, T] input_ids (or tokens)")
+    shapes = {key: tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+              for key, value in fields.items()}
+    first = next(iter(shapes.values()))
+    if len(set(shapes.values())) != 1 or len(first) != 2 or first[0] != 1:
+        raise ValueError(f"a Bridge pack's sequence fields must all be one [1, T] row, got {shapes}")
+    return first[1]

@@ -39,10 +39,11 @@ def processor_output(samples: list[dict], cfg, *, pad_token_id: int = 0) -> dict
 
 
 def bridge_collate(samples: list[dict], cfg, *, sequence_length: int | None = 4096, pad_to_multiple_of: int = 128,
-                   enable_in_batch_packing: bool = False) -> dict:
-    """The batch `qwen2_5_collate_fn(..., sequence_length, pad_to_multiple_of, enable_in_batch_packing)` returns
-    for `samples` (its dense path's processor call; with in-batch packing, `prepare_sequence_batch` packs those
-    rows, as for a batch whose rows all went through one processor call)."""
+                   enable_in_batch_packing: bool = False, in_batch_packing_pad_to_multiple_of: int = 1) -> dict:
+    """The batch `qwen2_5_collate_fn(..., sequence_length, pad_to_multiple_of, enable_in_batch_packing,
+    in_batch_packing_pad_to_multiple_of)` returns for `samples` (its dense path's processor call; with in-batch
+    packing, `prepare_sequence_batch` packs those rows with Bridge's `build_mcore_thd_sequence_batch_from_rows`, as
+    the collate function's own in-batch path packs the rows of one processor call per sample)."""
     batch = processor_output(samples, cfg)
     trained = batch.pop("labels") != IGNORE_INDEX  # build_assistant_loss_mask: the assistant's tokens
     ids = batch["input_ids"]
@@ -59,6 +60,7 @@ def bridge_collate(samples: list[dict], cfg, *, sequence_length: int | None = 40
     batch["visual_inputs"] = visual_inputs
     prepare = import_bridge_module("megatron.bridge.data.collators.sequence").prepare_sequence_batch
     prepare(batch, sequence_length=sequence_length, pad_to_multiple_of=pad_to_multiple_of,
-            enable_in_batch_packing=enable_in_batch_packing, ignore_index=IGNORE_INDEX,
+            enable_in_batch_packing=enable_in_batch_packing,
+            in_batch_packing_pad_to_multiple_of=in_batch_packing_pad_to_multiple_of, ignore_index=IGNORE_INDEX,
             sequence_tensor_pad_values={"mm_token_type_ids": 0})
     return batch

@@ -6,7 +6,8 @@ refused every such batch (`unknown batch key 'visual_inputs'`); unpacked by hand
 already-shifted labels were shifted again: the tiny Qwen3-VL's loss read 259.84 over 46 targets for 313.00 over 56,
 no error. Now the step unpacks `visual_inputs` and takes the batch with `label_style="megatron"`: the pack is the
 one the Hugging Face-style batch of the same samples gives (per-token losses and every gradient identical), equal
-to each sample alone; the rows' padding to 128 is neither packed nor counted; the wrong combinations are errors.
+to each sample alone; the rows' padding to 128 is neither packed nor counted; a batch Bridge packed itself
+(enable_in_batch_packing) is cut back into its rows and gives the same pack; the wrong combinations are errors.
 Tiny Bridge models (CPU, one process, local specs).
 """
 
@@ -124,13 +125,54 @@ def test_bridge_batch_with_hf_labels_is_refused(cases):
         step_loss(case["model"], bridge_collate(case["samples"], case["cfg"]), pack=True, label_style="hf")
 
 
-def test_in_batch_packed_bridge_batch_is_refused(cases):
-    """Bridge's own in-batch THD packing: refused, saying to turn it off (the step packs)."""
+@pytest.mark.parametrize("multiple", [1, 4])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_in_batch_packed_bridge_batch_packs_as_the_hf_batch(cases, family, multiple):
+    """Bridge's own in-batch THD packing (enable_in_batch_packing, documents aligned to `multiple`) is cut back into
+    its rows and packed by the step: the HF-style batch's pack, per-token losses and gradients identical. Before,
+    refused as unknown keys."""
+    case = cases[family]
+    batch = bridge_collate(case["samples"], case["cfg"], enable_in_batch_packing=True,
+                           in_batch_packing_pad_to_multiple_of=multiple)
+    assert batch["input_ids"].shape[0] == 1 and "cu_seqlens_q" in batch
+    assert ("cu_seqlens_q_padded" in batch) == (multiple > 1)
+    ours = _run(case["model"], case["batch"], pack=True, label_style="hf")
+    bridge = _run(case["model"], batch, **README_BRIDGE_STEP)
+    assert bridge["count"] == ours["count"] and torch.equal(bridge["losses"], ours["losses"])
+    assert torch.equal(bridge["micro_batch"].input_ids, ours["micro_batch"].input_ids)
+    assert all(torch.equal(bridge["grads"][n], ours["grads"][n]) for n in ours["grads"])
+
+
+def _longer_first(boundaries: torch.Tensor) -> torch.Tensor:
+    """The first document 4 tokens longer than its physical slots (the later boundaries moved with it)."""
+    moved = boundaries.clone()
+    moved[1:-1] += 4
+    return moved
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda b: b.update(cu_seqlens_q=_longer_first(b["cu_seqlens_q"]), cu_seqlens_kv=_longer_first(b["cu_seqlens_kv"])),
+     r"boundaries do not describe its \d+ slots: cu_seqlens_q \[0, \d+, "),
+    (lambda b: b.update(cu_seqlens_kv=_longer_first(b["cu_seqlens_kv"])), r"cu_seqlens_kv .* differs from cu_seqlens_q"),
+    (lambda b: b.update(cu_seqlens_q_padded=b["cu_seqlens_q_padded"][:-1],
+                        cu_seqlens_kv_padded=b["cu_seqlens_kv_padded"][:-1]), r"boundaries do not describe"),
+    (lambda b: b.update(labels=b["labels"][:, :-4]), r"sequence fields must all be one \[1, T\] row"),
+    (lambda b: b.pop("cu_seqlens_q"), r"carries \['cu_seqlens_kv', .* without its cu_seqlens_q"),
+], ids=["a document longer than its slots", "kv boundaries", "a document missing", "labels cut", "no cu_seqlens_q"])
+def test_bridge_pack_whose_boundaries_do_not_fit_is_refused(cases, edit, message):
+    case = cases["qwen3_vl"]
+    batch = bridge_collate(case["samples"], case["cfg"], enable_in_batch_packing=True,
+                           in_batch_packing_pad_to_multiple_of=4)
+    edit(batch)
+    with pytest.raises(ValueError, match=message):
+        step_loss(case["model"], batch, pack=True, label_style="megatron")
+
+
+def test_in_batch_packed_bridge_batch_with_hf_labels_is_refused(cases):
     case = cases["qwen3_vl"]
     batch = bridge_collate(case["samples"], case["cfg"], enable_in_batch_packing=True)
-    assert batch["input_ids"].shape[0] == 1 and "cu_seqlens_q" in batch
-    with pytest.raises(ValueError, match=r"in-batch packing .*'cu_seqlens_q'.* enable_in_batch_packing=False"):
-        step_loss(case["model"], batch, pack=True, label_style="megatron")
+    with pytest.raises(ValueError, match=r"carries \['visual_inputs', 'cu_seqlens_q'.* already next-token targets"):
+        step_loss(case["model"], batch, pack=True, label_style="hf")
 
 
 def test_visual_inputs_field_no_adapter_consumes_is_refused(cases):
