@@ -100,13 +100,17 @@ def test_bridge_batch_packed_equals_each_sample_alone(cases, family):
         assert _max_rel(grad, summed) < GRAD_TOLERANCE, name
 
 
+@pytest.mark.parametrize("in_batch_packed", [False, True])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_bridge_batch_dense_rows_as_the_hf_batch(cases, family):
-    """pack=False: the same dense rows as the HF-style batch (the 128-padding cut back to the layout's length)."""
+def test_bridge_batch_dense_rows_as_the_hf_batch(cases, family, in_batch_packed):
+    """pack=False: the same dense rows as the HF-style batch (the 128-padding cut back to the layout's length; a
+    Bridge pack cut back into its rows)."""
     case = cases[family]
     ours = _run(case["model"], case["batch"], pack=False, label_style="hf")
-    bridge = _run(case["model"], bridge_collate(case["samples"], case["cfg"]), pack=False, label_style="megatron")
+    batch = bridge_collate(case["samples"], case["cfg"], enable_in_batch_packing=in_batch_packed)
+    bridge = _run(case["model"], batch, pack=False, label_style="megatron")
     assert bridge["count"] == ours["count"] and torch.equal(bridge["losses"], ours["losses"])
+    assert all(torch.equal(bridge["grads"][n], ours["grads"][n]) for n in ours["grads"])
 
 
 def test_bridge_batch_with_tokens_for_input_ids(cases):
