@@ -50,11 +50,6 @@ BRIDGE_PACKED_KEYS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "c
 _UNPACKED_FIELDS = frozenset(VISION_KEYS) | frozenset(AUDIO_KEYS) | {"mm_token_type_ids"}
 
 
-def is_bridge_batch(batch) -> bool:
-    """True when `batch` is a mapping carrying Bridge's `visual_inputs` key (its VLM collators always set it)."""
-    return isinstance(batch, Mapping) and BRIDGE_VISUAL_KEY in batch
-
-
 def from_bridge_batch(batch, label_style: str):
     """`batch` with Bridge's `visual_inputs` unpacked into batch keys (and a Bridge pack cut back into its rows);
     any other batch returned as it is.
@@ -88,7 +83,7 @@ def from_bridge_batch(batch, label_style: str):
     if any(key in batch for key in BRIDGE_PACKED_KEYS):
         batch = rows_of_bridge_pack(batch)
     unpacked = {key: value for key, value in batch.items() if key != BRIDGE_VISUAL_KEY}
-    for name, value in _visual_fields(batch[BRIDGE_VISUAL_KEY]).items():
+    for name, value in _visual_fields(batch.get(BRIDGE_VISUAL_KEY)).items():  # a text pack has none
         if unpacked.get(name) is not None:
             raise ValueError(f"{BRIDGE_VISUAL_KEY}.{name} is given and so is the batch key {name!r}: "
                              f"give it once")
@@ -129,9 +124,10 @@ def rows_of_bridge_pack(batch: Mapping) -> dict:
     per row before packing, so each document's last label is its own. One host read of the boundaries.
 
     Raises:
-        ValueError: naming the field and the numbers: no `cu_seqlens_q`, the _kv boundaries differ from the _q ones, boundaries that
-            are not [N + 1] ints from 0, rising by at least 1 (real) and by at least the real length (physical)
-            and ending at T, a sequence field not [1, T], or an `attention_mask` given beside the boundaries.
+        ValueError: naming the field and the numbers: no `cu_seqlens_q`, the _kv boundaries differ from the _q
+            ones, boundaries that are not [N + 1] ints from 0, rising by at least 1 (real) and by at least the real
+            length (physical) and ending at T, a sequence field not [1, T], or an `attention_mask` given beside the
+            boundaries.
     """
     if batch.get("cu_seqlens_q") is None:
         raise ValueError(f"the batch carries {[k for k in BRIDGE_PACKED_KEYS if k in batch]}, the fields of a "
@@ -151,9 +147,10 @@ def rows_of_bridge_pack(batch: Mapping) -> dict:
     physical = [b - a for a, b in zip(starts, starts[1:])]
     if len(starts) != len(real) or starts[-1] != total or min(lengths) < 1 or \
             any(n > room for n, room in zip(lengths, physical)):
+        padded = starts if starts is not real else None
         raise ValueError(f"the Bridge pack's boundaries do not describe its {total} slots: cu_seqlens_q {real}, "
-                         f"cu_seqlens_q_padded {starts if starts is not real else None} (documents of at least 1 token, "
-                         f"each within its physical slots, the last ending at {total})")
+                         f"cu_seqlens_q_padded {padded} (documents of at least 1 token, each within its physical "
+                         f"slots, the last ending at {total})")
     width = max(lengths)
     offsets = torch.arange(width)
     keep = offsets[None, :] < torch.tensor(lengths)[:, None]  # [N, L]
@@ -172,7 +169,8 @@ def _host_boundaries(batch: Mapping, key: str) -> list[int]:
     values = value.tolist() if isinstance(value, torch.Tensor) else value
     if not isinstance(values, (list, tuple)) or len(values) < 2 or not all(type(v) is int for v in values) \
             or values[0] != 0 or any(b < a for a, b in zip(values, values[1:])):
-        raise ValueError(f"{key} must be [N + 1] non-decreasing int boundaries from 0 (a Bridge pack's), got {value!r}")
+        raise ValueError(f"{key} must be [N + 1] non-decreasing int boundaries from 0 (a Bridge pack's), "
+                         f"got {value!r}")
     return list(values)
 
 

@@ -157,7 +157,8 @@ def _longer_first(boundaries: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("edit, message", [
     (lambda b: b.update(cu_seqlens_q=_longer_first(b["cu_seqlens_q"]), cu_seqlens_kv=_longer_first(b["cu_seqlens_kv"])),
      r"boundaries do not describe its \d+ slots: cu_seqlens_q \[0, \d+, "),
-    (lambda b: b.update(cu_seqlens_kv=_longer_first(b["cu_seqlens_kv"])), r"cu_seqlens_kv .* differs from cu_seqlens_q"),
+    (lambda b: b.update(cu_seqlens_kv=_longer_first(b["cu_seqlens_kv"])),
+     r"cu_seqlens_kv .* differs from cu_seqlens_q"),
     (lambda b: b.update(cu_seqlens_q_padded=b["cu_seqlens_q_padded"][:-1],
                         cu_seqlens_kv_padded=b["cu_seqlens_kv_padded"][:-1]), r"boundaries do not describe"),
     (lambda b: b.update(labels=b["labels"][:, :-4]), r"sequence fields must all be one \[1, T\] row"),
@@ -175,7 +176,7 @@ def test_bridge_pack_whose_boundaries_do_not_fit_is_refused(cases, edit, message
 def test_in_batch_packed_bridge_batch_with_hf_labels_is_refused(cases):
     case = cases["qwen3_vl"]
     batch = bridge_collate(case["samples"], case["cfg"], enable_in_batch_packing=True)
-    with pytest.raises(ValueError, match=r"carries \['visual_inputs', 'cu_seqlens_q'.* already next-token targets"):
+    with pytest.raises(ValueError, match=r"carries \['visual_inputs', 'cu_seqlens_q'.* next-token targets"):
         step_loss(case["model"], batch, pack=True, label_style="hf")
 
 
@@ -226,3 +227,24 @@ def test_parity_probe_on_bridge_batches(cases, family, capsys):
     step_loss(case["model"], bridge_collate(case["samples"], case["cfg"]), pack=True, label_style="megatron",
               parity_probe_every=1)
     assert "parity probe" in capsys.readouterr().out
+
+
+def test_text_pack_of_bridge_without_visual_inputs():
+    """A Bridge text pack (its GPT collators' in-batch packing: no visual_inputs) packs as the rows it came from."""
+    from megatron_vlm_packing import pack_batch
+    from megatron_vlm_packing.bridge.imports import import_bridge_module
+
+    build = import_bridge_module("megatron.bridge.data.packing.in_batch").build_mcore_thd_sequence_batch_from_rows
+    rng = torch.Generator().manual_seed(3)
+    ids = [torch.randint(1, 100, (n,), generator=rng) for n in (7, 3, 12)]
+    rows = [dict(input_ids=i, position_ids=torch.arange(len(i)), loss_mask=torch.ones(len(i)),
+                 labels=torch.cat([i[1:], torch.tensor([-100])])) for i in ids]
+    packed = pack_batch(build(rows, pad_to_multiple_of=4), label_style="megatron", tp_size=2, sequence_parallel=True)
+    width = max(len(i) for i in ids)
+    padded = {key: torch.stack([torch.nn.functional.pad(r[key], (0, width - len(r[key])), value=fill) for r in rows])
+              for key, fill in (("input_ids", 0), ("labels", -100), ("loss_mask", 0))}
+    padded["attention_mask"] = (torch.arange(width)[None] < torch.tensor([len(i) for i in ids])[:, None]).long()
+    expected = pack_batch(padded, label_style="megatron", tp_size=2, sequence_parallel=True)
+    for field in ("input_ids", "labels", "loss_mask", "position_ids"):
+        assert torch.equal(getattr(packed, field), getattr(expected, field)), field
+    assert torch.equal(packed.packed_seq_params.cu_seqlens_q, expected.packed_seq_params.cu_seqlens_q)
