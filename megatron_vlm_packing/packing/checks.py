@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from megatron_vlm_packing.packing.label_style import mismatched_style, refuse_mismatched_style, style_evidence_rows
 from megatron_vlm_packing.packing.lengths import any_true
 
 IGNORE_INDEX = -100
@@ -97,16 +98,6 @@ def check_label_values(labels: torch.Tensor, keep: torch.Tensor, vocab_size: int
                          f"token id {allowed}; {int(bad.sum())} such label(s)")
 
 
-def refuse_hf_labels_as_megatron(labels: torch.Tensor, input_ids: torch.Tensor, keep: torch.Tensor) -> None:
-    """Megatron labels are the next token: labels equal to input_ids on every real target are HF labels."""
-    target = keep & (labels != IGNORE_INDEX)
-    count = int(target.sum())
-    if count >= 2 and bool(((labels == input_ids) | ~target).all()):
-        raise ValueError(f"labels equal input_ids on all {count} real targets: these are Hugging Face (unshifted) "
-                         f"labels; pass label_style=\"hf\" (label_style=\"megatron\" would train the model to copy "
-                         f"the current token)")
-
-
 def check_loss_weights(values: torch.Tensor, keep: torch.Tensor,
                        where: Callable[[int, int], str] = token_place) -> None:
     """Loss weights of real tokens are finite and >= 0 as the float32 weights they become; ValueError
@@ -134,33 +125,13 @@ def check_ids(input_ids: torch.Tensor, keep: torch.Tensor, vocab_size: int | Non
 
 # The largest finite float32: a loss weight above it becomes inf as the float32 weight it is packed as.
 FLOAT32_MAX = torch.finfo(torch.float32).max
-# Tokens at the end of each row where a real target that differs from its token is looked for.
-COPY_WINDOW = 64
-# Up to this many [B, S] slots the copy check compares every real target (fewer ops than the window).
-EXACT_COPY_CHECK_SLOTS = 1 << 14
-
-
-def real_target_differs(raw_labels: torch.Tensor, input_ids: torch.Tensor, row_lengths: torch.Tensor) -> torch.Tensor:
-    """0-dim uint8: 1 when one of the last `COPY_WINDOW` real tokens of some row has a label that is
-    neither -100 nor its own token (so the labels are not Hugging Face labels given as Megatron ones).
-
-    Args:
-        raw_labels, input_ids: [B, S] long. row_lengths: [B] real lengths on the device (not yet
-            checked: out-of-range values are clamped; the mask check raises before this is used).
-    """
-    window = min(COPY_WINDOW, raw_labels.shape[1])
-    slots = row_lengths[:, None] - torch.arange(1, window + 1, device=raw_labels.device)  # [B, W], last first
-    real = slots >= 0
-    slots = slots.clamp(0, raw_labels.shape[1] - 1)
-    labels, tokens = raw_labels.gather(1, slots), input_ids.gather(1, slots)
-    return any_true((labels != tokens) & (labels != IGNORE_INDEX) & real)
 
 
 @dataclass(frozen=True)
 class ValueInputs:
     """What the value checks read. input_ids, raw_labels: [B, S] long; loss_values: [B, S] or None.
     keep(): [B, S] bool keep-mask; real_slots(): [B, S] 1 at real tokens, 0 elsewhere (the 0/1 mask
-    as given, or keep()); row_lengths(): [B] real lengths on the device. Each built on call only.
+    as given, or keep()). Each built on call only.
     where(row, position): how an error names a token of these rows in the batch as given (rows split
     from pre-packed documents name their source row, `documents.DocumentPlaces`)."""
 
@@ -170,7 +141,6 @@ class ValueInputs:
     loss_values: torch.Tensor | None
     keep: Callable[[], torch.Tensor]
     real_slots: Callable[[], torch.Tensor]
-    row_lengths: Callable[[], torch.Tensor]
     where: Callable[[int, int], str] = token_place
 
 
@@ -183,9 +153,8 @@ def queue_value_checks(inputs: ValueInputs, label_style: str, vocab_size: int | 
     returns (only pad slots tripped it: extra host reads, never a wrong answer).
     - ids: the lowest and highest id.
     - labels: any label below 0 other than -100; with `vocab_size`, the highest label.
-    - Megatron labels equal to input_ids: no real target other than its own token among all real
-      tokens (up to `EXACT_COPY_CHECK_SLOTS` slots) or among the last `COPY_WINDOW` of each row
-      (then the exact check counts every real target: it raises for two or more, all copies).
+    - labels of the other style (`label_style.mismatched_style`): an exact check, the 3 counts of
+      `label_style.style_evidence_rows` over every real pair of tokens.
     - loss weights: the lowest and highest value (finite and >= 0, and finite as float32).
     """
     ids, labels, keep = inputs.input_ids, inputs.raw_labels, inputs.keep
@@ -196,9 +165,8 @@ def queue_value_checks(inputs: ValueInputs, label_style: str, vocab_size: int | 
     checks.add(any_true((labels < 0) ^ ignored).long(), lambda v: v[0] != 0, label_check, screen=True)
     if vocab_size is not None:
         checks.add(labels.amax(), lambda v: v[0] >= vocab_size, label_check, screen=True)
-    if label_style == "megatron":
-        checks.add(_real_target_differs(inputs, ignored), lambda v: v[0] == 0,
-                   lambda: refuse_hf_labels_as_megatron(labels, ids, keep()), screen=True)
+    checks.add(style_evidence_rows(labels, ids, inputs.real_slots()), lambda v: mismatched_style(v, label_style),
+               lambda: refuse_mismatched_style(labels, ids, keep(), label_style, inputs.where))
     values = inputs.loss_values
     if values is not None and values.dtype != torch.bool:
         bits = torch.stack(values.aminmax()).double().view(torch.int64)  # read as int64 bits: one dtype to read
@@ -215,8 +183,7 @@ def check_row_values(inputs: ValueInputs, label_style: str, vocab_size: int | No
     keep = inputs.keep()
     check_ids(inputs.input_ids, keep, vocab_size, inputs.name, inputs.where)
     check_label_values(inputs.raw_labels, keep, vocab_size, inputs.where)
-    if label_style == "megatron":
-        refuse_hf_labels_as_megatron(inputs.raw_labels, inputs.input_ids, keep)
+    refuse_mismatched_style(inputs.raw_labels, inputs.input_ids, keep, label_style, inputs.where)
     if inputs.loss_values is not None and inputs.loss_values.dtype != torch.bool:
         check_loss_weights(inputs.loss_values, keep, inputs.where)
 
@@ -225,16 +192,6 @@ def _weights_in_range(bits: list[int]) -> bool:
     """Lowest and highest loss weight (float64 bits) are >= 0 and finite as float32 (NaN is not)."""
     low, high = struct.unpack("<2d", struct.pack("<2q", *bits))
     return low >= 0 and high <= FLOAT32_MAX
-
-
-def _real_target_differs(inputs: ValueInputs, ignored: torch.Tensor) -> torch.Tensor:
-    """0-dim long, 1 when a real target differs from its own token (every one up to
-    `EXACT_COPY_CHECK_SLOTS` slots, else the last `COPY_WINDOW` of each row)."""
-    labels, ids = inputs.raw_labels, inputs.input_ids
-    if labels.numel() > EXACT_COPY_CHECK_SLOTS:
-        return real_target_differs(labels, ids, inputs.row_lengths()).long()
-    differs = (((labels != ids) > ignored) & inputs.real_slots()).amax()  # & with a 0/1 mask stays 0/1
-    return differs if differs.dtype == torch.int64 else differs.long()
 
 
 class DeferredChecks:

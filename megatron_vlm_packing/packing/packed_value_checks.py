@@ -17,13 +17,13 @@ import torch
 
 from megatron_vlm_packing.packing.checks import (
     FLOAT32_MAX, IGNORE_INDEX, ValueInputs, check_ids, check_label_values, check_loss_weights,
-    refuse_hf_labels_as_megatron,
 )
+from megatron_vlm_packing.packing.label_style import packed_style_mismatch, refuse_mismatched_style
 
 
 def check_packed_values(inputs: ValueInputs, label_style: str, vocab_size: int | None, *, ids: np.ndarray,
                         targets: np.ndarray, is_target: np.ndarray, first_labels: np.ndarray | None,
-                        loss_values: np.ndarray | None) -> None:
+                        loss_values: np.ndarray | None, documents: tuple[np.ndarray, np.ndarray]) -> None:
     """`queue_value_checks`' checks for a batch on the host, made exactly over the packed tokens.
 
     On the host (a DataLoader worker) reading a value back costs no sync, so the real lengths are
@@ -40,28 +40,29 @@ def check_packed_values(inputs: ValueInputs, label_style: str, vocab_size: int |
         first_labels: Hugging Face only: [N] the label of every document's first token, which no
             shifted target holds (checked for its value all the same).
         loss_values: [T] the packed `loss_mask` as given (0 at pad slots), or None.
+        documents: [N] first slot and [N] real length of each document (`label_style.document_starts_host`).
     """
-    bad_ids, bad_labels, copied_ids, bad_weights = packed_value_faults(
+    bad_ids, bad_labels, other_style, bad_weights = packed_value_faults(
         label_style, vocab_size, ids=ids, targets=targets, is_target=is_target, first_labels=first_labels,
-        loss_values=loss_values)
+        loss_values=loss_values, documents=documents)
     keep = inputs.keep
     if bad_ids:
         check_ids(inputs.input_ids, keep(), vocab_size, inputs.name, inputs.where)
     if bad_labels:
         check_label_values(inputs.raw_labels, keep(), vocab_size, inputs.where)
-    if copied_ids:
-        refuse_hf_labels_as_megatron(inputs.raw_labels, inputs.input_ids, keep())
+    if other_style:
+        refuse_mismatched_style(inputs.raw_labels, inputs.input_ids, keep(), label_style, inputs.where)
     if bad_weights:
         check_loss_weights(inputs.loss_values, keep(), inputs.where)
 
 
 def packed_value_faults(label_style: str, vocab_size: int | None, *, ids: np.ndarray, targets: np.ndarray,
-                        is_target: np.ndarray, first_labels: np.ndarray | None,
-                        loss_values: np.ndarray | None) -> tuple[bool, bool, bool, bool]:
+                        is_target: np.ndarray, first_labels: np.ndarray | None, loss_values: np.ndarray | None,
+                        documents: tuple[np.ndarray, np.ndarray]) -> tuple[bool, bool, bool, bool]:
     """`check_packed_values`' tests alone (same arguments), nothing raised: (an id out of range, a label
-    out of range, Megatron labels that copy their ids, a loss weight negative / not finite). All False on
-    a clean batch; a True may come from pad slots only (an id test tripped by `pad_token_id`), which the
-    row checks then clear."""
+    out of range, labels of the other style (`label_style.packed_style_mismatch`), a loss weight negative /
+    not finite). All False on a clean batch; a True may come from pad slots only (an id test tripped by
+    `pad_token_id`), which the row checks then clear."""
     ignored = targets.size - int(np.count_nonzero(is_target))
     signed = _UNSIGNED_HALF.get(ids.dtype.num)
     if signed is not None and targets.dtype.num == ids.dtype.num:  # the two tests inline: a worker's common case
@@ -77,30 +78,14 @@ def packed_value_faults(label_style: str, vocab_size: int | None, *, ids: np.nda
     bad_labels = bad_labels or bool(
         first_labels is not None and first_labels.size
         and _labels_out_of_range(first_labels, int(np.count_nonzero(first_labels == IGNORE_INDEX)), vocab_size))
-    # refused from 2 real targets (`refuse_hf_labels_as_megatron`)
-    copied_ids = label_style == "megatron" and targets.size - ignored >= 2 \
-        and _targets_copy_ids(ids, targets, is_target, ignored, ids_in_range=not bad_ids)
+    other_style = packed_style_mismatch(label_style, ids=ids, targets=targets, first_labels=first_labels,
+                                        documents=documents)
     bad_weights = False
     if loss_values is not None and loss_values.dtype.kind != "b":
         # NaN propagates (min / max do not warn); the ufuncs' reductions themselves, not ndarray.min's Python layer
         low, high = float(np.minimum.reduce(loss_values)), float(np.maximum.reduce(loss_values))
         bad_weights = not (low >= 0 and high <= FLOAT32_MAX)  # NaN fails both
-    return bad_ids, bad_labels, copied_ids, bad_weights
-
-
-def _targets_copy_ids(ids: np.ndarray, targets: np.ndarray, is_target: np.ndarray, ignored: int, *,
-                      ids_in_range: bool) -> bool:
-    """`np.count_nonzero(targets != ids) == ignored`: Megatron labels that copy their ids (with ids >= 0, every
-    -100 target differs from its id, so no other target differs). With every id in range (>= 0), the first
-    target among the first 4096 slots settles it when it differs from its id, as in any batch of shifted
-    labels unless a token repeats there (a bools' `argmax` stops at the first True but reads slowly: 0.45 ms
-    to find none in 700k); the full comparison read 11 MB at 64 x 32768, 0.22 ms of 6.7."""
-    if ids_in_range:
-        head = is_target[:4096]
-        first = int(head.argmax())
-        if head[first] and targets[first] != ids[first]:
-            return False
-    return np.count_nonzero(targets != ids) == ignored
+    return bad_ids, bad_labels, other_style, bad_weights
 
 
 def _ids_out_of_range(ids: np.ndarray, vocab_size: int | None) -> bool:

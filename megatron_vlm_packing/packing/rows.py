@@ -20,9 +20,8 @@ import torch
 
 from megatron_vlm_packing.packing.bounds import INT64_MAX  # noqa: F401 (also batch's, through rows)
 from megatron_vlm_packing.packing.checks import (  # noqa: F401 (re-exported: callers import them from rows)
-    COPY_WINDOW, EXACT_COPY_CHECK_SLOTS, IGNORE_INDEX, DeferredChecks, ValueInputs, _first_bad, check_ids,
-    check_label_values, check_loss_weights, check_row_values, is_integer_tensor, queue_value_checks,
-    real_target_differs, refuse_hf_labels_as_megatron, token_place,
+    IGNORE_INDEX, DeferredChecks, ValueInputs, _first_bad, check_ids, check_label_values, check_loss_weights,
+    check_row_values, is_integer_tensor, queue_value_checks, token_place,
 )
 from megatron_vlm_packing.packing.documents import DOCUMENT_KEY, split_documents
 from megatron_vlm_packing.packing.lengths import (  # noqa: F401 (widened_unsigned re-exported)
@@ -180,10 +179,7 @@ def queue_row_reads(batch: Mapping, input_ids: torch.Tensor, name: str, label_st
     if deferred.values is not None:  # the detailed mask error (holes, left padding, values, non-causal 4D)
         lengths_entry = checks.add(deferred.values, deferred.fails,
                                    lambda: real_lengths(batch_size=shape[0], row_length=shape[1], attention_mask=mask))
-    row_lengths = (lambda: deferred.values[0]) if deferred.values is not None else \
-        (lambda: torch.tensor(deferred.lengths, device=input_ids.device))
-    inputs = ValueInputs(input_ids, name, raw_labels, loss_values, lambda: deferred.keep, deferred.real_slots,
-                         row_lengths, where)
+    inputs = ValueInputs(input_ids, name, raw_labels, loss_values, lambda: deferred.keep, deferred.real_slots, where)
     if not on_host:
         queue_value_checks(inputs, label_style, vocab_size, checks)
     return QueuedRows(mask=deferred, raw_labels=raw_labels, loss_values=loss_values, checks=checks,

@@ -111,7 +111,8 @@ ERRORS = [
                                              label_style="hf"),
      r"input_ids row 0 position 1 is -5: token ids must lie in \[0, vocab_size\)"),
     ("hf_labels_as_megatron", lambda: pack_batch(hf_batch()),
-     r"labels equal input_ids on all 5 real targets: these are Hugging Face \(unshifted\) labels; pass label_style=\"hf\""),
+     r"labels look like Hugging Face \(unshifted\) labels but label_style=\"megatron\" takes them as next-token "
+     r"targets: at all 3 real labels that tell the styles apart .* Pass label_style=\"hf\""),
     ("loss_weight_finite_in_float64_only", lambda: pack_batch(with_(megatron_batch(), loss_mask=torch.tensor(
         [[1.0, 1e39, 1, 0], [1, 1, 0, 0]], dtype=torch.float64))),
      r"loss_mask row 0 position 1 is 1e\+39 \(inf as float32\): loss weights must be finite and >= 0"),
@@ -335,7 +336,7 @@ ERRORS = [
                                                           truncate=True, label_style="hf", image_token_id=IMG),
      r"truncate=True would cut rows to seq_length=2 below their real tokens \(longest 3\)"),
     ("dense_hf_labels_as_megatron", lambda: pad_batch(hf_batch()),
-     r"labels equal input_ids on all 5 real targets"),
+     r"labels look like Hugging Face \(unshifted\) labels.*at all 3 real labels"),
     ("dense_float_ids", lambda: pad_batch(with_(hf_batch(), input_ids=torch.ones(2, 4)), label_style="hf"),
      r"input_ids must hold integer token ids, got dtype torch\.float32"),
 ]

@@ -1,8 +1,7 @@
 """`packed_value_checks.packed_value_faults`' range tests of ids and labels (one unsigned comparison each for signed
 integers) against their definitions: an id outside [0, vocab_size); a label other than -100 outside it.
-Every signed and unsigned width, the extremes of each, vocab sizes below, at and above 2**(w-1). And its
-test of Megatron labels that copy their ids (settled by the first target where it differs) against its
-definition."""
+Every signed and unsigned width, the extremes of each, vocab sizes below, at and above 2**(w-1). (Its test of
+labels given in the other style is held to the row counts in tests/packing/test_label_style.py.)"""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_vlm_packing.packing.checks import IGNORE_INDEX
-from megatron_vlm_packing.packing.packed_value_checks import _ids_out_of_range, _labels_out_of_range, _targets_copy_ids
+from megatron_vlm_packing.packing.packed_value_checks import _ids_out_of_range, _labels_out_of_range
 
 DTYPES = (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64)
 
@@ -43,22 +42,3 @@ def test_a_negative_id_is_out_of_range_under_a_vocab_above_the_signed_half(dtype
     assert not _ids_out_of_range(np.array([5, np.iinfo(dtype).max - 1], dtype=dtype), 2 ** 63 - 1)
     assert _labels_out_of_range(np.array([-100, -2], dtype=dtype), 1, 2 ** 40)
     assert not _labels_out_of_range(np.array([-100, 7], dtype=dtype), 1, 2 ** 40)
-
-
-@settings(max_examples=300, deadline=None)
-@given(ids=st.lists(st.sampled_from([0, 1, 2, 7, -1, -100]), min_size=1, max_size=10),
-       targets=st.lists(st.sampled_from(["id", "id", -100, 0, 1, 7, -1]), min_size=10, max_size=10),
-       lead=st.sampled_from([0, 1, 4095, 4096, 5000]), lead_target=st.sampled_from([-100, "id"]))
-def test_targets_copying_ids_equal_the_definition(ids, targets, lead, lead_target):
-    """Exactly the ignored targets differ from their ids, whatever the ids (negative, -100) and wherever the
-    first target lies (in the first 4096 slots or after them): the first target's shortcut never changes it."""
-    ids = np.array([0] * lead + ids, dtype=np.int64)
-    labels = np.array([ids[i] if t == "id" else t for i, t in enumerate([lead_target] * lead + targets[:len(ids) - lead])],
-                      dtype=np.int64)
-    is_target = labels != IGNORE_INDEX
-    ignored = labels.size - int(np.count_nonzero(is_target))
-    if labels.size - ignored < 1:
-        return  # (packed_value_faults asks from 2 real targets)
-    definition = np.count_nonzero(labels != ids) == ignored
-    assert _targets_copy_ids(ids, labels, is_target, ignored, ids_in_range=bool((ids >= 0).all())) == definition
-    assert _targets_copy_ids(ids, labels, is_target, ignored, ids_in_range=False) == definition
