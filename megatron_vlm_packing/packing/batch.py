@@ -13,7 +13,6 @@ import numpy as np
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron_vlm_packing.packing.label_style import document_starts_host
 from megatron_vlm_packing.packing.packed_value_checks import check_packed_values, host_array
 from megatron_vlm_packing.packing.host_tokens import pack_tokens_on_host, packs_on_host
 from megatron_vlm_packing.packing.media_counts import checked_placeholders
@@ -95,7 +94,7 @@ def pack_labels_and_weights(rows: Rows, indices: PackIndices, *,
         check_packed_values(rows.unchecked_values, rows.label_style, vocab_size, ids=host_array(packed_ids[0]),
                             targets=targets, is_target=targets != IGNORE_INDEX, first_labels=first_labels,
                             loss_values=None if values is None else host_array(values[0]),
-                            documents=document_starts_host(indices.plan))
+                            plan=indices.plan)
     return labels, loss_weights_of(labels, values)
 
 

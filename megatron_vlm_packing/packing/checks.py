@@ -18,7 +18,9 @@ from typing import Callable
 
 import torch
 
-from megatron_vlm_packing.packing.label_style import mismatched_style, refuse_mismatched_style, style_evidence_rows
+from megatron_vlm_packing.packing.label_style import (
+    evidence_of, mismatched_style, refuse_mismatched_style, style_evidence_rows,
+)
 from megatron_vlm_packing.packing.lengths import any_true
 
 IGNORE_INDEX = -100
@@ -165,7 +167,8 @@ def queue_value_checks(inputs: ValueInputs, label_style: str, vocab_size: int | 
     checks.add(any_true((labels < 0) ^ ignored).long(), lambda v: v[0] != 0, label_check, screen=True)
     if vocab_size is not None:
         checks.add(labels.amax(), lambda v: v[0] >= vocab_size, label_check, screen=True)
-    checks.add(style_evidence_rows(labels, ids, inputs.real_slots()), lambda v: mismatched_style(v, label_style),
+    checks.add(style_evidence_rows(labels, ids, inputs.real_slots()),
+               lambda v: mismatched_style(evidence_of(v), label_style),
                lambda: refuse_mismatched_style(labels, ids, keep(), label_style, inputs.where))
     values = inputs.loss_values
     if values is not None and values.dtype != torch.bool:

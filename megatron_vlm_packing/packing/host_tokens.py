@@ -18,12 +18,12 @@ import numpy as np
 import torch
 
 from megatron_vlm_packing.packing.checks import IGNORE_INDEX
-from megatron_vlm_packing.packing.label_style import document_starts_host
 from megatron_vlm_packing.packing.packed_value_checks import check_packed_values
 from megatron_vlm_packing.packing.pack import (
     cat_documents_host, cat_row_next_tokens, cat_row_prefixes, on_host_without_grad,
 )
 from megatron_vlm_packing.packing.indices import PackIndices
+from megatron_vlm_packing.packing.plan import PackPlan
 
 
 def packs_on_host(rows) -> bool:
@@ -64,7 +64,7 @@ class PackedHostTokens:
         loss_values: [T] the packed `loss_mask` as given (0 at pad slots), or None.
         is_target: [T] bool, labels != -100.
         first_labels: Hugging Face labels only: [N] the label of every document's first token.
-        documents: [N] first slot and [N] real length of each document (`label_style.document_starts_host`).
+        plan: the `PackPlan` they were packed by.
     """
 
     ids: np.ndarray
@@ -72,7 +72,7 @@ class PackedHostTokens:
     loss_values: np.ndarray | None
     is_target: np.ndarray
     first_labels: np.ndarray | None
-    documents: tuple[np.ndarray, np.ndarray]
+    plan: PackPlan
 
     @classmethod
     def of(cls, input_ids: np.ndarray, raw_labels: np.ndarray, loss_values: np.ndarray | None,
@@ -89,18 +89,18 @@ class PackedHostTokens:
             ids = cat_row_prefixes(input_ids, plan)
             labels = cat_row_next_tokens(raw, plan, IGNORE_INDEX) if hf else cat_row_prefixes(raw, plan)
             values = None if loss_values is None else cat_row_prefixes(loss_values, plan)
-            return cls(ids, labels, values, labels != IGNORE_INDEX, first_labels, document_starts_host(plan))
+            return cls(ids, labels, values, labels != IGNORE_INDEX, first_labels, plan)
         ids = cat_documents_host(input_ids.reshape(flat_length), indices.row_slices, pad_token_id)
         labels = cat_documents_host(raw, indices.next_token_slices if hf else indices.row_slices, IGNORE_INDEX)
         values = None if loss_values is None else \
             cat_documents_host(loss_values.reshape(flat_length), indices.row_slices, 0)
-        return cls(ids, labels, values, labels != IGNORE_INDEX, first_labels, document_starts_host(plan))
+        return cls(ids, labels, values, labels != IGNORE_INDEX, first_labels, plan)
 
     def check_arguments(self) -> dict:
         """The keywords of `packed_value_checks.check_packed_values` / `packed_value_checks.packed_value_faults`
         for these tokens."""
         return dict(ids=self.ids, targets=self.labels, is_target=self.is_target, first_labels=self.first_labels,
-                    loss_values=self.loss_values, documents=self.documents)
+                    loss_values=self.loss_values, plan=self.plan)
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[1, T] ids, labels and float32 loss weights (the loss value at each target, else 0).

@@ -81,20 +81,28 @@ def mismatched_style(evidence, label_style: str) -> bool:
 
 
 def style_evidence_rows(labels: torch.Tensor, input_ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    """[3] long (own, next, neither) of right-padded rows, each row one document. No host read.
+    """[3] long (neither, own, next) of right-padded rows, each row one document (note the order: `evidence_of`
+    makes a `StyleEvidence` of it). No host read: 7 elementwise ops, 3 compares and 3 sums (no `bincount`,
+    which reads its input's range back on an accelerator; a one-hot [3, B, S] took twice as long on the CPU).
 
     Args:
         labels: [B, S] integer labels as given. input_ids: [B, S] integer ids.
-        real: [B, S] bool, or a 0/1 integer mask: 1 at real tokens.
+        real: [B, S] bool, or a 0/1 integer mask: 1 at real tokens, right-padded (checked by the caller: a token
+            followed by a real one is real itself, so a pair needs only the second).
     """
     real = real if real.dtype == torch.bool else real != 0
     label = labels[:, :-1]
-    pair = real[:, :-1] & real[:, 1:] & (label != IGNORE_INDEX)
-    own = (label == input_ids[:, :-1]) & pair
-    nxt = (label == input_ids[:, 1:]) & pair
-    counts = torch.stack([own.sum(), nxt.sum(), (own & nxt).sum(), pair.sum()])
-    own_count, next_count, both, pairs = counts.unbind()
-    return torch.stack([own_count - both, next_count - both, pairs - own_count - next_count + both])
+    pair = real[:, 1:] & (label != IGNORE_INDEX)
+    own = (label == input_ids[:, :-1]).view(torch.uint8)
+    nxt = (label == input_ids[:, 1:]).view(torch.uint8)
+    kind = torch.where(pair, own + (nxt << 1), 3)  # 0 neither, 1 own, 2 next, 3 both or no pair
+    return torch.stack([(kind == k).sum() for k in range(3)])
+
+
+def evidence_of(counts) -> StyleEvidence:
+    """`StyleEvidence` of `style_evidence_rows`' 3 values (read on the host: a list, or the tensor itself)."""
+    neither, own, nxt = counts.tolist() if isinstance(counts, torch.Tensor) else counts
+    return StyleEvidence(own, nxt, neither)
 
 
 def refuse_mismatched_style(labels: torch.Tensor, input_ids: torch.Tensor, keep: torch.Tensor, label_style: str,
@@ -106,7 +114,7 @@ def refuse_mismatched_style(labels: torch.Tensor, input_ids: torch.Tensor, keep:
     Args:
         labels, input_ids: [B, S] as given (each row one document). keep: [B, S] bool, True at real tokens.
     """
-    evidence = StyleEvidence(*style_evidence_rows(labels, input_ids, keep).tolist())
+    evidence = evidence_of(style_evidence_rows(labels, input_ids, keep))
     if not mismatched_style(evidence, label_style):
         return
     label, pair = labels[:, :-1], keep[:, :-1] & keep[:, 1:] & (labels[:, :-1] != IGNORE_INDEX)
@@ -137,22 +145,33 @@ def document_starts_host(plan) -> tuple[np.ndarray, np.ndarray]:
     return starts, np.asarray(plan.real_lengths, dtype=np.int64)
 
 
-def packed_style_mismatch(label_style: str, *, ids: np.ndarray, targets: np.ndarray,
-                          first_labels: np.ndarray | None, documents: tuple[np.ndarray, np.ndarray]) -> bool:
+def packed_style_mismatch(label_style: str, *, ids: np.ndarray, targets: np.ndarray, is_target: np.ndarray,
+                          first_labels: np.ndarray | None, plan) -> bool:
     """`mismatched_style` of a pack's pairs, counted in numpy over the packed tokens (a batch on the host).
 
-    The declared style's evidence in the first `HEAD_SLOTS` slots settles it (as in any batch of that style
-    whose first tokens are not all masked or repeated); else every pair is counted (`packed_style_evidence`).
+    Labels of the declared style settle it at once, as a DataLoader worker needs (each numpy call costs
+    microseconds there, cold): the first target of the first document, when it is the declared style's evidence
+    (a few scalar reads); else that evidence anywhere in the first `HEAD_SLOTS` slots; else every pair is counted
+    (`packed_style_evidence`).
 
     Args:
         ids: [T] packed ids. targets: [T] packed next-token targets: the Megatron labels as given, or the
             Hugging Face labels shifted inside each document (-100 at pad slots and documents' last tokens).
+        is_target: [T] bool, targets != -100.
         first_labels: Hugging Face only: [N] the label of every document's first token (no target holds it).
-        documents: `document_starts_host(plan)`.
+        plan: the `PackPlan` the tokens were packed by.
     """
-    starts, lengths = documents
-    head = _pair_evidence(label_style, ids[:HEAD_SLOTS + 2], targets[:HEAD_SLOTS + 2], starts, lengths)
-    if head[0 if label_style == "hf" else 1]:
+    hf = label_style == "hf"
+    shift = int(hf)  # HF: target u is the label of token u + 1
+    first_pairs = min(plan.real_lengths[0] - 1 - shift, HEAD_SLOTS)  # targets of document 0 whose token has a next
+    if first_pairs > 0:
+        u = int(is_target[:first_pairs].argmax())
+        label = targets[u]
+        if is_target[u] and (label == ids[u + shift]) == hf and (label == ids[u + shift + 1]) != hf:
+            return False
+    documents = document_starts_host(plan)
+    head = _pair_evidence(label_style, ids[:HEAD_SLOTS + 2], targets[:HEAD_SLOTS + 2], *documents)
+    if head[0 if hf else 1]:
         return False
     return mismatched_style(packed_style_evidence(label_style, ids=ids, targets=targets, first_labels=first_labels,
                                                   documents=documents), label_style)
@@ -160,8 +179,8 @@ def packed_style_mismatch(label_style: str, *, ids: np.ndarray, targets: np.ndar
 
 def packed_style_evidence(label_style: str, *, ids: np.ndarray, targets: np.ndarray,
                           first_labels: np.ndarray | None, documents: tuple[np.ndarray, np.ndarray]) -> StyleEvidence:
-    """`StyleEvidence` of a pack's pairs (arguments as `packed_style_mismatch`): the counts
-    `style_evidence_rows` gives over the rows it was packed from."""
+    """`StyleEvidence` of a pack's pairs (arguments as `packed_style_mismatch`; `documents`:
+    `document_starts_host(plan)`): the counts `style_evidence_rows` gives over the rows it was packed from."""
     starts, lengths = documents
     own, nxt, neither = _pair_evidence(label_style, ids, targets, starts, lengths)
     if label_style == "hf":  # each document's first pair: its first label, which no shifted target holds

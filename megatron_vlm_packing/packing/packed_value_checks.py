@@ -23,7 +23,7 @@ from megatron_vlm_packing.packing.label_style import packed_style_mismatch, refu
 
 def check_packed_values(inputs: ValueInputs, label_style: str, vocab_size: int | None, *, ids: np.ndarray,
                         targets: np.ndarray, is_target: np.ndarray, first_labels: np.ndarray | None,
-                        loss_values: np.ndarray | None, documents: tuple[np.ndarray, np.ndarray]) -> None:
+                        loss_values: np.ndarray | None, plan) -> None:
     """`queue_value_checks`' checks for a batch on the host, made exactly over the packed tokens.
 
     On the host (a DataLoader worker) reading a value back costs no sync, so the real lengths are
@@ -40,11 +40,11 @@ def check_packed_values(inputs: ValueInputs, label_style: str, vocab_size: int |
         first_labels: Hugging Face only: [N] the label of every document's first token, which no
             shifted target holds (checked for its value all the same).
         loss_values: [T] the packed `loss_mask` as given (0 at pad slots), or None.
-        documents: [N] first slot and [N] real length of each document (`label_style.document_starts_host`).
+        plan: the `PackPlan` the tokens were packed by.
     """
     bad_ids, bad_labels, other_style, bad_weights = packed_value_faults(
         label_style, vocab_size, ids=ids, targets=targets, is_target=is_target, first_labels=first_labels,
-        loss_values=loss_values, documents=documents)
+        loss_values=loss_values, plan=plan)
     keep = inputs.keep
     if bad_ids:
         check_ids(inputs.input_ids, keep(), vocab_size, inputs.name, inputs.where)
@@ -58,7 +58,7 @@ def check_packed_values(inputs: ValueInputs, label_style: str, vocab_size: int |
 
 def packed_value_faults(label_style: str, vocab_size: int | None, *, ids: np.ndarray, targets: np.ndarray,
                         is_target: np.ndarray, first_labels: np.ndarray | None, loss_values: np.ndarray | None,
-                        documents: tuple[np.ndarray, np.ndarray]) -> tuple[bool, bool, bool, bool]:
+                        plan) -> tuple[bool, bool, bool, bool]:
     """`check_packed_values`' tests alone (same arguments), nothing raised: (an id out of range, a label
     out of range, labels of the other style (`label_style.packed_style_mismatch`), a loss weight negative /
     not finite). All False on a clean batch; a True may come from pad slots only (an id test tripped by
@@ -78,8 +78,8 @@ def packed_value_faults(label_style: str, vocab_size: int | None, *, ids: np.nda
     bad_labels = bad_labels or bool(
         first_labels is not None and first_labels.size
         and _labels_out_of_range(first_labels, int(np.count_nonzero(first_labels == IGNORE_INDEX)), vocab_size))
-    other_style = packed_style_mismatch(label_style, ids=ids, targets=targets, first_labels=first_labels,
-                                        documents=documents)
+    other_style = packed_style_mismatch(label_style, ids=ids, targets=targets, is_target=is_target,
+                                        first_labels=first_labels, plan=plan)
     bad_weights = False
     if loss_values is not None and loss_values.dtype.kind != "b":
         # NaN propagates (min / max do not warn); the ufuncs' reductions themselves, not ndarray.min's Python layer

@@ -34,7 +34,6 @@ import torch
 from megatron_vlm_packing.packing.checks import IGNORE_INDEX
 from megatron_vlm_packing.packing.packed_value_checks import packed_value_faults
 from megatron_vlm_packing.packing.host_tokens import PackedHostTokens, loss_weights_host
-from megatron_vlm_packing.packing.label_style import document_starts_host
 from megatron_vlm_packing.packing.lengths import right_padded_row_lengths
 from megatron_vlm_packing.packing.pack import cat_row_next_tokens, segment_positions
 from megatron_vlm_packing.packing.indices import PackIndices, host_ramp, plan_indices
@@ -116,7 +115,7 @@ def _pack_row_prefixes(input_ids: np.ndarray, labels: np.ndarray, loss_values: n
     values = None if loss_values is None else np.concatenate([loss_values[row, :n] for row, n in documents])
     is_target = targets != IGNORE_INDEX
     if any(packed_value_faults(label_style, vocab_size, ids=ids, targets=targets, is_target=is_target,
-                               first_labels=first_labels, loss_values=values, documents=document_starts_host(plan))):
+                               first_labels=first_labels, loss_values=values, plan=plan)):
         return None
     # every slot real: the positions are each document's 0..n-1 (`segment_positions` views these offsets)
     offsets = indices.offset_in_segment_host if given_positions is None else \

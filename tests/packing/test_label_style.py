@@ -26,7 +26,7 @@ from megatron_vlm_packing.packing.collate import PackingCollator
 from megatron_vlm_packing.packing.host_tokens import PackedHostTokens
 from megatron_vlm_packing.packing.indices import plan_indices
 from megatron_vlm_packing.packing.label_style import (
-    StyleEvidence, mismatched_style, packed_style_evidence, packed_style_mismatch, style_evidence_rows,
+    StyleEvidence, document_starts_host, evidence_of, mismatched_style, packed_style_evidence, packed_style_mismatch, style_evidence_rows,
 )
 from megatron_vlm_packing.packing.plan import PackMultiples, make_pack_plan
 from megatron_vlm_packing.testing.sync_counter import count_host_syncs
@@ -277,16 +277,16 @@ def test_the_counts_of_every_path_equal_the_definition(case, cp, head):
     batch = padded_batch(id_rows, label_rows)
     expected = oracle(id_rows, label_rows)
     keep = batch["attention_mask"].bool()
-    assert StyleEvidence(*style_evidence_rows(batch["labels"], batch["input_ids"], keep).tolist()) == expected
+    assert evidence_of(style_evidence_rows(batch["labels"], batch["input_ids"], keep)) == expected
     plan = make_pack_plan([len(r) for r in id_rows], row_capacity=keep.shape[1],
                           multiples=PackMultiples.for_parallel(cp_size=cp))
     tokens = PackedHostTokens.of(batch["input_ids"].numpy(), batch["labels"].numpy(), None, style, plan_indices(plan),
                                  pad_token_id=0)
     assert packed_style_evidence(style, ids=tokens.ids, targets=tokens.labels, first_labels=tokens.first_labels,
-                                 documents=tokens.documents) == expected
+                                 documents=document_starts_host(plan)) == expected
     with mock.patch.object(label_style_module, "HEAD_SLOTS", head):
-        assert packed_style_mismatch(style, ids=tokens.ids, targets=tokens.labels, first_labels=tokens.first_labels,
-                                     documents=tokens.documents) == mismatched_style(expected, style)
+        assert packed_style_mismatch(style, ids=tokens.ids, targets=tokens.labels, is_target=tokens.is_target,
+                                     first_labels=tokens.first_labels, plan=plan) == mismatched_style(expected, style)
     refused = mismatched_style(expected, style)
     for packer in ("pack_batch", "host plain", "pad_batch"):
         try:
@@ -296,11 +296,12 @@ def test_the_counts_of_every_path_equal_the_definition(case, cp, head):
             assert refused and "label_style" in str(error), (packer, error)
 
 
-def test_evidence_of_an_empty_or_one_slot_pack_is_zero():
-    empty = np.zeros(0, dtype=np.int64)
+def test_a_one_token_pack_holds_no_pair():
+    plan = make_pack_plan([1], row_capacity=1)
     for style in ("hf", "megatron"):
-        assert packed_style_evidence(style, ids=np.array([5]), targets=np.array([-100]),
-                                     first_labels=np.array([5]) if style == "hf" else None,
-                                     documents=(np.array([0]), np.array([1]))) == (0, 0, 0)
-        assert not packed_style_mismatch(style, ids=empty, targets=empty, first_labels=empty[:0] if style == "hf"
-                                         else None, documents=(empty, empty))
+        targets = np.array([-100 if style == "hf" else 5])
+        first_labels = np.array([5]) if style == "hf" else None
+        assert packed_style_evidence(style, ids=np.array([5]), targets=targets, first_labels=first_labels,
+                                     documents=document_starts_host(plan)) == (0, 0, 0)
+        assert not packed_style_mismatch(style, ids=np.array([5]), targets=targets, is_target=targets != -100,
+                                         first_labels=first_labels, plan=plan)
