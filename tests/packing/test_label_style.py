@@ -175,6 +175,22 @@ def test_masked_spans_and_placeholders_leave_the_evidence_to_the_text():
                 packer(batch_of(ids, keep, labels), OTHER[style])
 
 
+def test_megatron_bridge_collate_labels_are_refused_as_hf():
+    """Megatron-Bridge's VLM collate functions (e.g. models/glm_vl/data/collate_fn.py, 0.6.2) shift the ids and
+    mask media tokens and the prompt: Megatron labels, refused under label_style="hf", taken under "megatron"."""
+    image = 90
+    ids = torch.tensor([[1, 2, image, image, 3, 4, 5, 6], [7, 8, 9, 10, 11, 0, 0, 0]])
+    keep = torch.arange(8)[None] < torch.tensor([[8], [5]])
+    labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], 1)
+    loss_mask = keep & (torch.arange(8)[None] >= 1)  # the first token's target is a prompt's
+    labels = torch.where(torch.isin(labels, torch.tensor([image])) | ~loss_mask, -100, labels)
+    batch = batch_of(ids, keep, labels)
+    for packer in PACKERS.values():
+        with pytest.raises(ValueError, match=REFUSED["hf"]):
+            packer(batch, "hf")
+        packer(batch, "megatron")
+
+
 @pytest.mark.parametrize("given_as", ["hf", "megatron"])
 def test_llava_batches_in_collapsed_space(given_as):
     """LLaVA's packer (and its collator) read the rows with one image token per image; the labels of the other
