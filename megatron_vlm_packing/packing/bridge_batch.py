@@ -1,4 +1,4 @@
-"""Megatron-Bridge's collated VLM batches in this package's batch format (`from_bridge_batch`).
+"""Megatron-Bridge's collated VLM and Omni batches in this package's batch format (`from_bridge_batch`).
 
 Bridge's dataset providers collate with model-owned functions (`megatron.bridge.data.collators.registry`;
 Qwen2.5-VL and Qwen3-VL: `models.qwen_vl.data.collate_fn.qwen2_5_collate_fn`) whose batches differ from a
@@ -21,6 +21,23 @@ processor's output in four ways, each read here as Bridge's own `vlm_step` reads
 - rows are right-padded to a multiple of 128 (`data.collators.sequence.prepare_sequence_batch`) with
   `attention_mask` 0, `loss_mask` 0 and labels -100 there: the real lengths come from the mask, as for any
   right-padded batch, so those slots are neither packed nor counted.
+
+Qwen3-Omni's collate (`models.qwen_omni.data.collate_fn.qwen3_omni_collate_fn`) shifts labels and pads rows the
+same way but keeps the processor's keys, with no `visual_inputs`; Bridge's Omni step hands them to the thinker by
+name. Two name a field of this format otherwise, each the same quantity, read by the same rule (renamed here,
+`BRIDGE_OMNI_NAMES`, no unit converted):
+- `video_second_per_grid` [V]: seconds per temporal grid step of each video (the processor's temporal patch
+  size / fps); Bridge's and this package's Qwen3-Omni indexes both place a video's t positions at
+  `arange(t) * it * position_id_per_seconds`: `second_per_grid_ts`;
+- `audio_feature_lengths` [A]: each clip's real mel frames, which the collate adds as
+  `feature_attention_mask.sum(-1)` (the processor has no such key) and Bridge's thinker passes to its index as
+  `audio_seqlens`: `audio_seqlens` (checked against `feature_attention_mask`, clip by clip, errors naming it so).
+Nothing else marks an Omni batch as Bridge's (an image-only one has only the processor's keys), so either key
+under `label_style="hf"` is a ValueError saying both readings (Bridge's shifted labels, or an HF-style batch to
+rename): accepted silently, a Bridge batch with videos or audio would be shifted twice. An image-only Bridge
+Omni batch holds nothing that tells it from a Hugging Face-style one: it needs `label_style="megatron"` too.
+Bridge's collate never sets `use_audio_in_video` (its chat-template arguments are the tools only) and its
+thinker never reads it.
 
 Batches Bridge has already packed (`enable_in_batch_packing=True`: one THD row with `cu_seqlens_q` and the
 other `PackedSeqParams` fields as batch keys, `data.packing.in_batch`) are cut back into the right-padded rows
@@ -46,6 +63,13 @@ BRIDGE_VISUAL_KEY = "visual_inputs"
 # What Bridge's in-batch packing (`pack_right_padded_sequence_batch_to_mcore_thd`) adds to a batch.
 BRIDGE_PACKED_KEYS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded",
                       "max_seqlen_q", "max_seqlen_kv", "total_tokens")
+# Megatron-Bridge's Qwen3-Omni collate's keys (the processor's and its own) -> this format's name for the same field.
+BRIDGE_OMNI_NAMES = {"video_second_per_grid": "second_per_grid_ts", "audio_feature_lengths": "audio_seqlens"}
+_OMNI_KEY_ORIGIN = {
+    "video_second_per_grid": "is the Qwen3-Omni processor's name for second_per_grid_ts, kept by Megatron-Bridge's "
+                             "qwen3_omni_collate_fn",
+    "audio_feature_lengths": "is Megatron-Bridge's qwen3_omni_collate_fn's key (the processor has none)",
+}
 # visual_inputs fields that are batch keys here (mm_token_type_ids: read by the mRoPE index).
 _UNPACKED_FIELDS = frozenset(VISION_KEYS) | frozenset(AUDIO_KEYS) | {"mm_token_type_ids"}
 
@@ -61,18 +85,20 @@ def from_bridge_batch(batch, label_style: str):
 
     Returns:
         a new dict without `visual_inputs` and with its non-None fields as keys (a Bridge batch; a Bridge pack as
-        right-padded rows with an `attention_mask`), else `batch`.
+        right-padded rows with an `attention_mask`), Bridge's Qwen3-Omni keys under this format's names
+        (`BRIDGE_OMNI_NAMES`), else `batch`.
 
     Raises:
-        ValueError: a Bridge batch read with `label_style="hf"`; a pack whose boundaries do not describe its row
-            (`rows_of_bridge_pack`); a `visual_inputs` without `normalized_for_model()`, one whose
+        ValueError: a Bridge batch read with `label_style="hf"` (a Qwen3-Omni one: by its `video_second_per_grid`
+            or `audio_feature_lengths`); an Omni key given beside its name here; a pack whose boundaries do not
+            describe its row (`rows_of_bridge_pack`); a `visual_inputs` without `normalized_for_model()`, one whose
             field no adapter consumes, or whose field is also a key of the batch (naming the field).
     """
     if not isinstance(batch, Mapping):  # the packers name what it is
         return batch
     markers = [key for key in (BRIDGE_VISUAL_KEY, *BRIDGE_PACKED_KEYS) if key in batch]
     if not markers:
-        return batch
+        return _from_bridge_omni_names(batch, label_style)
     if label_style != "megatron":
         raise ValueError(
             f"this batch is Megatron-Bridge's collate output (it carries {markers}), whose labels are "
@@ -88,7 +114,30 @@ def from_bridge_batch(batch, label_style: str):
             raise ValueError(f"{BRIDGE_VISUAL_KEY}.{name} is given and so is the batch key {name!r}: "
                              f"give it once")
         unpacked[name] = value
-    return unpacked
+    return _from_bridge_omni_names(unpacked, label_style)
+
+
+def _from_bridge_omni_names(batch: Mapping, label_style: str):
+    """`batch` with Bridge's Qwen3-Omni keys under this format's names (`BRIDGE_OMNI_NAMES`); `batch` itself without
+    them. A ValueError for either under label_style "hf", or given beside the field's own name."""
+    given = [key for key in BRIDGE_OMNI_NAMES if key in batch]
+    if not given:
+        return batch
+    if label_style != "megatron":
+        key = given[-1]  # audio_feature_lengths when given: only Bridge's collate adds it, not the processor
+        raise ValueError(
+            f"batch key {key!r} {_OMNI_KEY_ORIGIN[key]}, whose labels are already next-token targets "
+            f"(labels[t] = input_ids[t + 1]): label_style={label_style!r} would shift them again. Bridge's batch: "
+            f"use label_style='megatron' (it is read as {BRIDGE_OMNI_NAMES[key]}); a batch with unshifted (Hugging "
+            f"Face) labels: rename it {BRIDGE_OMNI_NAMES[key]}")
+    renamed = {key: value for key, value in batch.items() if key not in BRIDGE_OMNI_NAMES}
+    for key in given:
+        ours = BRIDGE_OMNI_NAMES[key]
+        if batch.get(ours) is not None:
+            raise ValueError(f"{key} (Megatron-Bridge's name for {ours}) is given and so is the batch key "
+                             f"{ours!r}: give it once")
+        renamed[ours] = batch[key]
+    return renamed
 
 
 def _visual_fields(visual_inputs) -> dict:

@@ -57,18 +57,11 @@ def check_keys(batch, *, extra_keys, mrope) -> None:
                                  f"(nor [3, B, S] position_ids computed from it)")
             continue
         if key not in known:
-            renamed = f" ({PROCESSOR_NAMES[key]})" if key in PROCESSOR_NAMES else ""
             raise ValueError(
-                f"unknown batch key {key!r}{renamed}: pack_batch/pad_batch take {sorted(SEQUENCE_KEYS)}, "
+                f"unknown batch key {key!r}: pack_batch/pad_batch take {sorted(SEQUENCE_KEYS)}, "
                 f"{DOCUMENT_KEY!r}, vision {sorted(VISION_KEYS)}, audio {sorted(AUDIO_KEYS)}; declare per-token "
                 f"tensors with extra_keys="
             )
-
-
-# Keys Hugging Face processors emit under another name than the batch format's: the unknown-key error says which.
-PROCESSOR_NAMES = {
-    "video_second_per_grid": "the Qwen3-Omni processor's name for second_per_grid_ts: rename it",
-}
 
 
 def check_dense_tensors(batch: Mapping, reader: str = "pack_batch/pad_batch") -> None:

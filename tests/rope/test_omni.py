@@ -192,11 +192,61 @@ def _no_seconds(reference):
     return get_rope_index
 
 
-def test_the_omni_processors_seconds_key_is_named_for_renaming():
-    """The Qwen3-Omni processor emits `video_second_per_grid`; the batch format's key is `second_per_grid_ts`."""
+def _megatron_labels(ids, mask):
+    """Next-token targets on each row's real tokens (-100 at its last one and at padding)."""
+    labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+    return labels.masked_fill(torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1) == 0, -100)
+
+
+@pytest.mark.parametrize("use_audio_in_video", [False, True])
+def test_bridges_omni_key_names_pack_as_ours(use_audio_in_video):
+    """Megatron-Bridge's Qwen3-Omni collate keeps the processor's `video_second_per_grid` and adds
+    `audio_feature_lengths` (each clip's real mel frames): with label_style="megatron" they are read as
+    `second_per_grid_ts` and `audio_seqlens`, the same quantities, and the pack is the one of our names.
+    Before, refused as unknown keys."""
+    from megatron_vlm_packing import pack_batch
+
+    config, _ = thinker()
+    cfg = MRopeConfig.from_hf_config(config)
+    ids, mask, images, videos, seconds, audios = random_rows(config, 3, 5, use_audio_in_video)
+    assert seconds is not None and audios is not None
+    common = {"input_ids": ids, "labels": _megatron_labels(ids, mask), "attention_mask": mask,
+              "image_grid_thw": images, "video_grid_thw": videos, "use_audio_in_video": use_audio_in_video}
+    ours = pack_batch({**common, "second_per_grid_ts": seconds, "audio_seqlens": audios}, mrope=cfg,
+                      label_style="megatron")
+    bridge = pack_batch({**common, "video_second_per_grid": seconds, "audio_feature_lengths": audios}, mrope=cfg,
+                        label_style="megatron")
+    for field in ("input_ids", "labels", "loss_mask", "position_ids"):
+        assert torch.equal(getattr(bridge, field), getattr(ours, field)), field
+    doubled = pack_batch({**common, "video_second_per_grid": 2 * seconds, "audio_feature_lengths": audios},
+                         mrope=cfg, label_style="megatron")
+    assert not torch.equal(doubled.position_ids, ours.position_ids)  # the seconds are read, not dropped
+
+
+@pytest.mark.parametrize("key, message", [
+    ("video_second_per_grid", r"batch key 'video_second_per_grid' is the Qwen3-Omni processor's name for "
+                              r"second_per_grid_ts.* use label_style='megatron' .* rename it second_per_grid_ts"),
+    ("audio_feature_lengths", r"batch key 'audio_feature_lengths' is Megatron-Bridge's qwen3_omni_collate_fn's key "
+                              r"\(the processor has none\).* rename it audio_seqlens"),
+])
+def test_bridges_omni_key_names_with_hf_labels_are_refused(key, message):
+    """Under label_style="hf" either key is refused, naming both readings: Megatron-Bridge's batch (labels already
+    shifted: label_style='megatron') or an HF-style batch (rename it); accepted, Bridge's would be shifted twice."""
+    from megatron_vlm_packing import pack_batch, pad_batch
+
+    ids = torch.tensor([[5, 6, 7, 8]])
+    for packer in (pack_batch, pad_batch):
+        with pytest.raises(ValueError, match=message):
+            packer({"input_ids": ids, "labels": ids, key: torch.tensor([1])}, label_style="hf")
+
+
+@pytest.mark.parametrize("bridge_key, ours", [("video_second_per_grid", "second_per_grid_ts"),
+                                              ("audio_feature_lengths", "audio_seqlens")])
+def test_bridges_omni_key_beside_ours_is_refused(bridge_key, ours):
     from megatron_vlm_packing import pack_batch
 
     ids = torch.tensor([[5, 6, 7, 8]])
-    with pytest.raises(ValueError, match=r"unknown batch key 'video_second_per_grid' \(the Qwen3-Omni processor's "
-                                         r"name for second_per_grid_ts: rename it\)"):
-        pack_batch({"input_ids": ids, "labels": ids, "video_second_per_grid": torch.tensor([1.0])}, label_style="hf")
+    with pytest.raises(ValueError, match=rf"{bridge_key} \(Megatron-Bridge's name for {ours}\) is given and so is "
+                                         rf"the batch key '{ours}': give it once"):
+        pack_batch({"input_ids": ids, "labels": ids, bridge_key: torch.tensor([1]), ours: torch.tensor([1])},
+                   label_style="megatron")
