@@ -125,6 +125,24 @@ def test_bridge_example_builds_the_state_form_step():
     assert callable(namespace["forward_step"])
 
 
+def test_bridge_omni_example_builds_the_state_form_step():
+    """The block for Bridge's Qwen3-Omni collate output runs as written (its arguments are the ones
+    tests/bridge/test_bridge_omni_batches.py trains with)."""
+    from megatron_vlm_packing.bridge.imports import bridge_unavailable_reason
+
+    if bridge_unavailable_reason() is not None:
+        pytest.skip(bridge_unavailable_reason())
+    from megatron_vlm_packing.patches import bridge_qwen3_omni_packed as patch
+
+    applied_before = patch.is_applied()
+    try:
+        namespace = run(block_with("apply_bridge_qwen3_omni_packed()", "qwen3_omni_collate_fn"), {})
+    finally:
+        if not applied_before:
+            patch.undo_bridge_qwen3_omni_packed()
+    assert callable(namespace["forward_step"])
+
+
 def test_saving_a_collator_micro_batch_as_documented_gives_a_file_check_reads(tmp_path, monkeypatch, capsys):
     """A saved MicroBatch (the README once said to save own_storages(micro_batch)) is refused by `check`."""
     from megatron_vlm_packing.cli import main
