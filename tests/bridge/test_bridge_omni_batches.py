@@ -178,3 +178,11 @@ def test_packing_collator_takes_bridge_omni_batches(omni):
     collator = PackingCollator(collate=bridge_omni_collate, label_style="megatron", mrope=cfg.mrope_config())
     assert step_loss(model, collator(samples), pack=True, label_style="megatron") == \
         step_loss(model, _hf_batch(samples), pack=True, label_style="hf")
+
+
+def test_parity_probe_on_bridge_omni_batches(omni, capsys):
+    """The step's parity probe splits Bridge's Omni batch (its keys read under our names) per sample: packed ==
+    alone within its bound."""
+    step_loss(omni["model"], bridge_omni_collate(omni["samples"]), pack=True, label_style="megatron",
+              parity_probe_every=1)
+    assert "parity probe" in capsys.readouterr().out
