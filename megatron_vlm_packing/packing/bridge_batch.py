@@ -35,7 +35,7 @@ name. Two name a field of this format otherwise, each the same quantity, read by
 Nothing else marks an Omni batch as Bridge's (an image-only one has only the processor's keys), so either key
 under `label_style="hf"` is a ValueError saying both readings (Bridge's shifted labels, or an HF-style batch to
 rename): accepted silently, a Bridge batch with videos or audio would be shifted twice. An image-only Bridge
-Omni batch holds nothing that tells it from a Hugging Face-style one: it needs `label_style="megatron"` too.
+Omni batch holds neither key: under "hf" the packers' check of labels against ids (`label_style`) refuses it.
 Bridge's collate never sets `use_audio_in_video` (its chat-template arguments are the tools only) and its
 thinker never reads it.
 

@@ -152,6 +152,25 @@ def test_bridge_omni_batch_with_hf_labels_is_refused(omni, rows, message):
         step_loss(omni["model"], batch, pack=True, label_style="hf")
 
 
+@pytest.mark.parametrize("pack", [True, False])
+@pytest.mark.parametrize("kind", ["images only", "text only"])
+def test_bridge_omni_batch_without_its_keys_with_hf_labels_is_refused(omni, kind, pack):
+    """An image-only or text-only Bridge Omni batch carries neither Omni key (nothing of Bridge's): under "hf" the
+    packers' check of the labels against the ids refuses it (without it: 17 wrong targets for 18, silently)."""
+    from megatron_vlm_packing.bridge.build_omni import omni_sample
+
+    rng = torch.Generator().manual_seed(7)
+    images = int(kind == "images only")
+    samples = [omni_sample(rng, omni["cfg"], images=images, videos=0, audios=0, text=n) for n in (12, 9)]
+    batch = bridge_omni_collate(samples)
+    assert not batch.keys() & {"video_second_per_grid", "audio_feature_lengths", "pixel_values_videos"}
+    assert ("pixel_values" in batch) == bool(images)
+    with pytest.raises(ValueError, match=r"labels look already shifted \(Megatron style\) but label_style=\"hf\""):
+        step_loss(omni["model"], batch, pack=pack, label_style="hf")
+    assert step_loss(omni["model"], batch, pack=pack, label_style="megatron") == \
+        step_loss(omni["model"], _hf_batch(samples), pack=pack, label_style="hf")
+
+
 @pytest.mark.parametrize("bridge_key, ours", [("video_second_per_grid", "second_per_grid_ts"),
                                               ("audio_feature_lengths", "audio_seqlens")])
 def test_bridge_omni_key_also_given_in_our_name_is_refused(omni, bridge_key, ours):
