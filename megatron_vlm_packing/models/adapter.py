@@ -89,6 +89,19 @@ class ModelAdapter:
                 f"micro-batch would train as one causal document; use pack=False or a model that takes it"
             )
 
+    def collated_batch(self, batch, options):
+        """The collated batch in this package's format, before it moves to the device: where an adapter reads a
+        format of its own (LLaVA: Megatron-LM examples/multimodal's). The default takes the batch as it is.
+
+        Raises:
+            ValueError: `make_forward_step(megatron_lm_pad_id=...)` for a model whose adapter reads no
+                Megatron-LM examples/multimodal batches (it would be ignored).
+        """
+        if options.megatron_lm_pad_id is not None:
+            raise ValueError(f"megatron_lm_pad_id={options.megatron_lm_pad_id} reads Megatron-LM examples/multimodal "
+                             f"LLaVA batches, which {type(self).__name__} ({self.model_name}) does not take: drop it")
+        return batch
+
     def build_micro_batch(self, batch: dict, layout, options) -> MicroBatch | None:
         """A model-specific micro-batch from a collated batch (LLaVA plans in its expanded space);
         None (the default) lets the step use `pack_batch` / `pad_batch`."""

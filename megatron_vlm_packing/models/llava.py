@@ -179,6 +179,16 @@ class LLaVAAdapter(ModelAdapter):
         return aligned_space(self.space, tp_size=layout.tp_size, cp_size=layout.cp_size,
                              sequence_parallel=layout.sequence_parallel, fp8=options.fp8)
 
+    def collated_batch(self, batch, options):
+        """Megatron-LM examples/multimodal's collate output (`imgs`, `num_tiles`, `cu_lengths`, S + 1 labels) as
+        one right-padded row per sample (`models.llava_mlm_batch`; its packs cut back at this model's expanded
+        boundaries); any other batch as it is."""
+        from megatron_vlm_packing.models.llava_mlm_batch import from_megatron_lm_batch
+
+        return from_megatron_lm_batch(batch, img_seq_len=self.space.img_seq_len,
+                                      image_token_index=self.space.image_token_index,
+                                      label_style=options.label_style, pad_id=options.megatron_lm_pad_id)
+
     def build_micro_batch(self, batch: dict, layout, options) -> MicroBatch:
         """The step's micro-batch: `pack_llava_batch` in this model's expanded space (`options.pad_to`
         is an expanded length; FP8's total multiple joins LLaVA's shard factor), or with `pack=False`

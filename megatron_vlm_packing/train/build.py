@@ -35,6 +35,7 @@ class StepOptions:
     seq_length: int | None = None
     fp8: bool = False
     mrope: Any = None
+    megatron_lm_pad_id: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.pack, bool):  # pack=None ran dense and pack="no" packed, silently
@@ -57,6 +58,9 @@ class StepOptions:
                              f"got {self.seq_length!r}")
         if self.seq_length is not None:
             object.__setattr__(self, "seq_length", int(self.seq_length))  # a numpy int as its int, as pad_to
+        if self.megatron_lm_pad_id is not None and not is_int(self.megatron_lm_pad_id):
+            raise ValueError(f"megatron_lm_pad_id must be the Megatron-LM tokenizer's pad id (an int) or None, "
+                             f"got {self.megatron_lm_pad_id!r}")
 
 
 def to_device(batch: Mapping, device: torch.device) -> dict:
@@ -164,8 +168,9 @@ def micro_batch_for_model(item: dict | MicroBatch, adapter: ModelAdapter, layout
         item = check_loader_vocab(item, getattr(adapter, "vocab_size", None),
                                   unembedded_token_id=getattr(adapter, "unembedded_token_id", None))
         return BuiltMicroBatch(adapter.micro_batch_from_loader(item, layout, options, device))
-    # Megatron-Bridge's collate output: its visual_inputs unpacked before the move (`packing.bridge_batch`)
-    batch = to_device(from_bridge_batch(item, options.label_style), device)
+    # Megatron-Bridge's collate output: its visual_inputs unpacked before the move (`packing.bridge_batch`); the
+    # adapter's own formats (LLaVA: Megatron-LM examples/multimodal's, `models.llava_mlm_batch`) read on the host too
+    batch = to_device(adapter.collated_batch(from_bridge_batch(item, options.label_style), options), device)
     mrope_used = resolve_mrope(options, adapter, batch)
     micro_batch = adapter.build_micro_batch(batch, layout, options)
     if micro_batch is not None:

@@ -167,7 +167,8 @@ def make_forward_step(*, pack: bool = True, label_style: str = "hf", pad_to: int
                       seq_length: int | None = None, fp8: bool = False, mrope=None,
                       broadcast_from_tp_rank0: bool = False, with_state: bool = False, adapter=None,
                       transform: Callable[[MicroBatch], MicroBatch] | None = None,
-                      parity_probe_every: int | None = None, parity_probe_tolerance: float | None = None) -> Callable:
+                      parity_probe_every: int | None = None, parity_probe_tolerance: float | None = None,
+                      megatron_lm_pad_id: int | None = None) -> Callable:
     """Build a Megatron forward step.
 
     Args:
@@ -190,12 +191,15 @@ def make_forward_step(*, pack: bool = True, label_style: str = "hf", pad_to: int
             `parity_probe_tolerance`, raises `validate.ParityProbeError` with the validator's report
             (None: 1e-4 for a float32 model, 5e-2 for bf16 / fp16 parameters, `validate.default_tolerance`).
             Needs cp = 1 and one pipeline stage.
+        megatron_lm_pad_id: the Megatron-LM tokenizer's pad id (`get_tokenizer().pad`), to read LLaVA batches as
+            Megatron-LM's examples/multimodal TaskEncoder collates them (with label_style="megatron";
+            `models.llava_mlm_batch`); a ValueError for a model whose adapter does not take them.
 
     Returns:
         `forward_step(data_iterator, model) -> (output_tensor, loss_func)`.
     """
     options = StepOptions(pack=pack, label_style=label_style, pad_to=pad_to, seq_length=seq_length, fp8=fp8,
-                          mrope=mrope)
+                          mrope=mrope, megatron_lm_pad_id=megatron_lm_pad_id)
     # Checked here, not at the first call: a truthy string ("False") would pick the other form or
     # reader, and a non-callable transform was a TypeError inside the step.
     check_flags(with_state=with_state, broadcast_from_tp_rank0=broadcast_from_tp_rank0)

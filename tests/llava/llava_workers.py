@@ -119,9 +119,10 @@ def sync_row(model, batch, kernel, batched=None, *, padded: bool = False) -> dic
     return row
 
 
-def step_run(model, data: list[dict], label_style: str, *, pack: bool = True):
+def step_run(model, data: list[dict], label_style: str, *, pack: bool = True, **step_options):
     """Logprobs per micro-batch, full (TP-gathered) grads, and the loss-mask shape of each model output,
-    through the shipped step, packed or (pack=False) in LLaVA's own batched rows."""
+    through the shipped step (`make_forward_step(**step_options)`), packed or (pack=False) in LLaVA's own
+    batched rows."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -130,7 +131,7 @@ def step_run(model, data: list[dict], label_style: str, *, pack: bool = True):
     from megatron_vlm_packing.train.step import make_forward_step
 
     model.zero_grad()
-    outputs, step = [], make_forward_step(label_style=label_style, pack=pack)
+    outputs, step = [], make_forward_step(label_style=label_style, pack=pack, **step_options)
 
     def forward_step(data_iterator, model):
         out, loss = step(data_iterator, model)

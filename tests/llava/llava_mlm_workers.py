@@ -1,0 +1,79 @@
+"""One process: the tiny LLaVA fed the same samples in Megatron-LM's examples/multimodal batch format
+(tests/llava/mlm_batches.py: right-padded rows, padded to a dataloader_seq_length, its own pack with the
+expanded cu_lengths, that pack with FP8 pads) and in the usual one (Hugging Face labels), through the shipped
+step and `get_forward_backward_func`, against LLaVA's own batched run of the usual batches. Micro-batches: the
+parity suite's two (tiles [1, 2, 1, 3, 1], images at starts, back-to-back and last) and a text-only one.
+
+`launch()` runs it once per test session."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from megatron_vlm_packing.testing.distributed import run_distributed
+
+
+@functools.cache
+def launch() -> dict:
+    return run_distributed(run_mlm_checks, 1, timeout_s=900)
+
+
+def _forms(data: list[dict], img_seq_len: int) -> dict:
+    """Each Megatron-LM form of the usual micro-batches `data`, and the step's pack option for it."""
+    from tests.llava.mlm_batches import mlm_pack, mlm_rows
+
+    def width(batch):  # collapsed slots of all its samples
+        return int(batch["attention_mask"].sum())
+
+    return {
+        "rows": ([mlm_rows(b) for b in data], True),
+        "rows, dataloader_seq_length": ([mlm_rows(b, width=24) for b in data], True),
+        "pack": ([mlm_pack(b, img_seq_len, width=width(b) + 5) for b in data], True),
+        "pack, fp8 pads": ([mlm_pack(b, img_seq_len, width=width(b), fp8_pad=3) for b in data], True),
+        "rows, pack=False": ([mlm_rows(b) for b in data], False),
+        "pack, pack=False": ([mlm_pack(b, img_seq_len, width=width(b) + 5) for b in data], False),
+    }
+
+
+def _identical(run: tuple, usual: tuple) -> bool:
+    """Per-token logprobs and every gradient bit for bit the same."""
+    logps, grads, _ = run
+    ref_logps, ref_grads, _ = usual
+    return len(logps) == len(ref_logps) and all(torch.equal(a, b) for a, b in zip(logps, ref_logps)) \
+        and grads.keys() == ref_grads.keys() and all(torch.equal(grads[n], ref_grads[n]) for n in grads)
+
+
+def run_mlm_checks(rank: int, world_size: int, seed: int = 11) -> dict:
+    from megatron_vlm_packing.models.llava import LlavaSpace
+    from megatron_vlm_packing.patches import (
+        apply_llava_packed_boundaries, apply_thd_rotary, undo_llava_packed_boundaries, undo_thd_rotary,
+    )
+    from megatron_vlm_packing.testing.distributed import initialize_parallel
+    from megatron_vlm_packing.testing.llava_reference import T, batches, build_tiny_llava, collated, reference
+    from tests.llava.llava_workers import compared, step_run
+    from tests.llava.mlm_batches import PAD
+
+    apply_llava_packed_boundaries(), apply_thd_rotary()
+    try:
+        initialize_parallel(seed=seed)
+        model = build_tiny_llava(seed)
+        data = batches("hf", seed) + [collated(((T, T, T), (T, T, T, T, T), (T,)), label_style="hf", seed=seed + 7)]
+        ref = (data, *reference(model, data, "hf"))
+        result = {"params": len(list(model.parameters()))}
+        usual = step_run(model, data, "hf")
+        result["usual"] = compared(ref, usual)
+        for name, (mlm, pack) in _forms(data, LlavaSpace.of(model).img_seq_len).items():
+            run = step_run(model, mlm, "megatron", pack=pack, megatron_lm_pad_id=PAD)
+            result[name] = dict(compared(ref, run), identical_to_usual=_identical(run, usual))
+        # control: get_batch's output (its shift made: labels[:, 1:S + 1]) handed to the step under label_style='hf':
+        # shifted twice, every token trained on the token after its target
+        shifted = [{"input_ids": b["tokens"], "labels": b["labels"][:, 1:], "attention_mask": u["attention_mask"],
+                    "images": u["images"], "num_image_tiles": u["num_image_tiles"]}
+                   for b, u in zip(_forms(data, 1)["rows"][0], data)]
+        result["control: shifted twice"] = compared(ref, step_run(model, shifted, "hf"))
+    finally:
+        undo_thd_rotary()
+        undo_llava_packed_boundaries()
+    return result
