@@ -1,8 +1,11 @@
-"""One process: the tiny LLaVA fed the same samples in Megatron-LM's examples/multimodal batch format
+"""Two processes: the tiny LLaVA fed the same samples in Megatron-LM's examples/multimodal batch format
 (tests/llava/mlm_batches.py: right-padded rows, padded to a dataloader_seq_length, its own pack with the
 expanded cu_lengths, that pack with FP8 pads) and in the usual one (Hugging Face labels), through the shipped
 step and `get_forward_backward_func`, against LLaVA's own batched run of the usual batches. Micro-batches: the
-parity suite's two (tiles [1, 2, 1, 3, 1], images at starts, back-to-back and last) and a text-only one.
+parity suite's two (tiles [1, 2, 1, 3, 1], images at starts, back-to-back and last) and a text-only one. The
+single-process runs are made on each rank alike; then under TP=2 + SP, Megatron-LM's pack read by TP rank 0
+only and broadcast (`broadcast_from_tp_rank0=True`: its `dataloader_provider` builds the loader there only, the
+other rank's iterator is None).
 
 `launch()` runs it once per test session."""
 
@@ -17,7 +20,7 @@ from megatron_vlm_packing.testing.distributed import run_distributed
 
 @functools.cache
 def launch() -> dict:
-    return run_distributed(run_mlm_checks, 1, timeout_s=900)
+    return run_distributed(run_mlm_checks, 2, timeout_s=900)
 
 
 def _forms(data: list[dict], img_seq_len: int) -> dict:
@@ -45,6 +48,39 @@ def _identical(run: tuple, usual: tuple) -> bool:
         and grads.keys() == ref_grads.keys() and all(torch.equal(grads[n], ref_grads[n]) for n in grads)
 
 
+def _tp_sp_broadcast(ref_model, ref: tuple, mlm: list[dict], seed: int) -> dict:
+    """The TP=2 + SP model (the reference's weights) on `mlm` through the step, TP rank 0 reading and broadcasting."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_vlm_packing.testing.distributed import initialize_parallel
+    from megatron_vlm_packing.testing.llava_reference import MAX_LENGTH, build_tiny_llava, llava_cp_without_te
+    from megatron_vlm_packing.testing.parity import full_gradients, global_name, load_full_state
+    from megatron_vlm_packing.train.step import make_forward_step
+    from tests.llava.llava_workers import compared
+    from tests.llava.mlm_batches import PAD
+
+    state = {global_name(ref_model, n): p.detach().clone() for n, p in ref_model.named_parameters()}
+    initialize_parallel(tp=2, seed=seed)
+    with llava_cp_without_te():
+        model = build_tiny_llava(seed, tp=2, sp=True)
+        load_full_state(model, state, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=2)
+        step = make_forward_step(label_style="megatron", megatron_lm_pad_id=PAD, broadcast_from_tp_rank0=True)
+        outputs = []
+
+        def forward_step(data_iterator, model):
+            out, loss = step(data_iterator, model)
+            outputs.append((out[0].detach(), out[1].detach()))
+            return out, loss
+
+        reader = iter(mlm) if ps.get_tensor_model_parallel_rank() == 0 else None
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=reader, model=[model],
+                                    num_microbatches=len(mlm), seq_length=MAX_LENGTH, micro_batch_size=1)
+    logps = [-losses[mask.bool()] for losses, mask in outputs]
+    grads = full_gradients(model, tp_group=ps.get_tensor_model_parallel_group())
+    return compared(ref, (logps, grads, [tuple(mask.shape) for _, mask in outputs]))
+
+
 def run_mlm_checks(rank: int, world_size: int, seed: int = 11) -> dict:
     from megatron_vlm_packing.models.llava import LlavaSpace
     from megatron_vlm_packing.patches import (
@@ -64,7 +100,8 @@ def run_mlm_checks(rank: int, world_size: int, seed: int = 11) -> dict:
         result = {"params": len(list(model.parameters()))}
         usual = step_run(model, data, "hf")
         result["usual"] = compared(ref, usual)
-        for name, (mlm, pack) in _forms(data, LlavaSpace.of(model).img_seq_len).items():
+        img = LlavaSpace.of(model).img_seq_len
+        for name, (mlm, pack) in _forms(data, img).items():
             run = step_run(model, mlm, "megatron", pack=pack, megatron_lm_pad_id=PAD)
             result[name] = dict(compared(ref, run), identical_to_usual=_identical(run, usual))
         # control: get_batch's output (its shift made: labels[:, 1:S + 1]) handed to the step under label_style='hf':
@@ -73,6 +110,8 @@ def run_mlm_checks(rank: int, world_size: int, seed: int = 11) -> dict:
                     "images": u["images"], "num_image_tiles": u["num_image_tiles"]}
                    for b, u in zip(_forms(data, 1)["rows"][0], data)]
         result["control: shifted twice"] = compared(ref, step_run(model, shifted, "hf"))
+        result["TP=2+SP, pack, broadcast from TP rank 0"] = _tp_sp_broadcast(model, ref, _forms(data, img)["pack"][0],
+                                                                          seed)
     finally:
         undo_thd_rotary()
         undo_llava_packed_boundaries()

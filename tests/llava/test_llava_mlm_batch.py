@@ -122,7 +122,8 @@ def test_the_pad_id_option_is_refused_where_no_adapter_reads_it():
     assert rows["labels"].tolist() == [[X, 6, 7, X], [9, X, X, X], [X, 11, X, X]]
 
 
-FORMS = ["rows", "rows, dataloader_seq_length", "pack", "pack, fp8 pads", "rows, pack=False", "pack, pack=False"]
+FORMS = ["rows", "rows, dataloader_seq_length", "pack", "pack, fp8 pads", "rows, pack=False", "pack, pack=False",
+         "TP=2+SP, pack, broadcast from TP rank 0"]
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -130,7 +131,7 @@ def test_megatron_lm_batches_equal_the_usual_batches_and_batched_llava(form):
     result = launch()
     run = result[form]
     assert_equals_batched(run, result["params"])
-    if "pack=False" not in form:  # the step's pack of the same samples: the same micro-batches, bit for bit
+    if "pack=False" not in form and "TP=2" not in form:  # the step's pack of the same samples: the same micro-batches, bit for bit
         assert run["identical_to_usual"], run
     assert run["tokens_compared"] == result["usual"]["tokens_compared"]
 
