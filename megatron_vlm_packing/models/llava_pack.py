@@ -25,6 +25,9 @@ from megatron_vlm_packing.packing.media import check_floating_media
 from megatron_vlm_packing.packing.micro_batch import BatchStats, IdsMark, MicroBatch, VisionInputs, boundaries_mark
 
 _IMAGE_KEYS = ("images", "pixel_values")
+# Every key the LLaVA packers read (position_ids: checked to count 0..n-1, then made per sample).
+LLAVA_BATCH_KEYS = frozenset({"input_ids", "tokens", "labels", "loss_mask", "attention_mask", "seq_lens",
+                              "position_ids", "num_image_tiles", *_IMAGE_KEYS})
 IGNORE_INDEX = -100
 READER = "pack_llava_batch/pad_llava_batch"  # who reads a LLaVA batch, in `rows.check_dense_tensors`' errors
 
@@ -119,9 +122,16 @@ def _read_rows(batch: dict, space: LlavaSpace, label_style: str):
         (ids [B, S] long, labels [B, S] next-token targets, weights [B, S] float, row lengths,
         `_llava_rows`'s tuple).
     """
-    from megatron_vlm_packing.packing.rows import Rows, check_dense_tensors, input_ids_of, queue_row_reads
+    from megatron_vlm_packing.packing.rows import (
+        Rows, check_1d_positions, check_dense_tensors, input_ids_of, queue_row_reads, row_tensor,
+    )
 
     check_dense_tensors(batch, READER)  # first, as pack_batch: a sparse or meta image packed, unread
+    unread = sorted((k for k in batch if k not in LLAVA_BATCH_KEYS and batch[k] is not None), key=str)
+    if unread:  # were dropped silently: document_lengths too (a pre-packed row trained as one document)
+        raise ValueError(f"LLaVA's packers do not read {unread}: it would be dropped silently; they take "
+                         f"{sorted(LLAVA_BATCH_KEYS)}, one row per sample (Megatron-LM examples/multimodal batches: "
+                         f"through make_forward_step(megatron_lm_pad_id=...), models.llava_mlm_batch)")
     images = _images(batch)  # refused (shape, dtype) before the read
     name, ids = input_ids_of(batch)
     shape = tuple(ids.shape)
@@ -137,6 +147,8 @@ def _read_rows(batch: dict, space: LlavaSpace, label_style: str):
     host = queued.checks.read()  # the one host sync
     rows = Rows(input_ids=ids, mask=queued.mask, lengths=queued.lengths(host), raw_labels=queued.raw_labels,
                 label_style=label_style, loss_values=queued.loss_values, positions=None, vision=None, audio=None)
+    if batch.get("position_ids") is not None:  # a read of its own, only when given
+        check_1d_positions(row_tensor(batch, "position_ids", shape), rows.keep)
     return ids, rows.labels, rows.loss_weights, rows.lengths, _llava_rows(host[llava_entry], shape[0], tiles,
                                                                             images, ids.device)
 
@@ -218,7 +230,8 @@ def pack_llava_batch(batch: dict, space: LlavaSpace, *, label_style: str = "mega
         batch: `input_ids` (or `tokens`) [B, S] with one `space.image_token_index` per image, `labels`
             (Megatron style, or Hugging Face style with label_style="hf"), optional `loss_mask`,
             `attention_mask` / `seq_lens` for the real lengths, `images` (or `pixel_values`)
-            [tiles, C, H, W] and `num_image_tiles` [I] (absent: one tile per image).
+            [tiles, C, H, W], `num_image_tiles` [I] (absent: one tile per image), [B, S] `position_ids`
+            (0..n-1 on real tokens, else a ValueError; made per document); any other key is a ValueError.
         pad_to: the expanded length wanted (default: LLaVA's pipeline length under PP, else the
             next multiple of its shard factor).
 

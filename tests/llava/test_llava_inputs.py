@@ -191,3 +191,26 @@ def test_a_patch_grid_beside_llava_images_is_refused():
     with pytest.raises(ValueError, match=r"vision.image_grid_thw describes 1 image\(s\) but LLaVAModel takes whole "
                                          r"tiles and no patch grid"):
         adapter.check(with_grid)
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRIES))
+@pytest.mark.parametrize("key, value", [
+    ("document_lengths", torch.tensor([[2, 1], [3, 0]])),  # pre-packed rows: trained as one document each
+    ("image_grid_thw", torch.tensor([[1, 2, 2]])),
+    ("pixel_values_videos", torch.zeros(4, 8)),
+    ("imgs", torch.zeros(1, 3, 2, 2)),
+])
+def test_a_key_the_llava_packers_do_not_read_is_refused(entry, key, value):
+    """pack_llava_batch / pad_llava_batch (and the collator) read only their own keys: any other key was dropped
+    silently (a row's document_lengths too, so a pre-packed row trained as one causal document)."""
+    with pytest.raises(ValueError, match=rf"LLaVA's packers do not read \['{key}'\]"):
+        ENTRIES[entry](dict(_batch(torch.zeros(1, 3, 2, 2)), **{key: value}))
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRIES))
+def test_llava_position_ids_are_checked_not_dropped(entry):
+    """[B, S] position_ids are recomputed per sample: taken when they count 0..n-1 on each row's real tokens."""
+    batch = dict(_batch(torch.zeros(1, 3, 2, 2)), attention_mask=torch.tensor([[1, 1, 0], [1, 1, 1]]))
+    ENTRIES[entry](dict(batch, position_ids=torch.tensor([[0, 1, 0], [0, 1, 2]])))
+    with pytest.raises(ValueError, match=r"position_ids row 1 position 2 is 0, expected 2 \(it restarts"):
+        ENTRIES[entry](dict(batch, position_ids=torch.tensor([[0, 1, 0], [0, 1, 0]])))
