@@ -131,7 +131,7 @@ def test_megatron_lm_batches_equal_the_usual_batches_and_batched_llava(form):
     result = launch()
     run = result[form]
     assert_equals_batched(run, result["params"])
-    if "pack=False" not in form and "TP=2" not in form:  # the step's pack of the same samples: the same micro-batches, bit for bit
+    if "pack=False" not in form and "TP=2" not in form:  # the step's pack of the same samples, bit for bit
         assert run["identical_to_usual"], run
     assert run["tokens_compared"] == result["usual"]["tokens_compared"]
 
