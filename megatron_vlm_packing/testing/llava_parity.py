@@ -58,9 +58,9 @@ def _observe_outputs(outputs: list, step):
     return forward_step
 
 
-def packed_run(model, data: list[dict], label_style: str, *, forward_only: bool = False):
+def packed_run(model, data: list[dict], label_style: str, *, forward_only: bool = False, **step_options):
     """Packed logprobs per micro-batch (last stage, else None) and this rank's full-shape grads (CP tokens
-    gathered; TP shards too, under TP)."""
+    gathered; TP shards too, under TP), through `make_forward_step(label_style=label_style, **step_options)`."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -69,7 +69,7 @@ def packed_run(model, data: list[dict], label_style: str, *, forward_only: bool 
 
     model.zero_grad()
     outputs, observed = [], _Observed()
-    step = make_forward_step(label_style=label_style, transform=observed)
+    step = make_forward_step(label_style=label_style, transform=observed, **step_options)
     with llava_cp_without_te():
         get_forward_backward_func()(
             forward_step_func=_observe_outputs(outputs, step), data_iterator=iter(data), model=[model],

@@ -5,7 +5,7 @@ step and `get_forward_backward_func`, against LLaVA's own batched run of the usu
 parity suite's two (tiles [1, 2, 1, 3, 1], images at starts, back-to-back and last) and a text-only one. The
 single-process runs are made on each rank alike; then under TP=2 + SP, Megatron-LM's pack read by TP rank 0
 only and broadcast (`broadcast_from_tp_rank0=True`: its `dataloader_provider` builds the loader there only, the
-other rank's iterator is None).
+other rank's iterator is None); and under CP=2.
 
 `launch()` runs it once per test session."""
 
@@ -81,6 +81,21 @@ def _tp_sp_broadcast(ref_model, ref: tuple, mlm: list[dict], seed: int) -> dict:
     return compared(ref, (logps, grads, [tuple(mask.shape) for _, mask in outputs]))
 
 
+def _cp(ref_model, ref: tuple, mlm: list[dict], seed: int) -> dict:
+    """The CP=2 model (the reference's weights) on `mlm` through the step: LLaVA's CP tokens gathered back."""
+    from megatron_vlm_packing.testing.distributed import initialize_parallel
+    from megatron_vlm_packing.testing.llava_parity import compare, load_state, packed_run
+    from megatron_vlm_packing.testing.llava_reference import build_tiny_llava, llava_cp_without_te
+    from tests.llava.mlm_batches import PAD
+
+    state = {n: p.detach().clone() for n, p in ref_model.named_parameters()}
+    initialize_parallel(cp=2, seed=seed)
+    with llava_cp_without_te():
+        model = build_tiny_llava(seed, cp=2)
+        load_state(model, state)
+        return compare(ref[1], ref[2], *packed_run(model, mlm, "megatron", megatron_lm_pad_id=PAD))
+
+
 def run_mlm_checks(rank: int, world_size: int, seed: int = 11) -> dict:
     from megatron_vlm_packing.models.llava import LlavaSpace
     from megatron_vlm_packing.patches import (
@@ -110,8 +125,9 @@ def run_mlm_checks(rank: int, world_size: int, seed: int = 11) -> dict:
                     "images": u["images"], "num_image_tiles": u["num_image_tiles"]}
                    for b, u in zip(_forms(data, 1)["rows"][0], data)]
         result["control: shifted twice"] = compared(ref, step_run(model, shifted, "hf"))
-        result["TP=2+SP, pack, broadcast from TP rank 0"] = _tp_sp_broadcast(model, ref, _forms(data, img)["pack"][0],
-                                                                          seed)
+        pack = _forms(data, img)["pack"][0]
+        result["TP=2+SP, pack, broadcast from TP rank 0"] = _tp_sp_broadcast(model, ref, pack, seed)
+        result["CP=2, pack"] = _cp(model, ref, pack, seed)
     finally:
         undo_thd_rotary()
         undo_llava_packed_boundaries()
