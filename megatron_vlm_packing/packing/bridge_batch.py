@@ -90,15 +90,19 @@ def from_bridge_batch(batch, label_style: str):
 
     Raises:
         ValueError: a Bridge batch read with `label_style="hf"` (a Qwen3-Omni one: by its `video_second_per_grid`
-            or `audio_feature_lengths`); an Omni key given beside its name here; a pack whose boundaries do not
-            describe its row (`rows_of_bridge_pack`); a `visual_inputs` without `normalized_for_model()`, one whose
-            field no adapter consumes, or whose field is also a key of the batch (naming the field).
+            or `audio_feature_lengths`); a Bridge pack's key without `cu_seqlens_q` or `visual_inputs` (a key of
+            the user's own by that name, under either style); an Omni key given beside its name here; a pack whose
+            boundaries do not describe its row (`rows_of_bridge_pack`); a `visual_inputs` without
+            `normalized_for_model()`, one whose field no adapter consumes, or whose field is also a key of the batch
+            (naming the field).
     """
     if not isinstance(batch, Mapping):  # the packers name what it is
         return batch
     markers = [key for key in (BRIDGE_VISUAL_KEY, *BRIDGE_PACKED_KEYS) if key in batch]
     if not markers:
         return _from_bridge_omni_names(batch, label_style)
+    if BRIDGE_VISUAL_KEY not in batch and batch.get("cu_seqlens_q") is None:  # e.g. a total_tokens of the user's own
+        raise _no_boundaries(batch)
     if label_style != "megatron":
         raise ValueError(
             f"this batch is Megatron-Bridge's collate output (it carries {markers}), whose labels are "
@@ -161,6 +165,9 @@ def _visual_fields(visual_inputs) -> dict:
 # The [1, T] sequence fields of a Bridge pack and the value at the slots after each document's real tokens.
 _PACK_FIELD_FILLS = {"input_ids": 0, "tokens": 0, "labels": -100, "loss_mask": 0, "position_ids": 0,
                      "mm_token_type_ids": 0}
+_BOUNDARY_KEYS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
+_LENGTH_KEYS = ("max_seqlen_q", "max_seqlen_kv", "total_tokens")
+_BETWEEN = "targets between documents"  # the count `_pack_numbers` reads with the boundaries
 
 
 def rows_of_bridge_pack(batch: Mapping) -> dict:
@@ -170,36 +177,29 @@ def rows_of_bridge_pack(batch: Mapping) -> dict:
     Each document's real tokens, `cu_seqlens_q[i + 1] - cu_seqlens_q[i]`, are read from its physical start
     (`cu_seqlens_q_padded[i]`, or `cu_seqlens_q[i]` without alignment padding) in every sequence field (ids,
     labels, loss mask, positions, `mm_token_type_ids`); the other keys are kept. Bridge cut labels and loss mask
-    per row before packing, so each document's last label is its own. One host read of the boundaries.
+    per row before packing, so each document's last label is its own. One host read (`_pack_numbers`).
 
     Raises:
-        ValueError: naming the field and the numbers: no `cu_seqlens_q`, the _kv boundaries differ from the _q
-            ones, boundaries that are not [N + 1] ints from 0, rising by at least 1 (real) and by at least the real
-            length (physical) and ending at T, a sequence field not [1, T], or an `attention_mask` given beside the
-            boundaries.
+        ValueError: naming the field and the numbers: no `cu_seqlens_q`; boundaries that are not [N + 1] integers
+            (a tensor, list or tuple) from 0, rising by at least 1 (real) and by at least the real length
+            (physical) and ending at T; _kv boundaries that differ from the _q ones, or `cu_seqlens_kv_padded`
+            without `cu_seqlens_q_padded`; a `total_tokens` other than T, a `max_seqlen_q` / `_kv` below the
+            longest document's slots; a target (loss_mask != 0, or without one a label) in the slots between
+            documents, which no row keeps; a sequence field not [1, T]; an `attention_mask` beside the boundaries.
     """
     if batch.get("cu_seqlens_q") is None:
-        raise ValueError(f"the batch carries {[k for k in BRIDGE_PACKED_KEYS if k in batch]}, the fields of a "
-                         f"Megatron-Bridge in-batch pack, without its cu_seqlens_q: where each document is")
-    real = _host_boundaries(batch, "cu_seqlens_q")
-    starts = _host_boundaries(batch, "cu_seqlens_q_padded") if batch.get("cu_seqlens_q_padded") is not None else real
-    for q_key, kv_key in (("cu_seqlens_q", "cu_seqlens_kv"), ("cu_seqlens_q_padded", "cu_seqlens_kv_padded")):
-        if batch.get(kv_key) is not None and _host_boundaries(batch, kv_key) != _host_boundaries(batch, q_key):
-            raise ValueError(f"{kv_key} {_host_boundaries(batch, kv_key)} differs from {q_key} "
-                             f"{_host_boundaries(batch, q_key)}: a Bridge pack attends within the same documents")
+        raise _no_boundaries(batch)
     if batch.get("attention_mask") is not None:
         raise ValueError("a Bridge pack (cu_seqlens_q given) carries an attention_mask: its packer leaves it None; "
                          "the boundaries say where each document is")
     fields = {key: batch[key] for key in _PACK_FIELD_FILLS if batch.get(key) is not None}
     total = _pack_length(fields)
-    lengths = [b - a for a, b in zip(real, real[1:])]
-    physical = [b - a for a, b in zip(starts, starts[1:])]
-    if len(starts) != len(real) or starts[-1] != total or min(lengths) < 1 or \
-            any(n > room for n, room in zip(lengths, physical)):
-        padded = starts if starts is not real else None
-        raise ValueError(f"the Bridge pack's boundaries do not describe its {total} slots: cu_seqlens_q {real}, "
-                         f"cu_seqlens_q_padded {padded} (documents of at least 1 token, each within its physical "
-                         f"slots, the last ending at {total})")
+    numbers = _pack_numbers(batch, fields, total)
+    real = numbers["cu_seqlens_q"]
+    starts = numbers.get("cu_seqlens_q_padded", real)
+    lengths = _checked_documents(numbers, total)
+    if numbers.get(_BETWEEN):
+        raise _targets_between_error(fields, real, starts, numbers[_BETWEEN])
     width = max(lengths)
     offsets = torch.arange(width)
     keep = offsets[None, :] < torch.tensor(lengths)[:, None]  # [N, L]
@@ -212,15 +212,124 @@ def rows_of_bridge_pack(batch: Mapping) -> dict:
     return rows
 
 
-def _host_boundaries(batch: Mapping, key: str) -> list[int]:
-    """batch[key] as a list of ints: an [N + 1] integer tensor (or sequence) from 0, else a ValueError naming it."""
-    value = batch[key]
-    values = value.tolist() if isinstance(value, torch.Tensor) else value
-    if not isinstance(values, (list, tuple)) or len(values) < 2 or not all(type(v) is int for v in values) \
-            or values[0] != 0 or any(b < a for a, b in zip(values, values[1:])):
-        raise ValueError(f"{key} must be [N + 1] non-decreasing int boundaries from 0 (a Bridge pack's), "
-                         f"got {value!r}")
-    return list(values)
+def _no_boundaries(batch: Mapping) -> ValueError:
+    """The error for a batch with some of `BRIDGE_PACKED_KEYS` but no `cu_seqlens_q`: no Bridge pack (a key of the
+    user's own that shares a name with one of its fields, most likely)."""
+    return ValueError(f"the batch carries {[k for k in BRIDGE_PACKED_KEYS if k in batch]}, the fields of a "
+                      f"Megatron-Bridge in-batch pack, without its cu_seqlens_q (where each document is), so it is no "
+                      f"Bridge pack: a key of your own by that name, rename it or leave it out (rows of your own "
+                      f"pre-packed documents: give document_lengths, docs/batch_format.md)")
+
+
+def _pack_numbers(batch: Mapping, fields: dict, total: int) -> dict:
+    """The pack's numbers on the host, in one read (the boundaries may be on an accelerator): every boundary given
+    (`_BOUNDARY_KEYS`, lists of ints), `max_seqlen_q` / `_kv` and `total_tokens` (ints), and the count of targets
+    in the slots between documents (`_BETWEEN`, when `cu_seqlens_q_padded` leaves such slots)."""
+    device = next(iter(fields.values())).device
+    parts = {key: _boundary_tensor(batch[key], key, device) for key in _BOUNDARY_KEYS if batch.get(key) is not None}
+    parts.update({key: _length_tensor(batch[key], key, device) for key in _LENGTH_KEYS if batch.get(key) is not None})
+    padded = parts.get("cu_seqlens_q_padded")
+    if padded is not None and padded.shape == parts["cu_seqlens_q"].shape:
+        parts[_BETWEEN] = _targets_between(fields, parts["cu_seqlens_q"], padded, total).reshape(1)
+    flat = torch.cat(list(parts.values())).tolist()  # the one host read
+    numbers, at = {}, 0
+    for key, part in parts.items():
+        values, at = flat[at:at + part.numel()], at + part.numel()
+        numbers[key] = values if key in _BOUNDARY_KEYS else values[0]
+    return numbers
+
+
+def _boundary_tensor(value, key: str, device: torch.device) -> torch.Tensor:
+    """[N + 1] int64 on `device` of a boundary key (an integer tensor, or a list or tuple of ints), not read."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 1 and value.numel() >= 2 and not value.is_floating_point() and not value.is_complex() \
+                and value.dtype != torch.bool:
+            return value.to(device=device, dtype=torch.int64)
+        got = f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    elif isinstance(value, (list, tuple)) and len(value) >= 2 and all(type(v) is int for v in value):
+        return torch.tensor(value, dtype=torch.int64, device=device)
+    else:
+        got = repr(value)
+    raise ValueError(f"{key} must be [N + 1] int boundaries from 0 (a Bridge pack's: a 1-D integer tensor, or a "
+                     f"list of ints), got {got}")
+
+
+def _length_tensor(value, key: str, device: torch.device) -> torch.Tensor:
+    """[1] int64 on `device` of `max_seqlen_q` / `_kv` / `total_tokens` (an int or a 0-dim integer tensor)."""
+    if type(value) is int:
+        return torch.tensor([value], dtype=torch.int64, device=device)
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_floating_point() \
+            and not value.is_complex() and value.dtype != torch.bool:
+        return value.reshape(1).to(device=device, dtype=torch.int64)
+    got = f"a {value.dtype} tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+    raise ValueError(f"{key} must be an int (or a 0-dim integer tensor), got {got}")
+
+
+def _targets_between(fields: dict, real: torch.Tensor, starts: torch.Tensor, total: int) -> torch.Tensor:
+    """0-dim int64, not read: the slots between documents (after a document's real tokens, `real`, before the next
+    one's physical start, `starts`: [N + 1] each) that are targets: `loss_mask` != 0, or without one a label."""
+    target = fields.get("loss_mask")
+    target = target[0] != 0 if target is not None else fields["labels"][0] != -100 if "labels" in fields else None
+    if target is None:
+        return torch.zeros((), dtype=torch.int64, device=starts.device)
+    slot = torch.arange(total, device=starts.device)
+    # each slot's document; clamped: boundaries not yet checked must index in range (they are checked before use)
+    document = (torch.searchsorted(starts, slot, right=True) - 1).clamp(0, starts.numel() - 2)
+    between = slot - starts[document] >= real[1:][document] - real[:-1][document]
+    return (between & target.to(starts.device)).sum()
+
+
+def _checked_documents(numbers: dict, total: int) -> list[int]:
+    """The [N] real lengths of a pack's documents, after checking its boundaries and lengths (`_pack_numbers`)."""
+    for key in _BOUNDARY_KEYS:
+        values = numbers.get(key)
+        if values is not None and (values[0] != 0 or any(b < a for a, b in zip(values, values[1:]))):
+            raise ValueError(f"{key} must be [N + 1] non-decreasing int boundaries from 0 (a Bridge pack's), "
+                             f"got {values}")
+    if "cu_seqlens_kv_padded" in numbers and "cu_seqlens_q_padded" not in numbers:
+        raise ValueError(f"cu_seqlens_kv_padded is given without cu_seqlens_q_padded (cu_seqlens_q "
+                         f"{numbers['cu_seqlens_q']}, cu_seqlens_kv_padded {numbers['cu_seqlens_kv_padded']}): a "
+                         f"Bridge pack sets both or neither; give cu_seqlens_q_padded, where each document starts")
+    for q_key, kv_key in (("cu_seqlens_q", "cu_seqlens_kv"), ("cu_seqlens_q_padded", "cu_seqlens_kv_padded")):
+        if kv_key in numbers and numbers[kv_key] != numbers[q_key]:
+            raise ValueError(f"{kv_key} {numbers[kv_key]} differs from {q_key} {numbers[q_key]}: a Bridge pack "
+                             f"attends within the same documents")
+    real = numbers["cu_seqlens_q"]
+    starts = numbers.get("cu_seqlens_q_padded", real)
+    lengths = [b - a for a, b in zip(real, real[1:])]
+    physical = [b - a for a, b in zip(starts, starts[1:])]
+    if len(starts) != len(real) or starts[-1] != total or min(lengths) < 1 or \
+            any(n > room for n, room in zip(lengths, physical)):
+        raise ValueError(f"the Bridge pack's boundaries do not describe its {total} slots: cu_seqlens_q {real}, "
+                         f"cu_seqlens_q_padded {numbers.get('cu_seqlens_q_padded')} (documents of at least 1 token, "
+                         f"each within its physical slots, the last ending at {total})")
+    if numbers.get("total_tokens", total) != total:
+        raise ValueError(f"total_tokens {numbers['total_tokens']} differs from the Bridge pack's {total} slots (its "
+                         f"[1, T] fields and the last boundary)")
+    for key in ("max_seqlen_q", "max_seqlen_kv"):  # an upper bound may be larger (Megatron's convention)
+        if numbers.get(key, max(physical)) < max(physical):
+            raise ValueError(f"{key} {numbers[key]} is below the Bridge pack's longest document, {max(physical)} "
+                             f"slots (cu_seqlens_q_padded, else cu_seqlens_q {real})")
+    return lengths
+
+
+def _targets_between_error(fields: dict, real: list[int], starts: list[int], count: int) -> ValueError:
+    """The error for `count` targets between documents, naming the first (its slot, value and document); reads the
+    fields back: error path only."""
+    name = "loss_mask" if "loss_mask" in fields else "labels"
+    target = fields[name][0] != 0 if name == "loss_mask" else fields[name][0] != -100
+    for doc, (start, end, length) in enumerate(zip(starts, starts[1:], (b - a for a, b in zip(real, real[1:])))):
+        hits = torch.nonzero(target[start + length:end]).flatten().tolist()
+        if hits:
+            slot = start + length + hits[0]
+            break
+    what = "loss_mask != 0" if name == "loss_mask" else "a label other than -100, no loss_mask given"
+    return ValueError(
+        f"{count} target{'s' if count > 1 else ''} ({what}) {'lies' if count == 1 else 'lie'} between documents of the "
+        f"Bridge pack: first at slot {slot}, {name} {fields[name][0, slot].item()}, after document {doc}'s {length} "
+        f"real tokens (cu_seqlens_q {real}) and before the next physical start {end} (cu_seqlens_q_padded "
+        f"{starts}). Bridge's loss counts it; the rows cut back from the pack have no slot for it: give those slots "
+        f"loss_mask 0 and label -100, or boundaries that include them")
 
 
 def _pack_length(fields: dict) -> int:
