@@ -54,8 +54,10 @@ from __future__ import annotations
 
 from typing import Mapping
 
+import numpy as np
 import torch
 
+from megatron_vlm_packing.packing.bounds import is_int
 from megatron_vlm_packing.packing.media import VISION_KEYS
 from megatron_vlm_packing.packing.media_audio import AUDIO_KEYS
 
@@ -240,29 +242,39 @@ def _pack_numbers(batch: Mapping, fields: dict, total: int) -> dict:
 
 
 def _boundary_tensor(value, key: str, device: torch.device) -> torch.Tensor:
-    """[N + 1] int64 on `device` of a boundary key (an integer tensor, or a list or tuple of ints), not read."""
+    """[N + 1] int64 on `device` of a boundary key (a 1-D integer tensor or numpy array, or a list or tuple of ints,
+    numpy ints included), not read."""
+    if isinstance(value, np.ndarray) and value.dtype.kind in "iu":
+        value = torch.from_numpy(value)
     if isinstance(value, torch.Tensor):
-        if value.dim() == 1 and value.numel() >= 2 and not value.is_floating_point() and not value.is_complex() \
-                and value.dtype != torch.bool:
+        if value.dim() == 1 and value.numel() >= 2 and _integer_dtype(value):
             return value.to(device=device, dtype=torch.int64)
-        got = f"a {value.dtype} tensor of shape {tuple(value.shape)}"
-    elif isinstance(value, (list, tuple)) and len(value) >= 2 and all(type(v) is int for v in value):
-        return torch.tensor(value, dtype=torch.int64, device=device)
-    else:
-        got = repr(value)
-    raise ValueError(f"{key} must be [N + 1] int boundaries from 0 (a Bridge pack's: a 1-D integer tensor, or a "
-                     f"list of ints), got {got}")
+    elif isinstance(value, (list, tuple)) and len(value) >= 2 and all(is_int(v) for v in value):
+        return torch.tensor([int(v) for v in value], dtype=torch.int64, device=device)
+    raise ValueError(f"{key} must be [N + 1] int boundaries from 0 (a Bridge pack's: a 1-D integer tensor or "
+                     f"array, or a list of ints), got {_described(value)}")
 
 
 def _length_tensor(value, key: str, device: torch.device) -> torch.Tensor:
-    """[1] int64 on `device` of `max_seqlen_q` / `_kv` / `total_tokens` (an int or a 0-dim integer tensor)."""
-    if type(value) is int:
-        return torch.tensor([value], dtype=torch.int64, device=device)
-    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_floating_point() \
-            and not value.is_complex() and value.dtype != torch.bool:
+    """[1] int64 on `device` of `max_seqlen_q` / `_kv` / `total_tokens` (an int, numpy's too, or a 0-dim integer
+    tensor), not read."""
+    if is_int(value):
+        return torch.tensor([int(value)], dtype=torch.int64, device=device)
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and _integer_dtype(value):
         return value.reshape(1).to(device=device, dtype=torch.int64)
-    got = f"a {value.dtype} tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
-    raise ValueError(f"{key} must be an int (or a 0-dim integer tensor), got {got}")
+    raise ValueError(f"{key} must be an int (or a 0-dim integer tensor), got {_described(value)}")
+
+
+def _integer_dtype(value: torch.Tensor) -> bool:
+    return not value.is_floating_point() and not value.is_complex() and value.dtype != torch.bool
+
+
+def _described(value) -> str:
+    """A tensor's or array's dtype and shape (its values are not read), else the value's repr."""
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        kind = "tensor" if isinstance(value, torch.Tensor) else "array"
+        return f"a {value.dtype} {kind} of shape {tuple(value.shape)}"
+    return repr(value)
 
 
 def _targets_between(fields: dict, real: torch.Tensor, starts: torch.Tensor, total: int) -> torch.Tensor:

@@ -10,6 +10,7 @@ called "Megatron-Bridge's collate output" and told to switch label_style.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -107,12 +108,15 @@ def test_a_larger_max_seqlen_is_an_upper_bound():
     assert torch.equal(rows_of_bridge_pack(batch)["input_ids"], rows_of_bridge_pack(bridge_pack())["input_ids"])
 
 
-@pytest.mark.parametrize("convert", [lambda t: t.long(), lambda t: t.tolist(), lambda t: tuple(t.tolist())],
-                         ids=["int64", "list", "tuple"])
+@pytest.mark.parametrize("convert", [lambda t: t.long(), lambda t: t.tolist(), lambda t: tuple(t.tolist()),
+                                     lambda t: t.numpy(), lambda t: [np.int64(v) for v in t.tolist()]],
+                         ids=["int64", "list", "tuple", "numpy", "numpy ints"])
 def test_boundaries_of_any_integer_form(convert):
+    """Before, a numpy array or a list of numpy ints (a collate of the user's own in numpy) was refused."""
     batch = bridge_pack()
     for key in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
         batch[key] = convert(batch[key])
+    batch.update(max_seqlen_q=np.int32(12), total_tokens=np.int64(24))
     assert torch.equal(rows_of_bridge_pack(batch)["labels"], rows_of_bridge_pack(bridge_pack())["labels"])
 
 
@@ -120,6 +124,10 @@ def test_boundaries_of_any_integer_form(convert):
     (lambda b: b.update(cu_seqlens_q=b["cu_seqlens_q"].float()), r"cu_seqlens_q must be .*int.* got .*float32"),
     (lambda b: b.update(cu_seqlens_q=b["cu_seqlens_q"][None]), r"cu_seqlens_q must be \[N \+ 1\].* got .*\(1, 4\)"),
     (lambda b: b.update(max_seqlen_q=torch.tensor([12, 12])), r"max_seqlen_q must be an int .* got .*\(2,\)"),
+    (lambda b: b.update(cu_seqlens_q=b["cu_seqlens_q"].numpy().astype(np.float64)),
+     r"cu_seqlens_q must be .*int.* got .*float64 array of shape \(4,\)"),
+    (lambda b: b.update(total_tokens=24.0), r"total_tokens must be an int .* got 24.0"),
+    (lambda b: b.update(cu_seqlens_q=[0, 7, True, 22]), r"cu_seqlens_q must be .* got \[0, 7, True, 22\]"),
 ])
 def test_boundaries_of_another_form_are_refused(edit, message):
     batch = bridge_pack()
