@@ -111,7 +111,7 @@ def from_bridge_batch(batch, label_style: str):
             f"already next-token targets (labels[t] = input_ids[t + 1], loss_mask shifted with them); "
             f"label_style={label_style!r} would shift them again and train every token on the one after its "
             f"target: use make_forward_step(label_style='megatron') (pack_batch / PackingCollator: "
-            f"label_style='megatron')")
+            f"label_style='megatron'){_own_pack_hint(batch)}")
     if any(key in batch for key in BRIDGE_PACKED_KEYS):
         batch = rows_of_bridge_pack(batch)
     unpacked = {key: value for key, value in batch.items() if key != BRIDGE_VISUAL_KEY}
@@ -212,6 +212,20 @@ def rows_of_bridge_pack(batch: Mapping) -> dict:
         rows[key] = torch.where(keep.to(value.device), gathered, torch.full_like(gathered, _PACK_FIELD_FILLS[key]))
     rows["attention_mask"] = keep.long().to(next(iter(fields.values())).device)
     return rows
+
+
+def _own_pack_hint(batch: Mapping) -> str:
+    """For the error of a pack read with label_style "hf": how to give a pack of the user's own whose labels are
+    unshifted (Hugging Face's DataCollatorWithFlattening under Megatron's key names), its document lengths read back
+    (error path only); "" for a batch with `visual_inputs` or no `cu_seqlens_q` (no pack)."""
+    if BRIDGE_VISUAL_KEY in batch or batch.get("cu_seqlens_q") is None:
+        return ""
+    value = batch["cu_seqlens_q"]
+    values = value.tolist() if isinstance(value, (torch.Tensor, np.ndarray)) else value
+    whole = isinstance(values, (list, tuple)) and all(is_int(v) for v in values)
+    lengths = [int(b - a) for a, b in zip(values, values[1:])] if whole else "..."
+    return (f". A pack of your own with unshifted labels (Hugging Face's): give it without the pack's keys, with "
+            f"document_lengths [{lengths}] (each document's length, from cu_seqlens_q), and label_style='hf'")
 
 
 def _no_boundaries(batch: Mapping) -> ValueError:

@@ -153,3 +153,21 @@ def test_a_users_own_key_by_a_bridge_name(label_style, key):
     batch[key] = 8
     with pytest.raises(ValueError, match=rf"carries \['{key}'\], .*without its cu_seqlens_q.*rename"):
         pack_batch(batch, label_style=label_style)
+
+
+def test_a_pack_of_the_users_own_with_unshifted_labels():
+    """A [1, T] pack of the user's own under Bridge's key names with Hugging Face labels (-100 at each document's
+    first token, as DataCollatorWithFlattening writes them): "hf" was told to use "megatron", and "megatron" to
+    use "hf" (the labels check), a loop. The "hf" error now says what takes it, and that does: the same row with
+    `document_lengths`, each document's labels shifted inside it."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 100, (1, 26), generator=g)
+    labels = ids.clone()
+    labels[0, [0, 9, 15]] = -100
+    cu = torch.tensor([0, 9, 15, 26], dtype=torch.int32)
+    hint = r"A pack of your own with unshifted labels .* document_lengths \[\[9, 6, 11\]\] .* label_style='hf'"
+    with pytest.raises(ValueError, match=hint):
+        pack_batch(dict(input_ids=ids, labels=labels, cu_seqlens_q=cu, cu_seqlens_kv=cu), label_style="hf")
+    packed = pack_batch(dict(input_ids=ids, labels=labels, document_lengths=[[9, 6, 11]]), label_style="hf")
+    assert packed.packed_seq_params.cu_seqlens_q.tolist() == [0, 9, 15, 26]
+    assert int((packed.labels != -100).sum()) == 26 - 3  # each document's last token has no target
