@@ -34,6 +34,7 @@ from megatron_vlm_packing.packing.media_audio import (  # noqa: F401 (AUDIO_KEYS
 from megatron_vlm_packing.packing.media_counts import MediaHost, queue_media_reads, row_label
 from megatron_vlm_packing.packing.media_tokens import MediaTokens
 from megatron_vlm_packing.packing.micro_batch import AudioInputs, VisionInputs
+from megatron_vlm_packing.packing.mrope_channels import queue_flat_rows, refuse_flat_rows
 from megatron_vlm_packing.packing.positions import (  # noqa: F401 (re-exported: callers import them from rows)
     batch_positions, check_1d_positions, check_position_layout, normalize_positions, queue_position_checks,
     queue_rope_positions, refuse_unread_rope_inputs, rope_positions,
@@ -232,6 +233,9 @@ def read_rows(batch, *, label_style: str, mrope, media: MediaTokens, extra_keys=
     media_entries |= queue_audio_reads(batch, input_ids, lambda: deferred.keep, media, checks,
                                        counted="audio" in media_entries)
     rope = queue_rope_positions(batch, input_ids, lambda: deferred.keep, mrope, checks, where)
+    given = batch.get("position_ids")  # [3, B, S] given with media: 1D positions copied into 3 channels?
+    flat_entry = queue_flat_rows(given, deferred.keep, checks) \
+        if mrope is None and given is not None and given.dim() == 3 and _has_grids(batch) else None
     try:
         host = checks.read()  # the one host sync
         lengths = queued.lengths(host)
@@ -240,6 +244,8 @@ def read_rows(batch, *, label_style: str, mrope, media: MediaTokens, extra_keys=
         audio = audio_inputs(batch, media_host, media)
         check_audio_seqlens(batch, media_host, media, audio)
         positions = batch_positions(batch, input_ids, deferred, mrope, audio, rope, host, where, media=media)
+        if flat_entry is not None:
+            refuse_flat_rows(host[flat_entry], vision, media_host.values, media.spatial_merge_size, row_name)
     except ValueError:
         raise_value_errors_first(queued.unchecked_values, label_style, vocab_size, unchecked_positions)
         raise
@@ -248,6 +254,12 @@ def read_rows(batch, *, label_style: str, mrope, media: MediaTokens, extra_keys=
                 vision=vision, audio=audio, extras=per_token_extras(batch, extra_keys, tuple(input_ids.shape)),
                 row_tokens=source_shape[0] * source_shape[1], document_rows=document_rows,
                 unchecked_values=queued.unchecked_values, unchecked_positions=unchecked_positions)
+
+
+def _has_grids(batch: Mapping) -> bool:
+    """The batch carries image or video grid rows (only they can hold a block of several merged tokens)."""
+    return any(isinstance(batch.get(k), torch.Tensor) and batch[k].dim() == 2 and batch[k].shape[0] > 0
+               for k in ("image_grid_thw", "video_grid_thw"))
 
 
 def _check_batch(batch, extra_keys, position_layout: str | None, mrope, vocab_size) -> tuple:
