@@ -79,7 +79,7 @@ def _raise(row: int | None, kind: str, key: str, item: int, rows: list[list[int]
         f"position_ids {owner} equal on their three mRoPE channels (t, h, w) at every real token, but {where} "
         f"{kind} {item} of {key} [{t}, {h}, {w}] ({h // merge} x {w // merge} merged tokens per frame): these are "
         f"1D positions copied into three channels, and the {kind} would train without its positions. Correct "
-        f"mRoPE positions of a {kind} token are the block's start on t (plus its frame's step) and start + its "
+        f"mRoPE positions of {'an' if kind == 'image' else 'a'} {kind} token are the block's start on t (plus its frame's step) and start + its "
         f"row / column on h / w, so they differ inside every block wider or taller than one token. Fix: drop "
         f"position_ids from the batch and let the packer compute each sample's positions from the model's "
         f"config (the step does, from its MRopeConfig; pack_batch(mrope=MRopeConfig...)), or give each "

@@ -208,6 +208,27 @@ def test_bridge_positions_other_than_an_arange_are_refused(cases):
         step_loss(case["model"], batch, pack=True, label_style="megatron")
 
 
+def test_bridge_batch_with_1d_positions_copied_into_three_channels_is_refused(cases):
+    """[3, B, S] positions given in a Bridge batch with images are packed as given: the arange of each row copied
+    into the three mRoPE channels trained silently (tiny Qwen3-VL: a loss of 312.76 against 313.00 with the
+    right positions); now a ValueError naming position_ids, the row and its image, saying to drop them. The
+    model's own positions, given the same way, are taken and train as the step's."""
+    case = cases["qwen3_vl"]
+    batch = bridge_collate(case["samples"], case["cfg"])
+    computed = step_loss(case["model"], batch, pack=True, label_style="megatron")
+    flat = dict(batch, position_ids=batch["position_ids"][None].expand(3, -1, -1).clone())
+    with pytest.raises(ValueError, match=r"position_ids of (row \d+|every row) are equal on their three mRoPE "
+                                         r"channels .* holds image \d+ of image_grid_thw .* drop position_ids"):
+        step_loss(case["model"], flat, pack=True, label_style="megatron")
+    from megatron_vlm_packing.rope import get_rope_index
+
+    visual = batch["visual_inputs"]
+    own = get_rope_index(batch["input_ids"], case["cfg"].mrope_config(), image_grid_thw=visual.image_grid_thw,
+                         video_grid_thw=getattr(visual, "video_grid_thw", None),
+                         attention_mask=batch["attention_mask"]).position_ids
+    assert step_loss(case["model"], dict(batch, position_ids=own), pack=True, label_style="megatron") == computed
+
+
 def test_packing_collator_takes_bridge_batches(cases):
     """`PackingCollator(label_style="megatron")` around Bridge's collate: the step's pack, loss for loss."""
     from megatron_vlm_packing.packing.collate import PackingCollator
