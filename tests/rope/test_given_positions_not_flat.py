@@ -74,3 +74,26 @@ def test_correct_positions_are_never_refused(family, rows, seconds, use_hf):
         out = packer(batch, label_style="hf", **ids_kw)
         assert out.position_ids.dim() == 3
     pack_batch(batch, label_style="hf", host_reads=True, **ids_kw)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 3), use_audio_in_video=st.booleans(), use_hf=st.booleans())
+def test_correct_qwen3_omni_positions_are_never_refused(seed, rows, use_audio_in_video, use_hf):
+    """Qwen3-Omni: images, videos (their audio interleaved or not) and audio clips, float positions."""
+    from tests.rope.test_omni import random_rows, thinker
+
+    hf, reference = thinker()
+    config = MRopeConfig.from_hf_config(hf)
+    ids, mask, images, videos, seconds, audios = random_rows(hf, rows, seed, use_audio_in_video)
+    kwargs = dict(image_grid_thw=images, video_grid_thw=videos, attention_mask=mask,
+                  use_audio_in_video=use_audio_in_video, audio_seqlens=audios)
+    positions = reference(ids, second_per_grids=seconds, **kwargs)[0] if use_hf \
+        else get_rope_index(ids, config, second_per_grid_ts=seconds, **kwargs).position_ids
+    batch = dict(input_ids=ids, labels=ids.clone(), attention_mask=mask, position_ids=positions,
+                 use_audio_in_video=use_audio_in_video, **_media(images, videos, seconds))
+    if audios is not None:
+        batch["audio_seqlens"] = audios
+    ids_kw = dict(image_token_id=config.image_token_id, video_token_id=config.video_token_id,
+                  audio_token_id=config.audio_token_id, position_layout="3BS")
+    for packer in (pack_batch, pad_batch):
+        assert packer(batch, label_style="hf", **ids_kw).position_ids.dim() == 3
