@@ -73,14 +73,15 @@ def refuse_flat_rows(flat: list[int], vision, grid_values: dict, merge: int,
 def _raise(row: int | None, kind: str, key: str, item: int, rows: list[list[int]], merge: int,
            row_name: Callable[[int], str]) -> None:
     t, h, w = rows[item]
+    article = "an" if kind == "image" else "a"
     owner = "of every row are" if row is None else f"of {row_name(row)} are"
     where = "one of them holds" if row is None else "it holds"
     raise ValueError(
         f"position_ids {owner} equal on their three mRoPE channels (t, h, w) at every real token, but {where} "
         f"{kind} {item} of {key} [{t}, {h}, {w}] ({h // merge} x {w // merge} merged tokens per frame): these are "
         f"1D positions copied into three channels, and the {kind} would train without its positions. Correct "
-        f"mRoPE positions of {'an' if kind == 'image' else 'a'} {kind} token are the block's start on t (plus its frame's step) and start + its "
-        f"row / column on h / w, so they differ inside every block wider or taller than one token. Fix: drop "
-        f"position_ids from the batch and let the packer compute each sample's positions from the model's "
+        f"mRoPE positions of {article} {kind} token are the block's start on t (plus its frame's step) and "
+        f"start + its row / column on h / w, so they differ inside every block wider or taller than one token. "
+        f"Fix: drop position_ids from the batch and let the packer compute each sample's positions from the model's "
         f"config (the step does, from its MRopeConfig; pack_batch(mrope=MRopeConfig...)), or give each "
         f"sample's get_rope_index output")

@@ -116,5 +116,6 @@ def test_the_step_refuses_copied_positions_that_trained_silently(single_process_
     model = tiny_step_models()["vlm"]
     batch = step_batch("vlm")
     assert step_loss(model, batch, label_style="hf") > 0  # positions computed in the step: taken
-    with pytest.raises(ValueError, match=r"position_ids of row \d .* holds (image|video) \d+ of (image|video)_grid_thw"):
+    with pytest.raises(ValueError,
+                       match=r"position_ids of row \d .* holds (image|video) \d+ of (image|video)_grid_thw"):
         step_loss(model, dict(batch, position_ids=_flat(batch)), label_style="hf")
