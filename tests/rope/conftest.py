@@ -44,6 +44,32 @@ def hf_get_rope_index(family: str, config):
     return functools.partial(cls.get_rope_index, owner)
 
 
+@functools.cache
+def hf_reads_fractional_seconds() -> bool:
+    """Whether this transformers' Qwen2.5-VL `get_rope_index` scales a video's temporal positions by its fractional
+    `second_per_grid_ts`, as the model was trained and as ours does. transformers 5.8 to 5.17 (Megatron-Bridge
+    0.6.2's whole range, 5.8 to 5.12.1, among them) truncate each entry to an int first
+    (`int(next(second_per_grid_ts))`): 0.5 s per grid is 0 and every frame of the video gets one temporal position.
+    transformers PR #48669 ended that (5.23.0 and 5.24.0 read the fraction). Asked of the model, not its version."""
+    hf = hf_config("qwen2_5_vl")  # 2 tokens per second
+    ids = torch.tensor([[START, VIDEO, VIDEO, END]])  # one video of 2 frames of 1 merged token each
+    positions, _ = hf_get_rope_index("qwen2_5_vl", hf)(ids, mm_token_type_ids=(ids == VIDEO).int() * 2,
+                                                       video_grid_thw=torch.tensor([[2, 2, 2]]),
+                                                       second_per_grid_ts=torch.tensor([0.5]))
+    return bool(positions[0, 0, 2] != positions[0, 0, 1])  # temporal step 2 * 0.5 = 1, or 0 when truncated
+
+
+def seconds_as_hf_reads(seconds):
+    """`second_per_grid_ts` as this transformers' Qwen2.5-VL reads it: unchanged, or each entry truncated toward
+    zero where it truncates (`hf_reads_fractional_seconds`). The parity tests give ours and the HF index these same
+    seconds; `test_get_rope_index.test_truncating_transformers_differs_only_by_the_truncation` shows the rest."""
+    if seconds is None or hf_reads_fractional_seconds():
+        return seconds
+    if isinstance(seconds, torch.Tensor):
+        return seconds.trunc()
+    return [float(int(s)) for s in seconds]
+
+
 def random_rows(family: str, batch: int, seed: int, *, pad: bool = True):
     """Rows of text runs and vision blocks (some rows start or end with a block), right-padded."""
     g = torch.Generator().manual_seed(seed)

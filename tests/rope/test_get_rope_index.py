@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from megatron_vlm_packing.rope import MRopeConfig, get_rope_index, token_types
-from tests.rope.conftest import IMAGE, hf_config, hf_get_rope_index, random_rows
+from tests.rope.conftest import (IMAGE, hf_config, hf_get_rope_index, hf_reads_fractional_seconds, random_rows,
+                                 seconds_as_hf_reads)
 
 FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 
@@ -25,7 +26,7 @@ def test_identical_to_the_hf_model(family, seed):
     ids, mask, images, videos, seconds = random_rows(family, 4, seed)
     kwargs = dict(image_grid_thw=images, video_grid_thw=videos, attention_mask=mask)
     if family == "qwen2_5_vl":
-        kwargs["second_per_grid_ts"] = seconds
+        kwargs["second_per_grid_ts"] = seconds_as_hf_reads(seconds)
     ours = get_rope_index(ids, cfg, **kwargs)
     ref_pos, ref_delta = hf_get_rope_index(family, hf)(ids, mm_token_type_ids=token_types(ids, cfg), **kwargs)
     assert torch.equal(ours.position_ids, ref_pos)
@@ -93,12 +94,37 @@ def test_fractional_seconds_truncate_like_the_hf_model(tokens_per_second, kind):
     seconds = [2 / f for f in fps]
     if kind != "list":
         seconds = torch.tensor(seconds, dtype=getattr(torch, kind))
+    seconds = seconds_as_hf_reads(seconds)  # whole seconds only where this transformers truncates them
     ids, videos = _one_video_per_row(fps)
     ours = get_rope_index(ids, cfg, video_grid_thw=videos, second_per_grid_ts=seconds)
     ref_pos, ref_delta = hf_get_rope_index("qwen2_5_vl", hf)(ids, mm_token_type_ids=token_types(ids, cfg),
                                                              video_grid_thw=videos, second_per_grid_ts=seconds)
     assert torch.equal(ours.position_ids, ref_pos)
     assert torch.equal(ours.deltas, ref_delta.reshape(ours.deltas.shape))
+
+
+@pytest.mark.skipif(hf_reads_fractional_seconds(), reason="this transformers reads fractional seconds: the parity "
+                                                          "tests above compare them")
+def test_truncating_transformers_differs_only_by_the_truncation():
+    """Under a transformers whose Qwen2.5-VL truncates `second_per_grid_ts` (Megatron-Bridge 0.6.2's range, whose
+    Qwen25VLModel computes its positions with it), ours keeps the fraction, as the model's formula and later
+    transformers do: given the truncated seconds ours equals that transformers on every row, given the real ones it
+    differs exactly on videos of fractional seconds. 0.5 s per grid at 2 tokens per second steps t by 1 for us, 0 there."""
+    hf = hf_config("qwen2_5_vl")
+    cfg = MRopeConfig.from_hf_config(hf)
+    ids, mask, images, videos, seconds = random_rows("qwen2_5_vl", 4, 3)
+    assert not torch.equal(seconds, seconds.trunc())  # fractional seconds among these videos
+    kwargs = dict(image_grid_thw=images, video_grid_thw=videos, attention_mask=mask)
+    reference = hf_get_rope_index("qwen2_5_vl", hf)(ids, mm_token_type_ids=token_types(ids, cfg),
+                                                    second_per_grid_ts=seconds, **kwargs)[0]
+    assert torch.equal(get_rope_index(ids, cfg, second_per_grid_ts=seconds.trunc(), **kwargs).position_ids, reference)
+    assert not torch.equal(get_rope_index(ids, cfg, second_per_grid_ts=seconds, **kwargs).position_ids, reference)
+    ids, videos = _one_video_per_row([4.0])  # 2 / 4 fps = 0.5 s per grid
+    half = dict(video_grid_thw=videos, second_per_grid_ts=torch.tensor([0.5]))
+    ours = get_rope_index(ids, cfg, **half).position_ids[0, 0]
+    theirs = hf_get_rope_index("qwen2_5_vl", hf)(ids, mm_token_type_ids=token_types(ids, cfg), **half)[0][0, 0]
+    video = ids[0] == 151656
+    assert len(set(theirs[video].tolist())) == 1 and len(set(ours[video].tolist())) == int(videos[0, 0])
 
 
 def _move_real_tokens(ids, mask, pattern: str, seed: int):
@@ -125,7 +151,7 @@ def test_any_attention_mask_pattern_matches_the_hf_model(family, pattern):
         ids, mask = _move_real_tokens(ids, mask, pattern, seed)
         kwargs = dict(image_grid_thw=images, video_grid_thw=videos, attention_mask=mask)
         if family == "qwen2_5_vl":
-            kwargs["second_per_grid_ts"] = seconds
+            kwargs["second_per_grid_ts"] = seconds_as_hf_reads(seconds)
         ours = get_rope_index(ids, cfg, **kwargs)
         ref_pos, ref_delta = hf_get_rope_index(family, hf)(ids, mm_token_type_ids=token_types(ids, cfg), **kwargs)
         assert torch.equal(ours.position_ids, ref_pos)
@@ -141,7 +167,7 @@ def test_without_attention_mask_every_token_is_real(family, seed):
     assert bool(mask.all())
     kwargs = dict(image_grid_thw=images, video_grid_thw=videos)
     if family == "qwen2_5_vl":
-        kwargs["second_per_grid_ts"] = seconds
+        kwargs["second_per_grid_ts"] = seconds_as_hf_reads(seconds)
     ours = get_rope_index(ids, cfg, **kwargs)
     ref_pos, ref_delta = hf_get_rope_index(family, hf)(ids, mm_token_type_ids=token_types(ids, cfg), **kwargs)
     assert torch.equal(ours.position_ids, ref_pos)
@@ -168,6 +194,7 @@ def test_pre_packed_documents_with_mm_token_type_ids_equal_the_hf_model_per_docu
     hf = hf_config(family)
     cfg = MRopeConfig.from_hf_config(hf)
     docs, mask, images, videos, seconds = random_rows(family, 5, 3, pad=False)
+    seconds = seconds_as_hf_reads(seconds)
     lengths = mask.sum(1).tolist()
     docs = [docs[i, :n] for i, n in enumerate(lengths)]
     ids = torch.cat(docs)[None]  # one row holding the five documents
