@@ -58,7 +58,11 @@ def test_interleaved_sections_equal_hf_qwen3():
     freqs = positions.float()[..., None] * inv_freq  # [3, B, S, F]
     owner = type("Owner", (), {"mrope_section": [3, 3, 2]})()
     # transformers applies the layout to cos/sin; on the angles themselves it is the same selection.
-    expected = Qwen3VLTextRotaryEmbedding.recomposition_frequencies(owner, freqs.clone())  # [B, S, 2F]
+    if hasattr(Qwen3VLTextRotaryEmbedding, "recomposition_frequencies"):  # newer transformers (5.24.0)
+        expected = Qwen3VLTextRotaryEmbedding.recomposition_frequencies(owner, freqs.clone())  # [B, S, 2F]
+    else:  # 5.12.1 and before (Megatron-Bridge 0.6.2's range): the same layout, before the halves are joined
+        half = Qwen3VLTextRotaryEmbedding.apply_interleaved_mrope(owner, freqs.clone(), owner.mrope_section)  # [B, S, F]
+        expected = torch.cat((half, half), dim=-1)
     ours = mrope_frequencies(positions, inv_freq, [3, 3, 2], interleaved=True)  # [S, B, 1, 2F]
     assert torch.equal(ours[:, :, 0].transpose(0, 1), expected)
 
