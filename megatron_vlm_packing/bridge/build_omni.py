@@ -43,8 +43,10 @@ class TinyOmniConfig(TinyModelConfig):
     parallel layout) plus the audio encoder and the temporal scale.
 
     Attributes:
-        audio_layers, audio_d_model, audio_heads, num_mel_bins: the audio encoder (its window
-            n_window stays Hugging Face's 50: 100 frames make 13 audio tokens).
+        audio_layers, audio_d_model, audio_heads, num_mel_bins: the audio encoder.
+        audio_n_window, audio_n_window_infer: its windows, written into its config: n_window 50 (100 frames
+            make 13 audio tokens; the only window transformers 5.12.1 and earlier count tokens for, whose default
+            is 100, where 5.17 and later default to 50 and read it) and an inference window of 800 frames.
         audio_he_init: redraw the audio encoder's downsampling layers (`AUDIO_DOWNSAMPLING`) at He
             scale (`he_init_audio_downsampling`), so its output carries its clip. False keeps
             transformers' N(0, 0.02), under which the tiny thinker's losses hardly read its audio.
@@ -57,6 +59,8 @@ class TinyOmniConfig(TinyModelConfig):
     audio_d_model: int = 32
     audio_heads: int = 2
     num_mel_bins: int = 16
+    audio_n_window: int = 50
+    audio_n_window_infer: int = 800
     audio_he_init: bool = True
     position_id_per_seconds: int = 25
     seconds_per_grid: float = 0.5
@@ -78,7 +82,7 @@ class TinyOmniConfig(TinyModelConfig):
                            vision_start_token_id=ids["vision_start_token_id"], audio_token_id=ids["audio_token_id"],
                            audio_start_token_id=ids["audio_start_token_id"], mrope_section=self.mrope_section,
                            mrope_interleaved=True, position_id_per_seconds=self.position_id_per_seconds,
-                           audio_n_window=50)
+                           audio_n_window=self.audio_n_window)
 
 
 def thinker_hf_config(cfg: TinyOmniConfig):
@@ -94,7 +98,7 @@ def thinker_hf_config(cfg: TinyOmniConfig):
     audio = dict(num_mel_bins=cfg.num_mel_bins, encoder_layers=cfg.audio_layers,
                  encoder_attention_heads=cfg.audio_heads, encoder_ffn_dim=2 * cfg.audio_d_model,
                  d_model=cfg.audio_d_model, output_dim=cfg.hidden_size, downsample_hidden_size=8,
-                 max_source_positions=64)
+                 max_source_positions=64, n_window=cfg.audio_n_window, n_window_infer=cfg.audio_n_window_infer)
     thinker = Qwen3OmniMoeThinkerConfig(
         vision_config=vision, audio_config=audio, position_id_per_seconds=cfg.position_id_per_seconds,
         audio_token_id=ids["audio_token_id"], image_token_id=ids["image_token_id"],

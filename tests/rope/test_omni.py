@@ -18,8 +18,10 @@ def thinker():
         Qwen3OmniMoePreTrainedModelForConditionalGeneration as Reference,
     )
 
-    config = Qwen3OmniMoeThinkerConfig(position_id_per_seconds=25, text_config={"rope_parameters": {
-        "rope_type": "default", "rope_theta": 1e6, "mrope_section": [24, 20, 20], "mrope_interleaved": True}})
+    # n_window stated: transformers 5.12.1 defaults it to 100 but counts audio tokens as for 50 (the rows' window)
+    config = Qwen3OmniMoeThinkerConfig(position_id_per_seconds=25, audio_config={"n_window": 50}, text_config={
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [24, 20, 20],
+                            "mrope_interleaved": True}})
     # The thinker config leaves the block-wrapper ids to the top-level config: give them here.
     config.vision_start_token_id, config.vision_end_token_id, config.audio_end_token_id = 151652, 151653, 151648
     owner = types.SimpleNamespace(config=config, spatial_merge_size=config.vision_config.spatial_merge_size)
