@@ -51,9 +51,9 @@ def _moe_model_and_batch(family: str, tp: int, cp: int, sp: bool):
         batch = collate_omni([samples[0], samples[3]])  # one clip in every row, as Bridge's dense audio path takes
     model = build_with_provider(_with_aux_loss(provider), swaps=swaps, seed=SEED).train()
     if family == "qwen3_omni":
-        from megatron_vlm_packing.bridge.truth import dense_audio_shim
+        from megatron_vlm_packing.bridge.omni_dense_audio import dense_audio_shim
 
-        dense_audio_shim(model.thinker.audio_model)  # Bridge's dense audio path asks the encoder for it
+        dense_audio_shim(model.thinker.audio_model)  # Bridge's dense audio path cuts clips by the encoder's count
     return model, batch, cfg.mrope_config()
 
 

@@ -126,9 +126,11 @@ class Qwen3OmniAdapter(ModelAdapter):
         from megatron_vlm_packing.bridge.tower_inputs import TowerWidths
 
         self.tower_widths = TowerWidths.of(self.model_name, getattr(thinker, "visual", None), audio)
-        # Bridge 0.6.2's dense audio path asks the encoder for `_get_feat_extract_output_lengths`,
-        # which transformers 5.x's encoder no longer has.
-        self.dense_audio_runs = audio is None or hasattr(audio, "_get_feat_extract_output_lengths")
+        from megatron_vlm_packing.bridge.omni_dense_audio import dense_audio_problem
+
+        # Bridge 0.6.2's dense audio path cuts clips by the encoder's `_get_feat_extract_output_lengths`:
+        # missing in transformers 5.24, another model's count in 5.12.1 (asked of the method, once).
+        self.dense_audio_problem = None if audio is None else dense_audio_problem(audio)
         from megatron_vlm_packing.patches.bridge_qwen3_omni_packed import thinker_refuses_packing
 
         self.upstream_takes_packing = not thinker_refuses_packing()  # Bridge's own forward: fixed for the process
@@ -178,9 +180,8 @@ class Qwen3OmniAdapter(ModelAdapter):
 
     def _check_dense_audio(self, audio) -> None:
         """Dense rows with audio run Bridge's own code: refuse what it cannot run, with the reason."""
-        if not self.dense_audio_runs:
-            raise ValueError(f"{self.model_name}: Bridge's dense Qwen3-Omni audio path calls the audio encoder's "
-                             f"_get_feat_extract_output_lengths, which this transformers' encoder lacks; "
+        if self.dense_audio_problem is not None:
+            raise ValueError(f"{self.model_name}: Bridge's dense Qwen3-Omni audio path {self.dense_audio_problem}; "
                              f"train audio packed (pack=True, patches.apply_bridge_qwen3_omni_packed())")
         # Bridge pairs each row's audio placeholders with one clip (zip(clips, rows, strict=True)): a row with two
         # clips, or a row without one beside a row with one, failed inside it with "zip() argument 2 is longer".

@@ -10,14 +10,17 @@ parity run is written once:
   positions from `rope.get_rope_index`, identical to transformers');
 - `TOWERS`: the parameter-name prefixes of each family's vision / audio towers.
 
-Bridge 0.6.2's dense Qwen3-Omni audio path calls `audio_model._get_feat_extract_output_lengths`, which
-transformers 5.x's encoder no longer has: `dense_audio_shim` gives that one instance the method by
-transformers' own rule, so the truth stays Bridge's dense code.
+Bridge 0.6.2's dense Qwen3-Omni audio path cuts the encoder's output by
+`audio_model._get_feat_extract_output_lengths`, which transformers 5.24's encoder lacks and 5.12.1's counts
+by another model's rule (`bridge.omni_dense_audio`): `dense_audio_shim` gives that one instance the method
+counting what the encoder makes, so the truth stays Bridge's dense code.
 """
 
 from __future__ import annotations
 
 import torch
+
+from megatron_vlm_packing.bridge.omni_dense_audio import dense_audio_shim
 
 TOWERS = {"qwen3_vl": ("vision_model.",), "qwen3_vl_moe": ("vision_model.",), "qwen25_vl": ("visual.",),
           "qwen3_omni": ("thinker.visual.", "thinker.audio_model.")}
@@ -93,13 +96,3 @@ def omni_media(batch: dict) -> dict:
     if "second_per_grid_ts" in batch:
         out["video_second_per_grid"] = batch["second_per_grid_ts"]
     return out
-
-
-def dense_audio_shim(encoder) -> None:
-    """Give this audio encoder instance the `_get_feat_extract_output_lengths` Bridge 0.6.2's dense path
-    calls ((feature, output) lengths by transformers' own rule); nothing when it has one."""
-    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat_extract_output_lengths
-
-    if not hasattr(encoder, "_get_feat_extract_output_lengths"):
-        encoder.__dict__["_get_feat_extract_output_lengths"] = lambda lengths: (
-            lengths, _get_feat_extract_output_lengths(lengths, encoder.n_window))
