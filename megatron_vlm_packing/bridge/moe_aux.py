@@ -77,8 +77,9 @@ def _aux_loss(model, batch: dict, mrope, *, pad_to: int | None, cp: int, pack: b
 
 def run_bridge_moe_aux_loss(rank: int, world_size: int, cases: list[tuple[str, int, int, bool]]) -> list[dict]:
     """Per (family, tp, cp, sp): the aux loss packed with alignment pads only ("aligned"), padded to `PAD_TO`
-    ("padded"), as dense rows ("dense", Qwen3-VL: Bridge's dense Omni audio path needs a shim), and the adapter's
-    refusal of a padded micro-batch with the pads patch undone."""
+    ("padded"), as dense rows ("dense", Qwen3-VL: Bridge's dense Omni audio path needs a shim; "dense_refused" where
+    the adapter refuses them: Omni's clips read each other under transformers 5.8, "clips_read_each_other"), and the
+    adapter's refusal of a padded micro-batch with the pads patch undone."""
     from megatron_vlm_packing.patches import (apply_bridge_patches, apply_bridge_qwen3_omni_packed,
                                               undo_bridge_patches, undo_bridge_qwen3_omni_packed)
     from megatron_vlm_packing.patches.bridge_qwen3_vl_moe_pads import undo_bridge_qwen3_vl_moe_pads
@@ -89,13 +90,20 @@ def run_bridge_moe_aux_loss(rank: int, world_size: int, cases: list[tuple[str, i
         initialize_parallel(tp=tp, cp=cp, seed=SEED)
         model, batch, mrope = _moe_model_and_batch(family, tp, cp, sp)
         result = dict(case=(family, tp, cp, sp), real=int(batch["attention_mask"].sum()))
+        if family == "qwen3_omni":
+            from megatron_vlm_packing.bridge.audio_windows import encoder_keeps_clips_apart
+
+            result["clips_read_each_other"] = not encoder_keeps_clips_apart(model.thinker.audio_model)
         undo_bridge_patches()
         apply_bridge_patches()
         apply_bridge_qwen3_omni_packed()
         try:
             result["aligned"] = _aux_loss(model, batch, mrope, pad_to=None, cp=cp)
             result["padded"] = _aux_loss(model, batch, mrope, pad_to=PAD_TO, cp=cp)
-            result["dense"] = _aux_loss(model, batch, mrope, pad_to=None, cp=cp, pack=False)  # right-padded rows
+            try:
+                result["dense"] = _aux_loss(model, batch, mrope, pad_to=None, cp=cp, pack=False)  # right-padded rows
+            except ValueError as err:  # Omni's 2 clips, where the encoder lets them read each other (transformers 5.8)
+                result["dense_refused"] = str(err)
             undo_bridge_qwen3_vl_moe_pads()
             try:
                 _aux_loss(model, batch, mrope, pad_to=PAD_TO, cp=cp)

@@ -131,6 +131,11 @@ class Qwen3OmniAdapter(ModelAdapter):
         # Bridge 0.6.2's dense audio path cuts clips by the encoder's `_get_feat_extract_output_lengths`:
         # missing in transformers 5.24, another model's count in 5.12.1 (asked of the method, once).
         self.dense_audio_problem = None if audio is None else dense_audio_problem(audio)
+        from megatron_vlm_packing.bridge.audio_windows import encoder_keeps_clips_apart
+
+        # Bridge's dense path encodes every clip of the micro-batch in one call (transformers 5.8 under eager or
+        # sdpa: they read each other); asked once, here.
+        self.dense_clips_read_each_other = audio is not None and not encoder_keeps_clips_apart(audio)
         from megatron_vlm_packing.patches.bridge_qwen3_omni_packed import thinker_refuses_packing
 
         self.upstream_takes_packing = not thinker_refuses_packing()  # Bridge's own forward: fixed for the process
@@ -183,6 +188,11 @@ class Qwen3OmniAdapter(ModelAdapter):
         if self.dense_audio_problem is not None:
             raise ValueError(f"{self.model_name}: Bridge's dense Qwen3-Omni audio path {self.dense_audio_problem}; "
                              f"train audio packed (pack=True, patches.apply_bridge_qwen3_omni_packed())")
+        if self.dense_clips_read_each_other and len(audio.audio_lengths) > 1:
+            raise ValueError(f"{self.model_name}: Bridge's dense Qwen3-Omni audio path encodes the micro-batch's "
+                             f"{len(audio.audio_lengths)} audio clips in one call, and this transformers' audio "
+                             f"attention lets clips encoded together attend to each other (it gives its windows to "
+                             f"flash attention only): every row would read the other rows' audio; train audio packed")
         # Bridge pairs each row's audio placeholders with one clip (zip(clips, rows, strict=True)): a row with two
         # clips, or a row without one beside a row with one, failed inside it with "zip() argument 2 is longer".
         if audio.audios_per_sample and any(n != 1 for n in audio.audios_per_sample):

@@ -21,7 +21,8 @@ packed path and leaves every dense call to Bridge's own code:
   `split_deepstack_embs` slices per SP rank with no backward collective: bug class 12).
 - Audio clips are encoded in groups whose chunks pad alike when alone (`audio_embeddings`: Hugging
   Face's encoder carries chunk padding into the last real frames, so clips of different lengths
-  encoded in one call differ from each clip alone) and placed in token order; the count of audio
+  encoded in one call differ from each clip alone), one by one where the encoder's attention lets the
+  clips of a call read each other (transformers 5.8 under eager or sdpa), and placed in token order; the count of audio
   placeholders must equal the encoder's output length (Bridge's own dense path trims per row and
   cannot take two clips in a row).
 - Labels and loss mask are this CP rank's (`packing.localize`); ids and positions full length.
@@ -297,7 +298,9 @@ def audio_embeddings(thinker, input_features, feature_attention_mask=None, audio
     The encoder pads every clip's 2*n_window-frame chunks to the longest chunk of its call, and its
     convolutions carry values from those pad frames into the last real outputs: clips of different
     lengths encoded together differ from each clip alone. Clips are therefore encoded in groups
-    whose chunks pad to the same length alone (min(frames, 2*n_window)), one call per group.
+    whose chunks pad to the same length alone (min(frames, 2*n_window)), one call per group; where the
+    encoder's attention lets clips of one call read each other (transformers 5.8 under eager or sdpa,
+    `bridge.audio_windows`), one call per clip.
     """
     if feature_attention_mask is not None:
         lengths = feature_attention_mask.sum(dim=1)
@@ -306,6 +309,7 @@ def audio_embeddings(thinker, input_features, feature_attention_mask=None, audio
         lengths, frames = audio_feature_lengths, input_features
     else:
         raise ValueError("input_features need feature_attention_mask [A, L] or audio_feature_lengths [A]")
+    from megatron_vlm_packing.bridge.audio_windows import clip_groups, encoder_keeps_clips_apart
     from megatron_vlm_packing.rope.omni import audio_output_length
 
     encoder = thinker.audio_model
@@ -313,11 +317,13 @@ def audio_embeddings(thinker, input_features, feature_attention_mask=None, audio
     host = lengths.tolist()  # one host sync: the grouping and the per-clip slices are host ints
     starts = [sum(host[:i]) for i in range(len(host))]
     outputs = audio_output_length(torch.tensor(host), encoder.n_window).tolist()
-    groups: dict[int, list[int]] = {}
-    for clip, length in enumerate(host):
-        groups.setdefault(min(length, 2 * encoder.n_window), []).append(clip)
     per_clip = [None] * len(host)
-    for clips in groups.values():
+    groups = clip_groups(host, encoder.n_window)
+    # The probe reads back one small attention output (a host sync, beside the encoder's own) when a group
+    # holds several clips.
+    if any(len(clips) > 1 for clips in groups) and not encoder_keeps_clips_apart(encoder):
+        groups = [[clip] for clips in groups for clip in clips]
+    for clips in groups:
         chunk = torch.cat([frames[:, starts[c]:starts[c] + host[c]] for c in clips], dim=1)
         encoded = encoder(chunk, feature_lens=lengths[clips]).last_hidden_state  # [sum outputs of clips, H]
         for clip, piece in zip(clips, encoded.split([outputs[c] for c in clips])):

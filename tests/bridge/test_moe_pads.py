@@ -32,6 +32,11 @@ def test_router_aux_loss_ignores_pad_slots(results, case):
     assert abs(r["padded"] - r["aligned"]) <= 1e-5 * abs(r["aligned"]), r
     if "dense" in r:  # the rows' pads are left out too
         assert abs(r["dense"] - r["aligned"]) <= 1e-5 * abs(r["aligned"]), r
+    # Bridge's dense Omni path encodes both rows' clips in one call: refused where they would read each other
+    # (transformers 5.8's audio attention under eager; its dense aux loss was 139.0797 for 139.0758 packed)
+    assert ("dense_refused" in r) == r.get("clips_read_each_other", False), r
+    if "dense_refused" in r:
+        assert "2 audio clips in one call" in r["dense_refused"] and "attend to each other" in r["dense_refused"], r
 
 
 @pytest.mark.parametrize("case", PARALLEL, ids=IDS.get)

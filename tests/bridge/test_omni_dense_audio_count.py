@@ -17,7 +17,7 @@ pytest.importorskip("transformers.models.qwen3_omni_moe", reason="transformers w
 
 
 def _hf_encoder():
-    """transformers' own Qwen3-Omni audio encoder, tiny, with the released window (n_window 50)."""
+    """transformers' own Qwen3-Omni audio encoder, tiny, with the released window (n_window 50), weights at He scale."""
     from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeAudioEncoderConfig
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeAudioEncoder
 
@@ -26,7 +26,11 @@ def _hf_encoder():
                                             max_source_positions=64, n_window=50, n_window_infer=800)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
-    return Qwen3OmniMoeAudioEncoder._from_config(config).eval()
+    encoder = Qwen3OmniMoeAudioEncoder._from_config(config).eval()
+    for module in encoder.modules():  # He scale: transformers' N(0, 0.02) leaves attention next to no effect
+        if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)):
+            torch.nn.init.normal_(module.weight, std=module.weight[0].numel() ** -0.5)
+    return encoder
 
 
 def _made(encoder, frames: list[int]) -> int:
