@@ -19,6 +19,7 @@ import torch
 from megatron_vlm_packing.testing.step_models import step_loss
 from tests.bridge.bridge_collate import bridge_collate, generic_visual_inputs, processor_output
 from tests.bridge.tiny_qwen_vl import tiny_qwen_vl_case
+from tests.bridge.step_run import run_step
 
 pytestmark = pytest.mark.bridge
 FAMILIES = ("qwen3_vl", "qwen25_vl")
@@ -29,24 +30,6 @@ README_BRIDGE_STEP = dict(pack=True, label_style="megatron", with_state=True)  #
 @pytest.fixture(scope="module")
 def cases(single_process_megatron):
     return {family: tiny_qwen_vl_case(family) for family in FAMILIES}
-
-
-def _run(model, batch: dict, **options) -> dict:
-    """One micro-batch through `make_forward_step(**options)`, backward of its loss sum: the pack's per-token
-    losses at its targets (in pack order), the loss sum and target count, the micro-batch and every gradient."""
-    from megatron_vlm_packing.train.step import make_forward_step
-
-    seen = []
-    model.zero_grad(set_to_none=True)
-    step = make_forward_step(transform=lambda mb: seen.append(mb) or mb, **options)
-    args = (iter([batch]), model) if not options.get("with_state") else (None, iter([batch]), model)
-    output, loss_fn = step(*args)
-    loss_sum, count, _ = loss_fn(output)
-    loss_sum.backward()
-    mb = seen[0]
-    targets = mb.loss_mask.reshape(output.shape) != 0
-    return dict(losses=output.detach()[targets], sum=loss_sum.item(), count=int(count), micro_batch=mb,
-                grads={n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
 
 
 def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -73,8 +56,8 @@ def test_bridge_batch_packs_as_the_hf_batch(cases, family):
     """Bridge's batch (label_style="megatron") and the HF-style batch of the same samples (label_style="hf") give
     the same pack: identical per-token losses, target count and gradients; the 128-padding is not packed."""
     case = cases[family]
-    ours = _run(case["model"], case["batch"], pack=True, label_style="hf")
-    bridge = _run(case["model"], bridge_collate(case["samples"], case["cfg"]), **README_BRIDGE_STEP)
+    ours = run_step(case["model"], case["batch"], pack=True, label_style="hf")
+    bridge = run_step(case["model"], bridge_collate(case["samples"], case["cfg"]), **README_BRIDGE_STEP)
     real = sum(len(s["input_ids"]) for s in case["samples"])
     assert bridge["micro_batch"].stats.real_tokens == ours["micro_batch"].stats.real_tokens == real
     assert bridge["count"] == ours["count"] and torch.equal(bridge["losses"], ours["losses"])
@@ -88,8 +71,8 @@ def test_bridge_batch_packed_equals_each_sample_alone(cases, family):
     """The pack of Bridge's batch against each sample's own Bridge batch (padded to 128 alone) through the step:
     per-token losses and the summed gradients, vision tower included."""
     case = cases[family]
-    packed = _run(case["model"], bridge_collate(case["samples"], case["cfg"]), pack=True, label_style="megatron")
-    alone = [_run(case["model"], bridge_collate([s], case["cfg"]), pack=True, label_style="megatron")
+    packed = run_step(case["model"], bridge_collate(case["samples"], case["cfg"]), pack=True, label_style="megatron")
+    alone = [run_step(case["model"], bridge_collate([s], case["cfg"]), pack=True, label_style="megatron")
              for s in case["samples"]]
     assert packed["count"] == sum(a["count"] for a in alone) > 0
     assert _max_rel(packed["losses"], torch.cat([a["losses"] for a in alone])) < LOSS_TOLERANCE
@@ -106,9 +89,9 @@ def test_bridge_batch_dense_rows_as_the_hf_batch(cases, family, in_batch_packed)
     """pack=False: the same dense rows as the HF-style batch (the 128-padding cut back to the layout's length; a
     Bridge pack cut back into its rows)."""
     case = cases[family]
-    ours = _run(case["model"], case["batch"], pack=False, label_style="hf")
+    ours = run_step(case["model"], case["batch"], pack=False, label_style="hf")
     batch = bridge_collate(case["samples"], case["cfg"], enable_in_batch_packing=in_batch_packed)
-    bridge = _run(case["model"], batch, pack=False, label_style="megatron")
+    bridge = run_step(case["model"], batch, pack=False, label_style="megatron")
     assert bridge["count"] == ours["count"] and torch.equal(bridge["losses"], ours["losses"])
     assert all(torch.equal(bridge["grads"][n], ours["grads"][n]) for n in ours["grads"])
 
@@ -140,8 +123,8 @@ def test_in_batch_packed_bridge_batch_packs_as_the_hf_batch(cases, family, multi
                            in_batch_packing_pad_to_multiple_of=multiple)
     assert batch["input_ids"].shape[0] == 1 and "cu_seqlens_q" in batch
     assert ("cu_seqlens_q_padded" in batch) == (multiple > 1)
-    ours = _run(case["model"], case["batch"], pack=True, label_style="hf")
-    bridge = _run(case["model"], batch, **README_BRIDGE_STEP)
+    ours = run_step(case["model"], case["batch"], pack=True, label_style="hf")
+    bridge = run_step(case["model"], batch, **README_BRIDGE_STEP)
     assert bridge["count"] == ours["count"] and torch.equal(bridge["losses"], ours["losses"])
     assert torch.equal(bridge["micro_batch"].input_ids, ours["micro_batch"].input_ids)
     assert all(torch.equal(bridge["grads"][n], ours["grads"][n]) for n in ours["grads"])

@@ -17,6 +17,7 @@ import torch
 
 from megatron_vlm_packing.testing.step_models import step_loss
 from tests.bridge.bridge_omni_collate import bridge_omni_collate
+from tests.bridge.step_run import run_step
 
 pytestmark = pytest.mark.bridge
 SEED = 3
@@ -46,23 +47,6 @@ def _hf_batch(samples):
     from megatron_vlm_packing.bridge.build_omni import collate_omni
 
     return collate_omni(samples)
-
-
-def _run(model, batch: dict, **options) -> dict:
-    """One micro-batch through `make_forward_step(**options)`, backward of its loss sum: the per-token losses at its
-    targets, the target count, the micro-batch and every gradient."""
-    from megatron_vlm_packing.train.step import make_forward_step
-
-    seen = []
-    model.zero_grad(set_to_none=True)
-    step = make_forward_step(transform=lambda mb: seen.append(mb) or mb, **options)
-    args = (iter([batch]), model) if not options.get("with_state") else (None, iter([batch]), model)
-    output, loss_fn = step(*args)
-    loss_sum, count, _ = loss_fn(output)
-    loss_sum.backward()
-    targets = seen[0].loss_mask.reshape(output.shape) != 0
-    return dict(losses=output.detach()[targets], count=int(count), micro_batch=seen[0],
-                grads={n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
 
 
 def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -102,8 +86,8 @@ def test_bridge_omni_batch_packs_as_the_hf_batch(omni):
     sample's mRoPE positions (the seconds per grid read as second_per_grid_ts, the clips' frames as audio_seqlens),
     identical per-token losses and gradients, both encoders included; the 128-padding is not packed."""
     model, samples = omni["model"], omni["samples"]
-    ours = _run(model, _hf_batch(samples), pack=True, label_style="hf")
-    bridge = _run(model, bridge_omni_collate(samples), **README_BRIDGE_STEP)
+    ours = run_step(model, _hf_batch(samples), pack=True, label_style="hf")
+    bridge = run_step(model, bridge_omni_collate(samples), **README_BRIDGE_STEP)
     assert bridge["micro_batch"].stats.real_tokens == sum(len(s["input_ids"]) for s in samples)
     assert torch.equal(bridge["micro_batch"].position_ids, ours["micro_batch"].position_ids)
     assert torch.equal(bridge["micro_batch"].vision.second_per_grid_ts, ours["micro_batch"].vision.second_per_grid_ts)
@@ -121,10 +105,10 @@ def test_bridge_omni_batch_dense_rows_as_the_hf_batch(omni, rows):
         # transformers 5.8 (eager): Bridge's one encoder call of both rows' clips would let each read the other's
         for batch, style in ((_hf_batch(samples), "hf"), (bridge_omni_collate(samples), "megatron")):
             with pytest.raises(ValueError, match=r"encodes the micro-batch's 2 audio clips in one call"):
-                _run(model, batch, pack=False, label_style=style)
+                run_step(model, batch, pack=False, label_style=style)
         return
-    ours = _run(model, _hf_batch(samples), pack=False, label_style="hf")
-    bridge = _run(model, bridge_omni_collate(samples), pack=False, label_style="megatron")
+    ours = run_step(model, _hf_batch(samples), pack=False, label_style="hf")
+    bridge = run_step(model, bridge_omni_collate(samples), pack=False, label_style="megatron")
     assert bridge["count"] == ours["count"] and torch.equal(bridge["losses"], ours["losses"])
     assert all(torch.equal(bridge["grads"][n], ours["grads"][n]) for n in ours["grads"])
     tower = "thinker.audio_model." if rows == [0, 3] else "thinker.visual."
@@ -135,8 +119,8 @@ def test_bridge_omni_batch_packed_equals_each_sample_alone(omni):
     """The pack of Bridge's batch against each sample's own Bridge batch (padded to 128 alone) through the step:
     per-token losses and the summed gradients, vision and audio encoders included."""
     model, samples = omni["model"], omni["samples"]
-    packed = _run(model, bridge_omni_collate(samples), pack=True, label_style="megatron")
-    alone = [_run(model, bridge_omni_collate([s]), pack=True, label_style="megatron") for s in samples]
+    packed = run_step(model, bridge_omni_collate(samples), pack=True, label_style="megatron")
+    alone = [run_step(model, bridge_omni_collate([s]), pack=True, label_style="megatron") for s in samples]
     assert packed["count"] == sum(a["count"] for a in alone) > 0
     assert _max_rel(packed["losses"], torch.cat([a["losses"] for a in alone])) < LOSS_TOLERANCE
     for tower in TOWERS:
