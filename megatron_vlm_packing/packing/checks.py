@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from megatron_vlm_packing.packing.label_style import (
-    evidence_of, mismatched_style, refuse_mismatched_style, style_evidence_rows,
+    refuse_mismatched_style, refused_by_counts, style_evidence_rows,
 )
 from megatron_vlm_packing.packing.lengths import any_true
 
@@ -155,8 +155,8 @@ def queue_value_checks(inputs: ValueInputs, label_style: str, vocab_size: int | 
     returns (only pad slots tripped it: extra host reads, never a wrong answer).
     - ids: the lowest and highest id.
     - labels: any label below 0 other than -100; with `vocab_size`, the highest label.
-    - labels of the other style (`label_style.mismatched_style`): an exact check, the 3 counts of
-      `label_style.style_evidence_rows` over every real pair of tokens.
+    - labels of the other style (`label_style.mismatched_style`, of the micro-batch or of any one row): an
+      exact check, the 5 values of `label_style.style_evidence_rows` over every real pair of tokens.
     - loss weights: the lowest and highest value (finite and >= 0, and finite as float32).
     """
     ids, labels, keep = inputs.input_ids, inputs.raw_labels, inputs.keep
@@ -167,8 +167,8 @@ def queue_value_checks(inputs: ValueInputs, label_style: str, vocab_size: int | 
     checks.add(any_true((labels < 0) ^ ignored).long(), lambda v: v[0] != 0, label_check, screen=True)
     if vocab_size is not None:
         checks.add(labels.amax(), lambda v: v[0] >= vocab_size, label_check, screen=True)
-    checks.add(style_evidence_rows(labels, ids, inputs.real_slots()),
-               lambda v: mismatched_style(evidence_of(v), label_style),
+    checks.add(style_evidence_rows(labels, ids, inputs.real_slots(), label_style),
+               lambda v: refused_by_counts(v, label_style),
                lambda: refuse_mismatched_style(labels, ids, keep(), label_style, inputs.where))
     values = inputs.loss_values
     if values is not None and values.dtype != torch.bool:

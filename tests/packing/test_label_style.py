@@ -12,8 +12,6 @@ pre-packed rows (pairs never cross a document) and LLaVA's packer (collapsed spa
 from __future__ import annotations
 
 import re
-from unittest import mock
-
 import numpy as np
 import pytest
 import torch
@@ -26,7 +24,8 @@ from megatron_vlm_packing.packing.collate import PackingCollator
 from megatron_vlm_packing.packing.host_tokens import PackedHostTokens
 from megatron_vlm_packing.packing.indices import plan_indices
 from megatron_vlm_packing.packing.label_style import (
-    StyleEvidence, document_starts_host, evidence_of, mismatched_style, packed_style_evidence, packed_style_mismatch, style_evidence_rows,
+    StyleEvidence, document_starts_host, evidence_of, mismatched_style, packed_document_evidence,
+    packed_style_evidence, packed_style_mismatch, style_evidence_rows,
 )
 from megatron_vlm_packing.packing.plan import PackMultiples, make_pack_plan
 from megatron_vlm_packing.testing.sync_counter import count_host_syncs
@@ -285,25 +284,33 @@ def test_labels_of_the_declared_style_never_trip_it(case, cp, extra):
 
 
 @settings(max_examples=300, deadline=None)
-@given(case=documents(), cp=st.sampled_from([1, 2]), head=st.integers(0, 6))
-def test_the_counts_of_every_path_equal_the_definition(case, cp, head):
-    """Rows on the device (`style_evidence_rows`) and packed on the host (`packed_style_evidence`, with the head
-    shortcut at any length) give the oracle's counts; a packer refuses exactly when the rule says so."""
+@given(case=documents(), cp=st.sampled_from([1, 2]))
+def test_the_counts_of_every_path_equal_the_definition(case, cp):
+    """Rows on the device (`style_evidence_rows`: the micro-batch's counts, how many samples are refused on their
+    own and the first) and packed on the host (`packed_document_evidence`, per document) give the oracle's
+    counts, sample by sample; a packer refuses exactly when the rule says so, of the micro-batch or of a sample."""
     id_rows, label_rows, style = case
     batch = padded_batch(id_rows, label_rows)
     expected = oracle(id_rows, label_rows)
+    per_sample = [oracle([ids], [labels]) for ids, labels in zip(id_rows, label_rows)]
+    refused_samples = [b for b, counts in enumerate(per_sample) if mismatched_style(counts, style)]
     keep = batch["attention_mask"].bool()
-    assert evidence_of(style_evidence_rows(batch["labels"], batch["input_ids"], keep)) == expected
+    values = style_evidence_rows(batch["labels"], batch["input_ids"], keep, style).tolist()
+    assert evidence_of(values) == expected
+    assert values[3:] == [len(refused_samples), refused_samples[0] if refused_samples else 0]
     plan = make_pack_plan([len(r) for r in id_rows], row_capacity=keep.shape[1],
                           multiples=PackMultiples.for_parallel(cp_size=cp))
     tokens = PackedHostTokens.of(batch["input_ids"].numpy(), batch["labels"].numpy(), None, style, plan_indices(plan),
                                  pad_token_id=0)
+    documents = document_starts_host(plan)
     assert packed_style_evidence(style, ids=tokens.ids, targets=tokens.labels, first_labels=tokens.first_labels,
-                                 documents=document_starts_host(plan)) == expected
-    with mock.patch.object(label_style_module, "HEAD_SLOTS", head):
-        assert packed_style_mismatch(style, ids=tokens.ids, targets=tokens.labels, is_target=tokens.is_target,
-                                     first_labels=tokens.first_labels, plan=plan) == mismatched_style(expected, style)
-    refused = mismatched_style(expected, style)
+                                 documents=documents) == expected
+    assert [StyleEvidence(*column) for column in packed_document_evidence(
+        style, ids=tokens.ids, targets=tokens.labels, first_labels=tokens.first_labels,
+        documents=documents).T.tolist()] == per_sample
+    refused = mismatched_style(expected, style) or bool(refused_samples)
+    assert packed_style_mismatch(style, ids=tokens.ids, targets=tokens.labels, is_target=tokens.is_target,
+                                 first_labels=tokens.first_labels, plan=plan) == refused
     for packer in ("pack_batch", "host plain", "pad_batch"):
         try:
             PACKERS[packer](batch, style)
@@ -321,3 +328,68 @@ def test_a_one_token_pack_holds_no_pair():
                                      documents=document_starts_host(plan)) == (0, 0, 0)
         assert not packed_style_mismatch(style, ids=np.array([5]), targets=targets, is_target=targets != -100,
                                          first_labels=first_labels, plan=plan)
+
+
+# --- one sample of the other style among samples of the declared one (blended datasets) --------------------------
+
+SAMPLE_REFUSED = {  # the declared style -> the error naming one sample: its place, its counts, the style to pass
+    "hf": r"labels of one sample look already shifted \(Megatron style\) but label_style=\"hf\" shifts them again: "
+          r"(row \d+ .*?): (\d+) of its real labels .* Pass label_style=\"megatron\"",
+    "megatron": r"labels of one sample look like Hugging Face \(unshifted\) labels but label_style=\"megatron\" "
+                r"takes them as next-token targets: (row \d+ .*?): (\d+) of its real labels .* Pass label_style=\"hf\"",
+}
+MIXED = {  # (real lengths, the rows labelled in the other style): the reviewer's two micro-batches
+    "3 rows of the other style, 1 declared (20/15/30/10)": ([20, 15, 30, 10], [0, 2, 3]),
+    "1 row of the other style among 8 declared": ([19] * 9, [4]),
+}
+
+
+def mixed_batch(lengths, other_rows, declared, seed=11):
+    ids, keep = rows(lengths, max(lengths) + 2, seed=seed)
+    labels = labelled(declared, ids, keep)
+    wrong = labelled(OTHER[declared], ids, keep)
+    for b in other_rows:
+        labels[b] = wrong[b]
+    return batch_of(ids, keep, labels)
+
+
+@pytest.mark.parametrize("packer", PACKERS)
+@pytest.mark.parametrize("declared", ["hf", "megatron"])
+@pytest.mark.parametrize("case", MIXED)
+def test_one_sample_of_the_other_style_among_declared_ones_is_refused(case, declared, packer):
+    """Counted over the whole micro-batch these passed (the declared rows' evidence hid the others): declared
+    "hf", 52 of 71 trained targets were the token two ahead in the first case, 18 of 152 in the second. Each
+    sample is now judged on its own counts too; the error names the first such row and its counts."""
+    lengths, other_rows = MIXED[case]
+    batch = mixed_batch(lengths, other_rows, declared)
+    with pytest.raises(ValueError, match=SAMPLE_REFUSED[declared]) as error:
+        PACKERS[packer](batch, declared)
+    place, count = re.search(SAMPLE_REFUSED[declared], str(error.value)).groups()
+    first = other_rows[0]
+    ids, keep = batch["input_ids"][first], batch["attention_mask"][first].bool()
+    assert place.startswith(f"row {first} ")
+    assert int(count) == int((keep[1:] & (ids[:-1] != ids[1:])).sum())
+    PACKERS[packer](mixed_batch(lengths, [], declared), declared)  # all rows of the declared style pass
+
+
+@pytest.mark.parametrize("declared", ["hf", "megatron"])
+def test_one_document_of_the_other_style_in_a_pre_packed_row_is_refused(declared):
+    """A pre-packed row (`document_lengths`) whose second document is labelled in the other style: the error
+    names that document."""
+    ids, keep = rows([12, 10], 12, seed=4)
+    documents = torch.tensor([[5, 7], [6, 4]])
+    labels = torch.full_like(ids, -100)
+    for b, row in enumerate(documents.tolist()):
+        start = 0
+        for d, n in enumerate(row):
+            style = OTHER[declared] if (b, d) == (0, 1) else declared
+            piece = labelled(style, ids[b:b + 1, start:start + n], keep[b:b + 1, start:start + n])[0]
+            labels[b, start:start + n] = piece
+            start += n
+    batch = dict(batch_of(ids, keep, labels), document_lengths=documents)
+    for pack in (lambda: pack_batch(batch, label_style=declared), lambda: pad_batch(batch, label_style=declared),
+                 lambda: pack_batch(batch, label_style=declared, host_reads=True),
+                 lambda: PackingCollator(label_style=declared)(dict(batch))):
+        with pytest.raises(ValueError, match=SAMPLE_REFUSED[declared]) as error:
+            pack()
+        assert "document 1 of row 0" in str(error.value)

@@ -70,3 +70,30 @@ def test_the_loader_refuses_in_its_worker(setup):
     packed = PackingCollator(label_style="hf")(dict(batches["hf"]))
     output, loss_fn = make_forward_step(label_style="hf")(iter([packed]), setup["models"]["gpt"])
     assert torch.isfinite(loss_fn(output)[0])
+
+
+ONE_SAMPLE = (r"labels of one sample look already shifted \(Megatron style\) but label_style=\"hf\" shifts them again: "
+              r"row {}")
+
+
+@pytest.mark.parametrize("lengths, megatron_rows", [([20, 15, 30, 10], [0, 2, 3]), ([19] * 9, [4])],
+                         ids=["3 Megatron rows, 1 HF (20/15/30/10)", "1 Megatron row among 8 HF"])
+@pytest.mark.parametrize("pack", [True, False])
+def test_a_micro_batch_mixing_styles_is_refused_by_the_step(setup, lengths, megatron_rows, pack):
+    """Blended sources collated differently: Megatron rows among HF ones under the default "hf". Before, the
+    micro-batch's counts passed it (the HF rows' evidence hid the others) and the step trained those rows on
+    the token two ahead (52 of 71 targets in the first case, 18 of 152 in the second); now the row is named."""
+    torch.manual_seed(1)
+    width = max(lengths) + 2
+    ids = torch.randint(1, 120, (len(lengths), width))
+    mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long()
+    hf = {"input_ids": ids, "labels": torch.where(mask.bool(), ids, -100), "attention_mask": mask}
+    mixed = dict(hf, labels=hf["labels"].clone())
+    mixed["labels"][megatron_rows] = as_megatron(hf)["labels"][megatron_rows]
+    step = make_forward_step(pack=pack, label_style="hf")
+    with pytest.raises(ValueError, match=ONE_SAMPLE.format(megatron_rows[0])):
+        step(iter([dict(mixed)]), setup["models"]["gpt"])
+    with pytest.raises(ValueError, match=ONE_SAMPLE.format(megatron_rows[0])):
+        PackingCollator(label_style="hf")(dict(mixed))
+    output, loss_fn = step(iter([dict(hf)]), setup["models"]["gpt"])
+    assert torch.isfinite(loss_fn(output)[0])
