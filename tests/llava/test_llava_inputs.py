@@ -16,7 +16,8 @@ SPACE = LlavaSpace(img_seq_len=4, image_token_index=IMG)
 
 def _batch(images):
     ids = torch.tensor([[5, 6, 7], [IMG, 8, 9]])
-    return {"input_ids": ids, "labels": ids + 1, "images": images}
+    # labels of neither style (custom targets): both the packers' "megatron" and the collators' "hf" take them
+    return {"input_ids": ids, "labels": ids + 10, "images": images}
 
 
 def _adapter(space=SPACE):
@@ -128,7 +129,8 @@ def test_sparse_nested_and_meta_tensors_are_refused_where_they_enter(entry, kind
     """Every tensor input of LLaVA's packers: a sparse or meta image was packed unread (and reached the vision
     tower), the others failed deep in torch (NotImplementedError, RuntimeError); now pack_batch's ValueError."""
     ids = torch.tensor([[5, 6, 7], [IMG, 8, 9]])
-    batch = {"input_ids": ids, "labels": ids + 1, "loss_mask": torch.ones(2, 3), "attention_mask": torch.ones_like(ids),
+    batch = {"input_ids": ids, "labels": ids + 10, "loss_mask": torch.ones(2, 3),
+             "attention_mask": torch.ones_like(ids),
              "images": torch.zeros(1, 3, 2, 2), "num_image_tiles": torch.tensor([1])}
     make, message = UNDENSE[kind]
     for field in ("input_ids", "labels", "loss_mask", "attention_mask", "images", "num_image_tiles"):
