@@ -319,8 +319,8 @@ def audio_embeddings(thinker, input_features, feature_attention_mask=None, audio
     outputs = audio_output_length(torch.tensor(host), encoder.n_window).tolist()
     per_clip = [None] * len(host)
     groups = clip_groups(host, encoder.n_window)
-    # The probe reads back one small attention output (a host sync, beside the encoder's own) when a group
-    # holds several clips.
+    # Asked only when a group holds several clips; probed once per encoder attention (its one small read-back),
+    # then remembered.
     if any(len(clips) > 1 for clips in groups) and not encoder_keeps_clips_apart(encoder):
         groups = [[clip] for clips in groups for clip in clips]
     for clips in groups:

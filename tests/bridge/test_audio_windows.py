@@ -72,6 +72,22 @@ def test_stand_ins(keeps_windows):
     assert encoder_keeps_clips_apart(encoder) == keeps_windows
 
 
+def test_probed_once_per_attention_and_implementation():
+    """The packed path asks on every micro-batch with several clips: the probe (two attention calls and a
+    read-back) runs once per attention layer and attention implementation, not per question."""
+    torch.manual_seed(0)
+    attention = _Attention(keeps_windows=False)
+    attention.config = types.SimpleNamespace(_attn_implementation="eager")
+    calls = []
+    attention.register_forward_hook(lambda *_: calls.append(1))
+    encoder = types.SimpleNamespace(layers=[types.SimpleNamespace(self_attn=attention)])
+    assert [encoder_keeps_clips_apart(encoder) for _ in range(3)] == [False] * 3
+    assert len(calls) == 2
+    attention.keeps_windows = True  # another implementation: asked again
+    attention.config._attn_implementation = "sdpa"
+    assert encoder_keeps_clips_apart(encoder) is True and len(calls) == 4
+
+
 def test_clip_groups():
     assert clip_groups([30, 250, 30, 120], 50) == [[0, 2], [1, 3]]
     assert clip_groups([], 50) == []
