@@ -87,13 +87,12 @@ class StyleEvidence(NamedTuple):
 def mismatched_style(evidence, label_style: str) -> bool:
     """True when `evidence` (a `StyleEvidence` or its 3 ints) refuses labels declared `label_style`: the other
     style's evidence is >= `MIN_EVIDENCE`, the declared one's is 0 and no pair is a custom target."""
-    own, nxt, neither = evidence
-    declared, other = (own, nxt) if label_style == "hf" else (nxt, own)
-    return other >= MIN_EVIDENCE and declared == 0 and neither == 0
+    return bool(_mismatched_samples(*evidence, label_style))
 
 
 def _mismatched_samples(own, nxt, neither, label_style: str):
-    """`mismatched_style` of each sample at once: [N] counts (torch or numpy) -> [N] bool."""
+    """The rule of `mismatched_style` over counts: ints -> bool, or each sample at once: [N] counts (torch or
+    numpy) -> [N] bool."""
     declared, other = (own, nxt) if label_style == "hf" else (nxt, own)
     return (other >= MIN_EVIDENCE) & (declared == 0) & (neither == 0)
 
